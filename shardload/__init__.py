@@ -1,0 +1,44 @@
+"""shardload: shard one (quantized) safetensors checkpoint for any tensor-parallel size at load time.
+
+The public surface::
+
+    shards = shardload.load("model-dir", num_shards=8)            # N state dicts, shard r on device r
+    state = shardload.load_rank("model-dir", rank=3, num_shards=8)  # just this rank's tensors
+    shardload.convert("model-dir", 8, "model-tp8")                  # pre-sharded files + manifest
+    info = shardload.ShardInfo.load("shard_info.json")              # parse; info.validate(model=...)
+    p = shardload.plan_model("model-dir", 8)                        # the pure plan: shapes, read boxes
+
+    @shardload.register("myorg.step", shape=rule)                    # add a step function
+    def step(x, num_shards: int): ...
+
+Importing shardload does not import torch; the loaders import it when called.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .convert import ConvertResult, convert
+from .errors import CheckpointError, FormatError, PlanError, ShardloadError
+from .execute import load, load_rank
+from .format import ShardInfo, StepSpec
+from .plan import ModelPlan, ParamPlan, plan_model
+from .registry import register
+
+__all__ = [
+    "CheckpointError",
+    "ConvertResult",
+    "FormatError",
+    "ModelPlan",
+    "ParamPlan",
+    "PlanError",
+    "ShardInfo",
+    "ShardloadError",
+    "StepSpec",
+    "__version__",
+    "convert",
+    "load",
+    "load_rank",
+    "plan_model",
+    "register",
+]

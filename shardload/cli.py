@@ -1,0 +1,149 @@
+"""The ``shardload`` command line: example, convert, validate, inspect.
+
+Bad input prints one line per problem (``file: parameter: step K (function): reason``) and
+exits 1; usage errors exit 2; no tracebacks for anything shardload can name.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from . import __version__
+from .errors import ShardloadError
+
+DEFAULT_CHECK_NS = (1, 2, 4, 8)
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(1)
+
+
+def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn shardload and OS errors into a one-line message and exit 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ShardloadError as err:
+            _fail(err.message)
+        except OSError as err:
+            where = f"{err.filename}: " if err.filename else ""
+            _fail(f"{where}{err.strerror or err}")
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="shardload")
+def main() -> None:
+    """Shard one safetensors checkpoint for any tensor-parallel size, at load time."""
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists.")
+@click.option("--multi-file", is_flag=True, help="Split weights over two files with an index.json.")
+@_guarded
+def example(out_dir: Path, overwrite: bool, multi_file: bool) -> None:
+    """Write the built-in example model (Llama-shaped, fused QKV with GQA, float16) to OUT_DIR."""
+    from .example import write_example
+
+    out = write_example(out_dir, overwrite=overwrite, multi_file=multi_file)
+    click.echo(f"wrote example model to {out}")
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("-n", "--num-shards", type=click.IntRange(min=1), required=True, help="Tensor-parallel size N.")
+@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Output directory.")
+@click.option("--shard-info", type=click.Path(path_type=Path), help="shard_info.json (default MODEL/shard_info.json).")
+@click.option("--overwrite", is_flag=True, help="Replace the output directory if it exists.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary table.")
+@_guarded
+def convert(model: Path, num_shards: int, out_dir: Path, shard_info: Path | None, overwrite: bool, quiet: bool) -> None:
+    """Write MODEL pre-sharded for N ranks: rank-RRRRR-of-NNNNN.safetensors + shard_manifest.json."""
+    from .convert import convert as run_convert
+    from .report import format_table, human_bytes
+
+    show_bar = not quiet and sys.stderr.isatty()
+    state = {"done": 0}
+    bar: Any = None
+
+    def progress(done: int, name: str) -> None:
+        if bar is not None:
+            bar.update(done - state["done"])
+        state["done"] = done
+
+    if show_bar:
+        from .checkpoint import open_checkpoint
+
+        total = open_checkpoint(model).nbytes
+        with click.progressbar(length=total, label="converting", file=sys.stderr, show_pos=False) as bar:
+            result = run_convert(model, num_shards, out_dir, shard_info, overwrite=overwrite, progress=progress)
+    else:
+        result = run_convert(model, num_shards, out_dir, shard_info, overwrite=overwrite)
+    if quiet:
+        return
+    n_tensors = len(result.plan.params)
+    rows = [(r, f.path, n_tensors, human_bytes(f.size), f.size, f.sha256[:16]) for r, f in enumerate(result.rank_files)]
+    click.echo(format_table(["rank", "file", "tensors", "size", "bytes", "sha256"], rows, right=(0, 2, 3, 4)))
+    extra = f" and {len(result.other_files)} copied file(s)" if result.other_files else ""
+    click.echo(f"\nwrote {num_shards} rank files{extra} to {result.out_dir}")
+
+
+@main.command()
+@click.argument("shard_info_path", metavar="SHARD_INFO", type=click.Path(path_type=Path))
+@click.option("--model", type=click.Path(path_type=Path), help="Check against this checkpoint's tensors.")
+@click.option("-n", "--num-shards", "num_shards", type=click.IntRange(min=1), multiple=True,
+              help="N to check (repeatable). Default: the file's N, or 1, 2, 4, 8 for an N-agnostic file.")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report.")
+def validate(shard_info_path: Path, model: Path | None, num_shards: tuple[int, ...], as_json: bool) -> None:
+    """Check SHARD_INFO against the schema, then plan it for each N and report every problem."""
+    from .validate import validate_file
+
+    report = validate_file(shard_info_path, model, list(num_shards) or None)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        for problem in report["problems"]:
+            click.echo(problem["message"], err=False)
+        if report["valid"]:
+            checked = ", ".join(str(n) for n in report["num_shards_checked"])
+            click.echo(f"{shard_info_path}: valid for num_shards {checked}")
+    sys.exit(0 if report["valid"] else 1)
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("-n", "--num-shards", type=click.IntRange(min=1), help="N (default: the file's N, or 8).")
+@click.option("--shard-info", type=click.Path(path_type=Path), help="shard_info.json (default MODEL/shard_info.json).")
+@click.option("--json", "as_json", is_flag=True, help="Print rows and totals as JSON.")
+@_guarded
+def inspect(model: Path, num_shards: int | None, shard_info: Path | None, as_json: bool) -> None:
+    """Print each parameter's stored and per-rank shape, steps and bytes, with per-rank totals."""
+    from .checkpoint import open_checkpoint
+    from .plan import build_plan, resolve_shard_info
+    from .report import inspect_rows, inspect_text, totals
+
+    checkpoint = open_checkpoint(model)
+    if checkpoint.kind == "converted":
+        raise ShardloadError("this is a converted directory; inspect the source checkpoint", file=str(model))
+    info = resolve_shard_info(checkpoint, shard_info)
+    n = num_shards or info.num_shards or 8
+    plan = build_plan(info, checkpoint, n)
+    if as_json:
+        click.echo(json.dumps({"rows": inspect_rows(plan), "totals": totals(plan)}, indent=2))
+    else:
+        click.echo(inspect_text(plan))

@@ -1,0 +1,79 @@
+"""The one exception family shardload raises for bad input.
+
+Every message names the file, the parameter and the step where they are known, then the
+reason, so a CLI can print it as a single line: ``file: param: step K (func): reason``.
+"""
+
+from __future__ import annotations
+
+
+class ShardloadError(Exception):
+    """Base error: a bad shard_info, a bad checkpoint, or a plan that cannot work."""
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        file: str | None = None,
+        param: str | None = None,
+        step: int | None = None,
+        func: str | None = None,
+    ) -> None:
+        self.reason = reason
+        self.file = file
+        self.param = param
+        self.step = step
+        self.func = func
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        """The full one-line message: location parts, then the reason."""
+        parts = []
+        if self.file:
+            parts.append(self.file)
+        if self.param is not None:
+            parts.append(self.param)
+        if self.step is not None:
+            parts.append(f"step {self.step} ({self.func})" if self.func else f"step {self.step}")
+        parts.append(self.reason)
+        return ": ".join(parts)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready form of the error, for ``validate --json``."""
+        return {
+            "kind": type(self).__name__,
+            "file": self.file,
+            "param": self.param,
+            "step": self.step,
+            "function": self.func,
+            "reason": self.reason,
+            "message": self.message,
+        }
+
+    def located(self, **where: object) -> ShardloadError:
+        """Return this error with missing location fields filled in from ``where``."""
+        for key, value in where.items():
+            if getattr(self, key) is None and value is not None:
+                setattr(self, key, value)
+        self.args = (self.message,)
+        return self
+
+
+class FormatError(ShardloadError):
+    """The shard_info document is malformed (schema, JSON, expressions)."""
+
+
+class PlanError(ShardloadError):
+    """The shard_info is well formed but cannot be planned against this checkpoint and N."""
+
+
+class CheckpointError(ShardloadError):
+    """The checkpoint (safetensors file, index, converted directory) is unreadable or inconsistent."""
+
+
+class StepArgumentError(ValueError):
+    """Raised by shape rules and argument binding; the planner wraps it into a PlanError."""

@@ -1,0 +1,245 @@
+"""Read, check and write ``shard_info.json`` in both forms (MLC-LLM/TVM seed form, document form).
+
+The shape of the file is defined once, by ``shard_info.schema.json``; this module checks a
+document against it, then turns it into :class:`ShardInfo`, a plain description of steps.
+Nothing here runs a step or looks a function name up beyond the registry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import FormatError, ShardloadError
+
+if TYPE_CHECKING:
+    from .plan import ModelPlan
+
+FORMAT_VERSION = 1
+MAX_FILE_BYTES = 64 << 20
+DOCUMENT_KEYS = ("version", "params", "num_shards", "$schema", "description")
+
+Dim = int | str
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One step as written in the file: function name, declared output shape/dtype, extra args."""
+
+    func: str
+    shape: tuple[Dim, ...] | None
+    dtype: str | None
+    args: tuple[Any, ...] = ()
+
+    def to_json(self) -> list[Any]:
+        """The step as the ``[func, [shape, dtype], *args]`` list of the file."""
+        shape = None if self.shape is None else list(self.shape)
+        return [self.func, [shape, self.dtype], *self.args]
+
+
+@dataclass
+class ShardInfo:
+    """A parsed shard_info file: parameter name -> ordered steps; absent parameters are replicated.
+
+    ``num_shards`` is None for an N-agnostic file. ``source`` names the file in error messages.
+    """
+
+    params: dict[str, list[StepSpec]] = field(default_factory=dict)
+    num_shards: int | None = None
+    version: int = FORMAT_VERSION
+    form: str = "document"
+    source: str = "shard_info.json"
+
+    # -- reading ---------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ShardInfo:
+        """Read and check a shard_info.json file (either form)."""
+        path = Path(path)
+        name = str(path)
+        try:
+            size = path.stat().st_size
+            if size > MAX_FILE_BYTES:
+                raise FormatError(f"file is {size} bytes, over the {MAX_FILE_BYTES} byte limit", file=name)
+            raw = path.read_bytes()
+        except OSError as err:
+            raise FormatError(f"cannot read: {err.strerror or err}", file=name) from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise FormatError(f"not UTF-8 text ({err.reason} at byte {err.start})", file=name) from None
+        return cls.from_json(text, source=name)
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "shard_info.json") -> ShardInfo:
+        """Parse shard_info JSON text; duplicate keys are an error, not a silent overwrite."""
+        try:
+            obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+        except _DuplicateKey as dup:
+            raise FormatError(f"duplicate key {dup.key!r} in a JSON object", file=source) from None
+        except json.JSONDecodeError as err:
+            raise FormatError(
+                f"not valid JSON: {err.msg} at line {err.lineno} column {err.colno}", file=source
+            ) from None
+        except (ValueError, RecursionError) as err:
+            raise FormatError(f"not valid JSON: {err}", file=source) from None
+        return cls.from_dict(obj, source=source)
+
+    @classmethod
+    def from_dict(cls, obj: Any, *, source: str = "shard_info.json") -> ShardInfo:
+        """Check a decoded JSON value against the schema and build a ShardInfo from it."""
+        if not isinstance(obj, dict):
+            raise FormatError(f"top level must be a JSON object, got {_json_type(obj)}", file=source)
+        is_document = any(k in obj for k in DOCUMENT_KEYS)
+        if is_document:
+            if "version" not in obj:
+                raise FormatError("document form needs a 'version' (this shardload reads version 1)", file=source)
+            if obj["version"] != FORMAT_VERSION or type(obj["version"]) is not int:
+                raise FormatError(
+                    f"unsupported version {obj['version']!r} (this shardload reads version {FORMAT_VERSION})",
+                    file=source,
+                )
+        _check_schema(obj, "document" if is_document else "seed", source)
+        if is_document:
+            params = {k: [_step(s) for s in v] for k, v in obj["params"].items()}
+            return cls(params, obj.get("num_shards"), FORMAT_VERSION, "document", source)
+        params = {k: [_step(s) for s in v] for k, v in obj.items()}
+        return cls(params, _seed_num_shards(params, source), FORMAT_VERSION, "seed", source)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The document form of this shard_info (a seed-form input is written as a document)."""
+        return {
+            "version": self.version,
+            "num_shards": self.num_shards,
+            "params": {name: [s.to_json() for s in steps] for name, steps in self.params.items()},
+        }
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the document form to ``path`` (atomically: temporary file, then rename)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        os.replace(tmp, path)
+
+    # -- checking --------------------------------------------------------------------------
+
+    def validate(
+        self, model: str | os.PathLike[str] | None = None, num_shards: int | None = None
+    ) -> list[ShardloadError]:
+        """Plan this shard_info (against ``model``'s header when given) and return every problem found."""
+        from .checkpoint import open_checkpoint
+        from .plan import build_plan
+
+        checkpoint = open_checkpoint(model) if model is not None else None
+        n = num_shards if num_shards is not None else (self.num_shards or 1)
+        return build_plan(self, checkpoint, n, strict=False).problems
+
+    def plan(self, model: str | os.PathLike[str], num_shards: int) -> ModelPlan:
+        """Build the load plan of ``model`` for ``num_shards`` ranks; raises the first problem."""
+        from .checkpoint import open_checkpoint
+        from .plan import build_plan
+
+        return build_plan(self, open_checkpoint(model), num_shards)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+def _step(raw: list[Any]) -> StepSpec:
+    shape, dtype = raw[1]
+    return StepSpec(raw[0], None if shape is None else tuple(shape), dtype, tuple(raw[2:]))
+
+
+def _seed_num_shards(params: dict[str, list[StepSpec]], source: str) -> int | None:
+    """A seed-form file is for one N: the leading dim of every last step's output."""
+    found: dict[int, str] = {}
+    for name, steps in params.items():
+        if steps and steps[-1].shape:
+            found.setdefault(int(steps[-1].shape[0]), name)
+    if len(found) > 1:
+        (n1, p1), (n2, p2) = list(found.items())[:2]
+        raise FormatError(f"seed form is for one num_shards, but {p1} leads with {n1} and {p2} with {n2}", file=source)
+    return next(iter(found), None)
+
+
+@lru_cache(maxsize=1)
+def schema() -> dict[str, Any]:
+    """The JSON Schema of shard_info.json, as shipped with the package."""
+    packaged = resources.files("shardload") / "shard_info.schema.json"
+    if packaged.is_file():
+        return json.loads(packaged.read_text())
+    return json.loads((Path(__file__).resolve().parent.parent / "shard_info.schema.json").read_text())
+
+
+@lru_cache(maxsize=2)
+def _validator(form: str) -> Any:
+    import jsonschema
+
+    root = schema()
+    sub = {"$schema": root["$schema"], "$defs": root["$defs"], "$ref": f"#/$defs/{form}"}
+    return jsonschema.Draft202012Validator(sub)
+
+
+def _check_schema(obj: dict[str, Any], form: str, source: str) -> None:
+    import jsonschema
+
+    errors = list(_validator(form).iter_errors(obj))
+    if not errors:
+        return
+    err = jsonschema.exceptions.best_match(errors)
+    path = list(err.absolute_path)
+    param = step = None
+    if form == "seed" or path[:1] == ["params"]:
+        path = path if form == "seed" else path[1:]
+        param = str(path[0]) if path else None
+        if len(path) > 1 and isinstance(path[1], int):
+            step = path[1] + 1
+            path = path[2:]
+        else:
+            path = path[1:]
+    detail = f" ({_describe(path)})" if path else ""
+    reason = f"does not match shard_info.schema.json{detail}: {_short(err.message)}"
+    raise FormatError(reason, file=source, param=param, step=step)
+
+
+def _describe(path: list[Any]) -> str:
+    """Name the part of a step (or of the document) that a schema error points at."""
+    if path and isinstance(path[0], int):
+        names = {0: "function name", 1: "[shape, dtype]"}
+        what = names.get(path[0], f"argument {path[0] - 1}")
+        if path[0] == 1 and len(path) > 1:
+            what = "shape" if path[1] == 0 else "dtype"
+        return what
+    return "at " + "".join(f"[{p!r}]" for p in path)
+
+
+def _short(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

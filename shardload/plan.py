@@ -1,0 +1,329 @@
+"""Planning: shard_info + checkpoint header + N -> a pure per-parameter plan (no tensor data read).
+
+For every stored tensor the plan holds the resolved steps with each intermediate shape and
+dtype, the per-rank shape, and, when every step is an index remap, the source boxes each
+rank reads (:meth:`ParamPlan.pieces`). Validation is building a plan and listing what could
+not be planned.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from functools import cached_property
+from math import prod
+from typing import Any
+
+from . import expr
+from .checkpoint import Checkpoint, TensorInfo
+from .dtypes import DTYPES, itemsize
+from .errors import PlanError, ShardloadError, StepArgumentError
+from .format import ShardInfo, StepSpec
+from .registry import Box, Shape, StepFunction, lookup
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """One step with its arguments evaluated for N and its input/output shapes and dtypes."""
+
+    index: int
+    func: StepFunction
+    args: tuple[Any, ...]
+    in_shape: Shape
+    in_dtype: str
+    out_shape: Shape
+    out_dtype: str
+
+    @property
+    def name(self) -> str:
+        return self.func.name
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Copy source box ``src`` (stored-tensor coordinates) into ``dst`` (rank-tensor coordinates)."""
+
+    src: Box
+    dst: Box
+
+    @property
+    def numel(self) -> int:
+        return prod(b - a for a, b in self.src)
+
+
+@dataclass
+class ParamPlan:
+    """How one stored tensor becomes N per-rank tensors."""
+
+    name: str
+    source: TensorInfo
+    steps: tuple[PlannedStep, ...]
+    num_shards: int
+    shape: Shape
+    dtype: str
+
+    @property
+    def replicated(self) -> bool:
+        """True when the parameter has no steps: every rank gets the whole tensor."""
+        return not self.steps
+
+    @property
+    def remap(self) -> bool:
+        """True when every step is an index remap, so ranks can read just their boxes."""
+        return all(s.func.remap for s in self.steps)
+
+    @property
+    def rank_nbytes(self) -> int:
+        """Bytes of this parameter held by each rank."""
+        return prod(self.shape) * itemsize(self.dtype)
+
+    def read_nbytes(self, rank: int) -> int:
+        """Bytes of the stored tensor that ``rank`` has to read."""
+        pieces = self.pieces(rank)
+        if pieces is None:
+            return self.source.nbytes
+        return sum(p.numel for p in pieces) * itemsize(self.source.dtype)
+
+    def pieces(self, rank: int) -> list[Piece] | None:
+        """The source boxes ``rank`` reads and where each lands, or None if a compute step needs the whole tensor."""
+        if not 0 <= rank < self.num_shards:
+            raise PlanError(f"rank {rank} is out of range for num_shards={self.num_shards}", param=self.name)
+        return self._pieces.get(rank) if self.remap else None
+
+    @cached_property
+    def _pieces(self) -> _LazyPieces:
+        return _LazyPieces(self)
+
+
+class _LazyPieces(dict):  # type: ignore[type-arg]
+    """Per-rank piece lists, computed on first use."""
+
+    def __init__(self, plan: ParamPlan) -> None:
+        super().__init__()
+        self.plan = plan
+
+    def __missing__(self, rank: int) -> list[Piece]:
+        value = _trace_pieces(self.plan, rank)
+        self[rank] = value
+        return value
+
+    def get(self, rank: int, default: Any = None) -> list[Piece]:  # type: ignore[override]
+        return self[rank]
+
+
+def _full(shape: Shape) -> Box:
+    return tuple((0, n) for n in shape)
+
+
+def _trace_pieces(plan: ParamPlan, rank: int) -> list[Piece]:
+    """Walk the remap steps backwards from ``output[rank]`` to boxes of the stored tensor."""
+    if plan.replicated:
+        return [Piece(_full(plan.source.shape), _full(plan.shape))]
+    last = plan.steps[-1].out_shape
+    current: list[tuple[Box, Box]] = [(((rank, rank + 1), *_full(last[1:])), _full(plan.shape))]
+    for step in reversed(plan.steps):
+        traced: list[tuple[Box, Box]] = []
+        for out_box, dst in current:
+            assert step.func.boxes is not None
+            for in_box, part in step.func.boxes(out_box, step.in_shape, *step.args):
+                traced.append((tuple(in_box), _map_part(out_box, dst, tuple(part), plan, step)))
+        current = traced
+    return [Piece(src, dst) for src, dst in current if all(b > a for a, b in src)]
+
+
+def _map_part(out_box: Box, dst: Box, part: Box, plan: ParamPlan, step: PlannedStep) -> Box:
+    """Translate ``part`` (a sub-box of ``out_box``) into the matching sub-box of ``dst``."""
+    big_out = [i for i, (a, b) in enumerate(out_box) if b - a != 1]
+    big_dst = [j for j, (a, b) in enumerate(dst) if b - a != 1]
+    sizes_out = [out_box[i][1] - out_box[i][0] for i in big_out]
+    sizes_dst = [dst[j][1] - dst[j][0] for j in big_dst]
+    if sizes_out != sizes_dst:
+        raise PlanError(
+            f"box rule returned a piece whose shape does not match its output part ({out_box} vs {dst})",
+            param=plan.name, step=step.index, func=step.name,
+        )  # fmt: skip
+    mapped = list(dst)
+    for i, j in zip(big_out, big_dst, strict=True):
+        lo = part[i][0] - out_box[i][0]
+        hi = part[i][1] - out_box[i][0]
+        mapped[j] = (dst[j][0] + lo, dst[j][0] + hi)
+    return tuple(mapped)
+
+
+@dataclass
+class ModelPlan:
+    """The plan for a whole checkpoint at one N, plus every problem met while building it."""
+
+    num_shards: int
+    shard_info: ShardInfo
+    checkpoint: Checkpoint | None
+    params: dict[str, ParamPlan] = field(default_factory=dict)
+    problems: list[ShardloadError] = field(default_factory=list)
+
+    def rank_nbytes(self, rank: int) -> int:
+        """Bytes held by ``rank`` (every shard is the same size, so this is rank independent)."""
+        return sum(p.rank_nbytes for p in self.params.values())
+
+    @property
+    def replicated_nbytes(self) -> int:
+        """Bytes every rank holds in full (parameters with no steps)."""
+        return sum(p.rank_nbytes for p in self.params.values() if p.replicated)
+
+    def resolved_shard_info(self) -> dict[str, Any]:
+        """The document form for exactly this N: every shape, dtype and argument made concrete."""
+        params = {
+            name: [[s.name, [list(s.out_shape), s.out_dtype], *s.args] for s in p.steps]
+            for name, p in self.params.items()
+            if p.steps
+        }
+        return {"version": 1, "num_shards": self.num_shards, "params": params}
+
+
+def build_plan(
+    shard_info: ShardInfo, checkpoint: Checkpoint | None, num_shards: int, *, strict: bool = True
+) -> ModelPlan:
+    """Plan ``checkpoint`` (or, when None, just the file's own declarations) for ``num_shards`` ranks.
+
+    With ``strict`` the first problem is raised as a PlanError; otherwise all are collected in
+    ``ModelPlan.problems``.
+    """
+    plan = ModelPlan(num_shards, shard_info, checkpoint)
+    src = shard_info.source
+    if type(num_shards) is not int or num_shards < 1:
+        plan.problems.append(PlanError(f"num_shards must be a positive integer, got {num_shards!r}", file=src))
+    elif shard_info.num_shards is not None and shard_info.num_shards != num_shards:
+        plan.problems.append(
+            PlanError(
+                f"this file is for num_shards={shard_info.num_shards} only ({shard_info.form} form); "
+                f"cannot plan for num_shards={num_shards}",
+                file=src,
+            )
+        )
+    if plan.problems:
+        return _finish(plan, strict)
+
+    stored = checkpoint.tensors if checkpoint is not None else {}
+    if checkpoint is not None:
+        for key in shard_info.params:
+            if key not in stored:
+                close = difflib.get_close_matches(key, stored.keys(), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                plan.problems.append(PlanError(f"names no parameter of {checkpoint.name}{hint}", file=src, param=key))
+    names = list(stored) if checkpoint is not None else list(shard_info.params)
+    for name in names:
+        source = stored.get(name)
+        specs = shard_info.params.get(name, [])
+        try:
+            steps = _plan_steps(name, specs, source, num_shards)
+        except ShardloadError as err:
+            plan.problems.append(err.located(file=src, param=name))
+            continue
+        if source is None:
+            continue  # planned without a checkpoint: checks only, nothing to execute
+        shape, dtype = (steps[-1].out_shape[1:], steps[-1].out_dtype) if steps else (source.shape, source.dtype)
+        plan.params[name] = ParamPlan(name, source, tuple(steps), num_shards, shape, dtype)
+    return _finish(plan, strict)
+
+
+def _finish(plan: ModelPlan, strict: bool) -> ModelPlan:
+    if strict and plan.problems:
+        first = plan.problems[0]
+        more = len(plan.problems) - 1
+        if more:
+            first.reason += f" (and {more} more problem{'s' if more > 1 else ''}; see `shardload validate`)"
+            first.args = (first.message,)
+        raise first
+    return plan
+
+
+def _plan_steps(name: str, specs: list[StepSpec], source: TensorInfo | None, n: int) -> list[PlannedStep]:
+    """Resolve and check one parameter's steps; raise a located PlanError at the first bad one."""
+    in_shape: Shape | None = source.shape if source is not None else None
+    in_dtype: str | None = source.dtype if source is not None else None
+    steps: list[PlannedStep] = []
+    for k, spec in enumerate(specs, 1):
+        func_name = spec.func if isinstance(spec.func, str) else repr(spec.func)
+
+        def fail(reason: str) -> PlanError:
+            return PlanError(reason, param=name, step=k, func=func_name)  # noqa: B023
+
+        try:
+            func = lookup(spec.func)
+            args = func.bind(spec.args, n)
+            if in_shape is None or in_dtype is None:
+                # No input known (validating without a checkpoint): trust the declaration and go on.
+                declared = _eval_shape(spec.shape, n)
+                if declared is None or spec.dtype is None:
+                    return steps
+                in_shape, in_dtype = declared, spec.dtype
+                continue
+            out_shape, out_dtype = func.shape(in_shape, in_dtype, *args)
+            out_shape = tuple(int(d) for d in out_shape)
+            if out_dtype not in DTYPES or any(d < 0 for d in out_shape):
+                raise StepArgumentError(f"shape rule returned an invalid result {list(out_shape)} {out_dtype!r}")
+            declared = _eval_shape(spec.shape, n)
+        except StepArgumentError as err:
+            raise fail(str(err)) from None
+        except Exception as err:  # a user's shape rule crashed: report it as a plan problem
+            raise fail(f"shape rule failed: {type(err).__name__}: {err}") from None
+        if declared is not None and declared != out_shape:
+            raise fail(
+                f"declared output shape {list(declared)} but {func.name} gives {list(out_shape)} "
+                f"for input {list(in_shape)}"
+            )
+        if spec.dtype is not None and spec.dtype != out_dtype:
+            origin = " (the checkpoint's dtype)" if k == 1 else ""
+            raise fail(f"declared dtype {spec.dtype} but {func.name} gives {out_dtype} from {in_dtype} input{origin}")
+        steps.append(PlannedStep(k, func, args, in_shape, in_dtype, out_shape, out_dtype))
+        in_shape, in_dtype = out_shape, out_dtype
+    if specs and in_shape is not None and (not in_shape or in_shape[0] != n):
+        raise PlanError(
+            f"last step must output [num_shards={n}, ...], got {list(in_shape)}",
+            param=name, step=len(specs), func=specs[-1].func,
+        )  # fmt: skip
+    return steps
+
+
+def _eval_shape(shape: tuple[int | str, ...] | None, n: int) -> Shape | None:
+    if shape is None:
+        return None
+    try:
+        dims = tuple(expr.evaluate(d, n) for d in shape)
+    except StepArgumentError as err:
+        raise StepArgumentError(f"output shape: {err}") from None
+    for d in dims:
+        if d < 0:
+            raise StepArgumentError(f"output shape {list(dims)} has a negative dim for num_shards={n}")
+    return dims
+
+
+def resolve_shard_info(checkpoint: Checkpoint, shard_info: ShardInfo | dict[str, Any] | str | Any | None) -> ShardInfo:
+    """Turn the ``shard_info`` argument of the API (object, dict, path or None) into a ShardInfo."""
+    if isinstance(shard_info, ShardInfo):
+        return shard_info
+    if isinstance(shard_info, dict):
+        return ShardInfo.from_dict(shard_info, source="<shard_info dict>")
+    if shard_info is not None:
+        return ShardInfo.load(shard_info)
+    default = checkpoint.default_shard_info()
+    if not default.is_file():
+        raise PlanError(f"no shard_info given and {default} does not exist", file=checkpoint.name)
+    return ShardInfo.load(default)
+
+
+def plan_model(
+    model: Any, num_shards: int, shard_info: ShardInfo | dict[str, Any] | str | Any | None = None
+) -> ModelPlan:
+    """Plan ``model`` for ``num_shards`` ranks without reading tensor data; raises the first problem.
+
+    Example::
+
+        p = shardload.plan_model("llama-dir", 8)
+        print(p.params["model.embed_tokens.weight"].shape)   # per-rank shape
+    """
+    from .checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(model)
+    if checkpoint.kind == "converted":
+        raise PlanError("this is a converted directory; plan the source checkpoint instead", file=checkpoint.name)
+    return build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, num_shards)

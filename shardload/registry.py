@@ -1,0 +1,194 @@
+"""The step-function registry: names in shard_info files are keys here, never import paths.
+
+A registered step carries its callable and a *shape rule* (input shape/dtype + arguments ->
+output shape/dtype), so a plan can be checked without touching data. A step that also
+declares *source boxes* is an index remap: the planner can turn a chain of remaps into the
+byte regions each rank reads.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import expr
+from .errors import StepArgumentError
+
+Shape = tuple[int, ...]
+Box = tuple[tuple[int, int], ...]
+"""A box is a half-open ``[start, stop)`` interval per dimension."""
+
+ShapeRule = Callable[..., tuple[Shape, str]]
+"""``rule(in_shape, in_dtype, *args) -> (out_shape, out_dtype)``; raises StepArgumentError."""
+
+BoxRule = Callable[..., list[tuple[Box, Box]]]
+"""``boxes(out_box, in_shape, *args) -> [(in_box, out_part), ...]``.
+
+The parts tile ``out_box``; each ``in_box`` holds the same elements as its ``out_part`` in
+the same row-major order (the two shapes are equal once size-1 dimensions are dropped).
+"""
+
+ARG_KINDS = ("int", "ints", "str", "float", "bool", "any")
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """One extra argument of a step function: its name, kind and default."""
+
+    name: str
+    kind: str
+    default: Any = inspect.Parameter.empty
+
+    @property
+    def required(self) -> bool:
+        return self.default is inspect.Parameter.empty
+
+
+@dataclass(frozen=True)
+class StepFunction:
+    """A registered step: the callable, its shape rule, and (for index remaps) its box rule."""
+
+    name: str
+    fn: Callable[..., Any]
+    shape: ShapeRule
+    boxes: BoxRule | None
+    params: tuple[ArgSpec, ...]
+    variadic: bool
+
+    @property
+    def remap(self) -> bool:
+        """True when every output element is a copy of one input element (no arithmetic)."""
+        return self.boxes is not None
+
+    def arity(self) -> str:
+        """Human-readable count of extra arguments, e.g. ``"4"`` or ``"3 to 4"``."""
+        low = sum(p.required for p in self.params)
+        high = len(self.params)
+        if self.variadic:
+            return f"at least {low}"
+        return str(low) if low == high else f"{low} to {high}"
+
+    def bind(self, args: Sequence[Any], num_shards: int | None) -> tuple[Any, ...]:
+        """Check arity and kinds of ``args`` from a file, evaluating expressions; return the call args."""
+        low = sum(p.required for p in self.params)
+        if len(args) < low or (len(args) > len(self.params) and not self.variadic):
+            raise StepArgumentError(f"takes {self.arity()} extra argument(s), got {len(args)}")
+        bound = []
+        for i, value in enumerate(args):
+            spec = self.params[i] if i < len(self.params) else ArgSpec(f"arg{i}", "any")
+            bound.append(_coerce(spec, value, num_shards))
+        return tuple(bound)
+
+
+def _coerce(spec: ArgSpec, value: Any, num_shards: int | None) -> Any:
+    where = f"argument {spec.name!r}"
+    try:
+        if spec.kind == "int":
+            return expr.evaluate(value, num_shards)
+        if spec.kind == "ints":
+            if not isinstance(value, list):
+                raise StepArgumentError(f"expected a list of integers, got {value!r}")
+            return [expr.evaluate(v, num_shards) for v in value]
+    except StepArgumentError as err:
+        raise StepArgumentError(f"{where}: {err}") from None
+    if spec.kind == "str" and not isinstance(value, str):
+        raise StepArgumentError(f"{where}: expected a string, got {value!r}")
+    if spec.kind == "float" and (type(value) not in (int, float)):
+        raise StepArgumentError(f"{where}: expected a number, got {value!r}")
+    if spec.kind == "bool" and type(value) is not bool:
+        raise StepArgumentError(f"{where}: expected true or false, got {value!r}")
+    return value
+
+
+_STRING_KINDS = {
+    "int": "int", "str": "str", "float": "float", "bool": "bool",
+    "list[int]": "ints", "List[int]": "ints", "Sequence[int]": "ints", "tuple[int,...]": "ints",
+}  # fmt: skip
+
+
+def _kind_of(annotation: Any) -> str:
+    if isinstance(annotation, str):  # postponed annotations: read the common spellings
+        return _STRING_KINDS.get(annotation.replace(" ", ""), "any")
+    if annotation is int:
+        return "int"
+    if annotation in (str, float, bool):
+        return annotation.__name__
+    origin = typing.get_origin(annotation)
+    if origin in (list, Sequence, tuple) and typing.get_args(annotation)[:1] == (int,):
+        return "ints"
+    return "any"
+
+
+def _arg_specs(fn: Callable[..., Any]) -> tuple[tuple[ArgSpec, ...], bool]:
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        raise TypeError(f"step function {fn!r} must take the input tensor as its first argument")
+    specs, variadic = [], False
+    for p in params[1:]:
+        if p.kind is p.VAR_POSITIONAL:
+            variadic = True
+            continue
+        if p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD):
+            continue
+        kind = "any" if p.annotation is p.empty else _kind_of(p.annotation)
+        specs.append(ArgSpec(p.name, kind, p.default))
+    return tuple(specs), variadic
+
+
+_REGISTRY: dict[str, StepFunction] = {}
+
+
+def register(
+    name: str,
+    *,
+    shape: ShapeRule,
+    boxes: BoxRule | None = None,
+    replace: bool = False,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: register ``fn(x, *args)`` under ``name`` with its shape rule (and box rule for remaps).
+
+    Example::
+
+        @shardload.register("myorg.scale_rows", shape=lambda s, d, n: ((n, *s), d))
+        def scale_rows(x, num_shards: int):
+            return (x * 2).expand(num_shards, *x.shape)
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError("a step function name must be a non-empty string")
+
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if name in _REGISTRY and not replace and _REGISTRY[name].fn is not fn:
+            raise ValueError(f"step function {name!r} is already registered (pass replace=True)")
+        params, variadic = _arg_specs(fn)
+        _REGISTRY[name] = StepFunction(name, fn, shape, boxes, params, variadic)
+        return fn
+
+    return decorator
+
+
+def unregister(name: str) -> None:
+    """Remove a registered step function (mainly for tests)."""
+    _REGISTRY.pop(name, None)
+
+
+def lookup(name: str) -> StepFunction:
+    """The registered step for ``name``; raises StepArgumentError for an unknown name."""
+    _load_builtins()
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise StepArgumentError(f"unknown function {name!r} (not registered)") from None
+
+
+def names() -> list[str]:
+    """All registered step names, sorted."""
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def _load_builtins() -> None:
+    import shard_funcs  # noqa: F401  (registers the built-ins on first import)

@@ -1,0 +1,53 @@
+"""Validation of a shard_info file: schema check, then a plan for each N; report every problem."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from .checkpoint import Checkpoint, open_checkpoint
+from .errors import ShardloadError
+from .format import ShardInfo
+from .plan import build_plan
+
+DEFAULT_NS = (1, 2, 4, 8)
+
+
+def validate_file(
+    path: str | os.PathLike[str],
+    model: str | os.PathLike[str] | None = None,
+    num_shards: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """Check ``path`` (against ``model``'s header when given) for each N; return a JSON-ready report.
+
+    Without ``num_shards`` the file's own N is checked, or 1, 2, 4 and 8 for an N-agnostic file.
+    A problem seen for only some N has those N appended to its message.
+    """
+    report: dict[str, Any] = {"file": str(path), "model": None if model is None else str(model)}
+    try:
+        info = ShardInfo.load(path)
+        checkpoint: Checkpoint | None = open_checkpoint(model) if model is not None else None
+    except ShardloadError as err:
+        return {**report, "valid": False, "num_shards_checked": [], "valid_for": [], "problems": [err.to_dict()]}
+    ns = list(num_shards) if num_shards else ([info.num_shards] if info.num_shards else list(DEFAULT_NS))
+    found: dict[str, dict[str, Any]] = {}
+    valid_for = []
+    for n in ns:
+        problems = build_plan(info, checkpoint, n, strict=False).problems
+        if not problems:
+            valid_for.append(n)
+        for problem in problems:
+            entry = found.setdefault(problem.message, {**problem.to_dict(), "num_shards": []})
+            entry["num_shards"].append(n)
+    for entry in found.values():
+        if len(entry["num_shards"]) < len(ns):
+            entry["message"] += f" [num_shards={','.join(str(n) for n in entry['num_shards'])}]"
+    return {
+        **report,
+        "form": info.form,
+        "valid": not found,
+        "num_shards_checked": ns,
+        "valid_for": valid_for,
+        "problems": list(found.values()),
+    }

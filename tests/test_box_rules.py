@@ -1,0 +1,86 @@
+"""Box rules agree with their functions on arbitrary output boxes, not just whole-rank ones.
+
+For a random sub-box of a step's output, the pieces its box rule returns, copied from the input,
+must reproduce the function's output on that box element for element. Hypothesis draws shapes,
+arguments and boxes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import reference as ref
+from shardload.registry import lookup
+
+
+def _apply_pieces(fn_name: str, x: np.ndarray, out_box: tuple, args: tuple) -> np.ndarray:
+    func = lookup(fn_name)
+    assert func.boxes is not None
+    out = np.full([b - a for a, b in out_box], -1, dtype=x.dtype)
+    covered = np.zeros(out.shape, dtype=np.int64)
+    for in_box, part in func.boxes(out_box, x.shape, *args):
+        src = x[tuple(slice(a, b) for a, b in in_box)]
+        rel = tuple(slice(a - o[0], b - o[0]) for (a, b), o in zip(part, out_box, strict=True))
+        out[rel] = src.reshape(out[rel].shape)
+        covered[rel] += 1
+    assert (covered == 1).all(), "pieces must tile the output box exactly once"
+    return out
+
+
+@st.composite
+def _box(draw: st.DrawFn, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    box = []
+    for n in shape:
+        a = draw(st.integers(0, n - 1))
+        b = draw(st.integers(a + 1, n))
+        box.append((a, b))
+    return tuple(box)
+
+
+@st.composite
+def _reorder_case(draw: st.DrawFn) -> tuple:
+    n = draw(st.sampled_from([1, 2, 3, 4]))
+    unit = draw(st.integers(1, 3))
+    segments = draw(st.lists(st.integers(1, 3).map(lambda k: k * n), min_size=1, max_size=4))
+    other = draw(st.integers(1, 3))
+    dim = draw(st.integers(0, 1))
+    shape = [other, other]
+    shape[dim] = sum(segments) * unit
+    return tuple(shape), dim, segments, n, unit
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=_reorder_case(), data=st.data())
+def test_reorder_segments_boxes(case: tuple, data: st.DataObject) -> None:
+    shape, dim, segments, n, unit = case
+    x = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape) + 1
+    out_box = data.draw(_box(shape))
+    want = ref.reorder_segments(x, dim, segments, n, unit)[tuple(slice(a, b) for a, b in out_box)]
+    got = _apply_pieces("shard_funcs.reorder_segments", x, out_box, (dim, segments, n, unit))
+    np.testing.assert_array_equal(got, want)
+    fn = lookup("shard_funcs.reorder_segments").fn(torch.from_numpy(x), dim, segments, n, unit)
+    np.testing.assert_array_equal(fn.numpy(), ref.reorder_segments(x, dim, segments, n, unit))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.sampled_from([1, 2, 3, 4, 8]),
+    shape=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    dim_pick=st.integers(0, 2),
+    data=st.data(),
+)
+def test_shard_dim_and_replicate_boxes(n: int, shape: list[int], dim_pick: int, data: st.DataObject) -> None:
+    dim = dim_pick % len(shape)
+    shape = list(shape)
+    shape[dim] *= n
+    x = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape) + 1
+    out_shape, _ = lookup("shard_funcs.shard_dim").shape(tuple(shape), "int64", dim, n)
+    out_box = data.draw(_box(out_shape))
+    want = ref.shard_dim(x, dim, n)[tuple(slice(a, b) for a, b in out_box)]
+    np.testing.assert_array_equal(_apply_pieces("shard_funcs.shard_dim", x, out_box, (dim, n)), want)
+    rep_box = data.draw(_box((n, *shape)))
+    want = ref.replicate(x, n)[tuple(slice(a, b) for a, b in rep_box)]
+    np.testing.assert_array_equal(_apply_pieces("shard_funcs.replicate", x, rep_box, (n,)), want)

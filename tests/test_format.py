@@ -1,0 +1,106 @@
+"""shard_info.json parsing: both forms, the schema, and clear one-line errors for malformed files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardload.errors import FormatError
+from shardload.format import ShardInfo, StepSpec, schema
+
+SEED = {"x_0": [["shard_funcs.shard_dim", [[2, 64, 64], "float16"], 1, 2]]}
+DOC = {
+    "$schema": "https://shardload.dev/shard_info.schema.json",
+    "version": 1,
+    "num_shards": None,
+    "params": {
+        "model.layers.0.self_attn.qkv_proj.weight": [
+            ["shard_funcs.reorder_segments", [[6144, 4096], "float16"], 0, [4096, 1024, 1024], "num_shards"],
+            ["shard_funcs.shard_dim", [["num_shards", "6144 // num_shards", 4096], "float16"], 0, "num_shards"],
+        ]
+    },
+}
+
+
+def test_seed_form_reads_as_is() -> None:
+    info = ShardInfo.from_dict(SEED)
+    assert info.form == "seed"
+    assert info.num_shards == 2
+    assert info.params == {"x_0": [StepSpec("shard_funcs.shard_dim", (2, 64, 64), "float16", (1, 2))]}
+
+
+def test_document_form_reads_expressions_unevaluated() -> None:
+    info = ShardInfo.from_dict(DOC)
+    assert info.form == "document"
+    assert info.num_shards is None
+    steps = info.params["model.layers.0.self_attn.qkv_proj.weight"]
+    assert steps[1].shape == ("num_shards", "6144 // num_shards", 4096)
+    assert steps[0].args == (0, [4096, 1024, 1024], "num_shards")
+
+
+def test_save_and_load_round_trip(tmp_path: Path) -> None:
+    info = ShardInfo.from_dict(DOC)
+    info.save(tmp_path / "s.json")
+    again = ShardInfo.load(tmp_path / "s.json")
+    assert again.params == info.params and again.num_shards is None
+    seed = ShardInfo.from_dict(SEED)
+    seed.save(tmp_path / "seed.json")
+    assert ShardInfo.load(tmp_path / "seed.json").to_dict() == seed.to_dict()
+
+
+def test_schema_file_is_valid_and_matches_examples() -> None:
+    import jsonschema
+
+    jsonschema.Draft202012Validator.check_schema(schema())
+    jsonschema.validate(DOC, schema())
+    jsonschema.validate(SEED, schema())
+    example = json.loads(json.dumps(DOC))
+    example["params"]["p"] = [["f", [None, None], {"any": "json"}]]
+    jsonschema.validate(example, schema())
+
+
+BAD = [
+    ("[]", None, "top level must be a JSON object"),
+    ("{", None, "not valid JSON"),
+    ('{"a": 1, "a": 2}', None, "duplicate key 'a'"),
+    ('{"version": 1, "params": {"p": [], "p": []}}', None, "duplicate key 'p'"),
+    ('{"version": 2, "params": {}}', None, "unsupported version 2"),
+    ('{"params": {}}', None, "needs a 'version'"),
+    ('{"version": 1}', None, "does not match shard_info.schema.json"),
+    ('{"version": 1, "params": {}, "extra": 1}', None, "'extra' was unexpected"),
+    ('{"version": 1, "num_shards": 0, "params": {}}', None, "num_shards"),
+    ('{"p": 3}', "p", "is not of type 'array'"),
+    ('{"p": [3]}', "p", "is not of type 'array'"),
+    ('{"p": [["f"]]}', "p", "step 1"),
+    ('{"p": [[1, [[2], "float16"]]]}', "p", "function name"),
+    ('{"p": [["f", [[-2], "float16"]]]}', "p", "shape"),
+    ('{"p": [["f", [[2], "float17"]]]}', "p", "dtype"),
+    ('{"p": [["f", [["num_shards"], "float16"]]]}', "p", "shape"),
+    ('{"version": 1, "params": {"p": [["f", [[1.5], null]]]}}', "p", "shape"),
+    ('{"p": [["f", [[2], "float16"]]], "q": [["f", [[4], "float16"]]]}', None, "one num_shards"),
+    ("NaN", None, "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize(("text", "param", "reason"), BAD)
+def test_bad_documents_give_one_located_line(tmp_path: Path, text: str, param: str | None, reason: str) -> None:
+    path = tmp_path / "shard_info.json"
+    path.write_text(text)
+    with pytest.raises(FormatError) as info:
+        ShardInfo.load(path)
+    message = str(info.value)
+    assert message.startswith(str(path) + ": ")
+    assert reason in message
+    assert "\n" not in message
+    if param is not None:
+        assert info.value.param == param
+
+
+def test_unreadable_and_non_utf8(tmp_path: Path) -> None:
+    with pytest.raises(FormatError, match="cannot read"):
+        ShardInfo.load(tmp_path / "missing.json")
+    (tmp_path / "bin.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(FormatError, match="not UTF-8"):
+        ShardInfo.load(tmp_path / "bin.json")

@@ -1,0 +1,247 @@
+"""load / load_rank / convert on real checkpoints, against an unsharded numpy reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+import reference as ref
+import shardload
+from conftest import random_array, write_model
+from shardload.errors import CheckpointError, PlanError, ShardloadError
+
+SEED_FORM = {"x_0": [["shard_funcs.shard_dim", [[2, 64, 64], "float16"], 1, 2]]}
+
+
+def reference_shards(model: Path, n: int) -> list[dict[str, np.ndarray]]:
+    """Rank slices computed by the numpy reference from the stored tensors and shard_info's step list."""
+    tensors = load_file(str(model / "model.safetensors")) if (model / "model.safetensors").exists() else {}
+    if not tensors:
+        for f in sorted(model.glob("*.safetensors")):
+            tensors.update(load_file(str(f)))
+    info = json.loads((model / "shard_info.json").read_text())
+    params = info.get("params", info)
+    out: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
+    for name, x in tensors.items():
+        steps = [
+            (s[0].removeprefix("shard_funcs."), *[n if a == "num_shards" else a for a in s[2:]])
+            for s in params.get(name, [])
+        ]
+        slices = ref.rank_slices(x, steps, n) if steps else [x] * n
+        for r in range(n):
+            out[r][name] = slices[r]
+    return out
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, np.ndarray]) -> None:
+    assert set(got) == set(want)
+    for name, t in got.items():
+        assert t.is_contiguous(), name
+        np.testing.assert_array_equal(t.cpu().numpy(), want[name], err_msg=name)
+
+
+def test_seed_form_example_from_design(tmp_path: Path) -> None:
+    x = random_array(np.random.default_rng(7), (64, 128), "float16")
+    model = write_model(tmp_path / "seed", {"x_0": x}, SEED_FORM)
+    shards = shardload.load(model, 2, devices=["cpu", "cpu"])
+    for r in range(2):
+        np.testing.assert_array_equal(shards[r]["x_0"].numpy(), x[:, r * 64 : (r + 1) * 64])
+        assert torch.equal(shardload.load_rank(model, r, 2)["x_0"], shards[r]["x_0"])
+    shardload.convert(model, 2, tmp_path / "out")
+    for r in range(2):
+        assert torch.equal(shardload.load_rank(tmp_path / "out", r, 2)["x_0"], shards[r]["x_0"])
+    with pytest.raises(PlanError, match="for num_shards=2 only"):
+        shardload.load_rank(model, 0, 4)
+
+
+@pytest.mark.parametrize("n", (1, 2, 4, 8))
+def test_example_all_paths_agree_with_reference(example_dir: Path, tmp_path: Path, n: int) -> None:
+    want = reference_shards(example_dir, n)
+    shards = shardload.load(example_dir, n, devices=["cpu"] * n)
+    out = tmp_path / f"tp{n}"
+    shardload.convert(example_dir, n, out)
+    for r in range(n):
+        assert_same(shards[r], want[r])
+        assert_same(shardload.load_rank(example_dir, r, n), want[r])
+        assert_same(shardload.load_rank(out, r, n, verify=True), want[r])
+    converted = shardload.load(out, n, devices=["cpu"] * n)
+    for r in range(n):
+        assert_same(converted[r], want[r])
+
+
+def test_multi_file_index_matches_single_file(example_dir: Path, example_multi_dir: Path) -> None:
+    assert (example_multi_dir / "model.safetensors.index.json").exists()
+    single = shardload.load(example_dir, 4, devices=["cpu"] * 4)
+    multi = shardload.load(example_multi_dir, 4, devices=["cpu"] * 4)
+    want = reference_shards(example_multi_dir, 4)
+    for r in range(4):
+        assert_same(multi[r], want[r])
+        assert single[r].keys() == multi[r].keys()
+        for k in single[r]:
+            assert torch.equal(single[r][k], multi[r][k])
+
+
+def test_safetensors_file_path_and_explicit_shard_info(example_dir: Path) -> None:
+    info = shardload.ShardInfo.load(example_dir / "shard_info.json")
+    via_file = shardload.load_rank(example_dir / "model.safetensors", 1, 2, shard_info=info)
+    via_dict = shardload.load_rank(example_dir, 1, 2, shard_info=info.to_dict())
+    via_path = shardload.load_rank(example_dir, 1, 2, shard_info=str(example_dir / "shard_info.json"))
+    assert_same(via_file, reference_shards(example_dir, 2)[1])
+    for other in (via_dict, via_path):
+        assert all(torch.equal(via_file[k], other[k]) for k in via_file)
+
+
+def test_missing_shard_info_is_a_clear_error(tmp_path: Path) -> None:
+    model = write_model(tmp_path / "m", {"w": np.ones((2, 2), np.float32)})
+    with pytest.raises(PlanError, match=r"no shard_info given and .*shard_info.json does not exist"):
+        shardload.load(model, 2, devices=["cpu", "cpu"])
+
+
+def test_converted_directory_checks(example_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "tp2"
+    result = shardload.convert(example_dir, 2, out)
+    manifest = json.loads((out / "shard_manifest.json").read_text())
+    assert manifest["version"] == 1 and manifest["num_shards"] == 2
+    assert manifest["shard_info"] == result.plan.resolved_shard_info()
+    listed = {f["path"]: f for f in manifest["files"]}
+    assert set(listed) == {p.name for p in out.iterdir()} - {"shard_manifest.json"}
+    assert {"config.json", "tokenizer_config.json", "generation_config.json"} <= set(listed)
+    assert "shard_info.json" not in listed and "model.safetensors" not in listed
+    for name, entry in listed.items():
+        assert (out / name).stat().st_size == entry["size"]
+        assert shardload.execute.sha256_file(out / name) == entry["sha256"]
+    # a rank file must be a standard safetensors file
+    assert_same({k: torch.from_numpy(v) for k, v in load_file(str(out / "rank-00001-of-00002.safetensors")).items()},
+                reference_shards(example_dir, 2)[1])  # fmt: skip
+    with pytest.raises(CheckpointError, match="converted for num_shards=2, not 4"):
+        shardload.load_rank(out, 0, 4)
+    with pytest.raises(ShardloadError, match="carries its own shard_info"):
+        shardload.load_rank(out, 0, 2, shard_info=example_dir / "shard_info.json")
+    with pytest.raises(ShardloadError, match="already a converted directory"):
+        shardload.convert(out, 2, tmp_path / "again")
+    # corrupt one byte: sizes still match, the checksum does not
+    rank1 = out / "rank-00001-of-00002.safetensors"
+    data = bytearray(rank1.read_bytes())
+    data[-1] ^= 0xFF
+    rank1.write_bytes(bytes(data))
+    shardload.load_rank(out, 1, 2)
+    with pytest.raises(CheckpointError, match="does not match its sha256"):
+        shardload.load_rank(out, 1, 2, verify=True)
+    rank1.write_bytes(bytes(data[:-2]))
+    with pytest.raises(CheckpointError, match="the manifest says"):
+        shardload.load_rank(out, 1, 2)
+    rank1.unlink()
+    with pytest.raises(CheckpointError, match="is missing"):
+        shardload.load_rank(out, 1, 2)
+
+
+def test_convert_refuses_existing_output_and_replaces_with_overwrite(example_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "tp2"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ShardloadError, match="output directory exists"):
+        shardload.convert(example_dir, 2, out)
+    assert (out / "keep.txt").read_text() == "mine"
+    shardload.convert(example_dir, 2, out, overwrite=True)
+    assert not (out / "keep.txt").exists() and (out / "shard_manifest.json").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["tp2"], "no temporary directories may be left behind"
+
+
+def test_failed_convert_leaves_nothing(example_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(PlanError):
+        shardload.convert(example_dir, 3, tmp_path / "tp3")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_registered_compute_step(tmp_path: Path) -> None:
+    def rule(shape: tuple[int, ...], dtype: str, num_shards: int, scale: int) -> tuple[tuple[int, ...], str]:
+        return (num_shards, shape[0] // num_shards, *shape[1:]), "float32"
+
+    @shardload.register("tests.scaled_rows", shape=rule)
+    def scaled_rows(x: torch.Tensor, num_shards: int, scale: int) -> torch.Tensor:
+        return (x.float() * scale).reshape(num_shards, x.shape[0] // num_shards, *x.shape[1:])
+
+    try:
+        x = random_array(np.random.default_rng(3), (8, 3), "float16")
+        info = {"version": 1, "params": {"w": [["tests.scaled_rows", [None, None], "num_shards", 3]]}}
+        model = write_model(tmp_path / "m", {"w": x}, info)
+        plan = shardload.plan_model(model, 4)
+        assert not plan.params["w"].remap and plan.params["w"].dtype == "float32"
+        shards = shardload.load(model, 4, devices=["cpu"] * 4)
+        for r in range(4):
+            want = x.astype(np.float32)[r * 2 : (r + 1) * 2] * 3
+            np.testing.assert_array_equal(shards[r]["w"].numpy(), want)
+            assert torch.equal(shardload.load_rank(model, r, 4)["w"], shards[r]["w"])
+        with pytest.raises(ValueError, match="already registered"):
+            shardload.register("tests.scaled_rows", shape=rule)(lambda x, num_shards: x)
+    finally:
+        shardload.registry.unregister("tests.scaled_rows")
+
+
+def test_step_returning_wrong_shape_is_caught(tmp_path: Path) -> None:
+    @shardload.register("tests.liar", shape=lambda s, d, n: ((n, *s), d))
+    def liar(x: torch.Tensor, num_shards: int) -> torch.Tensor:
+        return x.unsqueeze(0)
+
+    try:
+        info = {"version": 1, "params": {"w": [["tests.liar", [None, None], "num_shards"]]}}
+        model = write_model(tmp_path / "m", {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, info)
+        with pytest.raises(PlanError, match=r"w: step 1 \(tests.liar\): returned \[1, 2, 3\]"):
+            shardload.load_rank(model, 0, 2)
+    finally:
+        shardload.registry.unregister("tests.liar")
+
+
+def test_outputs_are_independent_copies(example_dir: Path) -> None:
+    shards = shardload.load(example_dir, 2, devices=["cpu", "cpu"])
+    norm = "model.norm.weight"
+    shards[0][norm].fill_(0)
+    assert shards[1][norm].abs().sum() > 0
+    assert shardload.load_rank(example_dir, 0, 2)[norm].abs().sum() > 0
+
+
+def test_load_rank_under_torch_distributed(example_dir: Path, tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    with pytest.raises(ShardloadError, match=r"no torch\.distributed process group"):
+        shardload.load_rank(example_dir)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert_same(shardload.load_rank(example_dir), reference_shards(example_dir, 1)[0])
+        assert_same(shardload.load_rank(example_dir, num_shards=2), reference_shards(example_dir, 2)[0])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bad_arguments(example_dir: Path) -> None:
+    with pytest.raises(ShardloadError, match="rank 2 is out of range"):
+        shardload.load_rank(example_dir, 2, 2)
+    with pytest.raises(ShardloadError, match="got 1 devices for num_shards=2"):
+        shardload.load(example_dir, 2, devices=["cpu"])
+    with pytest.raises(CheckpointError, match="no such file or directory"):
+        shardload.load(example_dir / "nope", 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_load_onto_cuda(example_dir: Path) -> None:
+    n = min(torch.cuda.device_count(), 2)
+    devices = [f"cuda:{r}" for r in range(n)]
+    shards = shardload.load(example_dir, n, devices=devices)
+    want = reference_shards(example_dir, n)
+    for r in range(n):
+        assert all(t.device == torch.device(devices[r]) for t in shards[r].values())
+        assert_same(shards[r], want[r])
+        assert_same(shardload.load_rank(example_dir, r, n, device=devices[r]), want[r])
+
+
+def test_convert_reports_progress(example_dir: Path, tmp_path: Path) -> None:
+    seen: list[tuple[int, str]] = []
+    result = shardload.convert(example_dir, 2, tmp_path / "o", progress=lambda done, name: seen.append((done, name)))
+    assert [name for _, name in seen] == list(result.plan.params)
+    done = [d for d, _ in seen]
+    assert done == sorted(done) and done[-1] == sum(p.source.nbytes for p in result.plan.params.values())
