@@ -109,6 +109,7 @@ def convert(model: Path, num_shards: int, out_dir: Path, shard_info: Path | None
 @click.option("-n", "--num-shards", "num_shards", type=click.IntRange(min=1), multiple=True,
               help="N to check (repeatable). Default: the file's N, or 1, 2, 4, 8 for an N-agnostic file.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report.")
+@_guarded
 def validate(shard_info_path: Path, model: Path | None, num_shards: tuple[int, ...], as_json: bool) -> None:
     """Check SHARD_INFO against the schema, then plan it for each N and report every problem."""
     from .validate import validate_file

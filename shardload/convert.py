@@ -144,7 +144,10 @@ def convert(
     tmp.mkdir()
     try:
         rank_files = _write_ranks(plan, tmp, progress)
-        skip = {Path(info.source).resolve()} if Path(info.source).exists() else set()
+        # The manifest holds the resolved shard_info; a copied shard_info.json would only mislead.
+        skip = {checkpoint.default_shard_info().resolve()}
+        if Path(info.source).exists():
+            skip.add(Path(info.source).resolve())
         others = _copy_other_files(checkpoint.root, tmp, skip)
         manifest = {
             "format": "shardload.converted",

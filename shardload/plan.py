@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from functools import cached_property
 from math import prod
 from typing import Any
 
@@ -61,6 +60,7 @@ class ParamPlan:
     num_shards: int
     shape: Shape
     dtype: str
+    _pieces: dict[int, list[Piece]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def replicated(self) -> bool:
@@ -88,27 +88,11 @@ class ParamPlan:
         """The source boxes ``rank`` reads and where each lands, or None if a compute step needs the whole tensor."""
         if not 0 <= rank < self.num_shards:
             raise PlanError(f"rank {rank} is out of range for num_shards={self.num_shards}", param=self.name)
-        return self._pieces.get(rank) if self.remap else None
-
-    @cached_property
-    def _pieces(self) -> _LazyPieces:
-        return _LazyPieces(self)
-
-
-class _LazyPieces(dict):  # type: ignore[type-arg]
-    """Per-rank piece lists, computed on first use."""
-
-    def __init__(self, plan: ParamPlan) -> None:
-        super().__init__()
-        self.plan = plan
-
-    def __missing__(self, rank: int) -> list[Piece]:
-        value = _trace_pieces(self.plan, rank)
-        self[rank] = value
-        return value
-
-    def get(self, rank: int, default: Any = None) -> list[Piece]:  # type: ignore[override]
-        return self[rank]
+        if not self.remap:
+            return None
+        if rank not in self._pieces:
+            self._pieces[rank] = _trace_pieces(self, rank)
+        return self._pieces[rank]
 
 
 def _full(shape: Shape) -> Box:

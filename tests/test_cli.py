@@ -155,3 +155,13 @@ def test_installed_command_end_to_end(tmp_path: Path) -> None:
     shim = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "cli.py"), "--version"],
                           capture_output=True, text=True)  # fmt: skip
     assert shim.returncode == 0 and shardload.__version__ in shim.stdout
+
+
+def test_convert_with_other_shard_info_copies_neither(runner: CliRunner, example_dir: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other.json"
+    other.write_text((example_dir / "shard_info.json").read_text())
+    out = tmp_path / "out"
+    result = runner.invoke(main, ["convert", str(example_dir), "-n", "2", "-o", str(out), "--shard-info", str(other)])
+    assert result.exit_code == 0, result.output
+    assert not (out / "shard_info.json").exists() and not (out / "other.json").exists()
+    assert (out / "config.json").read_text() == (example_dir / "config.json").read_text()
