@@ -143,6 +143,8 @@ class ModelPlan:
     checkpoint: Checkpoint | None
     params: dict[str, ParamPlan] = field(default_factory=dict)
     problems: list[ShardloadError] = field(default_factory=list)
+    layers: range | None = None
+    """For one pipeline stage of a mesh: the decoder layers it holds (None: the whole model)."""
 
     def rank_nbytes(self, rank: int) -> int:
         """Bytes held by ``rank`` (every shard is the same size, so this is rank independent)."""
