@@ -13,12 +13,31 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from .errors import CheckpointError, PlanError
+
+__all__ = [
+    "STYLES",
+    "GeneratedPlan",
+    "StepsRule",
+    "ModelDims",
+    "Placement",
+    "build_shard_info",
+    "config_problems",
+    "generate",
+    "hf_placements",
+    "model_placements",
+    "placement_steps",
+    "plan_problems",
+    "preset_placements",
+    "read_config",
+    "resolved_style",
+    "shard_info_document",
+]
 
 STYLES = ("column", "row", "replicated", "vocab", "expert")
 """column: output features split (outputs concatenated); row: input features split (partial sums
@@ -435,16 +454,29 @@ def placement_steps(placement: Placement, shape: Sequence[int], dtype: str) -> l
     return steps
 
 
+StepsRule = Callable[[Placement, Sequence[int], str], list[list[Any]]]
+"""``rule(placement, stored shape, dtype) -> steps``: how a placement becomes shard_info steps."""
+
+
 def shard_info_document(
-    placements: Mapping[str, Placement], tensors: Mapping[str, TensorHeader], *, description: str | None = None
+    placements: Mapping[str, Placement],
+    tensors: Mapping[str, TensorHeader],
+    *,
+    description: str | None = None,
+    steps: StepsRule | None = None,
 ) -> dict[str, Any]:
-    """The N-agnostic document-form shard_info for the stored tensors among ``placements``."""
+    """The N-agnostic document-form shard_info for the stored tensors among ``placements``.
+
+    ``steps`` renders one placement (default :func:`placement_steps`); a rule for other stored
+    layouts (packed or quantized tensors) can wrap it.
+    """
+    render = steps or placement_steps
     params: dict[str, Any] = {}
     for name, info in tensors.items():
         placement = placements.get(name)
-        steps = placement_steps(placement, tuple(info.shape), info.dtype) if placement is not None else []
-        if steps:
-            params[name] = steps
+        entry = render(placement, tuple(info.shape), info.dtype) if placement is not None else []
+        if entry:
+            params[name] = entry
     doc: dict[str, Any] = {"$schema": SCHEMA_URL, "version": 1, "num_shards": None}
     if description:
         doc["description"] = description
