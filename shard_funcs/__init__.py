@@ -1,20 +1,22 @@
 """Built-in step functions, registered as ``shard_funcs.<name>``.
 
 Each takes the input tensor first, then the extra arguments written in shard_info.json, and
-declares a shape rule and a box rule (all three built-ins are index remaps).
+declares a shape rule and a box rule (every built-in is an index remap). Steps for one concern
+live in their own submodule (``attention``: head-aware splits with GQA replication).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from shard_funcs.attention import shard_heads
 from shardload.errors import StepArgumentError
 from shardload.registry import Box, Shape, register
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["shard_dim", "reorder_segments", "replicate"]
+__all__ = ["replicate", "reorder_segments", "shard_dim", "shard_heads"]
 
 
 def _norm_dim(dim: int, ndim: int) -> int:

@@ -1,4 +1,4 @@
-"""The ``shardload`` command line: example, convert, validate, inspect.
+"""The ``shardload`` command line: example, plan, convert, validate, inspect.
 
 Bad input prints one line per problem (``file: parameter: step K (function): reason``) and
 exits 1; usage errors exit 2; no tracebacks for anything shardload can name.
@@ -101,6 +101,57 @@ def convert(model: Path, num_shards: int, out_dir: Path, shard_info: Path | None
     click.echo(format_table(["rank", "file", "tensors", "size", "bytes", "sha256"], rows, right=(0, 2, 3, 4)))
     extra = f" and {len(result.other_files)} copied file(s)" if result.other_files else ""
     click.echo(f"\nwrote {num_shards} rank files{extra} to {result.out_dir}")
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option(
+    "-o", "--out", type=click.Path(path_type=Path), help="Output file (default MODEL/shard_info.json; - for stdout)."
+)
+@click.option(
+    "--style",
+    type=click.Choice(["auto", "megatron", "hf"]),
+    default="auto",
+    show_default=True,
+    help="hf: config's base_model_tp_plan; megatron: built-in preset; auto: the tp_plan when there is one.",
+)
+@click.option(
+    "--experts",
+    type=click.Choice(["tp", "parallel"]),
+    default="tp",
+    show_default=True,
+    help="MoE experts: tp splits inside each expert; parallel puts whole experts on ranks.",
+)
+@click.option(
+    "-n",
+    "--num-shards",
+    "num_shards",
+    type=click.IntRange(min=1),
+    multiple=True,
+    help="Fail, writing nothing, unless the plan works for N (repeatable).",
+)
+@click.option("--overwrite", is_flag=True, help="Replace the output file if it exists.")
+@_guarded
+def plan(model: Path, out: Path | None, style: str, experts: str, num_shards: tuple[int, ...], overwrite: bool) -> None:
+    """Write an N-agnostic shard_info.json for MODEL from its config.json (architecture preset or HF tp_plan)."""
+    from .presets import generate
+
+    root = model if model.is_dir() else model.parent
+    target = out if out is not None else root / "shard_info.json"
+    to_stdout = str(target) == "-"
+    if not to_stdout and target.exists() and not overwrite:
+        raise ShardloadError("exists (pass --overwrite to replace it)", file=str(target))
+    result = generate(model, style=style, experts=experts, num_shards=num_shards)
+    if to_stdout:
+        click.echo(json.dumps(result.document, indent=2))
+    else:
+        result.save(target)
+    for note in result.notes:
+        click.echo(f"note: {note}", err=True)
+    replicated = len(result.placements) - result.sharded
+    ns = ", ".join(map(str, result.supported))
+    summary = f"{result.sharded} sharded, {replicated} replicated ({result.style}, experts {experts}); num_shards {ns}"
+    click.echo(summary if to_stdout else f"wrote {target}: {summary}", err=to_stdout)
 
 
 @main.command()

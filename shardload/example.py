@@ -27,6 +27,9 @@ EXAMPLE_CONFIG: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
     "torch_dtype": "float16",
 }
 

@@ -37,9 +37,30 @@ def replicate(x: np.ndarray, n: int) -> np.ndarray:
     return np.stack([x.copy() for _ in range(n)])
 
 
+def shard_heads(x: np.ndarray, dim: int, heads: list[int], kv: list[int], n: int, head_dim: int) -> np.ndarray:
+    """Output [n, ...]: rank r holds, per segment, its 1/n of the heads, or (a KV segment with fewer
+    heads than n) the single head r * heads // n that its query heads use."""
+    per_rank = []
+    for r in range(n):
+        rows = []
+        base = 0
+        for h, is_kv in zip(heads, kv, strict=True):
+            if h >= n:
+                chosen = list(range(r * h // n, (r + 1) * h // n))
+            else:
+                assert is_kv and n % h == 0
+                chosen = [r * h // n]
+            for head in chosen:
+                rows.extend(range(base + head * head_dim, base + (head + 1) * head_dim))
+            base += h * head_dim
+        per_rank.append(np.take(x, np.array(rows, dtype=np.int64), axis=dim))
+    return np.stack(per_rank)
+
+
 def rank_slices(x: np.ndarray, steps: list[tuple], n: int) -> list[np.ndarray]:
     """Apply ``steps`` ((name, *args) with args already evaluated) and split the result by rank."""
     funcs = {"shard_dim": shard_dim, "reorder_segments": reorder_segments, "replicate": replicate}
+    funcs["shard_heads"] = shard_heads
     for name, *args in steps:
         x = funcs[name](x, *args)
     return [np.ascontiguousarray(x[r]) for r in range(n)]

@@ -84,6 +84,19 @@ CASES: dict[str, Case] = {
             [("reorder_segments", 0, [24, 24], n), ("reorder_segments", 0, [24, 24], n), ("shard_dim", 0, n)],
         ),
     ),
+    "qkv_heads": (
+        ((8 + 2 + 2) * 3, 5),
+        "float16",
+        lambda n: (
+            [step("shard_heads", 0, [8, 2, 2], [0, 1, 1], "num_shards", 3)],
+            [("shard_heads", 0, [8, 2, 2], [0, 1, 1], n, 3)],
+        ),
+    ),
+    "kv_heads_dim1": (
+        (3, 2 * 4),
+        "float32",
+        lambda n: ([step("shard_heads", 1, [2], [1], "num_shards", 4)], [("shard_heads", 1, [2], [1], n, 4)]),
+    ),
     "reorder_then_replicate": (
         (24, 2),
         "float16",
@@ -110,8 +123,11 @@ def _valid(shape: tuple[int, ...], name: str, n: int) -> bool:
         "shard_then_reorder": [24],
         "two_reorders": [24, 24],
         "reorder_then_replicate": [12, 12],
+        "qkv_heads": [8],
+        "kv_heads_dim1": [],
     }[name]
-    return all(k % n == 0 for k in needs)
+    kv_heads = {"qkv_heads": [2, 2], "kv_heads_dim1": [2]}.get(name, [])
+    return all(k % n == 0 for k in needs) and all(k % n == 0 or n % k == 0 for k in kv_heads)
 
 
 @pytest.mark.parametrize("n", NS)
@@ -124,7 +140,7 @@ def test_step_chain_matches_reference(tmp_path: Path, name: str, n: int) -> None
     info = ShardInfo.from_dict({"version": 1, "num_shards": None, "params": {"w": doc_steps}})
     checkpoint = open_checkpoint(model)
     if not _valid(shape, name, n):
-        with pytest.raises(PlanError, match=r"divisible|cutting|cannot be split"):
+        with pytest.raises(PlanError, match=r"divisible|cutting|cannot be split|neither divides"):
             build_plan(info, checkpoint, n)
         return
     plan = build_plan(info, checkpoint, n)
@@ -175,3 +191,24 @@ def test_unit_split_error_names_the_unit(tmp_path: Path) -> None:
     )
     with pytest.raises(PlanError, match=r"segment 1 of 8 units \(unit 4\).*num_shards=16 without cutting a unit"):
         build_plan(info, open_checkpoint(model), 16)
+
+
+def test_kv_heads_error_names_the_head_counts(tmp_path: Path) -> None:
+    x = random_array(np.random.default_rng(0), ((6 + 2 + 2) * 4, 8), "float16")
+    model = write_model(tmp_path, {"qkv": x})
+    info = ShardInfo.from_dict(
+        {"version": 1, "params": {"qkv": [step("shard_heads", 0, [6, 2, 2], [0, 1, 1], "num_shards", 4)]}}
+    )
+    with pytest.raises(
+        PlanError,
+        match=r"qkv: step 1 \(shard_funcs.shard_heads\): segment 1: num_shards=3 neither divides its 2 KV heads "
+        r"nor is a multiple of them \(query heads: 6\)",
+    ):
+        build_plan(info, open_checkpoint(model), 3)
+    with pytest.raises(PlanError, match=r"segment 0 of 6 heads cannot be split across num_shards=4 without cutting"):
+        build_plan(info, open_checkpoint(model), 4)
+    bad_flags = ShardInfo.from_dict(
+        {"version": 1, "params": {"qkv": [step("shard_heads", 0, [6, 2, 2], [0, 1], "num_shards", 4)]}}
+    )
+    with pytest.raises(PlanError, match=r"kv must hold one 0/1 flag per segment"):
+        build_plan(bad_flags, open_checkpoint(model), 2)

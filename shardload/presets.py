@@ -1,0 +1,668 @@
+"""Model plans: decide, from config.json and tensor names, how each weight is tensor-parallel.
+
+Decisions come from built-in architecture presets (Llama, Mistral, Qwen2/3, Phi-3, Mixtral,
+Qwen-MoE and BERT families) or from HF transformers' ``base_model_tp_plan`` when config.json has
+one. Each decision is a :class:`Placement` record (tensor, parallel style, dim, fused segments
+in units, KV flags); :func:`model_placements` makes them, :func:`placement_steps` turns one into
+shard_info steps and :func:`shard_info_document` renders a whole N-agnostic file. A companion
+rule (quantized scales, packed weights) can read the records and add its own before rendering.
+Everything here is pure: config and safetensors headers only, no tensor data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from .errors import CheckpointError, PlanError
+
+__all__ = [
+    "STYLES",
+    "GeneratedPlan",
+    "StepsRule",
+    "ModelDims",
+    "Placement",
+    "build_shard_info",
+    "config_problems",
+    "generate",
+    "hf_placements",
+    "model_placements",
+    "placement_steps",
+    "plan_problems",
+    "preset_placements",
+    "read_config",
+    "resolved_style",
+    "shard_info_document",
+]
+
+STYLES = ("column", "row", "replicated", "vocab", "expert")
+"""column: output features split (outputs concatenated); row: input features split (partial sums
+all-reduced); vocab: embedding rows split (masked lookup, all-reduced); expert: whole experts of a
+stacked ``[num_experts, ...]`` tensor per rank; replicated: every rank holds the tensor."""
+
+PLAN_STYLES = ("auto", "megatron", "hf")
+EXPERT_MODES = ("tp", "parallel")
+MAX_CHECKED_NUM_SHARDS = 64
+SCHEMA_URL = "https://shardload.dev/shard_info.schema.json"
+
+
+class TensorHeader(Protocol):
+    """What the generator needs of a stored tensor (``shardload.checkpoint.TensorInfo`` has it)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How one (stored or logical) tensor is split across ranks, before it becomes steps.
+
+    ``dim`` is the split dim of the tensor (None when replicated); ``segments`` are the sizes of
+    the fused parts along ``dim`` in ``unit``s (empty: one part); ``kv`` flags the segments that
+    hold KV heads, replicated when N exceeds their head count; ``rule`` says which preset or
+    tp_plan entry decided it ("" when none matched).
+    """
+
+    name: str
+    style: str
+    dim: int | None = None
+    segments: tuple[int, ...] = ()
+    unit: int = 1
+    kv: tuple[bool, ...] = ()
+    rule: str = ""
+
+    def __post_init__(self) -> None:
+        if self.style not in STYLES:
+            raise ValueError(f"{self.name}: style must be one of {STYLES}, got {self.style!r}")
+        if (self.dim is None) != (self.style == "replicated"):
+            raise ValueError(f"{self.name}: a {self.style} placement {'needs' if self.dim is None else 'takes no'} dim")
+        if self.kv and len(self.kv) != len(self.segments):
+            raise ValueError(f"{self.name}: kv flags {self.kv} do not match segments {self.segments}")
+        if self.unit < 1 or any(s < 1 for s in self.segments):
+            raise ValueError(f"{self.name}: unit and segments must be positive")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes a plan needs from config.json: attention heads and, for MoE models, experts."""
+
+    hidden_size: int | None
+    num_heads: int | None
+    num_kv_heads: int | None
+    head_dim: int | None
+    num_experts: int | None
+    intermediate_size: int | None
+    expert_intermediate_size: int | None
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ModelDims:
+        """Read head and expert counts (absent keys give None; GQA defaults to one KV head per head)."""
+        hidden = _int_key(config, "hidden_size")
+        heads = _int_key(config, "num_attention_heads")
+        kv = _int_key(config, "num_key_value_heads") or heads
+        head_dim = _int_key(config, "head_dim") or (hidden // heads if hidden and heads else None)
+        experts = _int_key(config, "num_local_experts") or _int_key(config, "num_experts")
+        inter = _int_key(config, "intermediate_size")
+        return cls(hidden, heads, kv, head_dim, experts, inter, _int_key(config, "moe_intermediate_size") or inter)
+
+
+def _int_key(config: Mapping[str, Any], key: str) -> int | None:
+    value = config.get(key)
+    if value is None:
+        return None
+    if type(value) is not int or value < 1:
+        raise CheckpointError(f"{key} must be a positive integer, got {value!r}", file="config.json")
+    return value
+
+
+# --- built-in presets ----------------------------------------------------------------------
+
+DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
+
+# Module (or, for stacked experts, parameter) path suffixes -> role; digits in paths match "*".
+DECODER_ROLES: dict[str, str] = {
+    "embed_tokens": "vocab",
+    "lm_head": "lm_head",
+    "self_attn.q_proj": "q",
+    "self_attn.k_proj": "k",
+    "self_attn.v_proj": "v",
+    "self_attn.qkv_proj": "qkv",
+    "self_attn.o_proj": "o",
+    "mlp.gate_proj": "column",
+    "mlp.up_proj": "column",
+    "mlp.gate_up_proj": "gate_up",
+    "mlp.down_proj": "row",
+    "shared_expert.gate_proj": "column",
+    "shared_expert.up_proj": "column",
+    "shared_expert.down_proj": "row",
+    "experts.*.w1": "expert_column",
+    "experts.*.w3": "expert_column",
+    "experts.*.gate_proj": "expert_column",
+    "experts.*.up_proj": "expert_column",
+    "experts.*.w2": "expert_row",
+    "experts.*.down_proj": "expert_row",
+    "experts.gate_up_proj": "stacked_gate_up",
+    "experts.gate_proj": "stacked_column",
+    "experts.up_proj": "stacked_column",
+    "experts.down_proj": "stacked_row",
+}
+ENCODER_ROLES: dict[str, str] = {
+    "embeddings.word_embeddings": "vocab",
+    "attention.self.query": "q",
+    "attention.self.key": "k",
+    "attention.self.value": "v",
+    "attention.output.dense": "o",
+    "intermediate.dense": "column",
+    "output.dense": "row",
+    "cls.predictions.decoder": "lm_head",
+    "cls.predictions.bias": "lm_head",
+    "lm_head.decoder": "lm_head",
+    "lm_head.bias": "lm_head",
+}
+ATTENTION_ROLES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "qkv_proj": "qkv", "o_proj": "o",
+                   "query": "q", "key": "k", "value": "v"}  # fmt: skip
+
+
+def _star(path: str) -> str:
+    return ".".join("*" if part.isdigit() else part for part in path.split("."))
+
+
+def _match(path: str, patterns: Iterable[str]) -> str | None:
+    """The longest pattern that ``path`` (digits starred) equals or ends with at a dot boundary."""
+    starred = _star(path)
+    best = None
+    for pattern in patterns:
+        p = _star(pattern)
+        if (starred == p or starred.endswith("." + p)) and (best is None or len(p) > len(_star(best))):
+            best = pattern
+    return best
+
+
+def _targets(tensors: Mapping[str, TensorHeader], patterns: Iterable[str]) -> Iterable[tuple[str, str, str | None]]:
+    """Yield ``(tensor name, matched pattern, parameter)`` for every stored or logical weight a pattern names.
+
+    A pattern names a whole stored tensor (parameter None: stacked experts, ``cls.predictions.bias``)
+    or a module, whose ``weight`` and ``bias`` it covers; a module stored without ``.weight``
+    (quantized: ``weight_packed``, ``qweight`` ...) still yields its logical ``.weight``.
+    """
+    patterns = list(patterns)
+    seen: set[str] = set()
+    for name in tensors:
+        whole = _match(name, patterns)
+        if whole is not None:
+            seen.add(name)
+            yield name, whole, None
+            continue
+        module, _, param = name.rpartition(".")
+        pattern = _match(module, patterns) if module else None
+        if pattern is None:
+            continue
+        for target, p in ((name, param), (f"{module}.weight", "weight")):
+            if p in ("weight", "bias") and target not in seen:
+                seen.add(target)
+                yield target, pattern, p
+
+
+def _shape_error(name: str, reason: str) -> PlanError:
+    return PlanError(reason, file="config.json", param=name)
+
+
+def _role_placement(
+    role: str, name: str, param: str | None, shape: tuple[int, ...] | None, dims: ModelDims, experts: str, rule: str
+) -> Placement:
+    """The placement for one tensor of a module with a preset role."""
+    bias = param == "bias"
+    if role == "vocab":
+        return Placement(name, "vocab", 0, rule=rule)
+    if role == "lm_head":
+        return Placement(name, "column", 0, rule=rule)
+    if role in ("q", "k", "v", "qkv", "o"):
+        return _attention_placement(role, name, bias, shape, dims, rule)
+    if role == "column":
+        return Placement(name, "column", 0, rule=rule)
+    if role == "row":
+        return Placement(name, "replicated", rule=rule) if bias else Placement(name, "row", 1, rule=rule)
+    if role == "gate_up":
+        return _packed(name, 0, shape, dims.intermediate_size, rule)
+    if role in ("expert_column", "expert_row"):
+        if experts == "parallel":
+            raise PlanError(
+                "--experts parallel needs expert weights stacked as [num_experts, ...], but this checkpoint "
+                "stores one tensor per expert and every rank receives every stored tensor; re-save it stacked "
+                "(transformers: save_pretrained(..., save_original_format=False)) or use --experts tp",
+                param=name,
+            )
+        if role == "expert_column":
+            return Placement(name, "column", 0, rule=rule)
+        return Placement(name, "replicated", rule=rule) if bias else Placement(name, "row", 1, rule=rule)
+    # stacked experts: [num_experts, out, in] weights, [num_experts, out] biases
+    if shape is not None and dims.num_experts is not None and shape[0] != dims.num_experts:
+        raise _shape_error(
+            name, f"stacked expert tensor {list(shape)} does not lead with num_experts={dims.num_experts}"
+        )
+    if experts == "parallel":
+        return Placement(name, "expert", 0, rule=rule)
+    if role == "stacked_gate_up":
+        return _packed(name, 1, shape, dims.expert_intermediate_size, rule)
+    if role == "stacked_column":
+        return Placement(name, "column", 1, rule=rule)
+    return Placement(name, "replicated", rule=rule) if bias else Placement(name, "row", 2, rule=rule)
+
+
+def _packed(name: str, dim: int, shape: tuple[int, ...] | None, half: int | None, rule: str) -> Placement:
+    """Column-parallel over two equal fused halves (gate and up) along ``dim``.
+
+    The half size comes from the stored shape, or from config (``half``) for a logical weight.
+    """
+    if shape is not None:
+        if shape[dim] % 2:
+            raise _shape_error(name, f"fused gate_up dim {dim} of size {shape[dim]} is not two equal halves")
+        half = shape[dim] // 2
+    if half is None:
+        raise _shape_error(name, "the fused gate_up size is unknown: it is not stored and config.json has no size")
+    return Placement(name, "column", dim, (half, half), rule=rule)
+
+
+def _attention_placement(
+    role: str, name: str, bias: bool, shape: tuple[int, ...] | None, dims: ModelDims, rule: str
+) -> Placement:
+    """Split by whole heads; KV heads are flagged so they replicate when N exceeds their count."""
+    heads, kv_heads, head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
+    if heads is None or kv_heads is None or head_dim is None:
+        raise _shape_error(name, "config.json needs num_attention_heads (and hidden_size or head_dim) to split heads")
+    if role == "o":
+        if bias:
+            return Placement(name, "replicated", rule=rule)
+        if shape is not None and shape[-1] != heads * head_dim:
+            raise _shape_error(
+                name, f"input dim {shape[-1]} != num_attention_heads={heads} x head_dim={head_dim} from config.json"
+            )
+        return Placement(name, "row", 1, (heads,), head_dim, (False,), rule=rule)
+    segments, kv = {
+        "q": ((heads,), (False,)),
+        "k": ((kv_heads,), (True,)),
+        "v": ((kv_heads,), (True,)),
+        "qkv": ((heads, kv_heads, kv_heads), (False, True, True)),
+    }[role]
+    if shape is not None and shape[0] != sum(segments) * head_dim:
+        counts = f"num_attention_heads={heads}, num_key_value_heads={kv_heads}, head_dim={head_dim}"
+        raise _shape_error(name, f"output dim {shape[0]} does not match {counts} from config.json")
+    return Placement(name, "column", 0, segments, head_dim, kv, rule=rule)
+
+
+def preset_placements(
+    config: Mapping[str, Any], tensors: Mapping[str, TensorHeader], *, experts: str = "tp"
+) -> dict[str, Placement]:
+    """Placements for every stored tensor (and logical weight) from the built-in preset of config's model_type."""
+    model_type = config.get("model_type")
+    if model_type in DECODER_TYPES:
+        roles = DECODER_ROLES
+    elif model_type in ENCODER_TYPES:
+        roles = ENCODER_ROLES
+    else:
+        known = ", ".join(DECODER_TYPES + ENCODER_TYPES)
+        raise PlanError(
+            f"model_type {model_type!r} has no built-in preset (known: {known}) and no base_model_tp_plan",
+            file="config.json",
+        )
+    dims = ModelDims.from_config(config)
+    placements = _replicated(tensors)
+    for name, pattern, param in _targets(tensors, roles):
+        info = tensors.get(name)
+        rule = f"preset {model_type}: {pattern}"
+        placements[name] = _role_placement(
+            roles[pattern], name, param, None if info is None else tuple(info.shape), dims, experts, rule
+        )
+    return placements
+
+
+def _replicated(tensors: Mapping[str, TensorHeader]) -> dict[str, Placement]:
+    return {name: Placement(name, "replicated") for name in tensors}
+
+
+# --- HF transformers tp_plan ------------------------------------------------------------------
+
+HF_COLUMN = {"colwise", "local_colwise"}
+HF_COLUMN_GATHERED = {"colwise_rep", "colwise_gather_output"}
+HF_ROW = {"rowwise", "local_rowwise"}
+HF_ROW_REPLICATED_INPUT = {"rowwise_rep", "rowwise_split_input"}
+HF_REPLICATED = {
+    "replicate", "replicated_with_grad_allreduce", "sequence_parallel", "all_reduce", "gather", "local",
+    "isolated", "local_params", "moe_tp_experts", "moe_identity_expert", "ep_dispatch_experts", "ep_router",
+}  # fmt: skip
+HF_STYLES = sorted(
+    HF_COLUMN | HF_COLUMN_GATHERED | HF_ROW | HF_ROW_REPLICATED_INPUT | HF_REPLICATED
+    | {"packed_colwise", "packed_rowwise", "embedding_rowwise", "embedding_colwise", "grouped_gemm"}
+)  # fmt: skip
+
+
+def hf_placements(
+    config: Mapping[str, Any], tensors: Mapping[str, TensorHeader], *, experts: str = "tp"
+) -> tuple[dict[str, Placement], list[str]]:
+    """Placements from config's ``base_model_tp_plan`` (and ``base_model_ep_plan`` for ``experts="parallel"``).
+
+    Returns the placements and notes (plan patterns that matched no tensor). Tensors no pattern
+    matches are replicated; ``lm_head`` is column-parallel as in HF's causal-LM classes unless
+    the plan names it.
+    """
+    plan = _plan_dict(config, "base_model_tp_plan")
+    if experts == "parallel":
+        ep = config.get("base_model_ep_plan")
+        if not ep:
+            raise PlanError(
+                "--experts parallel with --style hf needs a base_model_ep_plan (or use --style megatron)",
+                file="config.json",
+            )
+        plan.update(_plan_dict(config, "base_model_ep_plan"))
+    if "lm_head" not in plan and any(n == "lm_head.weight" for n in tensors):
+        plan["lm_head"] = "colwise_gather_output"
+    dims = ModelDims.from_config(config)
+    placements = _replicated(tensors)
+    used: set[str] = set()
+    for name, pattern, param in _targets(tensors, plan):
+        used.add(pattern)
+        info = tensors.get(name)
+        shape = None if info is None else tuple(info.shape)
+        placements[name] = _hf_style_placement(plan[pattern], pattern, name, param, shape, dims)
+    notes = [f"tp_plan entry {p!r} ({plan[p]}) matched no tensor" for p in plan if p not in used]
+    return placements, notes
+
+
+def _plan_dict(config: Mapping[str, Any], key: str) -> dict[str, str]:
+    plan = config.get(key)
+    ok = isinstance(plan, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items())
+    if not ok:
+        raise PlanError(f"{key} must be an object of module pattern -> style name", file="config.json")
+    return dict(plan)
+
+
+def _hf_style_placement(
+    style: str, pattern: str, name: str, param: str | None, shape: tuple[int, ...] | None, dims: ModelDims
+) -> Placement:
+    rule = f"tp_plan {pattern}: {style}"
+    bias = param == "bias" or (param is None and name.endswith("bias"))
+    ndim = len(shape) if shape is not None else (1 if bias else 2)
+    out_dim = ndim - 1 if bias else max(ndim - 2, 0)  # a bias holds only the output dim
+    attention = ATTENTION_ROLES.get(pattern.rsplit(".", 1)[-1])
+    if style in HF_REPLICATED:
+        return Placement(name, "replicated", rule=rule)
+    if style in HF_COLUMN and attention in ("q", "k", "v", "qkv") and ndim <= 2:
+        return _attention_placement(attention, name, bias, shape, dims, rule)
+    if style in HF_COLUMN | HF_COLUMN_GATHERED:
+        return Placement(name, "column", out_dim, rule=rule)
+    if style in HF_ROW | HF_ROW_REPLICATED_INPUT:
+        if bias:
+            return Placement(name, "replicated", rule=rule)
+        if style in HF_ROW and attention == "o" and ndim == 2:
+            return _attention_placement("o", name, False, shape, dims, rule)
+        return Placement(name, "row", ndim - 1, rule=rule)
+    half = dims.expert_intermediate_size if ndim == 3 else dims.intermediate_size
+    if style == "packed_colwise":
+        return _packed(name, out_dim, shape, half, rule)
+    if style == "packed_rowwise":
+        if bias:
+            return Placement(name, "replicated", rule=rule)
+        return replace(_packed(name, ndim - 1, shape, half, rule), style="row")
+    if style == "embedding_rowwise":
+        return Placement(name, "vocab", 0, rule=rule)
+    if style == "embedding_colwise":
+        return Placement(name, "column", ndim - 1, rule=rule)
+    if style == "grouped_gemm":
+        return Placement(name, "expert", 0, rule=rule)
+    raise PlanError(
+        f"tp_plan entry {pattern!r}: unsupported style {style!r} (supported: {', '.join(HF_STYLES)})",
+        file="config.json",
+        param=name,
+    )
+
+
+# --- placements -> steps -> document ----------------------------------------------------------
+
+
+def placement_steps(placement: Placement, shape: Sequence[int], dtype: str) -> list[list[Any]]:
+    """The N-agnostic shard_info steps for ``placement`` on a stored tensor of ``shape`` and ``dtype``."""
+    p = placement
+    if p.style == "replicated":
+        return []
+    assert p.dim is not None
+    shape = list(shape)
+    if not -len(shape) <= p.dim < len(shape):
+        raise PlanError(f"{p.style} split dim {p.dim} is out of range for shape {shape}", param=p.name)
+    d = p.dim % len(shape)
+    size = shape[d]
+    segments = list(p.segments) or [size // p.unit]
+    if sum(segments) * p.unit != size:
+        raise PlanError(f"segments {segments} x unit {p.unit} do not add up to dim {d} of size {size}", param=p.name)
+    split = ["num_shards", *shape]
+    split[d + 1] = f"{size} // num_shards"
+    if p.unit > 1 or any(p.kv):
+        kv = [int(f) for f in p.kv] or [0] * len(segments)
+        out = None if any(kv) else split  # a replicated KV head has no linear size in N
+        return [["shard_funcs.shard_heads", [out, dtype], d, segments, kv, "num_shards", p.unit]]
+    steps: list[list[Any]] = []
+    if len(segments) > 1:
+        steps.append(["shard_funcs.reorder_segments", [shape, dtype], d, segments, "num_shards"])
+    steps.append(["shard_funcs.shard_dim", [split, dtype], d, "num_shards"])
+    return steps
+
+
+StepsRule = Callable[[Placement, Sequence[int], str], list[list[Any]]]
+"""``rule(placement, stored shape, dtype) -> steps``: how a placement becomes shard_info steps."""
+
+
+def shard_info_document(
+    placements: Mapping[str, Placement],
+    tensors: Mapping[str, TensorHeader],
+    *,
+    description: str | None = None,
+    steps: StepsRule | None = None,
+) -> dict[str, Any]:
+    """The N-agnostic document-form shard_info for the stored tensors among ``placements``.
+
+    ``steps`` renders one placement (default :func:`placement_steps`); a rule for other stored
+    layouts (packed or quantized tensors) can wrap it.
+    """
+    render = steps or placement_steps
+    params: dict[str, Any] = {}
+    for name, info in tensors.items():
+        placement = placements.get(name)
+        entry = render(placement, tuple(info.shape), info.dtype) if placement is not None else []
+        if entry:
+            params[name] = entry
+    doc: dict[str, Any] = {"$schema": SCHEMA_URL, "version": 1, "num_shards": None}
+    if description:
+        doc["description"] = description
+    doc["params"] = params
+    return doc
+
+
+def model_placements(
+    config: Mapping[str, Any], tensors: Mapping[str, TensorHeader], *, style: str = "auto", experts: str = "tp"
+) -> tuple[dict[str, Placement], list[str]]:
+    """Placements (one per stored tensor, plus logical weights of quantized modules) and notes.
+
+    ``style``: ``"hf"`` follows config's base_model_tp_plan, ``"megatron"`` the built-in preset,
+    ``"auto"`` the tp_plan when config has one. ``experts``: ``"tp"`` splits inside each expert,
+    ``"parallel"`` gives each rank whole experts.
+    """
+    if style not in PLAN_STYLES:
+        raise PlanError(f"style must be one of {', '.join(PLAN_STYLES)}, got {style!r}")
+    if experts not in EXPERT_MODES:
+        raise PlanError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {experts!r}")
+    if resolved_style(config, style) == "hf":
+        return hf_placements(config, tensors, experts=experts)
+    return preset_placements(config, tensors, experts=experts), []
+
+
+def resolved_style(config: Mapping[str, Any], style: str) -> str:
+    """``"hf"`` or ``"megatron"``: what ``style`` means for this config (``auto`` picks hf when it has a plan)."""
+    has_plan = bool(config.get("base_model_tp_plan"))
+    if style == "hf" and not has_plan:
+        raise PlanError(
+            "--style hf needs a base_model_tp_plan in config.json (or use --style megatron)", file="config.json"
+        )
+    if style == "auto":
+        return "hf" if has_plan else "megatron"
+    return style
+
+
+def build_shard_info(
+    config: Mapping[str, Any], tensors: Mapping[str, TensorHeader], *, style: str = "auto", experts: str = "tp"
+) -> dict[str, Any]:
+    """The N-agnostic shard_info document for a model's config and stored tensors (pure)."""
+    placements, _ = model_placements(config, tensors, style=style, experts=experts)
+    return shard_info_document(placements, tensors)
+
+
+# --- which N work -------------------------------------------------------------------------
+
+
+def config_problems(config: Mapping[str, Any], placements: Mapping[str, Placement], num_shards: int) -> list[str]:
+    """Reasons, in config.json's terms (head and expert counts), that ``num_shards`` cannot work."""
+    dims = ModelDims.from_config(config)
+    n = num_shards
+    reasons = []
+    heads_split = any(p.unit > 1 or p.kv for p in placements.values())
+    if heads_split and dims.num_heads and dims.num_kv_heads:
+        h, k = dims.num_heads, dims.num_kv_heads
+        if h % n:
+            reasons.append(f"num_attention_heads={h} is not divisible by num_shards={n}")
+        if k % n and n % k:
+            reasons.append(
+                f"num_shards={n} neither divides num_key_value_heads={k} nor is a multiple of it "
+                f"(num_attention_heads={h})"
+            )
+    if dims.num_experts and any(p.style == "expert" for p in placements.values()) and dims.num_experts % n:
+        reasons.append(f"{dims.num_experts} experts are not divisible by num_shards={n} (expert parallel)")
+    return reasons
+
+
+def plan_problems(
+    document: Mapping[str, Any], tensors: Mapping[str, Any], num_shards: Iterable[int]
+) -> dict[int, list[str]]:
+    """For each N, every message from planning ``document`` against the stored tensors (pure: headers only)."""
+    from .checkpoint import Checkpoint
+    from .format import ShardInfo
+    from .plan import build_plan
+
+    info = ShardInfo.from_dict(dict(document), source="")
+    checkpoint = Checkpoint(Path("<model>"), Path("."), "safetensors", dict(tensors))
+    return {n: [p.message for p in build_plan(info, checkpoint, n, strict=False).problems] for n in num_shards}
+
+
+# --- a model directory ------------------------------------------------------------------------
+
+
+@dataclass
+class GeneratedPlan:
+    """A generated shard_info with its placements, the N it plans for, and notes for the user."""
+
+    document: dict[str, Any]
+    placements: dict[str, Placement]
+    supported: list[int]
+    style: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def sharded(self) -> int:
+        """Number of stored tensors with steps (the rest are replicated)."""
+        return len(self.document["params"])
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the document to ``path`` atomically (temporary file beside it, then rename)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(self.document, indent=2) + "\n", encoding="utf-8")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def read_config(root: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read ``config.json`` from a model directory as plain JSON."""
+    path = Path(root) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(
+            "no config.json here (shardload plan reads the model's config)", file=str(path.parent)
+        ) from None
+    except OSError as err:
+        raise CheckpointError(f"cannot read: {err.strerror or err}", file=str(path)) from None
+    except (ValueError, RecursionError) as err:
+        raise CheckpointError(f"not valid JSON: {err}", file=str(path)) from None
+    if not isinstance(config, dict):
+        raise CheckpointError("top level must be a JSON object", file=str(path))
+    return config
+
+
+def generate(
+    model: str | os.PathLike[str],
+    *,
+    style: str = "auto",
+    experts: str = "tp",
+    num_shards: Sequence[int] = (),
+    check_up_to: int = MAX_CHECKED_NUM_SHARDS,
+) -> GeneratedPlan:
+    """Generate the N-agnostic shard_info of a model directory; raise PlanError if any of ``num_shards`` cannot work.
+
+    The result records every N in 1..``check_up_to`` it plans for (also in its description).
+    """
+    from .checkpoint import open_checkpoint
+
+    for n in num_shards:
+        if type(n) is not int or n < 1:
+            raise PlanError(f"num_shards must be a positive integer, got {n!r}", file=str(model))
+    checkpoint = open_checkpoint(model)
+    if checkpoint.kind == "converted":
+        raise PlanError("this is a converted directory; plan the source checkpoint instead", file=checkpoint.name)
+    config_path = str(checkpoint.root / "config.json")
+    config = read_config(checkpoint.root)
+    tensors = checkpoint.tensors
+    try:
+        chosen = resolved_style(config, style)
+        placements, notes = model_placements(config, tensors, style=chosen, experts=experts)
+        document = shard_info_document(placements, tensors)
+    except PlanError as err:
+        raise _relocated(err, config_path) from None
+    for n in num_shards:
+        reasons = config_problems(config, placements, n)
+        if reasons:
+            raise PlanError("; ".join(reasons), file=str(model))
+        problems = plan_problems(document, tensors, [n])[n]
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise PlanError(f"num_shards={n}: {problems[0]}{more}", file=str(model))
+    checked = plan_problems(document, tensors, range(1, check_up_to + 1))
+    supported = [n for n, problems in checked.items() if not problems]
+    source = f"base_model_tp_plan of {config_path}" if chosen == "hf" else f"the {config.get('model_type')} preset"
+    document = {
+        **{k: v for k, v in document.items() if k != "params"},
+        "description": (
+            f"Generated by `shardload plan` from {source} (experts: {experts}). N-agnostic; plans for "
+            f"num_shards {', '.join(map(str, supported))} (checked 1..{check_up_to})."
+        ),
+        "params": document["params"],
+    }
+    if experts == "parallel" and not any(p.style == "expert" for p in placements.values()):
+        notes.append("--experts parallel: no stacked expert tensors found, nothing is expert-parallel")
+    unmatched = sum(1 for n in tensors if placements[n].style == "replicated" and not placements[n].rule)
+    if unmatched:
+        notes.append(f"{unmatched} tensor(s) matched no rule and are replicated (norms, routers, buffers, ...)")
+    return GeneratedPlan(document, placements, supported, chosen, notes)
+
+
+def _relocated(err: PlanError, config_path: str) -> PlanError:
+    if err.file in (None, "config.json"):
+        err.file = config_path
+        err.args = (err.message,)
+    return err

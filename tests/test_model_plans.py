@@ -1,0 +1,362 @@
+"""`shardload plan` on real architectures: the sharded model computes the same function.
+
+Tiny transformers models (random fp32 weights, saved with save_pretrained) are planned, loaded for
+N ranks with shardload.load, and run tensor-parallel over the N rank state dicts by
+tests/tp_reference.py; logits must match the unsharded HF model within 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import shardload
+import tiny_models
+import tp_reference as tp
+from shardload import presets
+from shardload.cli import main
+from shardload.validate import validate_file
+
+pytest.importorskip("transformers")
+
+IDS = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.nn.Module]]:
+    """Every tiny model kind, built once: directory and the unsharded HF model."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: (root / kind, tiny_models.build(kind, root / kind)) for kind in tiny_models.KINDS}
+
+
+def _plan(model_dir: Path, *args: str) -> Path:
+    out = model_dir / f"shard_info{'_'.join(args).replace('-', '')}.json"
+    result = CliRunner().invoke(main, ["plan", str(model_dir), "-o", str(out), "--overwrite", *args])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _config(model_dir: Path) -> dict[str, Any]:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
+
+
+def _reference_logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+CAUSAL = [
+    ("llama", [1, 2, 4]),
+    ("qwen2", [1, 2, 4]),
+    ("llama_gqa", [1, 2, 4, 8]),
+    ("phi3", [1, 2, 4]),
+    ("mixtral", [1, 2, 4]),
+    ("mixtral_stacked", [1, 2, 4]),
+]
+
+
+@pytest.mark.parametrize(("kind", "ns"), CAUSAL, ids=[k for k, _ in CAUSAL])
+def test_tensor_parallel_logits_match(models: dict, kind: str, ns: list[int]) -> None:
+    model_dir, model = models[kind]
+    info = _plan(model_dir)
+    report = validate_file(info, model_dir, ns)
+    assert report["valid"], report["problems"]
+    want = _reference_logits(model)
+    for n in ns:
+        shards = shardload.load(model_dir, n, shard_info=info)
+        with torch.no_grad():
+            got = tp.decoder_logits(_config(model_dir), shards, IDS)
+        _assert_close(got, want)
+
+
+@pytest.mark.parametrize("ns", [[1, 2, 4]])
+def test_expert_parallel_logits_match(models: dict, ns: list[int]) -> None:
+    model_dir, model = models["mixtral_stacked"]
+    info = _plan(model_dir, "--experts", "parallel")
+    want = _reference_logits(model)
+    for n in ns:
+        shards = shardload.load(model_dir, n, shard_info=info)
+        gate_up = shards[0]["model.layers.0.mlp.experts.gate_up_proj"]
+        assert gate_up.shape == (4 // n, 256, 64)  # whole experts: the fused intermediate dim is intact
+        with torch.no_grad():
+            _assert_close(tp.decoder_logits(_config(model_dir), shards, IDS, experts="parallel"), want)
+
+
+def test_bert_hidden_states_match(models: dict) -> None:
+    model_dir, model = models["bert"]
+    info = _plan(model_dir)
+    with torch.no_grad():
+        want = model(input_ids=IDS).last_hidden_state
+    for n in (1, 2, 4):
+        shards = shardload.load(model_dir, n, shard_info=info)
+        assert shards[0]["embeddings.word_embeddings.weight"].shape == (256 // n, 64)
+        with torch.no_grad():
+            _assert_close(tp.bert_hidden(_config(model_dir), shards, IDS), want)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_gqa_kv_heads_follow_vllm_rule(models: dict, n: int) -> None:
+    """N > KV heads: rank r holds KV head r // (N / num_kv_heads), weights and biases alike."""
+    model_dir, _ = models["qwen2"] if n == 4 else models["llama_gqa"]
+    kv_heads, head_dim = 2, 16 if n == 4 else 8
+    stored = shardload.load(model_dir, 1, shard_info={"version": 1, "params": {}})[0]
+    shards = shardload.load(model_dir, n, shard_info=_plan(model_dir))
+    names = [k for k in stored if ".k_proj." in k or ".v_proj." in k]
+    assert any(k.endswith("bias") for k in names) == (n == 4)
+    for name in names:
+        for r, shard in enumerate(shards):
+            head = r // (n // kv_heads)
+            assert torch.equal(shard[name], stored[name][head * head_dim : (head + 1) * head_dim])
+
+
+def test_swapped_shards_change_the_result(models: dict) -> None:
+    """The tensor-parallel forward notices a rank holding another rank's KV head (the check can fail)."""
+    model_dir, model = models["qwen2"]
+    shards = shardload.load(model_dir, 4, shard_info=_plan(model_dir))
+    name = "model.layers.0.self_attn.k_proj.weight"
+    shards[0][name], shards[2][name] = shards[2][name], shards[0][name]
+    with torch.no_grad():
+        got = tp.decoder_logits(_config(model_dir), shards, IDS)
+    assert not torch.allclose(got, _reference_logits(model), rtol=1e-3, atol=1e-3)
+
+
+# --- HF tp_plan ---------------------------------------------------------------------------------
+
+
+def _with_tp_plan(src: Path, dst: Path, config_cls: str) -> Path:
+    """A copy of ``src`` whose config.json carries transformers' own base_model_tp_plan / ep_plan."""
+    import transformers
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if (
+            f.suffix in (".safetensors", ".json")
+            and f.name != "shard_info.json"
+            and not f.name.startswith("shard_info")
+        ):
+            (dst / f.name).write_bytes(f.read_bytes())
+    cls = getattr(transformers, config_cls)
+    config = _config(src)
+    config["base_model_tp_plan"] = dict(cls.base_model_tp_plan)
+    if getattr(cls, "base_model_ep_plan", None):
+        config["base_model_ep_plan"] = dict(cls.base_model_ep_plan)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_hf_tp_plan_llama(models: dict, tmp_path: Path) -> None:
+    src, model = models["llama_gqa"]
+    model_dir = _with_tp_plan(src, tmp_path / "llama", "LlamaConfig")
+    info = json.loads(_plan(model_dir).read_text())
+    assert "base_model_tp_plan" in info["description"]
+    assert "model.embed_tokens.weight" not in info["params"]  # HF's plan leaves embeddings replicated
+    want = _reference_logits(model)
+    for n in (1, 2, 4, 8):
+        shards = shardload.load(model_dir, n, shard_info=info)
+        assert shards[0]["model.embed_tokens.weight"].shape == (256, 64)
+        assert shards[0]["lm_head.weight"].shape == (256 // n, 64)
+        with torch.no_grad():
+            _assert_close(tp.decoder_logits(_config(model_dir), shards, IDS), want)
+
+
+@pytest.mark.parametrize("experts", ["tp", "parallel"])
+def test_hf_tp_plan_mixtral_stacked(models: dict, tmp_path: Path, experts: str) -> None:
+    src, model = models["mixtral_stacked"]
+    model_dir = _with_tp_plan(src, tmp_path / "mixtral", "MixtralConfig")
+    info = _plan(model_dir, "--experts", experts)
+    want = _reference_logits(model)
+    for n in (1, 2, 4):
+        shards = shardload.load(model_dir, n, shard_info=info)
+        with torch.no_grad():
+            _assert_close(tp.decoder_logits(_config(model_dir), shards, IDS, experts=experts), want)
+
+
+def test_hf_styles_translate_literally() -> None:
+    """Each HF style becomes the split HF applies; attention colwise splits by whole heads."""
+    config = {"model_type": "x", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "base_model_tp_plan": {
+                  "layers.*.self_attn.qkv_proj": "colwise_gather_output", "layers.*.self_attn.k_proj": "colwise",
+                  "layers.*.self_attn.o_proj": "rowwise", "layers.*.mlp.gate_up_proj": "packed_colwise",
+                  "layers.*.mlp.down_proj": "rowwise_split_input", "embed_tokens": "embedding_rowwise",
+                  "layers.*.mlp.experts.gate_up_proj": "grouped_gemm", "norm": "replicated_with_grad_allreduce",
+                  "layers.*.unused": "colwise"}}  # fmt: skip
+
+    class T:
+        def __init__(self, *shape: int) -> None:
+            self.shape, self.dtype = shape, "float32"
+
+    tensors = {
+        "model.layers.0.self_attn.qkv_proj.weight": T(128, 64),
+        "model.layers.0.self_attn.k_proj.weight": T(32, 64),
+        "model.layers.0.self_attn.k_proj.bias": T(32),
+        "model.layers.0.self_attn.o_proj.weight": T(64, 64),
+        "model.layers.0.self_attn.o_proj.bias": T(64),
+        "model.layers.0.mlp.gate_up_proj.weight": T(256, 64),
+        "model.layers.0.mlp.down_proj.weight": T(64, 128),
+        "model.layers.0.mlp.experts.gate_up_proj": T(4, 256, 64),
+        "model.embed_tokens.weight": T(256, 64),
+        "model.norm.weight": T(64),
+        "lm_head.weight": T(256, 64),
+    }
+    placements, notes = presets.model_placements(config, tensors)
+    short = {n: n.removeprefix("model.layers.0.").removeprefix("model.") for n in tensors}
+    got = {short[n]: (p.style, p.dim, p.segments, p.unit, p.kv) for n, p in placements.items()}
+    assert got == {
+        "self_attn.qkv_proj.weight": ("column", 0, (), 1, ()),  # output gathered: a plain split
+        "self_attn.k_proj.weight": ("column", 0, (2,), 16, (True,)),
+        "self_attn.k_proj.bias": ("column", 0, (2,), 16, (True,)),
+        "self_attn.o_proj.weight": ("row", 1, (4,), 16, (False,)),
+        "self_attn.o_proj.bias": ("replicated", None, (), 1, ()),
+        "mlp.gate_up_proj.weight": ("column", 0, (128, 128), 1, ()),
+        "mlp.down_proj.weight": ("row", 1, (), 1, ()),
+        "mlp.experts.gate_up_proj": ("expert", 0, (), 1, ()),
+        "embed_tokens.weight": ("vocab", 0, (), 1, ()),
+        "norm.weight": ("replicated", None, (), 1, ()),
+        "lm_head.weight": ("column", 0, (), 1, ()),
+    }
+    assert notes == ["tp_plan entry 'layers.*.unused' (colwise) matched no tensor"]
+    doc = presets.shard_info_document(placements, tensors)
+    assert doc["params"]["model.layers.0.self_attn.qkv_proj.weight"] == [
+        ["shard_funcs.shard_dim", [["num_shards", "128 // num_shards", 64], "float32"], 0, "num_shards"]
+    ]
+    assert doc["params"]["model.layers.0.self_attn.k_proj.weight"] == [
+        ["shard_funcs.shard_heads", [None, "float32"], 0, [2], [1], "num_shards", 16]
+    ]
+
+
+# --- the plan command ------------------------------------------------------------------------------
+
+
+def test_plan_matches_the_example_shard_info(example_dir: Path, tmp_path: Path) -> None:
+    """The example model's hand-written shard_info and the generated one give the same shards."""
+    out = tmp_path / "generated.json"
+    result = CliRunner().invoke(main, ["plan", str(example_dir), "-o", str(out), "-n", "8"])
+    assert result.exit_code == 0, result.output
+    assert "num_shards 1, 2, 4, 8, 16\n" in result.output
+    for n in (1, 2, 4, 8):
+        written = shardload.load(example_dir, n)
+        generated = shardload.load(example_dir, n, shard_info=out)
+        for r in range(n):
+            assert written[r].keys() == generated[r].keys()
+            for name, t in written[r].items():
+                assert torch.equal(t, generated[r][name]), (n, r, name)
+
+
+def test_plan_writes_a_file_valid_for_every_n_it_claims(models: dict) -> None:
+    model_dir, _ = models["llama_gqa"]
+    generated = presets.generate(model_dir)
+    assert generated.supported == [1, 2, 4, 8]
+    assert "plans for num_shards 1, 2, 4, 8 (checked 1..64)" in generated.document["description"]
+    path = _plan(model_dir)
+    assert json.loads(path.read_text()) == generated.document
+    report = validate_file(path, model_dir, generated.supported)
+    assert report["valid"] and report["valid_for"] == [1, 2, 4, 8]
+    assert validate_file(path, model_dir, [3, 16])["valid_for"] == []
+
+
+def _fake_model(directory: Path, config: dict[str, Any], tensors: dict[str, tuple[int, ...]]) -> Path:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True)
+    save_file({k: np.ones(s, dtype=np.float16) for k, s in tensors.items()}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_plan_rejects_n_that_divides_neither_way(tmp_path: Path) -> None:
+    config = {"model_type": "llama", "hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 4}
+    model_dir = _fake_model(tmp_path / "m", config, {
+        "model.layers.0.self_attn.q_proj.weight": (96, 96), "model.layers.0.self_attn.k_proj.weight": (32, 96),
+        "model.layers.0.self_attn.v_proj.weight": (32, 96), "model.layers.0.self_attn.o_proj.weight": (96, 96),
+    })  # fmt: skip
+    runner = CliRunner()
+    result = runner.invoke(main, ["plan", str(model_dir), "-n", "6"])
+    assert result.exit_code == 1
+    assert result.output.strip() == (
+        f"error: {model_dir}: num_shards=6 neither divides num_key_value_heads=4 "
+        "nor is a multiple of it (num_attention_heads=12)"
+    )
+    assert not (model_dir / "shard_info.json").exists()
+    result = runner.invoke(main, ["plan", str(model_dir), "-n", "12"])
+    assert result.exit_code == 0, result.output
+    assert "num_shards 1, 2, 4, 12" in result.output
+    report = validate_file(model_dir / "shard_info.json", model_dir, [6])
+    assert any(
+        "k_proj.weight: step 1 (shard_funcs.shard_heads): segment 0: num_shards=6 neither divides its 4 KV heads"
+        in p["message"]
+        for p in report["problems"]
+    )
+
+
+def test_plan_errors(models: dict, tmp_path: Path) -> None:
+    runner = CliRunner()
+    separate, _ = models["mixtral"]
+    result = runner.invoke(main, ["plan", str(separate), "-o", str(tmp_path / "x.json"), "--experts", "parallel"])
+    assert result.exit_code == 1
+    assert "block_sparse_moe.experts.0.w1.weight: --experts parallel needs expert weights stacked" in result.output
+    llama, _ = models["llama"]
+    result = runner.invoke(main, ["plan", str(llama), "-o", str(tmp_path / "y.json"), "--style", "hf"])
+    assert result.exit_code == 1 and "config.json: --style hf needs a base_model_tp_plan" in result.output
+    _plan(llama)  # writes llama/shard_info.json
+    result = runner.invoke(main, ["plan", str(llama)])
+    assert result.exit_code == 1 and "shard_info.json: exists (pass --overwrite" in result.output
+    unknown = _fake_model(tmp_path / "u", {"model_type": "gpt2"}, {"h.0.attn.c_attn.weight": (4, 4)})
+    result = runner.invoke(main, ["plan", str(unknown)])
+    assert result.exit_code == 1 and "model_type 'gpt2' has no built-in preset" in result.output
+    no_config = tmp_path / "nc"
+    no_config.mkdir()
+    (no_config / "model.safetensors").write_bytes((unknown / "model.safetensors").read_bytes())
+    result = runner.invoke(main, ["plan", str(no_config)])
+    assert result.exit_code == 1 and "no config.json here" in result.output
+    result = runner.invoke(main, ["plan", str(llama), "--experts", "all"])
+    assert result.exit_code == 2
+    for r in (result,):
+        assert "Traceback" not in r.output
+
+
+def test_plan_to_stdout(models: dict) -> None:
+    model_dir, _ = models["phi3"]
+    result = CliRunner().invoke(main, ["plan", str(model_dir), "-o", "-"])
+    assert result.exit_code == 0
+    doc = json.loads(result.stdout)
+    assert doc["num_shards"] is None and doc["params"]["model.layers.0.self_attn.qkv_proj.weight"][0][0] == (
+        "shard_funcs.shard_heads"
+    )
+
+
+def test_placements_cover_logical_weights_of_quantized_modules() -> None:
+    """A module stored without ``.weight`` (packed, scales) still gets its logical weight's placement,
+    for a companion rule to follow; its stored companions are left replicated with no rule."""
+
+    class T:
+        def __init__(self, *shape: int) -> None:
+            self.shape, self.dtype = shape, "int32"
+
+    config = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 96}  # fmt: skip
+    tensors = {
+        "model.layers.0.self_attn.k_proj.weight_packed": T(32, 8),
+        "model.layers.0.self_attn.k_proj.weight_scale": T(32, 1),
+        "model.layers.0.mlp.gate_up_proj.weight_packed": T(192, 8),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": T(8),
+    }
+    placements, _ = presets.model_placements(config, tensors)
+    k = placements["model.layers.0.self_attn.k_proj.weight"]
+    assert (k.style, k.dim, k.segments, k.unit, k.kv) == ("column", 0, (2,), 16, (True,))
+    assert placements["model.layers.0.mlp.gate_up_proj.weight"].segments == (96, 96)
+    companion = placements["model.layers.0.self_attn.k_proj.weight_scale"]
+    assert companion.style == "replicated" and companion.rule == ""
+    assert placements["model.layers.0.self_attn.rotary_emb.inv_freq"].style == "replicated"
+    assert presets.shard_info_document(placements, tensors)["params"] == {}
