@@ -13,7 +13,7 @@ import os
 import secrets
 import shutil
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -22,7 +22,8 @@ from . import __version__
 from .checkpoint import INDEX_NAME, MANIFEST_NAME, open_checkpoint
 from .dtypes import DTYPES
 from .errors import ShardloadError
-from .execute import iter_shards, rank_file_name, sha256_file
+from .execute import _layout, _stages, iter_shards, rank_file_name, sha256_file
+from .mesh import Mesh
 from .plan import ModelPlan, build_plan, resolve_shard_info
 
 MANIFEST_VERSION = 1
@@ -111,10 +112,11 @@ def _copy_other_files(src_root: Path, dst: Path, skip: set[Path]) -> list[Output
 
 def convert(
     model: str | os.PathLike[str],
-    num_shards: int,
+    num_shards: int | None,
     out_dir: str | os.PathLike[str],
     shard_info: Any = None,
     *,
+    mesh: Mesh | str | Mapping[str, int] | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> ConvertResult:
@@ -123,6 +125,9 @@ def convert(
     Creates ``rank-RRRRR-of-NNNNN.safetensors`` per rank and ``shard_manifest.json`` (format
     version, num_shards, resolved shard_info, sources, and size + sha256 of every file), and
     copies config/tokenizer files. An existing ``out_dir`` is refused unless ``overwrite``.
+    With a ``mesh`` that has ``pp`` > 1, there is one file per (pipeline stage, tensor rank),
+    ``pp-SSSSS-of-PPPPP-rank-RRRRR-of-NNNNN.safetensors``, holding only that stage's
+    parameters; ``dp`` replicas share files, and the manifest records the mesh.
 
     Example::
 
@@ -134,7 +139,9 @@ def convert(
     if checkpoint.kind == "converted":
         raise ShardloadError("already a converted directory; convert the source checkpoint", file=checkpoint.name)
     info = resolve_shard_info(checkpoint, shard_info)
-    plan = build_plan(info, checkpoint, num_shards)
+    layout = _layout(num_shards, mesh, None)
+    plan = build_plan(info, checkpoint, layout.tp)
+    stages = _stages(plan, layout)
     if out.resolve() == checkpoint.root.resolve():
         raise ShardloadError("output directory is the model directory", file=str(out))
     if out.exists() and not overwrite:
@@ -143,7 +150,7 @@ def convert(
     tmp = out.parent / f".{out.name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        rank_files = _write_ranks(plan, tmp, progress)
+        rank_files = _write_ranks(stages, tmp, progress)
         # The manifest holds the resolved shard_info; a copied shard_info.json would only mislead.
         skip = {checkpoint.default_shard_info().resolve()}
         if Path(info.source).exists():
@@ -153,7 +160,8 @@ def convert(
             "format": "shardload.converted",
             "version": MANIFEST_VERSION,
             "shardload_version": __version__,
-            "num_shards": num_shards,
+            "num_shards": layout.tp,
+            "mesh": _mesh_record(layout, stages),
             "shard_info": plan.resolved_shard_info(),
             "source": {"files": [{"path": f.name, "size": f.stat().st_size} for f in checkpoint.files]},
             "files": [f.__dict__ for f in rank_files + others],
@@ -170,21 +178,34 @@ def convert(
     return ConvertResult(out, plan, rank_files, others)
 
 
-def _write_ranks(plan: ModelPlan, tmp: Path, progress: Progress | None) -> list[OutputFile]:
-    n = plan.num_shards
-    writers = [_RankWriter(tmp / rank_file_name(r, n), plan, r) for r in range(n)]
-    try:
-        done = 0
-        for param, shards in iter_shards(plan, range(n)):
-            for writer, t in zip(writers, shards, strict=True):
-                writer.write_tensor(t)
-            done += param.source.nbytes
-            if progress is not None:
-                progress(done, param.name)
-        return [w.finish() for w in writers]
-    finally:
-        for w in writers:
-            w.fh.close()
+def _mesh_record(layout: Mesh, stages: list[ModelPlan]) -> dict[str, Any] | None:
+    """What the manifest says about pipeline stages (None for a plain tensor-parallel convert)."""
+    if layout.pp == 1:
+        return None
+    counts = [len(s.layers) if s.layers is not None else 0 for s in stages]
+    return {"pp": layout.pp, "tp": layout.tp, "pp_layers": counts}
+
+
+def _write_ranks(stages: list[ModelPlan], tmp: Path, progress: Progress | None) -> list[OutputFile]:
+    """Write every (stage, tensor rank) file; each stage's parameters are read once."""
+    files: list[OutputFile] = []
+    done = 0
+    for pp, plan in enumerate(stages):
+        n = plan.num_shards
+        names = [rank_file_name(r, n, pp, len(stages)) for r in range(n)]
+        writers = [_RankWriter(tmp / name, plan, r) for r, name in enumerate(names)]
+        try:
+            for param, shards in iter_shards(plan, range(n)):
+                for writer, t in zip(writers, shards, strict=True):
+                    writer.write_tensor(t)
+                done += param.source.nbytes
+                if progress is not None:
+                    progress(done, param.name)
+            files.extend(w.finish() for w in writers)
+        finally:
+            for w in writers:
+                w.fh.close()
+    return files
 
 
 def _publish(tmp: Path, out: Path) -> None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import FileMap, open_checkpoint, read_header
 from .dtypes import to_torch
 from .errors import CheckpointError, PlanError, ShardloadError
+from .mesh import Mesh, MeshCoord, as_mesh, stage_plans
 from .plan import ModelPlan, ParamPlan, build_plan, resolve_shard_info
 
 if TYPE_CHECKING:
@@ -107,35 +108,62 @@ def _sync(devices: Sequence[Any]) -> None:
 
 def load(
     model: str | os.PathLike[str],
-    num_shards: int,
+    num_shards: int | None = None,
     devices: Sequence[Any] | None = None,
     shard_info: Any = None,
+    *,
+    mesh: Mesh | str | Mapping[str, int] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
-    """Load every rank's shard of ``model``: a list of N state dicts, shard r on ``devices[r]``.
+    """Load every rank's shard of ``model``: a list of state dicts, the one for global rank r on ``devices[r]``.
 
     ``model`` is a directory (``model.safetensors`` or an HF index), a ``.safetensors`` file,
-    or a directory written by :func:`convert`. Each stored byte is read once.
+    or a directory written by :func:`convert`. Each stored byte is read once. With ``mesh``
+    (e.g. ``"pp=2,tp=4"``) rank r holds only its pipeline stage's parameters, tensor shard
+    ``tp`` of them; ``num_shards`` may then be left out (it is the mesh's ``tp``).
 
     Example::
 
         shards = shardload.load("llama-dir", 8)          # cuda:0..7 when present, else CPU
         shards[3]["model.layers.0.self_attn.qkv_proj.weight"].shape
     """
-    devices = list(devices) if devices is not None else default_devices(num_shards)
-    if len(devices) != num_shards:
-        raise ShardloadError(f"got {len(devices)} devices for num_shards={num_shards}", file=str(model))
+    layout = _layout(num_shards, mesh, len(devices) if devices is not None else None)
+    world = layout.world_size
+    devices = list(devices) if devices is not None else default_devices(world)
+    if len(devices) != world:
+        what = f"num_shards={layout.tp}" if mesh is None else f"{world} ranks ({layout})"
+        raise ShardloadError(f"got {len(devices)} devices for {what}", file=str(model))
     checkpoint = open_checkpoint(model)
     if checkpoint.kind == "converted":
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
-        return [load_rank(model, r, num_shards, devices[r]) for r in range(num_shards)]
-    plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, num_shards)
-    result: list[dict[str, torch.Tensor]] = [{} for _ in range(num_shards)]
-    for param, shards in iter_shards(plan, range(num_shards)):
-        for rank, t in enumerate(shards):
-            result[rank][param.name] = _to_device(t, devices[rank])
+        return [load_rank(model, r, layout.tp, devices[r], mesh=layout) for r in range(world)]
+    plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, layout.tp)
+    result: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
+    for pp, stage in enumerate(_stages(plan, layout)):
+        for param, shards in iter_shards(stage, range(layout.tp)):
+            for tp, t in enumerate(shards):
+                for dp in range(layout.dp):
+                    rank = layout.rank(dp, pp, tp)
+                    result[rank][param.name] = _to_device(t if dp == 0 else t.clone(), devices[rank])
     _sync(devices)
     return result
+
+
+def _layout(num_shards: int | None, mesh: Any, world_hint: int | None) -> Mesh:
+    """The mesh to load for: ``mesh`` when given (checked against ``num_shards``), else tp=num_shards."""
+    if mesh is None:
+        if num_shards is None:
+            raise ShardloadError("give num_shards (or a mesh)")
+        return Mesh(tp=num_shards)
+    layout = as_mesh(mesh, world_hint)
+    assert layout is not None
+    if num_shards is not None and num_shards != layout.tp:
+        raise ShardloadError(f"num_shards={num_shards} disagrees with the mesh's tp={layout.tp}")
+    return layout
+
+
+def _stages(plan: ModelPlan, layout: Mesh) -> list[ModelPlan]:
+    return [plan] if layout.pp == 1 else stage_plans(plan, layout)
 
 
 def _dist_defaults(rank: int | None, num_shards: int | None) -> tuple[int, int]:
@@ -148,6 +176,27 @@ def _dist_defaults(rank: int | None, num_shards: int | None) -> tuple[int, int]:
     return (dist.get_rank() if rank is None else rank), (dist.get_world_size() if num_shards is None else num_shards)
 
 
+def _mesh_rank(mesh: Any, rank: int | None, num_shards: int | None) -> tuple[Mesh, int]:
+    """Resolve ``mesh`` (Mesh, string, mapping or torch DeviceMesh) and this process's global rank."""
+    if hasattr(mesh, "get_coordinate") and hasattr(mesh, "mesh_dim_names"):
+        layout, own = Mesh.from_device_mesh(mesh)
+        if rank is not None and rank != own:
+            raise ShardloadError(f"rank={rank} disagrees with the DeviceMesh's rank {own}")
+        rank = own
+    else:
+        import torch.distributed as dist
+
+        group = dist.is_available() and dist.is_initialized()
+        layout = _layout(None, mesh, dist.get_world_size() if group else None)
+        if rank is None:
+            if not group:
+                raise ShardloadError("rank is required when no torch.distributed process group is initialised")
+            rank = dist.get_rank()
+    if num_shards is not None and num_shards != layout.tp:
+        raise ShardloadError(f"num_shards={num_shards} disagrees with the mesh's tp={layout.tp}")
+    return layout, rank
+
+
 def load_rank(
     model: str | os.PathLike[str],
     rank: int | None = None,
@@ -155,34 +204,44 @@ def load_rank(
     device: Any = "cpu",
     shard_info: Any = None,
     *,
+    mesh: Any = None,
     verify: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Load only rank ``rank``'s shard of ``model`` onto ``device``, reading only the bytes it needs.
 
     Under an initialised torch.distributed process group, ``rank`` and ``num_shards`` default
-    to the group's rank and world size. ``verify`` checks a converted file's sha256.
+    to the group's rank and world size. With ``mesh`` (a :class:`Mesh`, ``"pp=2,tp=4"``, a
+    mapping, or a torch ``DeviceMesh`` with axes named from dp/pp/tp) ``rank`` is the global rank
+    and only its pipeline stage's parameters are read. ``verify`` checks a converted file's sha256.
 
     Example::
 
         state = shardload.load_rank("llama-dir", rank=1, num_shards=4, device="cuda:1")
+        stage = shardload.load_rank("llama-dir", rank=5, mesh="pp=2,tp=4")   # stage 1, tp rank 1
     """
-    rank, num_shards = _dist_defaults(rank, num_shards)
+    if mesh is not None:
+        layout, rank = _mesh_rank(mesh, rank, num_shards)
+    else:
+        rank, num_shards = _dist_defaults(rank, num_shards)
+        layout = Mesh(tp=num_shards)
+    coord = layout.coord(rank)
     checkpoint = open_checkpoint(model)
     if checkpoint.kind == "converted":
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
-        return _load_converted_rank(checkpoint, rank, num_shards, device, verify)
-    plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, num_shards)
-    if not 0 <= rank < num_shards:
-        raise ShardloadError(f"rank {rank} is out of range for num_shards={num_shards}", file=str(model))
-    out = {param.name: _to_device(shards[0], device) for param, shards in iter_shards(plan, [rank])}
+        return _load_converted_rank(checkpoint, layout, coord, device, verify)
+    plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, layout.tp)
+    stage = _stages(plan, layout)[coord.pp]
+    out = {param.name: _to_device(shards[0], device) for param, shards in iter_shards(stage, [coord.tp])}
     _sync([device])
     return out
 
 
-def rank_file_name(rank: int, num_shards: int) -> str:
-    """The file name of rank ``rank`` in a converted directory: ``rank-00003-of-00008.safetensors``."""
-    return f"rank-{rank:05d}-of-{num_shards:05d}.safetensors"
+def rank_file_name(rank: int, num_shards: int, stage: int = 0, stages: int = 1) -> str:
+    """A rank's file in a converted directory: ``rank-00003-of-00008.safetensors``, or with
+    pipeline stages ``pp-00001-of-00002-rank-00003-of-00004.safetensors``."""
+    name = f"rank-{rank:05d}-of-{num_shards:05d}.safetensors"
+    return name if stages == 1 else f"pp-{stage:05d}-of-{stages:05d}-{name}"
 
 
 def sha256_file(path: Path) -> str:
@@ -195,19 +254,25 @@ def sha256_file(path: Path) -> str:
 
 
 def _load_converted_rank(
-    checkpoint: Checkpoint, rank: int, num_shards: int, device: Any, verify: bool
+    checkpoint: Checkpoint, layout: Mesh, coord: MeshCoord, device: Any, verify: bool
 ) -> dict[str, torch.Tensor]:
     manifest = checkpoint.manifest or {}
     where = str(checkpoint.root / "shard_manifest.json")
+    num_shards = layout.tp
     if manifest["num_shards"] != num_shards:
         raise CheckpointError(
             f"directory was converted for num_shards={manifest['num_shards']}, not {num_shards}; "
             "convert the source checkpoint again or load it directly",
             file=where,
         )
-    if not 0 <= rank < num_shards:
-        raise CheckpointError(f"rank {rank} is out of range for num_shards={num_shards}", file=where)
-    name = rank_file_name(rank, num_shards)
+    stored = manifest.get("mesh") or {}
+    stages = stored.get("pp", 1)
+    if stages != layout.pp or (layout.pp_layers and list(layout.pp_layers) != stored.get("pp_layers")):
+        raise CheckpointError(
+            f"directory was converted for pp={stages} (layers {stored.get('pp_layers')}), not {layout}", file=where
+        )
+    rank = coord.tp
+    name = rank_file_name(rank, num_shards, coord.pp, stages)
     entry = next((f for f in manifest["files"] if f["path"] == name), None)
     if entry is None:
         raise CheckpointError(f"manifest lists no file {name}", file=where)
