@@ -7,16 +7,17 @@ compute step are read whole, run through their step functions, and split.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import FileMap, open_checkpoint, read_header
+from .checkpoint import rank_file_name as rank_file_name  # re-exported: moved to checkpoint
 from .dtypes import to_torch
-from .errors import CheckpointError, PlanError, ShardloadError
+from .errors import PlanError, ShardloadError
 from .plan import ModelPlan, ParamPlan, build_plan, resolve_shard_info
+from .verify import rank_file
+from .verify import sha256_file as sha256_file  # re-exported: moved to verify
 
 if TYPE_CHECKING:
     import torch
@@ -110,11 +111,14 @@ def load(
     num_shards: int,
     devices: Sequence[Any] | None = None,
     shard_info: Any = None,
+    *,
+    verify: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Load every rank's shard of ``model``: a list of N state dicts, shard r on ``devices[r]``.
 
     ``model`` is a directory (``model.safetensors`` or an HF index), a ``.safetensors`` file,
-    or a directory written by :func:`convert`. Each stored byte is read once.
+    or a directory written by :func:`convert`. Each stored byte is read once. ``verify`` checks
+    a converted directory's sha256 sums (sizes are always checked).
 
     Example::
 
@@ -128,7 +132,7 @@ def load(
     if checkpoint.kind == "converted":
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
-        return [load_rank(model, r, num_shards, devices[r]) for r in range(num_shards)]
+        return [load_rank(model, r, num_shards, devices[r], verify=verify) for r in range(num_shards)]
     plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, num_shards)
     result: list[dict[str, torch.Tensor]] = [{} for _ in range(num_shards)]
     for param, shards in iter_shards(plan, range(num_shards)):
@@ -180,46 +184,10 @@ def load_rank(
     return out
 
 
-def rank_file_name(rank: int, num_shards: int) -> str:
-    """The file name of rank ``rank`` in a converted directory: ``rank-00003-of-00008.safetensors``."""
-    return f"rank-{rank:05d}-of-{num_shards:05d}.safetensors"
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 8 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(8 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _load_converted_rank(
     checkpoint: Checkpoint, rank: int, num_shards: int, device: Any, verify: bool
 ) -> dict[str, torch.Tensor]:
-    manifest = checkpoint.manifest or {}
-    where = str(checkpoint.root / "shard_manifest.json")
-    if manifest["num_shards"] != num_shards:
-        raise CheckpointError(
-            f"directory was converted for num_shards={manifest['num_shards']}, not {num_shards}; "
-            "convert the source checkpoint again or load it directly",
-            file=where,
-        )
-    if not 0 <= rank < num_shards:
-        raise CheckpointError(f"rank {rank} is out of range for num_shards={num_shards}", file=where)
-    name = rank_file_name(rank, num_shards)
-    entry = next((f for f in manifest["files"] if f["path"] == name), None)
-    if entry is None:
-        raise CheckpointError(f"manifest lists no file {name}", file=where)
-    path = checkpoint.root / name
-    try:
-        size = path.stat().st_size
-    except OSError:
-        raise CheckpointError(f"rank file {name} is missing", file=where) from None
-    if size != entry["size"]:
-        raise CheckpointError(f"{name} is {size} bytes, the manifest says {entry['size']}", file=where)
-    if verify and sha256_file(path) != entry.get("sha256"):
-        raise CheckpointError(f"{name} does not match its sha256 in the manifest", file=where)
+    path = rank_file(checkpoint, rank, num_shards, checksum=verify)
     out = {}
     with FileMap() as files:
         for tname, info in read_header(path).items():
