@@ -7,6 +7,7 @@ The public surface::
     shardload.convert("model-dir", 8, "model-tp8")                  # pre-sharded files + manifest
     info = shardload.ShardInfo.load("shard_info.json")              # parse; info.validate(model=...)
     p = shardload.plan_model("model-dir", 8)                        # the pure plan: shapes, read boxes
+    shardload.verify_dir("model-tp8").problems                      # sha256 of every converted file
 
     @shardload.register("myorg.step", shape=rule)                    # add a step function
     def step(x, num_shards: int): ...
@@ -24,6 +25,7 @@ from .execute import load, load_rank
 from .format import ShardInfo, StepSpec
 from .plan import ModelPlan, ParamPlan, plan_model
 from .registry import register
+from .verify import VerifyReport, verify_dir
 
 __all__ = [
     "CheckpointError",
@@ -35,10 +37,12 @@ __all__ = [
     "ShardInfo",
     "ShardloadError",
     "StepSpec",
+    "VerifyReport",
     "__version__",
     "convert",
     "load",
     "load_rank",
     "plan_model",
     "register",
+    "verify_dir",
 ]

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass, field
-from itertools import pairwise
 from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +29,30 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 MANIFEST_NAME = "shard_manifest.json"
 SHARD_INFO_NAME = "shard_info.json"
+CONFIG_NAME = "config.json"
+MANIFEST_FORMAT = "shardload.converted"
+MANIFEST_VERSION = 1
 MAX_HEADER_BYTES = 100 << 20
+"""Cap on a safetensors header and on index/manifest JSON files (real headers are a few MB at most)."""
+TMP_MARKER = ".shardload-tmp-"
+"""Part of the name of every temporary entry ``convert`` makes; such a path is never read as a model."""
+RANK_FILE_RE = re.compile(r"(?:pp-(\d{5,})-of-(\d{5,})-)?rank-(\d{5,})-of-(\d{5,})\.safetensors")
+"""A converted rank file; groups: pipeline stage and stage count (absent for one stage), rank, N."""
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "embed_in.weight", "word_embeddings.weight")
+
+
+def rank_file_name(rank: int, num_shards: int, stage: int = 0, stages: int = 1) -> str:
+    """A rank's file in a converted directory: ``rank-00003-of-00008.safetensors``, or with
+    pipeline stages ``pp-00001-of-00002-rank-00003-of-00004.safetensors``."""
+    name = f"rank-{rank:05d}-of-{num_shards:05d}.safetensors"
+    return name if stages == 1 else f"pp-{stage:05d}-of-{stages:05d}-{name}"
+
+
+def manifest_stages(manifest: dict[str, Any]) -> int:
+    """Number of pipeline stages a converted directory was written for (1 without a mesh)."""
+    mesh = manifest.get("mesh")
+    return mesh["pp"] if isinstance(mesh, dict) else 1
 
 
 @dataclass(frozen=True)
@@ -73,14 +96,32 @@ class Checkpoint:
         """Where a shard_info.json is looked for when none is given: beside the weights."""
         return self.root / SHARD_INFO_NAME
 
+    def tied_weights(self) -> list[tuple[str, str]]:
+        """Stored tensor pairs that are one parameter of the model (aliases): ``(lm_head.weight, embedding)``
+        when config.json sets ``tie_word_embeddings: true`` and both are stored."""
+        if "lm_head.weight" not in self.tensors:
+            return []
+        try:
+            config = json.loads((self.root / CONFIG_NAME).read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            return []  # no readable config.json: no declared ties
+        if not isinstance(config, dict) or config.get("tie_word_embeddings") is not True:
+            return []
+        embeddings = [n for n in self.tensors if n != "lm_head.weight" and n.endswith(_EMBEDDING_SUFFIXES)]
+        return [("lm_head.weight", embeddings[0])] if len(embeddings) == 1 else []
+
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Open a model directory, a ``.safetensors`` file, or a converted directory (headers only)."""
     path = Path(path)
+    if TMP_MARKER in path.name or (path.is_file() and TMP_MARKER in path.parent.name):
+        raise CheckpointError(
+            "is a temporary entry of an unfinished or interrupted convert, not a model; convert again", file=str(path)
+        )
     if path.is_file():
         if path.name == MANIFEST_NAME:
             return _open_converted(path.parent)
-        if path.name.endswith(".json") and path.name.endswith(".index.json"):
+        if path.name.endswith(".index.json"):
             return _open_index(path.parent, path)
         return _open_files(path, path.parent, [path])
     if not path.is_dir():
@@ -90,13 +131,19 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if (path / INDEX_NAME).is_file():
         return _open_index(path, path / INDEX_NAME)
     if (path / SINGLE_NAME).is_file():
-        return _open_files(path, path, [path / SINGLE_NAME])
+        return _open_files(path, path, [resolve_inside(path, SINGLE_NAME, path)])
     found = sorted(p for p in path.glob("*.safetensors") if p.is_file())
+    if any(RANK_FILE_RE.fullmatch(p.name) for p in found):
+        raise CheckpointError(
+            f"holds rank-*-of-*.safetensors files but no {MANIFEST_NAME}: an incomplete or damaged converted "
+            "directory; convert the source checkpoint again",
+            file=str(path),
+        )
     if not found:
         raise CheckpointError(
             f"no {SINGLE_NAME}, {INDEX_NAME}, {MANIFEST_NAME} or *.safetensors file here", file=str(path)
         )
-    return _open_files(path, path, found)
+    return _open_files(path, path, [resolve_inside(path, p.name, path) for p in found])
 
 
 def _open_files(path: Path, root: Path, files: list[Path]) -> Checkpoint:
@@ -116,9 +163,11 @@ def _open_index(root: Path, index: Path) -> Checkpoint:
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError("'weight_map' must be an object of tensor name -> file name", file=str(index))
+    if not weight_map:
+        raise CheckpointError("'weight_map' lists no tensors", file=str(index))
     files: dict[str, Path] = {}
     for file_name in dict.fromkeys(weight_map.values()):
-        files[file_name] = _inside(root, file_name, index)
+        files[file_name] = resolve_inside(root, file_name, index)
     ckpt = _open_files(index, root, list(files.values()))
     for name, file_name in weight_map.items():
         info = ckpt.tensors.get(name)
@@ -131,17 +180,23 @@ def _open_index(root: Path, index: Path) -> Checkpoint:
     return ckpt
 
 
-def _inside(root: Path, file_name: str, referrer: Path) -> Path:
-    """Resolve a file name from an index or manifest, refusing anything outside ``root``."""
+def resolve_inside(root: Path, file_name: str, referrer: Path) -> Path:
+    """Resolve a file name found in a model directory, an index or a manifest, refusing anything outside ``root``.
+
+    A symlink may point into the Hugging Face cache's ``blobs`` folder (``snapshots/REV/f -> ../../blobs/X``).
+    """
     candidate = Path(file_name)
-    if candidate.is_absolute() or ".." in candidate.parts or not file_name:
+    if not file_name or "\0" in file_name or candidate.is_absolute() or ".." in candidate.parts:
         raise CheckpointError(f"file name {file_name!r} points outside the model directory", file=str(referrer))
     full = root / candidate
     try:
         real = full.resolve(strict=True)
-    except (OSError, RuntimeError):
+        allowed = [root.resolve()]
+    except (OSError, RuntimeError, ValueError):
         raise CheckpointError(f"references missing file {file_name!r}", file=str(referrer)) from None
-    if not real.is_relative_to(root.resolve()):
+    if allowed[0].parent.name == "snapshots":
+        allowed.append(allowed[0].parent.parent / "blobs")
+    if not any(real.is_relative_to(a) for a in allowed):
         raise CheckpointError(
             f"file {file_name!r} resolves outside the model directory (symlink to {real})", file=str(referrer)
         )
@@ -153,30 +208,105 @@ def _inside(root: Path, file_name: str, referrer: Path) -> Path:
 def _open_converted(root: Path) -> Checkpoint:
     manifest_path = root / MANIFEST_NAME
     manifest = _read_json(manifest_path, "manifest")
-    n = manifest.get("num_shards") if isinstance(manifest, dict) else None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
+    check_manifest(manifest, manifest_path)
+    return Checkpoint(root, root, "converted", {}, [], manifest)
+
+
+def check_manifest(manifest: Any, where: Path) -> None:
+    """Check a converted directory's manifest for consistency (not the files: see ``shardload.verify``)."""
+
+    def bad(reason: str) -> CheckpointError:
+        return CheckpointError(f"inconsistent manifest: {reason}", file=str(where))
+
+    if not isinstance(manifest, dict):
+        raise bad("not a JSON object")
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise bad(f"'format' is {manifest.get('format')!r}, not {MANIFEST_FORMAT!r}")
+    if manifest.get("version") != MANIFEST_VERSION or type(manifest.get("version")) is not int:
+        raise bad(f"unsupported version {manifest.get('version')!r} (this shardload reads {MANIFEST_VERSION})")
+    n, files = manifest.get("num_shards"), manifest.get("files")
     if type(n) is not int or n < 1 or not isinstance(files, list):
-        raise CheckpointError("manifest needs an integer 'num_shards' and a 'files' list", file=str(manifest_path))
+        raise bad("needs an integer 'num_shards' >= 1 and a 'files' list")
+    info = manifest.get("shard_info")
+    if not isinstance(info, dict) or info.get("num_shards") != n:
+        raise bad(f"'shard_info' must be an object for num_shards={n}")
+    mesh = manifest.get("mesh")
+    if mesh is not None:
+        pp, layers = (mesh.get("pp"), mesh.get("pp_layers")) if isinstance(mesh, dict) else (None, None)
+        ok = type(pp) is int and pp >= 1 and mesh.get("tp") == n and isinstance(layers, list) and len(layers) == pp
+        if not ok or not all(type(c) is int and c >= 0 for c in layers):
+            raise bad("'mesh' must hold pp >= 1, tp equal to num_shards and pp_layers, one count per stage")
+    stages = manifest_stages(manifest)
+    seen: set[str] = set()
+    ranks: set[tuple[int, int]] = set()
     for entry in files:
         ok = isinstance(entry, dict) and isinstance(entry.get("path"), str) and type(entry.get("size")) is int
-        if not ok:
-            raise CheckpointError(f"bad 'files' entry {entry!r}", file=str(manifest_path))
-    return Checkpoint(root, root, "converted", {}, [], manifest)
+        if not ok or entry["size"] < 0 or not _SHA256_RE.fullmatch(str(entry.get("sha256"))):
+            raise bad(f"bad 'files' entry {_short_repr(entry)} (needs path, size >= 0 and a hex sha256)")
+        path = entry["path"]
+        if path in seen:
+            raise bad(f"file {path!r} is listed twice")
+        if not path or "/" in path or "\\" in path or path in (".", "..") or "\0" in path:
+            raise bad(f"file {path!r} is not a plain file name in the directory")
+        seen.add(path)
+        rank_match = RANK_FILE_RE.fullmatch(path)
+        if rank_match:
+            s, s_of = int(rank_match[1] or 0), int(rank_match[2] or 1)
+            r, of = int(rank_match[3]), int(rank_match[4])
+            if of != n or r >= n or s_of != stages or s >= stages:
+                raise bad(f"lists {path}, which is not a rank file of num_shards={n} with {stages} stage(s)")
+            ranks.add((s, r))
+    missing = [(s, r) for s in range(stages) for r in range(n) if (s, r) not in ranks]
+    if missing:
+        total = n * stages
+        name = rank_file_name(missing[0][1], n, missing[0][0], stages)
+        raise bad(f"lists no file {name} ({len(missing)} of {total} rank files unlisted)")
+
+
+def _short_repr(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
 
 
 def _read_json(path: Path, what: str) -> Any:
     try:
         if path.stat().st_size > MAX_HEADER_BYTES:
             raise CheckpointError(f"{what} file is larger than {MAX_HEADER_BYTES} bytes", file=str(path))
-        return json.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
     except OSError as err:
         raise CheckpointError(f"cannot read {what}: {err.strerror or err}", file=str(path)) from None
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{what} is not UTF-8 text (byte {err.start})", file=str(path)) from None
+    except _DuplicateKey as dup:
+        raise CheckpointError(f"{what} has the key {dup.key!r} twice in one object", file=str(path)) from None
     except (ValueError, RecursionError) as err:
         raise CheckpointError(f"{what} is not valid JSON: {err}", file=str(path)) from None
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and check one safetensors file's header: dtypes, shapes, byte ranges in bounds."""
+    """Parse and check one safetensors file's header: dtypes, shapes, byte ranges tiling the data exactly."""
+    return read_header_and_metadata(path)[0]
+
+
+def read_header_and_metadata(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Like :func:`read_header`, also returning the header's ``__metadata__`` strings."""
     name = str(path)
     try:
         with open(path, "rb") as fh:
@@ -190,29 +320,54 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                 )
             if 8 + header_len > size:
                 raise CheckpointError(
-                    f"header length {header_len} runs past the end of the {size}-byte file", file=name
+                    f"header length {header_len} runs past the end of the {size}-byte file (truncated?)", file=name
                 )
             raw = fh.read(header_len)
     except OSError as err:
         raise CheckpointError(f"cannot read: {err.strerror or err}", file=name) from None
+    if len(raw) != header_len:
+        raise CheckpointError("file shrank while its header was read", file=name)
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"safetensors header is not UTF-8 text (byte {8 + err.start})", file=name) from None
+    except _DuplicateKey as dup:
+        raise CheckpointError("tensor is listed twice in the safetensors header", file=name, param=dup.key) from None
+    except (ValueError, RecursionError):
         raise CheckpointError("safetensors header is not valid JSON", file=name) from None
     if not isinstance(header, dict):
         raise CheckpointError("safetensors header is not a JSON object", file=name)
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError("safetensors '__metadata__' must be an object of strings", file=name)
     data_start = 8 + header_len
     data_size = size - data_start
     tensors: dict[str, TensorInfo] = {}
     for key, entry in header.items():
-        if key == "__metadata__":
-            continue
         tensors[key] = _tensor_entry(path, key, entry, data_start, data_size)
-    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values() if t.nbytes)
-    for (_, end_a, name_a), (begin_b, _, name_b) in pairwise(spans):
-        if begin_b < end_a:
-            raise CheckpointError(f"data overlaps tensor {name_a!r}", file=name, param=name_b)
-    return tensors
+    _check_tiling(name, tensors, data_start, data_size)
+    return tensors, metadata
+
+
+def _check_tiling(name: str, tensors: dict[str, TensorInfo], data_start: int, data_size: int) -> None:
+    """Tensor byte ranges must tile the data section exactly: no overlap, no gap, no trailing bytes."""
+    end, last = 0, None
+    for begin, stop, key in sorted((t.offset - data_start, t.offset - data_start + t.nbytes, t.name)
+                                   for t in tensors.values() if t.nbytes):  # fmt: skip
+        if begin < end:
+            raise CheckpointError(f"data overlaps tensor {last!r}", file=name, param=key)
+        if begin > end:
+            raise CheckpointError(
+                f"bytes {end}..{begin} of the data section belong to no tensor (gap before this tensor)",
+                file=name, param=key,
+            )  # fmt: skip
+        end, last = stop, key
+    if end != data_size:
+        raise CheckpointError(
+            f"{data_size - end} trailing bytes after the last tensor's data (file longer than its header says)",
+            file=name,
+        )
 
 
 def _tensor_entry(path: Path, key: str, entry: Any, data_start: int, data_size: int) -> TensorInfo:
@@ -222,19 +377,22 @@ def _tensor_entry(path: Path, key: str, entry: Any, data_start: int, data_size: 
     if not isinstance(entry, dict):
         raise bad("header entry is not an object")
     code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if code not in FROM_SAFETENSORS:
-        raise bad(f"unknown dtype {code!r}")
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise bad(f"bad shape {shape!r}")
+    if not isinstance(code, str) or code not in FROM_SAFETENSORS:
+        raise bad(f"unknown dtype {_short_repr(code)}")
+    if not isinstance(shape, list) or len(shape) > 64 or not all(type(d) is int and d >= 0 for d in shape):
+        raise bad(f"bad shape {_short_repr(shape)}")
     ok = isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)
     if not ok or offsets[0] > offsets[1]:
-        raise bad(f"bad data_offsets {offsets!r}")
+        raise bad(f"bad data_offsets {_short_repr(offsets)}")
     if offsets[1] > data_size:
-        raise bad(f"data_offsets {offsets} run past the end of the data ({data_size} bytes)")
+        raise bad(f"data_offsets {offsets} run past the end of the data ({data_size} bytes; truncated file?)")
     dtype = FROM_SAFETENSORS[code]
     nbytes = prod(shape) * DTYPES[dtype][1]
     if offsets[1] - offsets[0] != nbytes:
-        raise bad(f"shape {shape} of {dtype} needs {nbytes} bytes, but data_offsets span {offsets[1] - offsets[0]}")
+        raise bad(
+            f"shape {_short_repr(shape)} of {dtype} needs {nbytes} bytes, "
+            f"but data_offsets span {offsets[1] - offsets[0]}"
+        )
     return TensorInfo(key, dtype, tuple(shape), path, data_start + offsets[0], nbytes)
 
 
@@ -261,7 +419,10 @@ class FileMap:
         dtype = to_torch(info.dtype)
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=dtype)
-        raw = torch.frombuffer(self._map(info.file), dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+        mm = self._map(info.file)
+        if info.offset + info.nbytes > len(mm):
+            raise CheckpointError("file is shorter than its header says (changed while loading?)", file=str(info.file))
+        raw = torch.frombuffer(mm, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
         return raw.view(dtype).view(info.shape)
 
     def box(self, info: TensorInfo, box: Box) -> torch.Tensor:

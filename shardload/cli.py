@@ -1,4 +1,4 @@
-"""The ``shardload`` command line: example, plan, convert, validate, inspect.
+"""The ``shardload`` command line: example, plan, convert, validate, inspect, verify.
 
 Bad input prints one line per problem (``file: parameter: step K (function): reason``) and
 exits 1; usage errors exit 2; no tracebacks for anything shardload can name.
@@ -199,3 +199,23 @@ def inspect(model: Path, num_shards: int | None, shard_info: Path | None, as_jso
         click.echo(json.dumps({"rows": inspect_rows(plan), "totals": totals(plan)}, indent=2))
     else:
         click.echo(inspect_text(plan))
+
+
+@main.command()
+@click.argument("out_dir", metavar="OUT", type=click.Path(path_type=Path))
+@_guarded
+def verify(out_dir: Path) -> None:
+    """Recompute every file's sha256 in converted directory OUT against its manifest; list each mismatch."""
+    from .report import human_bytes
+    from .verify import verify_dir
+
+    report = verify_dir(out_dir)
+    for problem in report.problems:
+        click.echo(problem.message)
+    if not report.ok:
+        click.echo(f"{out_dir}: {len(report.problems)} problem(s) in {report.files} listed files", err=True)
+        sys.exit(1)
+    click.echo(
+        f"{out_dir}: {report.files} files ({human_bytes(report.nbytes)}) match shard_manifest.json "
+        f"(num_shards={report.num_shards})"
+    )

@@ -1,12 +1,14 @@
 """Conversion: write a pre-sharded directory (one safetensors file per rank + a manifest).
 
-Output is streamed one parameter at a time into a temporary directory next to the target,
-checksummed while written, then renamed into place: an interrupted convert never leaves a
-directory that looks complete.
+Output is streamed one parameter at a time into a temporary directory next to the target
+(``.OUT.shardload-tmp-PID-XXXX``, locked while in use), checksummed while written, fsynced,
+then renamed into place: an interrupted convert never leaves a directory that looks complete,
+and the next convert to the same target removes what a killed one left behind.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -19,15 +21,21 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from . import __version__
-from .checkpoint import INDEX_NAME, MANIFEST_NAME, open_checkpoint
+from .checkpoint import (
+    INDEX_NAME,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    TMP_MARKER,
+    open_checkpoint,
+    rank_file_name,
+    resolve_inside,
+)
 from .dtypes import DTYPES
 from .errors import ShardloadError
-from .execute import _layout, _stages, iter_shards, rank_file_name, sha256_file
+from .execute import iter_shards, layout_for, stages_of
 from .mesh import Mesh
 from .plan import ModelPlan, build_plan, resolve_shard_info
-
-MANIFEST_VERSION = 1
-TMP_MARKER = ".shardload-tmp-"
 
 Progress = Callable[[int, str], None]
 """``progress(source_bytes_done, param_name)``, called after each parameter."""
@@ -52,13 +60,53 @@ class ConvertResult:
     other_files: list[OutputFile]
 
 
-class _RankWriter:
+def _create(path: Path) -> BinaryIO:
+    """Open a new output file for writing (every output byte goes through here)."""
+    return open(path, "xb")
+
+
+class _OutFile:
+    """An output file being written: sha256 and size kept as bytes go out, fsynced on finish."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.hash = hashlib.sha256()
+        self.size = 0
+        self.fh: BinaryIO = _create(path)
+
+    def write(self, data: bytes | memoryview) -> None:
+        try:
+            self.fh.write(data)
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, str(self.path)) from None
+        self.hash.update(data)
+        self.size += len(data)
+
+    def finish(self) -> OutputFile:
+        try:
+            self.fh.flush()
+            os.fsync(self.fh.fileno())
+            self.fh.close()
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, str(self.path)) from None
+        return OutputFile(self.path.name, self.size, self.hash.hexdigest())
+
+    def close(self) -> None:
+        """Close without raising (cleanup after an error; the file is deleted with the temporary directory)."""
+        try:
+            self.fh.close()
+        except OSError:
+            pass
+
+
+class _RankWriter(_OutFile):
     """Streams one rank's safetensors file: header first (known from the plan), then tensor bytes."""
 
-    def __init__(self, path: Path, plan: ModelPlan, rank: int) -> None:
-        header: dict[str, Any] = {
-            "__metadata__": {"format": "pt", "shardload.rank": str(rank), "shardload.num_shards": str(plan.num_shards)}
-        }
+    def __init__(self, path: Path, plan: ModelPlan, rank: int, stage: int = 0, stages: int = 1) -> None:
+        meta = {"format": "pt", "shardload.rank": str(rank), "shardload.num_shards": str(plan.num_shards)}
+        if stages > 1:
+            meta.update({"shardload.pp": str(stage), "shardload.num_pp": str(stages)})
+        header: dict[str, Any] = {"__metadata__": meta}
         offset = 0
         for p in plan.params.values():
             header[p.name] = {
@@ -69,26 +117,12 @@ class _RankWriter:
             offset += p.rank_nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        self.path = path
-        self.fh: BinaryIO = open(path, "wb")
-        self.hash = hashlib.sha256()
-        self.size = 0
-        self._write(struct.pack("<Q", len(raw)) + raw)
-
-    def _write(self, data: bytes | memoryview) -> None:
-        self.fh.write(data)
-        self.hash.update(data)
-        self.size += len(data)
+        super().__init__(path)
+        self.write(struct.pack("<Q", len(raw)) + raw)
 
     def write_tensor(self, t: Any) -> None:
         if t.numel():
-            self._write(memoryview(t.contiguous().view(-1).view(_u8()).numpy()))
-
-    def finish(self) -> OutputFile:
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
-        self.fh.close()
-        return OutputFile(self.path.name, self.size, self.hash.hexdigest())
+            self.write(memoryview(t.contiguous().view(-1).view(_u8()).numpy()))
 
 
 def _u8() -> Any:
@@ -105,8 +139,15 @@ def _copy_other_files(src_root: Path, dst: Path, skip: set[Path]) -> list[Output
             continue
         if entry.name.endswith(".safetensors") or entry.name in (INDEX_NAME, MANIFEST_NAME):
             continue
-        shutil.copyfile(entry, dst / entry.name)
-        copied.append(OutputFile(entry.name, (dst / entry.name).stat().st_size, sha256_file(dst / entry.name)))
+        source = resolve_inside(src_root, entry.name, src_root)  # no symlink may copy files from elsewhere
+        out = _OutFile(dst / entry.name)
+        try:
+            with open(source, "rb") as fh:
+                while block := fh.read(8 << 20):
+                    out.write(block)
+            copied.append(out.finish())
+        finally:
+            out.close()
     return copied
 
 
@@ -135,46 +176,55 @@ def convert(
         state = shardload.load_rank("llama-tp8", rank=0, num_shards=8)
     """
     out = Path(out_dir)
+    if TMP_MARKER in out.name:
+        raise ShardloadError(
+            f"an output name may not contain {TMP_MARKER!r} (reserved for temporary files)", file=str(out)
+        )
     checkpoint = open_checkpoint(model)
     if checkpoint.kind == "converted":
         raise ShardloadError("already a converted directory; convert the source checkpoint", file=checkpoint.name)
     info = resolve_shard_info(checkpoint, shard_info)
-    layout = _layout(num_shards, mesh, None)
+    layout = layout_for(num_shards, mesh, None)
     plan = build_plan(info, checkpoint, layout.tp)
-    stages = _stages(plan, layout)
-    if out.resolve() == checkpoint.root.resolve():
-        raise ShardloadError("output directory is the model directory", file=str(out))
-    if out.exists() and not overwrite:
+    stages = stages_of(plan, layout)
+    if checkpoint.root.resolve().is_relative_to(out.resolve()):
+        raise ShardloadError("output directory is (or contains) the model directory", file=str(out))
+    if (out.exists() or out.is_symlink()) and not overwrite:
         raise ShardloadError("output directory exists (pass --overwrite / overwrite=True to replace it)", file=str(out))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
     try:
-        rank_files = _write_ranks(stages, tmp, progress)
-        # The manifest holds the resolved shard_info; a copied shard_info.json would only mislead.
-        skip = {checkpoint.default_shard_info().resolve()}
-        if Path(info.source).exists():
-            skip.add(Path(info.source).resolve())
-        others = _copy_other_files(checkpoint.root, tmp, skip)
-        manifest = {
-            "format": "shardload.converted",
-            "version": MANIFEST_VERSION,
-            "shardload_version": __version__,
-            "num_shards": layout.tp,
-            "mesh": _mesh_record(layout, stages),
-            "shard_info": plan.resolved_shard_info(),
-            "source": {"files": [{"path": f.name, "size": f.stat().st_size} for f in checkpoint.files]},
-            "files": [f.__dict__ for f in rank_files + others],
-        }
-        with open(tmp / MANIFEST_NAME, "w") as fh:
-            json.dump(manifest, fh, indent=2)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with _Staging(out) as staging:
+            rank_files = _write_ranks(stages, staging.dir, progress)
+            # The manifest holds the resolved shard_info; a copied shard_info.json would only mislead.
+            skip = {checkpoint.default_shard_info().resolve()}
+            if Path(info.source).exists():
+                skip.add(Path(info.source).resolve())
+            others = _copy_other_files(checkpoint.root, staging.dir, skip)
+            manifest = {
+                "format": MANIFEST_FORMAT,
+                "version": MANIFEST_VERSION,
+                "shardload_version": __version__,
+                "num_shards": layout.tp,
+                "mesh": _mesh_record(layout, stages),
+                "shard_info": plan.resolved_shard_info(),
+                "source": {"files": [{"path": f.name, "size": f.stat().st_size} for f in checkpoint.files]},
+                "files": [f.__dict__ for f in rank_files + others],
+            }
+            text = json.dumps(manifest, indent=2) + "\n"
+            out_file = _OutFile(staging.dir / MANIFEST_NAME)
+            try:
+                out_file.write(text.encode())
+                out_file.finish()
+            finally:
+                out_file.close()
+            staging.publish()
+    except OSError as err:
+        what = f"cannot write {Path(err.filename).name}" if err.filename else "cannot write the output"
+        code = f" [{errno.errorcode[err.errno]}]" if err.errno in errno.errorcode else ""
+        raise ShardloadError(
+            f"{what}: {err.strerror or err}{code}; nothing was put in place and the partial output was removed",
+            file=str(out),
+        ) from None
     return ConvertResult(out, plan, rank_files, others)
 
 
@@ -187,14 +237,15 @@ def _mesh_record(layout: Mesh, stages: list[ModelPlan]) -> dict[str, Any] | None
 
 
 def _write_ranks(stages: list[ModelPlan], tmp: Path, progress: Progress | None) -> list[OutputFile]:
-    """Write every (stage, tensor rank) file; each stage's parameters are read once."""
+    """Write every (pipeline stage, tensor rank) file; each stage's parameters are read once."""
     files: list[OutputFile] = []
     done = 0
     for pp, plan in enumerate(stages):
         n = plan.num_shards
-        names = [rank_file_name(r, n, pp, len(stages)) for r in range(n)]
-        writers = [_RankWriter(tmp / name, plan, r) for r, name in enumerate(names)]
+        writers: list[_RankWriter] = []
         try:
+            for r in range(n):
+                writers.append(_RankWriter(tmp / rank_file_name(r, n, pp, len(stages)), plan, r, pp, len(stages)))
             for param, shards in iter_shards(plan, range(n)):
                 for writer, t in zip(writers, shards, strict=True):
                     writer.write_tensor(t)
@@ -204,24 +255,111 @@ def _write_ranks(stages: list[ModelPlan], tmp: Path, progress: Progress | None) 
             files.extend(w.finish() for w in writers)
         finally:
             for w in writers:
-                w.fh.close()
+                w.close()
     return files
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    """Move the finished temporary directory into place (replacing an old ``out`` last)."""
-    if out.exists() or out.is_symlink():
-        trash = out.parent / f".{out.name}{TMP_MARKER}old-{secrets.token_hex(4)}"
-        os.replace(out, trash)
-        os.replace(tmp, out)
-        if trash.is_dir() and not trash.is_symlink():
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            trash.unlink()
-    else:
-        os.replace(tmp, out)
-    fd = os.open(out.parent, os.O_RDONLY)
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _lock(fd: int, wait: bool) -> bool:
+    """flock ``fd`` exclusively; False if another process holds it."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no advisory locks; leftovers are taken as stale
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+class _Staging:
+    """The temporary directory beside ``out`` that a convert writes into, and its lock.
+
+    Every entry is named ``.OUT.shardload-tmp-TOKEN[.lock|.old]``. The ``.lock`` file is
+    flock-ed for the convert's lifetime, so the next convert can tell a live one (refuse) from
+    the leftovers of a killed one (remove them).
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.prefix = f".{out.name}{TMP_MARKER}"
+        self.token = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.dir = out.parent / f"{self.prefix}{self.token}"
+        self.lock = out.parent / f"{self.prefix}{self.token}.lock"
+        self.lock_fd = -1
+
+    def __enter__(self) -> _Staging:
+        self.lock_fd = os.open(self.lock, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+        try:
+            if not _lock(self.lock_fd, wait=True):
+                raise ShardloadError("cannot lock the temporary directory", file=str(self.lock))
+            self._remove_stale()
+            self.dir.mkdir()
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _remove(self.dir)
+        self._release()
+
+    def _release(self) -> None:
+        self.lock.unlink(missing_ok=True)
+        os.close(self.lock_fd)
+
+    def _remove_stale(self) -> None:
+        """Remove what killed converts to the same target left; refuse if one is still running."""
+        tokens: set[str] = set()
+        for entry in self.out.parent.iterdir():
+            if entry.name.startswith(self.prefix):
+                tokens.add(entry.name[len(self.prefix) :].removesuffix(".lock").removesuffix(".old"))
+        tokens.discard(self.token)
+        for token in sorted(tokens):
+            lock = self.out.parent / f"{self.prefix}{token}.lock"
+            fd = -1
+            try:
+                fd = os.open(lock, os.O_RDWR)
+            except FileNotFoundError:
+                pass  # no lock file: its convert died before (or while) cleaning up
+            if fd >= 0 and not _lock(fd, wait=False):
+                os.close(fd)
+                raise ShardloadError(
+                    f"another convert (pid {token.split('-')[0]}) is writing this output right now", file=str(self.out)
+                )
+            _remove(self.out.parent / f"{self.prefix}{token}")
+            _remove(self.out.parent / f"{self.prefix}{token}.old")
+            lock.unlink(missing_ok=True)
+            if fd >= 0:
+                os.close(fd)
+
+    def publish(self) -> None:
+        """Move the finished directory into place (an old ``out`` is moved aside first, then removed)."""
+        _fsync_dir(self.dir)
+        if self.out.exists() or self.out.is_symlink():
+            trash = self.out.parent / f"{self.prefix}{self.token}.old"
+            os.replace(self.out, trash)
+            try:
+                os.replace(self.dir, self.out)
+            except BaseException:
+                os.replace(trash, self.out)
+                raise
+            _remove(trash)
+        else:
+            os.replace(self.dir, self.out)
+        _fsync_dir(self.out.parent)

@@ -7,17 +7,18 @@ compute step are read whole, run through their step functions, and split.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import FileMap, open_checkpoint, read_header
+from .checkpoint import rank_file_name as rank_file_name  # re-exported: moved to checkpoint
 from .dtypes import to_torch
 from .errors import CheckpointError, PlanError, ShardloadError
 from .mesh import Mesh, MeshCoord, as_mesh, stage_plans
 from .plan import ModelPlan, ParamPlan, build_plan, resolve_shard_info
+from .verify import rank_file
+from .verify import sha256_file as sha256_file  # re-exported: moved to verify
 
 if TYPE_CHECKING:
     import torch
@@ -113,20 +114,22 @@ def load(
     shard_info: Any = None,
     *,
     mesh: Mesh | str | Mapping[str, int] | None = None,
+    verify: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Load every rank's shard of ``model``: a list of state dicts, the one for global rank r on ``devices[r]``.
 
     ``model`` is a directory (``model.safetensors`` or an HF index), a ``.safetensors`` file,
     or a directory written by :func:`convert`. Each stored byte is read once. With ``mesh``
     (e.g. ``"pp=2,tp=4"``) rank r holds only its pipeline stage's parameters, tensor shard
-    ``tp`` of them; ``num_shards`` may then be left out (it is the mesh's ``tp``).
+    ``tp`` of them; ``num_shards`` may then be left out (it is the mesh's ``tp``). ``verify``
+    checks a converted directory's sha256 sums (sizes are always checked).
 
     Example::
 
         shards = shardload.load("llama-dir", 8)          # cuda:0..7 when present, else CPU
         shards[3]["model.layers.0.self_attn.qkv_proj.weight"].shape
     """
-    layout = _layout(num_shards, mesh, len(devices) if devices is not None else None)
+    layout = layout_for(num_shards, mesh, len(devices) if devices is not None else None)
     world = layout.world_size
     devices = list(devices) if devices is not None else default_devices(world)
     if len(devices) != world:
@@ -136,10 +139,10 @@ def load(
     if checkpoint.kind == "converted":
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
-        return [load_rank(model, r, layout.tp, devices[r], mesh=layout) for r in range(world)]
+        return [load_rank(model, r, layout.tp, devices[r], mesh=layout, verify=verify) for r in range(world)]
     plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, layout.tp)
     result: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
-    for pp, stage in enumerate(_stages(plan, layout)):
+    for pp, stage in enumerate(stages_of(plan, layout)):
         for param, shards in iter_shards(stage, range(layout.tp)):
             for tp, t in enumerate(shards):
                 for dp in range(layout.dp):
@@ -149,20 +152,21 @@ def load(
     return result
 
 
-def _layout(num_shards: int | None, mesh: Any, world_hint: int | None) -> Mesh:
-    """The mesh to load for: ``mesh`` when given (checked against ``num_shards``), else tp=num_shards."""
+def layout_for(num_shards: int | None, mesh: Any, world_size: int | None) -> Mesh:
+    """The mesh to work on: ``mesh`` when given (checked against ``num_shards``), else ``tp=num_shards``."""
     if mesh is None:
         if num_shards is None:
             raise ShardloadError("give num_shards (or a mesh)")
         return Mesh(tp=num_shards)
-    layout = as_mesh(mesh, world_hint)
+    layout = as_mesh(mesh, world_size)
     assert layout is not None
     if num_shards is not None and num_shards != layout.tp:
         raise ShardloadError(f"num_shards={num_shards} disagrees with the mesh's tp={layout.tp}")
     return layout
 
 
-def _stages(plan: ModelPlan, layout: Mesh) -> list[ModelPlan]:
+def stages_of(plan: ModelPlan, layout: Mesh) -> list[ModelPlan]:
+    """One plan per pipeline stage of ``layout`` (the plan itself when there is one stage)."""
     return [plan] if layout.pp == 1 else stage_plans(plan, layout)
 
 
@@ -187,7 +191,7 @@ def _mesh_rank(mesh: Any, rank: int | None, num_shards: int | None) -> tuple[Mes
         import torch.distributed as dist
 
         group = dist.is_available() and dist.is_initialized()
-        layout = _layout(None, mesh, dist.get_world_size() if group else None)
+        layout = layout_for(None, mesh, dist.get_world_size() if group else None)
         if rank is None:
             if not group:
                 raise ShardloadError("rank is required when no torch.distributed process group is initialised")
@@ -224,67 +228,27 @@ def load_rank(
     else:
         rank, num_shards = _dist_defaults(rank, num_shards)
         layout = Mesh(tp=num_shards)
-    coord = layout.coord(rank)
     checkpoint = open_checkpoint(model)
+    if type(rank) is not int or not 0 <= rank < layout.world_size:
+        what = f"num_shards={layout.tp}" if mesh is None else f"a mesh of {layout.world_size} ranks ({layout})"
+        error = CheckpointError if checkpoint.kind == "converted" else ShardloadError
+        raise error(f"rank {rank} is out of range for {what}", file=str(model))
+    coord = layout.coord(rank)
     if checkpoint.kind == "converted":
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
         return _load_converted_rank(checkpoint, layout, coord, device, verify)
     plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, layout.tp)
-    stage = _stages(plan, layout)[coord.pp]
+    stage = stages_of(plan, layout)[coord.pp]
     out = {param.name: _to_device(shards[0], device) for param, shards in iter_shards(stage, [coord.tp])}
     _sync([device])
     return out
 
 
-def rank_file_name(rank: int, num_shards: int, stage: int = 0, stages: int = 1) -> str:
-    """A rank's file in a converted directory: ``rank-00003-of-00008.safetensors``, or with
-    pipeline stages ``pp-00001-of-00002-rank-00003-of-00004.safetensors``."""
-    name = f"rank-{rank:05d}-of-{num_shards:05d}.safetensors"
-    return name if stages == 1 else f"pp-{stage:05d}-of-{stages:05d}-{name}"
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 8 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(8 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _load_converted_rank(
     checkpoint: Checkpoint, layout: Mesh, coord: MeshCoord, device: Any, verify: bool
 ) -> dict[str, torch.Tensor]:
-    manifest = checkpoint.manifest or {}
-    where = str(checkpoint.root / "shard_manifest.json")
-    num_shards = layout.tp
-    if manifest["num_shards"] != num_shards:
-        raise CheckpointError(
-            f"directory was converted for num_shards={manifest['num_shards']}, not {num_shards}; "
-            "convert the source checkpoint again or load it directly",
-            file=where,
-        )
-    stored = manifest.get("mesh") or {}
-    stages = stored.get("pp", 1)
-    if stages != layout.pp or (layout.pp_layers and list(layout.pp_layers) != stored.get("pp_layers")):
-        raise CheckpointError(
-            f"directory was converted for pp={stages} (layers {stored.get('pp_layers')}), not {layout}", file=where
-        )
-    rank = coord.tp
-    name = rank_file_name(rank, num_shards, coord.pp, stages)
-    entry = next((f for f in manifest["files"] if f["path"] == name), None)
-    if entry is None:
-        raise CheckpointError(f"manifest lists no file {name}", file=where)
-    path = checkpoint.root / name
-    try:
-        size = path.stat().st_size
-    except OSError:
-        raise CheckpointError(f"rank file {name} is missing", file=where) from None
-    if size != entry["size"]:
-        raise CheckpointError(f"{name} is {size} bytes, the manifest says {entry['size']}", file=where)
-    if verify and sha256_file(path) != entry.get("sha256"):
-        raise CheckpointError(f"{name} does not match its sha256 in the manifest", file=where)
+    path = rank_file(checkpoint, coord.tp, layout, stage=coord.pp, checksum=verify)
     out = {}
     with FileMap() as files:
         for tname, info in read_header(path).items():

@@ -3,12 +3,20 @@
 The shape of the file is defined once, by ``shard_info.schema.json``; this module checks a
 document against it, then turns it into :class:`ShardInfo`, a plain description of steps.
 Nothing here runs a step or looks a function name up beyond the registry.
+
+A parameter may be listed once. Listing it twice *through an alias* is an error too. Aliases
+are (1) two spellings of one name: JSON escapes (``"\u006d..."``), caught as duplicate keys, and
+Unicode canonical equivalents (NFC), which look identical; and (2) tied weights: two stored
+tensors that are one parameter of the model (``lm_head.weight`` and the input embedding under
+config.json's ``tie_word_embeddings``); they may both be listed only with the same steps.
+Names that merely look related (``model.x`` and ``x``) are different tensors, not aliases.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import unicodedata
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -107,8 +115,10 @@ class ShardInfo:
         _check_schema(obj, "document" if is_document else "seed", source)
         if is_document:
             params = {k: [_step(s) for s in v] for k, v in obj["params"].items()}
+            _check_spellings(params, source)
             return cls(params, obj.get("num_shards"), FORMAT_VERSION, "document", source)
         params = {k: [_step(s) for s in v] for k, v in obj.items()}
+        _check_spellings(params, source)
         return cls(params, _seed_num_shards(params, source), FORMAT_VERSION, "seed", source)
 
     # -- writing ---------------------------------------------------------------------------
@@ -125,8 +135,11 @@ class ShardInfo:
         """Write the document form to ``path`` (atomically: temporary file, then rename)."""
         path = Path(path)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     # -- checking --------------------------------------------------------------------------
 
@@ -140,6 +153,21 @@ class ShardInfo:
         checkpoint = open_checkpoint(model) if model is not None else None
         n = num_shards if num_shards is not None else (self.num_shards or 1)
         return build_plan(self, checkpoint, n, strict=False).problems
+
+    def alias_problems(self, aliases: list[tuple[str, str]]) -> list[FormatError]:
+        """One error per alias pair (names of one parameter, e.g. tied weights) listed with different steps."""
+        problems = []
+        for first, second in aliases:
+            if first in self.params and second in self.params and self.params[first] != self.params[second]:
+                problems.append(
+                    FormatError(
+                        f"listed twice through an alias: it is the same parameter as {first!r} (tied weights: "
+                        "config.json tie_word_embeddings), which is listed with different steps",
+                        file=self.source,
+                        param=second,
+                    )
+                )
+        return problems
 
     def plan(self, model: str | os.PathLike[str], num_shards: int) -> ModelPlan:
         """Build the load plan of ``model`` for ``num_shards`` ranks; raises the first problem."""
@@ -161,6 +189,21 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise _DuplicateKey(key)
         out[key] = value
     return out
+
+
+def _check_spellings(params: dict[str, Any], source: str) -> None:
+    """Two keys that are the same name in different Unicode spellings list one parameter twice."""
+    seen: dict[str, str] = {}
+    for key in params:
+        norm = unicodedata.normalize("NFC", key)
+        if norm in seen:
+            raise FormatError(
+                f"listed twice through an alias: {seen[norm]!a} and {key!a} are the same name "
+                "(Unicode canonical equivalents)",
+                file=source,
+                param=key,
+            )
+        seen[norm] = key
 
 
 def _no_constants(name: str) -> Any:
@@ -241,5 +284,6 @@ def _describe(path: list[Any]) -> str:
 
 
 def _short(text: str, limit: int = 160) -> str:
+    """Squeeze whitespace and elide the middle of a long message (its end says what is wrong)."""
     text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit // 2] + " ... " + text[-(limit // 2 - 5) :]

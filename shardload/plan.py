@@ -195,6 +195,7 @@ def build_plan(
                 close = difflib.get_close_matches(key, stored.keys(), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 plan.problems.append(PlanError(f"names no parameter of {checkpoint.name}{hint}", file=src, param=key))
+        plan.problems.extend(shard_info.alias_problems(checkpoint.tied_weights()))
     names = list(stored) if checkpoint is not None else list(shard_info.params)
     for name in names:
         source = stored.get(name)

@@ -1,0 +1,160 @@
+"""Integrity of converted directories: each file's size and sha256 against ``shard_manifest.json``.
+
+``verify_dir`` checks a whole directory and lists every mismatch (``shardload verify OUT``);
+``rank_file`` is the per-rank check ``load_rank`` runs before it reads a rank file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .checkpoint import (
+    MANIFEST_NAME,
+    RANK_FILE_RE,
+    Checkpoint,
+    manifest_stages,
+    open_checkpoint,
+    rank_file_name,
+    read_header_and_metadata,
+    resolve_inside,
+)
+from .errors import CheckpointError
+
+if TYPE_CHECKING:
+    from .mesh import Mesh
+
+__all__ = ["VerifyReport", "rank_file", "sha256_file", "verify_dir"]
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file, read in 8 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(8 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify_dir` checked, and every problem it found (empty when the directory is intact)."""
+
+    path: Path
+    num_shards: int
+    files: int = 0
+    nbytes: int = 0
+    problems: list[CheckpointError] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _check_entry(root: Path, entry: dict[str, Any], checksum: bool) -> tuple[Path, CheckpointError | None]:
+    """Check one manifest entry's file: present, inside the directory, right size, a rank file's header
+    written for its rank, and the sha256 when ``checksum``."""
+    name = entry["path"]
+    full = root / name
+    try:
+        full = resolve_inside(root, name, root / MANIFEST_NAME)
+        size = full.stat().st_size
+    except (CheckpointError, OSError):
+        if not full.exists() and not full.is_symlink():
+            return full, CheckpointError("is missing (listed in the manifest)", file=str(full))
+        return full, CheckpointError("is not a regular file inside the directory", file=str(full))
+    if size != entry["size"]:
+        return full, CheckpointError(f"is {size} bytes, the manifest says {entry['size']}", file=str(full))
+    match = RANK_FILE_RE.fullmatch(name)
+    if match:
+        try:
+            _check_rank_header(full, int(match[3]), int(match[4]), int(match[1] or 0), int(match[2] or 1))
+        except CheckpointError as err:
+            return full, err
+    if checksum:
+        digest = sha256_file(full)
+        if digest != entry["sha256"]:
+            return full, CheckpointError(
+                f"does not match its sha256 in the manifest "
+                f"(file {digest[:16]}..., manifest {entry['sha256'][:16]}...)",
+                file=str(full),
+            )
+    return full, None
+
+
+def _check_rank_header(path: Path, rank: int, num_shards: int, stage: int = 0, stages: int = 1) -> None:
+    """A rank file must be a valid safetensors file written for this rank and N (catches renamed files)."""
+    _, metadata = read_header_and_metadata(path)
+    said = (metadata.get("shardload.rank"), metadata.get("shardload.num_shards"))
+    if said != (str(rank), str(num_shards)):
+        raise CheckpointError(
+            f"its header says rank {said[0]} of {said[1]}, not rank {rank} of {num_shards}", file=str(path)
+        )
+    said_stage = (metadata.get("shardload.pp", "0"), metadata.get("shardload.num_pp", "1"))
+    if said_stage != (str(stage), str(stages)):
+        raise CheckpointError(
+            f"its header says pipeline stage {said_stage[0]} of {said_stage[1]}, not {stage} of {stages}",
+            file=str(path),
+        )
+
+
+def rank_file(checkpoint: Checkpoint, rank: int, layout: Mesh, *, stage: int = 0, checksum: bool = False) -> Path:
+    """Check and return the file of tensor rank ``rank`` in pipeline ``stage`` of a converted directory.
+
+    The directory must have been written for ``layout``'s tp (= num_shards) and pp; its size is
+    always checked, its sha256 when ``checksum``.
+    """
+    manifest = checkpoint.manifest or {}
+    where = str(checkpoint.root / MANIFEST_NAME)
+    num_shards = layout.tp
+    if manifest["num_shards"] != num_shards:
+        raise CheckpointError(
+            f"directory was converted for num_shards={manifest['num_shards']}, not {num_shards}; "
+            "convert the source checkpoint again or load it directly",
+            file=where,
+        )
+    stages = manifest_stages(manifest)
+    stored_layers = (manifest.get("mesh") or {}).get("pp_layers")
+    if stages != layout.pp or (layout.pp_layers is not None and list(layout.pp_layers) != stored_layers):
+        raise CheckpointError(
+            f"directory was converted for pp={stages} (layers per stage {stored_layers}), not for {layout}",
+            file=where,
+        )
+    if type(rank) is not int or not 0 <= rank < num_shards:
+        raise CheckpointError(f"rank {rank} is out of range for num_shards={num_shards}", file=where)
+    name = rank_file_name(rank, num_shards, stage, stages)
+    entry = next(f for f in manifest["files"] if f["path"] == name)  # check_manifest: every rank is listed
+    path, problem = _check_entry(checkpoint.root, entry, checksum)
+    if problem is not None:
+        raise problem
+    return path
+
+
+def verify_dir(path: str | os.PathLike[str]) -> VerifyReport:
+    """Recompute every file's sha256 in a converted directory against its manifest; list each mismatch.
+
+    Example::
+
+        report = shardload.verify_dir("llama-tp8")
+        for problem in report.problems:
+            print(problem)
+    """
+    checkpoint = open_checkpoint(path)
+    if checkpoint.kind != "converted" or checkpoint.manifest is None:
+        raise CheckpointError(f"not a converted directory (no {MANIFEST_NAME})", file=str(path))
+    manifest = checkpoint.manifest
+    report = VerifyReport(checkpoint.root, manifest["num_shards"])
+    for entry in manifest["files"]:
+        _, problem = _check_entry(checkpoint.root, entry, checksum=True)
+        report.files += 1
+        report.nbytes += entry["size"]
+        if problem is not None:
+            report.problems.append(problem)
+    listed = {entry["path"] for entry in manifest["files"]}
+    for extra in sorted(checkpoint.root.iterdir()):
+        if extra.name.endswith(".safetensors") and extra.name not in listed:
+            report.problems.append(CheckpointError("is not listed in the manifest", file=str(extra)))
+    return report

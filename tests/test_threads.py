@@ -1,0 +1,41 @@
+"""Concurrency: 8 threads calling load_rank for different ranks of one model in one process give the
+same tensors as sequential calls, for a source checkpoint and for a converted directory."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardload
+
+N = 8
+
+
+def _in_threads(model: Path, verify: bool) -> list[dict[str, torch.Tensor]]:
+    start = threading.Barrier(N)
+
+    def one(rank: int) -> dict[str, torch.Tensor]:
+        start.wait()  # all threads start loading at the same moment
+        return shardload.load_rank(model, rank, N, verify=verify)
+
+    with ThreadPoolExecutor(N) as pool:
+        return list(pool.map(one, range(N)))
+
+
+@pytest.mark.parametrize("kind", ["source", "source-multi-file", "converted"])
+def test_threads_equal_sequential(example_dir: Path, example_multi_dir: Path, tmp_path: Path, kind: str) -> None:
+    model = {"source": example_dir, "source-multi-file": example_multi_dir, "converted": tmp_path / "tp8"}[kind]
+    if kind == "converted":
+        shardload.convert(example_dir, N, model)
+    sequential = [shardload.load_rank(model, r, N) for r in range(N)]
+    for _ in range(3):
+        threaded = _in_threads(model, verify=kind == "converted")
+        for r in range(N):
+            assert threaded[r].keys() == sequential[r].keys()
+            for name, t in sequential[r].items():
+                assert torch.equal(threaded[r][name], t), (kind, r, name)
+    assert any(not torch.equal(sequential[0][k], sequential[1][k]) for k in sequential[0]), "ranks must differ"
