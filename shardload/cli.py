@@ -45,6 +45,26 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _mesh_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Add --mesh, --world-size and --pp-layers to a command."""
+    fn = click.option(
+        "--pp-layers", help="Decoder layers per pipeline stage, e.g. 10,14 (default: as even as possible)."
+    )(fn)
+    fn = click.option("--world-size", type=click.IntRange(min=1), help="Number of ranks, to infer a -1 mesh axis.")(fn)
+    return click.option("--mesh", help="Device mesh, e.g. pp=2,tp=4 (axes dp, pp, tp; one may be -1).")(fn)
+
+
+def _mesh_arg(mesh: str | None, world_size: int | None, pp_layers: str | None) -> Any:
+    """The Mesh the options describe, or None when --mesh is absent."""
+    from .mesh import Mesh
+
+    if mesh is None:
+        if world_size is not None or pp_layers is not None:
+            raise click.UsageError("--world-size and --pp-layers need --mesh")
+        return None
+    return Mesh.parse(mesh, world_size, pp_layers)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="shardload")
 def main() -> None:
@@ -66,16 +86,35 @@ def example(out_dir: Path, overwrite: bool, multi_file: bool) -> None:
 
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path))
-@click.option("-n", "--num-shards", type=click.IntRange(min=1), required=True, help="Tensor-parallel size N.")
+@click.option("-n", "--num-shards", type=click.IntRange(min=1), help="Tensor-parallel size N (or give --mesh).")
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Output directory.")
 @click.option("--shard-info", type=click.Path(path_type=Path), help="shard_info.json (default MODEL/shard_info.json).")
 @click.option("--overwrite", is_flag=True, help="Replace the output directory if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary table.")
+@_mesh_options
 @_guarded
-def convert(model: Path, num_shards: int, out_dir: Path, shard_info: Path | None, overwrite: bool, quiet: bool) -> None:
-    """Write MODEL pre-sharded for N ranks: rank-RRRRR-of-NNNNN.safetensors + shard_manifest.json."""
+def convert(
+    model: Path,
+    num_shards: int | None,
+    out_dir: Path,
+    shard_info: Path | None,
+    overwrite: bool,
+    quiet: bool,
+    mesh: str | None,
+    world_size: int | None,
+    pp_layers: str | None,
+) -> None:
+    """Write MODEL pre-sharded for N ranks: rank-RRRRR-of-NNNNN.safetensors + shard_manifest.json.
+
+    With --mesh pp=P,tp=T there is one file per (stage, tensor rank), holding only that stage's layers.
+    """
     from .convert import convert as run_convert
     from .report import format_table, human_bytes
+
+    layout = _mesh_arg(mesh, world_size, pp_layers)
+    if layout is None and num_shards is None:
+        raise click.UsageError("give --num-shards (or --mesh)")
+    options = {"overwrite": overwrite, "mesh": layout}
 
     show_bar = not quiet and sys.stderr.isatty()
     state = {"done": 0}
@@ -91,16 +130,15 @@ def convert(model: Path, num_shards: int, out_dir: Path, shard_info: Path | None
 
         total = open_checkpoint(model).nbytes
         with click.progressbar(length=total, label="converting", file=sys.stderr, show_pos=False) as bar:
-            result = run_convert(model, num_shards, out_dir, shard_info, overwrite=overwrite, progress=progress)
+            result = run_convert(model, num_shards, out_dir, shard_info, progress=progress, **options)
     else:
-        result = run_convert(model, num_shards, out_dir, shard_info, overwrite=overwrite)
+        result = run_convert(model, num_shards, out_dir, shard_info, **options)
     if quiet:
         return
-    n_tensors = len(result.plan.params)
-    rows = [(r, f.path, n_tensors, human_bytes(f.size), f.size, f.sha256[:16]) for r, f in enumerate(result.rank_files)]
-    click.echo(format_table(["rank", "file", "tensors", "size", "bytes", "sha256"], rows, right=(0, 2, 3, 4)))
+    rows = [(r, f.path, human_bytes(f.size), f.size, f.sha256[:16]) for r, f in enumerate(result.rank_files)]
+    click.echo(format_table(["file #", "file", "size", "bytes", "sha256"], rows, right=(0, 2, 3)))
     extra = f" and {len(result.other_files)} copied file(s)" if result.other_files else ""
-    click.echo(f"\nwrote {num_shards} rank files{extra} to {result.out_dir}")
+    click.echo(f"\nwrote {len(result.rank_files)} rank files{extra} to {result.out_dir}")
 
 
 @main.command()
@@ -160,12 +198,27 @@ def plan(model: Path, out: Path | None, style: str, experts: str, num_shards: tu
 @click.option("-n", "--num-shards", "num_shards", type=click.IntRange(min=1), multiple=True,
               help="N to check (repeatable). Default: the file's N, or 1, 2, 4, 8 for an N-agnostic file.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report.")
+@_mesh_options
 @_guarded
-def validate(shard_info_path: Path, model: Path | None, num_shards: tuple[int, ...], as_json: bool) -> None:
-    """Check SHARD_INFO against the schema, then plan it for each N and report every problem."""
+def validate(
+    shard_info_path: Path,
+    model: Path | None,
+    num_shards: tuple[int, ...],
+    as_json: bool,
+    mesh: str | None,
+    world_size: int | None,
+    pp_layers: str | None,
+) -> None:
+    """Check SHARD_INFO against the schema, then plan it for each N and report every problem.
+
+    With --mesh the N is the mesh's tp, and (with --model) the pipeline stages are checked too.
+    """
     from .validate import validate_file
 
-    report = validate_file(shard_info_path, model, list(num_shards) or None)
+    layout = _mesh_arg(mesh, world_size, pp_layers)
+    if layout is not None and num_shards and set(num_shards) != {layout.tp}:
+        raise click.UsageError(f"--num-shards disagrees with the mesh's tp={layout.tp}")
+    report = validate_file(shard_info_path, model, list(num_shards) or None, mesh=layout)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
@@ -182,12 +235,30 @@ def validate(shard_info_path: Path, model: Path | None, num_shards: tuple[int, .
 @click.option("-n", "--num-shards", type=click.IntRange(min=1), help="N (default: the file's N, or 8).")
 @click.option("--shard-info", type=click.Path(path_type=Path), help="shard_info.json (default MODEL/shard_info.json).")
 @click.option("--json", "as_json", is_flag=True, help="Print rows and totals as JSON.")
+@_mesh_options
 @_guarded
-def inspect(model: Path, num_shards: int | None, shard_info: Path | None, as_json: bool) -> None:
-    """Print each parameter's stored and per-rank shape, steps and bytes, with per-rank totals."""
+def inspect(
+    model: Path,
+    num_shards: int | None,
+    shard_info: Path | None,
+    as_json: bool,
+    mesh: str | None,
+    world_size: int | None,
+    pp_layers: str | None,
+) -> None:
+    """Print each parameter's stored and per-rank shape, steps and bytes, with per-rank totals.
+
+    With --mesh, also a row per (pipeline stage, tensor rank): its layers, tensors, bytes held and read.
+    """
     from .checkpoint import open_checkpoint
     from .plan import build_plan, resolve_shard_info
-    from .report import inspect_rows, inspect_text, totals
+    from .report import inspect_rows, inspect_text, mesh_rows, mesh_text, totals
+
+    layout = _mesh_arg(mesh, world_size, pp_layers)
+    if layout is not None:
+        if num_shards is not None and num_shards != layout.tp:
+            raise click.UsageError(f"--num-shards disagrees with the mesh's tp={layout.tp}")
+        num_shards = layout.tp
 
     checkpoint = open_checkpoint(model)
     if checkpoint.kind == "converted":
@@ -196,9 +267,14 @@ def inspect(model: Path, num_shards: int | None, shard_info: Path | None, as_jso
     n = num_shards or info.num_shards or 8
     plan = build_plan(info, checkpoint, n)
     if as_json:
-        click.echo(json.dumps({"rows": inspect_rows(plan), "totals": totals(plan)}, indent=2))
+        doc: dict[str, Any] = {"rows": inspect_rows(plan), "totals": totals(plan)}
+        if layout is not None:
+            doc["mesh"] = {**layout.to_dict(), "ranks": mesh_rows(plan, layout)}
+        click.echo(json.dumps(doc, indent=2))
     else:
         click.echo(inspect_text(plan))
+        if layout is not None:
+            click.echo("\n" + mesh_text(plan, layout))
 
 
 @main.command()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .plan import ModelPlan
+
+if TYPE_CHECKING:
+    from .mesh import Mesh
 
 
 def human_bytes(n: float) -> str:
@@ -90,3 +93,41 @@ def inspect_text(plan: ModelPlan) -> str:
         f"rank balance (max/min): {balance}",
     ]
     return "\n".join(lines)
+
+
+def mesh_rows(plan: ModelPlan, layout: Mesh) -> list[dict[str, Any]]:
+    """One row per (pipeline stage, tensor rank): global ranks, layers, tensors, bytes held and read."""
+    from .execute import stages_of
+
+    rows = []
+    for pp, stage in enumerate(stages_of(plan, layout)):
+        for tp in range(layout.tp):
+            layers = stage.layers
+            rows.append(
+                {
+                    "pp": pp,
+                    "tp": tp,
+                    "ranks": [layout.rank(dp, pp, tp) for dp in range(layout.dp)],
+                    "layers": None if layers is None else [layers.start, layers.stop],
+                    "tensors": len(stage.params),
+                    "bytes_held": stage.rank_nbytes(tp),
+                    "bytes_read": sum(p.read_nbytes(tp) for p in stage.params.values()),
+                }
+            )
+    return rows
+
+
+def mesh_text(plan: ModelPlan, layout: Mesh) -> str:
+    """The ``inspect --mesh`` table: what each (stage, tensor rank) holds and reads, with dp replicas."""
+    checkpoint_bytes = sum(p.source.nbytes for p in plan.params.values())
+    rows = []
+    for r in mesh_rows(plan, layout):
+        layers = "all" if r["layers"] is None else f"{r['layers'][0]}..{r['layers'][1] - 1}"
+        if r["layers"] is not None and r["layers"][0] == r["layers"][1]:
+            layers = "none"
+        share = r["bytes_read"] / checkpoint_bytes if checkpoint_bytes else 0.0
+        ranks = ",".join(str(x) for x in r["ranks"])
+        rows.append((ranks, r["pp"], r["tp"], layers, r["tensors"], human_bytes(r["bytes_held"]),
+                     human_bytes(r["bytes_read"]), f"{share:.3f}"))  # fmt: skip
+    headers = ["ranks", "pp", "tp", "layers", "tensors", "bytes held", "bytes read", "read/checkpoint"]
+    return f"mesh {layout} ({layout.world_size} ranks)\n" + format_table(headers, rows, right=(1, 2, 4, 5, 6, 7))

@@ -9,6 +9,7 @@ from typing import Any
 from .checkpoint import Checkpoint, open_checkpoint
 from .errors import ShardloadError
 from .format import ShardInfo
+from .mesh import Mesh, stage_plans
 from .plan import build_plan
 
 DEFAULT_NS = (1, 2, 4, 8)
@@ -18,11 +19,14 @@ def validate_file(
     path: str | os.PathLike[str],
     model: str | os.PathLike[str] | None = None,
     num_shards: Sequence[int] | None = None,
+    *,
+    mesh: Mesh | None = None,
 ) -> dict[str, Any]:
     """Check ``path`` (against ``model``'s header when given) for each N; return a JSON-ready report.
 
     Without ``num_shards`` the file's own N is checked, or 1, 2, 4 and 8 for an N-agnostic file.
-    A problem seen for only some N has those N appended to its message.
+    A problem seen for only some N has those N appended to its message. With a ``mesh`` the N
+    is its ``tp``, and against a model its pipeline stages must be splittable too.
     """
     report: dict[str, Any] = {"file": str(path), "model": None if model is None else str(model)}
     try:
@@ -30,11 +34,19 @@ def validate_file(
         checkpoint: Checkpoint | None = open_checkpoint(model) if model is not None else None
     except ShardloadError as err:
         return {**report, "valid": False, "num_shards_checked": [], "valid_for": [], "problems": [err.to_dict()]}
+    if mesh is not None:
+        num_shards = [mesh.tp]
     ns = list(num_shards) if num_shards else ([info.num_shards] if info.num_shards else list(DEFAULT_NS))
     found: dict[str, dict[str, Any]] = {}
     valid_for = []
     for n in ns:
-        problems = build_plan(info, checkpoint, n, strict=False).problems
+        plan = build_plan(info, checkpoint, n, strict=False)
+        problems = plan.problems
+        if mesh is not None and checkpoint is not None and not problems:
+            try:
+                stage_plans(plan, mesh)
+            except ShardloadError as err:
+                problems = [err.located(file=str(model))]
         if not problems:
             valid_for.append(n)
         for problem in problems:

@@ -100,6 +100,20 @@ def _linear(x: torch.Tensor, state: State, name: str) -> torch.Tensor:
 
 def decoder_logits(config: dict[str, Any], shards: list[State], ids: torch.Tensor, experts: str = "tp") -> torch.Tensor:
     """Logits of a Llama-family decoder (dense or Mixtral MoE) run tensor-parallel over ``shards``."""
+    h = decoder_embed(config, shards, ids)
+    h = decoder_layers(config, shards, h, range(config["num_hidden_layers"]), experts)
+    return decoder_head(config, shards, h)
+
+
+def decoder_embed(config: dict[str, Any], shards: list[State], ids: torch.Tensor) -> torch.Tensor:
+    """The first pipeline stage's input: token embeddings (vocab-parallel over ``shards``)."""
+    return vocab_embedding(shards, "model.embed_tokens.weight", ids, config["vocab_size"])
+
+
+def decoder_layers(
+    config: dict[str, Any], shards: list[State], h: torch.Tensor, layers: range, experts: str = "tp"
+) -> torch.Tensor:
+    """Run decoder ``layers`` tensor-parallel over ``shards`` on the hidden state ``h`` (one pipeline stage's body)."""
     n = len(shards)
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
@@ -107,9 +121,7 @@ def decoder_logits(config: dict[str, Any], shards: list[State], ids: torch.Tenso
     local_q, local_kv = heads // n, (kv_heads // n if kv_heads % n == 0 else 1)
     eps = config["rms_norm_eps"]
     theta = (config.get("rope_parameters") or {}).get("rope_theta") or config["rope_theta"]
-    vocab = config["vocab_size"]
-    h = vocab_embedding(shards, "model.embed_tokens.weight", ids, vocab)
-    for layer in range(config["num_hidden_layers"]):
+    for layer in layers:
         p = f"model.layers.{layer}."
         parts = []
         for s in shards:
@@ -129,9 +141,14 @@ def decoder_logits(config: dict[str, Any], shards: list[State], ids: torch.Tenso
             x = rms_norm(h, s[p + "post_attention_layernorm.weight"], eps)
             parts.append(_moe(config, s, p, x, experts, n, rank) if _is_moe(s, p) else _mlp(s, p + "mlp.", x))
         h = h + all_reduce(parts)
-    xs = [rms_norm(h, s["model.norm.weight"], eps) for s in shards]
+    return h
+
+
+def decoder_head(config: dict[str, Any], shards: list[State], h: torch.Tensor) -> torch.Tensor:
+    """The last pipeline stage's output: final norm and (vocab-parallel) logits."""
+    xs = [rms_norm(h, s["model.norm.weight"], config["rms_norm_eps"]) for s in shards]
     head = "lm_head.weight" if "lm_head.weight" in shards[0] else "model.embed_tokens.weight"
-    return vocab_logits(shards, head, xs, vocab)
+    return vocab_logits(shards, head, xs, config["vocab_size"])
 
 
 def _mlp(s: State, p: str, x: torch.Tensor) -> torch.Tensor:
