@@ -226,7 +226,8 @@ def validate(
             click.echo(problem["message"], err=False)
         if report["valid"]:
             checked = ", ".join(str(n) for n in report["num_shards_checked"])
-            click.echo(f"{shard_info_path}: valid for num_shards {checked}")
+            what = f"mesh {layout}" if layout is not None else f"num_shards {checked}"
+            click.echo(f"{shard_info_path}: valid for {what}")
     sys.exit(0 if report["valid"] else 1)
 
 
