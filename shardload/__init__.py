@@ -5,6 +5,7 @@ The public surface::
     shards = shardload.load("model-dir", num_shards=8)            # N state dicts, shard r on device r
     state = shardload.load_rank("model-dir", rank=3, num_shards=8)  # just this rank's tensors
     shardload.convert("model-dir", 8, "model-tp8")                  # pre-sharded files + manifest
+    shardload.quantize("model-dir", "model-int4", "int4-g128")      # quantize once, load at any N
     info = shardload.ShardInfo.load("shard_info.json")              # parse; info.validate(model=...)
     p = shardload.plan_model("model-dir", 8)                        # the pure plan: shapes, read boxes
 
@@ -23,6 +24,7 @@ from .errors import CheckpointError, FormatError, PlanError, ShardloadError
 from .execute import load, load_rank
 from .format import ShardInfo, StepSpec
 from .plan import ModelPlan, ParamPlan, plan_model
+from .quantize import quantize
 from .registry import register
 
 __all__ = [
@@ -40,5 +42,6 @@ __all__ = [
     "load",
     "load_rank",
     "plan_model",
+    "quantize",
     "register",
 ]

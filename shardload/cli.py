@@ -125,8 +125,11 @@ def validate(
     if as_json:
         click.echo(json.dumps(report, indent=2))
     elif list_valid_n:
+        for problem in report["problems"]:
+            if "num_shards" not in problem:  # the file itself is bad: no N was planned
+                click.echo(problem["message"])
         for n in report["num_shards_checked"]:
-            found = [p for p in report["problems"] if n in p.get("num_shards", [n])]
+            found = [p for p in report["problems"] if n in p.get("num_shards", ())]
             if found:
                 more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
                 click.echo(f"num_shards={n}: {found[0]['message'].rsplit(' [num_shards=', 1)[0]}{more}")

@@ -116,11 +116,13 @@ class _Weight:
 
 def module_tensors(weight: str, tensors: TensorShapes) -> dict[str, tuple[tuple[int, ...], str]]:
     """The stored tensors that make up ``weight`` (a module prefix or its ``.weight`` name), by suffix."""
-    prefix = weight.removesuffix(".weight") + "."
+    prefix = weight.removesuffix(".weight")
     found = {}
-    for name, (shape, dtype) in tensors.items():
-        if name.startswith(prefix) and name[len(prefix) :] in _KNOWN:
-            found[name[len(prefix) :]] = (tuple(int(d) for d in shape), str(dtype))
+    for suffix in _KNOWN:
+        entry = tensors.get(f"{prefix}.{suffix}")
+        if entry is not None:
+            shape, dtype = entry
+            found[suffix] = (tuple(int(d) for d in shape), str(dtype))
     return found
 
 
@@ -145,7 +147,9 @@ def detect_format(weight: str, tensors: TensorShapes, quantization_config: Mappi
             return "scaled"
         return "dense"
     prefix = weight.removesuffix(".weight")
-    raise PlanError(f"no stored tensor of this weight (looked for {prefix}.weight, .weight_packed, .qweight, ...)")
+    raise PlanError(
+        f"no stored tensor of this weight (looked for {prefix}.weight, .weight_packed, .qweight, ...)", param=prefix
+    )
 
 
 def companion_steps(
@@ -173,10 +177,11 @@ def companion_steps(
         split_dim = split.logical_dim(len(info.logical))
     except StepArgumentError as err:
         raise PlanError(str(err), param=prefix) from None
+    stored = module_tensors(prefix, tensors)
     out: dict[str, list[Step]] = {}
     for suffix, layout in info.layouts.items():
         name = f"{prefix}.{suffix}"
-        shape, dtype = module_tensors(prefix, tensors)[suffix]
+        shape, dtype = stored[suffix]
         try:
             out[name] = _steps(info, layout, shape, dtype, split, split_dim)
         except StepArgumentError as err:
@@ -430,10 +435,11 @@ def _gptq_awq(prefix: str, stored: dict[str, Any], qc: Mapping[str, Any], awq: b
     qzeros = stored.get("qzeros", (None,))[0]
     if "bits" in qc:
         pf = _pack_factor(qc["bits"], "bits")
-    elif awq and scales is not None:
-        pf = scales[-1] // qweight[-1]
-    elif not awq and scales is not None and qzeros is not None:
-        pf = scales[-1] // qzeros[-1]
+    elif scales is not None and (awq or qzeros is not None):
+        packed = qweight[-1] if awq else qzeros[-1]
+        if scales[-1] % packed:
+            raise _LayoutError("scales", f"{scales[-1]} outputs do not pack evenly into {packed} words")
+        pf = scales[-1] // packed
     else:
         pf = 8
     if len(qweight) != 2:

@@ -80,6 +80,21 @@ def test_steps_are_n_agnostic_documents_that_validate() -> None:
     assert companion_steps("qkv", WeightSplit("replicated"), tensors) == {name: [] for name in tensors if "qkv" in name}
 
 
+def test_expert_weights_split_per_expert_or_inside_each() -> None:
+    experts = {"e.weight_packed": ((4, 64, 16), "int32"), "e.weight_scale": ((4, 64, 4), "bfloat16"),
+               "e.weight_zero_point": ((4, 8, 4), "int32"), "e.weight_shape": ((3,), "int64")}  # fmt: skip
+    by_expert = companion_steps("e", WeightSplit("column", dim=0), experts)
+    assert {n: s[0][2] for n, s in by_expert.items()} == dict.fromkeys(experts, 0)  # every tensor on dim 0
+    inside = companion_steps("e", WeightSplit("row"), experts)
+    assert inside["e.weight_packed"][0][:3] == ["shard_funcs.shard_packed", [["num_shards", 4, 64, "16 // num_shards"],
+                                                                             "int32"], 2]  # fmt: skip
+    assert inside["e.weight_zero_point"][0][0] == "shard_funcs.shard_groups"
+    assert inside["e.weight_shape"][0][2] == 2
+    column = companion_steps("e", WeightSplit("column"), experts)
+    assert column["e.weight_zero_point"][0][:3] == ["shard_funcs.shard_packed", [["num_shards", 4, "8 // num_shards",
+                                                                                  4], "int32"], 1]  # fmt: skip
+
+
 def test_act_order_replicates_scales_on_row_splits() -> None:
     tensors = {"g.qweight": ((96, 64), "int32"), "g.qzeros": ((24, 8), "int32"), "g.scales": ((24, 64), "float16"),
                "g.g_idx": ((768,), "int32")}  # fmt: skip
