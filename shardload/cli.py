@@ -17,10 +17,10 @@ import click
 
 from . import __version__
 from .errors import ShardloadError
+from .quantize import SCHEMES as QUANT_SCHEMES
 
 DEFAULT_CHECK_NS = (1, 2, 4, 8)
 MAX_LISTED_N = 16
-QUANT_SCHEMES = ("int4-g128", "int4-g64", "int4-g32", "int8", "fp8")  # shardload.quantize.SCHEMES, without importing it
 
 
 def _fail(message: str) -> None:

@@ -148,3 +148,12 @@ def test_quantize_errors_are_one_line(example_dir: Path, quantized: dict[str, Pa
         (no_info / f).write_bytes((example_dir / f).read_bytes())
     done = runner.invoke(main, ["quantize", str(no_info), "-o", str(tmp_path / "q"), "--scheme", "fp8"])
     assert done.exit_code == 0 and "wrote none" in done.output and not (tmp_path / "q" / "shard_info.json").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_quantized_shards_land_on_cuda_unchanged(quantized: dict[str, Path]) -> None:
+    for scheme in SCHEMES:  # int32 packs, int64 shapes, float8 weights
+        on_cpu = shardload.load(quantized[scheme], 2, devices=["cpu", "cpu"])
+        on_gpu = shardload.load(quantized[scheme], 2, devices=["cuda:0", "cuda:0"])
+        for cpu, gpu in zip(on_cpu, on_gpu, strict=True):
+            assert all(gpu[k].device.type == "cuda" and torch.equal(gpu[k].cpu(), t) for k, t in cpu.items())
