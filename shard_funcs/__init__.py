@@ -1,8 +1,9 @@
 """Built-in step functions, registered as ``shard_funcs.<name>``.
 
 Each takes the input tensor first, then the extra arguments written in shard_info.json, and
-declares a shape rule and a box rule (every built-in is an index remap). Steps for one concern
-live in their own submodule (``attention``: head-aware splits with GQA replication).
+declares a shape rule and a box rule. Steps for one concern live in their own submodule:
+``attention`` (head-aware splits with GQA replication) and ``quant`` (quantized layouts), both
+imported here so they register too.
 """
 
 from __future__ import annotations
@@ -153,3 +154,6 @@ def _replicate_boxes(out_box: Box, in_shape: Shape, num_shards: int) -> list[tup
 def replicate(x: torch.Tensor, num_shards: int) -> torch.Tensor:
     """Give every rank the whole tensor: ``[N, *x.shape]`` as a broadcast view (no copy)."""
     return x.unsqueeze(0).expand(num_shards, *x.shape)
+
+
+from . import quant  # noqa: E402,F401  (registers the quantized-layout steps; needs the helpers above)

@@ -71,7 +71,7 @@ class TensorInfo:
 class Checkpoint:
     """The header-level view of a model: every tensor's location, no data read.
 
-    ``kind`` is ``"safetensors"`` for a source checkpoint and ``"converted"`` for a directory
+    ``kind`` is ``"safetensors"`` (or ``"gguf"``) for a source checkpoint and ``"converted"`` for a directory
     written by ``convert`` (then ``manifest`` holds its manifest and ``tensors`` is empty:
     each rank's file is opened with :func:`read_header` when needed).
     """
@@ -112,7 +112,7 @@ class Checkpoint:
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Open a model directory, a ``.safetensors`` file, or a converted directory (headers only)."""
+    """Open a model directory, a ``.safetensors`` or ``.gguf`` file, or a converted directory (headers only)."""
     path = Path(path)
     if TMP_MARKER in path.name or (path.is_file() and TMP_MARKER in path.parent.name):
         raise CheckpointError(
@@ -121,6 +121,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if path.is_file():
         if path.name == MANIFEST_NAME:
             return _open_converted(path.parent)
+        if path.suffix == ".gguf":
+            return _open_gguf(path)
         if path.name.endswith(".index.json"):
             return _open_index(path.parent, path)
         return _open_files(path, path.parent, [path])
@@ -139,11 +141,19 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             "directory; convert the source checkpoint again",
             file=str(path),
         )
+    if not found and any(p.is_file() for p in path.glob("*.gguf")):
+        return _open_gguf(path)
     if not found:
         raise CheckpointError(
             f"no {SINGLE_NAME}, {INDEX_NAME}, {MANIFEST_NAME} or *.safetensors file here", file=str(path)
         )
     return _open_files(path, path, [resolve_inside(path, p.name, path) for p in found])
+
+
+def _open_gguf(path: Path) -> Checkpoint:
+    from .gguf_source import open_gguf  # the gguf package is an optional extra
+
+    return open_gguf(path)
 
 
 def _open_files(path: Path, root: Path, files: list[Path]) -> Checkpoint:

@@ -1,4 +1,4 @@
-"""The ``shardload`` command line: example, plan, convert, validate, inspect, verify.
+"""The ``shardload`` command line: example, plan, convert, validate, inspect, verify, quantize.
 
 Bad input prints one line per problem (``file: parameter: step K (function): reason``) and
 exits 1; usage errors exit 2; no tracebacks for anything shardload can name.
@@ -17,8 +17,10 @@ import click
 
 from . import __version__
 from .errors import ShardloadError
+from .quantize import SCHEMES as QUANT_SCHEMES
 
 DEFAULT_CHECK_NS = (1, 2, 4, 8)
+MAX_LISTED_N = 16
 
 
 def _fail(message: str) -> None:
@@ -197,6 +199,9 @@ def plan(model: Path, out: Path | None, style: str, experts: str, num_shards: tu
 @click.option("--model", type=click.Path(path_type=Path), help="Check against this checkpoint's tensors.")
 @click.option("-n", "--num-shards", "num_shards", type=click.IntRange(min=1), multiple=True,
               help="N to check (repeatable). Default: the file's N, or 1, 2, 4, 8 for an N-agnostic file.")  # fmt: skip
+@click.option("--list-valid-n", is_flag=True,
+              help=f"Check every N in 1..{MAX_LISTED_N} (or the -n values), print each failing N's first problem "
+                   "and the N that work; exit 0 when some N works.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report.")
 @_mesh_options
 @_guarded
@@ -204,6 +209,7 @@ def validate(
     shard_info_path: Path,
     model: Path | None,
     num_shards: tuple[int, ...],
+    list_valid_n: bool,
     as_json: bool,
     mesh: str | None,
     world_size: int | None,
@@ -216,11 +222,23 @@ def validate(
     from .validate import validate_file
 
     layout = _mesh_arg(mesh, world_size, pp_layers)
-    if layout is not None and num_shards and set(num_shards) != {layout.tp}:
-        raise click.UsageError(f"--num-shards disagrees with the mesh's tp={layout.tp}")
-    report = validate_file(shard_info_path, model, list(num_shards) or None, mesh=layout)
+    if layout is not None and (list_valid_n or (num_shards and set(num_shards) != {layout.tp})):
+        raise click.UsageError(f"--mesh fixes N to its tp={layout.tp}: drop --num-shards / --list-valid-n")
+    ns = list(num_shards) or (list(range(1, MAX_LISTED_N + 1)) if list_valid_n else None)
+    report = validate_file(shard_info_path, model, ns, mesh=layout)
     if as_json:
         click.echo(json.dumps(report, indent=2))
+    elif list_valid_n:
+        for problem in report["problems"]:
+            if "num_shards" not in problem:  # the file itself is bad: no N was planned
+                click.echo(problem["message"])
+        for n in report["num_shards_checked"]:
+            found = [p for p in report["problems"] if n in p.get("num_shards", ())]
+            if found:
+                more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+                click.echo(f"num_shards={n}: {found[0]['message'].rsplit(' [num_shards=', 1)[0]}{more}")
+        valid = ", ".join(str(n) for n in report["valid_for"]) or "none"
+        click.echo(f"{shard_info_path}: valid for num_shards {valid}")
     else:
         for problem in report["problems"]:
             click.echo(problem["message"], err=False)
@@ -228,7 +246,32 @@ def validate(
             checked = ", ".join(str(n) for n in report["num_shards_checked"])
             what = f"mesh {layout}" if layout is not None else f"num_shards {checked}"
             click.echo(f"{shard_info_path}: valid for {what}")
-    sys.exit(0 if report["valid"] else 1)
+    ok = bool(report["valid_for"]) if list_valid_n else report["valid"]
+    sys.exit(0 if ok else 1)
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Output directory.")
+@click.option("--scheme", type=click.Choice(list(QUANT_SCHEMES)), default="int4-g128", show_default=True,
+              help="int4-gG: 4-bit, a scale per G inputs; int8 and fp8: a scale per output channel.")  # fmt: skip
+@click.option("--shard-info", type=click.Path(path_type=Path), help="shard_info.json (default MODEL/shard_info.json).")
+@click.option("--overwrite", is_flag=True, help="Replace the output directory if it exists.")
+@_guarded
+def quantize(model: Path, out_dir: Path, scheme: str, shard_info: Path | None, overwrite: bool) -> None:
+    """Quantize MODEL's linear weights once (compressed-tensors layout) with an N-agnostic shard_info."""
+    from .quantize import quantize as run_quantize
+
+    result = run_quantize(model, out_dir, scheme, shard_info=shard_info, overwrite=overwrite)
+    fmt = result.scheme.format
+    click.echo(f"quantized {len(result.quantized)} weights to {scheme} (compressed-tensors {fmt}) in {result.out_dir}")
+    for name, reason in result.skipped.items():
+        click.echo(f"  kept {name}: {reason}")
+    if not result.shard_info:
+        click.echo("no shard_info.json in the source: wrote none (every tensor would be replicated)")
+    else:
+        valid = ", ".join(str(n) for n in result.valid_for) or "none"
+        click.echo(f"shard_info.json: valid for num_shards {valid} (checked 1..{MAX_LISTED_N})")
 
 
 @main.command()

@@ -137,7 +137,7 @@ def _copy_other_files(src_root: Path, dst: Path, skip: set[Path]) -> list[Output
     for entry in sorted(src_root.iterdir()):
         if entry.name.startswith(".") or not entry.is_file() or entry.resolve() in skip:
             continue
-        if entry.name.endswith(".safetensors") or entry.name in (INDEX_NAME, MANIFEST_NAME):
+        if entry.name.endswith((".safetensors", ".gguf")) or entry.name in (INDEX_NAME, MANIFEST_NAME):
             continue
         source = resolve_inside(src_root, entry.name, src_root)  # no symlink may copy files from elsewhere
         out = _OutFile(dst / entry.name)

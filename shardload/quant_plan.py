@@ -1,0 +1,612 @@
+"""Quantized companions: steps for every stored tensor of a weight, following how its logical weight is split.
+
+A plan generator decides how each logical weight ``W[..., out, in]`` is split across ranks (a
+:class:`WeightSplit`: column, row, vocab or replicated, fused segments in units, GQA). A quantized
+checkpoint stores ``W`` as several tensors whose dims relate to ``W``'s dims by a pack factor
+(int4 in int32) or a group/block size (scales, zero points, GGUF blocks), plus a shape vector or
+a group index whose values change per rank. :func:`companion_steps` turns the one decision into
+shard_info steps for each of them; :func:`quantized_shard_info` carries a dense model's
+shard_info over to its quantized checkpoint. Pure: only names, shapes, dtypes and the
+``quantization_config`` of config.json are read.
+
+Formats (:func:`detect_format`), with the tensors each stores next to the module prefix ``P``:
+
+- ``compressed-tensors``: ``P.weight_packed`` int32 ``[out, in/8]`` (int4; int8 packs 4),
+  ``P.weight_scale`` ``[out, in/group]`` or ``[out, 1]``, ``P.weight_zero_point`` packed along
+  ``out``, ``P.weight_shape`` (rewritten per rank), ``P.weight_g_idx``;
+- ``mlc``: ``P.q_weight`` uint32 ``[out, in/8]``, ``P.q_scale`` ``[out, in/group]``;
+- ``gptq``: ``P.qweight`` int32 ``[in/8, out]``, ``P.qzeros`` ``[groups, out/8]``,
+  ``P.scales`` ``[groups, out]``, ``P.g_idx`` ``[in]``; ``awq``: ``P.qweight`` ``[in, out/8]``,
+  ``P.qzeros``, ``P.scales`` as GPTQ;
+- ``scaled``: a full-size ``P.weight`` (FP8 ``float8_e4m3fn``, int8) with ``P.weight_scale`` or
+  ``P.weight_scale_inv`` per tensor, per channel or per 128x128 block (ceil division);
+- ``gguf``: ``P.weight`` uint8 ``[rows, blocks, bytes per block]`` (see :mod:`shardload.gguf_source`);
+- ``dense``: a plain ``P.weight``.
+
+Scalars (per-tensor scales, ``input_scale``) are replicated. With act-order (GPTQ ``desc_act``,
+compressed-tensors ``actorder``) a row split replicates scales and zero points and gives each
+rank its slice of ``g_idx``; without it scales are split and ``g_idx`` made local.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from math import gcd, prod
+from pathlib import Path
+from typing import Any
+
+from . import expr
+from .errors import PlanError, StepArgumentError
+
+FORMATS = ("dense", "scaled", "compressed-tensors", "mlc", "gptq", "awq", "gguf")
+STYLES = ("column", "row", "vocab", "replicated")
+
+TensorShapes = Mapping[str, tuple[Sequence[int], str]]
+"""Stored tensor name -> (shape, dtype name), e.g. ``{n: (t.shape, t.dtype) for n, t in ckpt.tensors.items()}``."""
+
+Step = list[Any]
+"""One shard_info step in document form: ``[function, [shape or None, dtype], *args]``."""
+
+_SCALE_NAMES = ("weight_scale", "weight_scale_inv", "weight_zero_point")
+_KNOWN = (
+    "weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_zero_point", "weight_shape",
+    "weight_g_idx", "weight_global_scale", "input_scale", "input_global_scale", "input_zero_point",
+    "output_scale", "qweight", "qzeros", "scales", "g_idx", "q_weight", "q_scale",
+)  # fmt: skip
+_ACT_ORDER_VALUES = (True, "group", "dynamic", "static")
+
+
+@dataclass(frozen=True)
+class WeightSplit:
+    """How a plan splits one logical weight ``W[..., out, in]`` across ranks.
+
+    ``style``: ``"column"`` or ``"vocab"`` split ``out`` (dim -2), ``"row"`` splits ``in`` (dim -1),
+    ``"replicated"`` gives every rank everything. ``dim`` overrides the style's dim (e.g. 0 for
+    expert parallelism over ``[experts, out, in]``). ``segments`` are fused parts along the split
+    dim counted in ``unit`` elements (QKV: ``(q_heads, kv_heads, kv_heads)`` with ``unit`` =
+    head_dim). ``gqa``: a segment with fewer units than ranks is replicated (vLLM's rule) through
+    ``shard_funcs.shard_segments`` instead of ``reorder_segments`` + a split.
+    """
+
+    style: str = "replicated"
+    dim: int | None = None
+    segments: tuple[int, ...] = ()
+    unit: int = 1
+    gqa: bool = False
+
+    def __post_init__(self) -> None:
+        if self.style not in STYLES:
+            raise ValueError(f"style must be one of {', '.join(STYLES)}, got {self.style!r}")
+        object.__setattr__(self, "segments", tuple(self.segments))
+
+    def logical_dim(self, ndim: int) -> int | None:
+        """The split dim of a ``ndim``-d logical weight, normalised; None when replicated."""
+        if self.style == "replicated":
+            return None
+        d = self.dim if self.dim is not None else (-1 if self.style == "row" else -2 if ndim >= 2 else -1)
+        if not -ndim <= d < ndim:
+            raise StepArgumentError(f"split dim {d} is out of range for a {ndim}-d weight")
+        return d % ndim
+
+
+@dataclass(frozen=True)
+class _Axis:
+    """How one stored dim relates to the logical weight: which logical dim, and how many elements per stored one."""
+
+    logical: int | None  # None: a broadcast (size 1) or byte dim, never split
+    kind: str = "plain"  # "plain" | "packed" | "group"
+    factor: int = 1
+    size: int = 0  # logical length covered (for groups with a partial last one)
+
+
+@dataclass
+class _Weight:
+    """One weight's format, logical shape, and the layout of each stored tensor."""
+
+    format: str
+    logical: tuple[int, ...]
+    layouts: dict[str, tuple[_Axis, ...] | str] = field(default_factory=dict)  # or "scalar" | "shape" | "g_idx"
+    act_order: bool = False
+    num_groups: int = 0
+
+
+def module_tensors(weight: str, tensors: TensorShapes) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The stored tensors that make up ``weight`` (a module prefix or its ``.weight`` name), by suffix."""
+    prefix = weight.removesuffix(".weight")
+    found = {}
+    for suffix in _KNOWN:
+        entry = tensors.get(f"{prefix}.{suffix}")
+        if entry is not None:
+            shape, dtype = entry
+            found[suffix] = (tuple(int(d) for d in shape), str(dtype))
+    return found
+
+
+def detect_format(weight: str, tensors: TensorShapes, quantization_config: Mapping[str, Any] | None = None) -> str:
+    """Which of :data:`FORMATS` stores ``weight``, from tensor names and shapes and the quantization_config."""
+    stored = module_tensors(weight, tensors)
+    method = str((quantization_config or {}).get("quant_method", "")).lower()
+    if "weight_packed" in stored:
+        return "compressed-tensors"
+    if "qweight" in stored:
+        if method in ("gptq", "awq"):
+            return method
+        scales = stored.get("scales")
+        return "gptq" if scales is None or stored["qweight"][0][-1] == scales[0][-1] else "awq"
+    if "q_weight" in stored:
+        return "mlc"
+    if "weight" in stored:
+        shape, dtype = stored["weight"]
+        if method == "gguf" and dtype == "uint8" and len(shape) >= 3:
+            return "gguf"
+        if any(s in stored for s in _SCALE_NAMES):
+            return "scaled"
+        return "dense"
+    prefix = weight.removesuffix(".weight")
+    raise PlanError(
+        f"no stored tensor of this weight (looked for {prefix}.weight, .weight_packed, .qweight, ...)", param=prefix
+    )
+
+
+def companion_steps(
+    weight: str,
+    split: WeightSplit,
+    tensors: TensorShapes,
+    quantization_config: Mapping[str, Any] | None = None,
+) -> dict[str, list[Step]]:
+    """Steps for every stored tensor of ``weight`` so that each rank holds the quantized form of its part of W.
+
+    ``weight`` is the module prefix or the logical weight name (``model.layers.0.mlp.down_proj``
+    or ``...down_proj.weight``); ``tensors`` holds every stored tensor's shape and dtype;
+    ``quantization_config`` is config.json's (None: format, bits and group size come from names
+    and shapes). Returns stored name -> N-agnostic steps (document form; ``[]`` = replicated).
+    Raises PlanError (naming the tensor) where the layout cannot follow the split for any N.
+
+    Example::
+
+        steps = companion_steps("model.layers.0.self_attn.qkv_proj", WeightSplit("column", segments=(32, 8, 8),
+                                unit=128), {n: (t.shape, t.dtype) for n, t in ckpt.tensors.items()}, qcfg)
+    """
+    prefix = weight.removesuffix(".weight")
+    info = _analyze(prefix, tensors, quantization_config)
+    try:
+        split_dim = split.logical_dim(len(info.logical))
+    except StepArgumentError as err:
+        raise PlanError(str(err), param=prefix) from None
+    stored = module_tensors(prefix, tensors)
+    out: dict[str, list[Step]] = {}
+    for suffix, layout in info.layouts.items():
+        name = f"{prefix}.{suffix}"
+        shape, dtype = stored[suffix]
+        try:
+            out[name] = _steps(info, layout, shape, dtype, split, split_dim)
+        except StepArgumentError as err:
+            raise PlanError(str(err), param=name) from None
+    return out
+
+
+def sharding_from_steps(steps: Sequence[Any]) -> WeightSplit:
+    """Read a dense weight's shard_info steps back into a :class:`WeightSplit` (for carrying them over).
+
+    Understood: no steps or ``replicate``; ``shard_dim``; ``reorder_segments`` + ``shard_dim`` on one
+    dim; ``shard_segments`` (GQA). Arguments must not depend on num_shards except the N itself.
+    """
+    calls = [(_step_name(s), _step_args(s)) for s in steps]
+    names = [c[0] for c in calls]
+    try:
+        if not calls or names == ["shard_funcs.replicate"]:
+            return WeightSplit("replicated")
+        if names == ["shard_funcs.shard_dim"]:
+            return _dim_split(expr.evaluate(calls[0][1][0], None))
+        if names == ["shard_funcs.reorder_segments", "shard_funcs.shard_dim"]:
+            args = calls[0][1]
+            dim = expr.evaluate(args[0], None)
+            if expr.evaluate(calls[1][1][0], None) != dim:
+                raise StepArgumentError("reorder_segments and shard_dim work on different dims")
+            unit = expr.evaluate(args[3], None) if len(args) > 3 else 1
+            segments = tuple(expr.evaluate(s, None) for s in args[1])
+            return _dim_split(dim, segments, unit)
+        if names == ["shard_funcs.shard_segments"]:
+            args = calls[0][1]
+            unit = expr.evaluate(args[3], None) if len(args) > 3 else 1
+            pack = expr.evaluate(args[4], None) if len(args) > 4 else 1
+            if pack != 1:
+                raise StepArgumentError("a dense weight's shard_segments must have pack 1")
+            segments = tuple(expr.evaluate(s, None) for s in args[1])
+            return _dim_split(expr.evaluate(args[0], None), segments, unit, gqa=True)
+    except (StepArgumentError, IndexError, TypeError) as err:
+        raise PlanError(f"cannot carry steps {names} over to quantized tensors: {err}") from None
+    raise PlanError(
+        f"cannot carry steps {names} over to quantized tensors: only replicate, shard_dim, "
+        "reorder_segments + shard_dim and shard_segments are understood"
+    )
+
+
+def quantized_shard_info(
+    dense_params: Mapping[str, Sequence[Any]],
+    tensors: TensorShapes,
+    quantization_config: Mapping[str, Any] | None = None,
+) -> dict[str, list[Step]]:
+    """Carry a dense model's shard_info ``params`` over to a quantized checkpoint's tensors.
+
+    A parameter stored as is keeps its steps; a ``*.weight`` stored in a quantized layout is
+    replaced by :func:`companion_steps` for all of its tensors. Returns the new ``params``.
+    """
+    out: dict[str, list[Step]] = {}
+    for name, steps in dense_params.items():
+        prefix = name.removesuffix(".weight")
+        fmt = detect_format(prefix, tensors, quantization_config) if name.endswith(".weight") else "dense"
+        if fmt == "dense":
+            if name not in tensors:
+                raise PlanError("names no tensor of the quantized checkpoint", param=name)
+            out[name] = [list(s) if isinstance(s, list) else s.to_json() for s in steps]
+            continue
+        split = sharding_from_steps(steps)
+        for tensor, tsteps in companion_steps(prefix, split, tensors, quantization_config).items():
+            if tsteps:
+                out[tensor] = tsteps
+    return out
+
+
+def read_quantization_config(model: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The quantization_config of a model: config.json's, or for a GGUF file its per-tensor block types."""
+    path = Path(model)
+    if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")) and not any(path.glob("*.safetensors"))):
+        from .gguf_source import quantization_config
+
+        return quantization_config(path)
+    config = (path if path.is_dir() else path.parent) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        doc = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise PlanError(f"cannot read config.json: {err}", file=str(config)) from None
+    qc = doc.get("quantization_config") if isinstance(doc, dict) else None
+    return qc if isinstance(qc, dict) else None
+
+
+# --- analysis -------------------------------------------------------------------------------
+
+
+def _analyze(prefix: str, tensors: TensorShapes, qc: Mapping[str, Any] | None) -> _Weight:
+    fmt = detect_format(prefix, tensors, qc)
+    stored = module_tensors(prefix, tensors)
+    try:
+        info = _LAYOUTS[fmt](prefix, stored, qc or {})
+    except _LayoutError as err:
+        raise PlanError(f"{fmt} layout: {err}", param=f"{prefix}.{err.suffix}") from None
+    except StepArgumentError as err:
+        raise PlanError(f"{fmt} layout: {err}", param=prefix) from None
+    for suffix, (shape, _) in stored.items():
+        if suffix not in info.layouts:
+            if prod(shape) != 1:
+                raise PlanError(f"{fmt} weight has a tensor this planner does not know: {suffix} {list(shape)}",
+                                param=f"{prefix}.{suffix}")  # fmt: skip
+            info.layouts[suffix] = "scalar"
+    return info
+
+
+class _LayoutError(StepArgumentError):
+    """A stored tensor whose shape does not fit its format's layout; ``suffix`` names it."""
+
+    def __init__(self, suffix: str, reason: str) -> None:
+        super().__init__(reason)
+        self.suffix = suffix
+
+
+def _batch(shape: Sequence[int], core: int) -> list[_Axis]:
+    """Leading dims (experts) of a stored tensor whose last ``core`` dims are the weight's own."""
+    return [_Axis(i) for i in range(len(shape) - core)]
+
+
+def _pack_factor(bits: Any, where: str) -> int:
+    if type(bits) is not int or bits < 1 or 32 % bits:
+        raise StepArgumentError(f"{where}: {bits!r}-bit values do not pack evenly into 32-bit words")
+    return 32 // bits
+
+
+def _fit(
+    name: str, shape: Sequence[int], dims: Sequence[int | None], logical: Sequence[int], hints: Mapping[int, int]
+) -> tuple[_Axis, ...]:
+    """Classify each dim of a scale-like tensor: full size (plain), size 1 (broadcast) or grouped."""
+    if len(shape) != len(dims):
+        raise _LayoutError(name, f"shape {list(shape)} has not the expected {len(dims)} dims")
+    axes = []
+    for c, d in zip(shape, dims, strict=True):
+        if d is None:
+            axes.append(_Axis(None))
+            continue
+        size = logical[d]
+        if c == size:
+            axes.append(_Axis(d))
+        elif c == 1:
+            axes.append(_Axis(None))
+        else:
+            group = hints.get(d) or (size // c if size % c == 0 else 0)
+            if not group or -(-size // group) != c:
+                reason = f"{c} entries along a dim of {size}: cannot tell the group size (give the quantization_config)"
+                raise _LayoutError(name, reason)
+            axes.append(_Axis(d, "group", group, size))
+    return tuple(axes)
+
+
+def _ct_args(prefix: str, qc: Mapping[str, Any]) -> dict[str, Any]:
+    """compressed-tensors: the weight args of the config group whose targets match this module."""
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        return {}
+    candidates = [g for g in groups.values() if isinstance(g, dict)]
+    for group in candidates:
+        if any(_target_matches(prefix, t) for t in group.get("targets") or []):
+            weights = group.get("weights")
+            return weights if isinstance(weights, dict) else {}
+    if len(candidates) == 1 and isinstance(candidates[0].get("weights"), dict):
+        return candidates[0]["weights"]
+    return {}
+
+
+def _target_matches(module: str, target: Any) -> bool:
+    if not isinstance(target, str):
+        return False
+    if target.startswith("re:"):
+        try:
+            return re.match(target[3:], module) is not None
+        except re.error:
+            return False
+    if "." not in target and target[:1].isupper():  # a module class name such as "Linear"
+        return True
+    return module == target or module.endswith("." + target)
+
+
+def _block_hints(block: Any, k: int) -> dict[int, int]:
+    if isinstance(block, str) and "x" in block:  # older compressed-tensors spelling "128x128"
+        block = block.split("x")
+    try:
+        b0, b1 = (int(b) for b in block)
+    except (TypeError, ValueError):
+        return {}
+    return {k - 2: b0, k - 1: b1}
+
+
+def _compressed_tensors(prefix: str, stored: dict[str, Any], qc: Mapping[str, Any]) -> _Weight:
+    args = _ct_args(prefix, qc)
+    pf = _pack_factor(args.get("num_bits", 4), "num_bits")
+    shape = stored["weight_packed"][0]
+    if len(shape) < 2:
+        raise _LayoutError("weight_packed", f"shape {list(shape)} is not [..., out, in/{pf}]")
+    k = len(shape)
+    out_dim, in_dim = k - 2, k - 1
+    logical = (*shape[:-1], shape[-1] * pf)
+    hints = {in_dim: args["group_size"]} if isinstance(args.get("group_size"), int) and args["group_size"] > 0 else {}
+    hints.update(_block_hints(args.get("block_structure"), k))
+    info = _Weight("compressed-tensors", logical)
+    info.layouts["weight_packed"] = (*_batch(shape, 2), _Axis(out_dim), _Axis(in_dim, "packed", pf))
+    if "weight_scale" in stored:
+        s = stored["weight_scale"][0]
+        info.layouts["weight_scale"] = "scalar" if prod(s) == 1 else _fit(
+            "weight_scale", s, [*range(len(s) - 2), out_dim, in_dim], logical, hints
+        )  # fmt: skip
+        info.num_groups = s[-1] if len(s) >= 2 else 1
+    if "weight_zero_point" in stored:
+        z = stored["weight_zero_point"][0]
+        if prod(z) == 1:
+            info.layouts["weight_zero_point"] = "scalar"
+        else:
+            zdims = [*range(len(z) - 2), None, in_dim]
+            cols = _fit("weight_zero_point", z, zdims, logical, hints)
+            out = logical[out_dim]
+            if z[-2] == out:
+                rows = _Axis(out_dim)
+            elif z[-2] == -(-out // pf):
+                rows = _Axis(out_dim, "packed", pf)
+            else:
+                raise _LayoutError("weight_zero_point", f"{z[-2]} rows for {out} outputs")
+            info.layouts["weight_zero_point"] = (*cols[:-2], rows, cols[-1])
+    if "weight_shape" in stored:
+        info.layouts["weight_shape"] = "shape"
+    if "weight_g_idx" in stored:
+        info.layouts["weight_g_idx"] = "g_idx"
+        info.act_order = args.get("actorder", True) in _ACT_ORDER_VALUES
+    return info
+
+
+def _mlc(prefix: str, stored: dict[str, Any], qc: Mapping[str, Any]) -> _Weight:
+    pf = _pack_factor(qc.get("bits", 4), "bits")
+    shape = stored["q_weight"][0]
+    k = len(shape)
+    logical = (*shape[:-1], shape[-1] * pf)
+    info = _Weight("mlc", logical)
+    info.layouts["q_weight"] = (*_batch(shape, 2), _Axis(k - 2), _Axis(k - 1, "packed", pf))
+    if "q_scale" in stored:
+        s = stored["q_scale"][0]
+        hints = {k - 1: qc["group_size"]} if isinstance(qc.get("group_size"), int) else {}
+        info.layouts["q_scale"] = _fit("q_scale", s, [*range(len(s) - 2), k - 2, k - 1], logical, hints)
+    return info
+
+
+def _gptq_awq(prefix: str, stored: dict[str, Any], qc: Mapping[str, Any], awq: bool) -> _Weight:
+    qweight = stored["qweight"][0]
+    scales = stored.get("scales", (None,))[0]
+    qzeros = stored.get("qzeros", (None,))[0]
+    if "bits" in qc:
+        pf = _pack_factor(qc["bits"], "bits")
+    elif scales is not None and (awq or qzeros is not None):
+        packed = qweight[-1] if awq else qzeros[-1]
+        if scales[-1] % packed:
+            raise _LayoutError("scales", f"{scales[-1]} outputs do not pack evenly into {packed} words")
+        pf = scales[-1] // packed
+    else:
+        pf = 8
+    if len(qweight) != 2:
+        raise _LayoutError("qweight", f"shape {list(qweight)} is not 2-d")
+    out_dim, in_dim = 0, 1  # logical W[out, in]; these formats store [in, out]
+    logical = (qweight[1] * pf, qweight[0]) if awq else (qweight[1], qweight[0] * pf)
+    group = qc.get("group_size")
+    hints = {in_dim: group} if isinstance(group, int) and group > 0 else {}
+    info = _Weight("awq" if awq else "gptq", logical)
+    info.layouts["qweight"] = (
+        (_Axis(in_dim), _Axis(out_dim, "packed", pf)) if awq else (_Axis(in_dim, "packed", pf), _Axis(out_dim))
+    )
+    if scales is not None:
+        info.layouts["scales"] = _fit("scales", scales, [in_dim, out_dim], logical, hints)
+        info.num_groups = scales[0]
+    if qzeros is not None:
+        (rows,) = _fit("qzeros", qzeros[:1], [in_dim], logical, hints)
+        if qzeros[1] * pf != logical[out_dim]:
+            raise _LayoutError("qzeros", f"{qzeros[1]} columns for {logical[out_dim]} outputs packed {pf}")
+        info.layouts["qzeros"] = (rows, _Axis(out_dim, "packed", pf))
+    if "g_idx" in stored and not awq:
+        info.layouts["g_idx"] = "g_idx"
+        info.act_order = qc.get("desc_act", True) is not False
+    return info
+
+
+def _scaled(prefix: str, stored: dict[str, Any], qc: Mapping[str, Any]) -> _Weight:
+    shape = stored["weight"][0]
+    k = len(shape)
+    info = _Weight("scaled", shape)
+    info.layouts["weight"] = tuple(_Axis(i) for i in range(k))
+    args = _ct_args(prefix, qc) if qc.get("quant_method") == "compressed-tensors" else {}
+    hints = _block_hints(qc.get("weight_block_size") or args.get("block_structure"), k)
+    if isinstance(args.get("group_size"), int) and args["group_size"] > 0:
+        hints[k - 1] = args["group_size"]
+    for suffix in _SCALE_NAMES:
+        if suffix not in stored:
+            continue
+        s = stored[suffix][0]
+        if prod(s) == 1:
+            info.layouts[suffix] = "scalar"
+        elif len(s) == 1 and k >= 2 and s[0] == shape[-2]:  # per-channel vector [out]
+            info.layouts[suffix] = (_Axis(k - 2),)
+        elif len(s) == k:
+            info.layouts[suffix] = _fit(suffix, s, range(k), shape, hints)
+        else:
+            raise _LayoutError(suffix, f"shape {list(s)} does not fit weight {list(shape)}")
+    if "weight_g_idx" in stored:
+        info.layouts["weight_g_idx"] = "g_idx"
+        info.act_order = args.get("actorder", True) in _ACT_ORDER_VALUES
+        info.num_groups = stored.get("weight_scale", ((1,), ""))[0][-1]
+    return info
+
+
+def _gguf(prefix: str, stored: dict[str, Any], qc: Mapping[str, Any]) -> _Weight:
+    shape = stored["weight"][0]
+    types = qc.get("tensor_types") or {}
+    entry = types.get(f"{prefix}.weight")
+    if not isinstance(entry, dict) or not isinstance(entry.get("block_size"), int):
+        raise _LayoutError("weight", "no block size for this tensor in the quantization_config's tensor_types")
+    block = entry["block_size"]
+    k = len(shape) - 1  # logical dims: [..., rows, blocks * block]
+    logical = (*shape[:-2], shape[-2] * block)
+    info = _Weight("gguf", logical)
+    info.layouts["weight"] = (*_batch(shape, 3), _Axis(k - 2), _Axis(k - 1, "group", block, logical[-1]), _Axis(None))
+    return info
+
+
+def _dense(prefix: str, stored: dict[str, Any], qc: Mapping[str, Any]) -> _Weight:
+    shape = stored["weight"][0]
+    return _Weight("dense", shape, {"weight": tuple(_Axis(i) for i in range(len(shape)))})
+
+
+_LAYOUTS = {
+    "compressed-tensors": _compressed_tensors,
+    "mlc": _mlc,
+    "gptq": lambda p, s, q: _gptq_awq(p, s, q, awq=False),
+    "awq": lambda p, s, q: _gptq_awq(p, s, q, awq=True),
+    "scaled": _scaled,
+    "gguf": _gguf,
+    "dense": _dense,
+}
+
+
+# --- steps ----------------------------------------------------------------------------------
+
+
+def _steps(
+    info: _Weight,
+    layout: tuple[_Axis, ...] | str,
+    shape: tuple[int, ...],
+    dtype: str,
+    split: WeightSplit,
+    split_dim: int | None,
+) -> list[Step]:
+    if split_dim is None or layout == "scalar":
+        return []
+    in_dim = len(info.logical) - 1
+    if layout == "shape":
+        if split.gqa and split.segments:
+            return [["shard_funcs.shard_shape", [["num_shards", shape[0]], dtype], split_dim, "num_shards",
+                     list(split.segments), split.unit]]  # fmt: skip
+        return [["shard_funcs.shard_shape", [["num_shards", shape[0]], dtype], split_dim, "num_shards"]]
+    if layout == "g_idx":
+        if split_dim != in_dim:
+            return []
+        if info.act_order:
+            return [_split_step("shard_funcs.shard_dim", shape, dtype, 0, [])]
+        return [["shard_funcs.shard_group_index", [["num_shards", f"{shape[0]} // num_shards"], dtype],
+                 info.num_groups, "num_shards"]]  # fmt: skip
+    assert isinstance(layout, tuple)
+    hits = [d for d, axis in enumerate(layout) if axis.logical == split_dim]
+    if not hits:
+        return []
+    d = hits[0]
+    axis = layout[d]
+    if axis.kind == "group" and split_dim == in_dim and info.act_order:
+        return []  # act-order: every rank needs every group's scale
+    if split.gqa and split.segments:
+        return [["shard_funcs.shard_segments", [None, dtype], d, list(split.segments), "num_shards", split.unit,
+                 axis.factor]]  # fmt: skip
+    steps: list[Step] = []
+    if split.segments:
+        segments, unit = _stored_segments(split.segments, split.unit, axis.factor)
+        steps.append(["shard_funcs.reorder_segments", [list(shape), dtype], d, segments, "num_shards", unit])
+    if axis.kind == "packed":
+        steps.append(_split_step("shard_funcs.shard_packed", shape, dtype, d, [axis.factor]))
+    elif axis.kind == "group":
+        steps.append(_split_step("shard_funcs.shard_groups", shape, dtype, d, [axis.factor], [axis.size]))
+    else:
+        steps.append(_split_step("shard_funcs.shard_dim", shape, dtype, d, []))
+    return steps
+
+
+def _split_step(
+    func: str, shape: Sequence[int], dtype: str, d: int, before: list[Any], after: Sequence[Any] = ()
+) -> Step:
+    out: list[Any] = ["num_shards", *shape]
+    out[d + 1] = f"{shape[d]} // num_shards"
+    return [func, [out, dtype], d, *before, "num_shards", *after]
+
+
+def _stored_segments(segments: Sequence[int], unit: int, factor: int) -> tuple[list[int], int]:
+    """Fused segments (in ``unit`` elements) re-counted on a dim whose stored elements hold ``factor`` each.
+
+    A stored unit is the smallest whole number of both units and packs (lcm), so reorder_segments'
+    own check ("a rank's part is whole units") also keeps every split on a pack or group boundary.
+    """
+    if factor == 1:
+        return list(segments), unit
+    lcm = unit * factor // gcd(unit, factor)
+    for i, s in enumerate(segments):
+        if (s * unit) % factor:
+            raise StepArgumentError(
+                f"fused segment {i} ({s} x {unit} elements) does not end on a boundary of {factor} "
+                "(pack factor or group size): its parts cannot be separated"
+            )
+    return [s * unit // lcm for s in segments], lcm // factor
+
+
+def _step_name(step: Any) -> str:
+    return step.func if hasattr(step, "func") else str(step[0])
+
+
+def _step_args(step: Any) -> list[Any]:
+    return list(step.args) if hasattr(step, "args") else list(step[2:])
+
+
+def _dim_split(dim: int, segments: tuple[int, ...] = (), unit: int = 1, gqa: bool = False) -> WeightSplit:
+    return WeightSplit("row" if dim in (1, -1) else "column", dim, segments, unit, gqa)

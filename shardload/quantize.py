@@ -1,0 +1,289 @@
+"""Quantize a safetensors model once into the compressed-tensors layout, with an N-agnostic shard_info.
+
+The output is what vLLM and transformers read as compressed-tensors: ``int4-g*`` and ``int8`` are
+``pack-quantized`` (symmetric integers packed 8 or 4 per int32 along the input dim, one scale
+per group of the input dim or per output channel, and ``weight_shape``), ``fp8`` is
+``float-quantized`` (``float8_e4m3fn`` weights with one scale per output channel). The
+``quantization_config`` goes into config.json, and the source shard_info is carried over to the
+quantized tensors (:func:`shardload.quant_plan.quantized_shard_info`), so the same files serve
+any N the group sizes allow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .checkpoint import INDEX_NAME, MANIFEST_NAME, SHARD_INFO_NAME, FileMap, open_checkpoint
+from .errors import ShardloadError
+from .format import ShardInfo
+from .quant_plan import quantized_shard_info
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A weight quantization scheme: integer bits with a group size (0 = per output channel), or FP8."""
+
+    name: str
+    kind: str  # "int" | "float"
+    bits: int
+    group_size: int = 0
+
+    @property
+    def format(self) -> str:
+        return "pack-quantized" if self.kind == "int" else "float-quantized"
+
+
+SCHEMES: dict[str, Scheme] = {
+    "int4-g128": Scheme("int4-g128", "int", 4, 128),
+    "int4-g64": Scheme("int4-g64", "int", 4, 64),
+    "int4-g32": Scheme("int4-g32", "int", 4, 32),
+    "int8": Scheme("int8", "int", 8),
+    "fp8": Scheme("fp8", "float", 8),
+}
+
+DEFAULT_IGNORE = ("lm_head", "embed", "norm", "wte", "wpe")
+"""Modules left unquantized: a module name whose last part contains one of these."""
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+FP8_MAX = 448.0
+TMP_MARKER = ".shardload-tmp-"
+
+
+@dataclass
+class QuantizeResult:
+    """What :func:`quantize` wrote: the directory, which weights were quantized or left alone, and valid N."""
+
+    out_dir: Path
+    scheme: Scheme
+    quantized: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    shard_info: bool = False
+    valid_for: list[int] = field(default_factory=list)
+
+
+def quantize(
+    model: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    scheme: str = "int4-g128",
+    *,
+    shard_info: Any = None,
+    overwrite: bool = False,
+    ignore: tuple[str, ...] = DEFAULT_IGNORE,
+) -> QuantizeResult:
+    """Write ``model``'s linear weights quantized with ``scheme`` to ``out_dir`` (compressed-tensors layout).
+
+    Every 2-d floating ``*.weight`` whose module is not in ``ignore`` and whose input dim fits the
+    scheme is quantized; other tensors are copied. ``shard_info`` (default ``MODEL/shard_info.json``)
+    is carried over to the quantized tensors. Written to a temporary directory, then renamed.
+
+    Example::
+
+        shardload.quantize("llama-dir", "llama-int4", "int4-g128")
+        shards = shardload.load("llama-int4", num_shards=4)
+    """
+    if scheme not in SCHEMES:
+        raise ShardloadError(f"unknown scheme {scheme!r} (choose from {', '.join(SCHEMES)})")
+    spec = SCHEMES[scheme]
+    out = Path(out_dir)
+    checkpoint = open_checkpoint(model)
+    if checkpoint.kind != "safetensors":
+        raise ShardloadError(f"quantize reads a safetensors model, this is a {checkpoint.kind} one", file=str(model))
+    if out.resolve() == checkpoint.root.resolve():
+        raise ShardloadError("output directory is the model directory", file=str(out))
+    if out.exists() and not overwrite:
+        raise ShardloadError("output directory exists (pass --overwrite / overwrite=True to replace it)", file=str(out))
+    info = _source_shard_info(checkpoint.root, shard_info)
+    config = _read_config(checkpoint.root)
+    result = QuantizeResult(out, spec)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        with FileMap() as files:
+            tensors: dict[str, torch.Tensor] = {}
+            for name, t in checkpoint.tensors.items():
+                reason = _skip_reason(name, t.shape, t.dtype, spec, ignore)
+                if reason is None:
+                    module = name.removesuffix(".weight")
+                    for suffix, q in quantize_weight(files.view(t), spec).items():
+                        tensors[f"{module}.{suffix}"] = q
+                    result.quantized.append(module)
+                    continue
+                if len(t.shape) == 2 and name.endswith(".weight"):
+                    result.skipped[name.removesuffix(".weight")] = reason
+                tensors[name] = files.view(t)
+            _save(tensors, tmp / "model.safetensors")
+            qconfig = quantization_config(spec, sorted(result.skipped))
+            (tmp / "config.json").write_text(json.dumps({**config, "quantization_config": qconfig}, indent=2) + "\n")
+            _copy_other_files(checkpoint.root, tmp, {Path(info.source).resolve()} if info else set())
+            if info is not None:
+                shapes = {n: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for n, v in tensors.items()}
+                dense = {k: [s.to_json() for s in v] for k, v in info.params.items()}
+                params = quantized_shard_info(dense, shapes, qconfig)
+                doc = {"version": 1, "num_shards": info.num_shards, "params": params}
+                (tmp / SHARD_INFO_NAME).write_text(json.dumps(doc, indent=2) + "\n")
+                result.shard_info = True
+            del tensors
+        if info is not None:
+            from .validate import validate_file
+
+            ns = [info.num_shards] if info.num_shards else list(range(1, 17))
+            result.valid_for = validate_file(tmp / SHARD_INFO_NAME, tmp, ns)["valid_for"]
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return result
+
+
+def quantize_weight(w: torch.Tensor, scheme: Scheme) -> dict[str, torch.Tensor]:
+    """Quantize one ``[out, in]`` weight; returns its compressed-tensors tensors by suffix.
+
+    Integers: symmetric, scale = max|w| / (2**bits - 1) * 2 per group (or row), values rounded to
+    ``[-2**(bits-1), 2**(bits-1) - 1]`` and packed low bits first. FP8: scale = max|row| / 448.
+    """
+    import torch
+
+    rows, cols = w.shape
+    x = w.to(torch.float32)
+    if scheme.kind == "float":
+        scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).to(w.dtype)
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale).to(torch.float32)
+        q = (x / safe).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return {"weight": q, "weight_scale": scale}
+    group = scheme.group_size or cols
+    groups = x.reshape(rows, cols // group, group)
+    half_range = (2**scheme.bits - 1) / 2
+    scale = (groups.abs().amax(dim=2, keepdim=True) / half_range).to(w.dtype)
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale).to(torch.float32)
+    low, high = -(2 ** (scheme.bits - 1)), 2 ** (scheme.bits - 1) - 1
+    q = torch.round(groups / safe).clamp(low, high).reshape(rows, cols).to(torch.int64)
+    return {
+        "weight_packed": pack_int32(q, scheme.bits),
+        "weight_scale": scale.reshape(rows, cols // group).contiguous(),
+        "weight_shape": torch.tensor([rows, cols], dtype=torch.int64),
+    }
+
+
+def pack_int32(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack signed ``bits``-bit integers ``[rows, cols]`` into int32 words along cols, value j at bit ``j*bits``.
+
+    Values are offset by ``2**(bits-1)`` to be unsigned first (compressed-tensors' convention).
+    """
+    import torch
+
+    per_word = 32 // bits
+    rows, cols = q.shape
+    u = (q + 2 ** (bits - 1)).reshape(rows, cols // per_word, per_word)
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    words = (u << shifts).sum(dim=2)
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32)
+
+
+def quantization_config(scheme: Scheme, ignore: list[str]) -> dict[str, Any]:
+    """The compressed-tensors ``quantization_config`` for config.json describing ``scheme``."""
+    weights: dict[str, Any] = {
+        "num_bits": scheme.bits,
+        "type": scheme.kind,
+        "symmetric": True,
+        "dynamic": False,
+        "strategy": "group" if scheme.group_size else "channel",
+        "group_size": scheme.group_size or None,
+        "observer": "minmax",
+        "actorder": None,
+    }
+    inputs = None
+    if scheme.kind == "float":  # FP8 weights with dynamic per-token FP8 activations (FP8_DYNAMIC)
+        inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": inputs, "output_activations": None}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": scheme.format,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {**group, "format": scheme.format}},
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+    }
+
+
+def _skip_reason(name: str, shape: tuple[int, ...], dtype: str, scheme: Scheme, ignore: tuple[str, ...]) -> str | None:
+    """Why a tensor is not quantized, or None when it is."""
+    if not name.endswith(".weight") or len(shape) != 2 or dtype not in FLOAT_DTYPES:
+        return "not a 2-d floating weight"
+    last = name.removesuffix(".weight").rsplit(".", 1)[-1]
+    if any(word in last for word in ignore):
+        return "ignored module"
+    cols = shape[1]
+    need = scheme.group_size or (32 // scheme.bits if scheme.kind == "int" else 1)
+    if cols % need:
+        return f"input dim {cols} is not a multiple of {need}"
+    return None
+
+
+def _source_shard_info(root: Path, shard_info: Any) -> ShardInfo | None:
+    if isinstance(shard_info, ShardInfo):
+        return shard_info
+    if isinstance(shard_info, dict):
+        return ShardInfo.from_dict(shard_info, source="<shard_info dict>")
+    path = Path(shard_info) if shard_info is not None else root / SHARD_INFO_NAME
+    if shard_info is None and not path.is_file():
+        return None
+    return ShardInfo.load(path)
+
+
+def _read_config(root: Path) -> dict[str, Any]:
+    path = root / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ShardloadError(f"cannot read config.json: {err}", file=str(path)) from None
+    if not isinstance(doc, dict):
+        raise ShardloadError("config.json is not a JSON object", file=str(path))
+    if "quantization_config" in doc:
+        raise ShardloadError("model is already quantized (config.json has a quantization_config)", file=str(path))
+    return doc
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+def _copy_other_files(root: Path, dst: Path, skip: set[Path]) -> None:
+    """Copy tokenizer and other top-level files; weights, config.json and shard_info are written anew."""
+    written = {"config.json", SHARD_INFO_NAME, INDEX_NAME, MANIFEST_NAME}
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith(".") or not entry.is_file() or entry.resolve() in skip or entry.name in written:
+            continue
+        if entry.name.endswith((".safetensors", ".gguf")):
+            continue
+        shutil.copyfile(entry, dst / entry.name)
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished temporary directory into place, replacing an old ``out`` last."""
+    if out.exists() or out.is_symlink():
+        trash = out.parent / f".{out.name}{TMP_MARKER}old-{secrets.token_hex(4)}"
+        os.replace(out, trash)
+        os.replace(tmp, out)
+        if trash.is_dir() and not trash.is_symlink():
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            trash.unlink()
+    else:
+        os.replace(tmp, out)

@@ -1,0 +1,317 @@
+"""Proof for every quantized format: dequantize(shard r of the stored tensors) == shard r of dequantize(all of them).
+
+Each format gets a model with three quantized modules, one per kind of split: column-parallel with
+fused segments (gate_up-like), column-parallel with GQA (KV heads replicated once N exceeds them)
+and row-parallel. Their steps come from :func:`shardload.quant_plan.companion_steps`, the data is
+random, and each rank's tensors are dequantized with the format's own reference
+(compressed_tensors, gguf) or the one in ``quant_reference.py``, element for element, N = 1, 2,
+3 (where the heads allow it), 4, 8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import quant_reference as qref
+import shardload
+from shardload.checkpoint import open_checkpoint
+from shardload.quant_plan import WeightSplit, companion_steps
+
+ALL_N = (1, 2, 3, 4, 8)
+GQA_N = (1, 2, 4, 8)  # 2 KV heads: N = 3 neither divides nor is a multiple of it
+COLUMN = WeightSplit("column", segments=(24, 24), unit=8)  # 384 rows: gate and up, 24 units of 8 each
+GQA = WeightSplit("column", segments=(8, 2, 2), unit=16, gqa=True)  # 192 rows: 8 query heads, 2 KV heads
+ROW = WeightSplit("row")
+
+Dequant = Callable[[dict[str, torch.Tensor]], np.ndarray]
+
+
+@dataclass
+class Module:
+    """One quantized module: its stored tensors (full names), its split, and how to dequantize a set of its tensors."""
+
+    prefix: str
+    split: WeightSplit
+    tensors: dict[str, torch.Tensor]
+    dequant: Dequant
+    ns: tuple[int, ...] = ALL_N
+
+    def local(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k[len(self.prefix) + 1 :]: v for k, v in state.items() if k.startswith(self.prefix + ".")}
+
+
+def check_modules(model: Path, modules: list[Module], qconfig: dict[str, Any] | None) -> None:
+    """Load ``model`` for each N with the modules' companion steps and compare every rank with the reference."""
+    shapes = {n: (t.shape, t.dtype) for n, t in open_checkpoint(model).tensors.items()}
+    for n in sorted({n for m in modules for n in m.ns}):
+        active = [m for m in modules if n in m.ns]
+        params: dict[str, Any] = {}
+        for m in active:
+            steps = companion_steps(m.prefix, m.split, shapes, qconfig)
+            assert set(steps) == set(m.tensors), "every stored tensor of the weight gets an entry"
+            params.update(steps)
+        shards = shardload.load(model, n, devices=["cpu"] * n, shard_info={"version": 1, "params": params})
+        for m in active:
+            full = m.dequant(m.local(m.tensors))
+            dim = m.split.logical_dim(2)
+            for r in range(n):
+                got = m.dequant(m.local(shards[r]))
+                want = qref.dense_rank_slice(full, dim, n, r, m.split.segments, m.split.unit, m.split.gqa)
+                np.testing.assert_array_equal(got, want, err_msg=f"{m.prefix} rank {r} of {n}")
+
+
+def save(model: Path, modules: list[Module]) -> Path:
+    model.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.contiguous() for m in modules for k, v in m.tensors.items()}
+    save_file(tensors, str(model / "model.safetensors"))
+    return model
+
+
+def _random_words(rng: np.random.Generator, shape: tuple[int, ...], dtype: str = "int32") -> torch.Tensor:
+    return torch.from_numpy(rng.integers(0, 2**32, size=shape, dtype=np.uint32).view(dtype))
+
+
+def _scales(rng: np.random.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.from_numpy((rng.random(shape) * 0.1 + 0.01).astype(np.float16))
+
+
+# --- 1. compressed-tensors pack-quantized -------------------------------------------------------
+
+CT_SCHEMES = {
+    "W4A16": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32},
+    "W4A16_ASYM": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32},
+    "W8A16": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+}
+
+
+@pytest.mark.parametrize("scheme", list(CT_SCHEMES))
+def test_compressed_tensors_pack_quantized(tmp_path: Path, scheme: str) -> None:
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(**CT_SCHEMES[scheme])
+    qscheme = QuantizationScheme(targets=["Linear"], weights=args)
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    torch.manual_seed(0)
+
+    def module(prefix: str, split: WeightSplit, shape: tuple[int, int], ns: tuple[int, ...]) -> Module:
+        w = torch.randn(shape, dtype=torch.float16)
+        group = args.group_size or shape[1]
+        g = w.reshape(shape[0], shape[1] // group, group)
+        scale, zero = calculate_qparams(g.amin(-1), g.amax(-1), args)
+        state = {"weight": w, "weight_scale": scale}
+        if not args.symmetric:
+            state["weight_zero_point"] = zero.to(torch.int8)
+        packed = compressor.compress(state, qscheme)
+
+        def dequant(local: dict[str, torch.Tensor]) -> np.ndarray:
+            weight = compressor.decompress(local, qscheme)["weight"]
+            # decompression tolerates a too-large weight_shape, so check it holds this rank's logical shape
+            assert local["weight_shape"].tolist() == list(weight.shape)
+            return weight.float().numpy()
+
+        return Module(prefix, split, {f"{prefix}.{k}": v for k, v in packed.items()}, dequant, ns)
+
+    modules = [
+        module("m.gate_up", COLUMN, (384, 256), ALL_N),
+        module("m.qkv", GQA, (192, 256), GQA_N),
+        module("m.down", ROW, (128, 768), ALL_N),
+    ]
+    suffixes = {k.rsplit(".", 1)[1] for m in modules for k in m.tensors}
+    assert {"weight_packed", "weight_scale", "weight_shape"} <= suffixes
+    assert ("weight_zero_point" in suffixes) == (not args.symmetric)
+    qconfig = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": CT_SCHEMES[scheme]}},
+        "version": ct.__version__,
+    }
+    check_modules(save(tmp_path / "model", modules), modules, qconfig)
+
+
+# --- 2. MLC-LLM group-quantized int4 ------------------------------------------------------------
+
+
+def test_mlc_q4f16(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+
+    def module(prefix: str, split: WeightSplit, shape: tuple[int, int], ns: tuple[int, ...]) -> Module:
+        out, inp = shape
+        tensors = {
+            f"{prefix}.q_weight": _random_words(rng, (out, inp // 8), "uint32"),
+            f"{prefix}.q_scale": _scales(rng, (out, inp // 32)),
+        }
+
+        def dequant(local: dict[str, torch.Tensor]) -> np.ndarray:
+            return qref.mlc_dequant(local["q_weight"].numpy(), local["q_scale"].numpy())
+
+        return Module(prefix, split, tensors, dequant, ns)
+
+    modules = [
+        module("m.gate_up", COLUMN, (384, 256), ALL_N),
+        module("m.qkv", GQA, (192, 256), GQA_N),
+        module("m.down", ROW, (128, 768), ALL_N),
+    ]
+    check_modules(save(tmp_path / "model", modules), modules, {"quant_method": "mlc", "bits": 4, "group_size": 32})
+
+
+# --- 3. GPTQ and AWQ ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("desc_act", [True, False])
+def test_gptq(tmp_path: Path, desc_act: bool) -> None:
+    rng = np.random.default_rng(2)
+
+    def module(prefix: str, split: WeightSplit, shape: tuple[int, int], ns: tuple[int, ...]) -> Module:
+        out, inp = shape
+        groups = inp // 32
+        g_idx = np.arange(inp) // 32
+        if desc_act:  # act-order: inputs visit groups in a data-dependent order
+            g_idx = rng.permutation(g_idx)
+        tensors = {
+            f"{prefix}.qweight": _random_words(rng, (inp // 8, out)),
+            f"{prefix}.qzeros": _random_words(rng, (groups, out // 8)),
+            f"{prefix}.scales": _scales(rng, (groups, out)),
+            f"{prefix}.g_idx": torch.from_numpy(g_idx.astype(np.int32)),
+        }
+
+        def dequant(local: dict[str, torch.Tensor]) -> np.ndarray:
+            parts = (local[k].numpy() for k in ("qweight", "qzeros", "scales", "g_idx"))
+            return qref.gptq_dequant(*parts)
+
+        return Module(prefix, split, tensors, dequant, ns)
+
+    modules = [
+        module("m.gate_up", COLUMN, (384, 256), ALL_N),
+        module("m.qkv", GQA, (192, 256), GQA_N),
+        module("m.down", ROW, (128, 768), ALL_N),
+    ]
+    qconfig = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": desc_act, "sym": False}
+    check_modules(save(tmp_path / "model", modules), modules, qconfig)
+
+
+def test_awq(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+
+    def module(prefix: str, split: WeightSplit, shape: tuple[int, int], ns: tuple[int, ...]) -> Module:
+        out, inp = shape
+        tensors = {
+            f"{prefix}.qweight": _random_words(rng, (inp, out // 8)),
+            f"{prefix}.qzeros": _random_words(rng, (inp // 32, out // 8)),
+            f"{prefix}.scales": _scales(rng, (inp // 32, out)),
+        }
+
+        def dequant(local: dict[str, torch.Tensor]) -> np.ndarray:
+            return qref.awq_dequant(*(local[k].numpy() for k in ("qweight", "qzeros", "scales")))
+
+        return Module(prefix, split, tensors, dequant, ns)
+
+    modules = [
+        module("m.gate_up", COLUMN, (384, 256), ALL_N),
+        module("m.qkv", GQA, (192, 256), GQA_N),
+        module("m.down", ROW, (128, 768), ALL_N),
+    ]
+    qconfig = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm", "zero_point": True}
+    check_modules(save(tmp_path / "model", modules), modules, qconfig)
+
+
+# --- 4. FP8 ------------------------------------------------------------------------------------
+
+
+def test_fp8_tensor_channel_and_block_scales(tmp_path: Path) -> None:
+    torch.manual_seed(4)
+
+    def module(prefix: str, split: WeightSplit, shape: tuple[int, int], kind: str, ns: tuple[int, ...]) -> Module:
+        weight = (torch.randn(shape) * 100).clamp(-440, 440).to(torch.float8_e4m3fn)
+        if kind == "tensor":
+            name, scale = "weight_scale", torch.rand(1) + 0.1
+        elif kind == "channel":
+            name, scale = "weight_scale", torch.rand(shape[0], 1) + 0.1
+        else:  # 128x128 blocks, ceil division; DeepSeek/Qwen FP8 call the multiplier weight_scale_inv
+            name, scale = "weight_scale_inv", torch.rand(-(-shape[0] // 128), -(-shape[1] // 128)) + 0.1
+
+        def dequant(local: dict[str, torch.Tensor]) -> np.ndarray:
+            return qref.fp8_dequant(local["weight"].float().numpy(), local[name].numpy())
+
+        return Module(prefix, split, {f"{prefix}.weight": weight, f"{prefix}.{name}": scale}, dequant, ns)
+
+    block_column = WeightSplit("column", segments=(24, 24), unit=128)  # every rank's part is whole 128-row blocks
+    block_gqa = WeightSplit("column", segments=(8, 2, 2), unit=128, gqa=True)  # head_dim 128 = one block
+    modules = [
+        module("t.gate_up", COLUMN, (384, 256), "tensor", ALL_N),
+        module("t.down", ROW, (128, 768), "tensor", ALL_N),
+        module("c.gate_up", COLUMN, (384, 256), "channel", ALL_N),
+        module("c.qkv", GQA, (192, 256), "channel", GQA_N),
+        module("c.down", ROW, (128, 768), "channel", ALL_N),
+        module("b.gate_up", block_column, (6144, 256), "block", ALL_N),
+        module("b.qkv", block_gqa, (1536, 256), "block", GQA_N),
+        module("b.down", ROW, (128, 3072), "block", ALL_N),
+        module("b.ragged", ROW, (200, 300), "block", (1,)),  # partial last blocks: only N = 1 works
+    ]
+    qconfig = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    check_modules(save(tmp_path / "model", modules), modules, qconfig)
+
+
+# --- 5. GGUF -----------------------------------------------------------------------------------
+
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
+# byte offsets of the float16 scale fields in one block of the K-quant types (the rest is any bits)
+K_QUANT_F16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def gguf_blocks(rng: np.random.Generator, qtype: Any, rows: int, cols: int) -> np.ndarray:
+    """Random quantized rows: gguf's own quantizer where it has one, else random blocks with sane scales."""
+    import gguf
+
+    name = qtype.name
+    if name not in K_QUANT_F16_FIELDS:
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, type_size), dtype=np.uint8)
+    for offset in K_QUANT_F16_FIELDS[name]:
+        values = (rng.random((rows, cols // block)) * 0.1 + 0.01).astype(np.float16)
+        raw[:, :, offset : offset + 2] = values.view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)
+
+
+def test_gguf_block_quantized(tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    from shardload.gguf_source import quantization_config
+
+    rng = np.random.default_rng(5)
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    modules = []
+    for type_name in GGUF_TYPES:
+        qtype = gguf.GGMLQuantizationType[type_name]
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        for prefix, split, rows, cols, ns in (
+            (f"blk.{type_name}.ffn_gate_up", COLUMN, 384, block, ALL_N),
+            (f"blk.{type_name}.attn_qkv", GQA, 192, block, GQA_N),
+            (f"blk.{type_name}.ffn_down", ROW, 16, 24 * block, ALL_N),
+        ):
+            data = gguf_blocks(rng, qtype, rows, cols)
+            writer.add_tensor(f"{prefix}.weight", data, raw_dtype=qtype)
+
+            def dequant(local: dict[str, torch.Tensor], qtype: Any = qtype) -> np.ndarray:
+                raw = local["weight"].numpy()
+                return gguf.quants.dequantize(raw.reshape(raw.shape[0], -1), qtype)
+
+            modules.append(Module(prefix, split, {f"{prefix}.weight": torch.from_numpy(data)}, dequant, ns))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    stored = open_checkpoint(path).tensors["blk.Q4_K.ffn_down.weight"]
+    assert (stored.dtype, stored.shape) == ("uint8", (16, 24, 144))  # [rows, blocks, bytes per block]
+    check_modules(path, modules, quantization_config(path))

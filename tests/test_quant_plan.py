@@ -1,0 +1,233 @@
+"""The companion API (shardload.quant_plan): format detection, the steps it writes, and its errors; GGUF sources."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+import shardload
+from shardload.cli import main
+from shardload.errors import CheckpointError, PlanError
+from shardload.format import ShardInfo
+from shardload.quant_plan import (
+    WeightSplit,
+    companion_steps,
+    detect_format,
+    quantized_shard_info,
+    read_quantization_config,
+    sharding_from_steps,
+)
+
+COLUMN_QKV = WeightSplit("column", segments=(8, 2, 2), unit=16)
+
+
+def _ct(prefix: str, out: int, inp: int, group: int = 32, asym: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
+    t = {
+        f"{prefix}.weight_packed": ((out, inp // 8), "int32"),
+        f"{prefix}.weight_scale": ((out, -(-inp // group)), "float16"),
+        f"{prefix}.weight_shape": ((2,), "int64"),
+    }
+    if asym:
+        t[f"{prefix}.weight_zero_point"] = ((out // 8, -(-inp // group)), "int32")
+    return t
+
+
+def test_detect_format_from_names_and_shapes() -> None:
+    tensors = {
+        **_ct("a", 64, 64),
+        "g.qweight": ((8, 64), "int32"), "g.qzeros": ((2, 8), "int32"), "g.scales": ((2, 64), "float16"),
+        "w.qweight": ((64, 8), "int32"), "w.qzeros": ((2, 8), "int32"), "w.scales": ((2, 64), "float16"),
+        "m.q_weight": ((64, 8), "uint32"), "m.q_scale": ((64, 2), "float16"),
+        "f.weight": ((64, 64), "float8_e4m3fn"), "f.weight_scale": ((1,), "float32"),
+        "d.weight": ((64, 64), "float16"), "d.bias": ((64,), "float16"),
+    }  # fmt: skip
+    found = {p: detect_format(p, tensors) for p in "agwmfd"}
+    assert found == {"a": "compressed-tensors", "g": "gptq", "w": "awq", "m": "mlc", "f": "scaled", "d": "dense"}
+    assert detect_format("d.weight", tensors) == "dense"
+    with pytest.raises(PlanError, match="no stored tensor of this weight"):
+        detect_format("missing", tensors)
+    # a bias is the plan's business, not a companion
+    assert set(companion_steps("d", WeightSplit("column"), tensors)) == {"d.weight"}
+
+
+def test_steps_are_n_agnostic_documents_that_validate() -> None:
+    tensors = {**_ct("qkv", 192, 256, asym=True), **_ct("down", 256, 768, asym=True)}
+    params = {
+        **companion_steps("qkv", COLUMN_QKV, tensors),
+        **companion_steps("down.weight", WeightSplit("row"), tensors),
+    }
+    assert params["qkv.weight_zero_point"][0] == [
+        "shard_funcs.reorder_segments",
+        [[24, 8], "int32"],
+        0,
+        [8, 2, 2],
+        "num_shards",
+        2,
+    ]  # fmt: skip  (16 rows per head packed 8 per int32: 2 stored rows per head)
+    assert params["down.weight_scale"] == [
+        ["shard_funcs.shard_groups", [["num_shards", 256, "24 // num_shards"], "float16"], 1, 32, "num_shards", 768]
+    ]
+    assert params["down.weight_shape"] == [["shard_funcs.shard_shape", [["num_shards", 2], "int64"], 1, "num_shards"]]
+    info = ShardInfo.from_dict({"version": 1, "num_shards": None, "params": params})
+    assert info.num_shards is None and set(info.params) == set(tensors)
+    # replicated: every tensor listed with no steps
+    assert companion_steps("qkv", WeightSplit("replicated"), tensors) == {name: [] for name in tensors if "qkv" in name}
+
+
+def test_expert_weights_split_per_expert_or_inside_each() -> None:
+    experts = {"e.weight_packed": ((4, 64, 16), "int32"), "e.weight_scale": ((4, 64, 4), "bfloat16"),
+               "e.weight_zero_point": ((4, 8, 4), "int32"), "e.weight_shape": ((3,), "int64")}  # fmt: skip
+    by_expert = companion_steps("e", WeightSplit("column", dim=0), experts)
+    assert {n: s[0][2] for n, s in by_expert.items()} == dict.fromkeys(experts, 0)  # every tensor on dim 0
+    inside = companion_steps("e", WeightSplit("row"), experts)
+    assert inside["e.weight_packed"][0][:3] == ["shard_funcs.shard_packed", [["num_shards", 4, 64, "16 // num_shards"],
+                                                                             "int32"], 2]  # fmt: skip
+    assert inside["e.weight_zero_point"][0][0] == "shard_funcs.shard_groups"
+    assert inside["e.weight_shape"][0][2] == 2
+    column = companion_steps("e", WeightSplit("column"), experts)
+    assert column["e.weight_zero_point"][0][:3] == ["shard_funcs.shard_packed", [["num_shards", 4, "8 // num_shards",
+                                                                                  4], "int32"], 1]  # fmt: skip
+
+
+def test_act_order_replicates_scales_on_row_splits() -> None:
+    tensors = {"g.qweight": ((96, 64), "int32"), "g.qzeros": ((24, 8), "int32"), "g.scales": ((24, 64), "float16"),
+               "g.g_idx": ((768,), "int32")}  # fmt: skip
+    act = companion_steps("g", WeightSplit("row"), tensors, {"quant_method": "gptq", "bits": 4, "desc_act": True})
+    assert act["g.scales"] == [] and act["g.qzeros"] == []
+    assert act["g.g_idx"][0][0] == "shard_funcs.shard_dim" and act["g.qweight"][0][0] == "shard_funcs.shard_packed"
+    plain = companion_steps("g", WeightSplit("row"), tensors, {"quant_method": "gptq", "bits": 4, "desc_act": False})
+    assert plain["g.g_idx"] == [
+        ["shard_funcs.shard_group_index", [["num_shards", "768 // num_shards"], "int32"], 24, "num_shards"]
+    ]
+    assert plain["g.scales"][0][0] == "shard_funcs.shard_groups"
+    column = companion_steps("g", WeightSplit("column"), tensors, {"quant_method": "gptq", "desc_act": True})
+    assert column["g.g_idx"] == [] and column["g.scales"][0][0] == "shard_funcs.shard_dim"
+
+
+def test_layouts_that_cannot_follow_a_split_are_named() -> None:
+    tensors = _ct("qkv", 60, 64, asym=False)
+    with pytest.raises(PlanError) as err:
+        companion_steps("qkv", WeightSplit("row"), {**tensors, "qkv.weight_scale": ((60, 3), "float16")})
+    assert str(err.value) == (
+        "qkv.weight_scale: compressed-tensors layout: 3 entries along a dim of 64: "
+        "cannot tell the group size (give the quantization_config)"
+    )
+    # FP8 blocks of 128 rows cannot separate fused segments of 64 rows
+    fp8 = {"f.weight": ((192, 256), "float8_e4m3fn"), "f.weight_scale_inv": ((2, 2), "float32")}
+    with pytest.raises(PlanError, match=r"f.weight_scale_inv: fused segment 0 \(1 x 64 elements\)"):
+        companion_steps("f", WeightSplit("column", segments=(1, 1, 1), unit=64), fp8, {"weight_block_size": [128, 128]})
+    with pytest.raises(PlanError, match="a tensor this planner does not know: weight_global_scale"):
+        companion_steps("qkv", WeightSplit("row"), {**tensors, "qkv.weight_global_scale": ((60,), "float32")})
+    with pytest.raises(PlanError, match=r"^x.weight: gguf layout: no block size"):
+        companion_steps("x", WeightSplit("row"), {"x.weight": ((4, 2, 34), "uint8")}, {"quant_method": "gguf"})
+    with pytest.raises(ValueError, match="style must be one of"):
+        WeightSplit("diagonal")
+
+
+def test_sharding_from_steps_reads_the_example_plan(example_dir: Path) -> None:
+    info = ShardInfo.load(example_dir / "shard_info.json")
+    qkv = sharding_from_steps(info.params["model.layers.0.self_attn.qkv_proj.weight"])
+    assert (qkv.dim, qkv.segments, qkv.unit, qkv.gqa) == (0, (16, 8, 8), 16, False)
+    assert sharding_from_steps(info.params["model.layers.0.mlp.down_proj.weight"]) == WeightSplit("row", 1)
+    assert sharding_from_steps([]) == WeightSplit("replicated")
+    gqa = sharding_from_steps([["shard_funcs.shard_segments", [None, "float16"], 0, [8, 2, 2], "num_shards", 16]])
+    assert gqa.gqa and gqa.segments == (8, 2, 2)
+    with pytest.raises(PlanError, match="only replicate, shard_dim"):
+        sharding_from_steps([["myorg.scale_rows", [None, None], "num_shards"]])
+    with pytest.raises(PlanError, match="different dims"):
+        sharding_from_steps([["shard_funcs.reorder_segments", [None, None], 0, [2, 2], "num_shards"],
+                             ["shard_funcs.shard_dim", [None, None], 1, "num_shards"]])  # fmt: skip
+    with pytest.raises(PlanError, match="names no tensor"):
+        quantized_shard_info({"x.bias": []}, {"y.weight": ((2, 2), "float16")})
+
+
+def test_mlc_issue_3004_message_through_validate(tmp_path: Path) -> None:
+    # down_proj with 16360 inputs in groups of 40: 409 groups, which no N > 1 can split
+    rng = np.random.default_rng(0)
+    tensors = {
+        "model.layers.0.mlp.down_proj.q_weight": torch.from_numpy(rng.integers(0, 2**32, (8, 2045), dtype=np.uint32)),
+        "model.layers.0.mlp.down_proj.q_scale": torch.rand(8, 409, dtype=torch.float32).half(),
+    }
+    (tmp_path / "m").mkdir()
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
+    qconfig = {"quant_method": "mlc", "bits": 4, "group_size": 40}
+    shapes = {k: (v.shape, str(v.dtype).removeprefix("torch.")) for k, v in tensors.items()}
+    params = companion_steps("model.layers.0.mlp.down_proj", WeightSplit("row"), shapes, qconfig)
+    (tmp_path / "m" / "shard_info.json").write_text(json.dumps({"version": 1, "num_shards": None, "params": params}))
+    done = CliRunner().invoke(main, ["validate", str(tmp_path / "m" / "shard_info.json"), "--model",
+                                     str(tmp_path / "m"), "-n", "2"])  # fmt: skip
+    assert done.exit_code == 1
+    assert (
+        "model.layers.0.mlp.down_proj.q_scale: step 1 (shard_funcs.shard_groups): 409 groups along dim 1 "
+        "cannot be split across 2 ranks (group size 40): group 204 would straddle ranks 0 and 1"
+    ) in done.output
+    assert shardload.load(tmp_path / "m", 1, devices=["cpu"])[0].keys() == tensors.keys()
+
+
+def _write_gguf(path: Path) -> dict[str, np.ndarray]:
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(6)
+    data = {
+        "blk.0.attn_q.weight": gguf.quants.quantize(rng.standard_normal((8, 64)).astype(np.float32),
+                                                    gguf.GGMLQuantizationType.Q8_0),
+        "blk.0.attn_norm.weight": rng.standard_normal(64).astype(np.float32),
+        "token_embd.weight": rng.standard_normal((16, 64)).astype(np.float16),
+    }  # fmt: skip
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, value in data.items():
+        raw = gguf.GGMLQuantizationType.Q8_0 if name == "blk.0.attn_q.weight" else None
+        writer.add_tensor(name, value, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return data
+
+
+def test_gguf_source_opens_plans_and_converts(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    data = _write_gguf(model / "tiny.gguf")
+    (model / "tokenizer_config.json").write_text("{}")
+    ckpt = shardload.checkpoint.open_checkpoint(model)
+    assert ckpt.kind == "gguf"
+    assert {n: (t.shape, t.dtype) for n, t in ckpt.tensors.items()} == {
+        "blk.0.attn_q.weight": ((8, 2, 34), "uint8"),
+        "blk.0.attn_norm.weight": ((64,), "float32"),
+        "token_embd.weight": ((16, 64), "float16"),  # numpy order: GGUF lists [64, 16]
+    }
+    qconfig = read_quantization_config(model / "tiny.gguf")
+    assert qconfig is not None and qconfig["tensor_types"]["blk.0.attn_q.weight"]["type"] == "Q8_0"
+    shapes = {n: (t.shape, t.dtype) for n, t in ckpt.tensors.items()}
+    dense = {"blk.0.attn_q.weight": [["shard_funcs.shard_dim", [None, None], 1, "num_shards"]],
+             "token_embd.weight": [["shard_funcs.shard_dim", [None, None], 0, "num_shards"]]}  # fmt: skip
+    params = quantized_shard_info(dense, shapes, qconfig)
+    assert params["blk.0.attn_q.weight"][0][:1] == ["shard_funcs.shard_groups"]
+    (model / "shard_info.json").write_text(json.dumps({"version": 1, "num_shards": None, "params": params}))
+    out = tmp_path / "tp2"
+    shardload.convert(model, 2, out)
+    assert not list(out.glob("*.gguf")) and (out / "tokenizer_config.json").exists()
+    raw = data["blk.0.attn_q.weight"].reshape(8, 2, 34)
+    for r in range(2):
+        state = shardload.load_rank(out, r, 2)
+        np.testing.assert_array_equal(state["blk.0.attn_q.weight"].numpy(), raw[:, r : r + 1])
+        np.testing.assert_array_equal(state["token_embd.weight"].numpy(), data["token_embd.weight"][8 * r : 8 * r + 8])
+        np.testing.assert_array_equal(state["blk.0.attn_norm.weight"].numpy(), data["blk.0.attn_norm.weight"])
+    done = CliRunner().invoke(main, ["validate", str(model / "shard_info.json"), "--model", str(model), "-n", "4"])
+    assert done.exit_code == 1 and "2 groups along dim 1 cannot be split across 4 ranks (group size 32)" in done.output
+
+
+def test_bad_gguf_is_one_line_error(tmp_path: Path) -> None:
+    pytest.importorskip("gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 12)
+    with pytest.raises(CheckpointError, match=r"bad\.gguf: not a readable GGUF file"):
+        shardload.checkpoint.open_checkpoint(bad)
+    done = CliRunner().invoke(main, ["inspect", str(bad)])
+    assert done.exit_code == 1 and done.output.count("\n") == 1 and "Traceback" not in done.output

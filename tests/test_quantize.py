@@ -1,0 +1,159 @@
+"""``shardload quantize``: faithful compressed-tensors output, and one quantized checkpoint served at N = 1, 2, 4, 8."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+import quant_reference as qref
+import shardload
+from shardload.cli import main
+from shardload.format import ShardInfo
+from shardload.quant_plan import sharding_from_steps
+
+pytest.importorskip("compressed_tensors")
+
+SCHEMES = ("int4-g32", "int8", "fp8")
+
+
+@pytest.fixture(scope="module")
+def quantized(example_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The example model quantized with each scheme through the command line."""
+    root = tmp_path_factory.mktemp("quantized")
+    out = {}
+    for scheme in (*SCHEMES, "int4-g128"):
+        done = CliRunner().invoke(main, ["quantize", str(example_dir), "-o", str(root / scheme), "--scheme", scheme])
+        assert done.exit_code == 0, done.output
+        assert "quantized 8 weights" in done.output and "kept lm_head: ignored module" in done.output
+        out[scheme] = root / scheme
+    return out
+
+
+def _decompressor(model: Path):
+    """Decompress one module's tensors with compressed_tensors, as configured in ``model``'s config.json."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
+    qc = json.loads((model / "config.json").read_text())["quantization_config"]
+    config = QuantizationConfig.model_validate(qc)  # our config passes compressed-tensors' own schema
+    group = config.config_groups["group_0"]
+    scheme = QuantizationScheme(targets=group.targets, weights=group.weights)
+    compressor = BaseCompressor.get_value_from_registry(config.format)
+
+    def decompress(local: dict[str, torch.Tensor]) -> torch.Tensor:
+        weight = compressor.decompress(local, scheme)["weight"]
+        if "weight_shape" in local:
+            assert local["weight_shape"].tolist() == list(weight.shape)
+        return weight
+
+    return decompress
+
+
+def _modules(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in state.items():
+        prefix, suffix = name.rsplit(".", 1)
+        if suffix.startswith("weight_") or (suffix == "weight" and t.dtype == torch.float8_e4m3fn):
+            modules.setdefault(prefix, {})[suffix] = t
+    return modules
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantized_weights_are_close_to_the_source(example_dir: Path, quantized: dict[str, Path], scheme: str) -> None:
+    source = load_file(str(example_dir / "model.safetensors"))
+    stored = load_file(str(quantized[scheme] / "model.safetensors"))
+    decompress = _decompressor(quantized[scheme])
+    modules = _modules(stored)
+    assert len(modules) == 8 and "lm_head.weight" in stored and "model.embed_tokens.weight" in stored
+    for prefix, local in modules.items():
+        w = source[prefix + ".weight"].float()
+        got = decompress(local).float()
+        scale = local["weight_scale"].float()
+        if scheme == "fp8":  # 3 mantissa bits: within 1/16 relative, or a subnormal step of the row's scale
+            bound = w.abs() / 16 + scale * 2.0**-9
+        else:  # round to nearest: half a step of the group's scale, plus float16 rounding of scale and result
+            bound = torch.repeat_interleave(scale, w.shape[1] // scale.shape[1], dim=1) * 0.5 + w.abs() * 2.0**-9
+        assert (got - w).abs().le(bound).all(), prefix
+        assert not torch.equal(got, torch.zeros_like(got))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_one_quantized_checkpoint_serves_every_n(example_dir: Path, quantized: dict[str, Path], scheme: str) -> None:
+    model = quantized[scheme]
+    decompress = _decompressor(model)
+    dense_info = ShardInfo.load(example_dir / "shard_info.json")
+    stored = load_file(str(model / "model.safetensors"))
+    full = {prefix: decompress(local).float().numpy() for prefix, local in _modules(stored).items()}
+    for n in (1, 2, 4, 8):
+        shards = shardload.load(model, n, devices=["cpu"] * n)
+        dense = shardload.load(example_dir, n, devices=["cpu"] * n)
+        for r in range(n):
+            modules = _modules(shards[r])
+            assert set(modules) == set(full)
+            for prefix, local in modules.items():
+                split = sharding_from_steps(dense_info.params.get(prefix + ".weight", []))
+                want = qref.dense_rank_slice(full[prefix], split.logical_dim(2), n, r, split.segments, split.unit)
+                np.testing.assert_array_equal(decompress(local).float().numpy(), want, err_msg=f"{prefix} {r}/{n}")
+            kept = {name: t for name, t in dense[r].items() if name.removesuffix(".weight") not in full}
+            assert len(kept) == 7  # embeddings, lm_head and norms stay as they were
+            assert all(torch.equal(shards[r][name], t) for name, t in kept.items())
+
+
+def test_readme_flow_quantize_once_convert_to_2_4_8(quantized: dict[str, Path], tmp_path: Path) -> None:
+    runner = CliRunner()
+    g128 = quantized["int4-g128"]
+    done = runner.invoke(main, ["validate", str(g128 / "shard_info.json"), "--model", str(g128), "--list-valid-n"])
+    assert done.exit_code == 0, done.output
+    assert done.output.rstrip().endswith("valid for num_shards 1, 2")
+    assert (
+        "num_shards=4: " in done.output
+        and "o_proj.weight_scale: step 1 (shard_funcs.shard_groups): 2 groups along dim 1 cannot be split "
+        "across 4 ranks (group size 128)"
+        in done.output
+    )
+    model = quantized["int4-g32"]
+    for n in (2, 4, 8):
+        out = tmp_path / f"tp{n}"
+        done = runner.invoke(main, ["convert", str(model), "-n", str(n), "-o", str(out), "-q"])
+        assert done.exit_code == 0, done.output
+        direct = shardload.load(model, n, devices=["cpu"] * n)
+        for r in (0, n - 1):
+            from_file = shardload.load_rank(out, r, n, verify=True)
+            assert from_file.keys() == direct[r].keys()
+            assert all(torch.equal(from_file[k], direct[r][k]) for k in from_file)
+        assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
+
+
+def test_quantize_errors_are_one_line(example_dir: Path, quantized: dict[str, Path], tmp_path: Path) -> None:
+    runner = CliRunner()
+    done = runner.invoke(main, ["quantize", str(example_dir), "-o", str(quantized["int8"]), "--scheme", "int8"])
+    assert done.exit_code == 1 and "output directory exists" in done.output and done.output.count("\n") == 1
+    done = runner.invoke(main, ["quantize", str(quantized["int8"]), "-o", str(tmp_path / "again")])
+    assert done.exit_code == 1 and "already quantized" in done.output and not (tmp_path / "again").exists()
+    done = runner.invoke(main, ["quantize", str(example_dir), "-o", str(tmp_path / "x"), "--scheme", "int3"])
+    assert done.exit_code == 2
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary directory left behind"
+    (tmp_path / "bad.json").write_text('{"version": 2, "params": {}}')
+    done = runner.invoke(main, ["validate", str(tmp_path / "bad.json"), "--list-valid-n"])
+    assert done.exit_code == 1 and "unsupported version 2" in done.output and "valid for num_shards none" in done.output
+    no_info = tmp_path / "no-info"
+    no_info.mkdir()
+    for f in ("model.safetensors", "config.json"):
+        (no_info / f).write_bytes((example_dir / f).read_bytes())
+    done = runner.invoke(main, ["quantize", str(no_info), "-o", str(tmp_path / "q"), "--scheme", "fp8"])
+    assert done.exit_code == 0 and "wrote none" in done.output and not (tmp_path / "q" / "shard_info.json").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_quantized_shards_land_on_cuda_unchanged(quantized: dict[str, Path]) -> None:
+    for scheme in SCHEMES:  # int32 packs, int64 shapes, float8 weights
+        on_cpu = shardload.load(quantized[scheme], 2, devices=["cpu", "cpu"])
+        on_gpu = shardload.load(quantized[scheme], 2, devices=["cuda:0", "cuda:0"])
+        for cpu, gpu in zip(on_cpu, on_gpu, strict=True):
+            assert all(gpu[k].device.type == "cuda" and torch.equal(gpu[k].cpu(), t) for k, t in cpu.items())
