@@ -17,6 +17,7 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import strictjson
 from .dtypes import DTYPES, FROM_SAFETENSORS
 from .errors import CheckpointError
 
@@ -278,21 +279,6 @@ def _short_repr(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
 def _read_json(path: Path, what: str) -> Any:
     try:
         if path.stat().st_size > MAX_HEADER_BYTES:
@@ -301,10 +287,10 @@ def _read_json(path: Path, what: str) -> Any:
     except OSError as err:
         raise CheckpointError(f"cannot read {what}: {err.strerror or err}", file=str(path)) from None
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+        return strictjson.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
         raise CheckpointError(f"{what} is not UTF-8 text (byte {err.start})", file=str(path)) from None
-    except _DuplicateKey as dup:
+    except strictjson.DuplicateKeyError as dup:
         raise CheckpointError(f"{what} has the key {dup.key!r} twice in one object", file=str(path)) from None
     except (ValueError, RecursionError) as err:
         raise CheckpointError(f"{what} is not valid JSON: {err}", file=str(path)) from None
@@ -338,10 +324,10 @@ def read_header_and_metadata(path: Path) -> tuple[dict[str, TensorInfo], dict[st
     if len(raw) != header_len:
         raise CheckpointError("file shrank while its header was read", file=name)
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+        header = strictjson.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
         raise CheckpointError(f"safetensors header is not UTF-8 text (byte {8 + err.start})", file=name) from None
-    except _DuplicateKey as dup:
+    except strictjson.DuplicateKeyError as dup:
         raise CheckpointError("tensor is listed twice in the safetensors header", file=name, param=dup.key) from None
     except (ValueError, RecursionError):
         raise CheckpointError("safetensors header is not valid JSON", file=name) from None

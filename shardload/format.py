@@ -23,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import strictjson
 from .errors import FormatError, ShardloadError
 
 if TYPE_CHECKING:
@@ -87,8 +88,8 @@ class ShardInfo:
     def from_json(cls, text: str, *, source: str = "shard_info.json") -> ShardInfo:
         """Parse shard_info JSON text; duplicate keys are an error, not a silent overwrite."""
         try:
-            obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
-        except _DuplicateKey as dup:
+            obj = strictjson.loads(text)
+        except strictjson.DuplicateKeyError as dup:
             raise FormatError(f"duplicate key {dup.key!r} in a JSON object", file=source) from None
         except json.JSONDecodeError as err:
             raise FormatError(
@@ -177,20 +178,6 @@ class ShardInfo:
         return build_plan(self, open_checkpoint(model), num_shards)
 
 
-class _DuplicateKey(Exception):
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
 def _check_spellings(params: dict[str, Any], source: str) -> None:
     """Two keys that are the same name in different Unicode spellings list one parameter twice."""
     seen: dict[str, str] = {}
@@ -204,10 +191,6 @@ def _check_spellings(params: dict[str, Any], source: str) -> None:
                 param=key,
             )
         seen[norm] = key
-
-
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 def _json_type(value: Any) -> str:
