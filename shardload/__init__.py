@@ -9,6 +9,7 @@ The public surface::
     info = shardload.ShardInfo.load("shard_info.json")              # parse; info.validate(model=...)
     p = shardload.plan_model("model-dir", 8)                        # the pure plan: shapes, read boxes
     shardload.verify_dir("model-tp8").problems                      # sha256 of every converted file
+    state = shardload.load_rank("model-dir", rank=5, mesh="pp=2,tp=4")  # a pipeline stage's tensor shard
 
     @shardload.register("myorg.step", shape=rule)                    # add a step function
     def step(x, num_shards: int): ...
@@ -24,6 +25,7 @@ from .convert import ConvertResult, convert
 from .errors import CheckpointError, FormatError, PlanError, ShardloadError
 from .execute import load, load_rank
 from .format import ShardInfo, StepSpec
+from .mesh import Mesh
 from .plan import ModelPlan, ParamPlan, plan_model
 from .quantize import quantize
 from .registry import register
@@ -33,6 +35,7 @@ __all__ = [
     "CheckpointError",
     "ConvertResult",
     "FormatError",
+    "Mesh",
     "ModelPlan",
     "ParamPlan",
     "PlanError",
