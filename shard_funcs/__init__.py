@@ -2,22 +2,21 @@
 
 Each takes the input tensor first, then the extra arguments written in shard_info.json, and
 declares a shape rule and a box rule. Steps for one concern live in their own submodule:
-``attention`` (head-aware splits with GQA replication) and ``quant`` (quantized layouts), both
-imported here so they register too.
+``segments`` (fused-segment splits with GQA replication and pack factors) and ``quant``
+(quantized layouts), both imported here so they register too.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shard_funcs.attention import shard_heads
 from shardload.errors import StepArgumentError
 from shardload.registry import Box, Shape, register
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["replicate", "reorder_segments", "shard_dim", "shard_heads"]
+__all__ = ["replicate", "reorder_segments", "shard_dim", "shard_segments"]
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
@@ -156,4 +155,6 @@ def replicate(x: torch.Tensor, num_shards: int) -> torch.Tensor:
     return x.unsqueeze(0).expand(num_shards, *x.shape)
 
 
-from . import quant  # noqa: E402,F401  (registers the quantized-layout steps; needs the helpers above)
+# the submodules register their steps and need the helpers above
+from . import quant  # noqa: E402,F401
+from .segments import shard_segments  # noqa: E402

@@ -4,9 +4,8 @@ A quantized tensor stores several logical elements per stored element along some
 values packed 8 per int32 word, one scale per group of 128 inputs, one FP8 scale per 128x128
 block, one GGUF block of 32 or 256 values. A split of the logical weight must then fall on
 pack, group or block boundaries, and a few companions hold values that change per rank
-(``weight_shape``, act-order ``g_idx``). Fused segments on a packed or grouped dim compose
-``reorder_segments`` (with a unit in stored elements) and the splits below; when KV heads are
-fewer than ranks, ``shard_segments`` replicates them (GQA).
+(``weight_shape``, act-order ``g_idx``). Fused segments and GQA on a packed or grouped dim are
+``shard_segments`` with its ``pack`` factor (:mod:`shard_funcs.segments`).
 """
 
 from __future__ import annotations
@@ -14,14 +13,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from shard_funcs import _check_n, _norm_dim, _shard_dim_boxes
+from shard_funcs import _check_n, _norm_dim, _shard_dim_boxes, shard_dim
+from shard_funcs.segments import segment_runs
 from shardload.errors import StepArgumentError
 from shardload.registry import Box, Shape, register
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["shard_group_index", "shard_groups", "shard_packed", "shard_segments", "shard_shape"]
+__all__ = ["shard_group_index", "shard_groups", "shard_packed", "shard_shape"]
 
 _INT_DTYPES = ("int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8")
 
@@ -30,10 +30,6 @@ def _split(in_shape: Shape, d: int, n: int) -> Shape:
     out = list(in_shape)
     out[d] //= n
     return (n, *out)
-
-
-def _even_split(x: torch.Tensor, d: int, n: int) -> torch.Tensor:
-    return x.unflatten(d, (n, x.shape[d] // n)).movedim(d, 0)
 
 
 # --- shard_packed ----------------------------------------------------------------------
@@ -63,7 +59,7 @@ def shard_packed(x: torch.Tensor, dim: int, pack: int, num_shards: int) -> torch
 
     Moves the same elements as ``shard_dim``; it exists so a bad N is reported in packs.
     """
-    return _even_split(x, dim % x.dim(), num_shards)
+    return shard_dim(x, dim, num_shards)
 
 
 # --- shard_groups ----------------------------------------------------------------------
@@ -106,123 +102,43 @@ def shard_groups(x: torch.Tensor, dim: int, group_size: int, num_shards: int, si
     ``size`` is the logical length the groups cover (default: groups x group_size); with a
     partial last group (ceil division) no split can work for N > 1, which is reported.
     """
-    return _even_split(x, dim % x.dim(), num_shards)
-
-
-# --- shard_segments (GQA-aware) -----------------------------------------------------------
-
-
-def _segment_runs(
-    in_shape: Shape, dim: int, segments: Sequence[int], num_shards: int, unit: int, pack: int
-) -> tuple[int, list[list[tuple[int, int]]]]:
-    """Per rank, the ``(start, length)`` runs of stored elements along ``dim``, one per segment."""
-    _check_n(num_shards)
-    d = _norm_dim(dim, len(in_shape))
-    if unit < 1 or pack < 1:
-        raise StepArgumentError(f"unit and pack must be >= 1, got unit={unit}, pack={pack}")
-    if not segments or any(s < 1 for s in segments):
-        raise StepArgumentError(f"segments must be a non-empty list of positive sizes, got {list(segments)}")
-    total = sum(segments) * unit
-    if total % pack or total // pack != in_shape[d]:
-        raise StepArgumentError(
-            f"segments {list(segments)} x unit {unit} = {total} elements, packed {pack} per stored element, "
-            f"do not match dim {d} of size {in_shape[d]}"
-        )
-    runs: list[list[tuple[int, int]]] = [[] for _ in range(num_shards)]
-    start = 0
-    for i, count in enumerate(segments):
-        if count % num_shards == 0:
-            take = count // num_shards
-            first = [r * take for r in range(num_shards)]
-        elif num_shards % count == 0:  # fewer heads than ranks: replicate (vLLM: rank r gets head r // (N / count))
-            take = 1
-            first = [r // (num_shards // count) for r in range(num_shards)]
-        else:
-            raise StepArgumentError(
-                f"segment {i} has {count} units of {unit}: "
-                f"num_shards={num_shards} neither divides it nor is a multiple of it"
-            )
-        for r in range(num_shards):
-            lo, length = start + first[r] * unit, take * unit
-            if lo % pack or length % pack:
-                raise StepArgumentError(
-                    f"segment {i}: a rank's part (elements {lo}..{lo + length}) does not fall on "
-                    f"boundaries of {pack} (pack or group size) for num_shards={num_shards}"
-                )
-            runs[r].append((lo // pack, length // pack))
-        start += count * unit
-    return d, runs
-
-
-def _segments_shape(
-    in_shape: Shape, dtype: str, dim: int, segments: list[int], num_shards: int, unit: int = 1, pack: int = 1
-) -> tuple[Shape, str]:
-    d, runs = _segment_runs(in_shape, dim, segments, num_shards, unit, pack)
-    out = list(in_shape)
-    out[d] = sum(length for _, length in runs[0])
-    return (num_shards, *out), dtype
-
-
-def _segments_boxes(
-    out_box: Box, in_shape: Shape, dim: int, segments: list[int], num_shards: int, unit: int = 1, pack: int = 1
-) -> list[tuple[Box, Box]]:
-    d, runs = _segment_runs(in_shape, dim, segments, num_shards, unit, pack)
-    (r0, r1), rest = out_box[0], list(out_box[1:])
-    a, b = rest[d]
-    pieces = []
-    for r in range(r0, r1):
-        offset = 0
-        for src_start, length in runs[r]:
-            lo, hi = max(a, offset), min(b, offset + length)
-            if lo < hi:
-                src = list(rest)
-                src[d] = (src_start + lo - offset, src_start + hi - offset)
-                dst = list(rest)
-                dst[d] = (lo, hi)
-                pieces.append((tuple(src), ((r, r + 1), *dst)))
-            offset += length
-    return pieces
-
-
-@register("shard_funcs.shard_segments", shape=_segments_shape, boxes=_segments_boxes)
-def shard_segments(
-    x: torch.Tensor, dim: int, segments: list[int], num_shards: int, unit: int = 1, pack: int = 1
-) -> torch.Tensor:
-    """Split a fused dim of ``segments`` (in ``unit``s) so each rank gets its part of every segment, ``[N, ...]``.
-
-    GQA-aware: a segment with fewer units than ranks (KV heads) is replicated, rank r taking
-    unit ``r // (N / count)`` as vLLM does. ``pack`` logical elements share a stored element
-    (packed int4, scale groups, FP8 blocks); a rank's part must fall on their boundaries.
-    """
-    import torch
-
-    d, runs = _segment_runs(tuple(x.shape), dim, segments, num_shards, unit, pack)
-    return torch.stack([torch.cat([x.narrow(d, s, n) for s, n in rank], dim=d) for rank in runs])
+    return shard_dim(x, dim, num_shards)
 
 
 # --- shard_shape (compute: compressed-tensors weight_shape) ----------------------------------
 
 
 def _shape_shape(
-    in_shape: Shape, dtype: str, dim: int, num_shards: int, segments: Sequence[int] = (), unit: int = 1
+    in_shape: Shape,
+    dtype: str,
+    dim: int,
+    num_shards: int,
+    segments: Sequence[int] = (),
+    kv: Sequence[int] = (),
+    unit: int = 1,
 ) -> tuple[Shape, str]:
     _check_n(num_shards)
     if len(in_shape) != 1 or dtype not in _INT_DTYPES:
         raise StepArgumentError(f"expects a 1-d integer shape vector, got {list(in_shape)} {dtype}")
     _norm_dim(dim, in_shape[0])
     if segments:
-        _segment_runs((sum(segments) * unit,), 0, segments, num_shards, unit, 1)
+        segment_runs((sum(segments) * unit,), 0, segments, kv or [0] * len(segments), num_shards, unit, 1)
     return (num_shards, in_shape[0]), dtype
 
 
 @register("shard_funcs.shard_shape", shape=_shape_shape)
 def shard_shape(
-    x: torch.Tensor, dim: int, num_shards: int, segments: Sequence[int] = (), unit: int = 1
+    x: torch.Tensor,
+    dim: int,
+    num_shards: int,
+    segments: Sequence[int] = (),
+    kv: Sequence[int] = (),
+    unit: int = 1,
 ) -> torch.Tensor:
     """Rewrite a stored logical-shape vector (compressed-tensors ``weight_shape``) to each rank's shape.
 
-    Entry ``dim`` becomes its N-th part, or with ``segments`` (GQA) the rank's sum over segments.
-    A compute step: the values change, so no rank can just copy its bytes.
+    Entry ``dim`` becomes its N-th part, or with ``segments`` and ``kv`` flags (GQA) the rank's sum
+    over segments as ``shard_segments`` splits them. A compute step: the values change.
     """
     d = dim % x.shape[0]
     size = int(x[d])
@@ -232,7 +148,7 @@ def shard_shape(
                 f"shape entry {d} is {size}, but segments {list(segments)} x unit {unit} "
                 f"add up to {sum(segments) * unit}"
             )
-        _, runs = _segment_runs((size,), 0, segments, num_shards, unit, 1)
+        _, runs = segment_runs((size,), 0, segments, kv or [0] * len(segments), num_shards, unit, 1)
         per_rank = sum(length for _, length in runs[0])
     elif size % num_shards:
         raise StepArgumentError(f"shape entry {d} is {size}, which does not divide by num_shards={num_shards}")
@@ -265,7 +181,7 @@ def shard_group_index(x: torch.Tensor, num_groups: int, num_shards: int) -> torc
     slice; a value outside the rank's groups is an error (act-order needs replicated scales).
     """
     per_rank = num_groups // num_shards
-    parts = _even_split(x, 0, num_shards)
+    parts = shard_dim(x, 0, num_shards)
     import torch
 
     offsets = (torch.arange(num_shards, dtype=x.dtype) * per_rank).unsqueeze(1)

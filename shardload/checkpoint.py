@@ -103,13 +103,31 @@ class Checkpoint:
         if "lm_head.weight" not in self.tensors:
             return []
         try:
-            config = json.loads((self.root / CONFIG_NAME).read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError):
+            config = read_config(self.root, missing_ok=True)
+        except CheckpointError:
             return []  # no readable config.json: no declared ties
-        if not isinstance(config, dict) or config.get("tie_word_embeddings") is not True:
+        if config.get("tie_word_embeddings") is not True:
             return []
         embeddings = [n for n in self.tensors if n != "lm_head.weight" and n.endswith(_EMBEDDING_SUFFIXES)]
         return [("lm_head.weight", embeddings[0])] if len(embeddings) == 1 else []
+
+
+def read_config(root: str | os.PathLike[str], *, missing_ok: bool = False) -> dict[str, Any]:
+    """A model directory's ``config.json`` as a JSON object (``{}`` when absent and ``missing_ok``)."""
+    path = Path(root) / CONFIG_NAME
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        if missing_ok:
+            return {}
+        raise CheckpointError(f"no {CONFIG_NAME} here (a plan reads the model's config)", file=str(root)) from None
+    except OSError as err:
+        raise CheckpointError(f"cannot read: {err.strerror or err}", file=str(path)) from None
+    except (ValueError, RecursionError) as err:
+        raise CheckpointError(f"not valid JSON: {err}", file=str(path)) from None
+    if not isinstance(config, dict):
+        raise CheckpointError("top level must be a JSON object", file=str(path))
+    return config
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:

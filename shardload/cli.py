@@ -173,7 +173,7 @@ def convert(
 @click.option("--overwrite", is_flag=True, help="Replace the output file if it exists.")
 @_guarded
 def plan(model: Path, out: Path | None, style: str, experts: str, num_shards: tuple[int, ...], overwrite: bool) -> None:
-    """Write an N-agnostic shard_info.json for MODEL from its config.json (architecture preset or HF tp_plan)."""
+    """Write an N-agnostic shard_info.json for MODEL (dense, quantized or GGUF) from its config and tensor names."""
     from .presets import generate
 
     root = model if model.is_dir() else model.parent
@@ -188,9 +188,9 @@ def plan(model: Path, out: Path | None, style: str, experts: str, num_shards: tu
         result.save(target)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
-    replicated = len(result.placements) - result.sharded
     ns = ", ".join(map(str, result.supported))
-    summary = f"{result.sharded} sharded, {replicated} replicated ({result.style}, experts {experts}); num_shards {ns}"
+    counts = f"{result.sharded} sharded, {result.replicated} replicated"
+    summary = f"{counts} ({result.style}, experts {experts}); num_shards {ns}"
     click.echo(summary if to_stdout else f"wrote {target}: {summary}", err=to_stdout)
 
 
@@ -268,7 +268,7 @@ def quantize(model: Path, out_dir: Path, scheme: str, shard_info: Path | None, o
     for name, reason in result.skipped.items():
         click.echo(f"  kept {name}: {reason}")
     if not result.shard_info:
-        click.echo("no shard_info.json in the source: wrote none (every tensor would be replicated)")
+        click.echo(f"no shard_info.json in the source: wrote none (shardload plan {result.out_dir} makes one)")
     else:
         valid = ", ".join(str(n) for n in result.valid_for) or "none"
         click.echo(f"shard_info.json: valid for num_shards {valid} (checked 1..{MAX_LISTED_N})")

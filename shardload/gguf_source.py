@@ -6,7 +6,8 @@ first). A block-quantized tensor (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K, ...)
 blocks run along the last logical dim, so a split by rows is any split of dim -3 and a split by
 columns must fall on a block boundary (a split of dim -2, ``shard_funcs.shard_groups``). Plain
 types (F32, F16, BF16, integers) keep their dtype and shape. Nothing is copied: each tensor is a
-byte range of the file, read by the executor like a safetensors tensor.
+byte range of the file, read by the executor like a safetensors tensor. :func:`model_config`
+reads the file's metadata in config.json's terms (head counts, sizes) for ``shardload plan``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,21 @@ _PLAIN = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
 }  # fmt: skip
+
+
+# config.json key -> GGUF metadata key after the "{architecture}." prefix
+_CONFIG_KEYS = {
+    "hidden_size": "embedding_length",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "intermediate_size": "feed_forward_length",
+    "num_hidden_layers": "block_count",
+    "num_local_experts": "expert_count",
+    "moe_intermediate_size": "expert_feed_forward_length",
+    "vocab_size": "vocab_size",
+}
+_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # GGUF architecture -> transformers model_type
 
 
 def _reader(path: Path) -> Any:
@@ -99,3 +115,35 @@ def quantization_config(path: str | Path) -> dict[str, Any]:
     """
     _, kinds = _read(gguf_files(Path(path)))
     return {"quant_method": "gguf", "tensor_types": kinds}
+
+
+def model_config(path: str | Path) -> dict[str, Any]:
+    """The model's config from GGUF metadata, in config.json's terms, with its ``quantization_config``.
+
+    ``model_type`` is the file's ``general.architecture``; head counts and sizes come from the
+    ``{architecture}.*`` keys (absent keys are left out).
+    """
+    files = gguf_files(Path(path))
+    if not files:
+        raise CheckpointError("no *.gguf file here", file=str(path))
+    reader = _reader(files[0])
+    arch = _metadata(reader, "general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise CheckpointError("GGUF metadata has no general.architecture", file=str(files[0]))
+    config: dict[str, Any] = {"model_type": _MODEL_TYPES.get(arch, arch)}
+    for key, suffix in _CONFIG_KEYS.items():
+        value = _metadata(reader, f"{arch}.{suffix}")
+        if value is not None:
+            config[key] = value
+    config["quantization_config"] = quantization_config(path)
+    return config
+
+
+def _metadata(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    try:
+        return field.contents()
+    except (ValueError, IndexError, UnicodeDecodeError):
+        return None

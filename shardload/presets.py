@@ -1,92 +1,47 @@
 """Model plans: decide, from config.json and tensor names, how each weight is tensor-parallel.
 
 Decisions come from built-in architecture presets (Llama, Mistral, Qwen2/3, Phi-3, Mixtral,
-Qwen-MoE and BERT families) or from HF transformers' ``base_model_tp_plan`` when config.json has
-one. Each decision is a :class:`Placement` record (tensor, parallel style, dim, fused segments
-in units, KV flags); :func:`model_placements` makes them, :func:`placement_steps` turns one into
-shard_info steps and :func:`shard_info_document` renders a whole N-agnostic file. A companion
-rule (quantized scales, packed weights) can read the records and add its own before rendering.
-Everything here is pure: config and safetensors headers only, no tensor data.
+Qwen-MoE and BERT families, by Hugging Face or GGUF tensor names) or from HF transformers'
+``base_model_tp_plan`` when config.json has one. Each decision is a
+:class:`~shardload.placement.Placement` (tensor, parallel style, dim, fused segments in units,
+KV flags) made on the model's *logical* tensors: a quantized module is seen as its logical
+weight (:func:`shardload.quant_plan.logical_tensors`). :func:`model_placements` makes them and
+:func:`shard_info_document` renders a whole N-agnostic file, writing steps for every stored
+tensor (packed weights, scales, zero points, ...) through :func:`shardload.quant_plan.companion_steps`.
+Everything here is pure: config and tensor headers only, no tensor data.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from .errors import CheckpointError, PlanError
+from .placement import Placement, TensorHeader
+from .quant_plan import companion_steps, detect_format, logical_tensors
 
 __all__ = [
-    "STYLES",
     "GeneratedPlan",
-    "StepsRule",
     "ModelDims",
-    "Placement",
     "build_shard_info",
     "config_problems",
     "generate",
     "hf_placements",
     "model_placements",
-    "placement_steps",
     "plan_problems",
     "preset_placements",
-    "read_config",
     "resolved_style",
     "shard_info_document",
 ]
-
-STYLES = ("column", "row", "replicated", "vocab", "expert")
-"""column: output features split (outputs concatenated); row: input features split (partial sums
-all-reduced); vocab: embedding rows split (masked lookup, all-reduced); expert: whole experts of a
-stacked ``[num_experts, ...]`` tensor per rank; replicated: every rank holds the tensor."""
 
 PLAN_STYLES = ("auto", "megatron", "hf")
 EXPERT_MODES = ("tp", "parallel")
 MAX_CHECKED_NUM_SHARDS = 64
 SCHEMA_URL = "https://shardload.dev/shard_info.schema.json"
-
-
-class TensorHeader(Protocol):
-    """What the generator needs of a stored tensor (``shardload.checkpoint.TensorInfo`` has it)."""
-
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-
-    @property
-    def dtype(self) -> str: ...
-
-
-@dataclass(frozen=True)
-class Placement:
-    """How one (stored or logical) tensor is split across ranks, before it becomes steps.
-
-    ``dim`` is the split dim of the tensor (None when replicated); ``segments`` are the sizes of
-    the fused parts along ``dim`` in ``unit``s (empty: one part); ``kv`` flags the segments that
-    hold KV heads, replicated when N exceeds their head count; ``rule`` says which preset or
-    tp_plan entry decided it ("" when none matched).
-    """
-
-    name: str
-    style: str
-    dim: int | None = None
-    segments: tuple[int, ...] = ()
-    unit: int = 1
-    kv: tuple[bool, ...] = ()
-    rule: str = ""
-
-    def __post_init__(self) -> None:
-        if self.style not in STYLES:
-            raise ValueError(f"{self.name}: style must be one of {STYLES}, got {self.style!r}")
-        if (self.dim is None) != (self.style == "replicated"):
-            raise ValueError(f"{self.name}: a {self.style} placement {'needs' if self.dim is None else 'takes no'} dim")
-        if self.kv and len(self.kv) != len(self.segments):
-            raise ValueError(f"{self.name}: kv flags {self.kv} do not match segments {self.segments}")
-        if self.unit < 1 or any(s < 1 for s in self.segments):
-            raise ValueError(f"{self.name}: unit and segments must be positive")
 
 
 @dataclass(frozen=True)
@@ -167,6 +122,26 @@ ENCODER_ROLES: dict[str, str] = {
     "lm_head.decoder": "lm_head",
     "lm_head.bias": "lm_head",
 }
+# GGUF tensor names (llama.cpp's convention) -> role, for every decoder architecture above
+GGUF_ROLES: dict[str, str] = {
+    "token_embd": "vocab",
+    "output": "lm_head",
+    "attn_q": "q",
+    "attn_k": "k",
+    "attn_v": "v",
+    "attn_qkv": "qkv",
+    "attn_output": "o",
+    "ffn_gate": "column",
+    "ffn_up": "column",
+    "ffn_down": "row",
+    "ffn_gate_shexp": "column",
+    "ffn_up_shexp": "column",
+    "ffn_down_shexp": "row",
+    "ffn_gate_exps": "stacked_column",
+    "ffn_up_exps": "stacked_column",
+    "ffn_down_exps": "stacked_row",
+}
+GGUF_OVERRIDES: dict[str, dict[str, str]] = {"phi3": {"ffn_up": "gate_up"}}  # Phi-3 stores gate and up fused
 ATTENTION_ROLES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "qkv_proj": "qkv", "o_proj": "o",
                    "query": "q", "key": "k", "value": "v"}  # fmt: skip
 
@@ -187,28 +162,22 @@ def _match(path: str, patterns: Iterable[str]) -> str | None:
 
 
 def _targets(tensors: Mapping[str, TensorHeader], patterns: Iterable[str]) -> Iterable[tuple[str, str, str | None]]:
-    """Yield ``(tensor name, matched pattern, parameter)`` for every stored or logical weight a pattern names.
+    """Yield ``(tensor name, matched pattern, parameter)`` for every tensor a pattern names.
 
-    A pattern names a whole stored tensor (parameter None: stacked experts, ``cls.predictions.bias``)
-    or a module, whose ``weight`` and ``bias`` it covers; a module stored without ``.weight``
-    (quantized: ``weight_packed``, ``qweight`` ...) still yields its logical ``.weight``.
+    A pattern names a whole tensor (parameter None: stacked experts, ``cls.predictions.bias``) or
+    a module, whose ``weight`` and ``bias`` it covers (a quantized module's logical ``weight`` too,
+    in :func:`shardload.quant_plan.logical_tensors`).
     """
     patterns = list(patterns)
-    seen: set[str] = set()
     for name in tensors:
         whole = _match(name, patterns)
         if whole is not None:
-            seen.add(name)
             yield name, whole, None
             continue
         module, _, param = name.rpartition(".")
-        pattern = _match(module, patterns) if module else None
-        if pattern is None:
-            continue
-        for target, p in ((name, param), (f"{module}.weight", "weight")):
-            if p in ("weight", "bias") and target not in seen:
-                seen.add(target)
-                yield target, pattern, p
+        pattern = _match(module, patterns) if module and param in ("weight", "bias") else None
+        if pattern is not None:
+            yield name, pattern, param
 
 
 def _shape_error(name: str, reason: str) -> PlanError:
@@ -301,9 +270,11 @@ def _attention_placement(
 def preset_placements(
     config: Mapping[str, Any], tensors: Mapping[str, TensorHeader], *, experts: str = "tp"
 ) -> dict[str, Placement]:
-    """Placements for every stored tensor (and logical weight) from the built-in preset of config's model_type."""
+    """Placements for every tensor from the built-in preset of config's model_type (HF or GGUF tensor names)."""
     model_type = config.get("model_type")
-    if model_type in DECODER_TYPES:
+    if model_type in DECODER_TYPES and _gguf_names(tensors):
+        roles = {**GGUF_ROLES, **GGUF_OVERRIDES.get(str(model_type), {})}
+    elif model_type in DECODER_TYPES:
         roles = DECODER_ROLES
     elif model_type in ENCODER_TYPES:
         roles = ENCODER_ROLES
@@ -322,6 +293,11 @@ def preset_placements(
             roles[pattern], name, param, None if info is None else tuple(info.shape), dims, experts, rule
         )
     return placements
+
+
+def _gguf_names(tensors: Mapping[str, TensorHeader]) -> bool:
+    """Whether tensors follow llama.cpp's GGUF naming (``token_embd``, ``blk.N.attn_q``)."""
+    return any(name.startswith("blk.") or name.startswith("token_embd.") for name in tensors)
 
 
 def _replicated(tensors: Mapping[str, TensorHeader]) -> dict[str, Placement]:
@@ -427,56 +403,26 @@ def _hf_style_placement(
 # --- placements -> steps -> document ----------------------------------------------------------
 
 
-def placement_steps(placement: Placement, shape: Sequence[int], dtype: str) -> list[list[Any]]:
-    """The N-agnostic shard_info steps for ``placement`` on a stored tensor of ``shape`` and ``dtype``."""
-    p = placement
-    if p.style == "replicated":
-        return []
-    assert p.dim is not None
-    shape = list(shape)
-    if not -len(shape) <= p.dim < len(shape):
-        raise PlanError(f"{p.style} split dim {p.dim} is out of range for shape {shape}", param=p.name)
-    d = p.dim % len(shape)
-    size = shape[d]
-    segments = list(p.segments) or [size // p.unit]
-    if sum(segments) * p.unit != size:
-        raise PlanError(f"segments {segments} x unit {p.unit} do not add up to dim {d} of size {size}", param=p.name)
-    split = ["num_shards", *shape]
-    split[d + 1] = f"{size} // num_shards"
-    if p.unit > 1 or any(p.kv):
-        kv = [int(f) for f in p.kv] or [0] * len(segments)
-        out = None if any(kv) else split  # a replicated KV head has no linear size in N
-        return [["shard_funcs.shard_heads", [out, dtype], d, segments, kv, "num_shards", p.unit]]
-    steps: list[list[Any]] = []
-    if len(segments) > 1:
-        steps.append(["shard_funcs.reorder_segments", [shape, dtype], d, segments, "num_shards"])
-    steps.append(["shard_funcs.shard_dim", [split, dtype], d, "num_shards"])
-    return steps
-
-
-StepsRule = Callable[[Placement, Sequence[int], str], list[list[Any]]]
-"""``rule(placement, stored shape, dtype) -> steps``: how a placement becomes shard_info steps."""
-
-
 def shard_info_document(
     placements: Mapping[str, Placement],
     tensors: Mapping[str, TensorHeader],
     *,
+    quantization_config: Mapping[str, Any] | None = None,
     description: str | None = None,
-    steps: StepsRule | None = None,
 ) -> dict[str, Any]:
-    """The N-agnostic document-form shard_info for the stored tensors among ``placements``.
+    """The N-agnostic document-form shard_info: steps for every stored tensor in ``tensors`` that ``placements`` split.
 
-    ``steps`` renders one placement (default :func:`placement_steps`); a rule for other stored
-    layouts (packed or quantized tensors) can wrap it.
+    ``placements`` are keyed by logical tensor (a quantized module's ``P.weight``); each one's steps
+    come from :func:`shardload.quant_plan.companion_steps`, for the tensor itself or for every
+    stored tensor of its module.
     """
-    render = steps or placement_steps
     params: dict[str, Any] = {}
-    for name, info in tensors.items():
-        placement = placements.get(name)
-        entry = render(placement, tuple(info.shape), info.dtype) if placement is not None else []
-        if entry:
-            params[name] = entry
+    for placement in placements.values():
+        if placement.style == "replicated":
+            continue
+        for name, steps in companion_steps(placement, tensors, quantization_config).items():
+            if steps:
+                params[name] = steps
     doc: dict[str, Any] = {"$schema": SCHEMA_URL, "version": 1, "num_shards": None}
     if description:
         doc["description"] = description
@@ -487,7 +433,7 @@ def shard_info_document(
 def model_placements(
     config: Mapping[str, Any], tensors: Mapping[str, TensorHeader], *, style: str = "auto", experts: str = "tp"
 ) -> tuple[dict[str, Placement], list[str]]:
-    """Placements (one per stored tensor, plus logical weights of quantized modules) and notes.
+    """Placements (one per tensor of ``tensors``: stored, or logical for quantized modules) and notes.
 
     ``style``: ``"hf"`` follows config's base_model_tp_plan, ``"megatron"`` the built-in preset,
     ``"auto"`` the tp_plan when config has one. ``experts``: ``"tp"`` splits inside each expert,
@@ -517,9 +463,15 @@ def resolved_style(config: Mapping[str, Any], style: str) -> str:
 def build_shard_info(
     config: Mapping[str, Any], tensors: Mapping[str, TensorHeader], *, style: str = "auto", experts: str = "tp"
 ) -> dict[str, Any]:
-    """The N-agnostic shard_info document for a model's config and stored tensors (pure)."""
-    placements, _ = model_placements(config, tensors, style=style, experts=experts)
-    return shard_info_document(placements, tensors)
+    """The N-agnostic shard_info document for a model's config and stored tensors (pure; quantized too)."""
+    qconfig = _quantization_config(config)
+    placements, _ = model_placements(config, logical_tensors(tensors, qconfig), style=style, experts=experts)
+    return shard_info_document(placements, tensors, quantization_config=qconfig)
+
+
+def _quantization_config(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    qc = config.get("quantization_config")
+    return qc if isinstance(qc, dict) else None
 
 
 # --- which N work -------------------------------------------------------------------------
@@ -570,11 +522,17 @@ class GeneratedPlan:
     supported: list[int]
     style: str
     notes: list[str] = field(default_factory=list)
+    stored: int = 0
 
     @property
     def sharded(self) -> int:
         """Number of stored tensors with steps (the rest are replicated)."""
         return len(self.document["params"])
+
+    @property
+    def replicated(self) -> int:
+        """Number of stored tensors without steps."""
+        return self.stored - self.sharded
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the document to ``path`` atomically (temporary file beside it, then rename)."""
@@ -587,24 +545,6 @@ class GeneratedPlan:
             tmp.unlink(missing_ok=True)
 
 
-def read_config(root: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read ``config.json`` from a model directory as plain JSON."""
-    path = Path(root) / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(
-            "no config.json here (shardload plan reads the model's config)", file=str(path.parent)
-        ) from None
-    except OSError as err:
-        raise CheckpointError(f"cannot read: {err.strerror or err}", file=str(path)) from None
-    except (ValueError, RecursionError) as err:
-        raise CheckpointError(f"not valid JSON: {err}", file=str(path)) from None
-    if not isinstance(config, dict):
-        raise CheckpointError("top level must be a JSON object", file=str(path))
-    return config
-
-
 def generate(
     model: str | os.PathLike[str],
     *,
@@ -613,11 +553,14 @@ def generate(
     num_shards: Sequence[int] = (),
     check_up_to: int = MAX_CHECKED_NUM_SHARDS,
 ) -> GeneratedPlan:
-    """Generate the N-agnostic shard_info of a model directory; raise PlanError if any of ``num_shards`` cannot work.
+    """Generate the N-agnostic shard_info of a model; raise PlanError if any of ``num_shards`` cannot work.
 
-    The result records every N in 1..``check_up_to`` it plans for (also in its description).
+    ``model`` is a Hugging Face model directory (config.json; dense or quantized) or a GGUF file or
+    directory (config from its metadata). The result records every N in 1..``check_up_to`` it plans
+    for (also in its description), checked against every stored tensor, quantized companions included.
     """
-    from .checkpoint import open_checkpoint
+    from .checkpoint import open_checkpoint, read_config
+    from .gguf_source import model_config
 
     for n in num_shards:
         if type(n) is not int or n < 1:
@@ -625,13 +568,16 @@ def generate(
     checkpoint = open_checkpoint(model)
     if checkpoint.kind == "converted":
         raise PlanError("this is a converted directory; plan the source checkpoint instead", file=checkpoint.name)
-    config_path = str(checkpoint.root / "config.json")
-    config = read_config(checkpoint.root)
+    gguf = checkpoint.kind == "gguf"
+    config_path = str(checkpoint.files[0]) if gguf else str(checkpoint.root / "config.json")
+    config = model_config(checkpoint.path) if gguf else read_config(checkpoint.root)
+    qconfig = _quantization_config(config)
     tensors = checkpoint.tensors
     try:
+        logical = logical_tensors(tensors, qconfig)
         chosen = resolved_style(config, style)
-        placements, notes = model_placements(config, tensors, style=chosen, experts=experts)
-        document = shard_info_document(placements, tensors)
+        placements, notes = model_placements(config, logical, style=chosen, experts=experts)
+        document = shard_info_document(placements, tensors, quantization_config=qconfig)
     except PlanError as err:
         raise _relocated(err, config_path) from None
     for n in num_shards:
@@ -645,6 +591,11 @@ def generate(
     checked = plan_problems(document, tensors, range(1, check_up_to + 1))
     supported = [n for n, problems in checked.items() if not problems]
     source = f"base_model_tp_plan of {config_path}" if chosen == "hf" else f"the {config.get('model_type')} preset"
+    quantized = [f for n in logical if n.endswith(".weight") and (f := detect_format(n, tensors, qconfig)) != "dense"]
+    if quantized:
+        formats = ", ".join(sorted(set(quantized)))
+        source += f", quantized weights: {formats}"
+        notes.append(f"{len(quantized)} quantized weight(s) ({formats}): each stored tensor follows its weight's split")
     document = {
         **{k: v for k, v in document.items() if k != "params"},
         "description": (
@@ -655,10 +606,10 @@ def generate(
     }
     if experts == "parallel" and not any(p.style == "expert" for p in placements.values()):
         notes.append("--experts parallel: no stacked expert tensors found, nothing is expert-parallel")
-    unmatched = sum(1 for n in tensors if placements[n].style == "replicated" and not placements[n].rule)
+    unmatched = sum(1 for n in logical if placements[n].style == "replicated" and not placements[n].rule)
     if unmatched:
         notes.append(f"{unmatched} tensor(s) matched no rule and are replicated (norms, routers, buffers, ...)")
-    return GeneratedPlan(document, placements, supported, chosen, notes)
+    return GeneratedPlan(document, placements, supported, chosen, notes, len(tensors))
 
 
 def _relocated(err: PlanError, config_path: str) -> PlanError:

@@ -1,13 +1,14 @@
-"""Quantized companions: steps for every stored tensor of a weight, following how its logical weight is split.
+"""Stored layouts: the shard_info steps for every stored tensor of a placed weight, quantized or not.
 
-A plan generator decides how each logical weight ``W[..., out, in]`` is split across ranks (a
-:class:`WeightSplit`: column, row, vocab or replicated, fused segments in units, GQA). A quantized
-checkpoint stores ``W`` as several tensors whose dims relate to ``W``'s dims by a pack factor
-(int4 in int32) or a group/block size (scales, zero points, GGUF blocks), plus a shape vector or
-a group index whose values change per rank. :func:`companion_steps` turns the one decision into
-shard_info steps for each of them; :func:`quantized_shard_info` carries a dense model's
-shard_info over to its quantized checkpoint. Pure: only names, shapes, dtypes and the
-``quantization_config`` of config.json are read.
+A plan decides how each (logical) weight ``W[..., out, in]`` is split across ranks: a
+:class:`~shardload.placement.Placement` (column, row, vocab, expert or replicated, fused segments
+in units, KV flags). A quantized checkpoint stores ``W`` as several tensors whose dims relate to
+``W``'s dims by a pack factor (int4 in int32) or a group/block size (scales, zero points, GGUF
+blocks), plus a shape vector or a group index whose values change per rank.
+:func:`companion_steps` turns the one placement into steps for each of them (for a dense tensor:
+for itself); :func:`logical_tensors` shows a plan generator each quantized module as its logical
+weight; :func:`quantized_shard_info` carries a dense model's shard_info over to its quantized
+checkpoint. Pure: only names, shapes, dtypes and the ``quantization_config`` are read.
 
 Formats (:func:`detect_format`), with the tensors each stores next to the module prefix ``P``:
 
@@ -30,23 +31,31 @@ rank its slice of ``g_idx``; without it scales are split and ``g_idx`` made loca
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from math import gcd, prod
+from math import prod
 from pathlib import Path
 from typing import Any
 
-from . import expr
 from .errors import PlanError, StepArgumentError
+from .placement import Header, Placement, TensorHeader, placement_from_steps
+
+__all__ = [
+    "FORMATS",
+    "companion_steps",
+    "detect_format",
+    "logical_tensors",
+    "module_tensors",
+    "quantized_shard_info",
+    "read_quantization_config",
+]
 
 FORMATS = ("dense", "scaled", "compressed-tensors", "mlc", "gptq", "awq", "gguf")
-STYLES = ("column", "row", "vocab", "replicated")
 
-TensorShapes = Mapping[str, tuple[Sequence[int], str]]
-"""Stored tensor name -> (shape, dtype name), e.g. ``{n: (t.shape, t.dtype) for n, t in ckpt.tensors.items()}``."""
+Tensors = Mapping[str, TensorHeader]
+"""Stored tensor name -> header (``.shape``, ``.dtype``), e.g. ``open_checkpoint(model).tensors``."""
 
 Step = list[Any]
 """One shard_info step in document form: ``[function, [shape or None, dtype], *args]``."""
@@ -58,39 +67,6 @@ _KNOWN = (
     "output_scale", "qweight", "qzeros", "scales", "g_idx", "q_weight", "q_scale",
 )  # fmt: skip
 _ACT_ORDER_VALUES = (True, "group", "dynamic", "static")
-
-
-@dataclass(frozen=True)
-class WeightSplit:
-    """How a plan splits one logical weight ``W[..., out, in]`` across ranks.
-
-    ``style``: ``"column"`` or ``"vocab"`` split ``out`` (dim -2), ``"row"`` splits ``in`` (dim -1),
-    ``"replicated"`` gives every rank everything. ``dim`` overrides the style's dim (e.g. 0 for
-    expert parallelism over ``[experts, out, in]``). ``segments`` are fused parts along the split
-    dim counted in ``unit`` elements (QKV: ``(q_heads, kv_heads, kv_heads)`` with ``unit`` =
-    head_dim). ``gqa``: a segment with fewer units than ranks is replicated (vLLM's rule) through
-    ``shard_funcs.shard_segments`` instead of ``reorder_segments`` + a split.
-    """
-
-    style: str = "replicated"
-    dim: int | None = None
-    segments: tuple[int, ...] = ()
-    unit: int = 1
-    gqa: bool = False
-
-    def __post_init__(self) -> None:
-        if self.style not in STYLES:
-            raise ValueError(f"style must be one of {', '.join(STYLES)}, got {self.style!r}")
-        object.__setattr__(self, "segments", tuple(self.segments))
-
-    def logical_dim(self, ndim: int) -> int | None:
-        """The split dim of a ``ndim``-d logical weight, normalised; None when replicated."""
-        if self.style == "replicated":
-            return None
-        d = self.dim if self.dim is not None else (-1 if self.style == "row" else -2 if ndim >= 2 else -1)
-        if not -ndim <= d < ndim:
-            raise StepArgumentError(f"split dim {d} is out of range for a {ndim}-d weight")
-        return d % ndim
 
 
 @dataclass(frozen=True)
@@ -114,19 +90,18 @@ class _Weight:
     num_groups: int = 0
 
 
-def module_tensors(weight: str, tensors: TensorShapes) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The stored tensors that make up ``weight`` (a module prefix or its ``.weight`` name), by suffix."""
+def module_tensors(weight: str, tensors: Tensors) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The stored tensors of ``weight`` (a module prefix or its ``.weight`` name): suffix -> (shape, dtype)."""
     prefix = weight.removesuffix(".weight")
     found = {}
     for suffix in _KNOWN:
         entry = tensors.get(f"{prefix}.{suffix}")
         if entry is not None:
-            shape, dtype = entry
-            found[suffix] = (tuple(int(d) for d in shape), str(dtype))
+            found[suffix] = (tuple(int(d) for d in entry.shape), str(entry.dtype))
     return found
 
 
-def detect_format(weight: str, tensors: TensorShapes, quantization_config: Mapping[str, Any] | None = None) -> str:
+def detect_format(weight: str, tensors: Tensors, quantization_config: Mapping[str, Any] | None = None) -> str:
     """Which of :data:`FORMATS` stores ``weight``, from tensor names and shapes and the quantization_config."""
     stored = module_tensors(weight, tensors)
     method = str((quantization_config or {}).get("quant_method", "")).lower()
@@ -152,83 +127,76 @@ def detect_format(weight: str, tensors: TensorShapes, quantization_config: Mappi
     )
 
 
-def companion_steps(
-    weight: str,
-    split: WeightSplit,
-    tensors: TensorShapes,
-    quantization_config: Mapping[str, Any] | None = None,
-) -> dict[str, list[Step]]:
-    """Steps for every stored tensor of ``weight`` so that each rank holds the quantized form of its part of W.
+def logical_tensors(tensors: Tensors, quantization_config: Mapping[str, Any] | None = None) -> dict[str, TensorHeader]:
+    """The tensors a plan decides on: stored ones as they are, each quantized module as its logical ``P.weight``.
 
-    ``weight`` is the module prefix or the logical weight name (``model.layers.0.mlp.down_proj``
-    or ``...down_proj.weight``); ``tensors`` holds every stored tensor's shape and dtype;
-    ``quantization_config`` is config.json's (None: format, bits and group size come from names
-    and shapes). Returns stored name -> N-agnostic steps (document form; ``[]`` = replicated).
+    A quantized module's stored tensors (``weight_packed``, ``qweight``, scales, ...) become one
+    entry with the logical shape ``[..., out, in]`` and the dtype of its main stored tensor.
+    Raises PlanError (naming the tensor) for a quantized layout it cannot read.
+    """
+    out: dict[str, TensorHeader] = {}
+    formats: dict[str, str] = {}
+    for name, info in tensors.items():
+        module, _, suffix = name.rpartition(".")
+        if module and suffix in _KNOWN:
+            if module not in formats:
+                formats[module] = detect_format(module, tensors, quantization_config)
+            if formats[module] != "dense":
+                weight = f"{module}.weight"
+                if weight not in out:
+                    logical = _analyze(module, tensors, quantization_config)
+                    main = module_tensors(module, tensors)[_MAIN[logical.format]]
+                    out[weight] = Header(tuple(logical.logical), main[1])
+                continue
+        out[name] = info
+    return out
+
+
+def companion_steps(
+    placement: Placement, tensors: Tensors, quantization_config: Mapping[str, Any] | None = None
+) -> dict[str, list[Step]]:
+    """Steps for every stored tensor ``placement`` covers, so each rank holds (the quantized form of) its part.
+
+    ``placement.name`` is a stored dense tensor, or the logical ``P.weight`` of a module stored in
+    a quantized layout (then every stored tensor of ``P`` gets steps); ``tensors`` holds every
+    stored tensor's header; ``quantization_config`` is config.json's (None: format, bits and group
+    size come from names and shapes). Returns stored name -> N-agnostic steps (``[]`` = replicated).
     Raises PlanError (naming the tensor) where the layout cannot follow the split for any N.
 
     Example::
 
-        steps = companion_steps("model.layers.0.self_attn.qkv_proj", WeightSplit("column", segments=(32, 8, 8),
-                                unit=128), {n: (t.shape, t.dtype) for n, t in ckpt.tensors.items()}, qcfg)
+        qkv = Placement("model.layers.0.self_attn.qkv_proj.weight", "column", 0, (32, 8, 8), 128, (False, True, True))
+        steps = companion_steps(qkv, open_checkpoint("llama-w4a16").tensors, qconfig)
     """
-    prefix = weight.removesuffix(".weight")
-    info = _analyze(prefix, tensors, quantization_config)
+    name = placement.name
+    if name in tensors and not name.endswith(".weight"):  # a stored tensor of no quantized module (bias, experts)
+        info = tensors[name]
+        shape = tuple(int(d) for d in info.shape)
+        weight = _Weight("dense", shape, {name: tuple(_Axis(i) for i in range(len(shape)))})
+        stored = {name: (shape, str(info.dtype))}
+        prefix = ""
+    else:
+        prefix = name.removesuffix(".weight")
+        weight = _analyze(prefix, tensors, quantization_config)
+        stored = {f"{prefix}.{k}": v for k, v in module_tensors(prefix, tensors).items()}
+        weight.layouts = {f"{prefix}.{k}": v for k, v in weight.layouts.items()}
     try:
-        split_dim = split.logical_dim(len(info.logical))
+        split_dim = _split_dim(placement, len(weight.logical))
     except StepArgumentError as err:
-        raise PlanError(str(err), param=prefix) from None
-    stored = module_tensors(prefix, tensors)
+        raise PlanError(str(err), param=name) from None
     out: dict[str, list[Step]] = {}
-    for suffix, layout in info.layouts.items():
-        name = f"{prefix}.{suffix}"
-        shape, dtype = stored[suffix]
+    for tensor, layout in weight.layouts.items():
+        shape, dtype = stored[tensor]
         try:
-            out[name] = _steps(info, layout, shape, dtype, split, split_dim)
+            out[tensor] = _steps(weight, layout, shape, dtype, placement, split_dim)
         except StepArgumentError as err:
-            raise PlanError(str(err), param=name) from None
+            raise PlanError(str(err), param=tensor) from None
     return out
-
-
-def sharding_from_steps(steps: Sequence[Any]) -> WeightSplit:
-    """Read a dense weight's shard_info steps back into a :class:`WeightSplit` (for carrying them over).
-
-    Understood: no steps or ``replicate``; ``shard_dim``; ``reorder_segments`` + ``shard_dim`` on one
-    dim; ``shard_segments`` (GQA). Arguments must not depend on num_shards except the N itself.
-    """
-    calls = [(_step_name(s), _step_args(s)) for s in steps]
-    names = [c[0] for c in calls]
-    try:
-        if not calls or names == ["shard_funcs.replicate"]:
-            return WeightSplit("replicated")
-        if names == ["shard_funcs.shard_dim"]:
-            return _dim_split(expr.evaluate(calls[0][1][0], None))
-        if names == ["shard_funcs.reorder_segments", "shard_funcs.shard_dim"]:
-            args = calls[0][1]
-            dim = expr.evaluate(args[0], None)
-            if expr.evaluate(calls[1][1][0], None) != dim:
-                raise StepArgumentError("reorder_segments and shard_dim work on different dims")
-            unit = expr.evaluate(args[3], None) if len(args) > 3 else 1
-            segments = tuple(expr.evaluate(s, None) for s in args[1])
-            return _dim_split(dim, segments, unit)
-        if names == ["shard_funcs.shard_segments"]:
-            args = calls[0][1]
-            unit = expr.evaluate(args[3], None) if len(args) > 3 else 1
-            pack = expr.evaluate(args[4], None) if len(args) > 4 else 1
-            if pack != 1:
-                raise StepArgumentError("a dense weight's shard_segments must have pack 1")
-            segments = tuple(expr.evaluate(s, None) for s in args[1])
-            return _dim_split(expr.evaluate(args[0], None), segments, unit, gqa=True)
-    except (StepArgumentError, IndexError, TypeError) as err:
-        raise PlanError(f"cannot carry steps {names} over to quantized tensors: {err}") from None
-    raise PlanError(
-        f"cannot carry steps {names} over to quantized tensors: only replicate, shard_dim, "
-        "reorder_segments + shard_dim and shard_segments are understood"
-    )
 
 
 def quantized_shard_info(
     dense_params: Mapping[str, Sequence[Any]],
-    tensors: TensorShapes,
+    tensors: Tensors,
     quantization_config: Mapping[str, Any] | None = None,
 ) -> dict[str, list[Step]]:
     """Carry a dense model's shard_info ``params`` over to a quantized checkpoint's tensors.
@@ -245,8 +213,8 @@ def quantized_shard_info(
                 raise PlanError("names no tensor of the quantized checkpoint", param=name)
             out[name] = [list(s) if isinstance(s, list) else s.to_json() for s in steps]
             continue
-        split = sharding_from_steps(steps)
-        for tensor, tsteps in companion_steps(prefix, split, tensors, quantization_config).items():
+        placement = placement_from_steps(name, steps)
+        for tensor, tsteps in companion_steps(placement, tensors, quantization_config).items():
             if tsteps:
                 out[tensor] = tsteps
     return out
@@ -254,26 +222,30 @@ def quantized_shard_info(
 
 def read_quantization_config(model: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The quantization_config of a model: config.json's, or for a GGUF file its per-tensor block types."""
+    from .checkpoint import read_config
+
     path = Path(model)
     if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")) and not any(path.glob("*.safetensors"))):
         from .gguf_source import quantization_config
 
         return quantization_config(path)
-    config = (path if path.is_dir() else path.parent) / "config.json"
-    if not config.is_file():
-        return None
-    try:
-        doc = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise PlanError(f"cannot read config.json: {err}", file=str(config)) from None
-    qc = doc.get("quantization_config") if isinstance(doc, dict) else None
+    qc = read_config(path if path.is_dir() else path.parent, missing_ok=True).get("quantization_config")
     return qc if isinstance(qc, dict) else None
+
+
+def _split_dim(placement: Placement, ndim: int) -> int | None:
+    """The placement's split dim of an ``ndim``-d (logical) tensor, normalised; None when replicated."""
+    if placement.dim is None:
+        return None
+    if not -ndim <= placement.dim < ndim:
+        raise StepArgumentError(f"{placement.style} split dim {placement.dim} is out of range for a {ndim}-d weight")
+    return placement.dim % ndim
 
 
 # --- analysis -------------------------------------------------------------------------------
 
 
-def _analyze(prefix: str, tensors: TensorShapes, qc: Mapping[str, Any] | None) -> _Weight:
+def _analyze(prefix: str, tensors: Tensors, qc: Mapping[str, Any] | None) -> _Weight:
     fmt = detect_format(prefix, tensors, qc)
     stored = module_tensors(prefix, tensors)
     try:
@@ -329,7 +301,11 @@ def _fit(
         else:
             group = hints.get(d) or (size // c if size % c == 0 else 0)
             if not group or -(-size // group) != c:
-                reason = f"{c} entries along a dim of {size}: cannot tell the group size (give the quantization_config)"
+                reason = (
+                    f"{c} entries along a dim of {size} do not fit the configured group size {hints[d]}"
+                    if d in hints
+                    else f"{c} entries along a dim of {size}: cannot tell the group size (give the quantization_config)"
+                )
                 raise _LayoutError(name, reason)
             axes.append(_Axis(d, "group", group, size))
     return tuple(axes)
@@ -513,6 +489,10 @@ def _dense(prefix: str, stored: dict[str, Any], qc: Mapping[str, Any]) -> _Weigh
     return _Weight("dense", shape, {"weight": tuple(_Axis(i) for i in range(len(shape)))})
 
 
+_MAIN = {"compressed-tensors": "weight_packed", "mlc": "q_weight", "gptq": "qweight", "awq": "qweight",
+         "scaled": "weight", "gguf": "weight", "dense": "weight"}  # fmt: skip
+"""The stored tensor of each format that holds the weight's values."""
+
 _LAYOUTS = {
     "compressed-tensors": _compressed_tensors,
     "mlc": _mlc,
@@ -532,22 +512,27 @@ def _steps(
     layout: tuple[_Axis, ...] | str,
     shape: tuple[int, ...],
     dtype: str,
-    split: WeightSplit,
+    placement: Placement,
     split_dim: int | None,
 ) -> list[Step]:
     if split_dim is None or layout == "scalar":
         return []
     in_dim = len(info.logical) - 1
+    segments, kv, unit = _segments(placement, split_dim, info.logical[split_dim])
     if layout == "shape":
-        if split.gqa and split.segments:
-            return [["shard_funcs.shard_shape", [["num_shards", shape[0]], dtype], split_dim, "num_shards",
-                     list(split.segments), split.unit]]  # fmt: skip
-        return [["shard_funcs.shard_shape", [["num_shards", shape[0]], dtype], split_dim, "num_shards"]]
+        out = [["num_shards", shape[0]], dtype]
+        if any(kv):
+            return [["shard_funcs.shard_shape", out, split_dim, "num_shards", segments, kv, unit]]
+        return [["shard_funcs.shard_shape", out, split_dim, "num_shards"]]
     if layout == "g_idx":
         if split_dim != in_dim:
             return []
-        if info.act_order:
+        if info.act_order:  # every rank keeps all scales; g_idx is sliced like the inputs
+            if placement.segmented:
+                return [_segments_step(shape, dtype, 0, segments, kv, unit, 1)]
             return [_split_step("shard_funcs.shard_dim", shape, dtype, 0, [])]
+        if any(kv):
+            raise StepArgumentError("a row split that replicates KV segments cannot make g_idx rank-local")
         return [["shard_funcs.shard_group_index", [["num_shards", f"{shape[0]} // num_shards"], dtype],
                  info.num_groups, "num_shards"]]  # fmt: skip
     assert isinstance(layout, tuple)
@@ -558,20 +543,37 @@ def _steps(
     axis = layout[d]
     if axis.kind == "group" and split_dim == in_dim and info.act_order:
         return []  # act-order: every rank needs every group's scale
-    if split.gqa and split.segments:
-        return [["shard_funcs.shard_segments", [None, dtype], d, list(split.segments), "num_shards", split.unit,
-                 axis.factor]]  # fmt: skip
-    steps: list[Step] = []
-    if split.segments:
-        segments, unit = _stored_segments(split.segments, split.unit, axis.factor)
-        steps.append(["shard_funcs.reorder_segments", [list(shape), dtype], d, segments, "num_shards", unit])
+    fused = len(segments) > 1 or any(kv)
+    # A single unit-counted segment on a dim of groups with a partial last one (FP8 ceil blocks) is split
+    # by groups: the module's packed or plain tensors keep heads whole.
+    if placement.segmented and (fused or axis.kind != "group" or axis.size % axis.factor == 0):
+        _check_boundaries(segments, unit, axis.factor)
+        return [_segments_step(shape, dtype, d, segments, kv, unit, axis.factor)]
     if axis.kind == "packed":
-        steps.append(_split_step("shard_funcs.shard_packed", shape, dtype, d, [axis.factor]))
-    elif axis.kind == "group":
-        steps.append(_split_step("shard_funcs.shard_groups", shape, dtype, d, [axis.factor], [axis.size]))
-    else:
-        steps.append(_split_step("shard_funcs.shard_dim", shape, dtype, d, []))
-    return steps
+        return [_split_step("shard_funcs.shard_packed", shape, dtype, d, [axis.factor])]
+    if axis.kind == "group":
+        return [_split_step("shard_funcs.shard_groups", shape, dtype, d, [axis.factor], [axis.size])]
+    return [_split_step("shard_funcs.shard_dim", shape, dtype, d, [])]
+
+
+def _segments(placement: Placement, dim: int, size: int) -> tuple[list[int], list[int], int]:
+    """The placement's segments (whole dim when it names none), 0/1 KV flags and unit, checked against ``size``."""
+    unit = placement.unit
+    segments = list(placement.segments) or [size // unit]
+    if sum(segments) * unit != size:
+        raise StepArgumentError(f"segments {segments} x unit {unit} do not add up to dim {dim} of size {size}")
+    return segments, [int(f) for f in placement.kv] or [0] * len(segments), unit
+
+
+def _segments_step(
+    shape: Sequence[int], dtype: str, d: int, segments: list[int], kv: list[int], unit: int, pack: int
+) -> Step:
+    out: list[Any] | None = None  # a replicated KV head has no size linear in N: the shape rule infers it
+    if not any(kv):
+        out = ["num_shards", *shape]
+        out[d + 1] = f"{shape[d]} // num_shards"
+    tail = [unit, pack] if pack != 1 else [unit] if unit != 1 else []  # defaults left out
+    return ["shard_funcs.shard_segments", [out, dtype], d, segments, kv, "num_shards", *tail]
 
 
 def _split_step(
@@ -582,31 +584,11 @@ def _split_step(
     return [func, [out, dtype], d, *before, "num_shards", *after]
 
 
-def _stored_segments(segments: Sequence[int], unit: int, factor: int) -> tuple[list[int], int]:
-    """Fused segments (in ``unit`` elements) re-counted on a dim whose stored elements hold ``factor`` each.
-
-    A stored unit is the smallest whole number of both units and packs (lcm), so reorder_segments'
-    own check ("a rank's part is whole units") also keeps every split on a pack or group boundary.
-    """
-    if factor == 1:
-        return list(segments), unit
-    lcm = unit * factor // gcd(unit, factor)
+def _check_boundaries(segments: Sequence[int], unit: int, factor: int) -> None:
+    """Fused segments must each hold whole packs or groups of ``factor`` elements, or no N > 1 can separate them."""
     for i, s in enumerate(segments):
         if (s * unit) % factor:
             raise StepArgumentError(
                 f"fused segment {i} ({s} x {unit} elements) does not end on a boundary of {factor} "
                 "(pack factor or group size): its parts cannot be separated"
             )
-    return [s * unit // lcm for s in segments], lcm // factor
-
-
-def _step_name(step: Any) -> str:
-    return step.func if hasattr(step, "func") else str(step[0])
-
-
-def _step_args(step: Any) -> list[Any]:
-    return list(step.args) if hasattr(step, "args") else list(step[2:])
-
-
-def _dim_split(dim: int, segments: tuple[int, ...] = (), unit: int = 1, gqa: bool = False) -> WeightSplit:
-    return WeightSplit("row" if dim in (1, -1) else "column", dim, segments, unit, gqa)

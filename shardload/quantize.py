@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import INDEX_NAME, MANIFEST_NAME, SHARD_INFO_NAME, FileMap, open_checkpoint
+from .checkpoint import INDEX_NAME, MANIFEST_NAME, SHARD_INFO_NAME, FileMap, open_checkpoint, read_config
 from .errors import ShardloadError
 from .format import ShardInfo
+from .placement import Header
 from .quant_plan import quantized_shard_info
 
 if TYPE_CHECKING:
@@ -127,22 +128,22 @@ def quantize(
             (tmp / "config.json").write_text(json.dumps({**config, "quantization_config": qconfig}, indent=2) + "\n")
             _copy_other_files(checkpoint.root, tmp, {Path(info.source).resolve()} if info else set())
             if info is not None:
-                shapes = {n: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for n, v in tensors.items()}
+                shapes = {n: Header(tuple(v.shape), str(v.dtype).removeprefix("torch.")) for n, v in tensors.items()}
                 dense = {k: [s.to_json() for s in v] for k, v in info.params.items()}
                 params = quantized_shard_info(dense, shapes, qconfig)
                 doc = {"version": 1, "num_shards": info.num_shards, "params": params}
                 (tmp / SHARD_INFO_NAME).write_text(json.dumps(doc, indent=2) + "\n")
                 result.shard_info = True
             del tensors
-        if info is not None:
-            from .validate import validate_file
-
-            ns = [info.num_shards] if info.num_shards else list(range(1, 17))
-            result.valid_for = validate_file(tmp / SHARD_INFO_NAME, tmp, ns)["valid_for"]
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if info is not None:  # checked where it was published: a temporary directory is never opened as a model
+        from .validate import validate_file
+
+        ns = [info.num_shards] if info.num_shards else list(range(1, 17))
+        result.valid_for = validate_file(out / SHARD_INFO_NAME, out, ns)["valid_for"]
     return result
 
 
@@ -244,18 +245,13 @@ def _source_shard_info(root: Path, shard_info: Any) -> ShardInfo | None:
 
 
 def _read_config(root: Path) -> dict[str, Any]:
-    path = root / "config.json"
-    if not path.is_file():
-        return {}
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise ShardloadError(f"cannot read config.json: {err}", file=str(path)) from None
-    if not isinstance(doc, dict):
-        raise ShardloadError("config.json is not a JSON object", file=str(path))
-    if "quantization_config" in doc:
-        raise ShardloadError("model is already quantized (config.json has a quantization_config)", file=str(path))
-    return doc
+    """The source's config.json (``{}`` when it has none); a quantized source is refused."""
+    config = read_config(root, missing_ok=True)
+    if "quantization_config" in config:
+        raise ShardloadError(
+            "model is already quantized (config.json has a quantization_config)", file=str(root / "config.json")
+        )
+    return config
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:

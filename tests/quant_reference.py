@@ -67,23 +67,3 @@ def fp8_dequant(weight: np.ndarray, scale: np.ndarray, block: tuple[int, int] = 
     else:
         full = np.repeat(np.repeat(s, block[0], axis=0)[:rows], block[1], axis=1)[:, :cols]
     return weight.astype(np.float32) * full
-
-
-def dense_rank_slice(
-    w: np.ndarray, dim: int, n: int, r: int, segments: tuple[int, ...] = (), unit: int = 1, gqa: bool = False
-) -> np.ndarray:
-    """Rank r's part of a dense weight along ``dim``: each fused segment split N ways, or (GQA) replicated
-    with rank r taking unit ``r // (N / count)`` when a segment has fewer units than ranks."""
-    counts = segments or (w.shape[dim] // unit,)
-    parts, start = [], 0
-    for count in counts:
-        if count % n == 0:
-            take = count // n
-            lo = start + r * take * unit
-        else:
-            assert gqa and n % count == 0
-            take = 1
-            lo = start + (r // (n // count)) * unit
-        parts.append(np.take(w, np.arange(lo, lo + take * unit), axis=dim))
-        start += count * unit
-    return np.concatenate(parts, axis=dim)

@@ -37,30 +37,44 @@ def replicate(x: np.ndarray, n: int) -> np.ndarray:
     return np.stack([x.copy() for _ in range(n)])
 
 
-def shard_heads(x: np.ndarray, dim: int, heads: list[int], kv: list[int], n: int, head_dim: int) -> np.ndarray:
-    """Output [n, ...]: rank r holds, per segment, its 1/n of the heads, or (a KV segment with fewer
-    heads than n) the single head r * heads // n that its query heads use."""
-    per_rank = []
+def rank_part(
+    w: np.ndarray, dim: int, n: int, r: int, segments: tuple[int, ...] = (), kv: tuple[int, ...] = (), unit: int = 1
+) -> np.ndarray:
+    """Rank r's part of a dense tensor along ``dim``: each fused segment (in ``unit``s) split N ways, or, for a
+    segment flagged ``kv`` with fewer units than N, the single unit ``r // (N / count)`` (vLLM's GQA rule)."""
+    counts = segments or (w.shape[dim] // unit,)
+    flags = kv or (0,) * len(counts)
+    parts, start = [], 0
+    for count, is_kv in zip(counts, flags, strict=True):
+        if count % n == 0:
+            take = count // n
+            lo = start + r * take * unit
+        else:
+            assert is_kv and n % count == 0
+            take = 1
+            lo = start + (r // (n // count)) * unit
+        parts.append(np.take(w, np.arange(lo, lo + take * unit), axis=dim))
+        start += count * unit
+    return np.concatenate(parts, axis=dim)
+
+
+def shard_segments(
+    x: np.ndarray, dim: int, segments: list[int], kv: list[int], n: int, unit: int = 1, pack: int = 1
+) -> np.ndarray:
+    """Output [n, ...]: rank r's part of every segment (see ``rank_part``) of the logical dim, where each
+    stored element stands for ``pack`` logical ones."""
+    logical = np.repeat(x, pack, axis=dim)
+    ranks = []
     for r in range(n):
-        rows = []
-        base = 0
-        for h, is_kv in zip(heads, kv, strict=True):
-            if h >= n:
-                chosen = list(range(r * h // n, (r + 1) * h // n))
-            else:
-                assert is_kv and n % h == 0
-                chosen = [r * h // n]
-            for head in chosen:
-                rows.extend(range(base + head * head_dim, base + (head + 1) * head_dim))
-            base += h * head_dim
-        per_rank.append(np.take(x, np.array(rows, dtype=np.int64), axis=dim))
-    return np.stack(per_rank)
+        part = rank_part(logical, dim, n, r, tuple(segments), tuple(kv), unit)
+        ranks.append(np.take(part, np.arange(0, part.shape[dim], pack), axis=dim))
+    return np.stack(ranks)
 
 
 def rank_slices(x: np.ndarray, steps: list[tuple], n: int) -> list[np.ndarray]:
     """Apply ``steps`` ((name, *args) with args already evaluated) and split the result by rank."""
     funcs = {"shard_dim": shard_dim, "reorder_segments": reorder_segments, "replicate": replicate}
-    funcs["shard_heads"] = shard_heads
+    funcs["shard_segments"] = shard_segments
     for name, *args in steps:
         x = funcs[name](x, *args)
     return [np.ascontiguousarray(x[r]) for r in range(n)]

@@ -87,31 +87,33 @@ def test_shard_dim_and_replicate_boxes(n: int, shape: list[int], dim_pick: int, 
 
 
 @st.composite
-def _heads_case(draw: st.DrawFn) -> tuple:
+def _segments_case(draw: st.DrawFn) -> tuple:
     n = draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
-    head_dim = draw(st.integers(1, 3))
-    kv_heads = draw(st.sampled_from([d for d in range(1, 9) if d % n == 0 or n % d == 0]))
-    q_heads = n * draw(st.integers(1, 3))
-    fused = draw(st.booleans())
-    heads, kv = ([q_heads, kv_heads, kv_heads], [0, 1, 1]) if fused else ([kv_heads], [1])
-    other = draw(st.integers(1, 3))
+    pack = draw(st.sampled_from([1, 1, 2, 4]))
+    unit = pack * draw(st.integers(1, 2))
+    kv_counts = [d for d in range(1, 9) if d % n == 0 or n % d == 0]
+    segments, kv = [], []
+    for _ in range(draw(st.integers(1, 3))):
+        is_kv = draw(st.booleans())
+        segments.append(draw(st.sampled_from(kv_counts)) if is_kv else n * draw(st.integers(1, 2)))
+        kv.append(int(is_kv))
     dim = draw(st.integers(0, 1))
-    shape = [other, other]
-    shape[dim] = sum(heads) * head_dim
-    return tuple(shape), dim, heads, kv, n, head_dim
+    shape = [draw(st.integers(1, 3)), draw(st.integers(1, 3))]
+    shape[dim] = sum(segments) * unit // pack
+    return tuple(shape), dim, segments, kv, n, unit, pack
 
 
 @settings(max_examples=200, deadline=None)
-@given(case=_heads_case(), data=st.data())
-def test_shard_heads_boxes(case: tuple, data: st.DataObject) -> None:
-    shape, dim, heads, kv, n, head_dim = case
+@given(case=_segments_case(), data=st.data())
+def test_shard_segments_boxes(case: tuple, data: st.DataObject) -> None:
+    shape, dim, segments, kv, n, unit, pack = case
     x = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape) + 1
-    func = lookup("shard_funcs.shard_heads")
-    args = (dim, heads, kv, n, head_dim)
+    func = lookup("shard_funcs.shard_segments")
+    args = (dim, segments, kv, n, unit, pack)
     out_shape, _ = func.shape(shape, "int64", *args)
-    full = ref.shard_heads(x, *args)
+    full = ref.shard_segments(x, *args)
     assert tuple(full.shape) == tuple(out_shape)
     out_box = data.draw(_box(out_shape))
     want = full[tuple(slice(a, b) for a, b in out_box)]
-    np.testing.assert_array_equal(_apply_pieces("shard_funcs.shard_heads", x, out_box, args), want)
+    np.testing.assert_array_equal(_apply_pieces("shard_funcs.shard_segments", x, out_box, args), want)
     np.testing.assert_array_equal(func.fn(torch.from_numpy(x), *args).numpy(), full)

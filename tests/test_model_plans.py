@@ -231,7 +231,7 @@ def test_hf_styles_translate_literally() -> None:
         ["shard_funcs.shard_dim", [["num_shards", "128 // num_shards", 64], "float32"], 0, "num_shards"]
     ]
     assert doc["params"]["model.layers.0.self_attn.k_proj.weight"] == [
-        ["shard_funcs.shard_heads", [None, "float32"], 0, [2], [1], "num_shards", 16]
+        ["shard_funcs.shard_segments", [None, "float32"], 0, [2], [1], "num_shards", 16]
     ]
 
 
@@ -294,7 +294,7 @@ def test_plan_rejects_n_that_divides_neither_way(tmp_path: Path) -> None:
     assert "num_shards 1, 2, 4, 12" in result.output
     report = validate_file(model_dir / "shard_info.json", model_dir, [6])
     assert any(
-        "k_proj.weight: step 1 (shard_funcs.shard_heads): segment 0: num_shards=6 neither divides its 4 KV heads"
+        "k_proj.weight: step 1 (shard_funcs.shard_segments): segment 0: num_shards=6 neither divides its 4 KV heads"
         in p["message"]
         for p in report["problems"]
     )
@@ -332,31 +332,45 @@ def test_plan_to_stdout(models: dict) -> None:
     assert result.exit_code == 0
     doc = json.loads(result.stdout)
     assert doc["num_shards"] is None and doc["params"]["model.layers.0.self_attn.qkv_proj.weight"][0][0] == (
-        "shard_funcs.shard_heads"
+        "shard_funcs.shard_segments"
     )
 
 
-def test_placements_cover_logical_weights_of_quantized_modules() -> None:
-    """A module stored without ``.weight`` (packed, scales) still gets its logical weight's placement,
-    for a companion rule to follow; its stored companions are left replicated with no rule."""
-
-    class T:
-        def __init__(self, *shape: int) -> None:
-            self.shape, self.dtype = shape, "int32"
+def test_placements_see_quantized_modules_as_their_logical_weight() -> None:
+    """A module stored quantized (packed values, scales) is placed as its logical weight, with the logical shape;
+    its stored companions get their steps from that placement."""
+    from shardload.placement import Header
+    from shardload.quant_plan import logical_tensors
 
     config = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
               "intermediate_size": 96}  # fmt: skip
-    tensors = {
-        "model.layers.0.self_attn.k_proj.weight_packed": T(32, 8),
-        "model.layers.0.self_attn.k_proj.weight_scale": T(32, 1),
-        "model.layers.0.mlp.gate_up_proj.weight_packed": T(192, 8),
-        "model.layers.0.self_attn.rotary_emb.inv_freq": T(8),
+    stored = {
+        "model.layers.0.self_attn.k_proj.weight_packed": Header((32, 8), "int32"),
+        "model.layers.0.self_attn.k_proj.weight_scale": Header((32, 2), "float16"),
+        "model.layers.0.mlp.gate_up_proj.weight_packed": Header((192, 8), "int32"),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": Header((8,), "float32"),
     }
-    placements, _ = presets.model_placements(config, tensors)
+    logical = logical_tensors(stored)
+    assert logical == {
+        "model.layers.0.self_attn.k_proj.weight": Header((32, 64), "int32"),
+        "model.layers.0.mlp.gate_up_proj.weight": Header((192, 64), "int32"),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": stored["model.layers.0.self_attn.rotary_emb.inv_freq"],
+    }
+    placements, _ = presets.model_placements(config, logical)
     k = placements["model.layers.0.self_attn.k_proj.weight"]
     assert (k.style, k.dim, k.segments, k.unit, k.kv) == ("column", 0, (2,), 16, (True,))
     assert placements["model.layers.0.mlp.gate_up_proj.weight"].segments == (96, 96)
-    companion = placements["model.layers.0.self_attn.k_proj.weight_scale"]
-    assert companion.style == "replicated" and companion.rule == ""
     assert placements["model.layers.0.self_attn.rotary_emb.inv_freq"].style == "replicated"
-    assert presets.shard_info_document(placements, tensors)["params"] == {}
+    params = presets.shard_info_document(placements, stored)["params"]
+    assert params == {
+        "model.layers.0.self_attn.k_proj.weight_packed": [
+            ["shard_funcs.shard_segments", [None, "int32"], 0, [2], [1], "num_shards", 16]
+        ],
+        "model.layers.0.self_attn.k_proj.weight_scale": [
+            ["shard_funcs.shard_segments", [None, "float16"], 0, [2], [1], "num_shards", 16]
+        ],
+        "model.layers.0.mlp.gate_up_proj.weight_packed": [
+            ["shard_funcs.shard_segments", [["num_shards", "192 // num_shards", 8], "int32"], 0, [96, 96], [0, 0],
+             "num_shards"]
+        ],
+    }  # fmt: skip

@@ -5,13 +5,14 @@ fused segments (gate_up-like), column-parallel with GQA (KV heads replicated onc
 and row-parallel. Their steps come from :func:`shardload.quant_plan.companion_steps`, the data is
 random, and each rank's tensors are dequantized with the format's own reference
 (compressed_tensors, gguf) or the one in ``quant_reference.py``, element for element, N = 1, 2,
-3 (where the heads allow it), 4, 8.
+3 (where the heads allow it), 4, 8. The module builders here also make the synthetic quantized
+Llamas of test_quant_llama.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +22,23 @@ import torch
 from safetensors.torch import save_file
 
 import quant_reference as qref
+import reference as ref
 import shardload
 from shardload.checkpoint import open_checkpoint
-from shardload.quant_plan import WeightSplit, companion_steps
+from shardload.placement import Placement
+from shardload.quant_plan import companion_steps
 
 ALL_N = (1, 2, 3, 4, 8)
 GQA_N = (1, 2, 4, 8)  # 2 KV heads: N = 3 neither divides nor is a multiple of it
-COLUMN = WeightSplit("column", segments=(24, 24), unit=8)  # 384 rows: gate and up, 24 units of 8 each
-GQA = WeightSplit("column", segments=(8, 2, 2), unit=16, gqa=True)  # 192 rows: 8 query heads, 2 KV heads
-ROW = WeightSplit("row")
+# the placements of the three modules (named per module by check_modules)
+COLUMN = Placement("", "column", 0, (24, 24), 8)  # 384 rows: gate and up, 24 units of 8 each
+GQA = Placement("", "column", 0, (8, 2, 2), 16, (False, True, True))  # 192 rows: 8 query heads, 2 KV heads
+ROW = Placement("", "row", 1)
 
-Dequant = Callable[[dict[str, torch.Tensor]], np.ndarray]
+Tensors = dict[str, torch.Tensor]
+Dequant = Callable[[Tensors], np.ndarray]
+Builder = Callable[[np.random.Generator, str, int, int], tuple[Tensors, Dequant]]
+"""``build(rng, prefix, out, in)``: one module's stored tensors (full names) and its dequantizer."""
 
 
 @dataclass
@@ -39,33 +46,42 @@ class Module:
     """One quantized module: its stored tensors (full names), its split, and how to dequantize a set of its tensors."""
 
     prefix: str
-    split: WeightSplit
-    tensors: dict[str, torch.Tensor]
+    split: Placement
+    tensors: Tensors
     dequant: Dequant
     ns: tuple[int, ...] = ALL_N
 
-    def local(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k[len(self.prefix) + 1 :]: v for k, v in state.items() if k.startswith(self.prefix + ".")}
+    def local(self, state: Tensors) -> Tensors:
+        return local_tensors(state, self.prefix)
+
+
+def local_tensors(state: Tensors, prefix: str) -> Tensors:
+    """The tensors of module ``prefix`` in ``state``, by suffix."""
+    return {k[len(prefix) + 1 :]: v for k, v in state.items() if k.startswith(prefix + ".")}
+
+
+def rank_reference(full: np.ndarray, split: Placement, n: int, r: int) -> np.ndarray:
+    """Rank r's part of a dequantized weight under ``split``, from the dense reference."""
+    kv = tuple(int(f) for f in split.kv)
+    return ref.rank_part(full, split.dim, n, r, split.segments, kv, split.unit)
 
 
 def check_modules(model: Path, modules: list[Module], qconfig: dict[str, Any] | None) -> None:
     """Load ``model`` for each N with the modules' companion steps and compare every rank with the reference."""
-    shapes = {n: (t.shape, t.dtype) for n, t in open_checkpoint(model).tensors.items()}
+    tensors = open_checkpoint(model).tensors
     for n in sorted({n for m in modules for n in m.ns}):
         active = [m for m in modules if n in m.ns]
         params: dict[str, Any] = {}
         for m in active:
-            steps = companion_steps(m.prefix, m.split, shapes, qconfig)
+            steps = companion_steps(replace(m.split, name=f"{m.prefix}.weight"), tensors, qconfig)
             assert set(steps) == set(m.tensors), "every stored tensor of the weight gets an entry"
             params.update(steps)
         shards = shardload.load(model, n, devices=["cpu"] * n, shard_info={"version": 1, "params": params})
         for m in active:
             full = m.dequant(m.local(m.tensors))
-            dim = m.split.logical_dim(2)
             for r in range(n):
                 got = m.dequant(m.local(shards[r]))
-                want = qref.dense_rank_slice(full, dim, n, r, m.split.segments, m.split.unit, m.split.gqa)
-                np.testing.assert_array_equal(got, want, err_msg=f"{m.prefix} rank {r} of {n}")
+                np.testing.assert_array_equal(got, rank_reference(full, m.split, n, r), err_msg=f"{m.prefix} {r}/{n}")
 
 
 def save(model: Path, modules: list[Module]) -> Path:
@@ -104,7 +120,7 @@ def test_compressed_tensors_pack_quantized(tmp_path: Path, scheme: str) -> None:
     compressor = BaseCompressor.get_value_from_registry("pack-quantized")
     torch.manual_seed(0)
 
-    def module(prefix: str, split: WeightSplit, shape: tuple[int, int], ns: tuple[int, ...]) -> Module:
+    def module(prefix: str, split: Placement, shape: tuple[int, int], ns: tuple[int, ...]) -> Module:
         w = torch.randn(shape, dtype=torch.float16)
         group = args.group_size or shape[1]
         g = w.reshape(shape[0], shape[1] // group, group)
@@ -114,7 +130,7 @@ def test_compressed_tensors_pack_quantized(tmp_path: Path, scheme: str) -> None:
             state["weight_zero_point"] = zero.to(torch.int8)
         packed = compressor.compress(state, qscheme)
 
-        def dequant(local: dict[str, torch.Tensor]) -> np.ndarray:
+        def dequant(local: Tensors) -> np.ndarray:
             weight = compressor.decompress(local, qscheme)["weight"]
             # decompression tolerates a too-large weight_shape, so check it holds this rank's logical shape
             assert local["weight_shape"].tolist() == list(weight.shape)
@@ -142,85 +158,87 @@ def test_compressed_tensors_pack_quantized(tmp_path: Path, scheme: str) -> None:
 # --- 2. MLC-LLM group-quantized int4 ------------------------------------------------------------
 
 
+def mlc_module(rng: np.random.Generator, prefix: str, out: int, inp: int, group: int = 32) -> tuple[Tensors, Dequant]:
+    """MLC-LLM q4f16_1: q_weight uint32 [out, in/8], q_scale [out, in/group]."""
+    tensors = {
+        f"{prefix}.q_weight": _random_words(rng, (out, inp // 8), "uint32"),
+        f"{prefix}.q_scale": _scales(rng, (out, inp // group)),
+    }
+
+    def dequant(local: Tensors) -> np.ndarray:
+        return qref.mlc_dequant(local["q_weight"].numpy(), local["q_scale"].numpy())
+
+    return tensors, dequant
+
+
+def _modules(rng: np.random.Generator, build: Builder) -> list[Module]:
+    """The three modules of a format's test: fused column, GQA column and row."""
+    modules = []
+    for prefix, split, (out, inp), ns in (
+        ("m.gate_up", COLUMN, (384, 256), ALL_N),
+        ("m.qkv", GQA, (192, 256), GQA_N),
+        ("m.down", ROW, (128, 768), ALL_N),
+    ):
+        tensors, dequant = build(rng, prefix, out, inp)
+        modules.append(Module(prefix, split, tensors, dequant, ns))
+    return modules
+
+
 def test_mlc_q4f16(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
 
-    def module(prefix: str, split: WeightSplit, shape: tuple[int, int], ns: tuple[int, ...]) -> Module:
-        out, inp = shape
-        tensors = {
-            f"{prefix}.q_weight": _random_words(rng, (out, inp // 8), "uint32"),
-            f"{prefix}.q_scale": _scales(rng, (out, inp // 32)),
-        }
-
-        def dequant(local: dict[str, torch.Tensor]) -> np.ndarray:
-            return qref.mlc_dequant(local["q_weight"].numpy(), local["q_scale"].numpy())
-
-        return Module(prefix, split, tensors, dequant, ns)
-
-    modules = [
-        module("m.gate_up", COLUMN, (384, 256), ALL_N),
-        module("m.qkv", GQA, (192, 256), GQA_N),
-        module("m.down", ROW, (128, 768), ALL_N),
-    ]
+    modules = _modules(rng, mlc_module)
     check_modules(save(tmp_path / "model", modules), modules, {"quant_method": "mlc", "bits": 4, "group_size": 32})
 
 
 # --- 3. GPTQ and AWQ ----------------------------------------------------------------------------
 
 
+def gptq_module(
+    rng: np.random.Generator, prefix: str, out: int, inp: int, group: int = 32, desc_act: bool = False
+) -> tuple[Tensors, Dequant]:
+    """GPTQ 4-bit: qweight [in/8, out], qzeros [groups, out/8], scales [groups, out], g_idx [in]."""
+    groups = inp // group
+    g_idx = np.arange(inp) // group
+    if desc_act:  # act-order: inputs visit groups in a data-dependent order
+        g_idx = rng.permutation(g_idx)
+    tensors = {
+        f"{prefix}.qweight": _random_words(rng, (inp // 8, out)),
+        f"{prefix}.qzeros": _random_words(rng, (groups, out // 8)),
+        f"{prefix}.scales": _scales(rng, (groups, out)),
+        f"{prefix}.g_idx": torch.from_numpy(g_idx.astype(np.int32)),
+    }
+
+    def dequant(local: Tensors) -> np.ndarray:
+        return qref.gptq_dequant(*(local[k].numpy() for k in ("qweight", "qzeros", "scales", "g_idx")))
+
+    return tensors, dequant
+
+
 @pytest.mark.parametrize("desc_act", [True, False])
 def test_gptq(tmp_path: Path, desc_act: bool) -> None:
     rng = np.random.default_rng(2)
-
-    def module(prefix: str, split: WeightSplit, shape: tuple[int, int], ns: tuple[int, ...]) -> Module:
-        out, inp = shape
-        groups = inp // 32
-        g_idx = np.arange(inp) // 32
-        if desc_act:  # act-order: inputs visit groups in a data-dependent order
-            g_idx = rng.permutation(g_idx)
-        tensors = {
-            f"{prefix}.qweight": _random_words(rng, (inp // 8, out)),
-            f"{prefix}.qzeros": _random_words(rng, (groups, out // 8)),
-            f"{prefix}.scales": _scales(rng, (groups, out)),
-            f"{prefix}.g_idx": torch.from_numpy(g_idx.astype(np.int32)),
-        }
-
-        def dequant(local: dict[str, torch.Tensor]) -> np.ndarray:
-            parts = (local[k].numpy() for k in ("qweight", "qzeros", "scales", "g_idx"))
-            return qref.gptq_dequant(*parts)
-
-        return Module(prefix, split, tensors, dequant, ns)
-
-    modules = [
-        module("m.gate_up", COLUMN, (384, 256), ALL_N),
-        module("m.qkv", GQA, (192, 256), GQA_N),
-        module("m.down", ROW, (128, 768), ALL_N),
-    ]
+    modules = _modules(rng, lambda rng, prefix, out, inp: gptq_module(rng, prefix, out, inp, desc_act=desc_act))
     qconfig = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": desc_act, "sym": False}
     check_modules(save(tmp_path / "model", modules), modules, qconfig)
 
 
+def awq_module(rng: np.random.Generator, prefix: str, out: int, inp: int, group: int = 32) -> tuple[Tensors, Dequant]:
+    """AWQ GEMM 4-bit: qweight [in, out/8], qzeros [groups, out/8], scales [groups, out]."""
+    tensors = {
+        f"{prefix}.qweight": _random_words(rng, (inp, out // 8)),
+        f"{prefix}.qzeros": _random_words(rng, (inp // group, out // 8)),
+        f"{prefix}.scales": _scales(rng, (inp // group, out)),
+    }
+
+    def dequant(local: Tensors) -> np.ndarray:
+        return qref.awq_dequant(*(local[k].numpy() for k in ("qweight", "qzeros", "scales")))
+
+    return tensors, dequant
+
+
 def test_awq(tmp_path: Path) -> None:
-    rng = np.random.default_rng(3)
-
-    def module(prefix: str, split: WeightSplit, shape: tuple[int, int], ns: tuple[int, ...]) -> Module:
-        out, inp = shape
-        tensors = {
-            f"{prefix}.qweight": _random_words(rng, (inp, out // 8)),
-            f"{prefix}.qzeros": _random_words(rng, (inp // 32, out // 8)),
-            f"{prefix}.scales": _scales(rng, (inp // 32, out)),
-        }
-
-        def dequant(local: dict[str, torch.Tensor]) -> np.ndarray:
-            return qref.awq_dequant(*(local[k].numpy() for k in ("qweight", "qzeros", "scales")))
-
-        return Module(prefix, split, tensors, dequant, ns)
-
-    modules = [
-        module("m.gate_up", COLUMN, (384, 256), ALL_N),
-        module("m.qkv", GQA, (192, 256), GQA_N),
-        module("m.down", ROW, (128, 768), ALL_N),
-    ]
+    modules = _modules(np.random.default_rng(3), awq_module)
     qconfig = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm", "zero_point": True}
     check_modules(save(tmp_path / "model", modules), modules, qconfig)
 
@@ -228,25 +246,34 @@ def test_awq(tmp_path: Path) -> None:
 # --- 4. FP8 ------------------------------------------------------------------------------------
 
 
+def fp8_module(
+    rng: np.random.Generator, prefix: str, out: int, inp: int, kind: str = "channel"
+) -> tuple[Tensors, Dequant]:
+    """FP8 ``float8_e4m3fn`` weight with a per-tensor, per-channel or 128x128-block scale."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    weight = (torch.randn((out, inp), generator=gen) * 100).clamp(-440, 440).to(torch.float8_e4m3fn)
+    if kind == "tensor":
+        name, scale = "weight_scale", torch.rand(1, generator=gen) + 0.1
+    elif kind == "channel":
+        name, scale = "weight_scale", torch.rand(out, 1, generator=gen) + 0.1
+    else:  # 128x128 blocks, ceil division; DeepSeek/Qwen FP8 call the multiplier weight_scale_inv
+        name, scale = "weight_scale_inv", torch.rand(-(-out // 128), -(-inp // 128), generator=gen) + 0.1
+
+    def dequant(local: Tensors) -> np.ndarray:
+        return qref.fp8_dequant(local["weight"].float().numpy(), local[name].numpy())
+
+    return {f"{prefix}.weight": weight, f"{prefix}.{name}": scale}, dequant
+
+
 def test_fp8_tensor_channel_and_block_scales(tmp_path: Path) -> None:
-    torch.manual_seed(4)
+    rng = np.random.default_rng(4)
 
-    def module(prefix: str, split: WeightSplit, shape: tuple[int, int], kind: str, ns: tuple[int, ...]) -> Module:
-        weight = (torch.randn(shape) * 100).clamp(-440, 440).to(torch.float8_e4m3fn)
-        if kind == "tensor":
-            name, scale = "weight_scale", torch.rand(1) + 0.1
-        elif kind == "channel":
-            name, scale = "weight_scale", torch.rand(shape[0], 1) + 0.1
-        else:  # 128x128 blocks, ceil division; DeepSeek/Qwen FP8 call the multiplier weight_scale_inv
-            name, scale = "weight_scale_inv", torch.rand(-(-shape[0] // 128), -(-shape[1] // 128)) + 0.1
+    def module(prefix: str, split: Placement, shape: tuple[int, int], kind: str, ns: tuple[int, ...]) -> Module:
+        tensors, dequant = fp8_module(rng, prefix, *shape, kind=kind)
+        return Module(prefix, split, tensors, dequant, ns)
 
-        def dequant(local: dict[str, torch.Tensor]) -> np.ndarray:
-            return qref.fp8_dequant(local["weight"].float().numpy(), local[name].numpy())
-
-        return Module(prefix, split, {f"{prefix}.weight": weight, f"{prefix}.{name}": scale}, dequant, ns)
-
-    block_column = WeightSplit("column", segments=(24, 24), unit=128)  # every rank's part is whole 128-row blocks
-    block_gqa = WeightSplit("column", segments=(8, 2, 2), unit=128, gqa=True)  # head_dim 128 = one block
+    block_column = Placement("", "column", 0, (24, 24), 128)  # every rank's part is whole 128-row blocks
+    block_gqa = Placement("", "column", 0, (8, 2, 2), 128, (False, True, True))  # head_dim 128 = one block
     modules = [
         module("t.gate_up", COLUMN, (384, 256), "tensor", ALL_N),
         module("t.down", ROW, (128, 768), "tensor", ALL_N),
@@ -267,6 +294,22 @@ def test_fp8_tensor_channel_and_block_scales(tmp_path: Path) -> None:
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
 # byte offsets of the float16 scale fields in one block of the K-quant types (the rest is any bits)
 K_QUANT_F16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def save_gguf(path: Path, data: dict[str, tuple[np.ndarray, Any]], **metadata: int) -> None:
+    """Write ``name -> (array, GGML type or None for a plain one)`` as a llama GGUF file; ``metadata`` names
+    GGUFWriter ``add_*`` calls (``head_count=4``)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in metadata.items():
+        getattr(writer, f"add_{key}")(value)  # test-side: keys are the callers' own literals
+    for name, (value, qtype) in data.items():
+        writer.add_tensor(name, value, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def gguf_blocks(rng: np.random.Generator, qtype: Any, rows: int, cols: int) -> np.ndarray:
@@ -290,7 +333,7 @@ def test_gguf_block_quantized(tmp_path: Path) -> None:
 
     rng = np.random.default_rng(5)
     path = tmp_path / "model.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
+    stored: dict[str, tuple[np.ndarray, Any]] = {}
     modules = []
     for type_name in GGUF_TYPES:
         qtype = gguf.GGMLQuantizationType[type_name]
@@ -301,17 +344,14 @@ def test_gguf_block_quantized(tmp_path: Path) -> None:
             (f"blk.{type_name}.ffn_down", ROW, 16, 24 * block, ALL_N),
         ):
             data = gguf_blocks(rng, qtype, rows, cols)
-            writer.add_tensor(f"{prefix}.weight", data, raw_dtype=qtype)
+            stored[f"{prefix}.weight"] = (data, qtype)
 
-            def dequant(local: dict[str, torch.Tensor], qtype: Any = qtype) -> np.ndarray:
+            def dequant(local: Tensors, qtype: Any = qtype) -> np.ndarray:
                 raw = local["weight"].numpy()
                 return gguf.quants.dequantize(raw.reshape(raw.shape[0], -1), qtype)
 
             modules.append(Module(prefix, split, {f"{prefix}.weight": torch.from_numpy(data)}, dequant, ns))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    stored = open_checkpoint(path).tensors["blk.Q4_K.ffn_down.weight"]
-    assert (stored.dtype, stored.shape) == ("uint8", (16, 24, 144))  # [rows, blocks, bytes per block]
+    save_gguf(path, stored)
+    header = open_checkpoint(path).tensors["blk.Q4_K.ffn_down.weight"]
+    assert (header.dtype, header.shape) == ("uint8", (16, 24, 144))  # [rows, blocks, bytes per block]
     check_modules(path, modules, quantization_config(path))

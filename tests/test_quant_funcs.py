@@ -1,4 +1,7 @@
-"""The quantized-layout steps: box rules on arbitrary sub-boxes, functions against references, and their errors."""
+"""The quantized-layout steps: box rules on arbitrary sub-boxes, functions against references, and their errors.
+
+``shard_segments`` with its pack factor is checked with the other box rules (test_box_rules.py).
+"""
 
 from __future__ import annotations
 
@@ -8,51 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import quant_reference as qref
 import reference as ref
 from shardload.errors import StepArgumentError
 from shardload.registry import lookup
 from test_box_rules import _apply_pieces, _box
-
-
-def _segments_reference(x: np.ndarray, dim: int, segments: list[int], n: int, unit: int, pack: int) -> np.ndarray:
-    """shard_segments from its definition: split the logical dim, then map each rank's element runs to stored ones."""
-    logical = np.repeat(x, pack, axis=dim)  # each stored element stands for `pack` logical ones
-    ranks = []
-    for r in range(n):
-        part = qref.dense_rank_slice(logical, dim, n, r, tuple(segments), unit, gqa=True)
-        ranks.append(np.take(part, np.arange(0, part.shape[dim], pack), axis=dim))
-    return np.stack(ranks)
-
-
-@st.composite
-def _segments_case(draw: st.DrawFn) -> tuple:
-    n = draw(st.sampled_from([1, 2, 3, 4, 8]))
-    pack = draw(st.sampled_from([1, 2, 4]))
-    unit = pack * draw(st.integers(1, 2))
-    counts = st.one_of(st.integers(1, 2).map(lambda k: k * n), st.sampled_from([c for c in (1, 2, 4) if n % c == 0]))
-    segments = draw(st.lists(counts, min_size=1, max_size=3))
-    dim = draw(st.integers(0, 1))
-    shape = [draw(st.integers(1, 3)), draw(st.integers(1, 3))]
-    shape[dim] = sum(segments) * unit // pack
-    return tuple(shape), dim, segments, n, unit, pack
-
-
-@settings(max_examples=150, deadline=None)
-@given(case=_segments_case(), data=st.data())
-def test_shard_segments_boxes_and_function(case: tuple, data: st.DataObject) -> None:
-    shape, dim, segments, n, unit, pack = case
-    x = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape) + 1
-    want = _segments_reference(x, dim, segments, n, unit, pack)
-    out_shape, _ = lookup("shard_funcs.shard_segments").shape(shape, "int64", dim, segments, n, unit, pack)
-    assert tuple(out_shape) == want.shape
-    got = lookup("shard_funcs.shard_segments").fn(torch.from_numpy(x), dim, segments, n, unit, pack)
-    np.testing.assert_array_equal(got.numpy(), want)
-    out_box = data.draw(_box(out_shape))
-    args = (dim, segments, n, unit, pack)
-    np.testing.assert_array_equal(
-        _apply_pieces("shard_funcs.shard_segments", x, out_box, args), want[tuple(slice(a, b) for a, b in out_box)]
-    )
 
 
 @settings(max_examples=100, deadline=None)
@@ -104,11 +66,15 @@ def test_errors_say_what_does_not_divide() -> None:
     assert "need 9" in _shape_error("shard_funcs.shard_groups", (8, 4), 0, 128, 1, 1100)
     msg = _shape_error("shard_funcs.shard_packed", (64, 96), 1, 8, 5, dtype="int32")
     assert msg.startswith("96 packs along dim 1 cannot be split across 5 ranks (8 values per int32")
-    msg = _shape_error("shard_funcs.shard_segments", (48, 8), 0, [4, 2, 2], 3, 6)
-    assert "segment 0 has 4 units of 6: num_shards=3 neither divides it nor is a multiple of it" in msg
-    msg = _shape_error("shard_funcs.shard_segments", (5, 8), 0, [4, 2, 2], 2, 6, 8)
+    msg = _shape_error("shard_funcs.shard_segments", (48, 8), 0, [4, 2, 2], [0, 1, 1], 3, 6)
+    assert msg == "segment 0 of 4 units (unit 6) cannot be split across num_shards=3 without cutting a unit"
+    msg = _shape_error("shard_funcs.shard_segments", (48, 8), 0, [6, 3, 3], [0, 1, 1], 2, 4)
+    assert msg == "segment 1: num_shards=2 neither divides its 3 KV heads nor is a multiple of them (query heads: 6)"
+    msg = _shape_error("shard_funcs.shard_segments", (48, 8), 0, [4, 2, 2], [0, 0, 0], 4, 6)
+    assert "segment 1 of 2 units (unit 6) cannot be split across num_shards=4" in msg  # KV heads not flagged
+    msg = _shape_error("shard_funcs.shard_segments", (5, 8), 0, [4, 2, 2], [0, 1, 1], 2, 6, 8)
     assert "do not match dim 0 of size 5" in msg
-    msg = _shape_error("shard_funcs.shard_segments", (8, 8), 0, [8, 2, 2], 4, 4, 6)
+    msg = _shape_error("shard_funcs.shard_segments", (8, 8), 0, [8, 2, 2], [0, 1, 1], 4, 4, 6)
     assert msg == (
         "segment 0: a rank's part (elements 0..8) does not fall on boundaries of 6 "
         "(pack or group size) for num_shards=4"
@@ -122,7 +88,9 @@ def test_shard_shape_rewrites_each_ranks_logical_shape() -> None:
     assert func.fn(x, 1, 4).tolist() == [[384, 192]] * 4
     assert func.fn(x, 0, 3).tolist() == [[128, 768]] * 3
     gqa = torch.tensor([(8 + 2 + 2) * 32, 64], dtype=torch.int64)
-    assert func.fn(gqa, 0, 8, [8, 2, 2], 32).tolist() == [[(1 + 1 + 1) * 32, 64]] * 8
+    assert func.fn(gqa, 0, 8, [8, 2, 2], [0, 1, 1], 32).tolist() == [[(1 + 1 + 1) * 32, 64]] * 8
+    with pytest.raises(StepArgumentError, match="segment 1 of 2 units"):  # no KV flags: nothing is replicated
+        func.fn(gqa, 0, 8, [8, 2, 2], [], 32)
     with pytest.raises(StepArgumentError, match="384, which does not divide by num_shards=5"):
         func.fn(x, 0, 5)
     with pytest.raises(StepArgumentError, match="1-d integer shape vector"):

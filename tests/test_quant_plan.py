@@ -1,9 +1,11 @@
-"""The companion API (shardload.quant_plan): format detection, the steps it writes, and its errors; GGUF sources."""
+"""The companion API (shardload.quant_plan): format detection, the steps it writes, and its errors; GGUF sources,
+also through ``shardload plan``."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,64 +14,69 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 import shardload
+from shardload import presets
 from shardload.cli import main
 from shardload.errors import CheckpointError, PlanError
 from shardload.format import ShardInfo
-from shardload.quant_plan import (
-    WeightSplit,
-    companion_steps,
-    detect_format,
-    quantized_shard_info,
-    read_quantization_config,
-    sharding_from_steps,
-)
-
-COLUMN_QKV = WeightSplit("column", segments=(8, 2, 2), unit=16)
+from shardload.placement import Header, Placement, placement_from_steps
+from shardload.quant_plan import companion_steps, detect_format, quantized_shard_info, read_quantization_config
+from test_quant_formats import rank_reference, save_gguf
 
 
-def _ct(prefix: str, out: int, inp: int, group: int = 32, asym: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
+def _headers(**tensors: tuple[tuple[int, ...], str]) -> dict[str, Header]:
+    return {name.replace("__", "."): Header(*v) for name, v in tensors.items()}
+
+
+def _ct(prefix: str, out: int, inp: int, group: int = 32, asym: bool = False) -> dict[str, Header]:
     t = {
-        f"{prefix}.weight_packed": ((out, inp // 8), "int32"),
-        f"{prefix}.weight_scale": ((out, -(-inp // group)), "float16"),
-        f"{prefix}.weight_shape": ((2,), "int64"),
+        f"{prefix}.weight_packed": Header((out, inp // 8), "int32"),
+        f"{prefix}.weight_scale": Header((out, -(-inp // group)), "float16"),
+        f"{prefix}.weight_shape": Header((2,), "int64"),
     }
     if asym:
-        t[f"{prefix}.weight_zero_point"] = ((out // 8, -(-inp // group)), "int32")
+        t[f"{prefix}.weight_zero_point"] = Header((out // 8, -(-inp // group)), "int32")
     return t
 
 
+def column(name: str, segments: tuple[int, ...] = (), unit: int = 1, kv: tuple[bool, ...] = (), dim: int = 0):
+    return Placement(name, "column", dim, segments, unit, kv)
+
+
+def row(name: str, dim: int = 1) -> Placement:
+    return Placement(name, "row", dim)
+
+
 def test_detect_format_from_names_and_shapes() -> None:
-    tensors = {
-        **_ct("a", 64, 64),
-        "g.qweight": ((8, 64), "int32"), "g.qzeros": ((2, 8), "int32"), "g.scales": ((2, 64), "float16"),
-        "w.qweight": ((64, 8), "int32"), "w.qzeros": ((2, 8), "int32"), "w.scales": ((2, 64), "float16"),
-        "m.q_weight": ((64, 8), "uint32"), "m.q_scale": ((64, 2), "float16"),
-        "f.weight": ((64, 64), "float8_e4m3fn"), "f.weight_scale": ((1,), "float32"),
-        "d.weight": ((64, 64), "float16"), "d.bias": ((64,), "float16"),
-    }  # fmt: skip
+    tensors = _headers(
+        g__qweight=((8, 64), "int32"), g__qzeros=((2, 8), "int32"), g__scales=((2, 64), "float16"),
+        w__qweight=((64, 8), "int32"), w__qzeros=((2, 8), "int32"), w__scales=((2, 64), "float16"),
+        m__q_weight=((64, 8), "uint32"), m__q_scale=((64, 2), "float16"),
+        f__weight=((64, 64), "float8_e4m3fn"), f__weight_scale=((1,), "float32"),
+        d__weight=((64, 64), "float16"), d__bias=((64,), "float16"),
+    ) | _ct("a", 64, 64)  # fmt: skip
     found = {p: detect_format(p, tensors) for p in "agwmfd"}
     assert found == {"a": "compressed-tensors", "g": "gptq", "w": "awq", "m": "mlc", "f": "scaled", "d": "dense"}
     assert detect_format("d.weight", tensors) == "dense"
     with pytest.raises(PlanError, match="no stored tensor of this weight"):
         detect_format("missing", tensors)
-    # a bias is the plan's business, not a companion
-    assert set(companion_steps("d", WeightSplit("column"), tensors)) == {"d.weight"}
+    # a bias is placed on its own: a stored tensor of no quantized layout gets steps for itself only
+    assert set(companion_steps(column("d.weight"), tensors)) == {"d.weight"}
+    assert companion_steps(column("d.bias"), tensors) == {
+        "d.bias": [["shard_funcs.shard_dim", [["num_shards", "64 // num_shards"], "float16"], 0, "num_shards"]]
+    }
 
 
 def test_steps_are_n_agnostic_documents_that_validate() -> None:
     tensors = {**_ct("qkv", 192, 256, asym=True), **_ct("down", 256, 768, asym=True)}
     params = {
-        **companion_steps("qkv", COLUMN_QKV, tensors),
-        **companion_steps("down.weight", WeightSplit("row"), tensors),
+        **companion_steps(column("qkv.weight", (8, 2, 2), 16), tensors),
+        **companion_steps(row("down.weight"), tensors),
     }
-    assert params["qkv.weight_zero_point"][0] == [
-        "shard_funcs.reorder_segments",
-        [[24, 8], "int32"],
-        0,
-        [8, 2, 2],
-        "num_shards",
-        2,
-    ]  # fmt: skip  (16 rows per head packed 8 per int32: 2 stored rows per head)
+    # 16 rows per head packed 8 rows per int32 along out: the pack factor is 8
+    assert params["qkv.weight_zero_point"] == [
+        ["shard_funcs.shard_segments", [["num_shards", "24 // num_shards", 8], "int32"], 0, [8, 2, 2], [0, 0, 0],
+         "num_shards", 16, 8]
+    ]  # fmt: skip
     assert params["down.weight_scale"] == [
         ["shard_funcs.shard_groups", [["num_shards", 256, "24 // num_shards"], "float16"], 1, 32, "num_shards", 768]
     ]
@@ -77,74 +84,80 @@ def test_steps_are_n_agnostic_documents_that_validate() -> None:
     info = ShardInfo.from_dict({"version": 1, "num_shards": None, "params": params})
     assert info.num_shards is None and set(info.params) == set(tensors)
     # replicated: every tensor listed with no steps
-    assert companion_steps("qkv", WeightSplit("replicated"), tensors) == {name: [] for name in tensors if "qkv" in name}
+    replicated = Placement("qkv.weight", "replicated")
+    assert companion_steps(replicated, tensors) == {name: [] for name in tensors if "qkv" in name}
 
 
 def test_expert_weights_split_per_expert_or_inside_each() -> None:
-    experts = {"e.weight_packed": ((4, 64, 16), "int32"), "e.weight_scale": ((4, 64, 4), "bfloat16"),
-               "e.weight_zero_point": ((4, 8, 4), "int32"), "e.weight_shape": ((3,), "int64")}  # fmt: skip
-    by_expert = companion_steps("e", WeightSplit("column", dim=0), experts)
+    experts = _headers(e__weight_packed=((4, 64, 16), "int32"), e__weight_scale=((4, 64, 4), "bfloat16"),
+                       e__weight_zero_point=((4, 8, 4), "int32"), e__weight_shape=((3,), "int64"))  # fmt: skip
+    by_expert = companion_steps(Placement("e.weight", "expert", 0), experts)
     assert {n: s[0][2] for n, s in by_expert.items()} == dict.fromkeys(experts, 0)  # every tensor on dim 0
-    inside = companion_steps("e", WeightSplit("row"), experts)
+    inside = companion_steps(row("e.weight", 2), experts)
     assert inside["e.weight_packed"][0][:3] == ["shard_funcs.shard_packed", [["num_shards", 4, 64, "16 // num_shards"],
                                                                              "int32"], 2]  # fmt: skip
     assert inside["e.weight_zero_point"][0][0] == "shard_funcs.shard_groups"
     assert inside["e.weight_shape"][0][2] == 2
-    column = companion_steps("e", WeightSplit("column"), experts)
-    assert column["e.weight_zero_point"][0][:3] == ["shard_funcs.shard_packed", [["num_shards", 4, "8 // num_shards",
+    by_out = companion_steps(column("e.weight", dim=1), experts)
+    assert by_out["e.weight_zero_point"][0][:3] == ["shard_funcs.shard_packed", [["num_shards", 4, "8 // num_shards",
                                                                                   4], "int32"], 1]  # fmt: skip
 
 
 def test_act_order_replicates_scales_on_row_splits() -> None:
-    tensors = {"g.qweight": ((96, 64), "int32"), "g.qzeros": ((24, 8), "int32"), "g.scales": ((24, 64), "float16"),
-               "g.g_idx": ((768,), "int32")}  # fmt: skip
-    act = companion_steps("g", WeightSplit("row"), tensors, {"quant_method": "gptq", "bits": 4, "desc_act": True})
+    tensors = _headers(g__qweight=((96, 64), "int32"), g__qzeros=((24, 8), "int32"), g__scales=((24, 64), "float16"),
+                       g__g_idx=((768,), "int32"))  # fmt: skip
+    act = companion_steps(row("g.weight"), tensors, {"quant_method": "gptq", "bits": 4, "desc_act": True})
     assert act["g.scales"] == [] and act["g.qzeros"] == []
     assert act["g.g_idx"][0][0] == "shard_funcs.shard_dim" and act["g.qweight"][0][0] == "shard_funcs.shard_packed"
-    plain = companion_steps("g", WeightSplit("row"), tensors, {"quant_method": "gptq", "bits": 4, "desc_act": False})
+    plain = companion_steps(row("g.weight"), tensors, {"quant_method": "gptq", "bits": 4, "desc_act": False})
     assert plain["g.g_idx"] == [
         ["shard_funcs.shard_group_index", [["num_shards", "768 // num_shards"], "int32"], 24, "num_shards"]
     ]
     assert plain["g.scales"][0][0] == "shard_funcs.shard_groups"
-    column = companion_steps("g", WeightSplit("column"), tensors, {"quant_method": "gptq", "desc_act": True})
-    assert column["g.g_idx"] == [] and column["g.scales"][0][0] == "shard_funcs.shard_dim"
+    by_column = companion_steps(column("g.weight"), tensors, {"quant_method": "gptq", "desc_act": True})
+    assert by_column["g.g_idx"] == [] and by_column["g.scales"][0][0] == "shard_funcs.shard_dim"
 
 
 def test_layouts_that_cannot_follow_a_split_are_named() -> None:
     tensors = _ct("qkv", 60, 64, asym=False)
     with pytest.raises(PlanError) as err:
-        companion_steps("qkv", WeightSplit("row"), {**tensors, "qkv.weight_scale": ((60, 3), "float16")})
+        companion_steps(row("qkv.weight"), {**tensors, "qkv.weight_scale": Header((60, 3), "float16")})
     assert str(err.value) == (
         "qkv.weight_scale: compressed-tensors layout: 3 entries along a dim of 64: "
         "cannot tell the group size (give the quantization_config)"
     )
     # FP8 blocks of 128 rows cannot separate fused segments of 64 rows
-    fp8 = {"f.weight": ((192, 256), "float8_e4m3fn"), "f.weight_scale_inv": ((2, 2), "float32")}
+    fp8 = _headers(f__weight=((192, 256), "float8_e4m3fn"), f__weight_scale_inv=((2, 2), "float32"))
     with pytest.raises(PlanError, match=r"f.weight_scale_inv: fused segment 0 \(1 x 64 elements\)"):
-        companion_steps("f", WeightSplit("column", segments=(1, 1, 1), unit=64), fp8, {"weight_block_size": [128, 128]})
+        companion_steps(column("f.weight", (1, 1, 1), 64), fp8, {"weight_block_size": [128, 128]})
     with pytest.raises(PlanError, match="a tensor this planner does not know: weight_global_scale"):
-        companion_steps("qkv", WeightSplit("row"), {**tensors, "qkv.weight_global_scale": ((60,), "float32")})
+        companion_steps(row("qkv.weight"), {**tensors, "qkv.weight_global_scale": Header((60,), "float32")})
     with pytest.raises(PlanError, match=r"^x.weight: gguf layout: no block size"):
-        companion_steps("x", WeightSplit("row"), {"x.weight": ((4, 2, 34), "uint8")}, {"quant_method": "gguf"})
+        companion_steps(row("x.weight"), _headers(x__weight=((4, 2, 34), "uint8")), {"quant_method": "gguf"})
+    with pytest.raises(PlanError, match=r"^qkv.weight: row split dim 2 is out of range for a 2-d weight"):
+        companion_steps(row("qkv.weight", 2), tensors)
     with pytest.raises(ValueError, match="style must be one of"):
-        WeightSplit("diagonal")
+        Placement("w", "diagonal", 0)
 
 
-def test_sharding_from_steps_reads_the_example_plan(example_dir: Path) -> None:
+def test_placement_from_steps_reads_the_example_plan(example_dir: Path) -> None:
     info = ShardInfo.load(example_dir / "shard_info.json")
-    qkv = sharding_from_steps(info.params["model.layers.0.self_attn.qkv_proj.weight"])
-    assert (qkv.dim, qkv.segments, qkv.unit, qkv.gqa) == (0, (16, 8, 8), 16, False)
-    assert sharding_from_steps(info.params["model.layers.0.mlp.down_proj.weight"]) == WeightSplit("row", 1)
-    assert sharding_from_steps([]) == WeightSplit("replicated")
-    gqa = sharding_from_steps([["shard_funcs.shard_segments", [None, "float16"], 0, [8, 2, 2], "num_shards", 16]])
-    assert gqa.gqa and gqa.segments == (8, 2, 2)
-    with pytest.raises(PlanError, match="only replicate, shard_dim"):
-        sharding_from_steps([["myorg.scale_rows", [None, None], "num_shards"]])
+    qkv = placement_from_steps("qkv", info.params["model.layers.0.self_attn.qkv_proj.weight"])
+    assert (qkv.dim, qkv.segments, qkv.unit, qkv.kv) == (0, (16, 8, 8), 16, ())
+    down = placement_from_steps("down", info.params["model.layers.0.mlp.down_proj.weight"])
+    assert (down.style, down.dim) == ("row", 1)
+    assert placement_from_steps("x", []).style == "replicated"
+    gqa = placement_from_steps(
+        "qkv", [["shard_funcs.shard_segments", [None, "float16"], 0, [8, 2, 2], [0, 1, 1], "num_shards", 16]]
+    )
+    assert gqa.kv == (False, True, True) and gqa.segments == (8, 2, 2) and gqa.unit == 16
+    with pytest.raises(PlanError, match=r"^x: cannot carry steps.*only replicate, shard_dim"):
+        placement_from_steps("x", [["myorg.scale_rows", [None, None], "num_shards"]])
     with pytest.raises(PlanError, match="different dims"):
-        sharding_from_steps([["shard_funcs.reorder_segments", [None, None], 0, [2, 2], "num_shards"],
-                             ["shard_funcs.shard_dim", [None, None], 1, "num_shards"]])  # fmt: skip
+        placement_from_steps("x", [["shard_funcs.reorder_segments", [None, None], 0, [2, 2], "num_shards"],
+                                   ["shard_funcs.shard_dim", [None, None], 1, "num_shards"]])  # fmt: skip
     with pytest.raises(PlanError, match="names no tensor"):
-        quantized_shard_info({"x.bias": []}, {"y.weight": ((2, 2), "float16")})
+        quantized_shard_info({"x.bias": []}, _headers(y__weight=((2, 2), "float16")))
 
 
 def test_mlc_issue_3004_message_through_validate(tmp_path: Path) -> None:
@@ -157,8 +170,8 @@ def test_mlc_issue_3004_message_through_validate(tmp_path: Path) -> None:
     (tmp_path / "m").mkdir()
     save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
     qconfig = {"quant_method": "mlc", "bits": 4, "group_size": 40}
-    shapes = {k: (v.shape, str(v.dtype).removeprefix("torch.")) for k, v in tensors.items()}
-    params = companion_steps("model.layers.0.mlp.down_proj", WeightSplit("row"), shapes, qconfig)
+    shapes = {k: Header(tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in tensors.items()}
+    params = companion_steps(row("model.layers.0.mlp.down_proj.weight"), shapes, qconfig)
     (tmp_path / "m" / "shard_info.json").write_text(json.dumps({"version": 1, "num_shards": None, "params": params}))
     done = CliRunner().invoke(main, ["validate", str(tmp_path / "m" / "shard_info.json"), "--model",
                                      str(tmp_path / "m"), "-n", "2"])  # fmt: skip
@@ -179,14 +192,8 @@ def _write_gguf(path: Path) -> dict[str, np.ndarray]:
         "blk.0.attn_norm.weight": rng.standard_normal(64).astype(np.float32),
         "token_embd.weight": rng.standard_normal((16, 64)).astype(np.float16),
     }  # fmt: skip
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for name, value in data.items():
-        raw = gguf.GGMLQuantizationType.Q8_0 if name == "blk.0.attn_q.weight" else None
-        writer.add_tensor(name, value, raw_dtype=raw)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    save_gguf(path, {name: (value, q8 if name == "blk.0.attn_q.weight" else None) for name, value in data.items()})
     return data
 
 
@@ -204,7 +211,7 @@ def test_gguf_source_opens_plans_and_converts(tmp_path: Path) -> None:
     }
     qconfig = read_quantization_config(model / "tiny.gguf")
     assert qconfig is not None and qconfig["tensor_types"]["blk.0.attn_q.weight"]["type"] == "Q8_0"
-    shapes = {n: (t.shape, t.dtype) for n, t in ckpt.tensors.items()}
+    shapes = ckpt.tensors
     dense = {"blk.0.attn_q.weight": [["shard_funcs.shard_dim", [None, None], 1, "num_shards"]],
              "token_embd.weight": [["shard_funcs.shard_dim", [None, None], 0, "num_shards"]]}  # fmt: skip
     params = quantized_shard_info(dense, shapes, qconfig)
@@ -231,3 +238,58 @@ def test_bad_gguf_is_one_line_error(tmp_path: Path) -> None:
         shardload.checkpoint.open_checkpoint(bad)
     done = CliRunner().invoke(main, ["inspect", str(bad)])
     assert done.exit_code == 1 and done.output.count("\n") == 1 and "Traceback" not in done.output
+
+
+def _write_gguf_llama(path: Path) -> dict[str, tuple[np.ndarray, Any]]:
+    """A one-layer Llama as llama.cpp names it (Q8_0 and Q4_0 linear weights, plain embeddings and norms)."""
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(7)
+    q8, q4 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
+    shapes = {
+        "blk.0.attn_q.weight": ((128, 128), q8), "blk.0.attn_k.weight": ((64, 128), q8),
+        "blk.0.attn_v.weight": ((64, 128), q4), "blk.0.attn_output.weight": ((128, 128), q8),
+        "blk.0.ffn_gate.weight": ((256, 128), q4), "blk.0.ffn_up.weight": ((256, 128), q8),
+        "blk.0.ffn_down.weight": ((128, 256), q8), "output.weight": ((96, 128), q8),
+    }  # fmt: skip
+    data: dict[str, tuple[np.ndarray, Any]] = {
+        name: (gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32), qtype), qtype)
+        for name, (shape, qtype) in shapes.items()
+    }
+    data["token_embd.weight"] = (rng.standard_normal((96, 128)).astype(np.float16), None)
+    for norm in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
+        data[norm] = ((1 + 0.1 * rng.standard_normal(128)).astype(np.float32), None)
+    save_gguf(path, data, block_count=1, embedding_length=128, feed_forward_length=256, head_count=4, head_count_kv=2)
+    return data
+
+
+def test_plan_on_a_gguf_file(tmp_path: Path) -> None:
+    """``shardload plan`` reads head counts from GGUF metadata, places llama.cpp's tensor names, and splits
+    block-quantized weights on whole blocks and heads; each rank dequantizes to its part of the weight."""
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "llama.gguf"
+    data = _write_gguf_llama(path)
+    done = CliRunner().invoke(main, ["plan", str(path)])
+    assert done.exit_code == 0, done.output
+    assert "num_shards 1, 2, 4\n" in done.output and "note: 8 quantized weight(s) (gguf)" in done.output
+    generated = presets.generate(path)
+    want = {
+        "blk.0.attn_q.weight": ("column", 0, (4,), 32, (False,)),
+        "blk.0.attn_k.weight": ("column", 0, (2,), 32, (True,)),
+        "blk.0.attn_output.weight": ("row", 1, (4,), 32, (False,)),
+        "blk.0.ffn_down.weight": ("row", 1, (), 1, ()),
+        "token_embd.weight": ("vocab", 0, (), 1, ()),
+        "output.weight": ("column", 0, (), 1, ()),
+    }
+    got = {n: (p.style, p.dim, p.segments, p.unit, p.kv) for n, p in generated.placements.items() if n in want}
+    assert got == want
+    assert generated.placements["output_norm.weight"].style == "replicated"
+    for n in (1, 2, 4):
+        shards = shardload.load(path, n, devices=["cpu"] * n)  # the plan written beside the file
+        for name, (value, qtype) in data.items():
+            placement = generated.placements[name]
+            full = value if qtype is None else gguf.quants.dequantize(value, qtype)
+            for r, shard in enumerate(shards):
+                raw = shard[name].numpy()
+                got_r = raw if qtype is None else gguf.quants.dequantize(raw.reshape(raw.shape[0], -1), qtype)
+                want_r = full if placement.style == "replicated" else rank_reference(full, placement, n, r)
+                np.testing.assert_array_equal(got_r, want_r, err_msg=f"{name} {r}/{n}")

@@ -1,4 +1,5 @@
-"""``shardload quantize``: faithful compressed-tensors output, and one quantized checkpoint served at N = 1, 2, 4, 8."""
+"""``shardload quantize``: faithful compressed-tensors output, one quantized checkpoint served at N = 1, 2, 4, 8,
+and ``shardload plan`` describing that checkpoint from scratch."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-import quant_reference as qref
 import shardload
+from shardload import presets
 from shardload.cli import main
 from shardload.format import ShardInfo
-from shardload.quant_plan import sharding_from_steps
+from shardload.placement import placement_from_steps
+from shardload.validate import validate_file
+from test_quant_formats import rank_reference
 
 pytest.importorskip("compressed_tensors")
 
@@ -31,6 +34,8 @@ def quantized(example_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
         done = CliRunner().invoke(main, ["quantize", str(example_dir), "-o", str(root / scheme), "--scheme", scheme])
         assert done.exit_code == 0, done.output
         assert "quantized 8 weights" in done.output and "kept lm_head: ignored module" in done.output
+        valid = "1, 2" if scheme == "int4-g128" else "1, 2, 4, 8"
+        assert f"shard_info.json: valid for num_shards {valid} (checked 1..16)" in done.output
         out[scheme] = root / scheme
     return out
 
@@ -97,12 +102,49 @@ def test_one_quantized_checkpoint_serves_every_n(example_dir: Path, quantized: d
             modules = _modules(shards[r])
             assert set(modules) == set(full)
             for prefix, local in modules.items():
-                split = sharding_from_steps(dense_info.params.get(prefix + ".weight", []))
-                want = qref.dense_rank_slice(full[prefix], split.logical_dim(2), n, r, split.segments, split.unit)
+                placement = placement_from_steps(prefix, dense_info.params.get(prefix + ".weight", []))
+                want = rank_reference(full[prefix], placement, n, r)
                 np.testing.assert_array_equal(decompress(local).float().numpy(), want, err_msg=f"{prefix} {r}/{n}")
             kept = {name: t for name, t in dense[r].items() if name.removesuffix(".weight") not in full}
             assert len(kept) == 7  # embeddings, lm_head and norms stay as they were
             assert all(torch.equal(shards[r][name], t) for name, t in kept.items())
+
+
+PLANNED_N = {"int4-g32": [1, 2, 4, 8], "int8": [1, 2, 4, 8, 16], "fp8": [1, 2, 4, 8, 16]}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_plan_describes_the_quantized_checkpoint(
+    example_dir: Path, quantized: dict[str, Path], scheme: str, tmp_path: Path
+) -> None:
+    """``shardload plan`` on quantize's output (no shard_info used): each quantized weight is split as the dense
+    plan splits it, every stored tensor follows, and every N it claims loads rank for rank."""
+    model = quantized[scheme]
+    out = tmp_path / "planned.json"
+    done = CliRunner().invoke(main, ["plan", str(model), "-o", str(out)])
+    assert done.exit_code == 0, done.output
+    ns = ", ".join(map(str, PLANNED_N[scheme]))
+    assert f"num_shards {ns}\n" in done.output and "note: 8 quantized weight(s) (" in done.output
+    assert validate_file(out, model, PLANNED_N[scheme])["valid"]
+    planned = presets.generate(model)
+    dense = presets.generate(example_dir)
+    assert planned.supported == PLANNED_N[scheme] and set(planned.supported) <= set(dense.supported)
+    decompress = _decompressor(model)
+    stored = load_file(str(model / "model.safetensors"))
+    full = {prefix: decompress(local).float().numpy() for prefix, local in _modules(stored).items()}
+    for prefix in full:
+        q, d = planned.placements[prefix + ".weight"], dense.placements[prefix + ".weight"]
+        assert (q.style, q.dim, q.segments, q.unit, q.kv) == (d.style, d.dim, d.segments, d.unit, d.kv), prefix
+    for n in PLANNED_N[scheme]:
+        shards = shardload.load(model, n, devices=["cpu"] * n, shard_info=out)
+        reference = shardload.load(example_dir, n, devices=["cpu"] * n, shard_info=dense.document)
+        for r in range(n):
+            modules = _modules(shards[r])
+            for prefix, local in modules.items():
+                want = rank_reference(full[prefix], planned.placements[prefix + ".weight"], n, r)
+                np.testing.assert_array_equal(decompress(local).float().numpy(), want, err_msg=f"{prefix} {r}/{n}")
+            kept = {name: t for name, t in reference[r].items() if name.removesuffix(".weight") not in full}
+            assert len(kept) == 7 and all(torch.equal(shards[r][name], t) for name, t in kept.items())
 
 
 def test_readme_flow_quantize_once_convert_to_2_4_8(quantized: dict[str, Path], tmp_path: Path) -> None:

@@ -88,14 +88,14 @@ CASES: dict[str, Case] = {
         ((8 + 2 + 2) * 3, 5),
         "float16",
         lambda n: (
-            [step("shard_heads", 0, [8, 2, 2], [0, 1, 1], "num_shards", 3)],
-            [("shard_heads", 0, [8, 2, 2], [0, 1, 1], n, 3)],
+            [step("shard_segments", 0, [8, 2, 2], [0, 1, 1], "num_shards", 3)],
+            [("shard_segments", 0, [8, 2, 2], [0, 1, 1], n, 3)],
         ),
     ),
     "kv_heads_dim1": (
         (3, 2 * 4),
         "float32",
-        lambda n: ([step("shard_heads", 1, [2], [1], "num_shards", 4)], [("shard_heads", 1, [2], [1], n, 4)]),
+        lambda n: ([step("shard_segments", 1, [2], [1], "num_shards", 4)], [("shard_segments", 1, [2], [1], n, 4)]),
     ),
     "reorder_then_replicate": (
         (24, 2),
@@ -197,18 +197,18 @@ def test_kv_heads_error_names_the_head_counts(tmp_path: Path) -> None:
     x = random_array(np.random.default_rng(0), ((6 + 2 + 2) * 4, 8), "float16")
     model = write_model(tmp_path, {"qkv": x})
     info = ShardInfo.from_dict(
-        {"version": 1, "params": {"qkv": [step("shard_heads", 0, [6, 2, 2], [0, 1, 1], "num_shards", 4)]}}
+        {"version": 1, "params": {"qkv": [step("shard_segments", 0, [6, 2, 2], [0, 1, 1], "num_shards", 4)]}}
     )
     with pytest.raises(
         PlanError,
-        match=r"qkv: step 1 \(shard_funcs.shard_heads\): segment 1: num_shards=3 neither divides its 2 KV heads "
+        match=r"qkv: step 1 \(shard_funcs.shard_segments\): segment 1: num_shards=3 neither divides its 2 KV heads "
         r"nor is a multiple of them \(query heads: 6\)",
     ):
         build_plan(info, open_checkpoint(model), 3)
-    with pytest.raises(PlanError, match=r"segment 0 of 6 heads cannot be split across num_shards=4 without cutting"):
+    with pytest.raises(PlanError, match=r"segment 0 of 6 units \(unit 4\) cannot be split across num_shards=4 with"):
         build_plan(info, open_checkpoint(model), 4)
     bad_flags = ShardInfo.from_dict(
-        {"version": 1, "params": {"qkv": [step("shard_heads", 0, [6, 2, 2], [0, 1], "num_shards", 4)]}}
+        {"version": 1, "params": {"qkv": [step("shard_segments", 0, [6, 2, 2], [0, 1], "num_shards", 4)]}}
     )
     with pytest.raises(PlanError, match=r"kv must hold one 0/1 flag per segment"):
         build_plan(bad_flags, open_checkpoint(model), 2)

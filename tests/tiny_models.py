@@ -1,4 +1,5 @@
-"""Tiny transformers models (hidden 64, 2 layers, fp32) with random weights, saved as HF checkpoints.
+"""Tiny transformers models (hidden 64, 2 layers, fp32) with random weights, saved as HF checkpoints; the
+reference forward of a dense state dict (``dense_logits``).
 
 Every parameter is redrawn at random after construction (HF's init leaves biases at zero and norms
 at one, which would hide a misplaced bias or norm).
@@ -61,3 +62,16 @@ def build(kind: str, directory: Path, seed: int = 0, **overrides: Any) -> torch.
                 param.copy_(0.1 * torch.randn_like(param))
     model.save_pretrained(directory, **save_kwargs)
     return model
+
+
+def dense_logits(config: dict[str, Any], state: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """Logits of the transformers causal LM that ``config`` (config.json's dict) describes, holding ``state``."""
+    import transformers
+
+    kwargs = {k: v for k, v in config.items() if k not in ("model_type", "quantization_config")}
+    hf_config = transformers.AutoConfig.for_model(config["model_type"], **kwargs)
+    hf_config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).float().eval()
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    with torch.no_grad():
+        return model(input_ids=ids).logits
