@@ -7,7 +7,6 @@ region, through :class:`FileMap`.
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import re
@@ -116,7 +115,7 @@ def read_config(root: str | os.PathLike[str], *, missing_ok: bool = False) -> di
     """A model directory's ``config.json`` as a JSON object (``{}`` when absent and ``missing_ok``)."""
     path = Path(root) / CONFIG_NAME
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = strictjson.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         if missing_ok:
             return {}

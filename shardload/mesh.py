@@ -8,7 +8,6 @@ stages; ``dp`` replicas hold identical shards.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -171,30 +170,30 @@ def as_mesh(mesh: Mesh | str | Mapping[str, int] | None, world_size: int | None 
     raise ShardloadError(f"mesh must be a Mesh, a 'pp=2,tp=4' string or a mapping, got {type(mesh).__name__}")
 
 
+def _config(root: Path) -> dict[str, Any]:
+    """config.json of the model, or {} when there is none or it cannot be read (stages then follow names)."""
+    from .checkpoint import read_config
+
+    try:
+        return read_config(root, missing_ok=True)
+    except ShardloadError:
+        return {}
+
+
 def layer_count(root: Path, names: Sequence[str]) -> int:
     """Number of decoder layers: from config.json when it says, else from the tensor names."""
-    config = root / "config.json"
-    if config.is_file():
-        try:
-            doc = json.loads(config.read_text())
-        except (OSError, ValueError):
-            doc = {}
-        for key in LAYER_COUNT_KEYS:
-            value = doc.get(key) if isinstance(doc, dict) else None
-            if type(value) is int and value >= 0:
-                return value
+    config = _config(root)
+    for key in LAYER_COUNT_KEYS:
+        value = config.get(key)
+        if type(value) is int and value >= 0:
+            return value
     indices = [int(m.group(1)) for n in names if (m := LAYER_RE.search(n))]
     return max(indices) + 1 if indices else 0
 
 
 def tied_embeddings(root: Path) -> bool:
     """Whether config.json says the input embeddings double as the output head."""
-    config = root / "config.json"
-    try:
-        doc = json.loads(config.read_text()) if config.is_file() else {}
-    except (OSError, ValueError):
-        return False
-    return isinstance(doc, dict) and bool(doc.get("tie_word_embeddings", False))
+    return bool(_config(root).get("tie_word_embeddings", False))
 
 
 def param_stages(name: str, stages: list[range], tied: bool) -> list[int]:
