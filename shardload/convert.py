@@ -7,23 +7,21 @@ directory that looks complete.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
 import shutil
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from . import __version__
 from .checkpoint import INDEX_NAME, MANIFEST_NAME, open_checkpoint
-from .dtypes import DTYPES
 from .errors import ShardloadError
-from .execute import iter_shards, rank_file_name, sha256_file
+from .execute import rank_file_name, sha256_file
 from .plan import ModelPlan, build_plan, resolve_shard_info
+from .writer import write_rank_files
 
 MANIFEST_VERSION = 1
 TMP_MARKER = ".shardload-tmp-"
@@ -49,51 +47,6 @@ class ConvertResult:
     plan: ModelPlan
     rank_files: list[OutputFile]
     other_files: list[OutputFile]
-
-
-class _RankWriter:
-    """Streams one rank's safetensors file: header first (known from the plan), then tensor bytes."""
-
-    def __init__(self, path: Path, plan: ModelPlan, rank: int) -> None:
-        header: dict[str, Any] = {
-            "__metadata__": {"format": "pt", "shardload.rank": str(rank), "shardload.num_shards": str(plan.num_shards)}
-        }
-        offset = 0
-        for p in plan.params.values():
-            header[p.name] = {
-                "dtype": DTYPES[p.dtype][0],
-                "shape": list(p.shape),
-                "data_offsets": [offset, offset + p.rank_nbytes],
-            }
-            offset += p.rank_nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.path = path
-        self.fh: BinaryIO = open(path, "wb")
-        self.hash = hashlib.sha256()
-        self.size = 0
-        self._write(struct.pack("<Q", len(raw)) + raw)
-
-    def _write(self, data: bytes | memoryview) -> None:
-        self.fh.write(data)
-        self.hash.update(data)
-        self.size += len(data)
-
-    def write_tensor(self, t: Any) -> None:
-        if t.numel():
-            self._write(memoryview(t.contiguous().view(-1).view(_u8()).numpy()))
-
-    def finish(self) -> OutputFile:
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
-        self.fh.close()
-        return OutputFile(self.path.name, self.size, self.hash.hexdigest())
-
-
-def _u8() -> Any:
-    import torch
-
-    return torch.uint8
 
 
 def _copy_other_files(src_root: Path, dst: Path, skip: set[Path]) -> list[OutputFile]:
@@ -169,19 +122,8 @@ def convert(
 
 def _write_ranks(plan: ModelPlan, tmp: Path, progress: Progress | None) -> list[OutputFile]:
     n = plan.num_shards
-    writers = [_RankWriter(tmp / rank_file_name(r, n), plan, r) for r in range(n)]
-    try:
-        done = 0
-        for param, shards in iter_shards(plan, range(n)):
-            for writer, t in zip(writers, shards, strict=True):
-                writer.write_tensor(t)
-            done += param.source.nbytes
-            if progress is not None:
-                progress(done, param.name)
-        return [w.finish() for w in writers]
-    finally:
-        for w in writers:
-            w.fh.close()
+    written = write_rank_files(plan, [tmp / rank_file_name(r, n) for r in range(n)], progress)
+    return [OutputFile(f.name, f.size, f.sha256) for f in written]
 
 
 def _publish(tmp: Path, out: Path) -> None:

@@ -1,8 +1,8 @@
 """Execution: run a plan's I/O and steps to produce per-rank tensors on their devices.
 
-Remap-only parameters are copied box by box straight from the file mapping into each rank's
-buffer, so a rank reads only its own bytes and every byte is read once; parameters with a
-compute step are read whole, run through their step functions, and split.
+Remap-only parameters are read run by run straight from the file into each rank's tensor
+(see :mod:`shardload.transfer`), so a rank reads only its own bytes and every byte is read once;
+parameters with a compute step are read whole, run through their step functions, and split.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import FileMap, open_checkpoint, read_header
+from .checkpoint import open_checkpoint, read_header
 from .dtypes import to_torch
 from .errors import CheckpointError, PlanError, ShardloadError
 from .plan import ModelPlan, ParamPlan, build_plan, resolve_shard_info
+from .reader import Reader
+from .transfer import Transfer
 
 if TYPE_CHECKING:
     import torch
@@ -49,32 +51,21 @@ def run_steps(plan: ParamPlan, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def materialize(plan: ParamPlan, files: FileMap, ranks: Sequence[int]) -> list[torch.Tensor]:
-    """Build this parameter's shards for ``ranks`` on the CPU (fresh, contiguous tensors)."""
-    import torch
-
-    if plan.remap:
-        out = []
-        source = files.view(plan.source)
-        for rank in ranks:
-            dst = torch.empty(plan.shape, dtype=to_torch(plan.dtype))
-            for piece in plan.pieces(rank) or ():
-                region = dst[tuple(slice(a, b) for a, b in piece.dst)]
-                region.copy_(source[tuple(slice(a, b) for a, b in piece.src)].reshape(region.shape))
-            out.append(dst)
-        return out
-    full = run_steps(plan, files.view(plan.source))
-    return [full[rank].clone(memory_format=torch.contiguous_format) for rank in ranks]
+def materialize(plan: ParamPlan, files: Reader, ranks: Sequence[int]) -> list[torch.Tensor]:
+    """Build this parameter's shards for ``ranks`` on the CPU (fresh, contiguous tensors), reading synchronously."""
+    with Transfer(files, threads=0) as transfer:
+        shards = transfer.param(plan, ranks)
+        transfer.wait()
+    return shards
 
 
 def iter_shards(plan: ModelPlan, ranks: Sequence[int]) -> Iterator[tuple[ParamPlan, list[torch.Tensor]]]:
-    """Stream ``(param plan, shards for ranks)`` one parameter at a time, in checkpoint order."""
-    files = FileMap()
-    try:
+    """Stream ``(param plan, shards for ranks)`` one parameter at a time, in checkpoint order, on the CPU."""
+    with Reader() as reader, Transfer(reader) as transfer:
         for param in plan.params.values():
-            yield param, materialize(param, files, ranks)
-    finally:
-        files.close()
+            shards = transfer.param(param, ranks)
+            transfer.wait()
+            yield param, shards
 
 
 def default_devices(num_shards: int) -> list[str]:
@@ -84,25 +75,6 @@ def default_devices(num_shards: int) -> list[str]:
     if torch.cuda.is_available() and torch.cuda.device_count() >= num_shards:
         return [f"cuda:{r}" for r in range(num_shards)]
     return ["cpu"] * num_shards
-
-
-def _to_device(t: torch.Tensor, device: Any) -> torch.Tensor:
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cpu":
-        return t
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def _sync(devices: Sequence[Any]) -> None:
-    import torch
-
-    for d in {str(d) for d in devices}:
-        if torch.device(d).type == "cuda":
-            torch.cuda.synchronize(d)
 
 
 def load(
@@ -130,11 +102,22 @@ def load(
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
         return [load_rank(model, r, num_shards, devices[r]) for r in range(num_shards)]
     plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, num_shards)
-    result: list[dict[str, torch.Tensor]] = [{} for _ in range(num_shards)]
-    for param, shards in iter_shards(plan, range(num_shards)):
-        for rank, t in enumerate(shards):
-            result[rank][param.name] = _to_device(t, devices[rank])
-    _sync(devices)
+    return run_plan(plan, range(num_shards), devices)
+
+
+def run_plan(
+    plan: ModelPlan, ranks: Sequence[int], devices: Sequence[Any], *, staged: bool = False
+) -> list[dict[str, torch.Tensor]]:
+    """Every parameter of ``plan`` for ``ranks`` (rank ``ranks[k]`` on ``devices[k]``), reads overlapped.
+
+    ``staged`` sends CPU destinations through the staging buffers too (to test that path on the CPU).
+    """
+    result: list[dict[str, torch.Tensor]] = [{} for _ in ranks]
+    with Reader() as reader, Transfer(reader, staged=staged) as transfer:
+        for param in plan.params.values():
+            for k, t in enumerate(transfer.param(param, ranks, devices)):
+                result[k][param.name] = t
+        transfer.wait()
     return result
 
 
@@ -175,9 +158,7 @@ def load_rank(
     plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, num_shards)
     if not 0 <= rank < num_shards:
         raise ShardloadError(f"rank {rank} is out of range for num_shards={num_shards}", file=str(model))
-    out = {param.name: _to_device(shards[0], device) for param, shards in iter_shards(plan, [rank])}
-    _sync([device])
-    return out
+    return run_plan(plan, [rank], [device])[0]
 
 
 def rank_file_name(rank: int, num_shards: int) -> str:
@@ -220,9 +201,8 @@ def _load_converted_rank(
         raise CheckpointError(f"{name} is {size} bytes, the manifest says {entry['size']}", file=where)
     if verify and sha256_file(path) != entry.get("sha256"):
         raise CheckpointError(f"{name} does not match its sha256 in the manifest", file=where)
-    out = {}
-    with FileMap() as files:
-        for tname, info in read_header(path).items():
-            out[tname] = _to_device(files.view(info).clone(), device)
-    _sync([device])
-    return out
+    infos = list(read_header(path).values())
+    with Reader() as reader, Transfer(reader) as transfer:
+        tensors = transfer.tensors(infos, device)
+        transfer.wait()
+    return {info.name: t for info, t in zip(infos, tensors, strict=True)}
