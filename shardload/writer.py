@@ -1,11 +1,12 @@
-"""Writing the rank files of a converted directory, streamed through bounded staging buffers.
+"""Writing the rank files of a converted directory, streamed through small per-thread buffers.
 
-Each rank's safetensors header is known from the plan and written first. Tensor bytes then move
-in chunks: the main thread scatters one chunk of every rank's bytes from the checkpoint into a
-staging set (``preadv``), while worker threads write the previous chunk (``pwrite``) and feed it
-to each file's sha256, so reading, writing and hashing overlap. Writeback is started as data is
-written (``sync_file_range`` where the platform has it), and each file is fsynced at the end.
-Memory stays at two staging sets, whatever the size of the model.
+Each rank's safetensors header is known from the plan and written first. The ranks are split into
+groups, one per worker thread, and each worker streams its ranks' bytes in chunks: scatter-read from
+the checkpoint (``preadv``, reading through small holes), write (``pwrite``) and feed each file's
+sha256 while the chunk is still in cache. Workers never wait for each other, so hashing (the bulk of
+the work) spreads over the cores. Writeback is started as data is written (``sync_file_range`` where
+the platform has it), and each file is fsynced at the end. Memory stays at a few MiB per worker,
+whatever the size of the model (compute-step parameters are held whole, once, while written).
 """
 
 from __future__ import annotations
@@ -14,25 +15,29 @@ import ctypes
 import hashlib
 import json
 import os
+import queue
 import struct
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .dtypes import DTYPES
+from .dtypes import DTYPES, to_torch
 from .reader import Reader, buffer_view
-from .transfer import READ_THREADS
 
 if TYPE_CHECKING:
     import torch
 
-    from .plan import ModelPlan
+    from .plan import ModelPlan, ParamPlan
 
-STAGE_SET_BYTES = 16 << 20
-"""Bytes of one staging set: one buffer per rank, of ``STAGE_CHUNK_LIMITS`` bytes each; two sets are in use."""
-STAGE_CHUNK_LIMITS = (256 << 10, 4 << 20)
+STAGE_SET_BYTES = 2 << 20
+"""Bytes of one worker's buffers: one per rank of its group, of ``STAGE_CHUNK_LIMITS`` bytes each."""
+STAGE_CHUNK_LIMITS = (128 << 10, 1 << 20)
+READ_THROUGH_BYTES = 256 << 10
+"""Holes up to this size between a worker's runs are read through (into a scratch buffer)."""
+WRITE_THREADS = max(1, min(8, os.cpu_count() or 1))
+"""Writer threads, each with its own group of ranks (hashing is the bulk of the work)."""
 WRITEBACK_BYTES = 16 << 20
 """Start writeback of a file each time this many more bytes have been written to it."""
 SYNC_FILE_RANGE_WRITE = 2
@@ -119,6 +124,39 @@ class _RankFile:
             self.fd = -1
 
 
+class _Shared:
+    """Results of compute-step parameters, computed once and handed to every worker that needs them."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.lock = threading.Lock()
+        self.entries: dict[str, list[Any]] = {}  # name -> [lock, shards or None, workers left]
+
+    def get(self, param: ParamPlan, reader: Reader) -> list[torch.Tensor]:
+        """The parameter's per-rank shards (contiguous CPU tensors)."""
+        import torch
+
+        from .execute import run_steps
+
+        with self.lock:
+            entry = self.entries.setdefault(param.name, [threading.Lock(), None, self.workers])
+        with entry[0]:
+            if entry[1] is None:
+                full = torch.empty(param.source.shape, dtype=to_torch(param.source.dtype))
+                reader.read_tensor(param.source.file, param.source.offset, full)
+                out = run_steps(param, full)
+                entry[1] = [out[r].contiguous() for r in range(param.num_shards)]
+            return entry[1]
+
+    def done(self, param: ParamPlan) -> None:
+        """One worker is finished with the parameter; the last one frees it."""
+        with self.lock:
+            entry = self.entries[param.name]
+            entry[2] -= 1
+            if entry[2] == 0:
+                del self.entries[param.name]
+
+
 def write_rank_files(
     plan: ModelPlan,
     names: list[Path],
@@ -128,75 +166,114 @@ def write_rank_files(
 ) -> list[WrittenFile]:
     """Write rank r's safetensors file to ``names[r]`` for every rank of ``plan``; new files only.
 
-    ``progress(source_bytes_done, param_name)`` is called after each parameter is read.
+    The ranks are split into one group per worker thread; each worker streams its ranks' bytes through
+    its own small buffers: read (through small holes, so a column slice costs one call per chunk, not
+    per row), write, hash. ``progress(source_bytes_done, param_name)`` is called after each parameter.
     """
-    import torch
-
-    from .execute import run_steps
-    from .runs import chunks, param_runs
-
     n = plan.num_shards
+    workers = max(1, min(threads or WRITE_THREADS, n))
+    groups = [list(range(n))[w * n // workers : (w + 1) * n // workers] for w in range(workers)]
     files: list[_RankFile] = []
-    pending: list[Future[None]] = []
-
-    def settle() -> None:
-        nonlocal pending
-        done, pending = pending, []
-        for f in done:
-            f.result()
-
+    results: list[WrittenFile | None] = [None] * n
+    events: queue.SimpleQueue[tuple[int, int | BaseException | None]] = queue.SimpleQueue()
+    stop = threading.Event()
+    params = list(plan.params.values())
     try:
         for path in names:
             files.append(_RankFile(path))
         for r, f in enumerate(files):
             f.write(memoryview(rank_header(plan, r)))
-        low, high = STAGE_CHUNK_LIMITS
-        chunk = min(high, max(low, STAGE_SET_BYTES // n))
-        sets = [[torch.empty(chunk, dtype=torch.uint8) for _ in range(n)] for _ in range(2)]
-        views = [[buffer_view(t) for t in s] for s in sets]
-        turn = 0
-        source_done = 0
-        with Reader() as reader, ThreadPoolExecutor(threads or READ_THREADS) as pool:
+        with Reader() as reader:
+            shared = _Shared(workers)
+
+            def work(w: int) -> None:
+                try:
+                    _write_group(params, groups[w], files, results, reader, shared, stop, lambda i: events.put((w, i)))
+                    events.put((w, None))
+                except BaseException as err:
+                    stop.set()
+                    events.put((w, err))
+
+            pool = [threading.Thread(target=work, args=(w,), name=f"shardload-write-{w}") for w in range(workers)]
+            for t in pool:
+                t.start()
             try:
-                for param in plan.params.values():
-                    runs = param_runs(param, range(n))
-                    if runs is None:  # a compute step: the whole tensor, then each rank's slice
-                        full = torch.empty(param.source.shape, dtype=_torch_dtype(param.source.dtype))
-                        reader.read_tensor(param.source.file, param.source.offset, full)
-                        out = run_steps(param, full)
-                        shards = [out[r].contiguous() for r in range(n)]
-                        settle()
-                        pending = [pool.submit(_write_tensor, f, t) for f, t in zip(files, shards, strict=True)]
-                    else:
-                        for k, part in chunks(runs, chunk):
-                            bufs, mvs = sets[turn], views[turn]
-                            turn ^= 1
-                            reader.read_runs(param.source.file, part.src, part.length, part.buf, part.dst, bufs)
-                            size = min(chunk, param.rank_nbytes - k * chunk)
-                            settle()
-                            pending = [pool.submit(f.write, mvs[r][:size]) for r, f in enumerate(files)]
-                    source_done += param.source.nbytes
-                    if progress is not None:
-                        progress(source_done, param.name)
-                settle()
-                return list(pool.map(_RankFile.finish, files))
+                _follow(events, workers, params, progress)
+            except BaseException:
+                stop.set()
+                raise
             finally:
-                for f in pending:
-                    f.cancel()
-                for f in pending:
-                    if not f.cancelled():
-                        f.exception()
+                for t in pool:
+                    t.join()
+        return [r for r in results if r is not None]
     finally:
         for f in files:
             f.close()
 
 
-def _write_tensor(file: _RankFile, t: torch.Tensor) -> None:
-    if t.numel():
-        file.write(buffer_view(t))
+def _follow(
+    events: queue.SimpleQueue[tuple[int, int | BaseException | None]],
+    workers: int,
+    params: list[ParamPlan],
+    progress: Callable[[int, str], None] | None,
+) -> None:
+    """Wait for the workers, reporting each parameter once every worker is past it; re-raise a failure."""
+    at = [-1] * workers
+    reported, running, source_done = -1, workers, 0
+    while running:
+        w, event = events.get()
+        if isinstance(event, BaseException):
+            raise event
+        if event is None:
+            running -= 1
+            at[w] = len(params) - 1
+        else:
+            at[w] = event
+        while reported < min(at):
+            reported += 1
+            source_done += params[reported].source.nbytes
+            if progress is not None:
+                progress(source_done, params[reported].name)
 
 
-def _torch_dtype(name: str) -> Any:
-    from .dtypes import to_torch
+def _write_group(
+    params: list[ParamPlan],
+    ranks: list[int],
+    files: list[_RankFile],
+    results: list[WrittenFile | None],
+    reader: Reader,
+    shared: _Shared,
+    stop: threading.Event,
+    passed: Callable[[int], None],
+) -> None:
+    """One worker: every parameter's bytes for ``ranks``, chunk by chunk, read, written and hashed in order."""
+    import torch
 
-    return to_torch(name)
+    from .runs import chunks, fill_gaps, param_runs
+
+    low, high = STAGE_CHUNK_LIMITS
+    chunk = min(high, max(low, STAGE_SET_BYTES // len(ranks)))
+    bufs = [torch.empty(chunk, dtype=torch.uint8) for _ in ranks]
+    bufs.append(torch.empty(READ_THROUGH_BYTES, dtype=torch.uint8))  # holes land here
+    views = [buffer_view(t) for t in bufs]
+    scratch = len(ranks)
+    for i, param in enumerate(params):
+        if stop.is_set():
+            return
+        runs = param_runs(param, ranks)
+        if runs is None:  # a compute step: the whole tensor, computed once for all workers
+            shards = shared.get(param, reader)
+            for r in ranks:
+                if shards[r].numel():
+                    files[r].write(buffer_view(shards[r]))
+            shared.done(param)
+        else:
+            for k, part in chunks(runs, chunk):
+                part = fill_gaps(part, READ_THROUGH_BYTES, scratch)
+                reader.read_runs(param.source.file, part.src, part.length, part.buf, part.dst, bufs)
+                size = min(chunk, param.rank_nbytes - k * chunk)
+                for j, r in enumerate(ranks):
+                    files[r].write(views[j][:size])
+        passed(i)
+    for r in ranks:
+        results[r] = files[r].finish()

@@ -7,6 +7,7 @@ through small staging buffers (the CUDA path, run on the CPU), and convert's chu
 
 from __future__ import annotations
 
+import json
 import zlib
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ def _chunk_sizes(monkeypatch: pytest.MonkeyPatch, scale: int) -> None:
     monkeypatch.setattr(shardload.transfer, "JOB_BYTES", 72 * scale)
     monkeypatch.setattr(shardload.writer, "STAGE_SET_BYTES", 96 * scale)
     monkeypatch.setattr(shardload.writer, "STAGE_CHUNK_LIMITS", (24 * scale, 200 * scale))
+    monkeypatch.setattr(shardload.writer, "READ_THROUGH_BYTES", 16 * scale)
 
 
 @pytest.fixture
@@ -97,19 +99,21 @@ def test_example_model_every_path(
 
 
 def _parallel_model(directory: Path) -> Path:
-    """Row-parallel, column-parallel, fused-QKV and replicated parameters, random float16 data."""
+    """Row-parallel, column-parallel, fused-QKV, replicated and empty parameters, random float16 data."""
     rng = np.random.default_rng(11)
     tensors = {
         "row": random_array(rng, (64, 96), "float16"),
         "col": random_array(rng, (96, 128), "float16"),
         "qkv": random_array(rng, ((8 + 4 + 4) * 4, 64), "float16"),
         "norm": random_array(rng, (96,), "float16"),
+        "empty": np.zeros((0, 8), dtype=np.float16),
     }
     info = {
         "version": 1,
         "params": {
             "row": [["shard_funcs.shard_dim", [None, None], 0, "num_shards"]],
             "col": [["shard_funcs.shard_dim", [None, None], 1, "num_shards"]],
+            "empty": [["shard_funcs.shard_dim", [None, None], 1, "num_shards"]],
             "qkv": [
                 ["shard_funcs.reorder_segments", [None, None], 0, [8, 4, 4], "num_shards", 4],
                 ["shard_funcs.shard_dim", [None, None], 0, "num_shards"],
@@ -245,3 +249,30 @@ def test_plan_built_elsewhere_still_checks_boxes(tmp_path: Path) -> None:
     want = shardload.load(model, 4, devices=["cpu"] * 4)
     for k, rank in enumerate((3, 1)):
         assert all(torch.equal(got[k][name], want[rank][name]) for name in want[rank])
+
+
+@pytest.mark.parametrize("threads", (1, 3))
+def test_convert_with_a_compute_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    monkeypatch.setattr(shardload.writer, "WRITE_THREADS", threads)
+
+    def rule(shape: tuple[int, ...], dtype: str, num_shards: int) -> tuple[tuple[int, ...], str]:
+        return (num_shards, shape[0] // num_shards, *shape[1:]), "float32"
+
+    @shardload.register("tests.doubled_rows", shape=rule)
+    def doubled_rows(x: torch.Tensor, num_shards: int) -> torch.Tensor:
+        return (x.float() * 2).reshape(num_shards, x.shape[0] // num_shards, *x.shape[1:])
+
+    try:
+        model = _parallel_model(tmp_path / "m")
+        info = json.loads((model / "shard_info.json").read_text())
+        info["params"]["norm"] = [["tests.doubled_rows", [None, None], "num_shards"]]
+        (model / "shard_info.json").write_text(json.dumps(info))
+        want = shardload.load(model, 4, devices=["cpu"] * 4)
+        shardload.convert(model, 4, tmp_path / "out")
+        for r in range(4):
+            got = shardload.load_rank(tmp_path / "out", r, 4, verify=True)
+            assert got.keys() == want[r].keys()
+            assert all(torch.equal(got[k], want[r][k]) for k in got)
+            assert got["norm"].dtype == torch.float32
+    finally:
+        shardload.registry.unregister("tests.doubled_rows")
