@@ -249,6 +249,22 @@ def child_convert(model: str, out: str, num_shards: str) -> None:
     print(json.dumps({"end_kib": rss_anon_kib()}), flush=True)
 
 
+def child_load(model: str, num_shards: str, kind: str) -> None:
+    """RssAnon after imports, ``load()`` (or the copy floor), RssAnon while holding the result."""
+    print(json.dumps({"base_kib": rss_anon_kib()}), flush=True)
+    n = int(num_shards)
+    held = shardload.load(model, n, devices=["cpu"] * n) if kind == "load" else copy_floor(Path(model) / MODEL_FILE)
+    print(json.dumps({"end_kib": rss_anon_kib()}), flush=True)
+    del held
+
+
+def peak_above_imports(cmd: list[str]) -> int:
+    """Peak RssAnon of a child above its RssAnon after imports, in bytes (its first and last lines report them)."""
+    peak, stdout = sampled_peak(cmd)
+    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return (max(peak, lines[-1]["end_kib"]) - lines[0]["base_kib"]) * 1024
+
+
 def child_load_rank(model: str, rank: str, num_shards: str) -> None:
     """One rank's load in a fresh process: bytes counted by the reader, /proc/self/io deltas, seconds.
 
@@ -359,6 +375,7 @@ def rows_load(model: Path, n: int, total: int, repeats: int, warmup: int) -> tup
     best = {k: min(v) for k, v in times.items()}
     with count_reads() as seen:
         shardload.load(model, n, devices=["cpu"] * n)
+    mem = {kind: peak_above_imports(child("load", str(model), str(n), kind)) for kind in ("load", "floor")}
     rows = [
         at_most(best["load"] / best["floor"], 1.2, f"1. load() N={n} CPU vs copy floor", *_s(best, "load", "floor")),
         Row(
@@ -370,6 +387,14 @@ def rows_load(model: Path, n: int, total: int, repeats: int, warmup: int) -> tup
         ),
         at_most(
             seen.bytes / total, 1.0, "1. load() bytes read vs checkpoint", human_bytes(seen.bytes), human_bytes(total)
+        ),
+        Row(
+            "1. load() peak RssAnon above imports vs copy floor",
+            human_bytes(mem["load"]),
+            human_bytes(mem["floor"]),
+            mem["load"] / mem["floor"],
+            "",
+            None,
         ),
     ]
     return rows, times
@@ -427,11 +452,8 @@ def rows_convert(
     remove(copied)
     check_agree(model, out, n)
     remove(out)
-    peak, stdout = sampled_peak(child("convert", str(model), str(out), str(n)))
+    above = peak_above_imports(child("convert", str(model), str(out), str(n)))
     remove(out)
-    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    base, end = lines[0]["base_kib"], lines[-1]["end_kib"]
-    above = (max(peak, end) - base) * 1024
     budget = (256 << 20) + largest
     best = {k: min(v) for k, v in times.items()}
     rows = [
@@ -617,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         kind, *rest = args.child
-        {"convert": child_convert, "load-rank": child_load_rank, "tp": child_tp}[kind](*rest)
+        {"convert": child_convert, "load": child_load, "load-rank": child_load_rank, "tp": child_tp}[kind](*rest)
         return 0
     if args.num_shards < 1 or args.size_gib <= 0 or args.repeats < 1 or args.warmup < 0:
         raise SystemExit("run.py: --num-shards, --size-gib and --repeats must be positive")

@@ -30,9 +30,10 @@ if TYPE_CHECKING:
 
 JOB_BYTES = 8 << 20
 """Bytes per thread-pool read job."""
-STAGE_SET_BYTES = 32 << 20
-"""Bytes per staging set: one buffer per destination tensor, of ``STAGE_CHUNK_LIMITS`` bytes each."""
-STAGE_CHUNK_LIMITS = (1 << 20, 16 << 20)
+STAGE_BYTES = 16 << 20
+"""Bytes per staging buffer; ``threads + 1`` of them cycle between reads and uploads."""
+STAGE_MIN_SLICE = 64 << 10
+"""Rank tensors share a staging buffer in slices of at least this many bytes each."""
 READ_THREADS = max(1, min(4, os.cpu_count() or 1))
 """Reader threads: page-cache copies scale with cores until memory bandwidth is the bound."""
 
@@ -123,35 +124,56 @@ class Transfer:
             self.copies.append((copies, dests))
 
     def _staged(self, path: Path, runs: Runs, dests: list[torch.Tensor]) -> None:
-        from .runs import chunks
+        import numpy as np
 
-        if self.staging is None or self.staging.nbuf < len(dests):
-            if self.staging is not None:
-                self.wait()
+        from .runs import Runs, chunks, dedupe
+
+        if self.staging is None:
             pin = any(t.device.type == "cuda" for t in dests)
-            low, high = STAGE_CHUNK_LIMITS
-            chunk = min(high, max(low, STAGE_SET_BYTES // len(dests)))
-            self.staging = _Staging(len(dests), chunk, max(2, self.threads + 1), pin=pin)
-        staging = self.staging
-        chunk = staging.chunk
+            self.staging = _Staging(STAGE_BYTES, max(2, self.threads + 1), pin=pin)
+        staging, size = self.staging, STAGE_BYTES
+        reads, copies = dedupe(runs)
+        if len(copies):
+            self.copies.append((copies, dests))
         sizes = [t.numel() * t.element_size() for t in dests]
-        for k, part in chunks(runs, chunk):
-            lo = k * chunk
-            which = sorted(set(part.buf.tolist()))
+        zero = np.zeros(len(reads), dtype=np.int64)
+        batches: list[tuple[Runs, list[tuple[int, int, int, int]]]] = []
+        if len(set(sizes)) == 1 and size // len(dests) >= STAGE_MIN_SLICE:
+            # rank tensors: batch k holds bytes [k c, (k+1) c) of every tensor, tensor b at b c, so the
+            # row parts of a column slice arrive in one pass over the file
+            c = size // len(dests)
+            for k, part in chunks(reads, c):
+                lo = k * c
+                ups = [(b * c, b, lo, min(lo + c, sizes[b])) for b in sorted(set(part.buf.tolist()))]
+                batches.append((Runs(part.src, part.length, part.buf * 0, part.buf * c + part.dst), ups))
+        else:  # tensors of any sizes, laid end to end
+            base = np.concatenate(([0], np.cumsum(sizes)))
+            flat = Runs(reads.src, reads.length, zero, base[reads.buf] + reads.dst)
+            starts = base.tolist()
+            for k, part in chunks(flat, size):
+                lo, hi = k * size, (k + 1) * size
+                ups = []
+                last = min(len(sizes), int(np.searchsorted(base, hi, "left")))
+                for b in range(int(np.searchsorted(base, lo, "right")) - 1, last):
+                    a, z = max(lo, starts[b]), min(hi, starts[b + 1])
+                    if z > a:
+                        ups.append((a - lo, b, a - starts[b], z - starts[b]))
+                batches.append((part, ups))
+        for part, ups in batches:
 
-            def job(part: Runs = part, lo: int = lo, which: list[int] = which) -> None:
-                bufs = staging.acquire()
+            def job(part: Runs = part, ups: list[tuple[int, int, int, int]] = ups) -> None:
+                buf = staging.acquire()
                 try:
-                    self.reader.read_runs(path, part.src, part.length, part.buf, part.dst, bufs)
-                    for b in which:
-                        staging.upload(bufs, b, dests[b], lo, min(lo + chunk, sizes[b]))
+                    self.reader.read_runs(path, part.src, part.length, part.buf, part.dst, [buf])
+                    for offset, b, lo, hi in ups:
+                        staging.upload(buf, offset, dests[b], lo, hi)
                 finally:
-                    staging.release(bufs)
+                    staging.release(buf)
 
             self._submit(job)
 
     def wait(self) -> None:
-        """Finish every started read, copy and device upload (re-raising the first failure)."""
+        """Finish every started read, device upload and copy (re-raising the first failure)."""
         futures, self.futures = self.futures, []
         try:
             for f in futures:
@@ -163,11 +185,11 @@ class Transfer:
                 if not f.cancelled():
                     f.exception()
             raise
+        if self.staging is not None:
+            self.staging.sync()
         copies, self.copies = self.copies, []
         for c, dests in copies:
             _apply_copies(c, dests)
-        if self.staging is not None:
-            self.staging.sync()
 
     def close(self) -> None:
         """Stop the pool: jobs not started are cancelled, running ones finish."""
@@ -198,31 +220,31 @@ def _apply_copies(copies: Copies, dests: list[torch.Tensor]) -> None:
 
 
 class _Staging:
-    """Sets of host buffers (``nbuf`` buffers of ``chunk`` bytes each) cycled between reads and uploads."""
+    """A few host buffers of ``size`` bytes (page-locked with ``pin``) cycled between reads and uploads."""
 
-    def __init__(self, nbuf: int, chunk: int, depth: int, *, pin: bool) -> None:
+    def __init__(self, size: int, depth: int, *, pin: bool) -> None:
         import torch
 
-        self.nbuf, self.chunk, self.pin = nbuf, chunk, pin
-        self.free: queue.SimpleQueue[list[torch.Tensor]] = queue.SimpleQueue()
+        self.pin = pin
+        self.free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self.events: dict[int, list[Any]] = {}
         self.streams: dict[Any, Any] = {}
         self.lock = threading.Lock()
         for _ in range(depth):
-            self.free.put([torch.empty(chunk, dtype=torch.uint8, pin_memory=pin) for _ in range(nbuf)])
+            self.free.put(torch.empty(size, dtype=torch.uint8, pin_memory=pin))
 
-    def acquire(self) -> list[torch.Tensor]:
-        """A free buffer set whose earlier uploads have completed."""
-        bufs = self.free.get()
+    def acquire(self) -> torch.Tensor:
+        """A free buffer whose earlier uploads have completed."""
+        buf = self.free.get()
         with self.lock:
-            events = self.events.pop(id(bufs), [])
+            events = self.events.pop(buf.data_ptr(), [])
         for event in events:
             event.synchronize()
-        return bufs
+        return buf
 
-    def release(self, bufs: list[torch.Tensor]) -> None:
-        """Hand a buffer set back (its uploads may still be in flight: their events guard reuse)."""
-        self.free.put(bufs)
+    def release(self, buf: torch.Tensor) -> None:
+        """Hand a buffer back (its uploads may still be in flight: their events guard its reuse)."""
+        self.free.put(buf)
 
     def _stream(self, device: Any) -> Any:
         import torch
@@ -233,12 +255,12 @@ class _Staging:
                 stream = self.streams[device] = torch.cuda.Stream(device=device)
             return stream
 
-    def upload(self, bufs: list[torch.Tensor], k: int, dest: torch.Tensor, lo: int, hi: int) -> None:
-        """Copy bytes ``[0, hi - lo)`` of ``bufs[k]`` to bytes ``[lo, hi)`` of ``dest``."""
+    def upload(self, buf: torch.Tensor, offset: int, dest: torch.Tensor, lo: int, hi: int) -> None:
+        """Copy ``hi - lo`` bytes at ``offset`` of ``buf`` to bytes ``[lo, hi)`` of ``dest``."""
         import torch
 
         dst = dest.reshape(-1).view(torch.uint8)[lo:hi]
-        src = bufs[k][: hi - lo]
+        src = buf[offset : offset + hi - lo]
         if dst.device.type == "cuda" and self.pin:
             stream = self._stream(dst.device)
             with torch.cuda.stream(stream):
@@ -246,7 +268,7 @@ class _Staging:
                 event = torch.cuda.Event()
                 event.record(stream)
             with self.lock:
-                self.events.setdefault(id(bufs), []).append(event)
+                self.events.setdefault(buf.data_ptr(), []).append(event)
         else:
             dst.copy_(src)
 

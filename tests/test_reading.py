@@ -23,19 +23,20 @@ import shardload.reader
 import shardload.transfer
 import shardload.writer
 from conftest import random_array, write_model
-from shardload.checkpoint import open_checkpoint
+from shardload.checkpoint import open_checkpoint, read_header
 from shardload.errors import CheckpointError, PlanError
 from shardload.execute import run_plan
 from shardload.format import ShardInfo
 from shardload.plan import build_plan
-from shardload.reader import count_reads
+from shardload.reader import Reader, count_reads
+from shardload.transfer import Transfer
 
-PATHS = ("direct", "portable", "staged", "convert")
+PATHS = ("direct", "portable", "staged", "staged_flat", "convert")
 
 
 def _chunk_sizes(monkeypatch: pytest.MonkeyPatch, scale: int) -> None:
-    monkeypatch.setattr(shardload.transfer, "STAGE_SET_BYTES", 96 * scale)
-    monkeypatch.setattr(shardload.transfer, "STAGE_CHUNK_LIMITS", (40 * scale, 200 * scale))
+    monkeypatch.setattr(shardload.transfer, "STAGE_BYTES", 96 * scale)
+    monkeypatch.setattr(shardload.transfer, "STAGE_MIN_SLICE", 8 * scale)
     monkeypatch.setattr(shardload.transfer, "JOB_BYTES", 72 * scale)
     monkeypatch.setattr(shardload.writer, "STAGE_SET_BYTES", 96 * scale)
     monkeypatch.setattr(shardload.writer, "STAGE_CHUNK_LIMITS", (24 * scale, 200 * scale))
@@ -58,10 +59,12 @@ def _shards(path: str, model: Path, n: int, tmp: Path, monkeypatch: pytest.Monke
     plan = shardload.plan_model(model, n)
     if path == "portable":
         monkeypatch.setattr(shardload.reader, "_PREADV", None)
+    if path == "staged_flat":  # rank tensors laid end to end in the staging buffers, not side by side
+        monkeypatch.setattr(shardload.transfer, "STAGE_MIN_SLICE", 1 << 40)
     if path == "convert":
         shardload.convert(model, n, tmp / "out")
         return [shardload.load_rank(tmp / "out", r, n) for r in range(n)]
-    return run_plan(plan, range(n), ["cpu"] * n, staged=path == "staged")
+    return run_plan(plan, range(n), ["cpu"] * n, staged=path.startswith("staged"))
 
 
 @pytest.mark.usefixtures("small_chunks")
@@ -276,3 +279,17 @@ def test_convert_with_a_compute_step(tmp_path: Path, monkeypatch: pytest.MonkeyP
             assert got["norm"].dtype == torch.float32
     finally:
         shardload.registry.unregister("tests.doubled_rows")
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_converted_file_through_staging(example_dir: Path, tmp_path: Path) -> None:
+    shardload.convert(example_dir, 2, tmp_path / "out")
+    path = tmp_path / "out" / "rank-00001-of-00002.safetensors"
+    infos = list(read_header(path).values())
+    with Reader() as reader, Transfer(reader, staged=True) as transfer:
+        tensors = transfer.tensors(infos, "cpu")
+        transfer.wait()
+    want = shardload.load_rank(tmp_path / "out", 1, 2)
+    assert [i.name for i in infos] == list(want)
+    for info, t in zip(infos, tensors, strict=True):
+        assert torch.equal(t, want[info.name]), info.name
