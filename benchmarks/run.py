@@ -93,9 +93,11 @@ def copy_floor(path: Path) -> list[torch.Tensor]:
 
 
 def naive_load(path: Path, shard_info: dict[str, Any], num_shards: int) -> list[dict[str, torch.Tensor]]:
-    """What vLLM-style loaders do: per rank, per tensor, a full-tensor view, ``narrow`` and ``.contiguous()``.
+    """What vLLM-style loaders do: per rank, per tensor, a full-tensor view, ``narrow`` and a contiguous copy.
 
-    Fused tensors (``reorder_segments`` then ``shard_dim``) narrow each segment and concatenate.
+    Fused tensors (``reorder_segments`` then ``shard_dim``) narrow each segment and concatenate. The copy
+    is ``.clone()``, not ``.contiguous()``: for a dim-0 slice ``.contiguous()`` returns the view of the
+    mapping itself and would read nothing (vLLM copies it into the parameter).
     """
     mm, base, header = _mapped(path)
     params = shard_info["params"]
@@ -110,7 +112,7 @@ def naive_load(path: Path, shard_info: dict[str, Any], num_shards: int) -> list[
             elif len(steps) == 1:
                 dim = steps[0][2]
                 size = full.shape[dim] // num_shards
-                out[name] = full.narrow(dim, rank * size, size).contiguous()
+                out[name] = full.narrow(dim, rank * size, size).clone(memory_format=torch.contiguous_format)
             else:
                 dim, segments = steps[0][2], steps[0][3]
                 unit = steps[0][5] if len(steps[0]) > 5 else 1

@@ -128,6 +128,17 @@ def _check_piece(plan: ParamPlan, rank: int, src: Box, dst: Box) -> None:
         )
 
 
+def structure(plan: ParamPlan, ranks: Sequence[int]) -> tuple[object, ...]:
+    """A key shared by parameters whose runs differ only by the stored tensor's file offset."""
+    steps = tuple((s.func, repr(s.args)) for s in plan.steps)
+    return (plan.source.shape, plan.source.dtype, plan.shape, plan.dtype, steps, tuple(ranks))
+
+
+def shifted(runs: Runs, delta: int) -> Runs:
+    """The same runs with file offsets moved by ``delta``."""
+    return Runs(runs.src + delta, runs.length, runs.buf, runs.dst)
+
+
 def param_runs(plan: ParamPlan, ranks: Sequence[int]) -> Runs | None:
     """The runs that build ``plan``'s tensors for ``ranks`` (buffer k = ``ranks[k]``), sorted by file offset.
 

@@ -15,6 +15,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,17 @@ READ_THREADS = max(1, min(4, os.cpu_count() or 1))
 """Reader threads: page-cache copies scale with cores until memory bandwidth is the bound."""
 
 
+@dataclass
+class _Schedule:
+    """How one parameter's runs are read: direct jobs into CPU tensors, staged batches for the others, and the
+    copies that replace re-reads. File offsets are relative to the stored tensor, so parameters of the same
+    structure (every layer of a model) share one schedule."""
+
+    jobs: list[Runs] = field(default_factory=list)
+    batches: list[tuple[Runs, list[tuple[int, int, int, int]]]] = field(default_factory=list)
+    copies: list[Copies] = field(default_factory=list)
+
+
 class Transfer:
     """Start reads of parameters into tensors; :meth:`wait` finishes them. One per load.
 
@@ -53,6 +65,7 @@ class Transfer:
         self.futures: list[Future[None]] = []
         self.copies: list[tuple[Copies, list[torch.Tensor]]] = []
         self.staging: _Staging | None = None
+        self.schedules: dict[Any, _Schedule | None] = {}
 
     def _submit(self, fn: Callable[[], None]) -> None:
         if self.pool is None:
@@ -64,11 +77,18 @@ class Transfer:
         """``plan``'s tensors for ``ranks`` (rank ``ranks[k]`` on ``devices[k]``, default CPU), being filled."""
         import torch
 
-        from .runs import param_runs
+        from .runs import param_runs, shifted, structure
 
         devs = [torch.device("cpu")] * len(ranks) if devices is None else [torch.device(d) for d in devices]
-        runs = param_runs(plan, ranks)
-        if runs is None:  # a compute step: read the tensor whole, run the steps, split
+        key = (structure(plan, ranks), tuple(devs))
+        if key in self.schedules:
+            schedule = self.schedules[key]
+        else:
+            runs = param_runs(plan, ranks)
+            sizes = [plan.rank_nbytes] * len(ranks)
+            rel = None if runs is None else shifted(runs, -plan.source.offset)
+            schedule = self.schedules[key] = None if rel is None else self._schedule(rel, sizes, devs)
+        if schedule is None:  # a compute step: read the tensor whole, run the steps, split
             from .execute import run_steps
 
             full = torch.empty(plan.source.shape, dtype=to_torch(plan.source.dtype))
@@ -76,7 +96,7 @@ class Transfer:
             out = run_steps(plan, full)
             return [out[r].to(d, copy=True, memory_format=torch.contiguous_format) for r, d in zip(ranks, devs)]  # noqa: B905
         dests = [torch.empty(plan.shape, dtype=to_torch(plan.dtype), device=d) for d in devs]
-        self.fill(plan.source.file, runs, dests)
+        self._start(plan.source.file, plan.source.offset, schedule, dests)
         return dests
 
     def tensors(self, infos: Sequence[TensorInfo], device: Any) -> list[torch.Tensor]:
@@ -95,82 +115,89 @@ class Transfer:
                 np.array(keep, dtype=np.int64),
                 np.zeros(len(keep), dtype=np.int64),
             )
-            self.fill(infos[keep[0]].file, runs.take(np.argsort(runs.src, kind="stable")), dests)
+            runs = runs.take(np.argsort(runs.src, kind="stable"))
+            schedule = self._schedule(runs, [t.nbytes for t in infos], [d.device for d in dests])
+            self._start(infos[keep[0]].file, 0, schedule, dests)
         return dests
 
-    def fill(self, path: Path, runs: Runs, dests: list[torch.Tensor]) -> None:
-        """Start copying ``runs`` (sorted by file offset) of ``path`` into ``dests``; CPU directly, others staged."""
+    def _schedule(self, runs: Runs, sizes: list[int], devices: Sequence[Any]) -> _Schedule:
+        """Split ``runs`` (sorted by file offset) between direct reads into CPU tensors and staged ones."""
         import numpy as np
 
-        on_cpu = np.array([t.device.type == "cpu" and not self.stage_cpu for t in dests])
-        direct = on_cpu[runs.buf] if len(runs) else np.zeros(0, dtype=bool)
-        if direct.all():
-            self._direct(path, runs, dests)
-        elif not direct.any():
-            self._staged(path, runs, dests)
-        else:
-            self._direct(path, runs.take(direct), dests)
-            self._staged(path, runs.take(~direct), dests)
+        direct_buf = np.array([d.type == "cpu" and not self.stage_cpu for d in devices], dtype=bool)
+        direct = direct_buf[runs.buf] if len(runs) else np.zeros(0, dtype=bool)
+        schedule = _Schedule()
+        if direct.any():
+            self._plan_direct(runs.take(direct) if not direct.all() else runs, schedule)
+        if not direct.all():
+            self._plan_staged(runs.take(~direct) if direct.any() else runs, sizes, schedule)
+        return schedule
 
-    def _direct(self, path: Path, runs: Runs, dests: list[torch.Tensor]) -> None:
+    def _plan_direct(self, runs: Runs, schedule: _Schedule) -> None:
         from .runs import dedupe, jobs, split
 
         reads, copies = dedupe(runs)
         reads = split(reads, JOB_BYTES)
-        for part in jobs(reads, JOB_BYTES):
-            r = reads.take(part)
-            self._submit(lambda r=r: self.reader.read_runs(path, r.src, r.length, r.buf, r.dst, dests))
+        schedule.jobs += [reads.take(part) for part in jobs(reads, JOB_BYTES)]
         if len(copies):
-            self.copies.append((copies, dests))
+            schedule.copies.append(copies)
 
-    def _staged(self, path: Path, runs: Runs, dests: list[torch.Tensor]) -> None:
+    def _plan_staged(self, runs: Runs, sizes: list[int], schedule: _Schedule) -> None:
         import numpy as np
 
         from .runs import Runs, chunks, dedupe
 
-        if self.staging is None:
-            pin = any(t.device.type == "cuda" for t in dests)
-            self.staging = _Staging(STAGE_BYTES, max(2, self.threads + 1), pin=pin)
-        staging, size = self.staging, STAGE_BYTES
+        size = STAGE_BYTES
         reads, copies = dedupe(runs)
         if len(copies):
-            self.copies.append((copies, dests))
-        sizes = [t.numel() * t.element_size() for t in dests]
-        zero = np.zeros(len(reads), dtype=np.int64)
-        batches: list[tuple[Runs, list[tuple[int, int, int, int]]]] = []
-        if len(set(sizes)) == 1 and size // len(dests) >= STAGE_MIN_SLICE:
+            schedule.copies.append(copies)
+        if len(set(sizes)) == 1 and size // len(sizes) >= STAGE_MIN_SLICE:
             # rank tensors: batch k holds bytes [k c, (k+1) c) of every tensor, tensor b at b c, so the
             # row parts of a column slice arrive in one pass over the file
-            c = size // len(dests)
+            c = size // len(sizes)
             for k, part in chunks(reads, c):
                 lo = k * c
                 ups = [(b * c, b, lo, min(lo + c, sizes[b])) for b in sorted(set(part.buf.tolist()))]
-                batches.append((Runs(part.src, part.length, part.buf * 0, part.buf * c + part.dst), ups))
-        else:  # tensors of any sizes, laid end to end
-            base = np.concatenate(([0], np.cumsum(sizes)))
-            flat = Runs(reads.src, reads.length, zero, base[reads.buf] + reads.dst)
-            starts = base.tolist()
-            for k, part in chunks(flat, size):
-                lo, hi = k * size, (k + 1) * size
-                ups = []
-                last = min(len(sizes), int(np.searchsorted(base, hi, "left")))
-                for b in range(int(np.searchsorted(base, lo, "right")) - 1, last):
-                    a, z = max(lo, starts[b]), min(hi, starts[b + 1])
-                    if z > a:
-                        ups.append((a - lo, b, a - starts[b], z - starts[b]))
-                batches.append((part, ups))
-        for part, ups in batches:
+                schedule.batches.append((Runs(part.src, part.length, part.buf * 0, part.buf * c + part.dst), ups))
+            return
+        base = np.concatenate(([0], np.cumsum(sizes)))  # tensors of any sizes, laid end to end
+        starts = base.tolist()
+        flat = Runs(reads.src, reads.length, reads.buf * 0, base[reads.buf] + reads.dst)
+        for k, part in chunks(flat, size):
+            lo, hi = k * size, (k + 1) * size
+            ups = []
+            last = min(len(sizes), int(np.searchsorted(base, hi, "left")))
+            for b in range(int(np.searchsorted(base, lo, "right")) - 1, last):
+                a, z = max(lo, starts[b]), min(hi, starts[b + 1])
+                if z > a:
+                    ups.append((a - lo, b, a - starts[b], z - starts[b]))
+            schedule.batches.append((part, ups))
 
-            def job(part: Runs = part, ups: list[tuple[int, int, int, int]] = ups) -> None:
-                buf = staging.acquire()
-                try:
-                    self.reader.read_runs(path, part.src, part.length, part.buf, part.dst, [buf])
-                    for offset, b, lo, hi in ups:
-                        staging.upload(buf, offset, dests[b], lo, hi)
-                finally:
-                    staging.release(buf)
+    def _start(self, path: Path, offset: int, schedule: _Schedule, dests: list[torch.Tensor]) -> None:
+        """Submit ``schedule``'s reads of the tensor at ``offset`` of ``path`` into ``dests``."""
+        for job in schedule.jobs:
+            self._submit(
+                lambda r=job: self.reader.read_runs(path, r.src + offset, r.length, r.buf, r.dst, dests, populate=True)
+            )
+        if schedule.batches:
+            if self.staging is None:
+                pin = any(t.device.type == "cuda" for t in dests)
+                self.staging = _Staging(STAGE_BYTES, max(2, self.threads + 1), pin=pin)
+            staging = self.staging
+            for part, ups in schedule.batches:
 
-            self._submit(job)
+                def batch(part: Runs = part, ups: list[tuple[int, int, int, int]] = ups) -> None:
+                    buf = staging.acquire()
+                    try:
+                        self.reader.read_runs(path, part.src + offset, part.length, part.buf, part.dst, [buf])
+                        for at, b, lo, hi in ups:
+                            staging.upload(buf, at, dests[b], lo, hi)
+                    finally:
+                        staging.release(buf)
+
+                self._submit(batch)
+        for copies in schedule.copies:
+            self.copies.append((copies, dests))
 
     def wait(self) -> None:
         """Finish every started read, device upload and copy (re-raising the first failure)."""

@@ -249,7 +249,7 @@ def _write_group(
     """One worker: every parameter's bytes for ``ranks``, chunk by chunk, read, written and hashed in order."""
     import torch
 
-    from .runs import chunks, fill_gaps, param_runs
+    from .runs import Runs, chunks, fill_gaps, param_runs, shifted, structure
 
     low, high = STAGE_CHUNK_LIMITS
     chunk = min(high, max(low, STAGE_SET_BYTES // len(ranks)))
@@ -257,20 +257,28 @@ def _write_group(
     bufs.append(torch.empty(READ_THROUGH_BYTES, dtype=torch.uint8))  # holes land here
     views = [buffer_view(t) for t in bufs]
     scratch = len(ranks)
+    schedules: dict[Any, list[tuple[int, Runs]] | None] = {}  # per structure, offsets relative to the tensor
     for i, param in enumerate(params):
         if stop.is_set():
             return
-        runs = param_runs(param, ranks)
-        if runs is None:  # a compute step: the whole tensor, computed once for all workers
+        key = structure(param, ranks)
+        if key not in schedules:
+            runs = param_runs(param, ranks)
+            schedules[key] = None
+            if runs is not None:
+                rel = shifted(runs, -param.source.offset)
+                schedules[key] = [(k, fill_gaps(part, READ_THROUGH_BYTES, scratch)) for k, part in chunks(rel, chunk)]
+        schedule = schedules[key]
+        if schedule is None:  # a compute step: the whole tensor, computed once for all workers
             shards = shared.get(param, reader)
             for r in ranks:
                 if shards[r].numel():
                     files[r].write(buffer_view(shards[r]))
             shared.done(param)
         else:
-            for k, part in chunks(runs, chunk):
-                part = fill_gaps(part, READ_THROUGH_BYTES, scratch)
-                reader.read_runs(param.source.file, part.src, part.length, part.buf, part.dst, bufs)
+            offset = param.source.offset
+            for k, part in schedule:
+                reader.read_runs(param.source.file, part.src + offset, part.length, part.buf, part.dst, bufs)
                 size = min(chunk, param.rank_nbytes - k * chunk)
                 for j, r in enumerate(ranks):
                     files[r].write(views[j][:size])
