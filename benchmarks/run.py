@@ -10,7 +10,8 @@ with its shard_info, warm page cache, N = ``--num-shards``:
 
 1. ``load()`` (all N ranks, one process, CPU) against the copy floor (every stored tensor copied once from
    a file mapping into a fresh tensor; target <= 1.2x) and a naive loader (per rank, per tensor: full view,
-   narrow, ``.contiguous()``; target < 1x); bytes read = the checkpoint's tensor bytes (target 1x).
+   narrow, contiguous copy, a mapping per rank as in one process per rank; target < 1x); bytes read = the
+   checkpoint's tensor bytes (target 1x).
 2. ``load_rank()`` in a fresh process for each rank: bytes read (shardload's reader count) against the
    rank's shard + replicated bytes (target <= 1.05x), cross-checked with ``/proc/self/io`` rchar.
 3. ``convert --num-shards N`` against ``cp`` of the checkpoint (target <= 1.5x; ``cp`` + ``sync`` shown too,
@@ -93,16 +94,17 @@ def copy_floor(path: Path) -> list[torch.Tensor]:
 
 
 def naive_load(path: Path, shard_info: dict[str, Any], num_shards: int) -> list[dict[str, torch.Tensor]]:
-    """What vLLM-style loaders do: per rank, per tensor, a full-tensor view, ``narrow`` and a contiguous copy.
+    """What vLLM-style loaders do: per rank (each with its own mapping of the file, as each rank's process
+    has), per tensor, a full-tensor view, ``narrow`` and a contiguous copy.
 
     Fused tensors (``reorder_segments`` then ``shard_dim``) narrow each segment and concatenate. The copy
     is ``.clone()``, not ``.contiguous()``: for a dim-0 slice ``.contiguous()`` returns the view of the
     mapping itself and would read nothing (vLLM copies it into the parameter).
     """
-    mm, base, header = _mapped(path)
     params = shard_info["params"]
     result: list[dict[str, torch.Tensor]] = []
     for rank in range(num_shards):
+        mm, base, header = _mapped(path)
         out = {}
         for name, entry in header.items():
             full = _view(mm, base, entry)

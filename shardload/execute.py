@@ -108,12 +108,13 @@ def load(
 def run_plan(
     plan: ModelPlan, ranks: Sequence[int], devices: Sequence[Any], *, staged: bool = False
 ) -> list[dict[str, torch.Tensor]]:
-    """Every parameter of ``plan`` for ``ranks`` (rank ``ranks[k]`` on ``devices[k]``), reads overlapped.
+    """Every parameter of ``plan`` for ``ranks`` (rank ``ranks[k]`` on ``devices[k]``): all allocated, then read
+    by the thread pool.
 
     ``staged`` sends CPU destinations through the staging buffers too (to test that path on the CPU).
     """
     result: list[dict[str, torch.Tensor]] = [{} for _ in ranks]
-    with Reader() as reader, Transfer(reader, staged=staged) as transfer:
+    with Reader() as reader, Transfer(reader, staged=staged, defer=True) as transfer:
         for param in plan.params.values():
             for k, t in enumerate(transfer.param(param, ranks, devices)):
                 result[k][param.name] = t
