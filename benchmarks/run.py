@@ -287,7 +287,9 @@ def child_load_rank(model: str, rank: str, num_shards: str) -> None:
 
 
 def child_tp(kind: str, model: str, check: str) -> None:
-    """Under torchrun: barrier, load this rank's shard (HF tp_plan="auto" or shardload), barrier; rank 0 prints."""
+    """Under torchrun: barrier, load this rank's shard (HF tp_plan="auto" or shardload), barrier; then touch every
+    page of every local weight (HF keeps dim-0 shards as views of its file mapping, read when first touched),
+    barrier. Rank 0 prints both times."""
     import torch.distributed as dist
 
     if kind == "hf":
@@ -307,7 +309,12 @@ def child_tp(kind: str, model: str, check: str) -> None:
         loaded = shardload.load_rank(model)
     dist.barrier()
     elapsed = time.perf_counter() - t0
-    result: dict[str, Any] = {"seconds": elapsed}
+    local = loaded.state_dict().values() if kind == "hf" else loaded.values()
+    for t in local:
+        t = (t.to_local() if hasattr(t, "to_local") else t).detach().contiguous()
+        int(t.reshape(-1).view(torch.uint8)[::4096].sum())  # one byte of every page
+    dist.barrier()
+    result: dict[str, Any] = {"seconds": elapsed, "touched": time.perf_counter() - t0}
     if kind == "hf" and check == "check":
         ours = shardload.load_rank(model)
         theirs = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in loaded.state_dict().items()}
@@ -501,16 +508,24 @@ def rows_peer(hf_dir: Path, repeats: int, warmup: int) -> tuple[list[Row], dict[
         ], {}
     if checked.get("mismatch"):
         raise SystemExit(f"run.py: shardload and HF disagree on {checked['mismatch'][:3]}")
-    times: dict[str, list[float]] = {"shardload tp": [], "hf tp": []}
+    times: dict[str, list[float]] = {"shardload tp": [], "hf tp": [], "shardload tp+sum": [], "hf tp+sum": []}
     for round_ in range(warmup + repeats):
-        for kind, key in (("shardload", "shardload tp"), ("hf", "hf tp")):
-            t = torchrun(kind, hf_dir)["seconds"]
+        for kind in ("shardload", "hf"):
+            got = torchrun(kind, hf_dir)
             if round_ >= warmup:
-                times[key].append(t)
+                times[f"{kind} tp"].append(got["seconds"])
+                times[f"{kind} tp+sum"].append(got["touched"])
     best = {k: min(v) for k, v in times.items()}
     note = f"   (both hold the same {checked['compared']} tensors per rank, compared element for element)"
     rows = [
         at_most(best["shardload tp"] / best["hf tp"], 0.5, figure, *_s(best, "shardload tp", "hf tp")),
+        Row(
+            "4. same, until every page of every local weight was touched",
+            *_s(best, "shardload tp+sum", "hf tp+sum"),
+            best["shardload tp+sum"] / best["hf tp+sum"],
+            "",
+            None,
+        ),
         Row(note, "", "", None, "", None),
     ]
     return rows, times

@@ -13,6 +13,7 @@ import ctypes
 import errno
 import mmap
 import os
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -93,7 +94,7 @@ def _libc_madvise() -> Any:
     return fn
 
 
-_MADVISE = _libc_madvise() if os.uname().sysname == "Linux" else None
+_MADVISE = _libc_madvise() if sys.platform.startswith("linux") else None
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
 PAGE = mmap.PAGESIZE
 _HAVE_PREADV = hasattr(os, "preadv")
@@ -107,16 +108,11 @@ def buffer_view(t: Any) -> memoryview:
 
 
 class Reader:
-    """Open checkpoint files once and read byte runs from them into tensors, thread-safely.
+    """Open checkpoint files once and read byte runs from them into tensors, thread-safely."""
 
-    ``fast=False`` takes the portable path (``os.preadv`` over memoryviews) even where the ctypes
-    one is available; tests use it as the reference for the fast one.
-    """
-
-    def __init__(self, *, fast: bool = True) -> None:
+    def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
-        self.fast = fast and _PREADV is not None
 
     def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
@@ -145,7 +141,7 @@ class Reader:
         """Copy run i: ``length[i]`` bytes at file offset ``src[i]`` to byte ``dst[i]`` of ``buffers[buf[i]]``.
 
         Runs must be sorted by ``src``; consecutive file ranges are read with one ``preadv``.
-        ``buffers`` are contiguous CPU tensors; the caller has checked every run lies inside its buffer.
+        ``buffers`` are contiguous CPU tensors; a run outside its buffer is refused before anything is read.
         ``populate`` first maps the fresh destination pages in one call per buffer instead of one
         page fault per 4 KiB page during the copy.
         """
@@ -154,10 +150,13 @@ class Reader:
         n = len(src)
         if n == 0:
             return
+        sizes = np.array([t.numel() * t.element_size() for t in buffers], dtype=np.int64)
+        if not (bool(np.all(dst >= 0)) and bool(np.all(length > 0)) and bool(np.all(dst + length <= sizes[buf]))):
+            raise ValueError("a byte run lies outside its destination buffer")
         ends = src + length
         starts = np.flatnonzero(src[1:] != ends[:-1]) + 1
         bounds = np.concatenate(([0], starts, [n])).tolist()
-        if self.fast:
+        if _PREADV is not None:
             ptrs = np.array([t.data_ptr() for t in buffers], dtype=np.uint64)
             iov = np.empty((n, 2), dtype=np.uint64)
             iov[:, 0] = ptrs[buf] + dst.astype(np.uint64)

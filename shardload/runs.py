@@ -160,6 +160,7 @@ def param_runs(plan: ParamPlan, ranks: Sequence[int]) -> Runs | None:
             src_parts = dst_parts = len_parts = [np.zeros(0, dtype=np.int64)]
         src, dst, length = (np.concatenate(x) for x in (src_parts, dst_parts, len_parts))
         runs = Runs(src * size + plan.source.offset, length, np.full(len(src), k, dtype=np.int64), dst * size)
+        runs = runs.take(runs.length > 0)  # an empty tensor's pieces copy nothing
         _check_coverage(plan, rank, runs)
         per_rank.append(runs)
     if not per_rank:

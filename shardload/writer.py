@@ -278,6 +278,8 @@ def _write_group(
         else:
             offset = param.source.offset
             for k, part in schedule:
+                if stop.is_set():
+                    return
                 reader.read_runs(param.source.file, part.src + offset, part.length, part.buf, part.dst, bufs)
                 size = min(chunk, param.rank_nbytes - k * chunk)
                 for j, r in enumerate(ranks):

@@ -293,3 +293,24 @@ def test_converted_file_through_staging(example_dir: Path, tmp_path: Path) -> No
     assert [i.name for i in infos] == list(want)
     for info, t in zip(infos, tensors, strict=True):
         assert torch.equal(t, want[info.name]), info.name
+
+
+@pytest.mark.parametrize("threads", (1, 2))
+def test_failed_write_stops_every_worker_and_leaves_nothing(
+    example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    monkeypatch.setattr(shardload.writer, "WRITE_THREADS", threads)
+    monkeypatch.setattr(shardload.writer, "STAGE_SET_BYTES", 4096)
+    calls = []
+    write = shardload.writer._RankFile.write
+
+    def failing(self: Any, data: memoryview) -> None:
+        calls.append(1)
+        if len(calls) == 40:
+            raise OSError(28, "No space left on device", str(self.path))
+        write(self, data)
+
+    monkeypatch.setattr(shardload.writer._RankFile, "write", failing)
+    with pytest.raises((OSError, shardload.ShardloadError), match="No space left"):
+        shardload.convert(example_dir, 4, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
