@@ -1,29 +1,22 @@
-"""Checkpoint reading: safetensors headers (single file, HF indexed multi-file, converted output)
-and zero-copy access to tensor bytes through a file mapping.
+"""Checkpoint reading: safetensors headers (single file, HF indexed multi-file, converted output).
 
-Opening a checkpoint reads headers only; tensor data is touched by the executor, region by
-region, through :class:`FileMap`.
+Opening a checkpoint reads headers only; tensor bytes are read by the executor, run by run,
+through :class:`shardload.reader.Reader`.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
 import struct
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import strictjson
 from .dtypes import DTYPES, FROM_SAFETENSORS
 from .errors import CheckpointError
-
-if TYPE_CHECKING:
-    import torch
-
-    from .registry import Box
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -407,52 +400,3 @@ def _tensor_entry(path: Path, key: str, entry: Any, data_start: int, data_size: 
             f"but data_offsets span {offsets[1] - offsets[0]}"
         )
     return TensorInfo(key, dtype, tuple(shape), path, data_start + offsets[0], nbytes)
-
-
-class FileMap:
-    """Read-only, copy-on-write mappings of checkpoint files, giving zero-copy tensor views."""
-
-    def __init__(self) -> None:
-        self._maps: dict[Path, mmap.mmap] = {}
-
-    def _map(self, path: Path) -> mmap.mmap:
-        mm = self._maps.get(path)
-        if mm is None:
-            with open(path, "rb") as fh:
-                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
-            self._maps[path] = mm
-        return mm
-
-    def view(self, info: TensorInfo) -> torch.Tensor:
-        """The whole stored tensor as a tensor over the file mapping (nothing is copied yet)."""
-        import torch
-
-        from .dtypes import to_torch
-
-        dtype = to_torch(info.dtype)
-        if info.nbytes == 0:
-            return torch.empty(info.shape, dtype=dtype)
-        mm = self._map(info.file)
-        if info.offset + info.nbytes > len(mm):
-            raise CheckpointError("file is shorter than its header says (changed while loading?)", file=str(info.file))
-        raw = torch.frombuffer(mm, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
-        return raw.view(dtype).view(info.shape)
-
-    def box(self, info: TensorInfo, box: Box) -> torch.Tensor:
-        """A strided view of one box of a stored tensor (pages are read when it is copied)."""
-        return self.view(info)[tuple(slice(a, b) for a, b in box)]
-
-    def close(self) -> None:
-        """Drop the mappings; tensors still viewing them keep their pages alive."""
-        for mm in self._maps.values():
-            try:
-                mm.close()
-            except BufferError:  # a view is still alive; the mapping goes with it
-                pass
-        self._maps.clear()
-
-    def __enter__(self) -> FileMap:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

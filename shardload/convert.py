@@ -9,16 +9,14 @@ and the next convert to the same target removes what a killed one left behind.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import secrets
 import shutil
-import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from . import __version__
 from .checkpoint import (
@@ -31,23 +29,14 @@ from .checkpoint import (
     rank_file_name,
     resolve_inside,
 )
-from .dtypes import DTYPES
 from .errors import ShardloadError
-from .execute import iter_shards, layout_for, stages_of
+from .execute import layout_for, stages_of
 from .mesh import Mesh
 from .plan import ModelPlan, build_plan, resolve_shard_info
+from .writer import OutFile, OutputFile, write_rank_files
 
 Progress = Callable[[int, str], None]
 """``progress(source_bytes_done, param_name)``, called after each parameter."""
-
-
-@dataclass(frozen=True)
-class OutputFile:
-    """One file of a converted directory, as recorded in the manifest."""
-
-    path: str
-    size: int
-    sha256: str
 
 
 @dataclass(frozen=True)
@@ -60,77 +49,6 @@ class ConvertResult:
     other_files: list[OutputFile]
 
 
-def _create(path: Path) -> BinaryIO:
-    """Open a new output file for writing (every output byte goes through here)."""
-    return open(path, "xb")
-
-
-class _OutFile:
-    """An output file being written: sha256 and size kept as bytes go out, fsynced on finish."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.hash = hashlib.sha256()
-        self.size = 0
-        self.fh: BinaryIO = _create(path)
-
-    def write(self, data: bytes | memoryview) -> None:
-        try:
-            self.fh.write(data)
-        except OSError as err:
-            raise OSError(err.errno, err.strerror, str(self.path)) from None
-        self.hash.update(data)
-        self.size += len(data)
-
-    def finish(self) -> OutputFile:
-        try:
-            self.fh.flush()
-            os.fsync(self.fh.fileno())
-            self.fh.close()
-        except OSError as err:
-            raise OSError(err.errno, err.strerror, str(self.path)) from None
-        return OutputFile(self.path.name, self.size, self.hash.hexdigest())
-
-    def close(self) -> None:
-        """Close without raising (cleanup after an error; the file is deleted with the temporary directory)."""
-        try:
-            self.fh.close()
-        except OSError:
-            pass
-
-
-class _RankWriter(_OutFile):
-    """Streams one rank's safetensors file: header first (known from the plan), then tensor bytes."""
-
-    def __init__(self, path: Path, plan: ModelPlan, rank: int, stage: int = 0, stages: int = 1) -> None:
-        meta = {"format": "pt", "shardload.rank": str(rank), "shardload.num_shards": str(plan.num_shards)}
-        if stages > 1:
-            meta.update({"shardload.pp": str(stage), "shardload.num_pp": str(stages)})
-        header: dict[str, Any] = {"__metadata__": meta}
-        offset = 0
-        for p in plan.params.values():
-            header[p.name] = {
-                "dtype": DTYPES[p.dtype][0],
-                "shape": list(p.shape),
-                "data_offsets": [offset, offset + p.rank_nbytes],
-            }
-            offset += p.rank_nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        super().__init__(path)
-        self.write(struct.pack("<Q", len(raw)) + raw)
-
-    def write_tensor(self, t: Any) -> None:
-        if t.numel():
-            self.write(memoryview(t.contiguous().view(-1).view(_u8()).numpy()))
-
-
-def _u8() -> Any:
-    import torch
-
-    return torch.uint8
-
-
 def _copy_other_files(src_root: Path, dst: Path, skip: set[Path]) -> list[OutputFile]:
     """Copy the model directory's non-weight top-level files (config, tokenizer, ...)."""
     copied = []
@@ -140,7 +58,7 @@ def _copy_other_files(src_root: Path, dst: Path, skip: set[Path]) -> list[Output
         if entry.name.endswith((".safetensors", ".gguf")) or entry.name in (INDEX_NAME, MANIFEST_NAME):
             continue
         source = resolve_inside(src_root, entry.name, src_root)  # no symlink may copy files from elsewhere
-        out = _OutFile(dst / entry.name)
+        out = OutFile(dst / entry.name)
         try:
             with open(source, "rb") as fh:
                 while block := fh.read(8 << 20):
@@ -211,7 +129,7 @@ def convert(
                 "files": [f.__dict__ for f in rank_files + others],
             }
             text = json.dumps(manifest, indent=2) + "\n"
-            out_file = _OutFile(staging.dir / MANIFEST_NAME)
+            out_file = OutFile(staging.dir / MANIFEST_NAME)
             try:
                 out_file.write(text.encode())
                 out_file.finish()
@@ -242,20 +160,14 @@ def _write_ranks(stages: list[ModelPlan], tmp: Path, progress: Progress | None) 
     done = 0
     for pp, plan in enumerate(stages):
         n = plan.num_shards
-        writers: list[_RankWriter] = []
-        try:
-            for r in range(n):
-                writers.append(_RankWriter(tmp / rank_file_name(r, n, pp, len(stages)), plan, r, pp, len(stages)))
-            for param, shards in iter_shards(plan, range(n)):
-                for writer, t in zip(writers, shards, strict=True):
-                    writer.write_tensor(t)
-                done += param.source.nbytes
-                if progress is not None:
-                    progress(done, param.name)
-            files.extend(w.finish() for w in writers)
-        finally:
-            for w in writers:
-                w.close()
+        names = [tmp / rank_file_name(r, n, pp, len(stages)) for r in range(n)]
+
+        def report(source_done: int, name: str, base: int = done) -> None:
+            if progress is not None:
+                progress(base + source_done, name)
+
+        files.extend(write_rank_files(plan, names, report, stage=pp, stages=len(stages)))
+        done += sum(p.source.nbytes for p in plan.params.values())
     return files
 
 

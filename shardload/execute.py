@@ -1,8 +1,8 @@
 """Execution: run a plan's I/O and steps to produce per-rank tensors on their devices.
 
-Remap-only parameters are copied box by box straight from the file mapping into each rank's
-buffer, so a rank reads only its own bytes and every byte is read once; parameters with a
-compute step are read whole, run through their step functions, and split.
+Remap-only parameters are read run by run straight from the file into each rank's tensor
+(see :mod:`shardload.transfer`), so a rank reads only its own bytes and every byte is read once;
+parameters with a compute step are read whole, run through their step functions, and split.
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import FileMap, open_checkpoint, read_header
+from .checkpoint import open_checkpoint, read_header
 from .checkpoint import rank_file_name as rank_file_name  # re-exported: moved to checkpoint
 from .dtypes import to_torch
 from .errors import CheckpointError, PlanError, ShardloadError
 from .mesh import Mesh, MeshCoord, as_mesh, stage_plans
 from .plan import ModelPlan, ParamPlan, build_plan, resolve_shard_info
+from .reader import Reader
+from .transfer import Transfer
 from .verify import rank_file
 from .verify import sha256_file as sha256_file  # re-exported: moved to verify
 
@@ -51,32 +53,21 @@ def run_steps(plan: ParamPlan, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def materialize(plan: ParamPlan, files: FileMap, ranks: Sequence[int]) -> list[torch.Tensor]:
-    """Build this parameter's shards for ``ranks`` on the CPU (fresh, contiguous tensors)."""
-    import torch
-
-    if plan.remap:
-        out = []
-        source = files.view(plan.source)
-        for rank in ranks:
-            dst = torch.empty(plan.shape, dtype=to_torch(plan.dtype))
-            for piece in plan.pieces(rank) or ():
-                region = dst[tuple(slice(a, b) for a, b in piece.dst)]
-                region.copy_(source[tuple(slice(a, b) for a, b in piece.src)].reshape(region.shape))
-            out.append(dst)
-        return out
-    full = run_steps(plan, files.view(plan.source))
-    return [full[rank].clone(memory_format=torch.contiguous_format) for rank in ranks]
+def materialize(plan: ParamPlan, files: Reader, ranks: Sequence[int]) -> list[torch.Tensor]:
+    """Build this parameter's shards for ``ranks`` on the CPU (fresh, contiguous tensors), reading synchronously."""
+    with Transfer(files, threads=0) as transfer:
+        shards = transfer.param(plan, ranks)
+        transfer.wait()
+    return shards
 
 
 def iter_shards(plan: ModelPlan, ranks: Sequence[int]) -> Iterator[tuple[ParamPlan, list[torch.Tensor]]]:
-    """Stream ``(param plan, shards for ranks)`` one parameter at a time, in checkpoint order."""
-    files = FileMap()
-    try:
+    """Stream ``(param plan, shards for ranks)`` one parameter at a time, in checkpoint order, on the CPU."""
+    with Reader() as reader, Transfer(reader) as transfer:
         for param in plan.params.values():
-            yield param, materialize(param, files, ranks)
-    finally:
-        files.close()
+            shards = transfer.param(param, ranks)
+            transfer.wait()
+            yield param, shards
 
 
 def default_devices(num_shards: int) -> list[str]:
@@ -86,25 +77,6 @@ def default_devices(num_shards: int) -> list[str]:
     if torch.cuda.is_available() and torch.cuda.device_count() >= num_shards:
         return [f"cuda:{r}" for r in range(num_shards)]
     return ["cpu"] * num_shards
-
-
-def _to_device(t: torch.Tensor, device: Any) -> torch.Tensor:
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cpu":
-        return t
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def _sync(devices: Sequence[Any]) -> None:
-    import torch
-
-    for d in {str(d) for d in devices}:
-        if torch.device(d).type == "cuda":
-            torch.cuda.synchronize(d)
 
 
 def load(
@@ -143,12 +115,29 @@ def load(
     plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, layout.tp)
     result: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
     for pp, stage in enumerate(stages_of(plan, layout)):
-        for param, shards in iter_shards(stage, range(layout.tp)):
-            for tp, t in enumerate(shards):
-                for dp in range(layout.dp):
-                    rank = layout.rank(dp, pp, tp)
-                    result[rank][param.name] = _to_device(t if dp == 0 else t.clone(), devices[rank])
-    _sync(devices)
+        first = [layout.rank(0, pp, tp) for tp in range(layout.tp)]
+        for tp, state in enumerate(run_plan(stage, range(layout.tp), [devices[r] for r in first])):
+            result[first[tp]] = state
+            for dp in range(1, layout.dp):  # data-parallel replicas: the same tensors, copied
+                rank = layout.rank(dp, pp, tp)
+                result[rank] = {k: t.to(devices[rank], copy=True) for k, t in state.items()}
+    return result
+
+
+def run_plan(
+    plan: ModelPlan, ranks: Sequence[int], devices: Sequence[Any], *, staged: bool = False
+) -> list[dict[str, torch.Tensor]]:
+    """Every parameter of ``plan`` for ``ranks`` (rank ``ranks[k]`` on ``devices[k]``): all allocated, then read
+    by the thread pool.
+
+    ``staged`` sends CPU destinations through the staging buffers too (to test that path on the CPU).
+    """
+    result: list[dict[str, torch.Tensor]] = [{} for _ in ranks]
+    with Reader() as reader, Transfer(reader, staged=staged, defer=True) as transfer:
+        for param in plan.params.values():
+            for k, t in enumerate(transfer.param(param, ranks, devices)):
+                result[k][param.name] = t
+        transfer.wait()
     return result
 
 
@@ -240,18 +229,15 @@ def load_rank(
         return _load_converted_rank(checkpoint, layout, coord, device, verify)
     plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, layout.tp)
     stage = stages_of(plan, layout)[coord.pp]
-    out = {param.name: _to_device(shards[0], device) for param, shards in iter_shards(stage, [coord.tp])}
-    _sync([device])
-    return out
+    return run_plan(stage, [coord.tp], [device])[0]
 
 
 def _load_converted_rank(
     checkpoint: Checkpoint, layout: Mesh, coord: MeshCoord, device: Any, verify: bool
 ) -> dict[str, torch.Tensor]:
     path = rank_file(checkpoint, coord.tp, layout, stage=coord.pp, checksum=verify)
-    out = {}
-    with FileMap() as files:
-        for tname, info in read_header(path).items():
-            out[tname] = _to_device(files.view(info).clone(), device)
-    _sync([device])
-    return out
+    infos = list(read_header(path).values())
+    with Reader() as reader, Transfer(reader) as transfer:
+        tensors = transfer.tensors(infos, device)
+        transfer.wait()
+    return {info.name: t for info, t in zip(infos, tensors, strict=True)}

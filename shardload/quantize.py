@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import INDEX_NAME, MANIFEST_NAME, SHARD_INFO_NAME, FileMap, open_checkpoint, read_config
+from .checkpoint import INDEX_NAME, MANIFEST_NAME, SHARD_INFO_NAME, open_checkpoint, read_config
 from .errors import ShardloadError
 from .format import ShardInfo
 from .placement import Header
 from .quant_plan import quantized_shard_info
+from .reader import Reader
 
 if TYPE_CHECKING:
     import torch
@@ -110,19 +111,19 @@ def quantize(
     tmp = out.parent / f".{out.name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        with FileMap() as files:
+        with Reader() as files:
             tensors: dict[str, torch.Tensor] = {}
             for name, t in checkpoint.tensors.items():
                 reason = _skip_reason(name, t.shape, t.dtype, spec, ignore)
                 if reason is None:
                     module = name.removesuffix(".weight")
-                    for suffix, q in quantize_weight(files.view(t), spec).items():
+                    for suffix, q in quantize_weight(files.tensor(t), spec).items():
                         tensors[f"{module}.{suffix}"] = q
                     result.quantized.append(module)
                     continue
                 if len(t.shape) == 2 and name.endswith(".weight"):
                     result.skipped[name.removesuffix(".weight")] = reason
-                tensors[name] = files.view(t)
+                tensors[name] = files.tensor(t)
             _save(tensors, tmp / "model.safetensors")
             qconfig = quantization_config(spec, sorted(result.skipped))
             (tmp / "config.json").write_text(json.dumps({**config, "quantization_config": qconfig}, indent=2) + "\n")

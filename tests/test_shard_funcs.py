@@ -17,11 +17,12 @@ import torch
 
 import reference as ref
 from conftest import random_array, write_model
-from shardload.checkpoint import FileMap, open_checkpoint
+from shardload.checkpoint import open_checkpoint
 from shardload.errors import PlanError
 from shardload.execute import materialize, run_steps
 from shardload.format import ShardInfo
 from shardload.plan import build_plan
+from shardload.reader import Reader
 
 NS = (1, 2, 3, 4, 8)
 
@@ -147,7 +148,7 @@ def test_step_chain_matches_reference(tmp_path: Path, name: str, n: int) -> None
     param = plan.params["w"]
     assert param.remap
     want = ref.rank_slices(x, ref_steps, n)
-    with FileMap() as files:
+    with Reader() as files:
         boxes = materialize(param, files, range(n))
     functional = run_steps(param, torch.from_numpy(x.copy()))
     for r in range(n):

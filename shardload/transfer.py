@@ -1,0 +1,317 @@
+"""Moving tensor bytes from checkpoint files into per-rank tensors on their devices.
+
+CPU tensors are read into directly: a parameter's byte runs are scattered by ``preadv`` into every
+requested rank's tensor, in jobs of ``JOB_BYTES`` spread over a small thread pool, and bytes that
+several ranks hold (replicated parts) are read once and copied. Device tensors are filled through a
+few reusable staging buffers (page-locked for CUDA): a thread reads a chunk into a free buffer set,
+queues non-blocking copies on a side stream per device, and the set is reused once the event
+recorded behind those copies has completed, so reading overlaps copying.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .dtypes import to_torch
+from .reader import Reader
+
+if TYPE_CHECKING:
+    import torch
+
+    from .checkpoint import TensorInfo
+    from .plan import ParamPlan
+    from .runs import Copies, Runs
+
+JOB_BYTES = 8 << 20
+"""Bytes per thread-pool read job."""
+STAGE_BYTES = 16 << 20
+"""Bytes per staging buffer; ``threads + 1`` of them cycle between reads and uploads."""
+STAGE_MIN_SLICE = 64 << 10
+"""Rank tensors share a staging buffer in slices of at least this many bytes each."""
+READ_THREADS = max(1, min(4, os.cpu_count() or 1))
+"""Reader threads: page-cache copies scale with cores until memory bandwidth is the bound."""
+
+
+@dataclass
+class _Schedule:
+    """How one parameter's runs are read: direct jobs into CPU tensors, staged batches for the others, and the
+    copies that replace re-reads. File offsets are relative to the stored tensor, so parameters of the same
+    structure (every layer of a model) share one schedule."""
+
+    jobs: list[Runs] = field(default_factory=list)
+    batches: list[tuple[Runs, list[tuple[int, int, int, int]]]] = field(default_factory=list)
+    copies: list[Copies] = field(default_factory=list)
+
+
+class Transfer:
+    """Start reads of parameters into tensors; :meth:`wait` finishes them. One per load.
+
+    ``threads=0`` reads synchronously in the calling thread. ``staged`` routes CPU destinations
+    through the staging buffers too (tests compare that path against the direct one). ``defer`` holds
+    every read until :meth:`wait`: allocating destinations while other threads fault pages in slows
+    both, so a whole-model load allocates first, then reads at full speed.
+    """
+
+    def __init__(
+        self, reader: Reader, *, threads: int | None = None, staged: bool = False, defer: bool = False
+    ) -> None:
+        self.reader = reader
+        self.threads = READ_THREADS if threads is None else threads
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardload-read") if self.threads else None
+        self.stage_cpu = staged
+        self.futures: list[Future[None]] = []
+        self.copies: list[tuple[Copies, list[torch.Tensor]]] = []
+        self.staging: _Staging | None = None
+        self.schedules: dict[Any, _Schedule | None] = {}
+        self.held: list[Callable[[], None]] | None = [] if defer else None
+
+    def _submit(self, fn: Callable[[], None]) -> None:
+        if self.held is not None:
+            self.held.append(fn)
+        elif self.pool is None:
+            fn()
+        else:
+            self.futures.append(self.pool.submit(fn))
+
+    def param(self, plan: ParamPlan, ranks: Sequence[int], devices: Sequence[Any] | None = None) -> list[torch.Tensor]:
+        """``plan``'s tensors for ``ranks`` (rank ``ranks[k]`` on ``devices[k]``, default CPU), being filled."""
+        import torch
+
+        from .runs import param_runs, shifted, structure
+
+        devs = [torch.device("cpu")] * len(ranks) if devices is None else [torch.device(d) for d in devices]
+        key = (structure(plan, ranks), tuple(devs))
+        if key in self.schedules:
+            schedule = self.schedules[key]
+        else:
+            runs = param_runs(plan, ranks)
+            sizes = [plan.rank_nbytes] * len(ranks)
+            rel = None if runs is None else shifted(runs, -plan.source.offset)
+            schedule = self.schedules[key] = None if rel is None else self._schedule(rel, sizes, devs)
+        if schedule is None:  # a compute step: read the tensor whole, run the steps, split
+            from .execute import run_steps
+
+            full = torch.empty(plan.source.shape, dtype=to_torch(plan.source.dtype))
+            self.reader.read_tensor(plan.source.file, plan.source.offset, full)
+            out = run_steps(plan, full)
+            return [out[r].to(d, copy=True, memory_format=torch.contiguous_format) for r, d in zip(ranks, devs)]  # noqa: B905
+        dests = [torch.empty(plan.shape, dtype=to_torch(plan.dtype), device=d) for d in devs]
+        self._start(plan.source.file, plan.source.offset, schedule, dests)
+        return dests
+
+    def tensors(self, infos: Sequence[TensorInfo], device: Any) -> list[torch.Tensor]:
+        """Whole stored tensors of one file on ``device``, being filled (neighbours share a ``preadv``)."""
+        import numpy as np
+        import torch
+
+        from .runs import Runs
+
+        dests = [torch.empty(t.shape, dtype=to_torch(t.dtype), device=device) for t in infos]
+        keep = [k for k, t in enumerate(infos) if t.nbytes]
+        if keep:
+            runs = Runs(
+                np.array([infos[k].offset for k in keep], dtype=np.int64),
+                np.array([infos[k].nbytes for k in keep], dtype=np.int64),
+                np.array(keep, dtype=np.int64),
+                np.zeros(len(keep), dtype=np.int64),
+            )
+            runs = runs.take(np.argsort(runs.src, kind="stable"))
+            schedule = self._schedule(runs, [t.nbytes for t in infos], [d.device for d in dests])
+            self._start(infos[keep[0]].file, 0, schedule, dests)
+        return dests
+
+    def _schedule(self, runs: Runs, sizes: list[int], devices: Sequence[Any]) -> _Schedule:
+        """Split ``runs`` (sorted by file offset) between direct reads into CPU tensors and staged ones."""
+        import numpy as np
+
+        direct_buf = np.array([d.type == "cpu" and not self.stage_cpu for d in devices], dtype=bool)
+        direct = direct_buf[runs.buf] if len(runs) else np.zeros(0, dtype=bool)
+        schedule = _Schedule()
+        if direct.any():
+            self._plan_direct(runs.take(direct) if not direct.all() else runs, schedule)
+        if not direct.all():
+            self._plan_staged(runs.take(~direct) if direct.any() else runs, sizes, schedule)
+        return schedule
+
+    def _plan_direct(self, runs: Runs, schedule: _Schedule) -> None:
+        from .runs import dedupe, jobs, split
+
+        reads, copies = dedupe(runs)
+        reads = split(reads, JOB_BYTES)
+        schedule.jobs += [reads.take(part) for part in jobs(reads, JOB_BYTES)]
+        if len(copies):
+            schedule.copies.append(copies)
+
+    def _plan_staged(self, runs: Runs, sizes: list[int], schedule: _Schedule) -> None:
+        import numpy as np
+
+        from .runs import Runs, chunks, dedupe
+
+        size = STAGE_BYTES
+        reads, copies = dedupe(runs)
+        if len(copies):
+            schedule.copies.append(copies)
+        if len(set(sizes)) == 1 and size // len(sizes) >= STAGE_MIN_SLICE:
+            # rank tensors: batch k holds bytes [k c, (k+1) c) of every tensor, tensor b at b c, so the
+            # row parts of a column slice arrive in one pass over the file
+            c = size // len(sizes)
+            for k, part in chunks(reads, c):
+                lo = k * c
+                ups = [(b * c, b, lo, min(lo + c, sizes[b])) for b in sorted(set(part.buf.tolist()))]
+                schedule.batches.append((Runs(part.src, part.length, part.buf * 0, part.buf * c + part.dst), ups))
+            return
+        base = np.concatenate(([0], np.cumsum(sizes)))  # tensors of any sizes, laid end to end
+        starts = base.tolist()
+        flat = Runs(reads.src, reads.length, reads.buf * 0, base[reads.buf] + reads.dst)
+        for k, part in chunks(flat, size):
+            lo, hi = k * size, (k + 1) * size
+            ups = []
+            last = min(len(sizes), int(np.searchsorted(base, hi, "left")))
+            for b in range(int(np.searchsorted(base, lo, "right")) - 1, last):
+                a, z = max(lo, starts[b]), min(hi, starts[b + 1])
+                if z > a:
+                    ups.append((a - lo, b, a - starts[b], z - starts[b]))
+            schedule.batches.append((part, ups))
+
+    def _start(self, path: Path, offset: int, schedule: _Schedule, dests: list[torch.Tensor]) -> None:
+        """Submit ``schedule``'s reads of the tensor at ``offset`` of ``path`` into ``dests``."""
+        for job in schedule.jobs:
+            self._submit(
+                lambda r=job: self.reader.read_runs(path, r.src + offset, r.length, r.buf, r.dst, dests, populate=True)
+            )
+        if schedule.batches:
+            if self.staging is None:
+                pin = any(t.device.type == "cuda" for t in dests)
+                self.staging = _Staging(STAGE_BYTES, max(2, self.threads + 1), pin=pin)
+            staging = self.staging
+            for part, ups in schedule.batches:
+
+                def batch(part: Runs = part, ups: list[tuple[int, int, int, int]] = ups) -> None:
+                    buf = staging.acquire()
+                    try:
+                        self.reader.read_runs(path, part.src + offset, part.length, part.buf, part.dst, [buf])
+                        for at, b, lo, hi in ups:
+                            staging.upload(buf, at, dests[b], lo, hi)
+                    finally:
+                        staging.release(buf)
+
+                self._submit(batch)
+        for copies in schedule.copies:
+            self.copies.append((copies, dests))
+
+    def wait(self) -> None:
+        """Finish every started read, device upload and copy (re-raising the first failure)."""
+        if self.held:
+            held, self.held = self.held, None
+            for fn in held:
+                self._submit(fn)
+            self.held = []
+        futures, self.futures = self.futures, []
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            for f in futures:
+                if not f.cancelled():
+                    f.exception()
+            raise
+        if self.staging is not None:
+            self.staging.sync()
+        copies, self.copies = self.copies, []
+        for c, dests in copies:
+            _apply_copies(c, dests)
+
+    def close(self) -> None:
+        """Stop the pool: jobs not started are cancelled, running ones finish."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+        if self.staging is not None:
+            self.staging.sync()
+
+    def __enter__(self) -> Transfer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _apply_copies(copies: Copies, dests: list[torch.Tensor]) -> None:
+    """Copy bytes one rank's tensor already holds into another's (replicated parts, read once)."""
+    import torch
+
+    flat = [t.reshape(-1).view(torch.uint8) for t in dests]
+    rows = zip(
+        copies.from_buf.tolist(), copies.from_dst.tolist(), copies.buf.tolist(), copies.dst.tolist(),
+        copies.length.tolist(), strict=True,
+    )  # fmt: skip
+    for a, a_off, b, b_off, n in rows:
+        flat[b][b_off : b_off + n].copy_(flat[a][a_off : a_off + n])
+
+
+class _Staging:
+    """A few host buffers of ``size`` bytes (page-locked with ``pin``) cycled between reads and uploads."""
+
+    def __init__(self, size: int, depth: int, *, pin: bool) -> None:
+        import torch
+
+        self.pin = pin
+        self.free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self.events: dict[int, list[Any]] = {}
+        self.streams: dict[Any, Any] = {}
+        self.lock = threading.Lock()
+        for _ in range(depth):
+            self.free.put(torch.empty(size, dtype=torch.uint8, pin_memory=pin))
+
+    def acquire(self) -> torch.Tensor:
+        """A free buffer whose earlier uploads have completed."""
+        buf = self.free.get()
+        with self.lock:
+            events = self.events.pop(buf.data_ptr(), [])
+        for event in events:
+            event.synchronize()
+        return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Hand a buffer back (its uploads may still be in flight: their events guard its reuse)."""
+        self.free.put(buf)
+
+    def _stream(self, device: Any) -> Any:
+        import torch
+
+        with self.lock:
+            stream = self.streams.get(device)
+            if stream is None:
+                stream = self.streams[device] = torch.cuda.Stream(device=device)
+            return stream
+
+    def upload(self, buf: torch.Tensor, offset: int, dest: torch.Tensor, lo: int, hi: int) -> None:
+        """Copy ``hi - lo`` bytes at ``offset`` of ``buf`` to bytes ``[lo, hi)`` of ``dest``."""
+        import torch
+
+        dst = dest.reshape(-1).view(torch.uint8)[lo:hi]
+        src = buf[offset : offset + hi - lo]
+        if dst.device.type == "cuda" and self.pin:
+            stream = self._stream(dst.device)
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            with self.lock:
+                self.events.setdefault(buf.data_ptr(), []).append(event)
+        else:
+            dst.copy_(src)
+
+    def sync(self) -> None:
+        """Wait for every upload issued so far."""
+        for stream in self.streams.values():
+            stream.synchronize()

@@ -1,0 +1,310 @@
+"""Writing the rank files of a converted directory, streamed through small per-thread buffers.
+
+Each rank's safetensors header is known from the plan and written first. The ranks are split into
+groups, one per worker thread, and each worker streams its ranks' bytes in chunks: scatter-read from
+the checkpoint (``preadv``, reading through small holes), write and feed each file's
+sha256 while the chunk is still in cache. Workers never wait for each other, so hashing (the bulk of
+the work) spreads over the cores. Writeback is started as data is written (``sync_file_range`` where
+the platform has it), and each file is fsynced at the end. Memory stays at a few MiB per worker,
+whatever the size of the model (compute-step parameters are held whole, once, while written).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import queue
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from .dtypes import DTYPES, to_torch
+from .reader import Reader, buffer_view
+
+if TYPE_CHECKING:
+    import torch
+
+    from .plan import ModelPlan, ParamPlan
+
+STAGE_SET_BYTES = 2 << 20
+"""Bytes of one worker's buffers: one per rank of its group, of ``STAGE_CHUNK_LIMITS`` bytes each."""
+STAGE_CHUNK_LIMITS = (128 << 10, 1 << 20)
+READ_THROUGH_BYTES = 256 << 10
+"""Holes up to this size between a worker's runs are read through (into a scratch buffer)."""
+WRITE_THREADS = max(1, min(8, os.cpu_count() or 1))
+"""Writer threads, each with its own group of ranks (hashing is the bulk of the work)."""
+WRITEBACK_BYTES = 16 << 20
+"""Start writeback of a file each time this many more bytes have been written to it."""
+SYNC_FILE_RANGE_WRITE = 2
+
+
+@dataclass(frozen=True)
+class OutputFile:
+    """A finished output file, as the manifest records it: name in the directory, size and sha256."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+def rank_header(plan: ModelPlan, rank: int, stage: int = 0, stages: int = 1) -> bytes:
+    """The safetensors header of ``rank``'s file (length prefix included, padded to 8 bytes).
+
+    Its metadata names the rank and N (and the pipeline stage when there are several), so a renamed
+    file is caught.
+    """
+    meta = {"format": "pt", "shardload.rank": str(rank), "shardload.num_shards": str(plan.num_shards)}
+    if stages > 1:
+        meta.update({"shardload.pp": str(stage), "shardload.num_pp": str(stages)})
+    header: dict[str, Any] = {"__metadata__": meta}
+    offset = 0
+    for p in plan.params.values():
+        header[p.name] = {
+            "dtype": DTYPES[p.dtype][0],
+            "shape": list(p.shape),
+            "data_offsets": [offset, offset + p.rank_nbytes],
+        }
+        offset += p.rank_nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _libc_sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+
+
+def _create(path: Path) -> BinaryIO:
+    """Open a new output file for unbuffered writing (every output byte of a convert goes through here)."""
+    return open(path, "xb", buffering=0)
+
+
+class OutFile:
+    """One output file: appended to by one task at a time, hashed as written, fsynced on finish."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.hash = hashlib.sha256()
+        self.size = 0
+        self.flushed = 0
+        try:
+            self.fh: BinaryIO | None = _create(path)
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, str(path)) from None
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Append ``data`` to the file and add it to the hash."""
+        assert self.fh is not None
+        view = memoryview(data).cast("B")
+        try:
+            while len(view):
+                done = self.fh.write(view)
+                view = view[done or 0 :]
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, str(self.path)) from None
+        self.hash.update(data)
+        self.size += memoryview(data).nbytes
+        if _SYNC_FILE_RANGE is not None and self.size - self.flushed >= WRITEBACK_BYTES:
+            _SYNC_FILE_RANGE(self.fh.fileno(), self.flushed, self.size - self.flushed, SYNC_FILE_RANGE_WRITE)
+            self.flushed = self.size
+
+    def finish(self) -> OutputFile:
+        """Flush the file to stable storage and close it."""
+        assert self.fh is not None
+        try:
+            self.fh.flush()
+            os.fsync(self.fh.fileno())
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, str(self.path)) from None
+        self.close()
+        return OutputFile(self.path.name, self.size, self.hash.hexdigest())
+
+    def close(self) -> None:
+        """Close without raising (after an error the file is removed with its directory)."""
+        if self.fh is not None:
+            try:
+                self.fh.close()
+            except OSError:
+                pass
+            self.fh = None
+
+
+class _Shared:
+    """Results of compute-step parameters, computed once and handed to every worker that needs them."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.lock = threading.Lock()
+        self.entries: dict[str, list[Any]] = {}  # name -> [lock, shards or None, workers left]
+
+    def get(self, param: ParamPlan, reader: Reader) -> list[torch.Tensor]:
+        """The parameter's per-rank shards (contiguous CPU tensors)."""
+        import torch
+
+        from .execute import run_steps
+
+        with self.lock:
+            entry = self.entries.setdefault(param.name, [threading.Lock(), None, self.workers])
+        with entry[0]:
+            if entry[1] is None:
+                full = torch.empty(param.source.shape, dtype=to_torch(param.source.dtype))
+                reader.read_tensor(param.source.file, param.source.offset, full)
+                out = run_steps(param, full)
+                entry[1] = [out[r].contiguous() for r in range(param.num_shards)]
+            return entry[1]
+
+    def done(self, param: ParamPlan) -> None:
+        """One worker is finished with the parameter; the last one frees it."""
+        with self.lock:
+            entry = self.entries[param.name]
+            entry[2] -= 1
+            if entry[2] == 0:
+                del self.entries[param.name]
+
+
+def write_rank_files(
+    plan: ModelPlan,
+    names: list[Path],
+    progress: Callable[[int, str], None] | None = None,
+    *,
+    threads: int | None = None,
+    stage: int = 0,
+    stages: int = 1,
+) -> list[OutputFile]:
+    """Write rank r's safetensors file to ``names[r]`` for every rank of ``plan``; new files only.
+
+    The ranks are split into one group per worker thread; each worker streams its ranks' bytes through
+    its own small buffers: read (through small holes, so a column slice costs one call per chunk, not
+    per row), write, hash. ``progress(source_bytes_done, param_name)`` is called after each parameter.
+    """
+    n = plan.num_shards
+    workers = max(1, min(threads or WRITE_THREADS, n))
+    groups = [list(range(n))[w * n // workers : (w + 1) * n // workers] for w in range(workers)]
+    files: list[OutFile] = []
+    results: list[OutputFile | None] = [None] * n
+    events: queue.SimpleQueue[tuple[int, int | BaseException | None]] = queue.SimpleQueue()
+    stop = threading.Event()
+    params = list(plan.params.values())
+    try:
+        for path in names:
+            files.append(OutFile(path))
+        for r, f in enumerate(files):
+            f.write(rank_header(plan, r, stage, stages))
+        with Reader() as reader:
+            shared = _Shared(workers)
+
+            def work(w: int) -> None:
+                try:
+                    _write_group(params, groups[w], files, results, reader, shared, stop, lambda i: events.put((w, i)))
+                    events.put((w, None))
+                except BaseException as err:
+                    stop.set()
+                    events.put((w, err))
+
+            pool = [threading.Thread(target=work, args=(w,), name=f"shardload-write-{w}") for w in range(workers)]
+            for t in pool:
+                t.start()
+            try:
+                _follow(events, workers, params, progress)
+            except BaseException:
+                stop.set()
+                raise
+            finally:
+                for t in pool:
+                    t.join()
+        return [r for r in results if r is not None]
+    finally:
+        for f in files:
+            f.close()
+
+
+def _follow(
+    events: queue.SimpleQueue[tuple[int, int | BaseException | None]],
+    workers: int,
+    params: list[ParamPlan],
+    progress: Callable[[int, str], None] | None,
+) -> None:
+    """Wait for the workers, reporting each parameter once every worker is past it; re-raise a failure."""
+    at = [-1] * workers
+    reported, running, source_done = -1, workers, 0
+    while running:
+        w, event = events.get()
+        if isinstance(event, BaseException):
+            raise event
+        if event is None:
+            running -= 1
+            at[w] = len(params) - 1
+        else:
+            at[w] = event
+        while reported < min(at):
+            reported += 1
+            source_done += params[reported].source.nbytes
+            if progress is not None:
+                progress(source_done, params[reported].name)
+
+
+def _write_group(
+    params: list[ParamPlan],
+    ranks: list[int],
+    files: list[OutFile],
+    results: list[OutputFile | None],
+    reader: Reader,
+    shared: _Shared,
+    stop: threading.Event,
+    passed: Callable[[int], None],
+) -> None:
+    """One worker: every parameter's bytes for ``ranks``, chunk by chunk, read, written and hashed in order."""
+    import torch
+
+    from .runs import Runs, chunks, fill_gaps, param_runs, shifted, structure
+
+    low, high = STAGE_CHUNK_LIMITS
+    chunk = min(high, max(low, STAGE_SET_BYTES // len(ranks)))
+    bufs = [torch.empty(chunk, dtype=torch.uint8) for _ in ranks]
+    bufs.append(torch.empty(READ_THROUGH_BYTES, dtype=torch.uint8))  # holes land here
+    views = [buffer_view(t) for t in bufs]
+    scratch = len(ranks)
+    schedules: dict[Any, list[tuple[int, Runs]] | None] = {}  # per structure, offsets relative to the tensor
+    for i, param in enumerate(params):
+        if stop.is_set():
+            return
+        key = structure(param, ranks)
+        if key not in schedules:
+            runs = param_runs(param, ranks)
+            schedules[key] = None
+            if runs is not None:
+                rel = shifted(runs, -param.source.offset)
+                schedules[key] = [(k, fill_gaps(part, READ_THROUGH_BYTES, scratch)) for k, part in chunks(rel, chunk)]
+        schedule = schedules[key]
+        if schedule is None:  # a compute step: the whole tensor, computed once for all workers
+            shards = shared.get(param, reader)
+            for r in ranks:
+                if shards[r].numel():
+                    files[r].write(buffer_view(shards[r]))
+            shared.done(param)
+        else:
+            offset = param.source.offset
+            for k, part in schedule:
+                if stop.is_set():
+                    return
+                reader.read_runs(param.source.file, part.src + offset, part.length, part.buf, part.dst, bufs)
+                size = min(chunk, param.rank_nbytes - k * chunk)
+                for j, r in enumerate(ranks):
+                    files[r].write(views[j][:size])
+        passed(i)
+    for r in ranks:
+        results[r] = files[r].finish()
