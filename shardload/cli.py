@@ -137,8 +137,17 @@ def convert(
         result = run_convert(model, num_shards, out_dir, shard_info, **options)
     if quiet:
         return
-    rows = [(r, f.path, human_bytes(f.size), f.size, f.sha256[:16]) for r, f in enumerate(result.rank_files)]
-    click.echo(format_table(["file #", "file", "size", "bytes", "sha256"], rows, right=(0, 2, 3)))
+    from .execute import stages_of
+
+    stages = stages_of(result.plan, result.layout)
+    rows = []
+    for i, f in enumerate(result.rank_files):
+        pp, tp = divmod(i, result.layout.tp)
+        where = (pp, tp) if len(stages) > 1 else (tp,)
+        rows.append((*where, f.path, len(stages[pp].params), human_bytes(f.size), f.size, f.sha256[:16]))
+    headers = ["pp", "rank"] if len(stages) > 1 else ["rank"]
+    right = tuple(range(len(headers))) + tuple(i + len(headers) for i in (1, 2, 3))
+    click.echo(format_table([*headers, "file", "tensors", "size", "bytes", "sha256"], rows, right=right))
     extra = f" and {len(result.other_files)} copied file(s)" if result.other_files else ""
     click.echo(f"\nwrote {len(result.rank_files)} rank files{extra} to {result.out_dir}")
 

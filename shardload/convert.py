@@ -47,6 +47,8 @@ class ConvertResult:
     plan: ModelPlan
     rank_files: list[OutputFile]
     other_files: list[OutputFile]
+    layout: Mesh
+    """The mesh written for (``tp`` = num_shards; one stage unless converted with a pipeline mesh)."""
 
 
 def _copy_other_files(src_root: Path, dst: Path, skip: set[Path]) -> list[OutputFile]:
@@ -143,7 +145,7 @@ def convert(
             f"{what}: {err.strerror or err}{code}; nothing was put in place and the partial output was removed",
             file=str(out),
         ) from None
-    return ConvertResult(out, plan, rank_files, others)
+    return ConvertResult(out, plan, rank_files, others, layout)
 
 
 def _mesh_record(layout: Mesh, stages: list[ModelPlan]) -> dict[str, Any] | None:
