@@ -102,7 +102,7 @@ def test_example_model_every_path(
 
 
 def _parallel_model(directory: Path) -> Path:
-    """Row-parallel, column-parallel, fused-QKV, replicated and empty parameters, random float16 data."""
+    """Row-parallel, column-parallel, fused-QKV, replicated, empty and 0-d parameters, random data."""
     rng = np.random.default_rng(11)
     tensors = {
         "row": random_array(rng, (64, 96), "float16"),
@@ -110,6 +110,7 @@ def _parallel_model(directory: Path) -> Path:
         "qkv": random_array(rng, ((8 + 4 + 4) * 4, 64), "float16"),
         "norm": random_array(rng, (96,), "float16"),
         "empty": np.zeros((0, 8), dtype=np.float16),
+        "scale": np.array(rng.standard_normal(), dtype=np.float32),  # 0-d
     }
     info = {
         "version": 1,
