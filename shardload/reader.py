@@ -15,7 +15,7 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,33 +71,25 @@ def count_reads() -> Iterator[ReadCount]:
         _count = outer
 
 
-def _libc_preadv() -> Any:
-    """The C library's ``preadv`` with its argument types, or None where ctypes cannot reach it."""
+def libc_function(pick: Callable[[Any], Any], argtypes: list[Any], restype: Any) -> Any:
+    """The C library function ``pick`` takes from libc (``lambda libc: libc.preadv``), typed; None where absent."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.preadv
+        fn = pick(ctypes.CDLL(None, use_errno=True))
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
-    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = argtypes
+    fn.restype = restype
     return fn
 
 
-_PREADV = _libc_preadv()
-
-
-def _libc_madvise() -> Any:
-    """The C library's ``madvise``, or None."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _libc_madvise() if sys.platform.startswith("linux") else None
+_PREADV = libc_function(
+    lambda libc: libc.preadv, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64], ctypes.c_ssize_t
+)
+_MADVISE = (
+    libc_function(lambda libc: libc.madvise, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
+    if sys.platform.startswith("linux")
+    else None
+)
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
 PAGE = mmap.PAGESIZE
 _HAVE_PREADV = hasattr(os, "preadv")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from .dtypes import DTYPES, to_torch
-from .reader import Reader, buffer_view
+from .reader import Reader, buffer_view, libc_function
 
 if TYPE_CHECKING:
     import torch
@@ -75,17 +75,9 @@ def rank_header(plan: ModelPlan, rank: int, stage: int = 0, stages: int = 1) -> 
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _libc_sync_file_range() -> Any:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _libc_sync_file_range()
+_SYNC_FILE_RANGE = libc_function(
+    lambda libc: libc.sync_file_range, [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int
+)
 
 
 def _create(path: Path) -> BinaryIO:
