@@ -3,9 +3,11 @@
 CPU tensors are read into directly: a parameter's byte runs are scattered by ``preadv`` into every
 requested rank's tensor, in jobs of ``JOB_BYTES`` spread over a small thread pool, and bytes that
 several ranks hold (replicated parts) are read once and copied. Device tensors are filled through a
-few reusable staging buffers (page-locked for CUDA): a thread reads a chunk into a free buffer set,
-queues non-blocking copies on a side stream per device, and the set is reused once the event
-recorded behind those copies has completed, so reading overlaps copying.
+few reusable staging buffers (page-locked for CUDA): a thread reads a chunk into a free buffer,
+queues non-blocking copies on a side stream per device, and the buffer is reused once the event
+recorded behind those copies has completed, so reading overlaps copying. The schedule of a
+parameter (its jobs, staging batches and copies) is computed once per parameter structure and
+reused for every layer.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ STAGE_BYTES = 16 << 20
 """Bytes per staging buffer; ``threads + 1`` of them cycle between reads and uploads."""
 STAGE_MIN_SLICE = 64 << 10
 """Rank tensors share a staging buffer in slices of at least this many bytes each."""
-READ_THREADS = max(1, min(4, os.cpu_count() or 1))
+READ_THREADS = max(1, min(8, os.cpu_count() or 1))
 """Reader threads: page-cache copies scale with cores until memory bandwidth is the bound."""
 
 
