@@ -92,6 +92,11 @@ def example(out_dir: Path, overwrite: bool, multi_file: bool) -> None:
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Output directory.")
 @click.option("--shard-info", type=click.Path(path_type=Path), help="shard_info.json (default MODEL/shard_info.json).")
 @click.option("--overwrite", is_flag=True, help="Replace the output directory if it exists.")
+@click.option(
+    "--fsync/--no-fsync",
+    default=None,
+    help="Flush the output to stable storage before it appears (default: only when it replaces an existing one).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary table.")
 @_mesh_options
 @_guarded
@@ -101,6 +106,7 @@ def convert(
     out_dir: Path,
     shard_info: Path | None,
     overwrite: bool,
+    fsync: bool | None,
     quiet: bool,
     mesh: str | None,
     world_size: int | None,
@@ -116,7 +122,7 @@ def convert(
     layout = _mesh_arg(mesh, world_size, pp_layers)
     if layout is None and num_shards is None:
         raise click.UsageError("give --num-shards (or --mesh)")
-    options = {"overwrite": overwrite, "mesh": layout}
+    options = {"overwrite": overwrite, "mesh": layout, "fsync": fsync}
 
     show_bar = not quiet and sys.stderr.isatty()
     state = {"done": 0}

@@ -1,9 +1,11 @@
 """Conversion: write a pre-sharded directory (one safetensors file per rank + a manifest).
 
 Output is streamed one parameter at a time into a temporary directory next to the target
-(``.OUT.shardload-tmp-PID-XXXX``, locked while in use), checksummed while written, fsynced,
-then renamed into place: an interrupted convert never leaves a directory that looks complete,
-and the next convert to the same target removes what a killed one left behind.
+(``.OUT.shardload-tmp-PID-XXXX``, locked while in use), checksummed while written, then renamed
+into place: an interrupted convert never leaves a directory that looks complete, and the next
+convert to the same target removes what a killed one left behind. Output that replaces an existing
+directory (or any output, with ``fsync=True``) is flushed to stable storage before the rename, so
+a power loss cannot trade a complete old output for a half-written new one.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class ConvertResult:
     """The mesh written for (``tp`` = num_shards; one stage unless converted with a pipeline mesh)."""
 
 
-def _copy_other_files(src_root: Path, dst: Path, skip: set[Path]) -> list[OutputFile]:
+def _copy_other_files(src_root: Path, dst: Path, skip: set[Path], durable: bool) -> list[OutputFile]:
     """Copy the model directory's non-weight top-level files (config, tokenizer, ...)."""
     copied = []
     for entry in sorted(src_root.iterdir()):
@@ -60,7 +62,7 @@ def _copy_other_files(src_root: Path, dst: Path, skip: set[Path]) -> list[Output
         if entry.name.endswith((".safetensors", ".gguf")) or entry.name in (INDEX_NAME, MANIFEST_NAME):
             continue
         source = resolve_inside(src_root, entry.name, src_root)  # no symlink may copy files from elsewhere
-        out = OutFile(dst / entry.name)
+        out = OutFile(dst / entry.name, durable=durable)
         try:
             with open(source, "rb") as fh:
                 while block := fh.read(8 << 20):
@@ -79,6 +81,7 @@ def convert(
     *,
     mesh: Mesh | str | Mapping[str, int] | None = None,
     overwrite: bool = False,
+    fsync: bool | None = None,
     progress: Progress | None = None,
 ) -> ConvertResult:
     """Write ``model`` pre-sharded for ``num_shards`` ranks into ``out_dir``.
@@ -89,6 +92,11 @@ def convert(
     With a ``mesh`` that has ``pp`` > 1, there is one file per (pipeline stage, tensor rank),
     ``pp-SSSSS-of-PPPPP-rank-RRRRR-of-NNNNN.safetensors``, holding only that stage's
     parameters; ``dp`` replicas share files, and the manifest records the mesh.
+
+    Durability: by default (``fsync=None``) the files are fsynced only when they replace an existing
+    ``out_dir``, so the old output is never given up for one a power loss could still cut short; a new
+    output is left to the kernel's writeback, as ``cp`` does (a file cut short by a power loss fails
+    the size check every load makes). ``fsync=True`` always flushes, ``False`` never does.
 
     Example::
 
@@ -109,17 +117,19 @@ def convert(
     stages = stages_of(plan, layout)
     if checkpoint.root.resolve().is_relative_to(out.resolve()):
         raise ShardloadError("output directory is (or contains) the model directory", file=str(out))
-    if (out.exists() or out.is_symlink()) and not overwrite:
+    exists = out.exists() or out.is_symlink()
+    if exists and not overwrite:
         raise ShardloadError("output directory exists (pass --overwrite / overwrite=True to replace it)", file=str(out))
+    durable = exists if fsync is None else fsync
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with _Staging(out) as staging:
-            rank_files = _write_ranks(stages, staging.dir, progress)
+        with _Staging(out, durable) as staging:
+            rank_files = _write_ranks(stages, staging.dir, progress, durable)
             # The manifest holds the resolved shard_info; a copied shard_info.json would only mislead.
             skip = {checkpoint.default_shard_info().resolve()}
             if Path(info.source).exists():
                 skip.add(Path(info.source).resolve())
-            others = _copy_other_files(checkpoint.root, staging.dir, skip)
+            others = _copy_other_files(checkpoint.root, staging.dir, skip, durable)
             manifest = {
                 "format": MANIFEST_FORMAT,
                 "version": MANIFEST_VERSION,
@@ -131,7 +141,7 @@ def convert(
                 "files": [f.__dict__ for f in rank_files + others],
             }
             text = json.dumps(manifest, indent=2) + "\n"
-            out_file = OutFile(staging.dir / MANIFEST_NAME)
+            out_file = OutFile(staging.dir / MANIFEST_NAME, durable=durable)
             try:
                 out_file.write(text.encode())
                 out_file.finish()
@@ -156,7 +166,7 @@ def _mesh_record(layout: Mesh, stages: list[ModelPlan]) -> dict[str, Any] | None
     return {"pp": layout.pp, "tp": layout.tp, "pp_layers": counts}
 
 
-def _write_ranks(stages: list[ModelPlan], tmp: Path, progress: Progress | None) -> list[OutputFile]:
+def _write_ranks(stages: list[ModelPlan], tmp: Path, progress: Progress | None, durable: bool) -> list[OutputFile]:
     """Write every (pipeline stage, tensor rank) file; each stage's parameters are read once."""
     files: list[OutputFile] = []
     done = 0
@@ -168,7 +178,7 @@ def _write_ranks(stages: list[ModelPlan], tmp: Path, progress: Progress | None) 
             if progress is not None:
                 progress(base + source_done, name)
 
-        files.extend(write_rank_files(plan, names, report, stage=pp, stages=len(stages)))
+        files.extend(write_rank_files(plan, names, report, stage=pp, stages=len(stages), durable=durable))
         done += sum(p.source.nbytes for p in plan.params.values())
     return files
 
@@ -206,11 +216,12 @@ class _Staging:
 
     Every entry is named ``.OUT.shardload-tmp-TOKEN[.lock|.old]``. The ``.lock`` file is
     flock-ed for the convert's lifetime, so the next convert can tell a live one (refuse) from
-    the leftovers of a killed one (remove them).
+    the leftovers of a killed one (remove them). ``durable`` fsyncs the directories around the rename.
     """
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, durable: bool) -> None:
         self.out = out
+        self.durable = durable
         self.prefix = f".{out.name}{TMP_MARKER}"
         self.token = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.dir = out.parent / f"{self.prefix}{self.token}"
@@ -264,7 +275,8 @@ class _Staging:
 
     def publish(self) -> None:
         """Move the finished directory into place (an old ``out`` is moved aside first, then removed)."""
-        _fsync_dir(self.dir)
+        if self.durable:
+            _fsync_dir(self.dir)
         if self.out.exists() or self.out.is_symlink():
             trash = self.out.parent / f"{self.prefix}{self.token}.old"
             os.replace(self.out, trash)
@@ -276,4 +288,5 @@ class _Staging:
             _remove(trash)
         else:
             os.replace(self.dir, self.out)
-        _fsync_dir(self.out.parent)
+        if self.durable:
+            _fsync_dir(self.out.parent)

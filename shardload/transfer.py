@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .dtypes import to_torch
-from .reader import Reader
+from .reader import Reader, empty
 
 if TYPE_CHECKING:
     import torch
@@ -100,22 +100,21 @@ class Transfer:
         if schedule is None:  # a compute step: read the tensor whole, run the steps, split
             from .execute import run_steps
 
-            full = torch.empty(plan.source.shape, dtype=to_torch(plan.source.dtype))
+            full = empty(plan.source.shape, to_torch(plan.source.dtype))
             self.reader.read_tensor(plan.source.file, plan.source.offset, full)
             out = run_steps(plan, full)
             return [out[r].to(d, copy=True, memory_format=torch.contiguous_format) for r, d in zip(ranks, devs)]  # noqa: B905
-        dests = [torch.empty(plan.shape, dtype=to_torch(plan.dtype), device=d) for d in devs]
+        dests = [empty(plan.shape, to_torch(plan.dtype), d) for d in devs]
         self._start(plan.source.file, plan.source.offset, schedule, dests)
         return dests
 
     def tensors(self, infos: Sequence[TensorInfo], device: Any) -> list[torch.Tensor]:
         """Whole stored tensors of one file on ``device``, being filled (neighbours share a ``preadv``)."""
         import numpy as np
-        import torch
 
         from .runs import Runs
 
-        dests = [torch.empty(t.shape, dtype=to_torch(t.dtype), device=device) for t in infos]
+        dests = [empty(t.shape, to_torch(t.dtype), device) for t in infos]
         keep = [k for k, t in enumerate(infos) if t.nbytes]
         if keep:
             runs = Runs(

@@ -4,8 +4,9 @@ Each rank's safetensors header is known from the plan and written first. The ran
 groups, one per worker thread, and each worker streams its ranks' bytes in chunks: scatter-read from
 the checkpoint (``preadv``, reading through small holes), write and feed each file's
 sha256 while the chunk is still in cache. Workers never wait for each other, so hashing (the bulk of
-the work) spreads over the cores. Writeback is started as data is written (``sync_file_range`` where
-the platform has it), and each file is fsynced at the end. Memory stays at a few MiB per worker,
+the work) spreads over the cores. Durable files (see :func:`shardload.convert`'s ``fsync``) have their
+writeback started as data is written (``sync_file_range`` where the platform has it) and are fsynced
+at the end. Memory stays at a few MiB per worker,
 whatever the size of the model (compute-step parameters are held whole, once, while written).
 """
 
@@ -86,10 +87,12 @@ def _create(path: Path) -> BinaryIO:
 
 
 class OutFile:
-    """One output file: appended to by one task at a time, hashed as written, fsynced on finish."""
+    """One output file: appended to by one task at a time, hashed as written; ``durable`` ones are fsynced on
+    finish."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, durable: bool = True) -> None:
         self.path = path
+        self.durable = durable
         self.hash = hashlib.sha256()
         self.size = 0
         self.flushed = 0
@@ -110,16 +113,17 @@ class OutFile:
             raise OSError(err.errno, err.strerror, str(self.path)) from None
         self.hash.update(data)
         self.size += memoryview(data).nbytes
-        if _SYNC_FILE_RANGE is not None and self.size - self.flushed >= WRITEBACK_BYTES:
+        if self.durable and _SYNC_FILE_RANGE is not None and self.size - self.flushed >= WRITEBACK_BYTES:
             _SYNC_FILE_RANGE(self.fh.fileno(), self.flushed, self.size - self.flushed, SYNC_FILE_RANGE_WRITE)
             self.flushed = self.size
 
     def finish(self) -> OutputFile:
-        """Flush the file to stable storage and close it."""
+        """Close the file (flushed to stable storage first when ``durable``)."""
         assert self.fh is not None
         try:
             self.fh.flush()
-            os.fsync(self.fh.fileno())
+            if self.durable:
+                os.fsync(self.fh.fileno())
         except OSError as err:
             raise OSError(err.errno, err.strerror, str(self.path)) from None
         self.close()
@@ -176,12 +180,14 @@ def write_rank_files(
     threads: int | None = None,
     stage: int = 0,
     stages: int = 1,
+    durable: bool = True,
 ) -> list[OutputFile]:
     """Write rank r's safetensors file to ``names[r]`` for every rank of ``plan``; new files only.
 
     The ranks are split into one group per worker thread; each worker streams its ranks' bytes through
     its own small buffers: read (through small holes, so a column slice costs one call per chunk, not
     per row), write, hash. ``progress(source_bytes_done, param_name)`` is called after each parameter.
+    ``durable`` fsyncs every file before returning.
     """
     n = plan.num_shards
     workers = max(1, min(threads or WRITE_THREADS, n))
@@ -193,7 +199,7 @@ def write_rank_files(
     params = list(plan.params.values())
     try:
         for path in names:
-            files.append(OutFile(path))
+            files.append(OutFile(path, durable=durable))
         for r, f in enumerate(files):
             f.write(rank_header(plan, r, stage, stages))
         with Reader() as reader:

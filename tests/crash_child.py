@@ -3,7 +3,7 @@
 Protocol: one JSON job per line on stdin, one JSON result per line on stdout. The helper imports
 torch once and never runs a torch op itself, so forking it is safe and each child starts at once.
 
-A job is ``{"model", "out", "num_shards", "overwrite", "kill_at" | "kill_after_s" | none}``:
+A job is ``{"model", "out", "num_shards", "overwrite", "fsync", "kill_at" | "kill_after_s" | none}``:
 ``kill_at`` = K kills the child just before its K-th output event (a write to an output file, an
 fsync, a rename or a directory removal); ``kill_after_s`` kills it from outside after a delay; with
 neither, the child runs to the end and its event log is returned (the test picks kill points from it).
@@ -78,7 +78,9 @@ def run_job(job: dict[str, Any], log_path: str) -> dict[str, Any]:
         events: list[list[str]] = []
         try:
             events = _install_hooks(job.get("kill_at"))
-            shardload.convert(job["model"], job["num_shards"], job["out"], overwrite=job["overwrite"])
+            shardload.convert(
+                job["model"], job["num_shards"], job["out"], overwrite=job["overwrite"], fsync=job.get("fsync")
+            )
             code = 0
         except BaseException as err:
             print(f"child error: {type(err).__name__}: {err}", file=sys.stderr)

@@ -93,17 +93,21 @@ def pick(events: list[list[str]], want: Callable[[list[str]], bool], which: int 
 def test_sigkill_at_many_points(
     child: Child, example_dir: Path, tmp_path: Path, reference: dict[int, list[dict[str, torch.Tensor]]]
 ) -> None:
-    def job(name: str, overwrite: bool, **kill: Any) -> dict[str, Any]:
+    def job(name: str, overwrite: bool, fsync: bool | None = True, **kill: Any) -> dict[str, Any]:
+        """A fresh output is fsynced only on request: the kill points of a durable run are the superset."""
         out = tmp_path / name / "out"
         out.parent.mkdir()
         if overwrite:
             shardload.convert(example_dir, 4, out)  # an older complete output, for another N
-        return {"model": str(example_dir), "out": str(out), "num_shards": 2, "overwrite": overwrite, **kill}
+        return {"model": str(example_dir), "out": str(out), "num_shards": 2, "overwrite": overwrite, "fsync": fsync,
+                **kill}  # fmt: skip
 
     fresh = child(job("count-fresh", False))
-    over = child(job("count-over", True))
-    assert fresh["exit_code"] == 0 and over["exit_code"] == 0, "an unkilled run completes"
+    over = child(job("count-over", True, fsync=None))  # replacing an output fsyncs by default
+    plain = child(job("count-plain", False, fsync=None))
+    assert fresh["exit_code"] == 0 and over["exit_code"] == 0 and plain["exit_code"] == 0, "unkilled runs complete"
     ev, ev_over = fresh["events"], over["events"]
+    assert any(e[0] == "fsync" for e in ev_over) and not any(e[0] == "fsync" for e in plain["events"])
     rank_writes = [i + 1 for i, e in enumerate(ev) if e[0] == "write" and e[1].startswith("rank-")]
     replace = pick(ev, lambda e: e[0] == "replace")
     points: dict[str, dict[str, Any]] = {
@@ -128,9 +132,17 @@ def test_sigkill_at_many_points(
         points[f"random event {i}"] = {"kill_at": rng.randint(1, len(ev))}
     for frac in (0.25, 0.5, 0.75):
         points[f"timer {frac:.0%}"] = {"kill_after_s": fresh["seconds"] * frac}
+    plain_ev = plain["events"]
+    points["no fsync: rename into place"] = {"fsync": None, "kill_at": pick(plain_ev, lambda e: e[0] == "replace")}
+    points["no fsync: writing manifest"] = {
+        "fsync": None,
+        "kill_at": pick(plain_ev, lambda e: e[1:] == ["shard_manifest.json"]),
+    }
     outcomes = {}
     for i, (name, kill) in enumerate([*points.items(), *over_points.items()]):
-        result = child(job(f"kill{i}", name.startswith("overwrite"), **kill))
+        opts = dict(kill)
+        fsync = opts.pop("fsync", None if name.startswith("overwrite") else True)
+        result = child(job(f"kill{i}", name.startswith("overwrite"), fsync, **opts))
         out = Path(result["out"])
         if "kill_at" in kill:
             assert result["killed"], f"{name}: the child was not killed"
@@ -213,9 +225,31 @@ def test_failing_fsync_is_a_clear_error(example_dir: Path, tmp_path: Path, monke
 
     monkeypatch.setattr(os, "fsync", fsync)
     with pytest.raises(ShardloadError, match=r"cannot write rank-0000[01]-of-00002\.safetensors: .* \[EIO\]"):
-        shardload.convert(example_dir, 2, tmp_path / "out")
+        shardload.convert(example_dir, 2, tmp_path / "out", fsync=True)
     monkeypatch.undo()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fsync_policy(example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new output is fsynced only on request; one that replaces an existing output always is."""
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    out = tmp_path / "out"
+    runner = CliRunner()
+    assert runner.invoke(main, ["convert", str(example_dir), "-n", "2", "-o", str(out), "-q"]).exit_code == 0
+    assert synced == []
+    args = ["convert", str(example_dir), "-n", "4", "-o", str(out), "-q", "--overwrite"]
+    assert runner.invoke(main, args).exit_code == 0
+    files = len(json.loads((out / "shard_manifest.json").read_text())["files"])
+    assert len(synced) == files + 1 + 2  # every file, then the new directory before and the parent after the rename
+    synced.clear()
+    assert runner.invoke(main, [*args, "--no-fsync"]).exit_code == 0
+    assert synced == []
+    assert runner.invoke(main, ["convert", str(example_dir), "-n", "2", "-o", str(tmp_path / "b"), "-q", "--fsync"]
+                         ).exit_code == 0  # fmt: skip
+    assert len(synced) == files - 2 + 1 + 2
+    assert shardload.verify_dir(out).ok and shardload.verify_dir(tmp_path / "b").ok
 
 
 def _can_mount_tmpfs(path: Path) -> bool:
