@@ -318,7 +318,7 @@ def child_tp(kind: str, model: str, check: str) -> None:
 
         loaded: Any = AutoModelForCausalLM.from_pretrained(model, tp_plan="auto", dtype=torch.float16)
     else:
-        loaded = shardload.load_rank(model)
+        loaded = shardload.load_rank(model, mmap=kind == "shardload-mmap")
     dist.barrier()
     elapsed = time.perf_counter() - t0
     local = loaded.state_dict().values() if kind == "hf" else loaded.values()
@@ -514,9 +514,10 @@ def rows_peer(hf_dir: Path, repeats: int, warmup: int) -> tuple[list[Row], dict[
         return [Row(figure, "skipped (transformers failed)", "", None, "<= 0.5x", None)], {}, f"row 4: {err}"
     if checked.get("mismatch"):
         raise SystemExit(f"run.py: shardload and HF disagree on {checked['mismatch'][:3]}")
-    times: dict[str, list[float]] = {"shardload tp": [], "hf tp": [], "shardload tp+sum": [], "hf tp+sum": []}
+    kinds = ("shardload", "shardload-mmap", "hf")
+    times: dict[str, list[float]] = {f"{k} tp{s}": [] for k in kinds for s in ("", "+sum")}
     for round_ in range(warmup + repeats):
-        for kind in ("shardload", "hf"):
+        for kind in kinds:
             warm_page_cache(hf_dir / MODEL_FILE)
             got = torchrun(kind, hf_dir)
             if round_ >= warmup:
@@ -529,6 +530,20 @@ def rows_peer(hf_dir: Path, repeats: int, warmup: int) -> tuple[list[Row], dict[
             "4. same, until every page of every local weight was touched",
             *_s(best, "shardload tp+sum", "hf tp+sum"),
             best["shardload tp+sum"] / best["hf tp+sum"],
+            "",
+            None,
+        ),
+        Row(
+            "4. same, load_rank(mmap=True) (dim-0 shards as file views, like HF)",
+            *_s(best, "shardload-mmap tp", "hf tp"),
+            best["shardload-mmap tp"] / best["hf tp"],
+            "",
+            None,
+        ),
+        Row(
+            "4. same, mmap=True, until every page was touched",
+            *_s(best, "shardload-mmap tp+sum", "hf tp+sum"),
+            best["shardload-mmap tp+sum"] / best["hf tp+sum"],
             "",
             None,
         ),

@@ -183,7 +183,8 @@ def _write_ranks(stages: list[ModelPlan], tmp: Path, progress: Progress | None, 
     return files
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (names created or renamed in it) to stable storage."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -276,7 +277,7 @@ class _Staging:
     def publish(self) -> None:
         """Move the finished directory into place (an old ``out`` is moved aside first, then removed)."""
         if self.durable:
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         if self.out.exists() or self.out.is_symlink():
             trash = self.out.parent / f"{self.prefix}{self.token}.old"
             os.replace(self.out, trash)
@@ -289,4 +290,4 @@ class _Staging:
         else:
             os.replace(self.dir, self.out)
         if self.durable:
-            _fsync_dir(self.out.parent)
+            fsync_dir(self.out.parent)

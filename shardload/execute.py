@@ -125,15 +125,16 @@ def load(
 
 
 def run_plan(
-    plan: ModelPlan, ranks: Sequence[int], devices: Sequence[Any], *, staged: bool = False
+    plan: ModelPlan, ranks: Sequence[int], devices: Sequence[Any], *, staged: bool = False, mmap: bool = False
 ) -> list[dict[str, torch.Tensor]]:
     """Every parameter of ``plan`` for ``ranks`` (rank ``ranks[k]`` on ``devices[k]``): all allocated, then read
     by the thread pool.
 
-    ``staged`` sends CPU destinations through the staging buffers too (to test that path on the CPU).
+    ``staged`` sends CPU destinations through the staging buffers too (to test that path on the CPU);
+    ``mmap`` (one CPU rank) maps what it can instead of reading it (see :func:`load_rank`).
     """
     result: list[dict[str, torch.Tensor]] = [{} for _ in ranks]
-    with Reader() as reader, Transfer(reader, staged=staged, defer=True) as transfer:
+    with Reader() as reader, Transfer(reader, staged=staged, defer=True, mapped=mmap) as transfer:
         for param in plan.params.values():
             for k, t in enumerate(transfer.param(param, ranks, devices)):
                 result[k][param.name] = t
@@ -199,6 +200,7 @@ def load_rank(
     *,
     mesh: Any = None,
     verify: bool = False,
+    mmap: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Load only rank ``rank``'s shard of ``model`` onto ``device``, reading only the bytes it needs.
 
@@ -207,10 +209,18 @@ def load_rank(
     mapping, or a torch ``DeviceMesh`` with axes named from dp/pp/tp) ``rank`` is the global rank
     and only its pipeline stage's parameters are read. ``verify`` checks a converted file's sha256.
 
+    ``mmap=True`` (CPU only) returns every tensor that is one contiguous stretch of its file (a dim-0
+    shard, a replicated tensor, every tensor of a converted directory) as a copy-on-write view of a
+    private file mapping: no copy and no new memory, pages shared with the page cache and with other
+    processes mapping the same file; writing to such a tensor never changes the file. The rest is
+    read as usual. The files must not be truncated or rewritten in place while the views live (the
+    process would get SIGBUS), which a directory written by :func:`convert` never is.
+
     Example::
 
         state = shardload.load_rank("llama-dir", rank=1, num_shards=4, device="cuda:1")
         stage = shardload.load_rank("llama-dir", rank=5, mesh="pp=2,tp=4")   # stage 1, tp rank 1
+        cpu = shardload.load_rank("llama-tp8", rank=0, num_shards=8, mmap=True)  # views of rank 0's file
     """
     if mesh is not None:
         layout, rank = _mesh_rank(mesh, rank, num_shards)
@@ -223,21 +233,32 @@ def load_rank(
         error = CheckpointError if checkpoint.kind == "converted" else ShardloadError
         raise error(f"rank {rank} is out of range for {what}", file=str(model))
     coord = layout.coord(rank)
+    if mmap and _device_type(device) != "cpu":
+        raise ShardloadError(f"mmap=True maps files into host memory; it needs device='cpu', not {device!r}")
     if checkpoint.kind == "converted":
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
-        return _load_converted_rank(checkpoint, layout, coord, device, verify)
+        return _load_converted_rank(checkpoint, layout, coord, device, verify, mmap)
     plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, layout.tp)
     stage = stages_of(plan, layout)[coord.pp]
-    return run_plan(stage, [coord.tp], [device])[0]
+    return run_plan(stage, [coord.tp], [device], mmap=mmap)[0]
+
+
+def _device_type(device: Any) -> str:
+    import torch
+
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError):
+        return str(device)
 
 
 def _load_converted_rank(
-    checkpoint: Checkpoint, layout: Mesh, coord: MeshCoord, device: Any, verify: bool
+    checkpoint: Checkpoint, layout: Mesh, coord: MeshCoord, device: Any, verify: bool, mmap: bool
 ) -> dict[str, torch.Tensor]:
     path = rank_file(checkpoint, coord.tp, layout, stage=coord.pp, checksum=verify)
     infos = list(read_header(path).values())
-    with Reader() as reader, Transfer(reader) as transfer:
+    with Reader() as reader, Transfer(reader, mapped=mmap) as transfer:
         tensors = transfer.tensors(infos, device)
         transfer.wait()
     return {info.name: t for info, t in zip(infos, tensors, strict=True)}

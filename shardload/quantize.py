@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import INDEX_NAME, MANIFEST_NAME, SHARD_INFO_NAME, open_checkpoint, read_config
+from .convert import fsync_dir
 from .errors import ShardloadError
 from .format import ShardInfo
 from .placement import Header
@@ -273,8 +274,10 @@ def _copy_other_files(root: Path, dst: Path, skip: set[Path]) -> None:
 
 
 def _publish(tmp: Path, out: Path) -> None:
-    """Move the finished temporary directory into place, replacing an old ``out`` last."""
+    """Move the finished temporary directory into place, replacing an old ``out`` last (after flushing the new
+    one to stable storage, as :func:`shardload.convert` does, so a power loss cannot cost both)."""
     if out.exists() or out.is_symlink():
+        _fsync_tree(tmp)
         trash = out.parent / f".{out.name}{TMP_MARKER}old-{secrets.token_hex(4)}"
         os.replace(out, trash)
         os.replace(tmp, out)
@@ -282,5 +285,18 @@ def _publish(tmp: Path, out: Path) -> None:
             shutil.rmtree(trash, ignore_errors=True)
         else:
             trash.unlink()
+        fsync_dir(out.parent)
     else:
         os.replace(tmp, out)
+
+
+def _fsync_tree(path: Path) -> None:
+    """fsync every file directly in ``path``, then ``path`` itself."""
+    for entry in path.iterdir():
+        if entry.is_file() and not entry.is_symlink():
+            fd = os.open(entry, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(path)

@@ -90,33 +90,9 @@ _MADVISE = (
     if sys.platform.startswith("linux")
     else None
 )
-MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
 PAGE = mmap.PAGESIZE
-HUGE_PAGE = 2 << 20
-"""Transparent huge page size on x86-64 and (4 KiB-page) arm64; only the aligned interior of a tensor is advised."""
 _HAVE_PREADV = hasattr(os, "preadv")
-
-
-def empty(shape: Sequence[int], dtype: torch.dtype, device: Any = None) -> torch.Tensor:
-    """An uninitialised tensor to read into; on the CPU its memory is backed by huge pages where the kernel allows.
-
-    A freshly allocated tensor is mostly page faults: filling 4 KiB pages one fault at a time runs at a fraction
-    of memory bandwidth, and ``madvise(MADV_HUGEPAGE)`` (plus the populate of :meth:`Reader.read_runs`) lets the
-    kernel back it with 2 MiB pages instead. Best effort: elsewhere it is a plain ``torch.empty``.
-    """
-    import torch
-
-    out = torch.empty(tuple(shape), dtype=dtype, device=device)
-    if _MADVISE is not None and out.device.type == "cpu":
-        nbytes = out.numel() * out.element_size()
-        if nbytes >= 2 * HUGE_PAGE:
-            ptr = out.data_ptr()
-            start = -(-ptr // HUGE_PAGE) * HUGE_PAGE
-            end = (ptr + nbytes) // HUGE_PAGE * HUGE_PAGE
-            if end > start:
-                _MADVISE(start, end - start, MADV_HUGEPAGE)  # EINVAL without THP support: 4 KiB pages, as before
-    return out
 
 
 def buffer_view(t: Any) -> memoryview:
@@ -274,10 +250,11 @@ class Reader:
 
     def tensor(self, info: TensorInfo) -> torch.Tensor:
         """The whole stored tensor ``info``, read into a fresh CPU tensor."""
+        import torch
 
         from .dtypes import to_torch
 
-        out = empty(info.shape, to_torch(info.dtype))
+        out = torch.empty(info.shape, dtype=to_torch(info.dtype))
         self.read_tensor(info.file, info.offset, out)
         return out
 
@@ -293,6 +270,52 @@ class Reader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Mappings:
+    """Private (copy-on-write) mappings of checkpoint files, one per file, for tensors returned as views.
+
+    A view costs no copy and no fresh memory: its pages are the page cache's own until written to, and a
+    write changes only this process's copy, never the file. The mapping lives as long as any view of it.
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, mmap.mmap | None] = {}
+        self._lock = threading.Lock()
+
+    def _map(self, path: Path) -> mmap.mmap | None:
+        with self._lock:
+            if path not in self._maps:
+                try:
+                    with open(path, "rb") as fh:
+                        self._maps[path] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+                except (OSError, ValueError):  # an empty file, or one that cannot be mapped: read it instead
+                    self._maps[path] = None
+            return self._maps[path]
+
+    def tensor(self, path: Path, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
+        """The ``shape``/``dtype`` tensor stored at ``offset`` of ``path`` as a view of its mapping (None where it
+        cannot be one: empty, misaligned, or the file cannot be mapped)."""
+        import torch
+
+        size = torch.empty((), dtype=dtype).element_size()
+        nbytes = size
+        for n in shape:
+            nbytes *= n
+        if nbytes == 0 or offset % size:
+            return None
+        mm = self._map(path)
+        if mm is None:
+            return None
+        if offset + nbytes > len(mm):
+            raise CheckpointError("file is shorter than its header says (changed while loading?)", file=str(path))
+        raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
+        return raw.view(dtype).view(tuple(shape))
+
+    def close(self) -> None:
+        """Drop this object's references (each mapping stays while a view of it lives)."""
+        with self._lock:
+            self._maps.clear()
 
 
 def _populate(ptrs: np.ndarray, buf: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:

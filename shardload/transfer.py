@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .dtypes import to_torch
-from .reader import Reader, empty
+from .reader import Mappings, Reader
 
 if TYPE_CHECKING:
     import torch
@@ -58,13 +58,23 @@ class Transfer:
     ``threads=0`` reads synchronously in the calling thread. ``staged`` routes CPU destinations
     through the staging buffers too (tests compare that path against the direct one). ``defer`` holds
     every read until :meth:`wait`: allocating destinations while other threads fault pages in slows
-    both, so a whole-model load allocates first, then reads at full speed.
+    both, so a whole-model load allocates first, then reads at full speed. ``mapped`` returns a single
+    rank's CPU tensor that is one contiguous stretch of its file as a view of a private file mapping
+    instead of reading it (see :class:`~shardload.reader.Mappings`).
     """
 
     def __init__(
-        self, reader: Reader, *, threads: int | None = None, staged: bool = False, defer: bool = False
+        self,
+        reader: Reader,
+        *,
+        threads: int | None = None,
+        staged: bool = False,
+        defer: bool = False,
+        mapped: bool = False,
     ) -> None:
         self.reader = reader
+        self.mappings = Mappings() if mapped else None
+        self.whole: dict[Any, int | None] = {}
         self.threads = READ_THREADS if threads is None else threads
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardload-read") if self.threads else None
         self.stage_cpu = staged
@@ -90,6 +100,10 @@ class Transfer:
 
         devs = [torch.device("cpu")] * len(ranks) if devices is None else [torch.device(d) for d in devices]
         key = (structure(plan, ranks), tuple(devs))
+        if self.mappings is not None and len(ranks) == 1 and devs[0].type == "cpu":
+            view = self._view(plan, ranks, key)
+            if view is not None:
+                return [view]
         if key in self.schedules:
             schedule = self.schedules[key]
         else:
@@ -100,21 +114,48 @@ class Transfer:
         if schedule is None:  # a compute step: read the tensor whole, run the steps, split
             from .execute import run_steps
 
-            full = empty(plan.source.shape, to_torch(plan.source.dtype))
+            full = torch.empty(plan.source.shape, dtype=to_torch(plan.source.dtype))
             self.reader.read_tensor(plan.source.file, plan.source.offset, full)
             out = run_steps(plan, full)
             return [out[r].to(d, copy=True, memory_format=torch.contiguous_format) for r, d in zip(ranks, devs)]  # noqa: B905
-        dests = [empty(plan.shape, to_torch(plan.dtype), d) for d in devs]
+        dests = [torch.empty(plan.shape, dtype=to_torch(plan.dtype), device=d) for d in devs]
         self._start(plan.source.file, plan.source.offset, schedule, dests)
         return dests
 
+    def _view(self, plan: ParamPlan, ranks: Sequence[int], key: Any) -> torch.Tensor | None:
+        """The rank's tensor as a view of the file mapping, where it is one contiguous stretch of the file."""
+        from .runs import param_runs
+
+        if key not in self.whole:
+            runs = param_runs(plan, ranks)
+            whole = runs is not None and len(runs) == 1 and int(runs.length[0]) == plan.rank_nbytes
+            self.whole[key] = int(runs.src[0]) - plan.source.offset if whole and runs is not None else None
+        at = self.whole[key]
+        if at is None or self.mappings is None:
+            return None
+        return self.mappings.tensor(plan.source.file, plan.source.offset + at, plan.shape, to_torch(plan.dtype))
+
     def tensors(self, infos: Sequence[TensorInfo], device: Any) -> list[torch.Tensor]:
         """Whole stored tensors of one file on ``device``, being filled (neighbours share a ``preadv``)."""
+        import torch
+
+        if self.mappings is not None and torch.device(device).type == "cpu":
+            views = [self.mappings.tensor(t.file, t.offset, t.shape, to_torch(t.dtype)) for t in infos]
+            rest = [k for k, v in enumerate(views) if v is None]
+            if not rest:
+                return [v for v in views if v is not None]
+            for k, t in zip(rest, self._read_tensors([infos[k] for k in rest], device), strict=True):
+                views[k] = t
+            return [v for v in views if v is not None]
+        return self._read_tensors(infos, device)
+
+    def _read_tensors(self, infos: Sequence[TensorInfo], device: Any) -> list[torch.Tensor]:
         import numpy as np
+        import torch
 
         from .runs import Runs
 
-        dests = [empty(t.shape, to_torch(t.dtype), device) for t in infos]
+        dests = [torch.empty(t.shape, dtype=to_torch(t.dtype), device=device) for t in infos]
         keep = [k for k, t in enumerate(infos) if t.nbytes]
         if keep:
             runs = Runs(

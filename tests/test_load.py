@@ -245,3 +245,65 @@ def test_convert_reports_progress(example_dir: Path, tmp_path: Path) -> None:
     assert [name for _, name in seen] == list(result.plan.params)
     done = [d for d, _ in seen]
     assert done == sorted(done) and done[-1] == sum(p.source.nbytes for p in result.plan.params.values())
+
+
+@pytest.mark.parametrize("n", (2, 4))
+def test_mmap_views_match_reads_and_leave_the_file_alone(example_dir: Path, tmp_path: Path, n: int) -> None:
+    """load_rank(mmap=True) gives the reference's tensors; what it maps is not read, and writing to a view
+    changes neither the file nor a later load."""
+    from shardload.reader import count_reads
+
+    want = reference_shards(example_dir, n)
+    converted = tmp_path / "tp"
+    shardload.convert(example_dir, n, converted)
+    for model in (example_dir, converted):
+        for r in range(n):
+            with count_reads() as seen:
+                got = shardload.load_rank(model, r, n, mmap=True)
+            assert got.keys() == want[r].keys()
+            for name, t in got.items():
+                assert t.is_contiguous() and t.shape == want[r][name].shape
+                np.testing.assert_array_equal(t.numpy(), want[r][name], err_msg=f"{model.name} rank {r} {name}")
+            own = sum(t.numel() * t.element_size() for t in got.values())
+            if model == converted:
+                assert seen.bytes == 0, "every tensor of a rank file is a view"
+            else:  # dim-0 shards and replicated tensors are mapped; fused and column shards are read
+                assert 0 < seen.bytes < own
+    files = {p: p.read_bytes() for p in [example_dir / "model.safetensors", *converted.glob("rank-*.safetensors")]}
+    for model in (example_dir, converted):
+        got = shardload.load_rank(model, 0, n, mmap=True)
+        for t in got.values():
+            t.fill_(7)
+        again = shardload.load_rank(model, 0, n)
+        assert all(np.array_equal(again[k].numpy(), want[0][k]) for k in again)
+    assert all(p.read_bytes() == data for p, data in files.items())
+
+
+def test_mmap_needs_the_cpu(example_dir: Path) -> None:
+    with pytest.raises(ShardloadError, match=r"mmap=True .* needs device='cpu'"):
+        shardload.load_rank(example_dir, 0, 2, device="meta", mmap=True)
+
+
+def test_mmap_of_a_file_cut_short_is_a_clear_error(example_dir: Path, tmp_path: Path) -> None:
+    """A file cut short after planning is a CheckpointError (never SIGBUS from a view past the end)."""
+    from shardload.execute import run_plan
+
+    model = tmp_path / "m"
+    model.mkdir()
+    for f in example_dir.iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    plan = shardload.plan_model(model, 2)
+    last = max(plan.params.values(), key=lambda p: p.source.offset)
+    assert not last.steps, "the last stored tensor is replicated, so it would be mapped"
+    path = model / "model.safetensors"
+    with open(path, "r+b") as fh:
+        fh.truncate(path.stat().st_size - 8)
+    with pytest.raises(CheckpointError, match="shorter than its header says"):
+        run_plan(plan, [1], ["cpu"], mmap=True)
+    converted = tmp_path / "tp"
+    shardload.convert(example_dir, 2, converted)
+    rank_file = converted / "rank-00001-of-00002.safetensors"
+    with open(rank_file, "r+b") as fh:
+        fh.truncate(rank_file.stat().st_size - 8)
+    with pytest.raises(CheckpointError, match="manifest says"):
+        shardload.load_rank(converted, 1, 2, mmap=True)

@@ -316,25 +316,3 @@ def test_failed_write_stops_every_worker_and_leaves_nothing(
         shardload.convert(example_dir, 4, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 
-
-def test_big_destinations_are_advised_to_use_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only the 2 MiB-aligned interior of a big CPU tensor is advised (never a byte outside it)."""
-    calls: list[tuple[int, int, int]] = []
-    monkeypatch.setattr(
-        shardload.reader, "_MADVISE", lambda start, length, advice: calls.append((start, length, advice)) or 0
-    )
-    huge = shardload.reader.HUGE_PAGE
-    for nbytes in (2 * huge, 5 * huge + 12345, 40 << 20):
-        calls.clear()
-        t = shardload.reader.empty((nbytes // 2,), torch.float16)
-        assert t.shape == (nbytes // 2,) and t.dtype == torch.float16
-        ptr, size = t.data_ptr(), t.numel() * 2
-        if (-ptr) % huge + huge > size:  # no whole huge page inside this allocation
-            assert calls == []
-            continue
-        ((start, length, advice),) = calls
-        assert advice == shardload.reader.MADV_HUGEPAGE and start % huge == 0 and length % huge == 0
-        assert ptr <= start < ptr + huge and ptr + size - huge < start + length <= ptr + size
-    calls.clear()
-    shardload.reader.empty((huge // 4,), torch.float32)  # under two huge pages: left alone
-    assert calls == []
