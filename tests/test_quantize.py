@@ -199,3 +199,23 @@ def test_quantized_shards_land_on_cuda_unchanged(quantized: dict[str, Path]) -> 
         on_gpu = shardload.load(quantized[scheme], 2, devices=["cuda:0", "cuda:0"])
         for cpu, gpu in zip(on_cpu, on_gpu, strict=True):
             assert all(gpu[k].device.type == "cuda" and torch.equal(gpu[k].cpu(), t) for k, t in cpu.items())
+
+
+def test_quantize_fsyncs_only_what_replaces_an_output(
+    example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    out = tmp_path / "q"
+    runner = CliRunner()
+    assert runner.invoke(main, ["quantize", str(example_dir), "-o", str(out), "--scheme", "int8"]).exit_code == 0
+    assert synced == []
+    done = runner.invoke(main, ["quantize", str(example_dir), "-o", str(out), "--scheme", "fp8", "--overwrite"])
+    assert done.exit_code == 0
+    files = [p for p in out.iterdir() if p.is_file()]
+    assert len(synced) == len(files) + 2  # every file, the new directory, then the parent after the swap
+    assert json.loads((out / "config.json").read_text())["quantization_config"] != {}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
