@@ -212,6 +212,12 @@ def _seed_num_shards(params: dict[str, list[StepSpec]], source: str) -> int | No
     if len(found) > 1:
         (n1, p1), (n2, p2) = list(found.items())[:2]
         raise FormatError(f"seed form is for one num_shards, but {p1} leads with {n1} and {p2} with {n2}", file=source)
+    for n, name in found.items():
+        if n < 1:
+            raise FormatError(
+                f"the last step's output must lead with num_shards (at least 1), not {n}",
+                file=source, param=name, step=len(params[name]),
+            )  # fmt: skip
     return next(iter(found), None)
 
 

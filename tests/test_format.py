@@ -80,6 +80,7 @@ BAD = [
     ('{"p": [["f", [["num_shards"], "float16"]]]}', "p", "shape"),
     ('{"version": 1, "params": {"p": [["f", [[1.5], null]]]}}', "p", "shape"),
     ('{"p": [["f", [[2], "float16"]]], "q": [["f", [[4], "float16"]]]}', None, "one num_shards"),
+    ('{"p": [["f", [[3], "float16"]], ["g", [[0, 3], "float16"]]]}', "p", "step 2: the last step's output must lead"),
     ("NaN", None, "not valid JSON"),
 ]
 
