@@ -315,4 +315,3 @@ def test_failed_write_stops_every_worker_and_leaves_nothing(
     with pytest.raises((OSError, shardload.ShardloadError), match="No space left"):
         shardload.convert(example_dir, 4, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
-
