@@ -4,8 +4,9 @@ Output is streamed one parameter at a time into a temporary directory next to th
 (``.OUT.shardload-tmp-PID-XXXX``, locked while in use), checksummed while written, then renamed
 into place: an interrupted convert never leaves a directory that looks complete, and the next
 convert to the same target removes what a killed one left behind. Output that replaces an existing
-directory (or any output, with ``fsync=True``) is flushed to stable storage before the rename, so
-a power loss cannot trade a complete old output for a half-written new one.
+directory, or a complete one a killed ``--overwrite`` had moved aside, is flushed to stable storage
+before the rename, so a power loss cannot trade a complete old output for a half-written new one;
+``fsync=True`` flushes any output, ``fsync=False`` none.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from .errors import ShardloadError
 from .execute import layout_for, stages_of
 from .mesh import Mesh
 from .plan import ModelPlan, build_plan, resolve_shard_info
-from .writer import OutFile, OutputFile, write_rank_files
+from .writer import OutFile, OutputFile, fsync_dir, fsync_tree, write_rank_files
 
 Progress = Callable[[int, str], None]
 """``progress(source_bytes_done, param_name)``, called after each parameter."""
@@ -94,9 +95,11 @@ def convert(
     parameters; ``dp`` replicas share files, and the manifest records the mesh.
 
     Durability: by default (``fsync=None``) the files are fsynced only when they replace an existing
-    ``out_dir``, so the old output is never given up for one a power loss could still cut short; a new
-    output is left to the kernel's writeback, as ``cp`` does (a file cut short by a power loss fails
-    the size check every load makes). ``fsync=True`` always flushes, ``False`` never does.
+    ``out_dir`` (or the complete output a killed ``overwrite`` run had moved aside), so an old output is
+    never given up for one a power loss could still cut short. A new output is left to the kernel's
+    writeback, as ``cp`` does: on most filesystems a file a power loss cut short fails the size check
+    every load makes, and ``verify_dir`` (or ``verify=True``) finds any damage. ``fsync=True`` always
+    flushes, ``False`` never does.
 
     Example::
 
@@ -123,7 +126,7 @@ def convert(
     durable = exists if fsync is None else fsync
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with _Staging(out, durable) as staging:
+        with _Staging(out, fsync, synced=durable, overwrite=overwrite) as staging:
             rank_files = _write_ranks(stages, staging.dir, progress, durable)
             # The manifest holds the resolved shard_info; a copied shard_info.json would only mislead.
             skip = {checkpoint.default_shard_info().resolve()}
@@ -183,15 +186,6 @@ def _write_ranks(stages: list[ModelPlan], tmp: Path, progress: Progress | None, 
     return files
 
 
-def fsync_dir(path: Path) -> None:
-    """Flush a directory's entries (names created or renamed in it) to stable storage."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -217,12 +211,20 @@ class _Staging:
 
     Every entry is named ``.OUT.shardload-tmp-TOKEN[.lock|.old]``. The ``.lock`` file is
     flock-ed for the convert's lifetime, so the next convert can tell a live one (refuse) from
-    the leftovers of a killed one (remove them). ``durable`` fsyncs the directories around the rename.
+    the leftovers of a killed one (remove them).
+
+    ``fsync`` is :func:`convert`'s policy; ``synced`` says the files were fsynced as written. Whether the
+    output replaces another one is decided when it is published, so an output that appeared meanwhile,
+    or a complete one a killed ``--overwrite`` left beside an absent target, is never given up for
+    unflushed files.
     """
 
-    def __init__(self, out: Path, durable: bool) -> None:
+    def __init__(self, out: Path, fsync: bool | None, *, synced: bool, overwrite: bool) -> None:
         self.out = out
-        self.durable = durable
+        self.fsync = fsync
+        self.synced = synced
+        self.overwrite = overwrite
+        self.found_old = False
         self.prefix = f".{out.name}{TMP_MARKER}"
         self.token = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.dir = out.parent / f"{self.prefix}{self.token}"
@@ -269,16 +271,29 @@ class _Staging:
                     f"another convert (pid {token.split('-')[0]}) is writing this output right now", file=str(self.out)
                 )
             _remove(self.out.parent / f"{self.prefix}{token}")
-            _remove(self.out.parent / f"{self.prefix}{token}.old")
+            old = self.out.parent / f"{self.prefix}{token}.old"
+            if old.exists() or old.is_symlink():
+                self.found_old = True  # a killed --overwrite's complete output: this one replaces it
+            _remove(old)
             lock.unlink(missing_ok=True)
             if fd >= 0:
                 os.close(fd)
 
     def publish(self) -> None:
         """Move the finished directory into place (an old ``out`` is moved aside first, then removed)."""
-        if self.durable:
-            fsync_dir(self.dir)
-        if self.out.exists() or self.out.is_symlink():
+        replacing = self.out.exists() or self.out.is_symlink()
+        if replacing and not self.overwrite:
+            raise ShardloadError(
+                "output directory appeared while converting; nothing was replaced (pass --overwrite to replace it)",
+                file=str(self.out),
+            )
+        flush = self.fsync if self.fsync is not None else replacing or self.found_old
+        if flush:
+            if self.synced:
+                fsync_dir(self.dir)
+            else:
+                fsync_tree(self.dir)
+        if replacing:
             trash = self.out.parent / f"{self.prefix}{self.token}.old"
             os.replace(self.out, trash)
             try:
@@ -289,5 +304,5 @@ class _Staging:
             _remove(trash)
         else:
             os.replace(self.dir, self.out)
-        if self.durable:
+        if flush:
             fsync_dir(self.out.parent)

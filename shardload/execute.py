@@ -213,8 +213,9 @@ def load_rank(
     shard, a replicated tensor, every tensor of a converted directory) as a copy-on-write view of a
     private file mapping: no copy and no new memory, pages shared with the page cache and with other
     processes mapping the same file; writing to such a tensor never changes the file. The rest is
-    read as usual. The files must not be truncated or rewritten in place while the views live (the
-    process would get SIGBUS), which a directory written by :func:`convert` never is.
+    read as usual, and so is a file the kernel refuses to map. The files must not be truncated or
+    rewritten in place while the views live (the process would get SIGBUS), which a directory written
+    by :func:`convert` never is.
 
     Example::
 
@@ -234,7 +235,9 @@ def load_rank(
         raise error(f"rank {rank} is out of range for {what}", file=str(model))
     coord = layout.coord(rank)
     if mmap and _device_type(device) != "cpu":
-        raise ShardloadError(f"mmap=True maps files into host memory; it needs device='cpu', not {device!r}")
+        raise ShardloadError(
+            f"mmap=True maps files into host memory; it needs device='cpu', not {device!r}", file=str(model)
+        )
     if checkpoint.kind == "converted":
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))

@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import INDEX_NAME, MANIFEST_NAME, SHARD_INFO_NAME, open_checkpoint, read_config
-from .convert import fsync_dir
 from .errors import ShardloadError
 from .format import ShardInfo
 from .placement import Header
 from .quant_plan import quantized_shard_info
 from .reader import Reader
+from .writer import fsync_dir, fsync_tree
 
 if TYPE_CHECKING:
     import torch
@@ -86,7 +86,8 @@ def quantize(
 
     Every 2-d floating ``*.weight`` whose module is not in ``ignore`` and whose input dim fits the
     scheme is quantized; other tensors are copied. ``shard_info`` (default ``MODEL/shard_info.json``)
-    is carried over to the quantized tensors. Written to a temporary directory, then renamed.
+    is carried over to the quantized tensors. Written to a temporary directory, then renamed; when it
+    replaces an existing ``out_dir`` (``overwrite``) it is fsynced first, as :func:`convert` does.
 
     Example::
 
@@ -102,7 +103,7 @@ def quantize(
         raise ShardloadError(f"quantize reads a safetensors model, this is a {checkpoint.kind} one", file=str(model))
     if out.resolve() == checkpoint.root.resolve():
         raise ShardloadError("output directory is the model directory", file=str(out))
-    if out.exists() and not overwrite:
+    if (out.exists() or out.is_symlink()) and not overwrite:
         raise ShardloadError("output directory exists (pass --overwrite / overwrite=True to replace it)", file=str(out))
     info = _source_shard_info(checkpoint.root, shard_info)
     config = _read_config(checkpoint.root)
@@ -277,7 +278,7 @@ def _publish(tmp: Path, out: Path) -> None:
     """Move the finished temporary directory into place, replacing an old ``out`` last (after flushing the new
     one to stable storage, as :func:`shardload.convert` does, so a power loss cannot cost both)."""
     if out.exists() or out.is_symlink():
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         trash = out.parent / f".{out.name}{TMP_MARKER}old-{secrets.token_hex(4)}"
         os.replace(out, trash)
         os.replace(tmp, out)
@@ -288,15 +289,3 @@ def _publish(tmp: Path, out: Path) -> None:
         fsync_dir(out.parent)
     else:
         os.replace(tmp, out)
-
-
-def _fsync_tree(path: Path) -> None:
-    """fsync every file directly in ``path``, then ``path`` itself."""
-    for entry in path.iterdir():
-        if entry.is_file() and not entry.is_symlink():
-            fd = os.open(entry, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fsync_dir(path)

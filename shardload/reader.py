@@ -277,6 +277,8 @@ class Mappings:
 
     A view costs no copy and no fresh memory: its pages are the page cache's own until written to, and a
     write changes only this process's copy, never the file. The mapping lives as long as any view of it.
+    A file that cannot be mapped (the kernel may refuse a private writable mapping under strict overcommit)
+    is read instead.
     """
 
     def __init__(self) -> None:
@@ -308,7 +310,9 @@ class Mappings:
         if mm is None:
             return None
         if offset + nbytes > len(mm):
-            raise CheckpointError("file is shorter than its header says (changed while loading?)", file=str(path))
+            raise CheckpointError(
+                "mapped file is shorter than its header says (changed while loading?)", file=str(path)
+            )
         raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
         return raw.view(dtype).view(tuple(shape))
 

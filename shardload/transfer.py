@@ -136,7 +136,8 @@ class Transfer:
         return self.mappings.tensor(plan.source.file, plan.source.offset + at, plan.shape, to_torch(plan.dtype))
 
     def tensors(self, infos: Sequence[TensorInfo], device: Any) -> list[torch.Tensor]:
-        """Whole stored tensors of one file on ``device``, being filled (neighbours share a ``preadv``)."""
+        """Whole stored tensors of one file on ``device``, being filled (neighbours share a ``preadv``), or views of
+        its mapping where ``mapped`` allows."""
         import torch
 
         if self.mappings is not None and torch.device(device).type == "cpu":

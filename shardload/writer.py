@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from .dtypes import DTYPES, to_torch
+from .dtypes import DTYPES, itemsize, to_torch
 from .reader import Reader, buffer_view, libc_function
 
 if TYPE_CHECKING:
@@ -53,6 +53,33 @@ class OutputFile:
     sha256: str
 
 
+def file_order(plan: ModelPlan) -> list[ParamPlan]:
+    """The order of a rank file's tensors: widest element first (stable), so with the header padded to 8 bytes
+    every tensor starts at a multiple of its element size and can be mapped as a view."""
+    return sorted(plan.params.values(), key=lambda p: -itemsize(p.dtype))
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (names created or renamed in it) to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every regular file directly in ``path`` to stable storage, then ``path`` itself."""
+    for entry in sorted(path.iterdir()):
+        if entry.is_file() and not entry.is_symlink():
+            fd = os.open(entry, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(path)
+
+
 def rank_header(plan: ModelPlan, rank: int, stage: int = 0, stages: int = 1) -> bytes:
     """The safetensors header of ``rank``'s file (length prefix included, padded to 8 bytes).
 
@@ -64,7 +91,7 @@ def rank_header(plan: ModelPlan, rank: int, stage: int = 0, stages: int = 1) -> 
         meta.update({"shardload.pp": str(stage), "shardload.num_pp": str(stages)})
     header: dict[str, Any] = {"__metadata__": meta}
     offset = 0
-    for p in plan.params.values():
+    for p in file_order(plan):
         header[p.name] = {
             "dtype": DTYPES[p.dtype][0],
             "shape": list(p.shape),
@@ -196,7 +223,7 @@ def write_rank_files(
     results: list[OutputFile | None] = [None] * n
     events: queue.SimpleQueue[tuple[int, int | BaseException | None]] = queue.SimpleQueue()
     stop = threading.Event()
-    params = list(plan.params.values())
+    params = file_order(plan)
     try:
         for path in names:
             files.append(OutFile(path, durable=durable))

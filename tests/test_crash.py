@@ -274,3 +274,34 @@ def test_real_disk_full_on_a_small_tmpfs(example_dir: Path, tmp_path: Path) -> N
         assert list(disk.iterdir()) == [], "nothing left on the full disk"
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_output_left_aside_by_a_killed_overwrite_is_only_replaced_durably(
+    example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed --overwrite between its two renames leaves OUT absent and the old output aside: the next plain
+    convert replaces that complete output, so it flushes its own first."""
+    out = tmp_path / "out"
+    shardload.convert(example_dir, 4, out)
+    aside = tmp_path / f".out{TMP_MARKER}999-dead.old"
+    os.replace(out, aside)
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    shardload.convert(example_dir, 2, out)
+    files = len(json.loads((out / "shard_manifest.json").read_text())["files"])
+    assert len(synced) == files + 1 + 2  # every file and the manifest, the new directory, the parent
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and shardload.verify_dir(out).ok
+
+
+def test_output_that_appears_while_converting_is_not_replaced(example_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+
+    def appear(done: int, name: str) -> None:
+        out.mkdir(exist_ok=True)
+        (out / "mine.txt").write_text("keep")
+
+    with pytest.raises(ShardloadError, match="appeared while converting; nothing was replaced"):
+        shardload.convert(example_dir, 2, out, progress=appear)
+    assert [p.name for p in out.iterdir()] == ["mine.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

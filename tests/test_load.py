@@ -298,7 +298,7 @@ def test_mmap_of_a_file_cut_short_is_a_clear_error(example_dir: Path, tmp_path: 
     path = model / "model.safetensors"
     with open(path, "r+b") as fh:
         fh.truncate(path.stat().st_size - 8)
-    with pytest.raises(CheckpointError, match="shorter than its header says"):
+    with pytest.raises(CheckpointError, match="mapped file is shorter than its header says"):
         run_plan(plan, [1], ["cpu"], mmap=True)
     converted = tmp_path / "tp"
     shardload.convert(example_dir, 2, converted)
@@ -307,3 +307,26 @@ def test_mmap_of_a_file_cut_short_is_a_clear_error(example_dir: Path, tmp_path: 
         fh.truncate(rank_file.stat().st_size - 8)
     with pytest.raises(CheckpointError, match="manifest says"):
         shardload.load_rank(converted, 1, 2, mmap=True)
+
+
+def test_mmap_maps_what_it_can_and_reads_the_rest_of_a_rank_file(tmp_path: Path) -> None:
+    """An empty tensor cannot be a view: it is read while its neighbours are mapped, in header order."""
+    rng = np.random.default_rng(3)
+    tensors = {
+        "w": random_array(rng, (8, 4), "float16"),
+        "e": np.zeros((0, 4), dtype=np.float32),
+        "b": random_array(rng, (3,), "uint8"),
+    }
+    model = write_model(
+        tmp_path / "m",
+        tensors,
+        {"version": 1, "params": {"w": [["shard_funcs.shard_dim", [None, None], 0, "num_shards"]]}},
+    )
+    out = tmp_path / "tp"
+    shardload.convert(model, 2, out)
+    for r in range(2):
+        got = shardload.load_rank(out, r, 2, mmap=True)
+        assert list(got) == list(shardload.load_rank(out, r, 2))
+        np.testing.assert_array_equal(got["w"].numpy(), tensors["w"][4 * r : 4 * r + 4])
+        np.testing.assert_array_equal(got["b"].numpy(), tensors["b"])
+        assert got["e"].shape == (0, 4) and got["e"].dtype == torch.float32

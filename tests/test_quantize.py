@@ -219,3 +219,26 @@ def test_quantize_fsyncs_only_what_replaces_an_output(
     assert len(synced) == len(files) + 2  # every file, the new directory, then the parent after the swap
     assert json.loads((out / "config.json").read_text())["quantization_config"] != {}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_converted_quantized_ranks_map_whole(quantized: dict[str, Path], tmp_path: Path) -> None:
+    """Rank files hold their widest elements first, so every tensor of a mixed-dtype rank file is aligned
+    and load_rank(mmap=True) maps all of it (reads nothing) with the same values as a plain load."""
+    from shardload.dtypes import DTYPES
+    from shardload.reader import count_reads
+
+    width = {code: size for code, size in DTYPES.values()}
+
+    out = tmp_path / "tp2"
+    shardload.convert(quantized["int4-g32"], 2, out)
+    for r in range(2):
+        raw = (out / f"rank-0000{r}-of-00002.safetensors").read_bytes()
+        header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+        entries = sorted((v["data_offsets"][0], v["dtype"]) for k, v in header.items() if k != "__metadata__")
+        widths = [width[d] for _, d in entries]
+        assert len(set(widths)) > 1 and widths == sorted(widths, reverse=True), entries
+        with count_reads() as seen:
+            mapped = shardload.load_rank(out, r, 2, mmap=True)
+        plain = shardload.load_rank(out, r, 2)
+        assert seen.bytes == 0 and mapped.keys() == plain.keys()
+        assert all(torch.equal(mapped[k], plain[k]) for k in plain)
