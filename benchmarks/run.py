@@ -479,7 +479,8 @@ def rows_convert(
         warmup,
         path,
     )
-    remove(copied)
+    clear()
+    shardload.convert(model, n, out)  # the timed runs cleared up after themselves
     check_agree(model, out, n)
     remove(out)
     above = peak_above_imports(child("convert", str(model), str(out), str(n)))
