@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import math
 import mmap
 import os
 import sys
@@ -300,10 +301,8 @@ class Mappings:
         cannot be one: empty, misaligned, or the file cannot be mapped)."""
         import torch
 
-        size = torch.empty((), dtype=dtype).element_size()
-        nbytes = size
-        for n in shape:
-            nbytes *= n
+        size = dtype.itemsize
+        nbytes = size * math.prod(shape)
         if nbytes == 0 or offset % size:
             return None
         mm = self._map(path)

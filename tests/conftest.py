@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,20 @@ import pytest
 from safetensors.numpy import save_file
 
 from shardload.example import write_example
+
+
+@pytest.fixture
+def fsync_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The file descriptors ``os.fsync`` is called with from now on in this test (the calls still happen)."""
+    calls: list[int] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        calls.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return calls
 
 
 @pytest.fixture(scope="session")

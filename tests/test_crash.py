@@ -230,11 +230,9 @@ def test_failing_fsync_is_a_clear_error(example_dir: Path, tmp_path: Path, monke
     assert list(tmp_path.iterdir()) == []
 
 
-def test_fsync_policy(example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fsync_policy(example_dir: Path, tmp_path: Path, fsync_calls: list[int]) -> None:
     """A new output is fsynced only on request; one that replaces an existing output always is."""
-    synced: list[int] = []
-    real = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    synced = fsync_calls
     out = tmp_path / "out"
     runner = CliRunner()
     assert runner.invoke(main, ["convert", str(example_dir), "-n", "2", "-o", str(out), "-q"]).exit_code == 0
@@ -277,7 +275,7 @@ def test_real_disk_full_on_a_small_tmpfs(example_dir: Path, tmp_path: Path) -> N
 
 
 def test_output_left_aside_by_a_killed_overwrite_is_only_replaced_durably(
-    example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    example_dir: Path, tmp_path: Path, fsync_calls: list[int]
 ) -> None:
     """A killed --overwrite between its two renames leaves OUT absent and the old output aside: the next plain
     convert replaces that complete output, so it flushes its own first."""
@@ -285,9 +283,8 @@ def test_output_left_aside_by_a_killed_overwrite_is_only_replaced_durably(
     shardload.convert(example_dir, 4, out)
     aside = tmp_path / f".out{TMP_MARKER}999-dead.old"
     os.replace(out, aside)
-    synced: list[int] = []
-    real = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    synced = fsync_calls
+    synced.clear()  # only the second convert counts
     shardload.convert(example_dir, 2, out)
     files = len(json.loads((out / "shard_manifest.json").read_text())["files"])
     assert len(synced) == files + 1 + 2  # every file and the manifest, the new directory, the parent

@@ -202,13 +202,9 @@ def test_quantized_shards_land_on_cuda_unchanged(quantized: dict[str, Path]) -> 
 
 
 def test_quantize_fsyncs_only_what_replaces_an_output(
-    example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    example_dir: Path, tmp_path: Path, fsync_calls: list[int]
 ) -> None:
-    import os
-
-    synced: list[int] = []
-    real = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    synced = fsync_calls
     out = tmp_path / "q"
     runner = CliRunner()
     assert runner.invoke(main, ["quantize", str(example_dir), "-o", str(out), "--scheme", "int8"]).exit_code == 0
@@ -224,18 +220,15 @@ def test_quantize_fsyncs_only_what_replaces_an_output(
 def test_converted_quantized_ranks_map_whole(quantized: dict[str, Path], tmp_path: Path) -> None:
     """Rank files hold their widest elements first, so every tensor of a mixed-dtype rank file is aligned
     and load_rank(mmap=True) maps all of it (reads nothing) with the same values as a plain load."""
-    from shardload.dtypes import DTYPES
+    from shardload.checkpoint import read_header
+    from shardload.dtypes import itemsize
     from shardload.reader import count_reads
-
-    width = {code: size for code, size in DTYPES.values()}
 
     out = tmp_path / "tp2"
     shardload.convert(quantized["int4-g32"], 2, out)
     for r in range(2):
-        raw = (out / f"rank-0000{r}-of-00002.safetensors").read_bytes()
-        header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
-        entries = sorted((v["data_offsets"][0], v["dtype"]) for k, v in header.items() if k != "__metadata__")
-        widths = [width[d] for _, d in entries]
+        entries = sorted((t.offset, t.dtype) for t in read_header(out / f"rank-0000{r}-of-00002.safetensors").values())
+        widths = [itemsize(d) for _, d in entries]
         assert len(set(widths)) > 1 and widths == sorted(widths, reverse=True), entries
         with count_reads() as seen:
             mapped = shardload.load_rank(out, r, 2, mmap=True)
