@@ -1,6 +1,6 @@
-"""Entry shim: ``python cli.py ...`` runs the shardload command line (the real CLI is shardload.cli)."""
+"""Entry shim: ``python cli.py ...`` runs the shardload command line (the real CLI is shardload.cli.main)."""
 
-from shardload.cli import main
+from shardload.cli.main import main
 
 if __name__ == "__main__":
     main()

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardload.example import EXAMPLE_CONFIG, example_shard_info, example_tensors
+from shardload.cli.example import EXAMPLE_CONFIG, example_shard_info, example_tensors
 
 HEAD_DIM = 64
 GQA_GROUP_MIN = 2
@@ -53,7 +53,7 @@ def make_config(group: int, layers: int, vocab: int, num_shards: int) -> dict[st
 
 
 def tensor_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor's name and shape, in the same order and layout as ``shardload.example.example_tensors``."""
+    """Every tensor's name and shape, in the same order and layout as ``shardload.cli.example.example_tensors``."""
     h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = h // heads
@@ -140,7 +140,7 @@ def check_layout_matches_example() -> None:
     ours = [(n, tuple(s)) for n, s in tensor_specs(EXAMPLE_CONFIG)]
     theirs = [(n, tuple(a.shape)) for n, a in example_tensors(EXAMPLE_CONFIG).items()]
     if ours != theirs:
-        raise SystemExit("checkpoints: tensor_specs no longer matches shardload.example.example_tensors")
+        raise SystemExit("checkpoints: tensor_specs no longer matches shardload.cli.example.example_tensors")
 
 
 def check_readable(path: Path, config: dict[str, Any]) -> None:

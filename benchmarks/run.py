@@ -56,8 +56,8 @@ import torch
 from checkpoints import MODEL_FILE, checkpoint_nbytes, ensure_checkpoint, ensure_hf_llama, remove, tensor_specs
 
 import shardload
-from shardload.reader import count_reads
-from shardload.report import format_table, human_bytes
+from shardload.cli.report import format_table, human_bytes
+from shardload.sources.reader import count_reads
 
 ST_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 SAMPLE_INTERVAL_S = 0.01

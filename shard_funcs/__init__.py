@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shardload.errors import StepArgumentError
-from shardload.registry import Box, Shape, register
+from shardload.planning.registry import Box, Shape, register
 
 if TYPE_CHECKING:
     import torch

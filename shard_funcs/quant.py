@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from shard_funcs import _check_n, _norm_dim, _shard_dim_boxes, shard_dim
 from shard_funcs.segments import segment_runs
 from shardload.errors import StepArgumentError
-from shardload.registry import Box, Shape, register
+from shardload.planning.registry import Box, Shape, register
 
 if TYPE_CHECKING:
     import torch

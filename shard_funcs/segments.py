@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from shard_funcs import _check_n, _norm_dim
 from shardload.errors import StepArgumentError
-from shardload.registry import Box, Shape, register
+from shardload.planning.registry import Box, Shape, register
 
 if TYPE_CHECKING:
     import torch

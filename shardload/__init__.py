@@ -6,7 +6,8 @@ The public surface::
     state = shardload.load_rank("model-dir", rank=3, num_shards=8)  # just this rank's tensors
     shardload.convert("model-dir", 8, "model-tp8")                  # pre-sharded files + manifest
     shardload.quantize("model-dir", "model-int4", "int4-g128")      # quantize once, load at any N
-    info = shardload.ShardInfo.load("shard_info.json")              # parse; info.validate(model=...)
+    info = shardload.ShardInfo.load("shard_info.json")              # parse and check against the schema
+    problems = shardload.validate(info, model="model-dir", num_shards=8)  # [] when every parameter plans
     p = shardload.plan_model("model-dir", 8)                        # the pure plan: shapes, read boxes
     shardload.verify_dir("model-tp8").problems                      # sha256 of every converted file
     state = shardload.load_rank("model-dir", rank=5, mesh="pp=2,tp=4")  # a pipeline stage's tensor shard
@@ -14,22 +15,29 @@ The public surface::
     @shardload.register("myorg.step", shape=rule)                    # add a step function
     def step(x, num_shards: int): ...
 
-Importing shardload does not import torch; the loaders import it when called.
+Importing shardload does not import torch; the loaders import it when called. It registers the
+built-in step functions by importing ``shard_funcs`` (the one place that does).
+
+The package is layered by stage of the flow, each layer importing only those below it (an
+import-linter contract in pyproject.toml checks it): ``cli`` | ``integrations`` > ``engine`` >
+``models`` > ``planning`` > ``sources`` > ``format`` > ``errors``.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import shard_funcs as _builtin_steps  # noqa: F401  (registers the built-in steps: the one place that does)
 
-from .convert import ConvertResult, convert
+from .engine.convert import ConvertResult, convert
+from .engine.load import load, load_rank
+from .engine.quantize import quantize
+from .engine.verify import VerifyReport, verify_dir
 from .errors import CheckpointError, FormatError, PlanError, ShardloadError
-from .execute import load, load_rank
-from .format import ShardInfo, StepSpec
-from .mesh import Mesh
-from .plan import ModelPlan, ParamPlan, plan_model
-from .quantize import quantize
-from .registry import register
-from .verify import VerifyReport, verify_dir
+from .format.shard_info import ShardInfo, StepSpec
+from .planning.mesh import Mesh
+from .planning.plan import ModelPlan, ParamPlan, plan_model
+from .planning.registry import register
+from .planning.validate import validate
+from .version import __version__
 
 __all__ = [
     "CheckpointError",
@@ -50,5 +58,6 @@ __all__ = [
     "plan_model",
     "quantize",
     "register",
+    "validate",
     "verify_dir",
 ]

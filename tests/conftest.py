@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from shardload.example import write_example
+from shardload.cli.example import write_example
 
 
 @pytest.fixture

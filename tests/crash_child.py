@@ -23,9 +23,9 @@ import torch  # noqa: F401  (imported once here: children start converting at on
 
 import shard_funcs  # noqa: F401
 import shardload
-from shardload.format import _validator
+from shardload.format.shard_info import _validator
 
-writer_module = sys.modules["shardload.writer"]  # every output file of a convert is created there
+writer_module = sys.modules["shardload.engine.writer"]  # every output file of a convert is created there
 _validator("document")  # build the schema validators before forking (no torch op runs here)
 _validator("seed")
 

@@ -21,10 +21,10 @@ import pytest
 from click.testing import CliRunner
 
 import shardload
-from shardload import checkpoint as checkpoint_module
-from shardload.checkpoint import TMP_MARKER
-from shardload.cli import main
+from shardload.cli.main import main
 from shardload.errors import CheckpointError, ShardloadError
+from shardload.sources import checkpoint as checkpoint_module
+from shardload.sources.checkpoint import TMP_MARKER
 
 RNG = np.random.default_rng(6)
 W = RNG.standard_normal((8, 6)).astype(np.float16)

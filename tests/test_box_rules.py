@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference as ref
-from shardload.registry import lookup
+from shardload.planning.registry import lookup
 
 
 def _apply_pieces(fn_name: str, x: np.ndarray, out_box: tuple, args: tuple) -> np.ndarray:

@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import shardload
-from shardload.cli import main
+from shardload.cli.main import main
 
 
 @pytest.fixture()

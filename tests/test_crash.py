@@ -22,11 +22,11 @@ import torch
 from click.testing import CliRunner
 
 import shardload
-from shardload.checkpoint import TMP_MARKER, open_checkpoint
-from shardload.cli import main
+from shardload.cli.main import main
 from shardload.errors import CheckpointError, ShardloadError
+from shardload.sources.checkpoint import TMP_MARKER, open_checkpoint
 
-WRITER = sys.modules["shardload.writer"]  # every output file of a convert is created there
+WRITER = sys.modules["shardload.engine.writer"]  # every output file of a convert is created there
 HERE = Path(__file__).resolve().parent
 Child = Callable[[dict[str, Any]], dict[str, Any]]
 

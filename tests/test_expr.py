@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardload import expr
+from shardload.format import expr
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shardload.errors import FormatError
-from shardload.format import ShardInfo, StepSpec, schema
+from shardload.format.shard_info import ShardInfo, StepSpec, schema
 
 SEED = {"x_0": [["shard_funcs.shard_dim", [[2, 64, 64], "float16"], 1, 2]]}
 DOC = {

@@ -17,11 +17,11 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardload.checkpoint import Checkpoint, TensorInfo, read_header
-from shardload.dtypes import DTYPES, itemsize
 from shardload.errors import CheckpointError, ShardloadError
-from shardload.format import ShardInfo
-from shardload.plan import build_plan
+from shardload.format.shard_info import ShardInfo
+from shardload.planning.plan import build_plan
+from shardload.sources.checkpoint import Checkpoint, TensorInfo, read_header
+from shardload.sources.dtypes import DTYPES, itemsize
 
 DOC_EXAMPLES = 2500
 RANDOM_EXAMPLES = 500

@@ -114,7 +114,7 @@ def test_converted_directory_checks(example_dir: Path, tmp_path: Path) -> None:
     assert "shard_info.json" not in listed and "model.safetensors" not in listed
     for name, entry in listed.items():
         assert (out / name).stat().st_size == entry["size"]
-        assert shardload.execute.sha256_file(out / name) == entry["sha256"]
+        assert shardload.engine.verify.sha256_file(out / name) == entry["sha256"]
     # a rank file must be a standard safetensors file
     assert_same({k: torch.from_numpy(v) for k, v in load_file(str(out / "rank-00001-of-00002.safetensors")).items()},
                 reference_shards(example_dir, 2)[1])  # fmt: skip
@@ -180,7 +180,7 @@ def test_registered_compute_step(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="already registered"):
             shardload.register("tests.scaled_rows", shape=rule)(lambda x, num_shards: x)
     finally:
-        shardload.registry.unregister("tests.scaled_rows")
+        shardload.planning.registry.unregister("tests.scaled_rows")
 
 
 def test_step_returning_wrong_shape_is_caught(tmp_path: Path) -> None:
@@ -194,7 +194,7 @@ def test_step_returning_wrong_shape_is_caught(tmp_path: Path) -> None:
         with pytest.raises(PlanError, match=r"w: step 1 \(tests.liar\): returned \[1, 2, 3\]"):
             shardload.load_rank(model, 0, 2)
     finally:
-        shardload.registry.unregister("tests.liar")
+        shardload.planning.registry.unregister("tests.liar")
 
 
 def test_outputs_are_independent_copies(example_dir: Path) -> None:
@@ -251,7 +251,7 @@ def test_convert_reports_progress(example_dir: Path, tmp_path: Path) -> None:
 def test_mmap_views_match_reads_and_leave_the_file_alone(example_dir: Path, tmp_path: Path, n: int) -> None:
     """load_rank(mmap=True) gives the reference's tensors; what it maps is not read, and writing to a view
     changes neither the file nor a later load."""
-    from shardload.reader import count_reads
+    from shardload.sources.reader import count_reads
 
     want = reference_shards(example_dir, n)
     converted = tmp_path / "tp"
@@ -286,7 +286,7 @@ def test_mmap_needs_the_cpu(example_dir: Path) -> None:
 
 def test_mmap_of_a_file_cut_short_is_a_clear_error(example_dir: Path, tmp_path: Path) -> None:
     """A file cut short after planning is a CheckpointError (never SIGBUS from a view past the end)."""
-    from shardload.execute import run_plan
+    from shardload.engine.load import run_plan
 
     model = tmp_path / "m"
     model.mkdir()

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from shardload.errors import ShardloadError
-from shardload.mesh import Mesh, param_stages
+from shardload.planning.mesh import Mesh, param_stages
 
 
 @pytest.mark.parametrize(

@@ -20,10 +20,10 @@ from click.testing import CliRunner
 import shardload
 import tiny_models
 import tp_reference as tp
-from shardload import presets
-from shardload.cli import main
+from shardload.cli.main import main
 from shardload.errors import CheckpointError, ShardloadError
-from shardload.mesh import Mesh
+from shardload.models import presets
+from shardload.planning.mesh import Mesh
 
 pytest.importorskip("transformers")
 
@@ -169,7 +169,7 @@ def test_bytes_read_per_rank_follow_the_mesh(models: dict) -> None:
     plan = shardload.plan_model(model_dir, 2)
     mesh = Mesh.parse("pp=2,tp=2")
     layer_bytes = sum(p.source.nbytes for n, p in plan.params.items() if ".layers." in n)
-    from shardload.execute import stages_of
+    from shardload.engine.load import stages_of
 
     for pp, stage in enumerate(stages_of(plan, mesh)):
         for t in range(2):

@@ -18,9 +18,9 @@ from click.testing import CliRunner
 import shardload
 import tiny_models
 import tp_reference as tp
-from shardload import presets
-from shardload.cli import main
-from shardload.validate import validate_file
+from shardload.cli.main import main
+from shardload.models import presets
+from shardload.planning.validate import validate_file
 
 pytest.importorskip("transformers")
 
@@ -339,8 +339,8 @@ def test_plan_to_stdout(models: dict) -> None:
 def test_placements_see_quantized_modules_as_their_logical_weight() -> None:
     """A module stored quantized (packed values, scales) is placed as its logical weight, with the logical shape;
     its stored companions get their steps from that placement."""
-    from shardload.placement import Header
-    from shardload.quant_plan import logical_tensors
+    from shardload.models.placement import Header
+    from shardload.models.quant_plan import logical_tensors
 
     config = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
               "intermediate_size": 96}  # fmt: skip

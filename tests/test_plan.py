@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import random_array, write_model
-from shardload.checkpoint import open_checkpoint
 from shardload.errors import PlanError
-from shardload.format import ShardInfo
-from shardload.plan import build_plan
+from shardload.format.shard_info import ShardInfo
+from shardload.planning.plan import build_plan
+from shardload.sources.checkpoint import open_checkpoint
 
 
 @pytest.fixture()

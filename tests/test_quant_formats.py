@@ -2,7 +2,7 @@
 
 Each format gets a model with three quantized modules, one per kind of split: column-parallel with
 fused segments (gate_up-like), column-parallel with GQA (KV heads replicated once N exceeds them)
-and row-parallel. Their steps come from :func:`shardload.quant_plan.companion_steps`, the data is
+and row-parallel. Their steps come from :func:`shardload.models.quant_plan.companion_steps`, the data is
 random, and each rank's tensors are dequantized with the format's own reference
 (compressed_tensors, gguf) or the one in ``quant_reference.py``, element for element, N = 1, 2,
 3 (where the heads allow it), 4, 8. The module builders here also make the synthetic quantized
@@ -24,9 +24,9 @@ from safetensors.torch import save_file
 import quant_reference as qref
 import reference as ref
 import shardload
-from shardload.checkpoint import open_checkpoint
-from shardload.placement import Placement
-from shardload.quant_plan import companion_steps
+from shardload.models.placement import Placement
+from shardload.models.quant_plan import companion_steps
+from shardload.sources.checkpoint import open_checkpoint
 
 ALL_N = (1, 2, 3, 4, 8)
 GQA_N = (1, 2, 4, 8)  # 2 KV heads: N = 3 neither divides nor is a multiple of it
@@ -329,7 +329,7 @@ def gguf_blocks(rng: np.random.Generator, qtype: Any, rows: int, cols: int) -> n
 
 def test_gguf_block_quantized(tmp_path: Path) -> None:
     gguf = pytest.importorskip("gguf")
-    from shardload.gguf_source import quantization_config
+    from shardload.sources.gguf import quantization_config
 
     rng = np.random.default_rng(5)
     path = tmp_path / "model.gguf"

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import reference as ref
 from shardload.errors import StepArgumentError
-from shardload.registry import lookup
+from shardload.planning.registry import lookup
 from test_box_rules import _apply_pieces, _box
 
 

@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 import shardload
 import tiny_models
 import tp_reference as tp
-from shardload import presets
-from shardload.validate import validate_file
+from shardload.models import presets
+from shardload.planning.validate import validate_file
 from test_quant_formats import (
     Builder,
     Dequant,

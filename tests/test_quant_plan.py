@@ -1,4 +1,4 @@
-"""The companion API (shardload.quant_plan): format detection, the steps it writes, and its errors; GGUF sources,
+"""The companion API (shardload.models.quant_plan): format detection, the steps it writes, and its errors; GGUF sources,
 also through ``shardload plan``."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 import shardload
-from shardload import presets
-from shardload.cli import main
+from shardload.cli.main import main
 from shardload.errors import CheckpointError, PlanError
-from shardload.format import ShardInfo
-from shardload.placement import Header, Placement, placement_from_steps
-from shardload.quant_plan import companion_steps, detect_format, quantized_shard_info, read_quantization_config
+from shardload.format.shard_info import ShardInfo
+from shardload.models import presets
+from shardload.models.placement import Header, Placement, placement_from_steps
+from shardload.models.quant_plan import companion_steps, detect_format, quantized_shard_info, read_quantization_config
 from test_quant_formats import rank_reference, save_gguf
 
 
@@ -202,7 +202,7 @@ def test_gguf_source_opens_plans_and_converts(tmp_path: Path) -> None:
     model.mkdir()
     data = _write_gguf(model / "tiny.gguf")
     (model / "tokenizer_config.json").write_text("{}")
-    ckpt = shardload.checkpoint.open_checkpoint(model)
+    ckpt = shardload.sources.checkpoint.open_checkpoint(model)
     assert ckpt.kind == "gguf"
     assert {n: (t.shape, t.dtype) for n, t in ckpt.tensors.items()} == {
         "blk.0.attn_q.weight": ((8, 2, 34), "uint8"),
@@ -235,7 +235,7 @@ def test_bad_gguf_is_one_line_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 12)
     with pytest.raises(CheckpointError, match=r"bad\.gguf: not a readable GGUF file"):
-        shardload.checkpoint.open_checkpoint(bad)
+        shardload.sources.checkpoint.open_checkpoint(bad)
     done = CliRunner().invoke(main, ["inspect", str(bad)])
     assert done.exit_code == 1 and done.output.count("\n") == 1 and "Traceback" not in done.output
 

@@ -13,11 +13,11 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 import shardload
-from shardload import presets
-from shardload.cli import main
-from shardload.format import ShardInfo
-from shardload.placement import placement_from_steps
-from shardload.validate import validate_file
+from shardload.cli.main import main
+from shardload.format.shard_info import ShardInfo
+from shardload.models import presets
+from shardload.models.placement import placement_from_steps
+from shardload.planning.validate import validate_file
 from test_quant_formats import rank_reference
 
 pytest.importorskip("compressed_tensors")
@@ -220,9 +220,9 @@ def test_quantize_fsyncs_only_what_replaces_an_output(
 def test_converted_quantized_ranks_map_whole(quantized: dict[str, Path], tmp_path: Path) -> None:
     """Rank files hold their widest elements first, so every tensor of a mixed-dtype rank file is aligned
     and load_rank(mmap=True) maps all of it (reads nothing) with the same values as a plain load."""
-    from shardload.checkpoint import read_header
-    from shardload.dtypes import itemsize
-    from shardload.reader import count_reads
+    from shardload.sources.checkpoint import read_header
+    from shardload.sources.dtypes import itemsize
+    from shardload.sources.reader import count_reads
 
     out = tmp_path / "tp2"
     shardload.convert(quantized["int4-g32"], 2, out)

@@ -19,28 +19,28 @@ from test_shard_funcs import CASES, _valid
 
 import reference as ref
 import shardload
-import shardload.reader
-import shardload.transfer
-import shardload.writer
+import shardload.engine.transfer
+import shardload.engine.writer
+import shardload.sources.reader
 from conftest import random_array, write_model
-from shardload.checkpoint import open_checkpoint, read_header
+from shardload.engine.load import run_plan
+from shardload.engine.transfer import Transfer
 from shardload.errors import CheckpointError, PlanError
-from shardload.execute import run_plan
-from shardload.format import ShardInfo
-from shardload.plan import build_plan
-from shardload.reader import Reader, count_reads
-from shardload.transfer import Transfer
+from shardload.format.shard_info import ShardInfo
+from shardload.planning.plan import build_plan
+from shardload.sources.checkpoint import open_checkpoint, read_header
+from shardload.sources.reader import Reader, count_reads
 
 PATHS = ("direct", "portable", "staged", "staged_flat", "convert")
 
 
 def _chunk_sizes(monkeypatch: pytest.MonkeyPatch, scale: int) -> None:
-    monkeypatch.setattr(shardload.transfer, "STAGE_BYTES", 96 * scale)
-    monkeypatch.setattr(shardload.transfer, "STAGE_MIN_SLICE", 8 * scale)
-    monkeypatch.setattr(shardload.transfer, "JOB_BYTES", 72 * scale)
-    monkeypatch.setattr(shardload.writer, "STAGE_SET_BYTES", 96 * scale)
-    monkeypatch.setattr(shardload.writer, "STAGE_CHUNK_LIMITS", (24 * scale, 200 * scale))
-    monkeypatch.setattr(shardload.writer, "READ_THROUGH_BYTES", 16 * scale)
+    monkeypatch.setattr(shardload.engine.transfer, "STAGE_BYTES", 96 * scale)
+    monkeypatch.setattr(shardload.engine.transfer, "STAGE_MIN_SLICE", 8 * scale)
+    monkeypatch.setattr(shardload.engine.transfer, "JOB_BYTES", 72 * scale)
+    monkeypatch.setattr(shardload.engine.writer, "STAGE_SET_BYTES", 96 * scale)
+    monkeypatch.setattr(shardload.engine.writer, "STAGE_CHUNK_LIMITS", (24 * scale, 200 * scale))
+    monkeypatch.setattr(shardload.engine.writer, "READ_THROUGH_BYTES", 16 * scale)
 
 
 @pytest.fixture
@@ -58,9 +58,9 @@ def medium_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
 def _shards(path: str, model: Path, n: int, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     plan = shardload.plan_model(model, n)
     if path == "portable":
-        monkeypatch.setattr(shardload.reader, "_PREADV", None)
+        monkeypatch.setattr(shardload.sources.reader, "_PREADV", None)
     if path == "staged_flat":  # rank tensors laid end to end in the staging buffers, not side by side
-        monkeypatch.setattr(shardload.transfer, "STAGE_MIN_SLICE", 1 << 40)
+        monkeypatch.setattr(shardload.engine.transfer, "STAGE_MIN_SLICE", 1 << 40)
     if path == "convert":
         shardload.convert(model, n, tmp / "out")
         return [shardload.load_rank(tmp / "out", r, n) for r in range(n)]
@@ -174,7 +174,7 @@ def test_column_slice_reads_only_its_rows_parts(tmp_path: Path) -> None:
 @pytest.mark.parametrize("portable", (False, True))
 def test_load_reads_each_stored_byte_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, portable: bool) -> None:
     if portable:
-        monkeypatch.setattr(shardload.reader, "_PREADV", None)
+        monkeypatch.setattr(shardload.sources.reader, "_PREADV", None)
     model = _parallel_model(tmp_path / "m")
     stored = sum(t.nbytes for t in open_checkpoint(model).tensors.values())
     for n in (1, 2, 4):
@@ -192,7 +192,7 @@ def test_counting_is_off_outside_the_block(tmp_path: Path) -> None:
     with count_reads() as seen:
         pass
     shardload.load(model, 2, devices=["cpu"] * 2)
-    assert seen.bytes == 0 and shardload.reader._count is None
+    assert seen.bytes == 0 and shardload.sources.reader._count is None
 
 
 def _register_bad(name: str, boxes: Any) -> None:
@@ -227,13 +227,13 @@ def test_faulty_box_rule_is_refused(tmp_path: Path, kind: str, message: str) -> 
         with pytest.raises(PlanError, match=message):
             shardload.load(model, 2, devices=["cpu"] * 2, shard_info=info)
     finally:
-        shardload.registry.unregister(f"tests.bad_{kind}")
+        shardload.planning.registry.unregister(f"tests.bad_{kind}")
 
 
 @pytest.mark.parametrize("portable", (False, True))
 def test_file_truncated_after_planning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, portable: bool) -> None:
     if portable:
-        monkeypatch.setattr(shardload.reader, "_PREADV", None)
+        monkeypatch.setattr(shardload.sources.reader, "_PREADV", None)
     model = _parallel_model(tmp_path / "m")
     plan = shardload.plan_model(model, 2)
     path = model / "model.safetensors"
@@ -257,7 +257,7 @@ def test_plan_built_elsewhere_still_checks_boxes(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("threads", (1, 3))
 def test_convert_with_a_compute_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
-    monkeypatch.setattr(shardload.writer, "WRITE_THREADS", threads)
+    monkeypatch.setattr(shardload.engine.writer, "WRITE_THREADS", threads)
 
     def rule(shape: tuple[int, ...], dtype: str, num_shards: int) -> tuple[tuple[int, ...], str]:
         return (num_shards, shape[0] // num_shards, *shape[1:]), "float32"
@@ -279,7 +279,7 @@ def test_convert_with_a_compute_step(tmp_path: Path, monkeypatch: pytest.MonkeyP
             assert all(torch.equal(got[k], want[r][k]) for k in got)
             assert got["norm"].dtype == torch.float32
     finally:
-        shardload.registry.unregister("tests.doubled_rows")
+        shardload.planning.registry.unregister("tests.doubled_rows")
 
 
 @pytest.mark.usefixtures("small_chunks")
@@ -300,10 +300,10 @@ def test_converted_file_through_staging(example_dir: Path, tmp_path: Path) -> No
 def test_failed_write_stops_every_worker_and_leaves_nothing(
     example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
-    monkeypatch.setattr(shardload.writer, "WRITE_THREADS", threads)
-    monkeypatch.setattr(shardload.writer, "STAGE_SET_BYTES", 4096)
+    monkeypatch.setattr(shardload.engine.writer, "WRITE_THREADS", threads)
+    monkeypatch.setattr(shardload.engine.writer, "STAGE_SET_BYTES", 4096)
     calls = []
-    write = shardload.writer.OutFile.write
+    write = shardload.engine.writer.OutFile.write
 
     def failing(self: Any, data: memoryview) -> None:
         calls.append(1)
@@ -311,7 +311,7 @@ def test_failed_write_stops_every_worker_and_leaves_nothing(
             raise OSError(28, "No space left on device", str(self.path))
         write(self, data)
 
-    monkeypatch.setattr(shardload.writer.OutFile, "write", failing)
+    monkeypatch.setattr(shardload.engine.writer.OutFile, "write", failing)
     with pytest.raises((OSError, shardload.ShardloadError), match="No space left"):
         shardload.convert(example_dir, 4, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardload.runs import Runs, box_runs, chunks, coalesce, dedupe, jobs, split
+from shardload.planning.runs import Runs, box_runs, chunks, coalesce, dedupe, jobs, split
 
 
 @st.composite

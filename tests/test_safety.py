@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 import shardload
 from conftest import random_array, write_model
-from shardload.cli import main
+from shardload.cli.main import main
 from shardload.errors import ShardloadError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,11 +44,11 @@ def attacks(marker: Path, victim: Path) -> list[tuple[str, list[Any]]]:
         ("importlib.import_module", ["antigravity"]),
         ("os.remove", [str(victim)]),
         ("shutil.rmtree", [str(victim.parent)]),
-        ("shardload.convert.shutil.copyfile", ["/etc/hostname", m]),
-        ("shardload.execute.os.system", [f"touch {m}"]),
-        ("shardload.checkpoint.os.system", [f"touch {m}"]),
-        ("shardload.registry._REGISTRY", []),
-        ("shardload.registry.register", ["x"]),
+        ("shardload.engine.convert.shutil.copyfile", ["/etc/hostname", m]),
+        ("shardload.engine.load.os.system", [f"touch {m}"]),
+        ("shardload.sources.checkpoint.os.system", [f"touch {m}"]),
+        ("shardload.planning.registry._REGISTRY", []),
+        ("shardload.planning.registry.register", ["x"]),
         ("shard_funcs.register", ["x"]),
         ("shard_funcs.shard_dim.__globals__", []),
         ("shard_funcs.shard_dim.__code__", []),
@@ -82,9 +82,9 @@ Route = Callable[[Path, Path, Path], None]
 
 
 def via_validate_api(model: Path, info: Path, out: Path) -> None:
-    problems = shardload.ShardInfo.load(info).validate(model=model, num_shards=2)
+    problems = shardload.validate(info, model=model, num_shards=2)
     assert problems and all("unknown function" in str(p) for p in problems)
-    problems = shardload.ShardInfo.load(info).validate(num_shards=2)  # without a checkpoint too
+    problems = shardload.validate(info, num_shards=2)  # without a checkpoint too
     assert problems and all("unknown function" in str(p) for p in problems)
 
 

@@ -17,12 +17,13 @@ import torch
 
 import reference as ref
 from conftest import random_array, write_model
-from shardload.checkpoint import open_checkpoint
+from shardload.engine.load import materialize
+from shardload.engine.steps import run_steps
 from shardload.errors import PlanError
-from shardload.execute import materialize, run_steps
-from shardload.format import ShardInfo
-from shardload.plan import build_plan
-from shardload.reader import Reader
+from shardload.format.shard_info import ShardInfo
+from shardload.planning.plan import build_plan
+from shardload.sources.checkpoint import open_checkpoint
+from shardload.sources.reader import Reader
 
 NS = (1, 2, 3, 4, 8)
 

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 import tiny_models
-from shardload.cli import main
+from shardload.cli.main import main
 
 pytest.importorskip("transformers")
 

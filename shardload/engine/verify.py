@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import (
+from ..errors import CheckpointError
+from ..sources.checkpoint import (
     MANIFEST_NAME,
     RANK_FILE_RE,
     Checkpoint,
@@ -22,10 +23,9 @@ from .checkpoint import (
     read_header_and_metadata,
     resolve_inside,
 )
-from .errors import CheckpointError
 
 if TYPE_CHECKING:
-    from .mesh import Mesh
+    from ..planning.mesh import Mesh
 
 __all__ = ["VerifyReport", "rank_file", "sha256_file", "verify_dir"]
 

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from .dtypes import DTYPES, itemsize, to_torch
-from .reader import Reader, buffer_view, libc_function
+from ..sources.dtypes import DTYPES, itemsize, to_torch
+from ..sources.reader import Reader, buffer_view, libc_function
 
 if TYPE_CHECKING:
     import torch
 
-    from .plan import ModelPlan, ParamPlan
+    from ..planning.plan import ModelPlan, ParamPlan
 
 STAGE_SET_BYTES = 2 << 20
 """Bytes of one worker's buffers: one per rank of its group, of ``STAGE_CHUNK_LIMITS`` bytes each."""
@@ -178,7 +178,7 @@ class _Shared:
         """The parameter's per-rank shards (contiguous CPU tensors)."""
         import torch
 
-        from .execute import run_steps
+        from .steps import run_steps
 
         with self.lock:
             entry = self.entries.setdefault(param.name, [threading.Lock(), None, self.workers])
@@ -295,7 +295,7 @@ def _write_group(
     """One worker: every parameter's bytes for ``ranks``, chunk by chunk, read, written and hashed in order."""
     import torch
 
-    from .runs import Runs, chunks, fill_gaps, param_runs, shifted, structure
+    from ..planning.runs import Runs, chunks, fill_gaps, param_runs, shifted, structure
 
     low, high = STAGE_CHUNK_LIMITS
     chunk = min(high, max(low, STAGE_SET_BYTES // len(ranks)))

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from . import expr
-from .errors import PlanError, StepArgumentError
+from ..errors import PlanError, StepArgumentError
+from ..format import expr
 
 __all__ = ["STYLES", "Header", "Placement", "TensorHeader", "placement_from_steps"]
 
@@ -25,7 +25,7 @@ stacked ``[num_experts, ...]`` tensor per rank; replicated: every rank holds the
 
 
 class TensorHeader(Protocol):
-    """What planning needs of a tensor (``shardload.checkpoint.TensorInfo`` and :class:`Header` have it)."""
+    """What planning needs of a tensor (``shardload.sources.checkpoint.TensorInfo`` and :class:`Header` have it)."""
 
     @property
     def shape(self) -> tuple[int, ...]: ...

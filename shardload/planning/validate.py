@@ -1,4 +1,8 @@
-"""Validation of a shard_info file: schema check, then a plan for each N; report every problem."""
+"""Validation of a shard_info file: schema check, then a plan for each N; report every problem.
+
+Validation is planning that collects problems instead of stopping at the first, so it lives here,
+above the file format it checks.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .checkpoint import Checkpoint, open_checkpoint
-from .errors import ShardloadError
-from .format import ShardInfo
+from ..errors import ShardloadError
+from ..format.shard_info import ShardInfo
+from ..sources.checkpoint import Checkpoint, open_checkpoint
 from .mesh import Mesh, stage_plans
 from .plan import build_plan
 
@@ -63,3 +67,20 @@ def validate_file(
         "valid_for": valid_for,
         "problems": list(found.values()),
     }
+
+
+def validate(
+    shard_info: ShardInfo | str | os.PathLike[str],
+    model: str | os.PathLike[str] | None = None,
+    num_shards: int | None = None,
+) -> list[ShardloadError]:
+    """Plan ``shard_info`` for ``num_shards`` ranks (against ``model``'s header when given); return every problem.
+
+    Example::
+
+        problems = shardload.validate("shard_info.json", model="llama-dir", num_shards=8)  # [] when valid
+    """
+    info = shard_info if isinstance(shard_info, ShardInfo) else ShardInfo.load(shard_info)
+    checkpoint = open_checkpoint(model) if model is not None else None
+    n = num_shards if num_shards is not None else (info.num_shards or 1)
+    return build_plan(info, checkpoint, n, strict=False).problems

@@ -1,7 +1,7 @@
 """Checkpoint reading: safetensors headers (single file, HF indexed multi-file, converted output).
 
 Opening a checkpoint reads headers only; tensor bytes are read by the executor, run by run,
-through :class:`shardload.reader.Reader`.
+through :class:`shardload.sources.reader.Reader`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from . import strictjson
+from ..errors import CheckpointError
+from ..format import strictjson
 from .dtypes import DTYPES, FROM_SAFETENSORS
-from .errors import CheckpointError
+from .formats import format_for_dir, format_for_file
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -132,8 +133,9 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if path.is_file():
         if path.name == MANIFEST_NAME:
             return _open_converted(path.parent)
-        if path.suffix == ".gguf":
-            return _open_gguf(path)
+        fmt = format_for_file(path)
+        if fmt is not None:
+            return fmt.open(path)
         if path.name.endswith(".index.json"):
             return _open_index(path.parent, path)
         return _open_files(path, path.parent, [path])
@@ -152,19 +154,14 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             "directory; convert the source checkpoint again",
             file=str(path),
         )
-    if not found and any(p.is_file() for p in path.glob("*.gguf")):
-        return _open_gguf(path)
+    fmt = format_for_dir(path) if not found else None
+    if fmt is not None:
+        return fmt.open(path)
     if not found:
         raise CheckpointError(
             f"no {SINGLE_NAME}, {INDEX_NAME}, {MANIFEST_NAME} or *.safetensors file here", file=str(path)
         )
     return _open_files(path, path, [resolve_inside(path, p.name, path) for p in found])
-
-
-def _open_gguf(path: Path) -> Checkpoint:
-    from .gguf_source import open_gguf  # the gguf package is an optional extra
-
-    return open_gguf(path)
 
 
 def _open_files(path: Path, root: Path, files: list[Path]) -> Checkpoint:

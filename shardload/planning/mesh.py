@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import ShardloadError
+from ..errors import ShardloadError
 
 if TYPE_CHECKING:
     from .plan import ModelPlan
@@ -172,7 +172,7 @@ def as_mesh(mesh: Mesh | str | Mapping[str, int] | None, world_size: int | None 
 
 def _config(root: Path) -> dict[str, Any]:
     """config.json of the model, or {} when there is none or it cannot be read (stages then follow names)."""
-    from .checkpoint import read_config
+    from ..sources.checkpoint import read_config
 
     try:
         return read_config(root, missing_ok=True)

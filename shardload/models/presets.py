@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, PlanError
+from ..errors import CheckpointError, PlanError
 from .placement import Placement, TensorHeader
 from .quant_plan import companion_steps, detect_format, logical_tensors
 
@@ -501,9 +501,9 @@ def plan_problems(
     document: Mapping[str, Any], tensors: Mapping[str, Any], num_shards: Iterable[int]
 ) -> dict[int, list[str]]:
     """For each N, every message from planning ``document`` against the stored tensors (pure: headers only)."""
-    from .checkpoint import Checkpoint
-    from .format import ShardInfo
-    from .plan import build_plan
+    from ..format.shard_info import ShardInfo
+    from ..planning.plan import build_plan
+    from ..sources.checkpoint import Checkpoint
 
     info = ShardInfo.from_dict(dict(document), source="")
     checkpoint = Checkpoint(Path("<model>"), Path("."), "safetensors", dict(tensors))
@@ -559,8 +559,8 @@ def generate(
     directory (config from its metadata). The result records every N in 1..``check_up_to`` it plans
     for (also in its description), checked against every stored tensor, quantized companions included.
     """
-    from .checkpoint import open_checkpoint, read_config
-    from .gguf_source import model_config
+    from ..sources.checkpoint import open_checkpoint, read_config
+    from ..sources.gguf import model_config
 
     for n in num_shards:
         if type(n) is not int or n < 1:

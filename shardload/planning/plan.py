@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
-from . import expr
-from .checkpoint import Checkpoint, TensorInfo
-from .dtypes import DTYPES, itemsize
-from .errors import PlanError, ShardloadError, StepArgumentError
-from .format import ShardInfo, StepSpec
+from ..errors import PlanError, ShardloadError, StepArgumentError
+from ..format import expr
+from ..format.shard_info import ShardInfo, StepSpec
+from ..sources.checkpoint import Checkpoint, TensorInfo
+from ..sources.dtypes import DTYPES, itemsize
 from .registry import Box, Shape, StepFunction, lookup
 
 
@@ -308,7 +308,7 @@ def plan_model(
         p = shardload.plan_model("llama-dir", 8)
         print(p.params["model.embed_tokens.weight"].shape)   # per-rank shape
     """
-    from .checkpoint import open_checkpoint
+    from ..sources.checkpoint import open_checkpoint
 
     checkpoint = open_checkpoint(model)
     if checkpoint.kind == "converted":

@@ -4,6 +4,10 @@ A registered step carries its callable and a *shape rule* (input shape/dtype + a
 output shape/dtype), so a plan can be checked without touching data. A step that also
 declares *source boxes* is an index remap: the planner can turn a chain of remaps into the
 byte regions each rank reads.
+
+Built-in steps (the ``shard_funcs`` package) register with :func:`register` like any user step; the
+package root ``shardload/__init__.py`` imports ``shard_funcs`` once, so they are present whenever
+shardload is. This module never imports them: the registry sits below every step function.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import expr
-from .errors import StepArgumentError
+from ..errors import StepArgumentError
+from ..format import expr
 
 Shape = tuple[int, ...]
 Box = tuple[tuple[int, int], ...]
@@ -177,7 +181,6 @@ def unregister(name: str) -> None:
 
 def lookup(name: str) -> StepFunction:
     """The registered step for ``name``; raises StepArgumentError for an unknown name."""
-    _load_builtins()
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
@@ -186,9 +189,4 @@ def lookup(name: str) -> StepFunction:
 
 def names() -> list[str]:
     """All registered step names, sorted."""
-    _load_builtins()
     return sorted(_REGISTRY)
-
-
-def _load_builtins() -> None:
-    import shard_funcs  # noqa: F401  (registers the built-ins on first import)

@@ -39,7 +39,7 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from .errors import PlanError, StepArgumentError
+from ..errors import PlanError, StepArgumentError
 from .placement import Header, Placement, TensorHeader, placement_from_steps
 
 __all__ = [
@@ -222,11 +222,11 @@ def quantized_shard_info(
 
 def read_quantization_config(model: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The quantization_config of a model: config.json's, or for a GGUF file its per-tensor block types."""
-    from .checkpoint import read_config
+    from ..sources.checkpoint import read_config
 
     path = Path(model)
     if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")) and not any(path.glob("*.safetensors"))):
-        from .gguf_source import quantization_config
+        from ..sources.gguf import quantization_config
 
         return quantization_config(path)
     qc = read_config(path if path.is_dir() else path.parent, missing_ok=True).get("quantization_config")

@@ -15,9 +15,9 @@ from typing import Any
 
 import click
 
-from . import __version__
-from .errors import ShardloadError
-from .quantize import SCHEMES as QUANT_SCHEMES
+from ..engine.quantize import SCHEMES as QUANT_SCHEMES
+from ..errors import ShardloadError
+from ..version import __version__
 
 DEFAULT_CHECK_NS = (1, 2, 4, 8)
 MAX_LISTED_N = 16
@@ -58,7 +58,7 @@ def _mesh_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _mesh_arg(mesh: str | None, world_size: int | None, pp_layers: str | None) -> Any:
     """The Mesh the options describe, or None when --mesh is absent."""
-    from .mesh import Mesh
+    from ..planning.mesh import Mesh
 
     if mesh is None:
         if world_size is not None or pp_layers is not None:
@@ -116,7 +116,7 @@ def convert(
 
     With --mesh pp=P,tp=T there is one file per (stage, tensor rank), holding only that stage's layers.
     """
-    from .convert import convert as run_convert
+    from ..engine.convert import convert as run_convert
     from .report import format_table, human_bytes
 
     layout = _mesh_arg(mesh, world_size, pp_layers)
@@ -134,7 +134,7 @@ def convert(
         state["done"] = done
 
     if show_bar:
-        from .checkpoint import open_checkpoint
+        from ..sources.checkpoint import open_checkpoint
 
         total = open_checkpoint(model).nbytes
         with click.progressbar(length=total, label="converting", file=sys.stderr, show_pos=False) as bar:
@@ -143,7 +143,7 @@ def convert(
         result = run_convert(model, num_shards, out_dir, shard_info, **options)
     if quiet:
         return
-    from .execute import stages_of
+    from ..engine.load import stages_of
 
     stages = stages_of(result.plan, result.layout)
     rows = []
@@ -189,7 +189,7 @@ def convert(
 @_guarded
 def plan(model: Path, out: Path | None, style: str, experts: str, num_shards: tuple[int, ...], overwrite: bool) -> None:
     """Write an N-agnostic shard_info.json for MODEL (dense, quantized or GGUF) from its config and tensor names."""
-    from .presets import generate
+    from ..models.presets import generate
 
     root = model if model.is_dir() else model.parent
     target = out if out is not None else root / "shard_info.json"
@@ -234,7 +234,7 @@ def validate(
 
     With --mesh the N is the mesh's tp, and (with --model) the pipeline stages are checked too.
     """
-    from .validate import validate_file
+    from ..planning.validate import validate_file
 
     layout = _mesh_arg(mesh, world_size, pp_layers)
     if layout is not None and (list_valid_n or (num_shards and set(num_shards) != {layout.tp})):
@@ -275,7 +275,7 @@ def validate(
 @_guarded
 def quantize(model: Path, out_dir: Path, scheme: str, shard_info: Path | None, overwrite: bool) -> None:
     """Quantize MODEL's linear weights once (compressed-tensors layout) with an N-agnostic shard_info."""
-    from .quantize import quantize as run_quantize
+    from ..engine.quantize import quantize as run_quantize
 
     result = run_quantize(model, out_dir, scheme, shard_info=shard_info, overwrite=overwrite)
     fmt = result.scheme.format
@@ -309,8 +309,8 @@ def inspect(
 
     With --mesh, also a row per (pipeline stage, tensor rank): its layers, tensors, bytes held and read.
     """
-    from .checkpoint import open_checkpoint
-    from .plan import build_plan, resolve_shard_info
+    from ..planning.plan import build_plan, resolve_shard_info
+    from ..sources.checkpoint import open_checkpoint
     from .report import inspect_rows, inspect_text, mesh_rows, mesh_text, totals
 
     layout = _mesh_arg(mesh, world_size, pp_layers)
@@ -341,8 +341,8 @@ def inspect(
 @_guarded
 def verify(out_dir: Path) -> None:
     """Recompute every file's sha256 in converted directory OUT against its manifest; list each mismatch."""
+    from ..engine.verify import verify_dir
     from .report import human_bytes
-    from .verify import verify_dir
 
     report = verify_dir(out_dir)
     for problem in report.problems:

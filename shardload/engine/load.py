@@ -1,7 +1,7 @@
 """Execution: run a plan's I/O and steps to produce per-rank tensors on their devices.
 
 Remap-only parameters are read run by run straight from the file into each rank's tensor
-(see :mod:`shardload.transfer`), so a rank reads only its own bytes and every byte is read once;
+(see :mod:`shardload.engine.transfer`), so a rank reads only its own bytes and every byte is read once;
 parameters with a compute step are read whole, run through their step functions, and split.
 """
 
@@ -11,46 +11,18 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import open_checkpoint, read_header
-from .checkpoint import rank_file_name as rank_file_name  # re-exported: moved to checkpoint
-from .dtypes import to_torch
-from .errors import CheckpointError, PlanError, ShardloadError
-from .mesh import Mesh, MeshCoord, as_mesh, stage_plans
-from .plan import ModelPlan, ParamPlan, build_plan, resolve_shard_info
-from .reader import Reader
+from ..errors import CheckpointError, ShardloadError
+from ..planning.mesh import Mesh, MeshCoord, as_mesh, stage_plans
+from ..planning.plan import ModelPlan, ParamPlan, build_plan, resolve_shard_info
+from ..sources.checkpoint import open_checkpoint, read_header
+from ..sources.reader import Reader
 from .transfer import Transfer
 from .verify import rank_file
-from .verify import sha256_file as sha256_file  # re-exported: moved to verify
 
 if TYPE_CHECKING:
     import torch
 
-    from .checkpoint import Checkpoint
-
-
-def run_steps(plan: ParamPlan, x: torch.Tensor) -> torch.Tensor:
-    """Apply every step of ``plan`` to the whole tensor ``x``, checking each result against the plan."""
-    import torch
-
-    for step in plan.steps:
-        try:
-            x = step.func.fn(x, *step.args)
-        except ShardloadError:
-            raise
-        except Exception as err:
-            raise PlanError(
-                f"step function failed: {type(err).__name__}: {err}", param=plan.name, step=step.index, func=step.name
-            ) from None
-        if not isinstance(x, torch.Tensor):
-            raise PlanError(
-                f"returned {type(x).__name__}, not a tensor", param=plan.name, step=step.index, func=step.name
-            )
-        if tuple(x.shape) != step.out_shape or x.dtype != to_torch(step.out_dtype):
-            raise PlanError(
-                f"returned {list(x.shape)} {x.dtype} but the plan says {list(step.out_shape)} {step.out_dtype}",
-                param=plan.name, step=step.index, func=step.name,
-            )  # fmt: skip
-    return x
+    from ..sources.checkpoint import Checkpoint
 
 
 def materialize(plan: ParamPlan, files: Reader, ranks: Sequence[int]) -> list[torch.Tensor]:

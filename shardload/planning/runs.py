@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .dtypes import itemsize
-from .errors import PlanError
+from ..errors import PlanError
+from ..sources.dtypes import itemsize
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ast
 
-from .errors import StepArgumentError
+from ..errors import StepArgumentError
 
 MAX_EXPR_LEN = 200
 MAX_ABS_VALUE = 1 << 62

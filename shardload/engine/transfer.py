@@ -21,15 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .dtypes import to_torch
-from .reader import Mappings, Reader
+from ..sources.dtypes import to_torch
+from ..sources.reader import Mappings, Reader
 
 if TYPE_CHECKING:
     import torch
 
-    from .checkpoint import TensorInfo
-    from .plan import ParamPlan
-    from .runs import Copies, Runs
+    from ..planning.plan import ParamPlan
+    from ..planning.runs import Copies, Runs
+    from ..sources.checkpoint import TensorInfo
 
 JOB_BYTES = 8 << 20
 """Bytes per thread-pool read job."""
@@ -60,7 +60,7 @@ class Transfer:
     every read until :meth:`wait`: allocating destinations while other threads fault pages in slows
     both, so a whole-model load allocates first, then reads at full speed. ``mapped`` returns a single
     rank's CPU tensor that is one contiguous stretch of its file as a view of a private file mapping
-    instead of reading it (see :class:`~shardload.reader.Mappings`).
+    instead of reading it (see :class:`~shardload.sources.reader.Mappings`).
     """
 
     def __init__(
@@ -96,7 +96,7 @@ class Transfer:
         """``plan``'s tensors for ``ranks`` (rank ``ranks[k]`` on ``devices[k]``, default CPU), being filled."""
         import torch
 
-        from .runs import param_runs, shifted, structure
+        from ..planning.runs import param_runs, shifted, structure
 
         devs = [torch.device("cpu")] * len(ranks) if devices is None else [torch.device(d) for d in devices]
         key = (structure(plan, ranks), tuple(devs))
@@ -112,7 +112,7 @@ class Transfer:
             rel = None if runs is None else shifted(runs, -plan.source.offset)
             schedule = self.schedules[key] = None if rel is None else self._schedule(rel, sizes, devs)
         if schedule is None:  # a compute step: read the tensor whole, run the steps, split
-            from .execute import run_steps
+            from .steps import run_steps
 
             full = torch.empty(plan.source.shape, dtype=to_torch(plan.source.dtype))
             self.reader.read_tensor(plan.source.file, plan.source.offset, full)
@@ -124,7 +124,7 @@ class Transfer:
 
     def _view(self, plan: ParamPlan, ranks: Sequence[int], key: Any) -> torch.Tensor | None:
         """The rank's tensor as a view of the file mapping, where it is one contiguous stretch of the file."""
-        from .runs import param_runs
+        from ..planning.runs import param_runs
 
         if key not in self.whole:
             runs = param_runs(plan, ranks)
@@ -154,7 +154,7 @@ class Transfer:
         import numpy as np
         import torch
 
-        from .runs import Runs
+        from ..planning.runs import Runs
 
         dests = [torch.empty(t.shape, dtype=to_torch(t.dtype), device=device) for t in infos]
         keep = [k for k, t in enumerate(infos) if t.nbytes]
@@ -184,7 +184,7 @@ class Transfer:
         return schedule
 
     def _plan_direct(self, runs: Runs, schedule: _Schedule) -> None:
-        from .runs import dedupe, jobs, split
+        from ..planning.runs import dedupe, jobs, split
 
         reads, copies = dedupe(runs)
         reads = split(reads, JOB_BYTES)
@@ -195,7 +195,7 @@ class Transfer:
     def _plan_staged(self, runs: Runs, sizes: list[int], schedule: _Schedule) -> None:
         import numpy as np
 
-        from .runs import Runs, chunks, dedupe
+        from ..planning.runs import Runs, chunks, dedupe
 
         size = STAGE_BYTES
         reads, copies = dedupe(runs)

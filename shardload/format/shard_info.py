@@ -21,13 +21,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ..errors import FormatError
 from . import strictjson
-from .errors import FormatError, ShardloadError
-
-if TYPE_CHECKING:
-    from .plan import ModelPlan
 
 FORMAT_VERSION = 1
 MAX_FILE_BYTES = 64 << 20
@@ -144,17 +141,6 @@ class ShardInfo:
 
     # -- checking --------------------------------------------------------------------------
 
-    def validate(
-        self, model: str | os.PathLike[str] | None = None, num_shards: int | None = None
-    ) -> list[ShardloadError]:
-        """Plan this shard_info (against ``model``'s header when given) and return every problem found."""
-        from .checkpoint import open_checkpoint
-        from .plan import build_plan
-
-        checkpoint = open_checkpoint(model) if model is not None else None
-        n = num_shards if num_shards is not None else (self.num_shards or 1)
-        return build_plan(self, checkpoint, n, strict=False).problems
-
     def alias_problems(self, aliases: list[tuple[str, str]]) -> list[FormatError]:
         """One error per alias pair (names of one parameter, e.g. tied weights) listed with different steps."""
         problems = []
@@ -169,13 +155,6 @@ class ShardInfo:
                     )
                 )
         return problems
-
-    def plan(self, model: str | os.PathLike[str], num_shards: int) -> ModelPlan:
-        """Build the load plan of ``model`` for ``num_shards`` ranks; raises the first problem."""
-        from .checkpoint import open_checkpoint
-        from .plan import build_plan
-
-        return build_plan(self, open_checkpoint(model), num_shards)
 
 
 def _check_spellings(params: dict[str, Any], source: str) -> None:
@@ -224,10 +203,10 @@ def _seed_num_shards(params: dict[str, list[StepSpec]], source: str) -> int | No
 @lru_cache(maxsize=1)
 def schema() -> dict[str, Any]:
     """The JSON Schema of shard_info.json, as shipped with the package."""
-    packaged = resources.files("shardload") / "shard_info.schema.json"
+    packaged = resources.files("shardload.format") / "shard_info.schema.json"
     if packaged.is_file():
         return json.loads(packaged.read_text())
-    return json.loads((Path(__file__).resolve().parent.parent / "shard_info.schema.json").read_text())
+    return json.loads((Path(__file__).resolve().parents[2] / "shard_info.schema.json").read_text())
 
 
 @lru_cache(maxsize=2)

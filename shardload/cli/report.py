@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .plan import ModelPlan
+from ..planning.plan import ModelPlan
 
 if TYPE_CHECKING:
-    from .mesh import Mesh
+    from ..planning.mesh import Mesh
 
 
 def human_bytes(n: float) -> str:
@@ -97,7 +97,7 @@ def inspect_text(plan: ModelPlan) -> str:
 
 def mesh_rows(plan: ModelPlan, layout: Mesh) -> list[dict[str, Any]]:
     """One row per (pipeline stage, tensor rank): global ranks, layers, tensors, bytes held and read."""
-    from .execute import stages_of
+    from ..engine.load import stages_of
 
     rows = []
     for pp, stage in enumerate(stages_of(plan, layout)):

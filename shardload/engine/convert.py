@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .checkpoint import (
+from ..errors import ShardloadError
+from ..planning.mesh import Mesh
+from ..planning.plan import ModelPlan, build_plan, resolve_shard_info
+from ..sources.checkpoint import (
     INDEX_NAME,
     MANIFEST_FORMAT,
     MANIFEST_NAME,
@@ -32,10 +34,8 @@ from .checkpoint import (
     rank_file_name,
     resolve_inside,
 )
-from .errors import ShardloadError
-from .execute import layout_for, stages_of
-from .mesh import Mesh
-from .plan import ModelPlan, build_plan, resolve_shard_info
+from ..version import __version__
+from .load import layout_for, stages_of
 from .writer import OutFile, OutputFile, fsync_dir, fsync_tree, write_rank_files
 
 Progress = Callable[[int, str], None]

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import INDEX_NAME, MANIFEST_NAME, SHARD_INFO_NAME, open_checkpoint, read_config
-from .errors import ShardloadError
-from .format import ShardInfo
-from .placement import Header
-from .quant_plan import quantized_shard_info
-from .reader import Reader
+from ..errors import ShardloadError
+from ..format.shard_info import ShardInfo
+from ..models.placement import Header
+from ..models.quant_plan import quantized_shard_info
+from ..sources.checkpoint import INDEX_NAME, MANIFEST_NAME, SHARD_INFO_NAME, open_checkpoint, read_config
+from ..sources.reader import Reader
 from .writer import fsync_dir, fsync_tree
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ def quantize(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if info is not None:  # checked where it was published: a temporary directory is never opened as a model
-        from .validate import validate_file
+        from ..planning.validate import validate_file
 
         ns = [info.num_shards] if info.num_shards else list(range(1, 17))
         result.valid_for = validate_file(out / SHARD_INFO_NAME, out, ns)["valid_for"]

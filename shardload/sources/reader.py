@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 if TYPE_CHECKING:
     import numpy as np

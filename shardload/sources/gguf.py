@@ -15,8 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..errors import CheckpointError
 from .checkpoint import Checkpoint, TensorInfo
-from .errors import CheckpointError
+from .formats import SourceFormat, register_source
 
 GGUF_SUFFIX = ".gguf"
 
@@ -147,3 +148,13 @@ def _metadata(reader: Any, key: str) -> Any:
         return field.contents()
     except (ValueError, IndexError, UnicodeDecodeError):
         return None
+
+
+register_source(
+    SourceFormat(
+        name="gguf",
+        claims_file=lambda path: path.suffix == GGUF_SUFFIX,
+        claims_dir=lambda path: bool(gguf_files(path)),
+        open=open_gguf,
+    )
+)

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .errors import ShardloadError
+from ..errors import ShardloadError
 
 EXAMPLE_CONFIG: dict[str, Any] = {
     "architectures": ["Phi3ForCausalLM"],
