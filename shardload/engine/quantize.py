@@ -5,7 +5,7 @@ The output is what vLLM and transformers read as compressed-tensors: ``int4-g*``
 per group of the input dim or per output channel, and ``weight_shape``), ``fp8`` is
 ``float-quantized`` (``float8_e4m3fn`` weights with one scale per output channel). The
 ``quantization_config`` goes into config.json, and the source shard_info is carried over to the
-quantized tensors (:func:`shardload.quant_plan.quantized_shard_info`), so the same files serve
+quantized tensors (:func:`shardload.models.quant_plan.quantized_shard_info`), so the same files serve
 any N the group sizes allow.
 """
 

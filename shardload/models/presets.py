@@ -3,11 +3,11 @@
 Decisions come from built-in architecture presets (Llama, Mistral, Qwen2/3, Phi-3, Mixtral,
 Qwen-MoE and BERT families, by Hugging Face or GGUF tensor names) or from HF transformers'
 ``base_model_tp_plan`` when config.json has one. Each decision is a
-:class:`~shardload.placement.Placement` (tensor, parallel style, dim, fused segments in units,
+:class:`~shardload.models.placement.Placement` (tensor, parallel style, dim, fused segments in units,
 KV flags) made on the model's *logical* tensors: a quantized module is seen as its logical
-weight (:func:`shardload.quant_plan.logical_tensors`). :func:`model_placements` makes them and
+weight (:func:`shardload.models.quant_plan.logical_tensors`). :func:`model_placements` makes them and
 :func:`shard_info_document` renders a whole N-agnostic file, writing steps for every stored
-tensor (packed weights, scales, zero points, ...) through :func:`shardload.quant_plan.companion_steps`.
+tensor (packed weights, scales, zero points, ...) through :func:`shardload.models.quant_plan.companion_steps`.
 Everything here is pure: config and tensor headers only, no tensor data.
 """
 
@@ -166,7 +166,7 @@ def _targets(tensors: Mapping[str, TensorHeader], patterns: Iterable[str]) -> It
 
     A pattern names a whole tensor (parameter None: stacked experts, ``cls.predictions.bias``) or
     a module, whose ``weight`` and ``bias`` it covers (a quantized module's logical ``weight`` too,
-    in :func:`shardload.quant_plan.logical_tensors`).
+    in :func:`shardload.models.quant_plan.logical_tensors`).
     """
     patterns = list(patterns)
     for name in tensors:
@@ -413,7 +413,7 @@ def shard_info_document(
     """The N-agnostic document-form shard_info: steps for every stored tensor in ``tensors`` that ``placements`` split.
 
     ``placements`` are keyed by logical tensor (a quantized module's ``P.weight``); each one's steps
-    come from :func:`shardload.quant_plan.companion_steps`, for the tensor itself or for every
+    come from :func:`shardload.models.quant_plan.companion_steps`, for the tensor itself or for every
     stored tensor of its module.
     """
     params: dict[str, Any] = {}

@@ -1,7 +1,7 @@
 """Stored layouts: the shard_info steps for every stored tensor of a placed weight, quantized or not.
 
 A plan decides how each (logical) weight ``W[..., out, in]`` is split across ranks: a
-:class:`~shardload.placement.Placement` (column, row, vocab, expert or replicated, fused segments
+:class:`~shardload.models.placement.Placement` (column, row, vocab, expert or replicated, fused segments
 in units, KV flags). A quantized checkpoint stores ``W`` as several tensors whose dims relate to
 ``W``'s dims by a pack factor (int4 in int32) or a group/block size (scales, zero points, GGUF
 blocks), plus a shape vector or a group index whose values change per rank.
