@@ -198,10 +198,19 @@ def _problems(path: Path) -> list[str]:
     return found
 
 
+# The one dynamic import: --plugin MODULE, a name typed on the command line (never one read from a file).
+ALLOWED = {"shardload/cli/plugins.py": ["calls import_module"]}
+
+
 def test_no_pickle_eval_or_dynamic_lookup_in_the_library() -> None:
     files = sorted((ROOT / "shardload").rglob("*.py")) + sorted((ROOT / "shard_funcs").rglob("*.py"))
     assert files
-    problems = [p for f in files for p in _problems(f)]
+    problems = []
+    for f in files:
+        allowed = ALLOWED.get(str(f.relative_to(ROOT)), [])
+        found = _problems(f)
+        assert [p.split(": ", 1)[1] for p in found if p.split(": ", 1)[1] in allowed] == allowed or not allowed
+        problems += [p for p in found if p.split(": ", 1)[1] not in allowed]
     assert problems == []
 
 

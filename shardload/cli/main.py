@@ -67,8 +67,34 @@ def _mesh_arg(mesh: str | None, world_size: int | None, pp_layers: str | None) -
     return Mesh.parse(mesh, world_size, pp_layers)
 
 
+def _load_plugins(ctx: click.Context, param: click.Parameter, modules: tuple[str, ...]) -> None:
+    """Import the --plugin modules (they register step functions) before the command runs."""
+    from .plugins import PluginError, load_plugin
+
+    for module in modules:
+        try:
+            load_plugin(module)
+        except PluginError as err:
+            raise click.UsageError(str(err)) from None
+
+
+_PLUGIN_HELP = (
+    "Import MODULE (a dotted name, or a .py file) first, so the step functions it registers can be used; "
+    "repeatable. Installed packages register theirs through the 'shardload.steps' entry point group."
+)
+
+
+def _plugin_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Add --plugin to a command (also accepted before the command name)."""
+    return click.option(
+        "--plugin", "plugins", metavar="MODULE", multiple=True, expose_value=False, is_eager=True,
+        callback=_load_plugins, help=_PLUGIN_HELP,
+    )(fn)  # fmt: skip
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="shardload")
+@_plugin_option
 def main() -> None:
     """Shard one safetensors checkpoint for any tensor-parallel size, at load time."""
 
@@ -87,6 +113,7 @@ def example(out_dir: Path, overwrite: bool, multi_file: bool) -> None:
 
 
 @main.command()
+@_plugin_option
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("-n", "--num-shards", type=click.IntRange(min=1), help="Tensor-parallel size N (or give --mesh).")
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Output directory.")
@@ -159,6 +186,7 @@ def convert(
 
 
 @main.command()
+@_plugin_option
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option(
     "-o", "--out", type=click.Path(path_type=Path), help="Output file (default MODEL/shard_info.json; - for stdout)."
@@ -210,6 +238,7 @@ def plan(model: Path, out: Path | None, style: str, experts: str, num_shards: tu
 
 
 @main.command()
+@_plugin_option
 @click.argument("shard_info_path", metavar="SHARD_INFO", type=click.Path(path_type=Path))
 @click.option("--model", type=click.Path(path_type=Path), help="Check against this checkpoint's tensors.")
 @click.option("-n", "--num-shards", "num_shards", type=click.IntRange(min=1), multiple=True,
@@ -266,6 +295,7 @@ def validate(
 
 
 @main.command()
+@_plugin_option
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Output directory.")
 @click.option("--scheme", type=click.Choice(list(QUANT_SCHEMES)), default="int4-g128", show_default=True,
@@ -290,6 +320,7 @@ def quantize(model: Path, out_dir: Path, scheme: str, shard_info: Path | None, o
 
 
 @main.command()
+@_plugin_option
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("-n", "--num-shards", type=click.IntRange(min=1), help="N (default: the file's N, or 8).")
 @click.option("--shard-info", type=click.Path(path_type=Path), help="shard_info.json (default MODEL/shard_info.json).")

@@ -117,6 +117,12 @@ def convert(
     info = resolve_shard_info(checkpoint, shard_info)
     layout = layout_for(num_shards, mesh, None)
     plan = build_plan(info, checkpoint, layout.tp)
+    if checkpoint.presharded is not None:
+        raise ShardloadError(
+            f"is already pre-sharded for num_shards={checkpoint.presharded}: load it directly (load_rank reads each "
+            "rank's own records); convert splits a checkpoint stored whole",
+            file=checkpoint.name,
+        )
     stages = stages_of(plan, layout)
     if checkpoint.root.resolve().is_relative_to(out.resolve()):
         raise ShardloadError("output directory is (or contains) the model directory", file=str(out))

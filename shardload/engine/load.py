@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardloadError
+from ..format.shard_info import ShardInfo
 from ..planning.mesh import Mesh, MeshCoord, as_mesh, stage_plans
 from ..planning.plan import ModelPlan, ParamPlan, build_plan, resolve_shard_info
 from ..sources.checkpoint import open_checkpoint, read_header
@@ -84,6 +85,11 @@ def load(
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
         return [load_rank(model, r, layout.tp, devices[r], mesh=layout, verify=verify) for r in range(world)]
+    if checkpoint.presharded is not None:
+        return [
+            _load_presharded_rank(checkpoint, shard_info, layout, layout.coord(r), devices[r], False)
+            for r in range(world)
+        ]
     plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, layout.tp)
     result: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
     for pp, stage in enumerate(stages_of(plan, layout)):
@@ -214,6 +220,8 @@ def load_rank(
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
         return _load_converted_rank(checkpoint, layout, coord, device, verify, mmap)
+    if checkpoint.presharded is not None:
+        return _load_presharded_rank(checkpoint, shard_info, layout, coord, device, mmap)
     plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, layout.tp)
     stage = stages_of(plan, layout)[coord.pp]
     return run_plan(stage, [coord.tp], [device], mmap=mmap)[0]
@@ -237,3 +245,16 @@ def _load_converted_rank(
         tensors = transfer.tensors(infos, device)
         transfer.wait()
     return {info.name: t for info, t in zip(infos, tensors, strict=True)}
+
+
+def _load_presharded_rank(
+    checkpoint: Checkpoint, shard_info: Any, layout: Mesh, coord: MeshCoord, device: Any, mmap: bool
+) -> dict[str, torch.Tensor]:
+    """A rank of a source stored already split (a pre-sharded TVM cache): its own part of each split parameter,
+    and every tensor stored whole."""
+    build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, layout.tp)  # checks N and the steps
+    if layout.pp != 1:
+        raise ShardloadError("pipeline stages of a pre-sharded checkpoint are not supported", file=checkpoint.name)
+    view = checkpoint.rank_view(coord.tp)
+    plan = build_plan(ShardInfo(source=f"<rank {coord.tp}'s part of {checkpoint.name}>"), view, 1)
+    return run_plan(plan, [0], [device], mmap=mmap)[0]

@@ -10,16 +10,20 @@ from ..sources.dtypes import to_torch
 if TYPE_CHECKING:
     import torch
 
-    from ..planning.plan import ParamPlan
+    from ..planning.plan import ParamPlan, PlannedStep
 
 
 def run_steps(plan: ParamPlan, x: torch.Tensor) -> torch.Tensor:
     """Apply every step of ``plan`` to the whole tensor ``x``, checking each result against the plan."""
     import torch
 
+    if plan.source.decode is not None:  # stored encoded (TVM f32-to-bf16): the steps see the decoded values
+        x = x.to(to_torch(plan.source.decode))
+        if not plan.steps:
+            return x.unsqueeze(0).expand(plan.num_shards, *x.shape)
     for step in plan.steps:
         try:
-            x = step.func.fn(x, *step.args)
+            x = _call(step, x, plan.name) if step.func.out else step.func.fn(x, *step.args)
         except ShardloadError:
             raise
         except Exception as err:
@@ -36,3 +40,23 @@ def run_steps(plan: ParamPlan, x: torch.Tensor) -> torch.Tensor:
                 param=plan.name, step=step.index, func=step.name,
             )  # fmt: skip
     return x
+
+
+def _call(step: PlannedStep, x: torch.Tensor, param: str) -> torch.Tensor:
+    """Run a destination-passing step: ``out`` is allocated from the declaration, and must come back as it went."""
+    import torch
+
+    out = torch.empty(step.out_shape, dtype=to_torch(step.out_dtype))
+    where = out.data_ptr()
+    returned = step.func.fn(x, *step.args, out)
+    if returned is not None and returned is not out:
+        raise PlanError(
+            "a destination-passing step writes into out and returns nothing; it returned a value",
+            param=param, func=step.name, step=step.index,
+        )  # fmt: skip
+    if out.data_ptr() != where or tuple(out.shape) != step.out_shape or out.dtype != to_torch(step.out_dtype):
+        raise PlanError(
+            f"replaced or resized its out tensor ({list(out.shape)} {out.dtype}); it must write into it as allocated",
+            param=param, func=step.name, step=step.index,
+        )  # fmt: skip
+    return out

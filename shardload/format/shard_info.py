@@ -101,7 +101,9 @@ class ShardInfo:
         """Check a decoded JSON value against the schema and build a ShardInfo from it."""
         if not isinstance(obj, dict):
             raise FormatError(f"top level must be a JSON object, got {_json_type(obj)}", file=source)
-        is_document = any(k in obj for k in DOCUMENT_KEYS)
+        # A document key holding a list is a seed-form parameter that happens to be named "version",
+        # "params", ...: in the document form none of those keys holds a list.
+        is_document = any(k in obj and not isinstance(obj[k], list) for k in DOCUMENT_KEYS)
         if is_document:
             if "version" not in obj:
                 raise FormatError("document form needs a 'version' (this shardload reads version 1)", file=source)

@@ -69,8 +69,11 @@ class ParamPlan:
 
     @property
     def remap(self) -> bool:
-        """True when every step is an index remap, so ranks can read just their boxes."""
-        return all(s.func.remap for s in self.steps)
+        """True when every step is an index remap, so ranks can read just their boxes.
+
+        A stored tensor that needs decoding (a TVM ``f32-to-bf16`` record) is read whole instead.
+        """
+        return self.source.decode is None and all(s.func.remap for s in self.steps)
 
     @property
     def rank_nbytes(self) -> int:
@@ -185,6 +188,21 @@ def build_plan(
                 file=src,
             )
         )
+    if checkpoint is not None and checkpoint.presharded is not None:
+        presharded = checkpoint.presharded
+        if num_shards != presharded:
+            plan.problems.append(
+                PlanError(
+                    f"is pre-sharded for num_shards={presharded} (records NAME_shard-K-of-{presharded}); "
+                    f"it cannot be loaded with num_shards={num_shards}",
+                    file=checkpoint.name,
+                )
+            )
+        for key in shard_info.params:
+            if shard_info.params[key]:
+                plan.problems.append(
+                    PlanError("lists steps, but the checkpoint is already pre-sharded", file=src, param=key)
+                )
     if plan.problems:
         return _finish(plan, strict)
 
@@ -194,7 +212,14 @@ def build_plan(
             if key not in stored:
                 close = difflib.get_close_matches(key, stored.keys(), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                plan.problems.append(PlanError(f"names no parameter of {checkpoint.name}{hint}", file=src, param=key))
+                plan.problems.append(
+                    PlanError(
+                        f"names no parameter of {checkpoint.name}{hint}; TVM's loader would ignore this key, "
+                        "shardload refuses it so a misspelt name cannot leave a parameter unsplit",
+                        file=src,
+                        param=key,
+                    )
+                )
         plan.problems.extend(shard_info.alias_problems(checkpoint.tied_weights()))
     names = list(stored) if checkpoint is not None else list(shard_info.params)
     for name in names:
@@ -207,7 +232,8 @@ def build_plan(
             continue
         if source is None:
             continue  # planned without a checkpoint: checks only, nothing to execute
-        shape, dtype = (steps[-1].out_shape[1:], steps[-1].out_dtype) if steps else (source.shape, source.dtype)
+        last = (steps[-1].out_shape[1:], steps[-1].out_dtype) if steps else (source.shape, source.logical_dtype)
+        shape, dtype = last
         plan.params[name] = ParamPlan(name, source, tuple(steps), num_shards, shape, dtype)
     return _finish(plan, strict)
 
@@ -226,7 +252,7 @@ def _finish(plan: ModelPlan, strict: bool) -> ModelPlan:
 def _plan_steps(name: str, specs: list[StepSpec], source: TensorInfo | None, n: int) -> list[PlannedStep]:
     """Resolve and check one parameter's steps; raise a located PlanError at the first bad one."""
     in_shape: Shape | None = source.shape if source is not None else None
-    in_dtype: str | None = source.dtype if source is not None else None
+    in_dtype: str | None = source.logical_dtype if source is not None else None
     steps: list[PlannedStep] = []
     for k, spec in enumerate(specs, 1):
         func_name = spec.func if isinstance(spec.func, str) else repr(spec.func)
@@ -244,7 +270,16 @@ def _plan_steps(name: str, specs: list[StepSpec], source: TensorInfo | None, n: 
                     return steps
                 in_shape, in_dtype = declared, spec.dtype
                 continue
-            out_shape, out_dtype = func.shape(in_shape, in_dtype, *args)
+            if func.shape is None:  # destination-passing: the declared output is the contract
+                declared = _eval_shape(spec.shape, n)
+                if declared is None or spec.dtype is None:
+                    raise StepArgumentError(
+                        "writes into an output allocated from its declaration, so the step must declare "
+                        "its output shape and dtype"
+                    )
+                out_shape, out_dtype = declared, spec.dtype
+            else:
+                out_shape, out_dtype = func.shape(in_shape, in_dtype, *args)
             out_shape = tuple(int(d) for d in out_shape)
             if out_dtype not in DTYPES or any(d < 0 for d in out_shape):
                 raise StepArgumentError(f"shape rule returned an invalid result {list(out_shape)} {out_dtype!r}")
@@ -293,6 +328,8 @@ def resolve_shard_info(checkpoint: Checkpoint, shard_info: ShardInfo | dict[str,
     if shard_info is not None:
         return ShardInfo.load(shard_info)
     default = checkpoint.default_shard_info()
+    if not default.is_file() and checkpoint.presharded is not None:
+        return ShardInfo(source="<pre-sharded: no steps>")  # already split: nothing to run
     if not default.is_file():
         raise PlanError(f"no shard_info given and {default} does not exist", file=checkpoint.name)
     return ShardInfo.load(default)

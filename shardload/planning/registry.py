@@ -57,10 +57,14 @@ class StepFunction:
 
     name: str
     fn: Callable[..., Any]
-    shape: ShapeRule
+    shape: ShapeRule | None
+    """None for a destination-passing step: its output is what the file declares."""
     boxes: BoxRule | None
     params: tuple[ArgSpec, ...]
     variadic: bool
+    out: bool = False
+    """Destination-passing (TVM's convention): called as ``fn(x, *args, out)`` with ``out`` allocated from the
+    declared output shape and dtype; it writes into ``out``."""
 
     @property
     def remap(self) -> bool:
@@ -126,11 +130,18 @@ def _kind_of(annotation: Any) -> str:
     return "any"
 
 
-def _arg_specs(fn: Callable[..., Any]) -> tuple[tuple[ArgSpec, ...], bool]:
+def _arg_specs(fn: Callable[..., Any], out: bool = False) -> tuple[tuple[ArgSpec, ...], bool]:
     sig = inspect.signature(fn)
     params = list(sig.parameters.values())
     if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
         raise TypeError(f"step function {fn!r} must take the input tensor as its first argument")
+    if out:
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if any(p.kind is p.VAR_POSITIONAL for p in params) or len(positional) < 2:
+            raise TypeError(
+                f"destination-passing step function {fn!r} must take (x, *fixed args, out): the output last, no *args"
+            )
+        params = positional[:-1]
     specs, variadic = [], False
     for p in params[1:]:
         if p.kind is p.VAR_POSITIONAL:
@@ -149,11 +160,16 @@ _REGISTRY: dict[str, StepFunction] = {}
 def register(
     name: str,
     *,
-    shape: ShapeRule,
+    shape: ShapeRule | None = None,
     boxes: BoxRule | None = None,
+    out: bool = False,
     replace: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: register ``fn(x, *args)`` under ``name`` with its shape rule (and box rule for remaps).
+
+    With ``out=True`` the function is destination-passing, as TVM's step functions are: ``fn(x, *args, out)``
+    writes into ``out``, allocated from the output shape and dtype the file declares (the declaration is the
+    shape rule; ``shape`` may still be given to check it).
 
     Example::
 
@@ -163,12 +179,14 @@ def register(
     """
     if not isinstance(name, str) or not name:
         raise TypeError("a step function name must be a non-empty string")
+    if shape is None and not out:
+        raise TypeError(f"step function {name!r} needs a shape rule (or out=True: the file's declaration)")
 
     def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
         if name in _REGISTRY and not replace and _REGISTRY[name].fn is not fn:
             raise ValueError(f"step function {name!r} is already registered (pass replace=True)")
-        params, variadic = _arg_specs(fn)
-        _REGISTRY[name] = StepFunction(name, fn, shape, boxes, params, variadic)
+        params, variadic = _arg_specs(fn, out)
+        _REGISTRY[name] = StepFunction(name, fn, shape, boxes, params, variadic, out)
         return fn
 
     return decorator
@@ -181,6 +199,7 @@ def unregister(name: str) -> None:
 
 def lookup(name: str) -> StepFunction:
     """The registered step for ``name``; raises StepArgumentError for an unknown name."""
+    load_entry_points()
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
@@ -189,4 +208,34 @@ def lookup(name: str) -> StepFunction:
 
 def names() -> list[str]:
     """All registered step names, sorted."""
+    load_entry_points()
     return sorted(_REGISTRY)
+
+
+ENTRY_POINT_GROUP = "shardload.steps"
+_entry_points_loaded = False
+
+
+def load_entry_points() -> None:
+    """Load, once per process, every installed package's ``shardload.steps`` entry point.
+
+    An entry point names a module (importing it registers its steps) or a callable (called with no
+    arguments). Which code runs is decided by what is installed, never by a name in a shard_info file:
+    all of them load on the first lookup, whatever name is looked up.
+    """
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            loaded = ep.load()
+            if callable(loaded):
+                loaded()
+        except Exception as err:
+            raise StepArgumentError(
+                f"the installed {ENTRY_POINT_GROUP} entry point {ep.name!r} ({ep.value}) failed to load: "
+                f"{type(err).__name__}: {err}"
+            ) from None

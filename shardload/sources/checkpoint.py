@@ -59,6 +59,14 @@ class TensorInfo:
     file: Path
     offset: int
     nbytes: int
+    decode: str | None = None
+    """The dtype the stored values decode to when it is not ``dtype`` (a TVM ``f32-to-bf16`` record: stored
+    as bfloat16, read as float32); planning and the ranks see the decoded dtype."""
+
+    @property
+    def logical_dtype(self) -> str:
+        """The dtype of the tensor a step function sees: the decoded one, else the stored one."""
+        return self.decode or self.dtype
 
 
 @dataclass
@@ -76,6 +84,10 @@ class Checkpoint:
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     files: list[Path] = field(default_factory=list)
     manifest: dict[str, Any] | None = None
+    presharded: int | None = None
+    """For a source stored already split for one N (a TVM cache of ``NAME_shard-K-of-N`` records): that N."""
+    shards: dict[str, list[TensorInfo]] = field(default_factory=dict)
+    """For a pre-sharded source: parameter name -> its stored part for each rank, rank order."""
 
     @property
     def name(self) -> str:
@@ -85,6 +97,12 @@ class Checkpoint:
     def nbytes(self) -> int:
         """Total bytes of tensor data."""
         return sum(t.nbytes for t in self.tensors.values())
+
+    def rank_view(self, rank: int) -> Checkpoint:
+        """A pre-sharded source as rank ``rank`` sees it: its own part of every split parameter, under the
+        parameter's name, beside every tensor stored whole."""
+        own = {name: parts[rank] for name, parts in self.shards.items()}
+        return Checkpoint(self.path, self.root, self.kind, {**self.tensors, **own}, self.files)
 
     def default_shard_info(self) -> Path:
         """Where a shard_info.json is looked for when none is given: beside the weights."""
@@ -177,7 +195,7 @@ def _open_files(path: Path, root: Path, files: list[Path]) -> Checkpoint:
 
 
 def _open_index(root: Path, index: Path) -> Checkpoint:
-    doc = _read_json(index, "index")
+    doc = read_json(index, "index")
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError("'weight_map' must be an object of tensor name -> file name", file=str(index))
@@ -225,7 +243,7 @@ def resolve_inside(root: Path, file_name: str, referrer: Path) -> Path:
 
 def _open_converted(root: Path) -> Checkpoint:
     manifest_path = root / MANIFEST_NAME
-    manifest = _read_json(manifest_path, "manifest")
+    manifest = read_json(manifest_path, "manifest")
     check_manifest(manifest, manifest_path)
     return Checkpoint(root, root, "converted", {}, [], manifest)
 
@@ -286,7 +304,8 @@ def _short_repr(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _read_json(path: Path, what: str) -> Any:
+def read_json(path: Path, what: str) -> Any:
+    """A JSON file of a checkpoint (index, manifest, cache table): size-capped, UTF-8, no duplicate keys."""
     try:
         if path.stat().st_size > MAX_HEADER_BYTES:
             raise CheckpointError(f"{what} file is larger than {MAX_HEADER_BYTES} bytes", file=str(path))

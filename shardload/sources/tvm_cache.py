@@ -1,0 +1,185 @@
+"""TVM tensor caches (what MLC-LLM ships) as a checkpoint source: ``tensor-cache.json`` beside raw-shard files.
+
+A cache is a JSON table (named ``ndarray-cache.json`` before TVM 0.22) of data files, each holding
+records packed end to end::
+
+    {"records": [{"dataPath": "params_shard_0.bin", "format": "raw-shard", "nbytes": N,
+                  "records": [{"name", "shape", "dtype", "format": "raw" | "f32-to-bf16",
+                               "nbytes", "byteOffset"}, ...]}, ...]}
+
+Every record becomes a :class:`~shardload.sources.checkpoint.TensorInfo`, a byte range of its data
+file read like any safetensors tensor. An ``f32-to-bf16`` record of a float32 tensor stores the upper
+16 bits of each value (bfloat16); as TVM's reader does, it is decoded to float32, so planning and the
+ranks see float32 (such a tensor is read whole, then decoded and split). A cache pre-sharded by
+MLC-LLM names its records ``NAME_shard-K-of-N`` (K from 1): rank K-1 reads record K of every such
+parameter and nothing else, and the cache serves that N only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from math import prod
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError
+from .checkpoint import Checkpoint, TensorInfo, read_json, resolve_inside
+from .dtypes import DTYPES, itemsize
+from .formats import SourceFormat, register_source
+
+CACHE_NAMES = ("tensor-cache.json", "ndarray-cache.json")
+"""The table's name since TVM 0.22, and before it; a directory is read through the first one present."""
+B16_NAME = "tensor-cache-b16.json"
+"""The table TVM writes beside the first when it encoded float32 as bfloat16 (bfloat16 records); read when named."""
+_SHARD_RE = re.compile(r"(.+)_shard-([0-9]+)-of-([0-9]+)")
+_MAX_SHARDS = 1 << 16
+
+
+def is_cache_table(path: Path) -> bool:
+    """True for a file named like a TVM tensor-cache table."""
+    return path.name in (*CACHE_NAMES, B16_NAME)
+
+
+def cache_table(path: Path) -> Path | None:
+    """The cache table of a directory, or None."""
+    return next((path / n for n in CACHE_NAMES if (path / n).is_file()), None)
+
+
+def open_tensor_cache(path: Path) -> Checkpoint:
+    """Open a TVM tensor cache (its directory or its table) as a :class:`Checkpoint`, headers only."""
+    table = path if path.is_file() else cache_table(path)
+    if table is None:
+        raise CheckpointError(f"no {' or '.join(CACHE_NAMES)} here", file=str(path))
+    root = table.parent
+    doc = read_json(table, "tensor cache")
+    shards = _field(doc, "records", list, table, "the top level")
+    tensors: dict[str, TensorInfo] = {}
+    files: list[Path] = []
+    for i, shard in enumerate(shards):
+        where = f"records[{i}]"
+        if not isinstance(shard, dict):
+            raise CheckpointError(f"{where} is not an object", file=str(table))
+        data_path = _field(shard, "dataPath", str, table, where)
+        if shard.get("format") != "raw-shard":
+            raise CheckpointError(
+                f"{where} ({data_path}): format {shard.get('format')!r} is not 'raw-shard', the one TVM writes",
+                file=str(table),
+            )
+        nbytes = _count(shard, "nbytes", table, where)
+        file = resolve_inside(root, data_path, table)
+        size = file.stat().st_size
+        if size != nbytes:
+            raise CheckpointError(f"{data_path} is {size} bytes but the cache table says {nbytes}", file=str(table))
+        files.append(file)
+        for j, record in enumerate(_field(shard, "records", list, table, where)):
+            info = _record(record, file, nbytes, table, f"{where}.records[{j}]")
+            if info.name in tensors:
+                raise CheckpointError("stored twice in the cache", file=str(table), param=info.name)
+            tensors[info.name] = info
+    ckpt = Checkpoint(path, root, "tvm-cache", tensors, files)
+    _split_presharded(ckpt, table)
+    return ckpt
+
+
+def _field(obj: Any, key: str, kind: type, table: Path, where: str) -> Any:
+    if not isinstance(obj, dict) or not isinstance(obj.get(key), kind):
+        raise CheckpointError(f"{where} needs {key!r} ({kind.__name__})", file=str(table))
+    return obj[key]
+
+
+def _count(obj: dict[str, Any], key: str, table: Path, where: str) -> int:
+    value = obj.get(key)
+    if type(value) is not int or value < 0:
+        raise CheckpointError(f"{where}: {key!r} must be a non-negative integer, got {value!r}", file=str(table))
+    return value
+
+
+def _record(record: Any, file: Path, file_nbytes: int, table: Path, where: str) -> TensorInfo:
+    if not isinstance(record, dict) or not isinstance(record.get("name"), str):
+        raise CheckpointError(f"{where} needs a 'name' (str)", file=str(table))
+    name = record["name"]
+
+    def bad(reason: str) -> CheckpointError:
+        return CheckpointError(reason, file=str(table), param=name)
+
+    shape = record.get("shape")
+    if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape) or len(shape) > 64:
+        raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
+    dtype = record.get("dtype")
+    if dtype not in DTYPES:
+        raise bad(f"dtype {dtype!r} is not one shardload reads ({', '.join(DTYPES)})")
+    encoding = record.get("format")
+    if encoding not in ("raw", "f32-to-bf16"):
+        raise bad(f"format {encoding!r} is neither 'raw' nor 'f32-to-bf16'")
+    offset = _count(record, "byteOffset", table, f"{where} ({name})")
+    nbytes = _count(record, "nbytes", table, f"{where} ({name})")
+    # TVM decodes f32-to-bf16 only for float32 tensors; any other dtype is stored as is.
+    decode = encoding == "f32-to-bf16" and dtype == "float32"
+    stored = "bfloat16" if decode else dtype
+    expected = prod(shape) * itemsize(stored)
+    if nbytes != expected:
+        raise bad(f"nbytes is {nbytes} but shape {shape} of {stored} needs {expected}")
+    if offset + nbytes > file_nbytes:
+        raise bad(f"bytes {offset}..{offset + nbytes} run past the end of {file.name} ({file_nbytes} bytes)")
+    return TensorInfo(name, stored, tuple(shape), file, offset, nbytes, "float32" if decode else None)
+
+
+def _split_presharded(ckpt: Checkpoint, table: Path) -> None:
+    """Group ``NAME_shard-K-of-N`` records by parameter; check every parameter has K = 1..N, alike, one N."""
+    groups: dict[str, dict[int, TensorInfo]] = {}
+    count: int | None = None
+    for info in ckpt.tensors.values():
+        match = _SHARD_RE.fullmatch(info.name)
+        if match is None:
+            continue
+        base, k, n = match.group(1), int(match.group(2)), int(match.group(3))
+        if count is not None and n != count:
+            raise CheckpointError(
+                f"pre-sharded for num_shards={n}, but other records are for num_shards={count}",
+                file=str(table),
+                param=info.name,
+            )
+        if not 1 <= k <= n or n > _MAX_SHARDS:
+            raise CheckpointError(f"shard {k} of {n} is out of range", file=str(table), param=info.name)
+        count = n
+        groups.setdefault(base, {})[k] = info
+    if count is None:
+        return
+    for base, parts in groups.items():
+        if base in ckpt.tensors:
+            raise CheckpointError(
+                "stored both whole and pre-sharded (as NAME_shard-K-of-N)", file=str(table), param=base
+            )
+        missing = [k for k in range(1, count + 1) if k not in parts]
+        if missing:
+            raise CheckpointError(
+                f"pre-sharded for num_shards={count} but shard {missing[0]} of {count} is missing",
+                file=str(table),
+                param=base,
+            )
+        first = parts[1]
+        for k, part in parts.items():
+            if (part.shape, part.dtype, part.decode) != (first.shape, first.dtype, first.decode):
+                raise CheckpointError(
+                    f"shard {k} is {list(part.shape)} {part.logical_dtype} but shard 1 is "
+                    f"{list(first.shape)} {first.logical_dtype}",
+                    file=str(table),
+                    param=base,
+                )
+        ckpt.shards[base] = [replace(parts[k], name=base) for k in range(1, count + 1)]
+    for base, parts in groups.items():
+        for part in parts.values():
+            del ckpt.tensors[part.name]
+        ckpt.tensors[base] = ckpt.shards[base][0]  # the plan of a pre-sharded cache: every rank holds a part this size
+    ckpt.presharded = count
+
+
+register_source(
+    SourceFormat(
+        name="tvm-cache",
+        claims_file=is_cache_table,
+        claims_dir=lambda path: cache_table(path) is not None,
+        open=open_tensor_cache,
+    )
+)

@@ -1,0 +1,312 @@
+"""TVM tensor caches as a source, judged by TVM itself: caches written by TVM's own ``dump_tensor_cache`` and
+read back by TVM's own ``load_tensor_cache`` as the reference; TVM's Disco loader test cases re-created with
+destination-passing steps, through the Python API and through the CLI with ``--plugin``."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import shardload
+from shardload.cli.main import main
+from shardload.planning.registry import unregister
+from shardload.sources.reader import count_reads
+
+if os.environ.get("CI") == "true":  # CI installs apache-tvm through the test extra: never skip these there
+    import tvm
+else:
+    tvm = pytest.importorskip("tvm")
+from tvm.contrib import tvmjs
+
+DEV = None  # set on first use: tvm.cpu()
+
+
+def dump(params: dict[str, np.ndarray], path: Path, *, encode: Any = "raw", cap_mb: int = 32, legacy=False) -> Path:
+    """Write ``params`` with TVM's own writer; ``legacy`` renames the table to its pre-0.22 name."""
+    tvmjs.dump_tensor_cache(params, str(path), encode_format=encode, shard_cap_mb=cap_mb, show_progress=False)
+    if legacy:
+        (path / "tensor-cache.json").rename(path / "ndarray-cache.json")
+    return path
+
+
+def tvm_reference(path: Path) -> dict[str, np.ndarray]:
+    """What TVM's own reader gives for a cache (f32-to-bf16 records decoded to float32)."""
+    table = path / ("tensor-cache.json" if (path / "tensor-cache.json").exists() else "ndarray-cache.json")
+    arrays, _ = tvmjs.load_tensor_cache(str(table), tvm.cpu())
+    return {name: a.numpy() for name, a in arrays.items()}
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def mlc_like_params(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A small MLC-style model: float16 weights, a float32 tensor (f32-to-bf16 when encoded), int4 in uint32 with
+    float16 scales (q4f16_1: 8 values per uint32 along the input dim, one scale per 32 inputs), a norm."""
+    return {
+        "embed.weight": rng.standard_normal((64, 32)).astype("float16"),
+        "qkv.q_weight": rng.integers(0, 2**32, size=(96, 4), dtype=np.uint32),  # [out, in/8]
+        "qkv.q_scale": rng.standard_normal((96, 1)).astype("float16"),  # [out, in/32]
+        "o.q_weight": rng.integers(0, 2**32, size=(32, 16), dtype=np.uint32),  # in = 128
+        "o.q_scale": rng.standard_normal((32, 4)).astype("float16"),
+        "router.weight": rng.standard_normal((8, 32)).astype("float32"),
+        "norm.weight": rng.standard_normal((32,)).astype("float16"),
+    }
+
+
+MLC_SHARD_INFO = {
+    "version": 1,
+    "num_shards": None,
+    "params": {
+        "embed.weight": [["shard_funcs.shard_dim", [None, None], 0, "num_shards"]],
+        "qkv.q_weight": [["shard_funcs.shard_dim", [None, None], 0, "num_shards"]],
+        "qkv.q_scale": [["shard_funcs.shard_dim", [None, None], 0, "num_shards"]],
+        "o.q_weight": [["shard_funcs.shard_packed", [None, None], 1, 8, "num_shards"]],
+        "o.q_scale": [["shard_funcs.shard_groups", [None, None], 1, 32, "num_shards", 128]],
+        "router.weight": [["shard_funcs.shard_dim", [None, None], 0, "num_shards"]],
+    },
+}
+# how each parameter is split: (axis, or None for replicated); the reference splits TVM's arrays the same way
+SPLIT_AXIS = {"embed.weight": 0, "qkv.q_weight": 0, "qkv.q_scale": 0, "o.q_weight": 1, "o.q_scale": 1,
+              "router.weight": 0, "norm.weight": None}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["single", "multi"])
+def mlc_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp(f"mlc-{request.param}")
+    params = mlc_like_params(np.random.default_rng(7))
+    if request.param == "multi":  # several raw-shard files; a cap of 0 MB puts every record in a file of its own
+        dump(params, path, encode="f32-to-bf16", cap_mb=0)
+    else:
+        dump(params, path, encode="f32-to-bf16")
+    (path / "shard_info.json").write_text(json.dumps(MLC_SHARD_INFO))
+    return path
+
+
+def expected_ranks(path: Path, n: int) -> list[dict[str, np.ndarray]]:
+    ref = tvm_reference(path)
+    out: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
+    for name, array in ref.items():
+        axis = SPLIT_AXIS[name]
+        parts = [array] * n if axis is None else np.split(array, n, axis=axis)
+        for r in range(n):
+            out[r][name] = parts[r]
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_ranks_equal_tvm_reader(mlc_cache: Path, n: int, tmp_path: Path) -> None:
+    table = json.loads((mlc_cache / "tensor-cache.json").read_text())
+    assert len(table["records"]) > (3 if "multi" in mlc_cache.name else 0)
+    want = expected_ranks(mlc_cache, n)
+    assert want[0]["router.weight"].dtype == np.float32  # TVM decodes f32-to-bf16 to float32
+    got_all = shardload.load(mlc_cache, n, devices=["cpu"] * n)
+    converted = tmp_path / "tp"
+    shardload.convert(mlc_cache, n, converted)
+    for r in range(n):
+        for source, got in (
+            ("load", got_all[r]),
+            ("load_rank", shardload.load_rank(mlc_cache, r, n)),
+            ("load_rank via table", shardload.load_rank(mlc_cache / "tensor-cache.json", r, n)),
+            ("converted", shardload.load_rank(converted, r, n, verify=True)),
+        ):
+            assert got.keys() == want[r].keys(), source
+            for name, t in got.items():
+                np.testing.assert_array_equal(as_numpy(t), want[r][name], err_msg=f"{source} rank {r} {name}")
+                assert as_numpy(t).dtype == want[r][name].dtype
+
+
+def test_remap_ranks_read_only_their_bytes(mlc_cache: Path) -> None:
+    """A rank reads its own part of every split raw record, the replicated ones whole, and (decoded only whole)
+    the f32-to-bf16 record whole: at most 1.05x of that."""
+    n = 4
+    plan = shardload.plan_model(mlc_cache, n)
+    for r in range(n):
+        with count_reads() as seen:
+            got = shardload.load_rank(mlc_cache, r, n)
+        own = sum(t.numel() * t.element_size() for name, t in got.items() if plan.params[name].source.decode is None)
+        decoded_whole = sum(p.source.nbytes for p in plan.params.values() if p.source.decode is not None)
+        assert decoded_whole > 0
+        assert seen.bytes <= 1.05 * (own + decoded_whole)
+        assert seen.bytes >= own
+
+
+def test_legacy_table_name_and_cli_inspect(tmp_path: Path) -> None:
+    """ndarray-cache.json (TVM before 0.22) is a cache, not a safetensors file read as a 7e18-byte header."""
+    params = {"w": np.arange(64, dtype="float16").reshape(8, 8)}
+    path = dump(params, tmp_path / "cache", legacy=True)
+    info = {"version": 1, "num_shards": None, "params": {"w": [["shard_funcs.shard_dim", [None, None], 1, 2]]}}
+    (path / "shard_info.json").write_text(json.dumps(info))
+    result = CliRunner().invoke(main, ["inspect", str(path / "ndarray-cache.json"), "-n", "2"])
+    assert result.exit_code == 0, result.output
+    assert "bytes per rank: 64 B" in result.output
+    for r in range(2):
+        state = shardload.load_rank(path / "ndarray-cache.json", r, 2)
+        np.testing.assert_array_equal(state["w"].numpy(), np.split(tvm_reference(path)["w"], 2, axis=1)[r])
+
+
+# --- TVM's own Disco loader test cases (tests/python/disco/test_loader.py), with destination-passing steps ---
+
+PLUGIN = textwrap.dedent(
+    '''
+    """TVM's test step functions ported to shardload: same names, same destination-passing calling convention."""
+    import shardload
+
+
+    @shardload.register("tests.disco.shard_dim_0", out=True, replace=True)
+    def shard_dim_0(src, num_shards: int, tgt):
+        s_0, s_1 = src.shape
+        tgt.copy_(src.reshape(num_shards, s_0 // num_shards, s_1))
+
+
+    @shardload.register("tests.disco.shard_dim_1", out=True, replace=True)
+    def shard_dim_1(src, num_shards: int, tgt):
+        s_0, s_1 = src.shape
+        tgt.copy_(src.reshape(s_0, num_shards, s_1 // num_shards).transpose(0, 1))
+
+
+    @shardload.register("tests.disco.shard_qkv_0", out=True, replace=True)
+    def shard_qkv_0(src, num_shards: int, q_heads: int, kv_heads: int, tgt):
+        total_dim, hidden_size = src.shape
+        head_dim = total_dim // (q_heads + kv_heads + kv_heads)
+        q_dim, kv_dim = q_heads * head_dim, kv_heads * head_dim
+        w_q = src[:q_dim].reshape(num_shards, q_heads // num_shards, head_dim, hidden_size)
+        w_k = src[q_dim : q_dim + kv_dim].reshape(num_shards, kv_heads // num_shards, head_dim, hidden_size)
+        w_v = src[q_dim + kv_dim :].reshape(num_shards, kv_heads // num_shards, head_dim, hidden_size)
+        tgt.copy_(__import__("torch").cat([w_q, w_k, w_v], dim=1))
+
+
+    @shardload.register("tests.disco.shard_qkv_1", out=True, replace=True)
+    def shard_qkv_1(src, tgt):
+        s, _, _, h = src.shape
+        tgt.copy_(src.reshape(s, -1, h))
+    '''
+)
+DISCO_NAMES = (
+    "tests.disco.shard_dim_0",
+    "tests.disco.shard_dim_1",
+    "tests.disco.shard_qkv_0",
+    "tests.disco.shard_qkv_1",
+)
+
+
+@pytest.fixture
+def disco_plugin(tmp_path: Path) -> Any:
+    path = tmp_path / "disco_steps.py"
+    path.write_text(PLUGIN)
+    yield path
+    for name in DISCO_NAMES:
+        unregister(name)
+
+
+def _disco_case(name: str, rng: np.random.Generator) -> tuple[dict[str, np.ndarray], dict[str, Any], list[dict]]:
+    """(params, seed-form shard_info, expected per-worker arrays) of one of TVM's test cases, for 2 workers."""
+    n = 2
+    p0 = rng.uniform(size=[64, 128]).astype("float16")
+    p1 = rng.uniform(size=[32, 128]).astype("float32")
+    if name == "shard_dim":
+        info = {
+            "x_0": [["tests.disco.shard_dim_1", [[n, 64, 64], "float16"], n]],
+            "x_1": [["tests.disco.shard_dim_0", [[n, 16, 128], "float32"], n]],
+        }
+        want = [{"x_0": p0[:, :64], "x_1": p1[:16]}, {"x_0": p0[:, 64:], "x_1": p1[16:]}]
+        return {"x_0": p0, "x_1": p1}, info, want
+    if name == "broadcast":
+        return {"param_0": p0, "param_1": p1}, {}, [{"param_0": p0, "param_1": p1}] * n
+    assert name == "qkv"
+    q_heads, kv_heads, head_dim, hidden = 8, 10, 10, 20
+    w_q = rng.uniform(size=[q_heads * head_dim, hidden]).astype("float16")
+    w_k = rng.uniform(size=[kv_heads * head_dim, hidden]).astype("float16")
+    w_v = rng.uniform(size=[kv_heads * head_dim, hidden]).astype("float16")
+    fused = np.concatenate(
+        [
+            w_q.reshape(n, q_heads // n, head_dim, hidden),
+            w_k.reshape(n, kv_heads // n, head_dim, hidden),
+            w_v.reshape(n, kv_heads // n, head_dim, hidden),
+        ],
+        axis=1,
+    ).reshape(n, -1, hidden)
+    heads = (q_heads + 2 * kv_heads) // n
+    info = {
+        "w_qkv": [
+            ["tests.disco.shard_qkv_0", [[n, heads, head_dim, hidden], "float16"], n, q_heads, kv_heads],
+            ["tests.disco.shard_qkv_1", [[n, heads * head_dim, hidden], "float16"]],
+        ]
+    }
+    return {"w_qkv": np.concatenate([w_q, w_k, w_v])}, info, [{"w_qkv": fused[0]}, {"w_qkv": fused[1]}]
+
+
+@pytest.mark.parametrize("case", ["shard_dim", "broadcast", "qkv"])
+def test_disco_loader_cases_python_api(case: str, disco_plugin: Path, tmp_path: Path) -> None:
+    from shardload.cli.plugins import load_plugin
+
+    load_plugin(str(disco_plugin))
+    params, info, want = _disco_case(case, np.random.default_rng(3))
+    path = dump(params, tmp_path / "cache", legacy=True)  # TVM's test writes ndarray-cache.json
+    (path / "shard_info.json").write_text(json.dumps(info))
+    for r in range(2):
+        got = shardload.load_rank(path, r, 2)
+        assert got.keys() == want[r].keys()
+        for name, t in got.items():
+            np.testing.assert_array_equal(t.numpy(), want[r][name], err_msg=f"{case} worker {r} {name}")
+
+
+@pytest.mark.parametrize("case", ["shard_dim", "qkv"])
+def test_disco_loader_cases_cli_plugin(case: str, disco_plugin: Path, tmp_path: Path) -> None:
+    params, info, want = _disco_case(case, np.random.default_rng(4))
+    path = dump(params, tmp_path / "cache")
+    (path / "shard_info.json").write_text(json.dumps(info))
+    for name in DISCO_NAMES:
+        unregister(name)  # only --plugin may bring them back
+    runner = CliRunner()
+    unknown = runner.invoke(main, ["validate", str(path / "shard_info.json"), "--model", str(path)])
+    assert unknown.exit_code == 1 and "unknown function" in unknown.output
+    ok = runner.invoke(
+        main, ["validate", "--plugin", str(disco_plugin), str(path / "shard_info.json"), "--model", str(path)]
+    )
+    assert ok.exit_code == 0, ok.output
+    out = tmp_path / "tp2"
+    conv = runner.invoke(main, ["--plugin", str(disco_plugin), "convert", str(path), "-n", "2", "-o", str(out), "-q"])
+    assert conv.exit_code == 0, conv.output
+    for r in range(2):
+        got = shardload.load_rank(out, r, 2, verify=True)
+        for name, t in got.items():
+            np.testing.assert_array_equal(t.numpy(), want[r][name], err_msg=f"{case} worker {r} {name}")
+
+
+def _presharded(tmp_path: Path, n: int) -> tuple[Path, dict[str, np.ndarray]]:
+    """A cache pre-sharded as MLC-LLM writes it (TVM's test helper: records sorted by shard, then parameter)."""
+    rng = np.random.default_rng(5)
+    params = {"param_0": rng.uniform(size=[64, 128]).astype("float16"), "param_1": rng.uniform(size=[32, 128])}
+    axes = {"param_0": 0, "param_1": 1}
+    split = {k: np.split(v.astype("float32") if k == "param_1" else v, n, axis=axes[k]) for k, v in params.items()}
+    records = {f"{k}_shard-{i + 1}-of-{n}": split[k][i] for i in range(n) for k in params}
+    records["norm"] = np.ones(16, dtype="float16")  # stored whole: every worker gets it
+    return dump(records, tmp_path / "pre"), {**{k: v for k, v in split.items()}}
+
+
+def test_presharded_cache(tmp_path: Path) -> None:
+    path, split = _presharded(tmp_path, 2)
+    shards = shardload.load(path, 2, devices=["cpu", "cpu"], shard_info={})
+    for r in range(2):
+        one = shardload.load_rank(path, r, 2)
+        for got in (shards[r], one):
+            assert set(got) == {"param_0", "param_1", "norm"}
+            for name in ("param_0", "param_1"):
+                np.testing.assert_array_equal(got[name].numpy(), split[name][r])
+            np.testing.assert_array_equal(got["norm"].numpy(), np.ones(16, dtype="float16"))
+        with count_reads() as seen:
+            shardload.load_rank(path, r, 2)
+        assert seen.bytes == sum(t.numel() * t.element_size() for t in one.values())
+    with pytest.raises(shardload.ShardloadError, match="pre-sharded for num_shards=2"):
+        shardload.load_rank(path, 0, 4)
+    result = CliRunner().invoke(main, ["inspect", str(path), "-n", "4"])
+    assert result.exit_code == 1 and "pre-sharded for num_shards=2" in result.output
