@@ -376,6 +376,140 @@ class Row:
         return [self.figure, self.ours, self.baseline, ratio, self.target, met]
 
 
+def _touch(state: dict[str, torch.Tensor]) -> None:
+    """Read one element of every page of every tensor, so lazily mapped pages count too."""
+    for t in state.values():
+        if t.numel():
+            flat = t.reshape(-1)
+            float(flat[:: max(1, 4096 // t.element_size())].float().sum())
+
+
+def _drop_cached(path: Path) -> None:
+    """Evict ``path`` from the page cache (a cold read follows)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def child_slice(kind: str, model: str, rank: str, num_shards: str, cold: str) -> None:
+    """One rank (or the whole model) by ``kind`` in a fresh process, every page touched: seconds, bytes read.
+
+    ``safetensors`` narrows the same boxes with ``safe_open(...).get_slice(name)[...]`` over its mapping.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = Path(model) / MODEL_FILE
+    r, n = int(rank), int(num_shards)
+    plan = shardload.plan_model(model, n)  # imports what loading imports lazily; not timed
+    if cold == "cold":
+        _drop_cached(path)
+    before = proc_io()
+    t0 = time.perf_counter()
+    with count_reads() as seen:
+        if kind == "safetensors":
+            state = {}
+            with safe_open(str(path), framework="pt") as f:
+                for name, p in plan.params.items():
+                    pieces, part = p.pieces(r) or [], f.get_slice(name)
+                    whole = len(pieces) == 1 and [b - a for a, b in pieces[0].dst] == list(p.shape)
+                    if whole:
+                        state[name] = part[tuple(slice(a, b) for a, b in pieces[0].src)].reshape(p.shape)
+                        continue
+                    dest = torch.empty(p.shape, dtype=getattr(torch, p.dtype))
+                    for pc in pieces:
+                        box = [b - a for a, b in pc.dst]
+                        dest[tuple(slice(a, b) for a, b in pc.dst)] = part[
+                            tuple(slice(a, b) for a, b in pc.src)
+                        ].reshape(box)
+                    state[name] = dest
+        elif kind in ("shardload", "shardload-mmap"):
+            state = shardload.load_rank(model, r, n, mmap=kind == "shardload-mmap")
+        elif kind == "whole-shardload-mmap":
+            state = shardload.load_rank(model, 0, 1, mmap=True)
+        elif kind == "whole-shardload":
+            state = shardload.load(model, 1, devices=["cpu"])[0]
+        elif kind == "whole-load-file":
+            state = load_file(str(path))
+        else:
+            assert kind == "whole-load-file-clone"
+            state = {k: v.clone() for k, v in load_file(str(path)).items()}
+        _touch(state)
+    elapsed = time.perf_counter() - t0
+    after = proc_io()
+    held = sum(t.numel() * t.element_size() for t in state.values())
+    print(json.dumps({"seconds": elapsed, "read_bytes": after.get("read_bytes", 0) - before.get("read_bytes", 0),
+                      "counted": seen.bytes, "held": held}))  # fmt: skip
+
+
+def _pages_touched(plan: Any, rank: int) -> int:
+    """How many file pages hold at least one byte ``rank`` needs: the least a cold read can fetch from storage
+    (a page shared with another rank's bytes is read whole)."""
+    import numpy as np
+
+    from shardload.planning.runs import param_runs
+
+    pages: set[int] = set()
+    for p in plan.params.values():
+        runs = param_runs(p, [rank])
+        if runs is None:
+            first, last = np.array([p.source.offset]), np.array([p.source.offset + p.source.nbytes - 1])
+        else:
+            first, last = runs.src, runs.src + runs.length - 1
+        for a, b in zip((first // mmap.PAGESIZE).tolist(), (last // mmap.PAGESIZE).tolist(), strict=True):
+            pages.update(range(a, b + 1))
+    return len(pages)
+
+
+def rows_slices(model: Path, n: int, repeats: int) -> tuple[list[Row], dict[str, list[float]]]:
+    """Row 6: a rank's load against safetensors' own mmap slicing, warm and cold; the whole model against
+    ``load_file``. Fresh process per run, best of ``repeats``."""
+    rank = min(3, n - 1)
+    path = model / MODEL_FILE
+
+    def best(kind: str, cold: bool = False) -> dict[str, Any]:
+        runs = []
+        for _ in range(repeats):
+            if not cold:
+                warm_page_cache(path)
+            cmd = child("slice", kind, str(model), str(rank), str(n), "cold" if cold else "warm")
+            runs.append(json_line(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout))
+        return min(runs, key=lambda x: x["seconds"]) | {"all": [x["seconds"] for x in runs]}
+
+    got = {k: best(k) for k in ("shardload", "shardload-mmap", "safetensors", "whole-shardload-mmap",
+                                "whole-load-file", "whole-shardload", "whole-load-file-clone")}  # fmt: skip
+    cold = {k: best(k, cold=True) for k in ("shardload", "safetensors")}
+    plan = shardload.plan_model(model, n)
+    own = plan.rank_nbytes(rank)
+    own_pages = _pages_touched(plan, rank) * mmap.PAGESIZE
+    t = {k: v["seconds"] for k, v in got.items()}
+    rows = [
+        at_most(t["shardload"] / t["safetensors"], 1.0, f"6. load_rank(rank {rank} of {n}) vs safetensors get_slice",
+                seconds(t["shardload"]), seconds(t["safetensors"])),
+        at_most(t["shardload-mmap"] / t["safetensors"], 1.0, "6. load_rank(mmap=True) vs safetensors get_slice",
+                seconds(t["shardload-mmap"]), seconds(t["safetensors"])),
+        Row("6. whole model: load_rank(m, 0, 1, mmap=True) vs load_file (views)", seconds(t["whole-shardload-mmap"]),
+            seconds(t["whole-load-file"]), t["whole-shardload-mmap"] / t["whole-load-file"], "", None),
+        Row("6. whole model: load(m, 1) vs load_file + clone (fresh memory)", seconds(t["whole-shardload"]),
+            seconds(t["whole-load-file-clone"]), t["whole-shardload"] / t["whole-load-file-clone"], "", None),
+        at_most(cold["shardload"]["read_bytes"] / own_pages, 1.05,
+                f"6. cold cache, rank {rank}: bytes from storage vs the pages holding its bytes",
+                human_bytes(cold["shardload"]["read_bytes"]), human_bytes(own_pages)),
+        Row(f"6. cold cache, rank {rank}: pages holding its bytes vs its bytes (pages shared between ranks)",
+            human_bytes(own_pages), human_bytes(own), own_pages / own, "", None),
+        at_most(cold["shardload"]["seconds"] / cold["safetensors"]["seconds"], 1.0,
+                "6. cold cache: load_rank vs safetensors get_slice", seconds(cold["shardload"]["seconds"]),
+                seconds(cold["safetensors"]["seconds"])),
+        Row("6. cold cache: safetensors get_slice bytes from storage vs own",
+            human_bytes(cold["safetensors"]["read_bytes"]), human_bytes(own),
+            cold["safetensors"]["read_bytes"] / own, "", None),
+    ]  # fmt: skip
+    times = {f"slice {k}": v["all"] for k, v in got.items()} | {f"cold {k}": v["all"] for k, v in cold.items()}
+    return rows, times
+
+
 def seconds(t: float) -> str:
     """Seconds with millisecond precision."""
     return f"{t:.3f} s"
@@ -619,6 +753,11 @@ def run(args: argparse.Namespace, work: Path) -> int:
 
     rows: list[Row] = []
     times: dict[str, list[float]] = {}
+    if args.only_slices:
+        rows, times = rows_slices(model, n, max(3, args.repeats))
+        print(format_table(["figure", "shardload", "baseline", "ratio", "target", "met"], [x.cells() for x in rows]))
+        print("all repetitions (s): " + "; ".join(f"{k} " + " ".join(f"{x:.3f}" for x in v) for k, v in times.items()))
+        return 1 if any(x.ok is False for x in rows) else 0
     r, t = rows_load(model, n, total, args.repeats, args.warmup)
     rows += r
     times.update(t)
@@ -641,6 +780,9 @@ def run(args: argparse.Namespace, work: Path) -> int:
             times.update(t)
             notes.append(note)
     rows += rows_gpu(model, total, args.repeats)
+    r, t = rows_slices(model, n, max(3, args.repeats))
+    rows += r
+    times.update(t)
 
     print(format_table(["figure", "shardload", "baseline", "ratio", "target", "met"], [x.cells() for x in rows]))
     print()
@@ -662,6 +804,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds before the timed ones (default 1)")
     parser.add_argument("--keep", type=Path, metavar="DIR", help="work in DIR and keep it (reused when it matches)")
     parser.add_argument("--no-peer", action="store_true", help="skip the HF transformers comparison (row 4)")
+    parser.add_argument("--only-slices", action="store_true", help="measure row 6 only (a rank vs safetensors)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -685,7 +828,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         kind, *rest = args.child
-        {"convert": child_convert, "load": child_load, "load-rank": child_load_rank, "tp": child_tp}[kind](*rest)
+        children = {"convert": child_convert, "load": child_load, "load-rank": child_load_rank, "tp": child_tp,
+                    "slice": child_slice}  # fmt: skip
+        children[kind](*rest)
         return 0
     if args.num_shards < 1 or args.size_gib <= 0 or args.repeats < 1 or args.warmup < 0:
         raise SystemExit("run.py: --num-shards, --size-gib and --repeats must be positive")

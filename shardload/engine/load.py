@@ -112,7 +112,13 @@ def run_plan(
     ``mmap`` (one CPU rank) maps what it can instead of reading it (see :func:`load_rank`).
     """
     result: list[dict[str, torch.Tensor]] = [{} for _ in ranks]
-    with Reader() as reader, Transfer(reader, staged=staged, defer=True, mapped=mmap) as transfer:
+    import torch
+
+    one_cpu = len(ranks) == 1 and torch.device(devices[0]).type == "cpu"
+    with (
+        Reader() as reader,
+        Transfer(reader, staged=staged, defer=True, mapped=mmap, copy_out=one_cpu) as transfer,
+    ):
         for param in plan.params.values():
             for k, t in enumerate(transfer.param(param, ranks, devices)):
                 result[k][param.name] = t

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import CheckpointError
 from ..sources.dtypes import to_torch
-from ..sources.reader import Mappings, Reader
+from ..sources.reader import PAGE, FileMaps, Mappings, Reader, count_mapped, populate
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +40,14 @@ STAGE_MIN_SLICE = 64 << 10
 """Rank tensors share a staging buffer in slices of at least this many bytes each."""
 READ_THREADS = max(1, min(8, os.cpu_count() or 1))
 """Reader threads: page-cache copies scale with cores until memory bandwidth is the bound."""
+READ_STRATEGY = "auto"
+"""How a single CPU rank's pieces are read: ``"auto"`` (below), ``"map"`` (always copy out of a mapping) or
+``"read"`` (always ``preadv`` the exact runs)."""
+RESIDENT_ENOUGH = 0.9
+"""``auto`` copies out of a mapping when at least this fraction of the pages holding the rank's bytes is cached."""
+SMALL_RUN = PAGE // 2
+"""``auto`` also copies out of a mapping when the runs average under this many bytes (a column slice of a narrow
+tensor): ``preadv`` would pay one iovec per run, and the kernel reads whole pages either way."""
 
 
 @dataclass
@@ -60,7 +69,9 @@ class Transfer:
     every read until :meth:`wait`: allocating destinations while other threads fault pages in slows
     both, so a whole-model load allocates first, then reads at full speed. ``mapped`` returns a single
     rank's CPU tensor that is one contiguous stretch of its file as a view of a private file mapping
-    instead of reading it (see :class:`~shardload.sources.reader.Mappings`).
+    instead of reading it (see :class:`~shardload.sources.reader.Mappings`). ``copy_out`` lets a single CPU
+    rank copy its pieces out of a read-only mapping with strided copies where that is faster than reading
+    them (:data:`READ_STRATEGY`).
     """
 
     def __init__(
@@ -71,9 +82,12 @@ class Transfer:
         staged: bool = False,
         defer: bool = False,
         mapped: bool = False,
+        copy_out: bool = False,
     ) -> None:
         self.reader = reader
         self.mappings = Mappings() if mapped else None
+        self.filemaps = FileMaps() if copy_out else None
+        self.spans: dict[Any, tuple[Any, Any, float] | None] = {}
         self.whole: dict[Any, int | None] = {}
         self.threads = READ_THREADS if threads is None else threads
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardload-read") if self.threads else None
@@ -104,6 +118,10 @@ class Transfer:
             view = self._view(plan, ranks, key)
             if view is not None:
                 return [view]
+        if self.filemaps is not None and len(ranks) == 1 and devs[0].type == "cpu" and not self.stage_cpu:
+            copied = self._copy_out(plan, ranks[0], key)
+            if copied is not None:
+                return [copied]
         if key in self.schedules:
             schedule = self.schedules[key]
         else:
@@ -121,6 +139,76 @@ class Transfer:
         dests = [torch.empty(plan.shape, dtype=to_torch(plan.dtype), device=d) for d in devs]
         self._start(plan.source.file, plan.source.offset, schedule, dests)
         return dests
+
+    def _copy_out(self, plan: ParamPlan, rank: int, key: Any) -> torch.Tensor | None:
+        """The rank's tensor, being filled by strided copies out of a read-only mapping of its file, when the
+        strategy says so (None: read it with ``preadv`` instead).
+
+        ``auto`` copies when the pages holding the rank's bytes are in the page cache (``mincore``), or when its
+        runs are smaller than half a page (then faults read just their pages: no readahead); otherwise, on cold
+        storage, ``preadv`` of the exact runs reads no byte the rank does not need.
+        """
+        import torch
+
+        from ..planning.runs import param_runs
+
+        if READ_STRATEGY == "read" or not plan.remap or plan.rank_nbytes == 0:
+            return None
+        if key not in self.spans:
+            runs = param_runs(plan, [rank])
+            self.spans[key] = None if runs is None or not len(runs) else (
+                runs.src - plan.source.offset,
+                runs.src + runs.length - plan.source.offset,
+                float(runs.length.mean()),
+            )  # fmt: skip
+        span = self.spans[key]
+        assert self.filemaps is not None
+        if span is None:
+            return None
+        starts, ends, mean_run = plan.source.offset + span[0], plan.source.offset + span[1], span[2]
+        if READ_STRATEGY == "auto":
+            resident = self.filemaps.resident(plan.source.file, starts, ends)
+            if resident is None:
+                return None
+            if resident < RESIDENT_ENOUGH:  # cold: fetch the pages holding the rank's bytes, and nothing else
+                if mean_run >= SMALL_RUN:  # few long runs: read exactly them, their pages requested up front
+                    self.reader.no_readahead(plan.source.file)
+                    self.reader.prefetch(plan.source.file, starts.tolist(), ends.tolist())
+                    return None
+                # many short runs: request the pages they touch (merged into ranges), copy as the pages arrive
+                self.filemaps.no_readahead(plan.source.file, int(starts.min()), int(ends.max()))
+                self.reader.prefetch(plan.source.file, *_page_ranges(starts, ends))
+        data = self.filemaps.bytes(plan.source.file)
+        if data is None:
+            return None
+        end = plan.source.offset + plan.source.nbytes
+        if end > len(data):
+            raise CheckpointError(
+                "file is shorter than its header says (changed while loading?)", file=str(plan.source.file)
+            )
+        dtype = to_torch(plan.dtype)
+        if plan.source.offset % dtype.itemsize:
+            return None  # packed at an odd offset (a TVM cache can be): preadv has no alignment needs
+        src = data[plan.source.offset : end].view(dtype).view(plan.source.shape)
+        dest = torch.empty(plan.shape, dtype=dtype)
+        file = plan.source.file
+        for piece in plan.pieces(rank) or []:
+            d = dest[tuple(slice(a, b) for a, b in piece.dst)]
+            s = src[tuple(slice(a, b) for a, b in piece.src)].reshape(d.shape)
+            rows = d.shape[0] if d.dim() else 1
+            nbytes = d.numel() * d.element_size()
+            step = max(1, rows * JOB_BYTES // max(1, nbytes)) if d.dim() else 1
+            for a in range(0, rows, step):
+                part = (slice(a, a + step),) if d.dim() else ()
+
+                def job(d: Any = d[part], s: Any = s[part]) -> None:
+                    if d.is_contiguous():
+                        populate(d.data_ptr(), d.numel() * d.element_size())  # fresh pages in one call
+                    d.copy_(s)
+                    count_mapped(file, d.numel() * d.element_size())
+
+                self._submit(job)
+        return dest
 
     def _view(self, plan: ParamPlan, ranks: Sequence[int], key: Any) -> torch.Tensor | None:
         """The rank's tensor as a view of the file mapping, where it is one contiguous stretch of the file."""
@@ -286,6 +374,21 @@ class Transfer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _page_ranges(starts: Any, ends: Any) -> tuple[list[int], list[int]]:
+    """The byte ranges of whole pages that runs ``[starts[i], ends[i])`` (sorted) touch, adjacent pages merged."""
+    first = (starts // PAGE).tolist()
+    last = ((ends - 1) // PAGE).tolist()
+    lo: list[int] = []
+    hi: list[int] = []
+    for a, b in zip(first, last, strict=True):
+        if hi and a <= hi[-1]:
+            hi[-1] = max(hi[-1], b + 1)
+        else:
+            lo.append(a)
+            hi.append(b + 1)
+    return [x * PAGE for x in lo], [x * PAGE for x in hi]
 
 
 def _apply_copies(copies: Copies, dests: list[torch.Tensor]) -> None:

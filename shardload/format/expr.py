@@ -7,6 +7,7 @@ Grammar: integers, the name ``num_shards``, ``+ - * //``, unary minus and parent
 from __future__ import annotations
 
 import ast
+import functools
 
 from ..errors import StepArgumentError
 
@@ -60,6 +61,17 @@ _ALLOWED = (
 
 def parse(text: str) -> ast.Expression:
     """Parse ``text`` into a syntax tree made only of allowed nodes, or raise ExprError."""
+    return _parse(text) if len(text) <= MAX_EXPR_LEN else _parse_uncached(text)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse(text: str) -> ast.Expression:
+    """:func:`parse`, remembered: a model's files repeat the same few expressions in every layer (the trees are
+    only read, never changed)."""
+    return _parse_uncached(text)
+
+
+def _parse_uncached(text: str) -> ast.Expression:
     if len(text) > MAX_EXPR_LEN:
         raise ExprError(f"expression of {len(text)} characters is too long (limit {MAX_EXPR_LEN})")
     try:

@@ -220,10 +220,55 @@ def _validator(form: str) -> Any:
     return jsonschema.Draft202012Validator(sub)
 
 
-def _check_schema(obj: dict[str, Any], form: str, source: str) -> None:
-    import jsonschema
+def _distinct_steps(obj: dict[str, Any], form: str) -> dict[str, Any] | None:
+    """``obj`` with every step list after the first of its kind replaced by ``[]`` (None if that is not possible).
 
-    errors = list(_validator(form).iter_errors(obj))
+    The schema says nothing that ties one parameter to another, and an empty list is always valid, so this
+    document is valid exactly when ``obj`` is; checking each distinct list once (a layer's lists repeat in
+    every layer) makes validation cost scale with the variety of steps, not with the model's depth.
+    """
+    params = obj if form == "seed" else obj.get("params")
+    if not isinstance(params, dict):
+        return None
+    seen: set[str] = set()
+    reduced: dict[str, Any] = {}
+    try:
+        for name, steps in params.items():
+            key = json.dumps(steps, sort_keys=True)
+            reduced[name] = [] if key in seen and isinstance(steps, list) else steps
+            seen.add(key)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    return reduced if form == "seed" else {**obj, "params": reduced}
+
+
+@lru_cache(maxsize=2)
+def _fast_validator(form: str) -> Any:
+    """jsonschema-rs's compiled validator of the same schema, or None where that package is missing."""
+    try:
+        import jsonschema_rs
+    except ImportError:
+        return None
+    root = schema()
+    return jsonschema_rs.Draft202012Validator({"$schema": root["$schema"], "$defs": root["$defs"],
+                                               "$ref": f"#/$defs/{form}"})  # fmt: skip
+
+
+def _check_schema(obj: dict[str, Any], form: str, source: str) -> None:
+    fast = _fast_validator(form)
+    if fast is not None:
+        try:
+            if fast.is_valid(obj):
+                return
+        except (ValueError, TypeError, OverflowError, RecursionError):
+            pass  # a value it cannot take (a huge integer, a Python object): the reference validator decides
+    else:
+        reduced = _distinct_steps(obj, form)
+        if reduced is not None and _validator(form).is_valid(reduced):
+            return
+    import jsonschema  # the reference validator: for the located message of the first problem
+
+    errors = list(_validator(form).iter_errors(obj))  # the full document, for the first located problem
     if not errors:
         return
     err = jsonschema.exceptions.best_match(errors)

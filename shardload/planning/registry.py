@@ -198,8 +198,12 @@ def unregister(name: str) -> None:
 
 
 def lookup(name: str) -> StepFunction:
-    """The registered step for ``name``; raises StepArgumentError for an unknown name."""
-    load_entry_points()
+    """The registered step for ``name``; raises StepArgumentError for an unknown name.
+
+    A name not registered yet loads the installed ``shardload.steps`` entry points first (once).
+    """
+    if name not in _REGISTRY:
+        load_entry_points()
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
@@ -221,7 +225,7 @@ def load_entry_points() -> None:
 
     An entry point names a module (importing it registers its steps) or a callable (called with no
     arguments). Which code runs is decided by what is installed, never by a name in a shard_info file:
-    all of them load on the first lookup, whatever name is looked up.
+    all of them load together, at the first lookup of a name not registered yet, whatever that name is.
     """
     global _entry_points_loaded
     if _entry_points_loaded:

@@ -92,6 +92,12 @@ _MADVISE = (
     else None
 )
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
+MADV_RANDOM = 1  # no readahead on faults: a fault reads just its page
+_MINCORE = (
+    libc_function(lambda libc: libc.mincore, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p], ctypes.c_int)
+    if sys.platform.startswith("linux")
+    else None
+)
 PAGE = mmap.PAGESIZE
 _HAVE_PREADV = hasattr(os, "preadv")
 
@@ -122,6 +128,27 @@ class Reader:
                         raise CheckpointError(f"cannot open: {err.strerror or err}", file=str(path)) from None
                     self._fds[path] = fd
         return fd
+
+    def no_readahead(self, path: Path) -> None:
+        """Read just the bytes asked for from ``path`` from now on (no readahead; best effort): for one rank's
+        exact runs of a file that is not in the page cache."""
+        if hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(self._fd(path), 0, 0, os.POSIX_FADV_RANDOM)
+            except OSError:
+                pass
+
+    def prefetch(self, path: Path, starts: Sequence[int], ends: Sequence[int]) -> None:
+        """Start reading byte ranges ``[starts[i], ends[i])`` of ``path`` into the page cache in the background
+        (best effort), so the reads that follow find their pages arriving."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        fd = self._fd(path)
+        for a, b in zip(starts, ends, strict=True):
+            try:
+                os.posix_fadvise(fd, int(a), int(b) - int(a), os.POSIX_FADV_WILLNEED)
+            except OSError:
+                return
 
     def read_runs(
         self,
@@ -273,6 +300,86 @@ class Reader:
         self.close()
 
 
+class FileMaps:
+    """Read-only shared mappings of checkpoint files, one per file, to copy strided pieces out of.
+
+    Copying a column slice out of a mapping costs one strided memory copy where ``preadv`` costs one iovec
+    per row, so it is the faster way when the bytes are already in the page cache (:meth:`resident`).
+    Copies are counted by :func:`count_reads` like reads. Each file's size is checked against the bytes
+    asked for before any page is touched, so a file cut short is an error, never SIGBUS.
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, tuple[mmap.mmap, torch.Tensor] | None] = {}
+        self._lock = threading.Lock()
+
+    def bytes(self, path: Path) -> torch.Tensor | None:
+        """The file's bytes as a uint8 tensor over its read-only mapping (None where it cannot be mapped).
+
+        Never write to it: the pages are the page cache's own, mapped read-only (a write would fault).
+        """
+        import warnings
+
+        import torch
+
+        with self._lock:
+            if path not in self._maps:
+                try:
+                    with open(path, "rb") as fh:
+                        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                    with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is, on purpose
+                        warnings.simplefilter("ignore", UserWarning)
+                        self._maps[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+                except (OSError, ValueError):  # empty, or not mappable: the caller reads instead
+                    self._maps[path] = None
+            entry = self._maps[path]
+            return None if entry is None else entry[1]
+
+    def resident(self, path: Path, starts: np.ndarray, ends: np.ndarray) -> float | None:
+        """The fraction of the pages holding byte runs ``[starts[i], ends[i])`` of ``path`` (sorted by start) that
+        are in the page cache, or None where the kernel cannot say."""
+        import numpy as np
+
+        data = self.bytes(path)
+        if data is None or _MINCORE is None or not len(starts) or int(ends.max()) > len(data):
+            return None
+        base = data.data_ptr()
+        lo = (base + int(starts.min())) // PAGE * PAGE
+        hi = base + int(ends.max())
+        pages = -(-(hi - lo) // PAGE)
+        vec = np.zeros(pages, dtype=np.uint8)
+        if _MINCORE(lo, hi - lo, vec.ctypes.data) != 0:
+            return None
+        if len(starts) > 64:  # many runs (a column slice): they touch every page between the first and the last
+            return float(np.count_nonzero(vec & 1)) / pages
+        first = ((base + starts - lo) // PAGE).tolist()
+        last = ((base + ends - 1 - lo) // PAGE).tolist()
+        touched = np.zeros(pages, dtype=bool)
+        for a, b in zip(first, last, strict=True):
+            touched[a : b + 1] = True
+        return float(np.count_nonzero(vec[touched] & 1)) / max(1, int(np.count_nonzero(touched)))
+
+    def no_readahead(self, path: Path, start: int, end: int) -> None:
+        """Ask the kernel to read just the faulted page of this range (best effort): for sparse pieces of a
+        file that is not in the page cache."""
+        data = self.bytes(path)
+        if data is None or _MADVISE is None or end <= start:
+            return
+        lo = (data.data_ptr() + start) // PAGE * PAGE
+        _MADVISE(lo, data.data_ptr() + end - lo, MADV_RANDOM)
+
+    def close(self) -> None:
+        """Drop this object's references (a mapping stays while an array over it lives)."""
+        with self._lock:
+            self._maps.clear()
+
+
+def count_mapped(path: Path, nbytes: int) -> None:
+    """Record ``nbytes`` of ``path`` copied out of a mapping (no system call) in :func:`count_reads`."""
+    if _count is not None:
+        _count.add(path, nbytes, 0)
+
+
 class Mappings:
     """Private (copy-on-write) mappings of checkpoint files, one per file, for tensors returned as views.
 
@@ -319,6 +426,15 @@ class Mappings:
         """Drop this object's references (each mapping stays while a view of it lives)."""
         with self._lock:
             self._maps.clear()
+
+
+def populate(address: int, nbytes: int) -> None:
+    """Fault in the whole pages inside ``[address, address + nbytes)`` of fresh memory in one call (best effort)."""
+    global _MADVISE
+    start = -(-address // PAGE) * PAGE
+    end = (address + nbytes) // PAGE * PAGE
+    if _MADVISE is not None and end > start and _MADVISE(start, end - start, MADV_POPULATE_WRITE) != 0:
+        _MADVISE = None  # an older kernel: let the copy fault pages in
 
 
 def _populate(ptrs: np.ndarray, buf: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
