@@ -22,7 +22,9 @@ with its shard_info, warm page cache, N = ``--num-shards``:
    and until every page of it was touched. Like transformers, ``mmap=True`` keeps dim-0 shards as views of
    the file mapping and copies the rest; the default ``load_rank`` puts every tensor in fresh memory. All
    three have the target <= 0.5x. The shards are compared with transformers' element for element.
-5. With CUDA: ``load()`` onto ``cuda:0..G-1`` against the pinned host-to-device bandwidth (target >= 0.8x).
+5. With CUDA: ``load()`` onto ``cuda:0..G-1`` against the pinned host-to-device bandwidth (target >= 0.8x);
+   the whole model onto ``cuda:0`` against ``safe_open(..., device="cuda:0")``, and one rank of N against
+   safetensors' ``get_slice`` on the same device (``--only-gpu`` measures this row alone).
 
 Times are the best of ``--repeats`` interleaved rounds after ``--warmup`` untimed ones, each started from a warm
 page cache (the source is read just before). It prints one table
@@ -691,14 +693,39 @@ def rows_peer(hf_dir: Path, repeats: int, warmup: int) -> tuple[list[Row], dict[
     )
 
 
-def rows_gpu(model: Path, total: int, repeats: int) -> list[Row]:
-    """Row 5: load() onto the GPUs against the pinned host-to-device bandwidth, or a skipped row."""
+def _safetensors_rank(path: Path, plan: Any, rank: int, device: str) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s tensors by safetensors' own slicing, ``safe_open(..., device=...).get_slice(name)[...]``,
+    narrowing the boxes the plan gives (the peer of ``load_rank``)."""
+    from safetensors import safe_open
+
+    state = {}
+    with safe_open(str(path), framework="pt", device=device) as f:
+        for name, p in plan.params.items():
+            pieces, part = p.pieces(rank) or [], f.get_slice(name)
+            if len(pieces) == 1 and [b - a for a, b in pieces[0].dst] == list(p.shape):
+                state[name] = part[tuple(slice(a, b) for a, b in pieces[0].src)].reshape(p.shape)
+                continue
+            dest = torch.empty(p.shape, dtype=getattr(torch, p.dtype), device=device)
+            for pc in pieces:
+                box = [b - a for a, b in pc.dst]
+                dest[tuple(slice(a, b) for a, b in pc.dst)] = part[tuple(slice(a, b) for a, b in pc.src)].reshape(box)
+            state[name] = dest
+    return state
+
+
+def rows_gpu(model: Path, total: int, n: int, repeats: int) -> tuple[list[Row], dict[str, list[float]]]:
+    """Row 5: onto CUDA (page cache warm, best of ``repeats`` after one warm-up, each run ended by a device
+    synchronize): ``load()`` against the pinned host-to-device bandwidth, and the whole checkpoint and one rank
+    against safetensors' own loading onto the same GPU. Skipped rows without CUDA."""
     figure = "5. load() to CUDA vs pinned host-to-device bandwidth"
     if not torch.cuda.is_available():
-        return [Row(figure, "skipped (no CUDA)", "", None, ">= 0.8x", None)]
+        return [Row(figure, "skipped (no CUDA)", "", None, ">= 0.8x", None)], {}
+    from safetensors import safe_open
+
     count = torch.cuda.device_count()
     g = 1 << int(math.log2(min(count, 8)))
     devices = [f"cuda:{i}" for i in range(g)]
+    path = model / MODEL_FILE
     pinned = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
     h2d = []
     for _ in range(repeats + 1):
@@ -711,22 +738,49 @@ def rows_gpu(model: Path, total: int, repeats: int) -> list[Row]:
             torch.cuda.synchronize(d)
         h2d.append(pinned.numel() * g / (time.perf_counter() - t0))
         del dests
-    loads = []
-    for _ in range(repeats + 1):
-        t = timed(lambda: shardload.load(model, g, devices=devices))
-        loads.append(total / t)
-    bw_load, bw_h2d = max(loads[1:]), max(h2d[1:])
-    ratio = bw_load / bw_h2d
-    return [
-        Row(
-            f"{figure} ({g} GPU)",
-            f"{bw_load / 1e9:.1f} GB/s",
-            f"{bw_h2d / 1e9:.1f} GB/s",
-            ratio,
-            ">= 0.8x",
-            ratio >= 0.8,
-        )
-    ]
+    del pinned
+
+    def best(fn: Callable[[], Any]) -> list[float]:
+        runs = []
+        for _ in range(repeats + 1):
+            warm_page_cache(path)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            state = fn()
+            torch.cuda.synchronize()
+            runs.append(time.perf_counter() - t0)
+            del state
+            torch.cuda.empty_cache()
+        return runs[1:]
+
+    def st_whole() -> dict[str, torch.Tensor]:
+        with safe_open(str(path), framework="pt", device="cuda:0") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+
+    rank = min(3, n - 1)
+    plan = shardload.plan_model(model, n)
+    times = {
+        "gpu load()": best(lambda: shardload.load(model, g, devices=devices)),
+        "gpu whole shardload": best(lambda: shardload.load(model, 1, devices=["cuda:0"])),
+        "gpu whole safetensors": best(st_whole),
+        "gpu rank shardload": best(lambda: shardload.load_rank(model, rank, n, device="cuda:0")),
+        "gpu rank safetensors": best(lambda: _safetensors_rank(path, plan, rank, "cuda:0")),
+    }
+    t = {k: min(v) for k, v in times.items()}
+    bw_load, bw_h2d = total / t["gpu load()"], max(h2d[1:])
+    own = plan.rank_nbytes(rank)
+    rows = [
+        Row(f"{figure} ({g} GPU)", f"{bw_load / 1e9:.1f} GB/s", f"{bw_h2d / 1e9:.1f} GB/s", bw_load / bw_h2d,
+            ">= 0.8x", bw_load / bw_h2d >= 0.8),
+        Row("5. whole model to cuda:0: load(m, 1) vs safe_open(device='cuda:0')", seconds(t["gpu whole shardload"]),
+            seconds(t["gpu whole safetensors"]), t["gpu whole shardload"] / t["gpu whole safetensors"], "", None),
+        Row(f"5. rank {rank} of {n} to cuda:0: load_rank vs safetensors get_slice", seconds(t["gpu rank shardload"]),
+            seconds(t["gpu rank safetensors"]), t["gpu rank shardload"] / t["gpu rank safetensors"], "", None),
+        Row(f"5. rank {rank} of {n}: load_rank bandwidth vs pinned host-to-device",
+            f"{own / t['gpu rank shardload'] / 1e9:.1f} GB/s", f"{bw_h2d / 1e9:.1f} GB/s",
+            own / t["gpu rank shardload"] / bw_h2d, "", None),
+    ]  # fmt: skip
+    return rows, times
 
 
 # --- the run -----------------------------------------------------------------------------------------
@@ -753,8 +807,9 @@ def run(args: argparse.Namespace, work: Path) -> int:
 
     rows: list[Row] = []
     times: dict[str, list[float]] = {}
-    if args.only_slices:
-        rows, times = rows_slices(model, n, max(3, args.repeats))
+    if args.only_slices or args.only_gpu:
+        rows, times = (rows_slices(model, n, max(3, args.repeats)) if args.only_slices
+                       else rows_gpu(model, total, n, args.repeats))  # fmt: skip
         print(format_table(["figure", "shardload", "baseline", "ratio", "target", "met"], [x.cells() for x in rows]))
         print("all repetitions (s): " + "; ".join(f"{k} " + " ".join(f"{x:.3f}" for x in v) for k, v in times.items()))
         return 1 if any(x.ok is False for x in rows) else 0
@@ -779,7 +834,9 @@ def run(args: argparse.Namespace, work: Path) -> int:
             rows += r
             times.update(t)
             notes.append(note)
-    rows += rows_gpu(model, total, args.repeats)
+    r, t = rows_gpu(model, total, n, args.repeats)
+    rows += r
+    times.update(t)
     r, t = rows_slices(model, n, max(3, args.repeats))
     rows += r
     times.update(t)
@@ -805,6 +862,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep", type=Path, metavar="DIR", help="work in DIR and keep it (reused when it matches)")
     parser.add_argument("--no-peer", action="store_true", help="skip the HF transformers comparison (row 4)")
     parser.add_argument("--only-slices", action="store_true", help="measure row 6 only (a rank vs safetensors)")
+    parser.add_argument("--only-gpu", action="store_true", help="measure row 5 only (onto CUDA)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 

@@ -74,7 +74,7 @@ def test_tensor_parallel_logits_match(models: dict, kind: str, ns: list[int]) ->
     assert report["valid"], report["problems"]
     want = _reference_logits(model)
     for n in ns:
-        shards = shardload.load(model_dir, n, shard_info=info)
+        shards = shardload.load(model_dir, n, devices=["cpu"] * n, shard_info=info)
         with torch.no_grad():
             got = tp.decoder_logits(_config(model_dir), shards, IDS)
         _assert_close(got, want)
@@ -86,7 +86,7 @@ def test_expert_parallel_logits_match(models: dict, ns: list[int]) -> None:
     info = _plan(model_dir, "--experts", "parallel")
     want = _reference_logits(model)
     for n in ns:
-        shards = shardload.load(model_dir, n, shard_info=info)
+        shards = shardload.load(model_dir, n, devices=["cpu"] * n, shard_info=info)
         gate_up = shards[0]["model.layers.0.mlp.experts.gate_up_proj"]
         assert gate_up.shape == (4 // n, 256, 64)  # whole experts: the fused intermediate dim is intact
         with torch.no_grad():
@@ -99,7 +99,7 @@ def test_bert_hidden_states_match(models: dict) -> None:
     with torch.no_grad():
         want = model(input_ids=IDS).last_hidden_state
     for n in (1, 2, 4):
-        shards = shardload.load(model_dir, n, shard_info=info)
+        shards = shardload.load(model_dir, n, devices=["cpu"] * n, shard_info=info)
         assert shards[0]["embeddings.word_embeddings.weight"].shape == (256 // n, 64)
         with torch.no_grad():
             _assert_close(tp.bert_hidden(_config(model_dir), shards, IDS), want)
@@ -110,8 +110,8 @@ def test_gqa_kv_heads_follow_vllm_rule(models: dict, n: int) -> None:
     """N > KV heads: rank r holds KV head r // (N / num_kv_heads), weights and biases alike."""
     model_dir, _ = models["qwen2"] if n == 4 else models["llama_gqa"]
     kv_heads, head_dim = 2, 16 if n == 4 else 8
-    stored = shardload.load(model_dir, 1, shard_info={"version": 1, "params": {}})[0]
-    shards = shardload.load(model_dir, n, shard_info=_plan(model_dir))
+    stored = shardload.load(model_dir, 1, devices=["cpu"], shard_info={"version": 1, "params": {}})[0]
+    shards = shardload.load(model_dir, n, devices=["cpu"] * n, shard_info=_plan(model_dir))
     names = [k for k in stored if ".k_proj." in k or ".v_proj." in k]
     assert any(k.endswith("bias") for k in names) == (n == 4)
     for name in names:
@@ -123,7 +123,7 @@ def test_gqa_kv_heads_follow_vllm_rule(models: dict, n: int) -> None:
 def test_swapped_shards_change_the_result(models: dict) -> None:
     """The tensor-parallel forward notices a rank holding another rank's KV head (the check can fail)."""
     model_dir, model = models["qwen2"]
-    shards = shardload.load(model_dir, 4, shard_info=_plan(model_dir))
+    shards = shardload.load(model_dir, 4, devices=["cpu"] * 4, shard_info=_plan(model_dir))
     name = "model.layers.0.self_attn.k_proj.weight"
     shards[0][name], shards[2][name] = shards[2][name], shards[0][name]
     with torch.no_grad():
@@ -163,7 +163,7 @@ def test_hf_tp_plan_llama(models: dict, tmp_path: Path) -> None:
     assert "model.embed_tokens.weight" not in info["params"]  # HF's plan leaves embeddings replicated
     want = _reference_logits(model)
     for n in (1, 2, 4, 8):
-        shards = shardload.load(model_dir, n, shard_info=info)
+        shards = shardload.load(model_dir, n, devices=["cpu"] * n, shard_info=info)
         assert shards[0]["model.embed_tokens.weight"].shape == (256, 64)
         assert shards[0]["lm_head.weight"].shape == (256 // n, 64)
         with torch.no_grad():
@@ -177,7 +177,7 @@ def test_hf_tp_plan_mixtral_stacked(models: dict, tmp_path: Path, experts: str) 
     info = _plan(model_dir, "--experts", experts)
     want = _reference_logits(model)
     for n in (1, 2, 4):
-        shards = shardload.load(model_dir, n, shard_info=info)
+        shards = shardload.load(model_dir, n, devices=["cpu"] * n, shard_info=info)
         with torch.no_grad():
             _assert_close(tp.decoder_logits(_config(model_dir), shards, IDS, experts=experts), want)
 

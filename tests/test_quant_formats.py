@@ -77,6 +77,12 @@ def check_modules(model: Path, modules: list[Module], qconfig: dict[str, Any] | 
             assert set(steps) == set(m.tensors), "every stored tensor of the weight gets an entry"
             params.update(steps)
         shards = shardload.load(model, n, devices=["cpu"] * n, shard_info={"version": 1, "params": params})
+        if torch.cuda.is_available():  # the same stored bits on the GPU (packed ints, uint8 blocks, float8)
+            on_gpu = shardload.load(model, n, devices=["cuda:0"] * n, shard_info={"version": 1, "params": params})
+            for cpu, gpu in zip(shards, on_gpu, strict=True):
+                for k, t in cpu.items():
+                    assert gpu[k].device.type == "cuda" and gpu[k].dtype == t.dtype, k
+                    assert torch.equal(gpu[k].cpu().reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), k
         for m in active:
             full = m.dequant(m.local(m.tensors))
             for r in range(n):

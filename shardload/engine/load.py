@@ -114,10 +114,10 @@ def run_plan(
     result: list[dict[str, torch.Tensor]] = [{} for _ in ranks]
     import torch
 
-    one_cpu = len(ranks) == 1 and torch.device(devices[0]).type == "cpu"
+    one_rank = len(ranks) == 1 and torch.device(devices[0]).type in ("cpu", "cuda")
     with (
         Reader() as reader,
-        Transfer(reader, staged=staged, defer=True, mapped=mmap, copy_out=one_cpu) as transfer,
+        Transfer(reader, staged=staged, defer=True, mapped=mmap, copy_out=one_rank) as transfer,
     ):
         for param in plan.params.values():
             for k, t in enumerate(transfer.param(param, ranks, devices)):

@@ -12,6 +12,7 @@ reused for every layer.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -48,6 +49,11 @@ RESIDENT_ENOUGH = 0.9
 SMALL_RUN = PAGE // 2
 """``auto`` also copies out of a mapping when the runs average under this many bytes (a column slice of a narrow
 tensor): ``preadv`` would pay one iovec per run, and the kernel reads whole pages either way."""
+
+STAGED_MAP_RUN = 256 << 10
+"""A GPU rank copies out of a mapping (when cached) only if its runs average under this many bytes; longer runs
+are read with ``preadv`` into the pinned buffers (measured on an H100 host: whole tensors 0.053 s by ``preadv``
+against 0.079 s through the mapping, column slices 0.050 s against 0.305 s)."""
 
 
 @dataclass
@@ -118,8 +124,8 @@ class Transfer:
             view = self._view(plan, ranks, key)
             if view is not None:
                 return [view]
-        if self.filemaps is not None and len(ranks) == 1 and devs[0].type == "cpu" and not self.stage_cpu:
-            copied = self._copy_out(plan, ranks[0], key)
+        if self.filemaps is not None and len(ranks) == 1:
+            copied = self._copy_out(plan, ranks[0], key, devs[0])
             if copied is not None:
                 return [copied]
         if key in self.schedules:
@@ -140,9 +146,10 @@ class Transfer:
         self._start(plan.source.file, plan.source.offset, schedule, dests)
         return dests
 
-    def _copy_out(self, plan: ParamPlan, rank: int, key: Any) -> torch.Tensor | None:
+    def _copy_out(self, plan: ParamPlan, rank: int, key: Any, device: torch.device) -> torch.Tensor | None:
         """The rank's tensor, being filled by strided copies out of a read-only mapping of its file, when the
-        strategy says so (None: read it with ``preadv`` instead).
+        strategy says so (None: read it with ``preadv`` instead). On a GPU (or with ``staged``) the copies gather
+        the rank's bytes into the pinned staging buffers, each upload one contiguous block.
 
         ``auto`` copies when the pages holding the rank's bytes are in the page cache (``mincore``), or when its
         runs are smaller than half a page (then faults read just their pages: no readahead); otherwise, on cold
@@ -166,7 +173,10 @@ class Transfer:
         if span is None:
             return None
         starts, ends, mean_run = plan.source.offset + span[0], plan.source.offset + span[1], span[2]
+        direct = device.type == "cpu" and not self.stage_cpu
         if READ_STRATEGY == "auto":
+            if not direct and mean_run >= STAGED_MAP_RUN:
+                return None  # long runs reach a GPU faster by preadv into the pinned buffers than by page faults
             resident = self.filemaps.resident(plan.source.file, starts, ends)
             if resident is None:
                 return None
@@ -189,23 +199,43 @@ class Transfer:
         dtype = to_torch(plan.dtype)
         if plan.source.offset % dtype.itemsize:
             return None  # packed at an odd offset (a TVM cache can be): preadv has no alignment needs
+        pieces = plan.pieces(rank) or []
+        block = JOB_BYTES if direct else STAGE_BYTES
+        for piece in pieces:  # a GPU rank stages whole rows (or elements): each must fit a staging buffer
+            lead = piece.dst[0][1] - piece.dst[0][0] if piece.dst else 1
+            if not direct and lead and math.prod(b - a for a, b in piece.dst) * dtype.itemsize // lead > block:
+                return None
         src = data[plan.source.offset : end].view(dtype).view(plan.source.shape)
-        dest = torch.empty(plan.shape, dtype=dtype)
+        dest = torch.empty(plan.shape, dtype=dtype, device=device)
         file = plan.source.file
-        for piece in plan.pieces(rank) or []:
+        if not direct and self.staging is None:
+            self.staging = _Staging(STAGE_BYTES, max(2, self.threads + 1), pin=device.type == "cuda")
+        staging = self.staging
+        for piece in pieces:
             d = dest[tuple(slice(a, b) for a, b in piece.dst)]
             s = src[tuple(slice(a, b) for a, b in piece.src)].reshape(d.shape)
             rows = d.shape[0] if d.dim() else 1
             nbytes = d.numel() * d.element_size()
-            step = max(1, rows * JOB_BYTES // max(1, nbytes)) if d.dim() else 1
+            step = max(1, rows * block // max(1, nbytes)) if d.dim() else 1
             for a in range(0, rows, step):
                 part = (slice(a, a + step),) if d.dim() else ()
 
                 def job(d: Any = d[part], s: Any = s[part]) -> None:
-                    if d.is_contiguous():
-                        populate(d.data_ptr(), d.numel() * d.element_size())  # fresh pages in one call
-                    d.copy_(s)
-                    count_mapped(file, d.numel() * d.element_size())
+                    n = d.numel() * d.element_size()
+                    if direct:
+                        if d.is_contiguous():
+                            populate(d.data_ptr(), n)  # fresh pages in one call
+                        d.copy_(s)
+                    else:
+                        assert staging is not None
+                        buf = staging.acquire()
+                        try:
+                            host = buf[:n].view(d.dtype).view(d.shape)
+                            host.copy_(s)
+                            staging.copy(buf, host, d)
+                        finally:
+                            staging.release(buf)
+                    count_mapped(file, n)
 
                 self._submit(job)
         return dest
@@ -444,10 +474,17 @@ class _Staging:
         """Copy ``hi - lo`` bytes at ``offset`` of ``buf`` to bytes ``[lo, hi)`` of ``dest``."""
         import torch
 
-        dst = dest.reshape(-1).view(torch.uint8)[lo:hi]
-        src = buf[offset : offset + hi - lo]
+        self.copy(buf, buf[offset : offset + hi - lo], dest.reshape(-1).view(torch.uint8)[lo:hi])
+
+    def copy(self, buf: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy ``src`` (a view of ``buf``) into ``dst``: on a CUDA device a non-blocking copy on a side stream,
+        with an event that keeps ``buf`` from reuse until it completes."""
+        import torch
+
         if dst.device.type == "cuda" and self.pin:
             stream = self._stream(dst.device)
+            # ``dest`` was allocated on the default stream, whose queued work may still use its memory's last owner
+            stream.wait_stream(torch.cuda.default_stream(dst.device))
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
                 event = torch.cuda.Event()
