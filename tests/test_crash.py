@@ -163,7 +163,7 @@ def test_a_live_convert_is_not_disturbed(example_dir: Path, tmp_path: Path) -> N
     fd = os.open(lock, os.O_CREAT | os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)  # as a running convert holds it
     try:
-        with pytest.raises(ShardloadError, match=r"another convert \(pid 424242\) is writing this output"):
+        with pytest.raises(ShardloadError, match=r"another shardload run \(pid 424242\) is writing this output"):
             shardload.convert(example_dir, 2, out)
         assert not out.exists() and (tmp_path / f".out{TMP_MARKER}424242-beef").is_dir()
     finally:
@@ -224,7 +224,8 @@ def test_failing_fsync_is_a_clear_error(example_dir: Path, tmp_path: Path, monke
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     monkeypatch.setattr(os, "fsync", fsync)
-    with pytest.raises(ShardloadError, match=r"cannot write rank-0000[01]-of-00002\.safetensors: .* \[EIO\]"):
+    written = r"(rank-0000[01]-of-00002\.safetensors|\.shardload-output)"
+    with pytest.raises(ShardloadError, match=rf"cannot write {written}: .* \[EIO\]"):
         shardload.convert(example_dir, 2, tmp_path / "out", fsync=True)
     monkeypatch.undo()
     assert list(tmp_path.iterdir()) == []
@@ -240,7 +241,8 @@ def test_fsync_policy(example_dir: Path, tmp_path: Path, fsync_calls: list[int])
     args = ["convert", str(example_dir), "-n", "4", "-o", str(out), "-q", "--overwrite"]
     assert runner.invoke(main, args).exit_code == 0
     files = len(json.loads((out / "shard_manifest.json").read_text())["files"])
-    assert len(synced) == files + 1 + 2  # every file, then the new directory before and the parent after the rename
+    # every file (the output marker among them), the manifest, the new directory, the parent
+    assert len(synced) == files + 1 + 2
     synced.clear()
     assert runner.invoke(main, [*args, "--no-fsync"]).exit_code == 0
     assert synced == []
@@ -287,7 +289,8 @@ def test_output_left_aside_by_a_killed_overwrite_is_only_replaced_durably(
     synced.clear()  # only the second convert counts
     shardload.convert(example_dir, 2, out)
     files = len(json.loads((out / "shard_manifest.json").read_text())["files"])
-    assert len(synced) == files + 1 + 2  # every file and the manifest, the new directory, the parent
+    # every file (the output marker among them), the manifest, the new directory, the parent
+    assert len(synced) == files + 1 + 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and shardload.verify_dir(out).ok
 
 
@@ -298,7 +301,7 @@ def test_output_that_appears_while_converting_is_not_replaced(example_dir: Path,
         out.mkdir(exist_ok=True)
         (out / "mine.txt").write_text("keep")
 
-    with pytest.raises(ShardloadError, match="appeared while converting; nothing was replaced"):
+    with pytest.raises(ShardloadError, match="appeared while writing; nothing was replaced"):
         shardload.convert(example_dir, 2, out, progress=appear)
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

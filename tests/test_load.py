@@ -146,9 +146,13 @@ def test_convert_refuses_existing_output_and_replaces_with_overwrite(example_dir
     (out / "keep.txt").write_text("mine")
     with pytest.raises(ShardloadError, match="output directory exists"):
         shardload.convert(example_dir, 2, out)
-    assert (out / "keep.txt").read_text() == "mine"
-    shardload.convert(example_dir, 2, out, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "shard_manifest.json").exists()
+    with pytest.raises(ShardloadError, match="is not an output of shardload"):  # a user's directory: never deleted
+        shardload.convert(example_dir, 2, out, overwrite=True)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    shardload.convert(example_dir, 2, out, overwrite=True)  # an empty directory may be replaced
+    shardload.convert(example_dir, 4, out, overwrite=True)  # and so may an earlier output
+    assert json.loads((out / "shard_manifest.json").read_text())["num_shards"] == 4
     assert [p.name for p in tmp_path.iterdir()] == ["tp2"], "no temporary directories may be left behind"
 
 

@@ -62,8 +62,8 @@ def _shards(path: str, model: Path, n: int, tmp: Path, monkeypatch: pytest.Monke
     if path == "staged_flat":  # rank tensors laid end to end in the staging buffers, not side by side
         monkeypatch.setattr(shardload.engine.transfer, "STAGE_MIN_SLICE", 1 << 40)
     if path == "convert":
-        shardload.convert(model, n, tmp / "out")
-        return [shardload.load_rank(tmp / "out", r, n) for r in range(n)]
+        shardload.convert(model, n, tmp)
+        return [shardload.load_rank(tmp, r, n) for r in range(n)]
     return run_plan(plan, range(n), ["cpu"] * n, staged=path.startswith("staged"))
 
 
@@ -81,7 +81,7 @@ def test_every_path_matches_reference(tmp_path: Path, monkeypatch: pytest.Monkey
         other = random_array(np.random.default_rng(n), (3,), dtype)
         model = write_model(tmp_path / f"{n}", {"w": x, "other": other}, info)
         want = ref.rank_slices(x, ref_steps, n)
-        got = _shards(path, model, n, tmp_path / f"{n}", monkeypatch)
+        got = _shards(path, model, n, tmp_path / f"out{n}", monkeypatch)
         for r in range(n):
             assert got[r]["w"].is_contiguous()
             np.testing.assert_array_equal(got[r]["w"].numpy(), want[r], err_msg=f"{name} n={n} rank {r}")
@@ -94,7 +94,7 @@ def test_example_model_every_path(
     example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
     want = shardload.load(example_dir, 4, devices=["cpu"] * 4)
-    got = _shards(path, example_dir, 4, tmp_path, monkeypatch)
+    got = _shards(path, example_dir, 4, tmp_path / "out", monkeypatch)
     for r in range(4):
         assert got[r].keys() == want[r].keys()
         for k in want[r]:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
-from ..errors import ShardloadError
+from ..engine.output import Staging, check_output, write_error
 
 EXAMPLE_CONFIG: dict[str, Any] = {
     "architectures": ["Phi3ForCausalLM"],
@@ -106,15 +105,21 @@ def write_example(
 
     With ``multi_file`` the weights are split over two files with a ``model.safetensors.index.json``.
     """
+    out = Path(out_dir)
+    check_output(out, [], overwrite=overwrite)
+    tensors = example_tensors(seed=seed)
+    try:
+        with Staging(out, None, synced=False, overwrite=overwrite) as staging:
+            _write_files(staging.dir, tensors, multi_file)
+            staging.publish()
+    except OSError as err:
+        raise write_error(err, out) from None
+    return out
+
+
+def _write_files(out: Path, tensors: dict[str, Any], multi_file: bool) -> None:
     from safetensors.numpy import save_file
 
-    out = Path(out_dir)
-    if out.exists():
-        if not overwrite:
-            raise ShardloadError("exists (pass --overwrite to replace it)", file=str(out))
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    tensors = example_tensors(seed=seed)
     (out / "config.json").write_text(json.dumps(EXAMPLE_CONFIG, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"max_new_tokens": 32}, indent=2) + "\n")
     (out / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}, indent=2) + "\n")
@@ -122,7 +127,7 @@ def write_example(
     meta = {"format": "pt"}
     if not multi_file:
         save_file(tensors, str(out / "model.safetensors"), metadata=meta)
-        return out
+        return
     names = list(tensors)
     halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
     weight_map = {}
@@ -131,4 +136,3 @@ def write_example(
         weight_map.update(dict.fromkeys(part, file_name))
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return out

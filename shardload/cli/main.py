@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,11 +30,31 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: unwinds like Ctrl-C, so every partial output is removed on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_STOP_SIGNALS = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise _Terminated(signum)
+
+
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn shardload and OS errors into a one-line message and exit 1."""
+    """Turn shardload and OS errors into a one-line message and exit 1; SIGINT, SIGTERM and SIGHUP (Kubernetes,
+    Slurm and ``timeout`` stop a job with SIGTERM) clean up and exit 128 + the signal number."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in _STOP_SIGNALS:
+                previous[signum] = signal.signal(signum, _terminate)
         try:
             return fn(*args, **kwargs)
         except ShardloadError as err:
@@ -43,6 +65,12 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        except _Terminated as err:
+            click.echo(f"terminated by {signal.Signals(err.signum).name}", err=True)
+            sys.exit(128 + err.signum)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
     return wrapper
 
@@ -369,19 +397,24 @@ def inspect(
 
 @main.command()
 @click.argument("out_dir", metavar="OUT", type=click.Path(path_type=Path))
+@click.option(
+    "--source", "source", type=click.Path(path_type=Path), metavar="MODEL",
+    help="Also compare every rank with the same rank loaded from MODEL (the checkpoint OUT was made from).",
+)  # fmt: skip
 @_guarded
-def verify(out_dir: Path) -> None:
+def verify(out_dir: Path, source: Path | None) -> None:
     """Recompute every file's sha256 in converted directory OUT against its manifest; list each mismatch."""
-    from ..engine.verify import verify_dir
+    from ..engine.audit import verify_dir
     from .report import human_bytes
 
-    report = verify_dir(out_dir)
+    report = verify_dir(out_dir, source=source)
     for problem in report.problems:
         click.echo(problem.message)
     if not report.ok:
         click.echo(f"{out_dir}: {len(report.problems)} problem(s) in {report.files} listed files", err=True)
         sys.exit(1)
+    against = f"; every rank equals {source}'s" if source is not None else ""
     click.echo(
         f"{out_dir}: {report.files} files ({human_bytes(report.nbytes)}) match shard_manifest.json "
-        f"(num_shards={report.num_shards})"
+        f"(num_shards={report.num_shards}){against}"
     )

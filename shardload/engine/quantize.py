@@ -13,19 +13,25 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ShardloadError
+from ..errors import CheckpointError, ShardloadError
 from ..format.shard_info import ShardInfo
 from ..models.placement import Header
 from ..models.quant_plan import quantized_shard_info
-from ..sources.checkpoint import INDEX_NAME, MANIFEST_NAME, SHARD_INFO_NAME, open_checkpoint, read_config
+from ..sources.checkpoint import SHARD_INFO_NAME, open_checkpoint, read_config
 from ..sources.reader import Reader
-from .writer import fsync_dir, fsync_tree
+from .output import (
+    Staging,
+    check_output,
+    check_sources_unchanged,
+    copy_companions,
+    source_paths,
+    stamp_sources,
+    write_error,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +64,6 @@ DEFAULT_IGNORE = ("lm_head", "embed", "norm", "wte", "wpe")
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 FP8_MAX = 448.0
-TMP_MARKER = ".shardload-tmp-"
 
 
 @dataclass
@@ -86,8 +91,9 @@ def quantize(
 
     Every 2-d floating ``*.weight`` whose module is not in ``ignore`` and whose input dim fits the
     scheme is quantized; other tensors are copied. ``shard_info`` (default ``MODEL/shard_info.json``)
-    is carried over to the quantized tensors. Written to a temporary directory, then renamed; when it
-    replaces an existing ``out_dir`` (``overwrite``) it is fsynced first, as :func:`convert` does.
+    is carried over to the quantized tensors. Written like :func:`convert` writes: into a locked temporary
+    directory beside ``out_dir``, then renamed; ``overwrite`` replaces only an empty directory or an earlier
+    output of shardload, fsynced first; the source's companion files (config, tokenizer) are copied.
 
     Example::
 
@@ -101,25 +107,24 @@ def quantize(
     checkpoint = open_checkpoint(model)
     if checkpoint.kind != "safetensors":
         raise ShardloadError(f"quantize reads a safetensors model, this is a {checkpoint.kind} one", file=str(model))
-    if out.resolve() == checkpoint.root.resolve():
-        raise ShardloadError("output directory is the model directory", file=str(out))
-    if (out.exists() or out.is_symlink()) and not overwrite:
-        raise ShardloadError("output directory exists (pass --overwrite / overwrite=True to replace it)", file=str(out))
+    stamps = stamp_sources(checkpoint.files)
     info = _source_shard_info(checkpoint.root, shard_info)
+    sources = source_paths(checkpoint.root, checkpoint.files)
+    if info is not None and Path(info.source).exists():
+        sources.append(Path(info.source))
+    check_output(out, sources, overwrite=overwrite)
     config = _read_config(checkpoint.root)
     result = QuantizeResult(out, spec)
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
     try:
-        with Reader() as files:
+        with Staging(out, None, synced=False, overwrite=overwrite) as staging, Reader() as files:
+            tmp = staging.dir
             tensors: dict[str, torch.Tensor] = {}
             for name, t in checkpoint.tensors.items():
                 reason = _skip_reason(name, t.shape, t.dtype, spec, ignore)
                 if reason is None:
                     module = name.removesuffix(".weight")
                     for suffix, q in quantize_weight(files.tensor(t), spec).items():
+                        _check_free(f"{module}.{suffix}", name, checkpoint.tensors, checkpoint.name)
                         tensors[f"{module}.{suffix}"] = q
                     result.quantized.append(module)
                     continue
@@ -129,7 +134,7 @@ def quantize(
             _save(tensors, tmp / "model.safetensors")
             qconfig = quantization_config(spec, sorted(result.skipped))
             (tmp / "config.json").write_text(json.dumps({**config, "quantization_config": qconfig}, indent=2) + "\n")
-            _copy_other_files(checkpoint.root, tmp, {Path(info.source).resolve()} if info else set())
+            copy_companions(checkpoint.root, tmp, {"config.json", SHARD_INFO_NAME}, durable=False)
             if info is not None:
                 shapes = {n: Header(tuple(v.shape), str(v.dtype).removeprefix("torch.")) for n, v in tensors.items()}
                 dense = {k: [s.to_json() for s in v] for k, v in info.params.items()}
@@ -138,10 +143,10 @@ def quantize(
                 (tmp / SHARD_INFO_NAME).write_text(json.dumps(doc, indent=2) + "\n")
                 result.shard_info = True
             del tensors
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            check_sources_unchanged(stamps)
+            staging.publish()
+    except OSError as err:
+        raise write_error(err, out) from None
     if info is not None:  # checked where it was published: a temporary directory is never opened as a model
         from ..planning.validate import validate_file
 
@@ -263,29 +268,12 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
 
 
-def _copy_other_files(root: Path, dst: Path, skip: set[Path]) -> None:
-    """Copy tokenizer and other top-level files; weights, config.json and shard_info are written anew."""
-    written = {"config.json", SHARD_INFO_NAME, INDEX_NAME, MANIFEST_NAME}
-    for entry in sorted(root.iterdir()):
-        if entry.name.startswith(".") or not entry.is_file() or entry.resolve() in skip or entry.name in written:
-            continue
-        if entry.name.endswith((".safetensors", ".gguf")):
-            continue
-        shutil.copyfile(entry, dst / entry.name)
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Move the finished temporary directory into place, replacing an old ``out`` last (after flushing the new
-    one to stable storage, as :func:`shardload.convert` does, so a power loss cannot cost both)."""
-    if out.exists() or out.is_symlink():
-        fsync_tree(tmp)
-        trash = out.parent / f".{out.name}{TMP_MARKER}old-{secrets.token_hex(4)}"
-        os.replace(out, trash)
-        os.replace(tmp, out)
-        if trash.is_dir() and not trash.is_symlink():
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            trash.unlink()
-        fsync_dir(out.parent)
-    else:
-        os.replace(tmp, out)
+def _check_free(name: str, origin: str, stored: dict[str, Any], file: str) -> None:
+    """Refuse a computed tensor whose name a stored tensor already has (a stray ``*.weight_scale``): one would
+    silently replace the other."""
+    if name != origin and name in stored:
+        raise CheckpointError(
+            f"stored tensor {name!r} has the name quantize gives to a tensor it computes from {origin!r}; "
+            "remove or rename the stored one",
+            file=file,
+        )

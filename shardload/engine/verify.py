@@ -1,7 +1,7 @@
 """Integrity of converted directories: each file's size and sha256 against ``shard_manifest.json``.
 
-``verify_dir`` checks a whole directory and lists every mismatch (``shardload verify OUT``);
-``rank_file`` is the per-rank check ``load_rank`` runs before it reads a rank file.
+``rank_file`` is the per-rank check ``load_rank`` runs before it reads a rank file; ``check_entry`` checks one
+listed file. :mod:`shardload.engine.audit` checks a whole directory with them (``shardload verify OUT``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from ..sources.checkpoint import (
     RANK_FILE_RE,
     Checkpoint,
     manifest_stages,
-    open_checkpoint,
     rank_file_name,
     read_header_and_metadata,
     resolve_inside,
@@ -27,7 +26,7 @@ from ..sources.checkpoint import (
 if TYPE_CHECKING:
     from ..planning.mesh import Mesh
 
-__all__ = ["VerifyReport", "rank_file", "sha256_file", "verify_dir"]
+__all__ = ["VerifyReport", "check_entry", "rank_file", "sha256_file"]
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
@@ -41,7 +40,7 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
 
 @dataclass
 class VerifyReport:
-    """What :func:`verify_dir` checked, and every problem it found (empty when the directory is intact)."""
+    """What :func:`shardload.verify_dir` checked, and every problem it found (empty when the directory is intact)."""
 
     path: Path
     num_shards: int
@@ -54,7 +53,7 @@ class VerifyReport:
         return not self.problems
 
 
-def _check_entry(root: Path, entry: dict[str, Any], checksum: bool) -> tuple[Path, CheckpointError | None]:
+def check_entry(root: Path, entry: dict[str, Any], checksum: bool) -> tuple[Path, CheckpointError | None]:
     """Check one manifest entry's file: present, inside the directory, right size, a rank file's header
     written for its rank, and the sha256 when ``checksum``."""
     name = entry["path"]
@@ -127,34 +126,7 @@ def rank_file(checkpoint: Checkpoint, rank: int, layout: Mesh, *, stage: int = 0
         raise CheckpointError(f"rank {rank} is out of range for num_shards={num_shards}", file=where)
     name = rank_file_name(rank, num_shards, stage, stages)
     entry = next(f for f in manifest["files"] if f["path"] == name)  # check_manifest: every rank is listed
-    path, problem = _check_entry(checkpoint.root, entry, checksum)
+    path, problem = check_entry(checkpoint.root, entry, checksum)
     if problem is not None:
         raise problem
     return path
-
-
-def verify_dir(path: str | os.PathLike[str]) -> VerifyReport:
-    """Recompute every file's sha256 in a converted directory against its manifest; list each mismatch.
-
-    Example::
-
-        report = shardload.verify_dir("llama-tp8")
-        for problem in report.problems:
-            print(problem)
-    """
-    checkpoint = open_checkpoint(path)
-    if checkpoint.kind != "converted" or checkpoint.manifest is None:
-        raise CheckpointError(f"not a converted directory (no {MANIFEST_NAME})", file=str(path))
-    manifest = checkpoint.manifest
-    report = VerifyReport(checkpoint.root, manifest["num_shards"])
-    for entry in manifest["files"]:
-        _, problem = _check_entry(checkpoint.root, entry, checksum=True)
-        report.files += 1
-        report.nbytes += entry["size"]
-        if problem is not None:
-            report.problems.append(problem)
-    listed = {entry["path"] for entry in manifest["files"]}
-    for extra in sorted(checkpoint.root.iterdir()):
-        if extra.name.endswith(".safetensors") and extra.name not in listed:
-            report.problems.append(CheckpointError("is not listed in the manifest", file=str(extra)))
-    return report

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..errors import FormatError
 from . import strictjson
+from .smallfile import read_small
 
 FORMAT_VERSION = 1
 MAX_FILE_BYTES = 64 << 20
@@ -68,13 +69,7 @@ class ShardInfo:
         """Read and check a shard_info.json file (either form)."""
         path = Path(path)
         name = str(path)
-        try:
-            size = path.stat().st_size
-            if size > MAX_FILE_BYTES:
-                raise FormatError(f"file is {size} bytes, over the {MAX_FILE_BYTES} byte limit", file=name)
-            raw = path.read_bytes()
-        except OSError as err:
-            raise FormatError(f"cannot read: {err.strerror or err}", file=name) from None
+        raw = read_small(path, MAX_FILE_BYTES, "shard_info", FormatError)
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as err:

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..format import strictjson
+from ..format.smallfile import read_small
 from .dtypes import DTYPES, FROM_SAFETENSORS
 from .formats import format_for_dir, format_for_file
 
@@ -28,6 +29,8 @@ MANIFEST_FORMAT = "shardload.converted"
 MANIFEST_VERSION = 1
 MAX_HEADER_BYTES = 100 << 20
 """Cap on a safetensors header and on index/manifest JSON files (real headers are a few MB at most)."""
+MAX_CONFIG_BYTES = 16 << 20
+"""Cap on config.json (real ones are a few KB; a multimodal one with a vocabulary inside, a few MB)."""
 TMP_MARKER = ".shardload-tmp-"
 """Part of the name of every temporary entry ``convert`` makes; such a path is never read as a model."""
 RANK_FILE_RE = re.compile(r"(?:pp-(\d{5,})-of-(\d{5,})-)?rank-(\d{5,})-of-(\d{5,})\.safetensors")
@@ -126,16 +129,11 @@ class Checkpoint:
 def read_config(root: str | os.PathLike[str], *, missing_ok: bool = False) -> dict[str, Any]:
     """A model directory's ``config.json`` as a JSON object (``{}`` when absent and ``missing_ok``)."""
     path = Path(root) / CONFIG_NAME
-    try:
-        config = strictjson.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if not (path.exists() or path.is_symlink()):
         if missing_ok:
             return {}
-        raise CheckpointError(f"no {CONFIG_NAME} here (a plan reads the model's config)", file=str(root)) from None
-    except OSError as err:
-        raise CheckpointError(f"cannot read: {err.strerror or err}", file=str(path)) from None
-    except (ValueError, RecursionError) as err:
-        raise CheckpointError(f"not valid JSON: {err}", file=str(path)) from None
+        raise CheckpointError(f"no {CONFIG_NAME} here (a plan reads the model's config)", file=str(root))
+    config = read_json(resolve_inside(Path(root), CONFIG_NAME, path), "config", MAX_CONFIG_BYTES)
     if not isinstance(config, dict):
         raise CheckpointError("top level must be a JSON object", file=str(path))
     return config
@@ -304,14 +302,10 @@ def _short_repr(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def read_json(path: Path, what: str) -> Any:
-    """A JSON file of a checkpoint (index, manifest, cache table): size-capped, UTF-8, no duplicate keys."""
-    try:
-        if path.stat().st_size > MAX_HEADER_BYTES:
-            raise CheckpointError(f"{what} file is larger than {MAX_HEADER_BYTES} bytes", file=str(path))
-        raw = path.read_bytes()
-    except OSError as err:
-        raise CheckpointError(f"cannot read {what}: {err.strerror or err}", file=str(path)) from None
+def read_json(path: Path, what: str, limit: int = MAX_HEADER_BYTES) -> Any:
+    """A JSON file of a checkpoint (config, index, manifest, cache table): a regular file, size-capped, UTF-8, no
+    duplicate keys."""
+    raw = read_small(path, limit, what, CheckpointError)
     try:
         return strictjson.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:

@@ -1,0 +1,280 @@
+"""Every command that writes (convert, quantize, example) goes through one guard: OUT never destroys a user's
+files or a source, never leaks files from outside the model directory, is cleaned up after failures, signals
+and killed runs, and is never published from a source that changed while it was read."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import shardload
+from shardload.cli.example import write_example
+from shardload.cli.main import main
+from shardload.engine import quantize as quantize_module
+from shardload.errors import CheckpointError, FormatError, ShardloadError
+from shardload.sources.checkpoint import read_config
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file under ``root`` (links as their targets) with its sha256: to show nothing was touched."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_symlink():
+            out[str(p.relative_to(root))] = "-> " + os.readlink(p)
+        elif p.is_file():
+            out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def run(*args: str) -> tuple[int, str]:
+    """Run the CLI; the exit code and stderr (which must be one line when the command fails)."""
+    result = CliRunner().invoke(main, list(args))
+    assert "Traceback" not in result.output, result.output
+    if result.exit_code:
+        assert len(result.stderr.splitlines()) == 1, result.stderr
+    return result.exit_code, result.stderr
+
+
+WRITERS: dict[str, Callable[[Path, Path], list[str]]] = {
+    "convert": lambda model, out: ["convert", str(model), "-n", "2", "-o", str(out), "-q"],
+    "quantize": lambda model, out: ["quantize", str(model), "-o", str(out), "--scheme", "int8"],
+    "example": lambda model, out: ["example", str(out)],
+}
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    return write_example(tmp_path / "models" / "m")
+
+
+@pytest.mark.parametrize("command", list(WRITERS))
+def test_overwrite_replaces_only_empty_dirs_and_earlier_outputs(command: str, model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    argv = WRITERS[command](model, out)
+    code, err = run(*argv)
+    assert code == 1 and "output directory exists" in err
+    code, err = run(*argv, "--overwrite")
+    assert code == 1 and "is not an output of shardload" in err and "nothing here was deleted" in err
+    assert snapshot(out) == {"notes.txt": hashlib.sha256(b"mine").hexdigest()}
+    (out / "notes.txt").unlink()
+    assert run(*argv, "--overwrite")[0] == 0  # an empty directory
+    first = snapshot(out)
+    assert ".shardload-output" in first
+    assert run(*argv, "--overwrite")[0] == 0  # an earlier output of the same command
+    for other in WRITERS:  # and one of any other command
+        assert run(*WRITERS[other](model, out), "--overwrite")[0] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models", "out"], "no temporary entries left"
+    (tmp_path / "file").write_text("x")
+    code, err = run(*WRITERS[command](model, tmp_path / "file"), "--overwrite")
+    assert code == 1 and "is not a directory shardload wrote" in err and (tmp_path / "file").read_text() == "x"
+
+
+@pytest.mark.parametrize("command", ["convert", "quantize"])
+def test_out_may_not_touch_a_source(command: str, model: Path, tmp_path: Path) -> None:
+    before = snapshot(tmp_path / "models")
+    link = tmp_path / "link"
+    link.symlink_to(model, target_is_directory=True)
+    cases = {
+        model: "is the source",
+        model.parent: "contains the source",
+        tmp_path: "contains the source",
+        model / "sub" / "out": "lies inside the source directory",
+        link: "is the source",
+    }
+    if command == "convert":
+        cases[model / "model.safetensors"] = "is the source"  # a single-file input's own file
+    for out, reason in cases.items():
+        for extra in ([], ["--overwrite"]):
+            code, err = run(*WRITERS[command](model, out), *extra)
+            assert code == 1 and reason in err, (out, err)
+    assert snapshot(tmp_path / "models") == before
+    code, err = run("convert", str(model / "model.safetensors"), "-n", "2", "-o", str(model / "model.safetensors"))
+    assert code == 1 and "is the source" in err and snapshot(tmp_path / "models") == before
+
+
+def _hf_cache(tmp_path: Path, model: Path) -> Path:
+    """A Hugging Face hub cache layout: snapshots/REV/* are links into blobs/."""
+    repo = tmp_path / "hub" / "models--org--m"
+    blobs, snap = repo / "blobs", repo / "snapshots" / "abc123"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in model.iterdir():
+        if f.is_file() and not f.name.startswith("."):
+            digest = hashlib.sha256(f.read_bytes()).hexdigest()
+            (blobs / digest).write_bytes(f.read_bytes())
+            (snap / f.name).symlink_to(Path("../../blobs") / digest)
+    return snap
+
+
+def test_out_may_not_hold_a_hugging_face_cache_blob(model: Path, tmp_path: Path) -> None:
+    snap = _hf_cache(tmp_path, model)
+    before = snapshot(tmp_path / "hub")
+    repo = snap.parent.parent
+    for out in (repo / "blobs", repo, tmp_path / "hub"):
+        for command in ("convert", "quantize"):
+            code, err = run(*WRITERS[command](snap, out), "--overwrite")
+            assert code == 1 and "contains the source" in err, (command, out, err)
+    assert snapshot(tmp_path / "hub") == before
+    assert run(*WRITERS["convert"](snap, tmp_path / "ok"))[0] == 0  # loading from the cache still works
+    assert shardload.verify_dir(tmp_path / "ok", source=snap).ok
+
+
+def test_only_companion_files_travel(model: Path, tmp_path: Path) -> None:
+    companions = ["README.md", "LICENSE", "tokenizer.json", "chat_template.jinja", "qwen.tiktoken"]
+    strangers = ["pytorch_model.bin", "model.pt", "flax_model.msgpack", "tf_model.h5", "notes.txt", "secrets.env"]
+    for name in companions + strangers:
+        (model / name).write_text(name)
+    shardload.convert(model, 2, tmp_path / "c")
+    shardload.quantize(model, tmp_path / "q", "int8")
+    for out in (tmp_path / "c", tmp_path / "q"):
+        names = {p.name for p in out.iterdir()}
+        assert set(companions) <= names and not set(strangers) & names, names
+        assert all((out / n).read_text() == n for n in companions)
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "w.safetensors").write_bytes((model / "model.safetensors").read_bytes())
+    (single / "diary.txt").write_text("private")
+    shardload.convert(single / "w.safetensors", 1, tmp_path / "s", shard_info=model / "shard_info.json")
+    assert "diary.txt" not in {p.name for p in (tmp_path / "s").iterdir()}
+
+
+@pytest.mark.parametrize("command", ["convert", "quantize"])
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json"])
+def test_no_link_out_of_the_model_directory_is_read(command: str, name: str, model: Path, tmp_path: Path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_text('{"token": "hunter2"}')
+    (model / name).unlink(missing_ok=True)
+    (model / name).symlink_to(secret)
+    code, err = run(*WRITERS[command](model, tmp_path / "out"))
+    assert code == 1 and "resolves outside the model directory" in err and name in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["convert", "quantize"])
+def test_a_fifo_companion_is_refused_not_waited_on(command: str, model: Path, tmp_path: Path) -> None:
+    os.mkfifo(model / "tokenizer.json")
+    code, err = run(*WRITERS[command](model, tmp_path / "out"))
+    assert code == 1 and "is not a regular file" in err and not (tmp_path / "out").exists()
+
+
+def test_small_json_files_are_regular_and_capped(model: Path, tmp_path: Path) -> None:
+    (model / "config.json").unlink()
+    os.mkfifo(model / "config.json")
+    with pytest.raises(CheckpointError, match=r"config\.json: .*not a regular file"):
+        read_config(model)
+    (model / "config.json").unlink()
+    with open(model / "config.json", "wb") as fh:
+        fh.truncate(17 << 20)
+    with pytest.raises(CheckpointError, match="over the 16777216 byte limit"):
+        read_config(model)
+    os.mkfifo(tmp_path / "shard_info.json")
+    with pytest.raises(FormatError, match="shard_info is not a regular file"):
+        shardload.ShardInfo.load(tmp_path / "shard_info.json")
+
+
+def test_quantize_refuses_a_stored_tensor_with_a_computed_name(tmp_path: Path) -> None:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    model = tmp_path / "m"
+    model.mkdir()
+    w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float16)
+    save_file({"a.weight": w, "a.weight_scale": np.ones((64, 1), np.float16)}, str(model / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"stored tensor 'a\.weight_scale' has the name quantize gives"):
+        shardload.quantize(model, tmp_path / "q", "int8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_quantize_shares_converts_staging(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    for token in ("111-dead", "222-dead"):  # leftovers of killed runs of either command
+        (tmp_path / f".out.shardload-tmp-{token}").mkdir()
+        (tmp_path / f".out.shardload-tmp-{token}.lock").touch()
+    shardload.quantize(model, out, "int8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models", "out"]
+    live = tmp_path / ".out.shardload-tmp-333-live.lock"
+    fd = os.open(live, os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        for write in (lambda: shardload.quantize(model, out, "int8", overwrite=True),
+                      lambda: shardload.convert(model, 2, out, overwrite=True)):  # fmt: skip
+            with pytest.raises(ShardloadError, match=r"another shardload run \(pid 333\) is writing this output"):
+                write()
+    finally:
+        os.close(fd)
+        live.unlink()
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out / "model.safetensors"))
+
+    monkeypatch.setattr(quantize_module, "_save", full)
+    before = snapshot(out)
+    code, err = run(*WRITERS["quantize"](model, out), "--overwrite")
+    assert code == 1 and "cannot write model.safetensors: No space left on device [ENOSPC]" in err
+    assert snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["models", "out"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("command", ["convert", "quantize"])
+def test_sigterm_and_sighup_clean_up(
+    command: str, signum: int, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = []
+    real = quantize_module.quantize_weight if command == "quantize" else shardload.engine.convert.write_rank_files
+
+    def hit(*args: object, **kwargs: object) -> object:
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))
+        os.kill(os.getpid(), signum)  # delivered to this (main) thread before the next bytecode
+        return real(*args, **kwargs)
+
+    if command == "quantize":
+        monkeypatch.setattr(quantize_module, "quantize_weight", hit)
+    else:
+        monkeypatch.setattr(shardload.engine.convert, "write_rank_files", hit)
+    before = signal.getsignal(signum)
+    result = CliRunner().invoke(main, WRITERS[command](model, tmp_path / "out"))
+    assert result.exit_code == 128 + signum and result.stderr == f"terminated by {signal.Signals(signum).name}\n"
+    assert any(n.startswith(".out.shardload-tmp-") for n in seen[0]), "the signal came mid-write"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models"]
+    assert signal.getsignal(signum) == before, "the previous handler is restored"
+
+
+def test_a_source_that_changes_while_read_is_not_published(model: Path, tmp_path: Path) -> None:
+    weights = model / "model.safetensors"
+
+    def touch(done: int, name: str) -> None:
+        os.utime(weights, ns=(1, 1))
+
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: source file changed while it was read"):
+        shardload.convert(model, 2, tmp_path / "out", progress=touch)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models"]
+
+
+def test_verify_against_the_source(model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    shardload.convert(model, 4, out)
+    code = CliRunner().invoke(main, ["verify", str(out), "--source", str(model)])
+    assert code.exit_code == 0 and "every rank equals" in code.output
+    weights = model / "model.safetensors"
+    header = 8 + int.from_bytes(weights.read_bytes()[:8], "little")
+    with open(weights, "r+b") as fh:  # change one byte of the first tensor, in place
+        fh.seek(header)
+        byte = fh.read(1)
+        fh.seek(header)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    result = CliRunner().invoke(main, ["verify", str(out), "--source", str(model)])
+    assert result.exit_code == 1 and "differs from the source's bytes" in result.output
+    report = shardload.verify_dir(out, source=model)
+    assert not report.ok and shardload.verify_dir(out).ok  # the output itself is intact
+    json.dumps([p.message for p in report.problems])
