@@ -6,6 +6,26 @@ reason, so a CLI can print it as a single line: ``file: param: step K (func): re
 
 from __future__ import annotations
 
+import unicodedata
+
+_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print on one terminal line: control characters (newlines, escapes), bidirectional
+    overrides and other format characters are written as ``\\xNN`` / ``\\uNNNN``, so a name taken from a file
+    cannot forge an output line, move the cursor or reorder what is shown."""
+    if text.isprintable() and not (_BIDI & set(text)):
+        return text
+    out = []
+    for ch in text:
+        if ch.isprintable() and ch not in _BIDI and unicodedata.category(ch) != "Cf":
+            out.append(ch)
+        else:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+    return "".join(out)
+
 
 class ShardloadError(Exception):
     """Base error: a bad shard_info, a bad checkpoint, or a plan that cannot work."""
@@ -37,7 +57,7 @@ class ShardloadError(Exception):
         if self.step is not None:
             parts.append(f"step {self.step} ({self.func})" if self.func else f"step {self.step}")
         parts.append(self.reason)
-        return ": ".join(parts)
+        return printable(": ".join(parts))
 
     def __str__(self) -> str:
         return self.message

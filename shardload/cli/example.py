@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.output import Staging, check_output, write_error
+from ..sources.checkpoint import as_path
 
 EXAMPLE_CONFIG: dict[str, Any] = {
     "architectures": ["Phi3ForCausalLM"],
@@ -105,7 +106,7 @@ def write_example(
 
     With ``multi_file`` the weights are split over two files with a ``model.safetensors.index.json``.
     """
-    out = Path(out_dir)
+    out = as_path(out_dir, "out_dir")
     check_output(out, [], overwrite=overwrite)
     tensors = example_tensors(seed=seed)
     try:

@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from ..engine.quantize import SCHEMES as QUANT_SCHEMES
-from ..errors import ShardloadError
+from ..errors import ShardloadError, printable
 from ..version import __version__
 
 DEFAULT_CHECK_NS = (1, 2, 4, 8)
@@ -73,6 +73,26 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
                 signal.signal(signum, handler)
 
     return wrapper
+
+
+SUMMARY_AFTER = 3
+"""``validate`` prints a reason seen for many parameters this many times, then one line counting the rest."""
+
+
+def summarised(problems: list[dict[str, Any]]) -> list[str]:
+    """Problem lines, each reason printed for at most :data:`SUMMARY_AFTER` parameters, then counted."""
+    seen: dict[str, int] = {}
+    lines = []
+    for problem in problems:
+        key = f"{problem.get('step')}|{problem.get('function')}|{problem['reason']}|{problem.get('num_shards')}"
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] <= SUMMARY_AFTER:
+            lines.append(problem["message"])
+    for key, count in seen.items():
+        if count > SUMMARY_AFTER:
+            reason = key.split("|", 3)[2]
+            lines.append(f"... and {count - SUMMARY_AFTER} more parameters with the same problem ({reason})")
+    return lines
 
 
 def _mesh_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -297,9 +317,14 @@ def validate(
     if layout is not None and (list_valid_n or (num_shards and set(num_shards) != {layout.tp})):
         raise click.UsageError(f"--mesh fixes N to its tp={layout.tp}: drop --num-shards / --list-valid-n")
     ns = list(num_shards) or (list(range(1, MAX_LISTED_N + 1)) if list_valid_n else None)
+    if not (shard_info_path.exists() or shard_info_path.is_symlink()) or shard_info_path.is_dir():
+        what = "is a directory: give the shard_info.json file" if shard_info_path.is_dir() else "no such file"
+        click.echo(f"error: {shard_info_path}: {what} (and the model with --model)", err=True)
+        sys.exit(2)
     report = validate_file(shard_info_path, model, ns, mesh=layout)
+    ok = bool(report["valid_for"]) if list_valid_n else report["valid"]
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        click.echo(json.dumps({**report, "verdict": "pass" if ok else "fail"}, indent=2))
     elif list_valid_n:
         for problem in report["problems"]:
             if "num_shards" not in problem:  # the file itself is bad: no N was planned
@@ -312,13 +337,12 @@ def validate(
         valid = ", ".join(str(n) for n in report["valid_for"]) or "none"
         click.echo(f"{shard_info_path}: valid for num_shards {valid}")
     else:
-        for problem in report["problems"]:
-            click.echo(problem["message"], err=False)
+        for line in summarised(report["problems"]):
+            click.echo(line)
         if report["valid"]:
             checked = ", ".join(str(n) for n in report["num_shards_checked"])
             what = f"mesh {layout}" if layout is not None else f"num_shards {checked}"
             click.echo(f"{shard_info_path}: valid for {what}")
-    ok = bool(report["valid_for"]) if list_valid_n else report["valid"]
     sys.exit(0 if ok else 1)
 
 
@@ -339,7 +363,7 @@ def quantize(model: Path, out_dir: Path, scheme: str, shard_info: Path | None, o
     fmt = result.scheme.format
     click.echo(f"quantized {len(result.quantized)} weights to {scheme} (compressed-tensors {fmt}) in {result.out_dir}")
     for name, reason in result.skipped.items():
-        click.echo(f"  kept {name}: {reason}")
+        click.echo(printable(f"  kept {name}: {reason}"))
     if not result.shard_info:
         click.echo(f"no shard_info.json in the source: wrote none (shardload plan {result.out_dir} makes one)")
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..errors import printable
 from ..planning.plan import ModelPlan
 
 if TYPE_CHECKING:
@@ -72,8 +73,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: S
 def inspect_text(plan: ModelPlan) -> str:
     """The full ``shardload inspect`` output: parameter table, then totals."""
     rows = [
-        (r["parameter"], _shape(r["stored_shape"]), r["dtype"], r["steps"], _shape(r["rank_shape"]),
-         human_bytes(r["rank_bytes"]), r["reads"])
+        (printable(r["parameter"]), _shape(r["stored_shape"]), r["dtype"], printable(r["steps"]),
+         _shape(r["rank_shape"]), human_bytes(r["rank_bytes"]), r["reads"])
         for r in inspect_rows(plan)
     ]  # fmt: skip
     table = format_table(

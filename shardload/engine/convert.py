@@ -26,6 +26,7 @@ from ..sources.checkpoint import (
     MANIFEST_NAME,
     MANIFEST_VERSION,
     SHARD_INFO_NAME,
+    as_path,
     open_checkpoint,
     rank_file_name,
 )
@@ -90,7 +91,7 @@ def convert(
         shardload.convert("llama-dir", 8, "llama-tp8")
         state = shardload.load_rank("llama-tp8", rank=0, num_shards=8)
     """
-    out = Path(out_dir)
+    out = as_path(out_dir, "out_dir")
     checkpoint = open_checkpoint(model)
     stamps = stamp_sources(checkpoint.files)
     if checkpoint.kind == "converted":

@@ -17,6 +17,7 @@ from ..planning.mesh import Mesh, MeshCoord, as_mesh, stage_plans
 from ..planning.plan import ModelPlan, ParamPlan, build_plan, resolve_shard_info
 from ..sources.checkpoint import open_checkpoint, read_header
 from ..sources.reader import Reader
+from .devices import resolve_device
 from .transfer import Transfer
 from .verify import rank_file
 
@@ -76,7 +77,9 @@ def load(
     """
     layout = layout_for(num_shards, mesh, len(devices) if devices is not None else None)
     world = layout.world_size
-    devices = list(devices) if devices is not None else default_devices(world)
+    if devices is not None and (isinstance(devices, (str, bytes)) or not hasattr(devices, "__len__")):
+        raise ShardloadError(f"devices must be a list of {world} devices, got {devices!r}", file=str(model))
+    devices = [resolve_device(d, str(model)) for d in devices] if devices is not None else default_devices(world)
     if len(devices) != world:
         what = f"num_shards={layout.tp}" if mesh is None else f"{world} ranks ({layout})"
         raise ShardloadError(f"got {len(devices)} devices for {what}", file=str(model))
@@ -207,6 +210,9 @@ def load_rank(
         stage = shardload.load_rank("llama-dir", rank=5, mesh="pp=2,tp=4")   # stage 1, tp rank 1
         cpu = shardload.load_rank("llama-tp8", rank=0, num_shards=8, mmap=True)  # views of rank 0's file
     """
+    device = resolve_device(device, str(model))
+    if rank is not None and type(rank) is not int:
+        raise ShardloadError(f"rank must be an int, got {rank!r}", file=str(model))
     if mesh is not None:
         layout, rank = _mesh_rank(mesh, rank, num_shards)
     else:

@@ -21,7 +21,7 @@ from ..errors import CheckpointError, ShardloadError
 from ..format.shard_info import ShardInfo
 from ..models.placement import Header
 from ..models.quant_plan import quantized_shard_info
-from ..sources.checkpoint import SHARD_INFO_NAME, open_checkpoint, read_config
+from ..sources.checkpoint import SHARD_INFO_NAME, as_path, open_checkpoint, read_config
 from ..sources.reader import Reader
 from .output import (
     Staging,
@@ -103,7 +103,7 @@ def quantize(
     if scheme not in SCHEMES:
         raise ShardloadError(f"unknown scheme {scheme!r} (choose from {', '.join(SCHEMES)})")
     spec = SCHEMES[scheme]
-    out = Path(out_dir)
+    out = as_path(out_dir, "out_dir")
     checkpoint = open_checkpoint(model)
     if checkpoint.kind != "safetensors":
         raise ShardloadError(f"quantize reads a safetensors model, this is a {checkpoint.kind} one", file=str(model))

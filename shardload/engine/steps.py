@@ -19,8 +19,8 @@ def run_steps(plan: ParamPlan, x: torch.Tensor) -> torch.Tensor:
 
     if plan.source.decode is not None:  # stored encoded (TVM f32-to-bf16): the steps see the decoded values
         x = x.to(to_torch(plan.source.decode))
-        if not plan.steps:
-            return x.unsqueeze(0).expand(plan.num_shards, *x.shape)
+    if not plan.steps:  # replicated: every rank's slice is the whole tensor (a view, not N copies)
+        return x.unsqueeze(0).expand(plan.num_shards, *x.shape)
     for step in plan.steps:
         try:
             x = _call(step, x, plan.name) if step.func.out else step.func.fn(x, *step.args)

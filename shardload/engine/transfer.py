@@ -157,9 +157,13 @@ class Transfer:
         """
         import torch
 
-        from ..planning.runs import param_runs
+        from ..planning.runs import MANY_RUNS, param_runs, run_count
 
-        if READ_STRATEGY == "read" or not plan.remap or plan.rank_nbytes == 0:
+        if not plan.remap or plan.rank_nbytes == 0 or plan.source.dtype != plan.dtype:
+            return None
+        if key not in self.spans and run_count(plan, [rank]) > MANY_RUNS:
+            self.spans[key] = ()  # too many runs to list: always copied out of the mapping
+        if READ_STRATEGY == "read" and self.spans.get(key) != ():
             return None
         if key not in self.spans:
             runs = param_runs(plan, [rank])
@@ -172,9 +176,9 @@ class Transfer:
         assert self.filemaps is not None
         if span is None:
             return None
-        starts, ends, mean_run = plan.source.offset + span[0], plan.source.offset + span[1], span[2]
         direct = device.type == "cpu" and not self.stage_cpu
-        if READ_STRATEGY == "auto":
+        if READ_STRATEGY == "auto" and span:
+            starts, ends, mean_run = plan.source.offset + span[0], plan.source.offset + span[1], span[2]
             if not direct and mean_run >= STAGED_MAP_RUN:
                 return None  # long runs reach a GPU faster by preadv into the pinned buffers than by page faults
             resident = self.filemaps.resident(plan.source.file, starts, ends)

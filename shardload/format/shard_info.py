@@ -29,6 +29,9 @@ from .smallfile import read_small
 
 FORMAT_VERSION = 1
 MAX_FILE_BYTES = 64 << 20
+MAX_RANKS = 1 << 16
+"""Cap on num_shards (in a file or asked for) and on a mesh's ranks, checked before anything loops over ranks: the
+largest deployments run a model on a few thousand GPUs."""
 DOCUMENT_KEYS = ("version", "params", "num_shards", "$schema", "description")
 
 Dim = int | str
@@ -111,7 +114,10 @@ class ShardInfo:
         if is_document:
             params = {k: [_step(s) for s in v] for k, v in obj["params"].items()}
             _check_spellings(params, source)
-            return cls(params, obj.get("num_shards"), FORMAT_VERSION, "document", source)
+            n = obj.get("num_shards")
+            if n is not None and n > MAX_RANKS:
+                raise FormatError(f"num_shards={n} is over the limit of {MAX_RANKS}", file=source)
+            return cls(params, n, FORMAT_VERSION, "document", source)
         params = {k: [_step(s) for s in v] for k, v in obj.items()}
         _check_spellings(params, source)
         return cls(params, _seed_num_shards(params, source), FORMAT_VERSION, "seed", source)
@@ -189,6 +195,8 @@ def _seed_num_shards(params: dict[str, list[StepSpec]], source: str) -> int | No
         (n1, p1), (n2, p2) = list(found.items())[:2]
         raise FormatError(f"seed form is for one num_shards, but {p1} leads with {n1} and {p2} with {n2}", file=source)
     for n, name in found.items():
+        if n > MAX_RANKS:
+            raise FormatError(f"num_shards={n} is over the limit of {MAX_RANKS}", file=source, param=name)
         if n < 1:
             raise FormatError(
                 f"the last step's output must lead with num_shards (at least 1), not {n}",

@@ -31,8 +31,8 @@ rank its slice of ``g_idx``; without it scales are split and ``g_idx`` made loca
 
 from __future__ import annotations
 
+import functools
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from math import prod
@@ -326,14 +326,32 @@ def _ct_args(prefix: str, qc: Mapping[str, Any]) -> dict[str, Any]:
     return {}
 
 
+MAX_PATTERN = 4096
+"""Cap on a ``re:`` target's length (real ones are a few dozen characters)."""
+
+
+@functools.lru_cache(maxsize=256)
+def _target_pattern(text: str) -> Any:
+    """A ``re:`` target compiled by RE2 (linear time in the name, whatever the pattern: a config file cannot make
+    matching hang), or None when RE2 refuses it (backreferences, lookaround) or it is over :data:`MAX_PATTERN`."""
+    import re2  # google-re2
+
+    if len(text) > MAX_PATTERN:
+        return None
+    options = re2.Options()
+    options.log_errors = False
+    try:
+        return re2.compile(text, options)
+    except re2.error:
+        return None
+
+
 def _target_matches(module: str, target: Any) -> bool:
     if not isinstance(target, str):
         return False
     if target.startswith("re:"):
-        try:
-            return re.match(target[3:], module) is not None
-        except re.error:
-            return False
+        pattern = _target_pattern(target[3:])
+        return pattern is not None and pattern.match(module) is not None
     if "." not in target and target[:1].isupper():  # a module class name such as "Linear"
         return True
     return module == target or module.endswith("." + target)

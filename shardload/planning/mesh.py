@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ShardloadError
+from ..format.shard_info import MAX_RANKS
 
 if TYPE_CHECKING:
     from .plan import ModelPlan
@@ -48,6 +49,8 @@ class Mesh:
             size = getattr(self, axis)
             if type(size) is not int or size < 1:
                 raise ShardloadError(f"mesh axis {axis} must be a positive integer, got {size!r}")
+        if self.dp * self.pp * self.tp > MAX_RANKS:
+            raise ShardloadError(f"mesh {self} has {self.dp * self.pp * self.tp} ranks, over the limit of {MAX_RANKS}")
         if self.pp_layers is not None and len(self.pp_layers) != self.pp:
             raise ShardloadError(f"--pp-layers gives {len(self.pp_layers)} stages but the mesh has pp={self.pp}")
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from ..errors import PlanError, ShardloadError, StepArgumentError
 from ..format import expr
-from ..format.shard_info import ShardInfo, StepSpec
-from ..sources.checkpoint import Checkpoint, TensorInfo
+from ..format.shard_info import MAX_RANKS, ShardInfo, StepSpec
+from ..sources.checkpoint import Checkpoint, TensorInfo, as_path, resolve_inside
 from ..sources.dtypes import DTYPES, itemsize
 from .registry import Box, Shape, StepFunction, lookup
 
@@ -168,6 +168,14 @@ class ModelPlan:
         return {"version": 1, "num_shards": self.num_shards, "params": params}
 
 
+MAX_HINTS = 20
+"""Unknown parameter names that get a "did you mean" hint; the rest are listed without one."""
+MAX_GROWTH = 2
+"""A rank's tensor may hold at most this many times the stored tensor's bytes (plus :data:`GROWTH_SLACK`): padding
+and replication fit, a chain of replicates that multiplies the bytes per rank does not."""
+GROWTH_SLACK = 64 << 10
+
+
 def build_plan(
     shard_info: ShardInfo, checkpoint: Checkpoint | None, num_shards: int, *, strict: bool = True
 ) -> ModelPlan:
@@ -180,6 +188,8 @@ def build_plan(
     src = shard_info.source
     if type(num_shards) is not int or num_shards < 1:
         plan.problems.append(PlanError(f"num_shards must be a positive integer, got {num_shards!r}", file=src))
+    elif num_shards > MAX_RANKS:
+        plan.problems.append(PlanError(f"num_shards={num_shards} is over the limit of {MAX_RANKS}", file=src))
     elif shard_info.num_shards is not None and shard_info.num_shards != num_shards:
         plan.problems.append(
             PlanError(
@@ -208,18 +218,21 @@ def build_plan(
 
     stored = checkpoint.tensors if checkpoint is not None else {}
     if checkpoint is not None:
-        for key in shard_info.params:
-            if key not in stored:
+        unknown = [key for key in shard_info.params if key not in stored]
+        for k, key in enumerate(unknown):
+            if k < MAX_HINTS:  # a hint costs a comparison with every stored name: only for the first few
                 close = difflib.get_close_matches(key, stored.keys(), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                plan.problems.append(
-                    PlanError(
-                        f"names no parameter of {checkpoint.name}{hint}; TVM's loader would ignore this key, "
-                        "shardload refuses it so a misspelt name cannot leave a parameter unsplit",
-                        file=src,
-                        param=key,
-                    )
+            else:
+                hint = ""
+            plan.problems.append(
+                PlanError(
+                    f"names no parameter of {checkpoint.name}{hint}; TVM's loader would ignore this key, "
+                    "shardload refuses it so a misspelt name cannot leave a parameter unsplit",
+                    file=src,
+                    param=key,
                 )
+            )
         plan.problems.extend(shard_info.alias_problems(checkpoint.tied_weights()))
     names = list(stored) if checkpoint is not None else list(shard_info.params)
     for name in names:
@@ -234,7 +247,18 @@ def build_plan(
             continue  # planned without a checkpoint: checks only, nothing to execute
         last = (steps[-1].out_shape[1:], steps[-1].out_dtype) if steps else (source.shape, source.logical_dtype)
         shape, dtype = last
-        plan.params[name] = ParamPlan(name, source, tuple(steps), num_shards, shape, dtype)
+        param = ParamPlan(name, source, tuple(steps), num_shards, shape, dtype)
+        if param.rank_nbytes > MAX_GROWTH * source.nbytes + GROWTH_SLACK:
+            plan.problems.append(
+                PlanError(
+                    f"the steps give each rank {param.rank_nbytes} bytes from a stored tensor of {source.nbytes}; "
+                    f"more than {MAX_GROWTH}x is refused (chained replicates multiply)",
+                    file=src,
+                    param=name,
+                )
+            )
+            continue
+        plan.params[name] = param
     return _finish(plan, strict)
 
 
@@ -326,13 +350,18 @@ def resolve_shard_info(checkpoint: Checkpoint, shard_info: ShardInfo | dict[str,
     if isinstance(shard_info, dict):
         return ShardInfo.from_dict(shard_info, source="<shard_info dict>")
     if shard_info is not None:
-        return ShardInfo.load(shard_info)
+        return ShardInfo.load(as_path(shard_info, "shard_info (a path, a dict or a ShardInfo)"))
     default = checkpoint.default_shard_info()
-    if not default.is_file() and checkpoint.presharded is not None:
+    present = default.exists() or default.is_symlink()  # a FIFO or a device is present, and refused when read
+    if not present and checkpoint.presharded is not None:
         return ShardInfo(source="<pre-sharded: no steps>")  # already split: nothing to run
-    if not default.is_file():
-        raise PlanError(f"no shard_info given and {default} does not exist", file=checkpoint.name)
-    return ShardInfo.load(default)
+    if not present:
+        raise PlanError(
+            f"no shard_info given and {default} does not exist; write one from config.json with "
+            f"`shardload plan {checkpoint.root}` (or pass --shard-info / shard_info=)",
+            file=checkpoint.name,
+        )
+    return ShardInfo.load(resolve_inside(checkpoint.root, default.name, default))
 
 
 def plan_model(

@@ -139,12 +139,42 @@ def shifted(runs: Runs, delta: int) -> Runs:
     return Runs(runs.src + delta, runs.length, runs.buf, runs.dst)
 
 
+MANY_RUNS = 1 << 20
+"""Above this many runs (a column slice of a tall, narrow tensor: millions of rows of a few bytes) no run table is
+built: its arrays would take far more memory and time than the bytes themselves. The tensor is then copied out
+of a mapping with strided copies (one rank) or read whole and split (several), in time linear in its bytes."""
+
+
+def run_count(plan: ParamPlan, ranks: Sequence[int]) -> int:
+    """How many contiguous runs ``plan``'s pieces for ``ranks`` make, counted from the boxes without building them."""
+    total = 0
+    for rank in ranks:
+        pieces = plan.pieces(rank) or []
+        covered = 0
+        for k, piece in enumerate(pieces):
+            _check_piece(plan, rank, piece.src, piece.dst)
+            numel = prod(b - a for a, b in piece.src)
+            covered += numel
+            if numel:
+                run = min(_contiguous_run(plan.source.shape, piece.src), _contiguous_run(plan.shape, piece.dst))
+                total += numel // max(1, run)
+            for other in pieces[:k]:  # boxes of one rank may not overlap
+                if numel and all(max(a, c) < min(b, d) for (a, b), (c, d) in zip(piece.dst, other.dst, strict=True)):
+                    covered = -1
+        if covered != prod(plan.shape):
+            raise PlanError(
+                f"box rule pieces do not cover rank {rank}'s {list(plan.shape)} tensor exactly once", param=plan.name
+            )
+    return total
+
+
 def param_runs(plan: ParamPlan, ranks: Sequence[int]) -> Runs | None:
     """The runs that build ``plan``'s tensors for ``ranks`` (buffer k = ``ranks[k]``), sorted by file offset.
 
-    None when the plan has a compute step (or a remap that changes the dtype): then the tensor is read whole.
+    None when the plan has a compute step (or a remap that changes the dtype), or when the runs would be more than
+    :data:`MANY_RUNS`: then the tensor is read whole.
     """
-    if not plan.remap or plan.source.dtype != plan.dtype:
+    if not plan.remap or plan.source.dtype != plan.dtype or run_count(plan, ranks) > MANY_RUNS:
         return None
     size = itemsize(plan.dtype)
     per_rank: list[Runs] = []

@@ -39,6 +39,13 @@ _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "embed_in.weight", "word_embeddings.weight")
 
 
+def as_path(value: Any, what: str) -> Path:
+    """``value`` as a Path, or a one-line error when it is not a path (str or os.PathLike)."""
+    if not isinstance(value, (str, os.PathLike)) or (isinstance(value, str) and not value):
+        raise CheckpointError(f"{what} must be a path (str or os.PathLike), got {value!r}")
+    return Path(value)
+
+
 def rank_file_name(rank: int, num_shards: int, stage: int = 0, stages: int = 1) -> str:
     """A rank's file in a converted directory: ``rank-00003-of-00008.safetensors``, or with
     pipeline stages ``pp-00001-of-00002-rank-00003-of-00004.safetensors``."""
@@ -141,7 +148,7 @@ def read_config(root: str | os.PathLike[str], *, missing_ok: bool = False) -> di
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Open a model directory, a ``.safetensors`` or ``.gguf`` file, or a converted directory (headers only)."""
-    path = Path(path)
+    path = as_path(path, "model")
     if TMP_MARKER in path.name or (path.is_file() and TMP_MARKER in path.parent.name):
         raise CheckpointError(
             "is a temporary entry of an unfinished or interrupted convert, not a model; convert again", file=str(path)
@@ -154,6 +161,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             return fmt.open(path)
         if path.name.endswith(".index.json"):
             return _open_index(path.parent, path)
+        if _is_pickle(path):
+            raise CheckpointError(PICKLE_REFUSED, file=str(path))
         return _open_files(path, path.parent, [path])
     if not path.is_dir():
         raise CheckpointError("no such file or directory", file=str(path))
@@ -174,10 +183,32 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if fmt is not None:
         return fmt.open(path)
     if not found:
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise CheckpointError(f"holds {pickles[0]}: {PICKLE_REFUSED}", file=str(path))
         raise CheckpointError(
             f"no {SINGLE_NAME}, {INDEX_NAME}, {MANIFEST_NAME} or *.safetensors file here", file=str(path)
         )
     return _open_files(path, path, [resolve_inside(path, p.name, path) for p in found])
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+"""Files torch.save and pickle write (``pytorch_model.bin``): never read, since unpickling runs code."""
+PICKLE_REFUSED = "pickle checkpoints are not read (loading one runs code); convert it to safetensors first"
+
+
+def _is_pickle(path: Path) -> bool:
+    """A torch.save / pickle file by its name or its first bytes (a zip archive, or a pickle protocol opcode)."""
+    if path.suffix in PICKLE_SUFFIXES:
+        return True
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(9)
+    except OSError:
+        return False
+    if len(head) == 9 and head[8:] == b"{":  # a safetensors header's length, then its JSON: not a pickle
+        return False
+    return head.startswith(b"PK\x03\x04") or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5)
 
 
 def _open_files(path: Path, root: Path, files: list[Path]) -> Checkpoint:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from .checkpoint import Checkpoint, TensorInfo
+from .checkpoint import MAX_HEADER_BYTES, Checkpoint, TensorInfo
 from .formats import SourceFormat, register_source
 
 GGUF_SUFFIX = ".gguf"
@@ -43,7 +43,80 @@ _CONFIG_KEYS = {
 _MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # GGUF architecture -> transformers model_type
 
 
+# GGUF value types: fixed sizes by type id (uint8 .. float64, bool), 8 = string, 9 = array
+_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+MAX_DIMS = 8
+BAD = "not a readable GGUF file"
+"""A GGUF tensor has at most this many dims (GGML itself has four)."""
+
+
+def check_layout(path: Path) -> None:
+    """Walk a GGUF file's header (counts, key/value pairs, tensor infos) checking every count and length against
+    the bytes left in the file, before gguf's reader trusts them: a forged count is a one-line error, never a huge
+    allocation or a long loop."""
+    size = path.stat().st_size
+    with open(path, "rb", buffering=1 << 20) as fh:
+        pos = 0
+
+        def skip(n: int, what: str, keep: bool = False) -> bytes:
+            nonlocal pos
+            if n < 0 or pos + n > size:
+                raise CheckpointError(f"{BAD}: {what} runs past the end of the file", file=str(path))
+            if pos + n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{BAD}: header larger than {MAX_HEADER_BYTES} bytes", file=str(path))
+            pos += n
+            if keep:
+                return fh.read(n)
+            fh.seek(n, 1)
+            return b""
+
+        def number(n: int, what: str) -> int:
+            return int.from_bytes(skip(n, what, keep=True), "little")
+
+        def count(what: str, each: int) -> int:
+            n = number(8, what)
+            if n * each > size - pos:
+                raise CheckpointError(
+                    f"{BAD}: {what} {n} needs at least {n * each} bytes, more than the {size}-byte file holds",
+                    file=str(path),
+                )
+            return n
+
+        def value(kind: int, what: str, nested: bool = False) -> None:
+            if kind in _FIXED:
+                skip(_FIXED[kind], what)
+            elif kind == _STRING:
+                skip(count(f"{what} length", 1), what)
+            elif kind == _ARRAY and not nested:
+                item = number(4, f"{what} item type")
+                n = count(f"{what} length", _FIXED.get(item, 8))
+                if item in _FIXED:
+                    skip(n * _FIXED[item], what)
+                else:
+                    for _ in range(n):
+                        value(item, what, nested=True)
+            else:
+                raise CheckpointError(f"{BAD}: {what} has unknown value type {kind}", file=str(path))
+
+        if skip(4, "magic", keep=True) != b"GGUF":
+            raise CheckpointError("not a GGUF file (no GGUF magic)", file=str(path))
+        number(4, "version")
+        tensors = count("tensor count", 8 + 4 + 4 + 8)
+        kvs = count("metadata count", 8 + 4)
+        for _ in range(kvs):
+            key = skip(count("metadata key length", 1), "metadata key", keep=True).decode("utf-8", "replace")
+            value(number(4, f"type of {key!r}"), f"metadata {key!r}")
+        for _ in range(tensors):
+            skip(count("tensor name length", 1), "tensor name")
+            dims = number(4, "tensor dims")
+            if dims > MAX_DIMS:
+                raise CheckpointError(f"{BAD}: a tensor with {dims} dims (at most {MAX_DIMS})", file=str(path))
+            skip(8 * dims + 4 + 8, "tensor info")
+
+
 def _reader(path: Path) -> Any:
+    check_layout(path)
     try:
         from gguf import GGUFReader
     except ImportError:
@@ -53,7 +126,7 @@ def _reader(path: Path) -> Any:
     try:
         reader = GGUFReader(path, "r")
     except (ValueError, KeyError, IndexError, OSError, EOFError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"not a readable GGUF file: {err}", file=str(path)) from None
+        raise CheckpointError(f"{BAD}: {err}", file=str(path)) from None
     if reader.byte_order != "I":
         raise CheckpointError("GGUF file has the other byte order than this machine; not supported", file=str(path))
     return reader
