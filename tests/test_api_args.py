@@ -82,3 +82,63 @@ def test_too_many_runs_to_list_still_match_the_reference(
             assert got.keys() == want[r].keys()
             for name, t in got.items():
                 np.testing.assert_array_equal(t.numpy(), want[r][name], err_msg=f"rank {r} {name}")
+
+
+def test_json_reports_and_quiet_plan(example_dir: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    out = tmp_path / "out"
+    result = runner.invoke(main, ["convert", str(example_dir), "-n", "2", "-o", str(out), "--json"])
+    doc = json.loads(result.output)
+    assert result.exit_code == 0 and doc["num_shards"] == 2 and len(doc["rank_files"]) == 2
+    assert {f["path"] for f in doc["rank_files"] + doc["other_files"]} == {
+        f["path"] for f in json.loads((out / "shard_manifest.json").read_text())["files"]
+    }
+    result = runner.invoke(main, ["verify", str(out), "--source", str(example_dir), "--json"])
+    assert result.exit_code == 0 and json.loads(result.output)["ok"] is True
+    (out / "rank-00001-of-00002.safetensors").write_bytes(b"x" * 16)
+    result = runner.invoke(main, ["verify", str(out), "--json"])
+    assert result.exit_code == 1 and json.loads(result.output)["problems"][0]["file"].endswith("00002.safetensors")
+    target = tmp_path / "si.json"
+    result = runner.invoke(main, ["plan", str(example_dir), "-o", str(target), "--json"])
+    assert result.exit_code == 0 and json.loads(result.output)["written"] == str(target) and target.is_file()
+    result = runner.invoke(main, ["plan", str(example_dir), "-o", str(target), "-q", "--overwrite"])
+    assert result.exit_code == 0 and result.output == ""
+
+
+def test_a_closed_pipe_is_silent(example_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    cli = Path(__file__).resolve().parents[1] / "cli.py"
+    cmd = f"{sys.executable} {cli} plan {example_dir} -o - | head -c 1 >/dev/null"
+    done = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert "Broken pipe" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_layer_numbers_are_ascii_and_bounded(tmp_path: Path) -> None:
+    from shardload.planning.mesh import param_stages
+
+    stages = [range(0, 2), range(2, 4)]
+    assert param_stages("model.layers.3.mlp.weight", stages, False) == [1]
+    assert param_stages("model.layers.\u0663.mlp.weight", stages, False) == [0]  # Arabic-Indic 3: not a layer
+    with pytest.raises(ShardloadError, match="layer number of 5000 digits"):
+        param_stages("model.layers." + "9" * 5000 + ".mlp.weight", stages, False)
+
+
+def test_unknown_function_gets_a_hint() -> None:
+    from shardload.errors import StepArgumentError
+    from shardload.planning.registry import lookup
+
+    with pytest.raises(StepArgumentError, match=r"did you mean 'shard_funcs\.shard_dim'"):
+        lookup("shard_funcs.shard_dims")
+
+
+def test_convert_never_writes_a_header_the_loader_refuses(
+    example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shardload.engine.writer as writer
+
+    monkeypatch.setattr(writer, "MAX_HEADER_BYTES", 256)
+    with pytest.raises(ShardloadError, match="over the 256 bytes a load accepts"):
+        shardload.convert(example_dir, 2, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []

@@ -39,8 +39,8 @@ def test_validate_reports_each_problem_on_one_line(runner: CliRunner, example_di
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()
     assert (
-        f"{bad}: model.layers.0.mlp.down_proj.weight: step 1 (os.system): unknown function 'os.system' (not registered)"
-        in lines
+        f"{bad}: model.layers.0.mlp.down_proj.weight: step 1 (os.system): unknown function 'os.system' "
+        "(not registered; --plugin MODULE registers your own)" in lines
     )
     assert any(
         "model.layers.1.self_attn.o_proj.weight: step 1 (shard_funcs.shard_dim): declared dtype float32" in ln

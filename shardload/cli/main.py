@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import signal
 import sys
 import threading
@@ -59,6 +60,9 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except ShardloadError as err:
             _fail(err.message)
+        except BrokenPipeError:  # `| head` closed the pipe: stop quietly, as a command killed by SIGPIPE would
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(128 + 13)
         except OSError as err:
             where = f"{err.filename}: " if err.filename else ""
             _fail(f"{where}{err.strerror or err}")
@@ -173,6 +177,7 @@ def example(out_dir: Path, overwrite: bool, multi_file: bool) -> None:
     help="Flush the output to stable storage before it appears (default: only when it replaces an existing one).",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary table.")
+@click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON (no progress bar).")
 @_mesh_options
 @_guarded
 def convert(
@@ -183,6 +188,7 @@ def convert(
     overwrite: bool,
     fsync: bool | None,
     quiet: bool,
+    as_json: bool,
     mesh: str | None,
     world_size: int | None,
     pp_layers: str | None,
@@ -199,7 +205,7 @@ def convert(
         raise click.UsageError("give --num-shards (or --mesh)")
     options = {"overwrite": overwrite, "mesh": layout, "fsync": fsync}
 
-    show_bar = not quiet and sys.stderr.isatty()
+    show_bar = not quiet and not as_json and sys.stderr.isatty()
     state = {"done": 0}
     bar: Any = None
 
@@ -216,6 +222,14 @@ def convert(
             result = run_convert(model, num_shards, out_dir, shard_info, progress=progress, **options)
     else:
         result = run_convert(model, num_shards, out_dir, shard_info, **options)
+    if as_json:
+        doc = {
+            "out_dir": str(result.out_dir), "num_shards": result.layout.tp, "mesh": str(result.layout),
+            "rank_files": [f.__dict__ for f in result.rank_files],
+            "other_files": [f.__dict__ for f in result.other_files],
+        }  # fmt: skip
+        click.echo(json.dumps(doc, indent=2))
+        return
     if quiet:
         return
     from ..engine.load import stages_of
@@ -262,8 +276,19 @@ def convert(
     help="Fail, writing nothing, unless the plan works for N (repeatable).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace the output file if it exists.")
+@click.option("-q", "--quiet", is_flag=True, help="No notes and no summary line.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary (with -o -, to stderr).")
 @_guarded
-def plan(model: Path, out: Path | None, style: str, experts: str, num_shards: tuple[int, ...], overwrite: bool) -> None:
+def plan(
+    model: Path,
+    out: Path | None,
+    style: str,
+    experts: str,
+    num_shards: tuple[int, ...],
+    overwrite: bool,
+    quiet: bool,
+    as_json: bool,
+) -> None:
     """Write an N-agnostic shard_info.json for MODEL (dense, quantized or GGUF) from its config and tensor names."""
     from ..models.presets import generate
 
@@ -277,8 +302,18 @@ def plan(model: Path, out: Path | None, style: str, experts: str, num_shards: tu
         click.echo(json.dumps(result.document, indent=2))
     else:
         result.save(target)
+    if as_json:
+        summary_doc = {
+            "written": None if to_stdout else str(target), "style": result.style, "experts": experts,
+            "sharded": result.sharded, "replicated": result.replicated, "num_shards": list(result.supported),
+            "notes": list(result.notes),
+        }  # fmt: skip
+        click.echo(json.dumps(summary_doc, indent=2), err=to_stdout)
+        return
+    if quiet:
+        return
     for note in result.notes:
-        click.echo(f"note: {note}", err=True)
+        click.echo(printable(f"note: {note}"), err=True)
     ns = ", ".join(map(str, result.supported))
     counts = f"{result.sharded} sharded, {result.replicated} replicated"
     summary = f"{counts} ({result.style}, experts {experts}); num_shards {ns}"
@@ -425,13 +460,22 @@ def inspect(
     "--source", "source", type=click.Path(path_type=Path), metavar="MODEL",
     help="Also compare every rank with the same rank loaded from MODEL (the checkpoint OUT was made from).",
 )  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report (exit code as without).")
 @_guarded
-def verify(out_dir: Path, source: Path | None) -> None:
+def verify(out_dir: Path, source: Path | None, as_json: bool) -> None:
     """Recompute every file's sha256 in converted directory OUT against its manifest; list each mismatch."""
     from ..engine.audit import verify_dir
     from .report import human_bytes
 
     report = verify_dir(out_dir, source=source)
+    if as_json:
+        doc = {
+            "out_dir": str(out_dir), "source": None if source is None else str(source), "ok": report.ok,
+            "num_shards": report.num_shards, "files": report.files, "bytes": report.nbytes,
+            "problems": [p.to_dict() for p in report.problems],
+        }  # fmt: skip
+        click.echo(json.dumps(doc, indent=2))
+        sys.exit(0 if report.ok else 1)
     for problem in report.problems:
         click.echo(problem.message)
     if not report.ok:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from ..errors import PlanError
+from ..sources.checkpoint import MAX_HEADER_BYTES
 from ..sources.dtypes import DTYPES, itemsize, to_torch
 from ..sources.reader import Reader, buffer_view, libc_function
 
@@ -100,6 +102,10 @@ def rank_header(plan: ModelPlan, rank: int, stage: int = 0, stages: int = 1) -> 
         offset += p.rank_nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
+    if len(raw) > MAX_HEADER_BYTES:  # a file the loader would refuse is never written
+        raise PlanError(
+            f"rank {rank}'s file would have a {len(raw)}-byte header, over the {MAX_HEADER_BYTES} bytes a load accepts"
+        )
     return struct.pack("<Q", len(raw)) + raw
 
 

@@ -147,7 +147,7 @@ ATTENTION_ROLES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "qkv_proj": "qkv
 
 
 def _star(path: str) -> str:
-    return ".".join("*" if part.isdigit() else part for part in path.split("."))
+    return ".".join("*" if part.isascii() and part.isdigit() else part for part in path.split("."))
 
 
 def _match(path: str, patterns: Iterable[str]) -> str | None:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .plan import ModelPlan
 
 AXES = ("dp", "pp", "tp")
-LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
+LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.([0-9]+)\.")
 LAST_STAGE_RE = re.compile(r"(?:^|\.)(?:lm_head|norm|final_layernorm|final_layer_norm|ln_f|norm_f)\.")
 LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
@@ -190,8 +190,16 @@ def layer_count(root: Path, names: Sequence[str]) -> int:
         value = config.get(key)
         if type(value) is int and value >= 0:
             return value
-    indices = [int(m.group(1)) for n in names if (m := LAYER_RE.search(n))]
+    indices = [_layer(m, n) for n in names if (m := LAYER_RE.search(n))]
     return max(indices) + 1 if indices else 0
+
+
+def _layer(match: re.Match[str], name: str) -> int:
+    """The layer number a name holds (ASCII digits only), refused past nine digits."""
+    digits = match.group(1)
+    if len(digits) > 9:
+        raise ShardloadError(f"layer number of {len(digits)} digits is not a layer index", param=name)
+    return int(digits)
 
 
 def tied_embeddings(root: Path) -> bool:
@@ -209,7 +217,7 @@ def param_stages(name: str, stages: list[range], tied: bool) -> list[int]:
     last = len(stages) - 1
     match = LAYER_RE.search(name)
     if match:
-        layer = int(match.group(1))
+        layer = _layer(match, name)
         for i, r in enumerate(stages):
             if layer in r:
                 return [i]

@@ -12,6 +12,7 @@ shardload is. This module never imports them: the registry sits below every step
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import typing
 from collections.abc import Callable, Sequence
@@ -207,7 +208,10 @@ def lookup(name: str) -> StepFunction:
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
-        raise StepArgumentError(f"unknown function {name!r} (not registered)") from None
+        plain = isinstance(name, str) and len(name) < 200
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=1) if plain else []
+        hint = f"; did you mean {close[0]!r}?" if close else "; --plugin MODULE registers your own"
+        raise StepArgumentError(f"unknown function {name!r} (not registered{hint})") from None
 
 
 def names() -> list[str]:

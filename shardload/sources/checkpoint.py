@@ -33,7 +33,7 @@ MAX_CONFIG_BYTES = 16 << 20
 """Cap on config.json (real ones are a few KB; a multimodal one with a vocabulary inside, a few MB)."""
 TMP_MARKER = ".shardload-tmp-"
 """Part of the name of every temporary entry ``convert`` makes; such a path is never read as a model."""
-RANK_FILE_RE = re.compile(r"(?:pp-(\d{5,})-of-(\d{5,})-)?rank-(\d{5,})-of-(\d{5,})\.safetensors")
+RANK_FILE_RE = re.compile(r"(?:pp-([0-9]{5,9})-of-([0-9]{5,9})-)?rank-([0-9]{5,9})-of-([0-9]{5,9})\.safetensors")
 """A converted rank file; groups: pipeline stage and stage count (absent for one stage), rank, N."""
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "embed_in.weight", "word_embeddings.weight")

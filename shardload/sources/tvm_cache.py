@@ -32,7 +32,7 @@ CACHE_NAMES = ("tensor-cache.json", "ndarray-cache.json")
 """The table's name since TVM 0.22, and before it; a directory is read through the first one present."""
 B16_NAME = "tensor-cache-b16.json"
 """The table TVM writes beside the first when it encoded float32 as bfloat16 (bfloat16 records); read when named."""
-_SHARD_RE = re.compile(r"(.+)_shard-([0-9]+)-of-([0-9]+)")
+_SHARD_RE = re.compile(r"(.+)_shard-([0-9]{1,9})-of-([0-9]{1,9})")
 _MAX_SHARDS = 1 << 16
 
 
