@@ -8,6 +8,8 @@ declares a shape rule and a box rule. Steps for one concern live in their own su
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from typing import TYPE_CHECKING
 
 from shardload.errors import StepArgumentError
@@ -85,8 +87,8 @@ def _segment_layout(
         if seg % num_shards:
             if unit != 1:
                 raise StepArgumentError(
-                    f"segment {i} of {seg} units (unit {unit}) cannot be split across "
-                    f"num_shards={num_shards} without cutting a unit"
+                    f"segment {i} holds {seg} units of {unit} (in a fused QKV: {seg} heads of head_dim {unit}); "
+                    f"{seg} is not divisible by num_shards={num_shards}, so a head would be cut"
                 )
             raise StepArgumentError(f"segment {i} of size {seg} is not divisible by num_shards={num_shards}")
     return d, [s * unit for s in segments]
@@ -105,14 +107,14 @@ def _reorder_boxes(
     d, lengths = _segment_layout(in_shape, dim, segments, num_shards, unit)
     per_rank = [n // num_shards for n in lengths]
     block = sum(per_rank)
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
-    offsets = [sum(per_rank[:i]) for i in range(len(per_rank))]
+    starts = [0, *itertools.accumulate(lengths)][:-1]
+    offsets = [0, *itertools.accumulate(per_rank)][:-1]
     a, b = out_box[d]
     pieces = []
     p = a
     while p < b:
         r, q = divmod(p, block)
-        i = next(i for i in range(len(per_rank)) if offsets[i] <= q < offsets[i] + per_rank[i])
+        i = bisect.bisect_right(offsets, q) - 1  # the segment holding q (every segment has rows per rank)
         run = min(b - p, offsets[i] + per_rank[i] - q)
         src_start = starts[i] + r * per_rank[i] + (q - offsets[i])
         src = list(out_box)

@@ -60,8 +60,8 @@ def segment_runs(
             )
         elif unit != 1:
             raise StepArgumentError(
-                f"segment {i} of {count} units (unit {unit}) cannot be split across num_shards={num_shards} "
-                "without cutting a unit"
+                f"segment {i} holds {count} units of {unit} (in a fused QKV: {count} heads of head_dim {unit}); "
+                f"{count} is not divisible by num_shards={num_shards}, so a head would be cut"
             )
         else:
             raise StepArgumentError(f"segment {i} of size {count} is not divisible by num_shards={num_shards}")

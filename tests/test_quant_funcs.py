@@ -67,11 +67,17 @@ def test_errors_say_what_does_not_divide() -> None:
     msg = _shape_error("shard_funcs.shard_packed", (64, 96), 1, 8, 5, dtype="int32")
     assert msg.startswith("96 packs along dim 1 cannot be split across 5 ranks (8 values per int32")
     msg = _shape_error("shard_funcs.shard_segments", (48, 8), 0, [4, 2, 2], [0, 1, 1], 3, 6)
-    assert msg == "segment 0 of 4 units (unit 6) cannot be split across num_shards=3 without cutting a unit"
+    assert msg == (
+        "segment 0 holds 4 units of 6 (in a fused QKV: 4 heads of head_dim 6); 4 is not divisible by num_shards=3, "
+        "so a head would be cut"
+    )
     msg = _shape_error("shard_funcs.shard_segments", (48, 8), 0, [6, 3, 3], [0, 1, 1], 2, 4)
     assert msg == "segment 1: num_shards=2 neither divides its 3 KV heads nor is a multiple of them (query heads: 6)"
     msg = _shape_error("shard_funcs.shard_segments", (48, 8), 0, [4, 2, 2], [0, 0, 0], 4, 6)
-    assert "segment 1 of 2 units (unit 6) cannot be split across num_shards=4" in msg  # KV heads not flagged
+    assert (
+        "segment 1 holds 2 units of 6 (in a fused QKV: 2 heads of head_dim 6); 2 is not divisible by num_shards=4"
+        in msg
+    )  # KV heads not flagged
     msg = _shape_error("shard_funcs.shard_segments", (5, 8), 0, [4, 2, 2], [0, 1, 1], 2, 6, 8)
     assert "do not match dim 0 of size 5" in msg
     msg = _shape_error("shard_funcs.shard_segments", (8, 8), 0, [8, 2, 2], [0, 1, 1], 4, 4, 6)
@@ -89,7 +95,7 @@ def test_shard_shape_rewrites_each_ranks_logical_shape() -> None:
     assert func.fn(x, 0, 3).tolist() == [[128, 768]] * 3
     gqa = torch.tensor([(8 + 2 + 2) * 32, 64], dtype=torch.int64)
     assert func.fn(gqa, 0, 8, [8, 2, 2], [0, 1, 1], 32).tolist() == [[(1 + 1 + 1) * 32, 64]] * 8
-    with pytest.raises(StepArgumentError, match="segment 1 of 2 units"):  # no KV flags: nothing is replicated
+    with pytest.raises(StepArgumentError, match="segment 1 holds 2 units"):  # no KV flags: nothing is replicated
         func.fn(gqa, 0, 8, [8, 2, 2], [], 32)
     with pytest.raises(StepArgumentError, match="384, which does not divide by num_shards=5"):
         func.fn(x, 0, 5)

@@ -191,7 +191,7 @@ def test_unit_split_error_names_the_unit(tmp_path: Path) -> None:
             },
         }
     )
-    with pytest.raises(PlanError, match=r"segment 1 of 8 units \(unit 4\).*num_shards=16 without cutting a unit"):
+    with pytest.raises(PlanError, match=r"segment 1 holds 8 units of 4 .*num_shards=16, so a head would be cut"):
         build_plan(info, open_checkpoint(model), 16)
 
 
@@ -207,7 +207,9 @@ def test_kv_heads_error_names_the_head_counts(tmp_path: Path) -> None:
         r"nor is a multiple of them \(query heads: 6\)",
     ):
         build_plan(info, open_checkpoint(model), 3)
-    with pytest.raises(PlanError, match=r"segment 0 of 6 units \(unit 4\) cannot be split across num_shards=4 with"):
+    with pytest.raises(
+        PlanError, match=r"segment 0 holds 6 units of 4 .*not divisible by num_shards=4, so a head would be cut"
+    ):
         build_plan(info, open_checkpoint(model), 4)
     bad_flags = ShardInfo.from_dict(
         {"version": 1, "params": {"qkv": [step("shard_segments", 0, [6, 2, 2], [0, 1], "num_shards", 4)]}}

@@ -149,23 +149,34 @@ def run_count(plan: ParamPlan, ranks: Sequence[int]) -> int:
     """How many contiguous runs ``plan``'s pieces for ``ranks`` make, counted from the boxes without building them."""
     total = 0
     for rank in ranks:
-        pieces = plan.pieces(rank) or []
-        covered = 0
-        for k, piece in enumerate(pieces):
+        pieces = [p for p in plan.pieces(rank) or [] if prod(b - a for a, b in p.src)]
+        for piece in pieces:
             _check_piece(plan, rank, piece.src, piece.dst)
-            numel = prod(b - a for a, b in piece.src)
-            covered += numel
-            if numel:
-                run = min(_contiguous_run(plan.source.shape, piece.src), _contiguous_run(plan.shape, piece.dst))
-                total += numel // max(1, run)
-            for other in pieces[:k]:  # boxes of one rank may not overlap
-                if numel and all(max(a, c) < min(b, d) for (a, b), (c, d) in zip(piece.dst, other.dst, strict=True)):
-                    covered = -1
-        if covered != prod(plan.shape):
+            run = min(_contiguous_run(plan.source.shape, piece.src), _contiguous_run(plan.shape, piece.dst))
+            total += prod(b - a for a, b in piece.src) // max(1, run)
+        if not _tiles([p.dst for p in pieces], plan.shape):
             raise PlanError(
                 f"box rule pieces do not cover rank {rank}'s {list(plan.shape)} tensor exactly once", param=plan.name
             )
     return total
+
+
+def _tiles(boxes: list[Box], shape: Shape) -> bool:
+    """Whether ``boxes`` (each inside ``shape``) cover it exactly once: sorted intervals when they differ along one
+    dim only (every box rule here), else a coverage count over the elements (bounded by the rank's size)."""
+    if sum(prod(b - a for a, b in box) for box in boxes) != prod(shape):
+        return False
+    if len(boxes) <= 1:
+        return True
+    varying = [d for d in range(len(shape)) if len({box[d] for box in boxes}) > 1]
+    if len(varying) == 1:
+        d = varying[0]
+        spans = sorted(box[d] for box in boxes)
+        return all(spans[k][1] <= spans[k + 1][0] for k in range(len(spans) - 1))  # no overlap; sizes add up
+    count = np.zeros(shape, dtype=np.uint8)
+    for box in boxes:
+        count[tuple(slice(a, b) for a, b in box)] += 1
+    return bool((count == 1).all())
 
 
 def param_runs(plan: ParamPlan, ranks: Sequence[int]) -> Runs | None:
