@@ -142,3 +142,14 @@ def test_convert_never_writes_a_header_the_loader_refuses(
     with pytest.raises(ShardloadError, match="over the 256 bytes a load accepts"):
         shardload.convert(example_dir, 2, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_quantize_reports_progress(example_dir: Path, tmp_path: Path) -> None:
+    from shardload.sources.checkpoint import open_checkpoint
+
+    seen: list[tuple[int, str]] = []
+    shardload.quantize(example_dir, tmp_path / "q", "int8", progress=lambda done, name: seen.append((done, name)))
+    stored = open_checkpoint(example_dir)
+    assert [name for _, name in seen] == list(stored.tensors)
+    done = [d for d, _ in seen]
+    assert done == sorted(done) and done[-1] == stored.nbytes

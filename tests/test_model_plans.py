@@ -72,6 +72,7 @@ def test_tensor_parallel_logits_match(models: dict, kind: str, ns: list[int]) ->
     info = _plan(model_dir)
     report = validate_file(info, model_dir, ns)
     assert report["valid"], report["problems"]
+    assert report["warnings"] == [], "a plan that computes the model has no placement warnings"
     want = _reference_logits(model)
     for n in ns:
         shards = shardload.load(model_dir, n, devices=["cpu"] * n, shard_info=info)
@@ -374,3 +375,24 @@ def test_placements_see_quantized_modules_as_their_logical_weight() -> None:
              "num_shards"]
         ],
     }  # fmt: skip
+
+
+def test_a_replicated_bias_under_a_split_weight_is_a_warning(models: dict, tmp_path: Path) -> None:
+    """A Llama plan (no bias entries) used on a Qwen2, whose q/k/v projections have biases: it loads, but every rank
+    would add the whole bias to its slice of the output. validate --model says so; --strict fails."""
+    model_dir, _ = models["qwen2"]
+    info = json.loads(_plan(model_dir).read_text())
+    info["params"] = {k: v for k, v in info["params"].items() if not k.endswith(".bias")}
+    path = tmp_path / "llama_style.json"
+    path.write_text(json.dumps(info))
+    report = validate_file(path, model_dir, [2])
+    assert report["valid"] and report["warnings"]
+    assert all("is split along its output dim but its bias is replicated" in w["reason"] for w in report["warnings"])
+    assert {w["param"].rsplit(".", 2)[-2] for w in report["warnings"]} == {"q_proj", "k_proj", "v_proj"}
+    runner = CliRunner()
+    plain = runner.invoke(main, ["validate", str(path), "--model", str(model_dir), "-n", "2"])
+    assert plain.exit_code == 0 and "warning:" in plain.stderr
+    strict = runner.invoke(main, ["validate", str(path), "--model", str(model_dir), "-n", "2", "--strict"])
+    assert strict.exit_code == 1 and "which fail --strict" in strict.stderr
+    as_json = runner.invoke(main, ["validate", str(path), "--model", str(model_dir), "-n", "2", "--strict", "--json"])
+    assert as_json.exit_code == 1 and json.loads(as_json.output)["verdict"] == "fail"

@@ -330,6 +330,7 @@ def plan(
               help=f"Check every N in 1..{MAX_LISTED_N} (or the -n values), print each failing N's first problem "
                    "and the N that work; exit 0 when some N works.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report.")
+@click.option("--strict", is_flag=True, help="Fail on warnings too (with --model: placements that cannot compute).")
 @_mesh_options
 @_guarded
 def validate(
@@ -338,6 +339,7 @@ def validate(
     num_shards: tuple[int, ...],
     list_valid_n: bool,
     as_json: bool,
+    strict: bool,
     mesh: str | None,
     world_size: int | None,
     pp_layers: str | None,
@@ -358,6 +360,7 @@ def validate(
         sys.exit(2)
     report = validate_file(shard_info_path, model, ns, mesh=layout)
     ok = bool(report["valid_for"]) if list_valid_n else report["valid"]
+    ok = ok and not (strict and report["warnings"])
     if as_json:
         click.echo(json.dumps({**report, "verdict": "pass" if ok else "fail"}, indent=2))
     elif list_valid_n:
@@ -374,10 +377,14 @@ def validate(
     else:
         for line in summarised(report["problems"]):
             click.echo(line)
-        if report["valid"]:
+        for line in summarised(report["warnings"]):
+            click.echo(f"warning: {line}" if not line.startswith("... and") else line, err=True)
+        if report["valid"] and ok:
             checked = ", ".join(str(n) for n in report["num_shards_checked"])
             what = f"mesh {layout}" if layout is not None else f"num_shards {checked}"
             click.echo(f"{shard_info_path}: valid for {what}")
+        elif report["valid"]:
+            click.echo(f"{shard_info_path}: {len(report['warnings'])} warning(s), which fail --strict", err=True)
     sys.exit(0 if ok else 1)
 
 
@@ -394,7 +401,21 @@ def quantize(model: Path, out_dir: Path, scheme: str, shard_info: Path | None, o
     """Quantize MODEL's linear weights once (compressed-tensors layout) with an N-agnostic shard_info."""
     from ..engine.quantize import quantize as run_quantize
 
-    result = run_quantize(model, out_dir, scheme, shard_info=shard_info, overwrite=overwrite)
+    options = {"shard_info": shard_info, "overwrite": overwrite}
+    if sys.stderr.isatty():
+        from ..sources.checkpoint import open_checkpoint
+
+        total = open_checkpoint(model).nbytes
+        with click.progressbar(length=total, label="quantizing", file=sys.stderr, show_pos=False) as bar:
+            state = {"done": 0}
+
+            def progress(done: int, name: str) -> None:
+                bar.update(done - state["done"])
+                state["done"] = done
+
+            result = run_quantize(model, out_dir, scheme, progress=progress, **options)
+    else:
+        result = run_quantize(model, out_dir, scheme, **options)
     fmt = result.scheme.format
     click.echo(f"quantized {len(result.quantized)} weights to {scheme} (compressed-tensors {fmt}) in {result.out_dir}")
     for name, reason in result.skipped.items():

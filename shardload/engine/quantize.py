@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,12 +87,14 @@ def quantize(
     shard_info: Any = None,
     overwrite: bool = False,
     ignore: tuple[str, ...] = DEFAULT_IGNORE,
+    progress: Callable[[int, str], None] | None = None,
 ) -> QuantizeResult:
     """Write ``model``'s linear weights quantized with ``scheme`` to ``out_dir`` (compressed-tensors layout).
 
     Every 2-d floating ``*.weight`` whose module is not in ``ignore`` and whose input dim fits the
     scheme is quantized; other tensors are copied. ``shard_info`` (default ``MODEL/shard_info.json``)
-    is carried over to the quantized tensors. Written like :func:`convert` writes: into a locked temporary
+    is carried over to the quantized tensors. ``progress(source_bytes_done, name)`` is called after each stored
+    tensor. Written like :func:`convert` writes: into a locked temporary
     directory beside ``out_dir``, then renamed; ``overwrite`` replaces only an empty directory or an earlier
     output of shardload, fsynced first; the source's companion files (config, tokenizer) are copied.
 
@@ -119,6 +122,7 @@ def quantize(
         with Staging(out, None, synced=False, overwrite=overwrite) as staging, Reader() as files:
             tmp = staging.dir
             tensors: dict[str, torch.Tensor] = {}
+            done = 0
             for name, t in checkpoint.tensors.items():
                 reason = _skip_reason(name, t.shape, t.dtype, spec, ignore)
                 if reason is None:
@@ -127,10 +131,13 @@ def quantize(
                         _check_free(f"{module}.{suffix}", name, checkpoint.tensors, checkpoint.name)
                         tensors[f"{module}.{suffix}"] = q
                     result.quantized.append(module)
-                    continue
-                if len(t.shape) == 2 and name.endswith(".weight"):
-                    result.skipped[name.removesuffix(".weight")] = reason
-                tensors[name] = files.tensor(t)
+                else:
+                    if len(t.shape) == 2 and name.endswith(".weight"):
+                        result.skipped[name.removesuffix(".weight")] = reason
+                    tensors[name] = files.tensor(t)
+                done += t.nbytes
+                if progress is not None:
+                    progress(done, name)
             _save(tensors, tmp / "model.safetensors")
             qconfig = quantization_config(spec, sorted(result.skipped))
             (tmp / "config.json").write_text(json.dumps({**config, "quantization_config": qconfig}, indent=2) + "\n")

@@ -13,6 +13,7 @@ from typing import Any
 from ..errors import ShardloadError
 from ..format.shard_info import ShardInfo
 from ..sources.checkpoint import Checkpoint, open_checkpoint
+from .consistency import placement_warnings
 from .mesh import Mesh, stage_plans
 from .plan import build_plan
 
@@ -28,7 +29,8 @@ def validate_file(
 ) -> dict[str, Any]:
     """Check ``path`` (against ``model``'s header when given) for each N; return a JSON-ready report.
 
-    Without ``num_shards`` the file's own N is checked, or 1, 2, 4 and 8 for an N-agnostic file.
+    Without ``num_shards`` the file's own N is checked, or 1, 2, 4 and 8 for an N-agnostic file. Against a model,
+    ``warnings`` lists placements that plan but cannot compute (:mod:`.consistency`).
     A problem seen for only some N has those N appended to its message. With a ``mesh`` the N
     is its ``tp``, and against a model its pipeline stages must be splittable too.
     """
@@ -37,15 +39,20 @@ def validate_file(
         info = ShardInfo.load(path)
         checkpoint: Checkpoint | None = open_checkpoint(model) if model is not None else None
     except ShardloadError as err:
-        return {**report, "valid": False, "num_shards_checked": [], "valid_for": [], "problems": [err.to_dict()]}
+        report.update(valid=False, num_shards_checked=[], valid_for=[], problems=[err.to_dict()], warnings=[])
+        return report
     if mesh is not None:
         num_shards = [mesh.tp]
     ns = list(num_shards) if num_shards else ([info.num_shards] if info.num_shards else list(DEFAULT_NS))
     found: dict[str, dict[str, Any]] = {}
+    warned: dict[str, dict[str, Any]] = {}
     valid_for = []
     for n in ns:
         plan = build_plan(info, checkpoint, n, strict=False)
         problems = plan.problems
+        if checkpoint is not None and not problems:
+            for warning in placement_warnings(plan):
+                warned.setdefault(warning.message, {**warning.to_dict(), "num_shards": []})["num_shards"].append(n)
         if mesh is not None and checkpoint is not None and not problems:
             try:
                 stage_plans(plan, mesh)
@@ -56,7 +63,7 @@ def validate_file(
         for problem in problems:
             entry = found.setdefault(problem.message, {**problem.to_dict(), "num_shards": []})
             entry["num_shards"].append(n)
-    for entry in found.values():
+    for entry in [*found.values(), *warned.values()]:
         if len(entry["num_shards"]) < len(ns):
             entry["message"] += f" [num_shards={','.join(str(n) for n in entry['num_shards'])}]"
     return {
@@ -66,6 +73,7 @@ def validate_file(
         "num_shards_checked": ns,
         "valid_for": valid_for,
         "problems": list(found.values()),
+        "warnings": list(warned.values()),
     }
 
 
