@@ -208,3 +208,60 @@ def test_safetensors_headers_raise_only_checkpoint_errors(header: Any, data_len:
         except CheckpointError:
             return
     assert sum(t.nbytes for t in tensors.values()) == data_len  # a header that passes tiles the data exactly
+
+
+GGUF_EXAMPLES = 300
+PLAN_EXAMPLES = 200
+
+
+def _gguf_bytes() -> st.SearchStrategy[bytes]:
+    """A GGUF magic and version, then counts and bytes that are often forged (huge, or pointing past the end)."""
+    counts = st.one_of(st.integers(0, 4), st.integers(0, 2**64 - 1))
+    return st.builds(
+        lambda t, k, tail: b"GGUF" + struct.pack("<IQQ", 3, t, k) + tail,
+        counts, counts, st.binary(max_size=200),
+    )  # fmt: skip
+
+
+@settings(max_examples=GGUF_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(data=_gguf_bytes())
+def test_forged_gguf_headers_raise_only_checkpoint_errors(data: bytes) -> None:
+    import pytest
+
+    pytest.importorskip("gguf")
+    from shardload.sources.checkpoint import open_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.gguf"
+        path.write_bytes(data)
+        try:
+            open_checkpoint(path)
+        except CheckpointError:
+            pass
+
+
+CONFIG_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True), st.text(max_size=8),
+    st.lists(st.integers(-3, 70), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)  # fmt: skip
+CONFIG_KEYS = st.sampled_from([
+    "model_type", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim", "intermediate_size",
+    "num_hidden_layers", "vocab_size", "tie_word_embeddings", "num_local_experts", "quantization_config",
+    "architectures", "base_model_tp_plan",
+])  # fmt: skip
+
+
+@settings(max_examples=PLAN_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(changes=st.dictionaries(CONFIG_KEYS, CONFIG_VALUES, max_size=4))
+def test_plan_from_odd_configs_raises_only_shardload_errors(changes: dict[str, Any]) -> None:
+    """`shardload plan` on the example model with config.json values of any type and size."""
+    from shardload.cli.example import EXAMPLE_CONFIG, write_example
+    from shardload.models.presets import generate
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_example(Path(tmp) / "m")
+        (model / "config.json").write_text(json.dumps({**EXAMPLE_CONFIG, **changes}))
+        try:
+            generate(model)
+        except ShardloadError:
+            pass
