@@ -153,3 +153,28 @@ def test_quantize_reports_progress(example_dir: Path, tmp_path: Path) -> None:
     assert [name for _, name in seen] == list(stored.tensors)
     done = [d for d, _ in seen]
     assert done == sorted(done) and done[-1] == stored.nbytes
+
+
+def test_whole_model_load_reports_progress(example_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import sys
+
+    import shardload.engine.transfer as transfer
+
+    monkeypatch.setattr(transfer, "JOB_BYTES", 4096)  # many jobs for the small example
+    seen: list[tuple[int, int]] = []
+    shards = shardload.load(example_dir, 2, devices=["cpu", "cpu"], progress=lambda d, t: seen.append((d, t)))
+    assert len(seen) > 1 and [d for d, _ in seen] == list(range(1, seen[-1][1] + 1)) and seen[-1][0] == seen[-1][1]
+    want = reference_shards(example_dir, 2)
+    for r in range(2):
+        for name, t in shards[r].items():
+            np.testing.assert_array_equal(t.numpy(), want[r][name])
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    shardload.load(example_dir, 2, devices=["cpu", "cpu"], progress=True)
+    assert screen.getvalue().startswith("\rloading: 1/") and screen.getvalue().endswith("(100%)\n")

@@ -8,7 +8,7 @@ parameters with a compute step are read whole, run through their step functions,
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardloadError
@@ -61,6 +61,7 @@ def load(
     *,
     mesh: Mesh | str | Mapping[str, int] | None = None,
     verify: bool = False,
+    progress: bool | Callable[[int, int], None] = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Load every rank's shard of ``model``: a list of state dicts, the one for global rank r on ``devices[r]``.
 
@@ -68,7 +69,8 @@ def load(
     or a directory written by :func:`convert`. Each stored byte is read once. With ``mesh``
     (e.g. ``"pp=2,tp=4"``) rank r holds only its pipeline stage's parameters, tensor shard
     ``tp`` of them; ``num_shards`` may then be left out (it is the mesh's ``tp``). ``verify``
-    checks a converted directory's sha256 sums (sizes are always checked).
+    checks a converted directory's sha256 sums (sizes are always checked). ``progress=True`` draws a
+    progress line on stderr when it is a terminal; a callable gets ``(read jobs done, total)`` per stage.
 
     Example::
 
@@ -97,7 +99,9 @@ def load(
     result: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
     for pp, stage in enumerate(stages_of(plan, layout)):
         first = [layout.rank(0, pp, tp) for tp in range(layout.tp)]
-        for tp, state in enumerate(run_plan(stage, range(layout.tp), [devices[r] for r in first])):
+        report = _progress_line(f"loading stage {pp}" if layout.pp > 1 else "loading") if progress is True else None
+        call = report or (progress if callable(progress) else None)
+        for tp, state in enumerate(run_plan(stage, range(layout.tp), [devices[r] for r in first], progress=call)):
             result[first[tp]] = state
             for dp in range(1, layout.dp):  # data-parallel replicas: the same tensors, copied
                 rank = layout.rank(dp, pp, tp)
@@ -105,8 +109,30 @@ def load(
     return result
 
 
+def _progress_line(label: str) -> Callable[[int, int], None] | None:
+    """A callback drawing ``label: done/total (pct)`` on stderr, or None when stderr is not a terminal."""
+    import sys
+
+    if not sys.stderr.isatty():
+        return None
+
+    def draw(done: int, total: int) -> None:
+        sys.stderr.write(f"\r{label}: {done}/{total} read jobs ({100 * done // total}%)")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return draw
+
+
 def run_plan(
-    plan: ModelPlan, ranks: Sequence[int], devices: Sequence[Any], *, staged: bool = False, mmap: bool = False
+    plan: ModelPlan,
+    ranks: Sequence[int],
+    devices: Sequence[Any],
+    *,
+    staged: bool = False,
+    mmap: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Every parameter of ``plan`` for ``ranks`` (rank ``ranks[k]`` on ``devices[k]``): all allocated, then read
     by the thread pool.
@@ -120,7 +146,7 @@ def run_plan(
     one_rank = len(ranks) == 1 and torch.device(devices[0]).type in ("cpu", "cuda")
     with (
         Reader() as reader,
-        Transfer(reader, staged=staged, defer=True, mapped=mmap, copy_out=one_rank) as transfer,
+        Transfer(reader, staged=staged, defer=True, mapped=mmap, copy_out=one_rank, progress=progress) as transfer,
     ):
         for param in plan.params.values():
             for k, t in enumerate(transfer.param(param, ranks, devices)):

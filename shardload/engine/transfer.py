@@ -17,7 +17,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,7 +77,7 @@ class Transfer:
     rank's CPU tensor that is one contiguous stretch of its file as a view of a private file mapping
     instead of reading it (see :class:`~shardload.sources.reader.Mappings`). ``copy_out`` lets a single CPU
     rank copy its pieces out of a read-only mapping with strided copies where that is faster than reading
-    them (:data:`READ_STRATEGY`).
+    them (:data:`READ_STRATEGY`). ``progress(done, total)`` is called as the read jobs of :meth:`wait` finish.
     """
 
     def __init__(
@@ -89,8 +89,10 @@ class Transfer:
         defer: bool = False,
         mapped: bool = False,
         copy_out: bool = False,
+        progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.reader = reader
+        self.progress = progress
         self.mappings = Mappings() if mapped else None
         self.filemaps = FileMaps() if copy_out else None
         self.spans: dict[Any, tuple[Any, Any, float] | None] = {}
@@ -380,6 +382,10 @@ class Transfer:
             self.held = []
         futures, self.futures = self.futures, []
         try:
+            if self.progress is not None and futures:
+                for done, f in enumerate(as_completed(futures), 1):
+                    f.result()
+                    self.progress(done, len(futures))
             for f in futures:
                 f.result()
         except BaseException:
