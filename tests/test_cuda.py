@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from test_load import assert_same, reference_shards
+from test_reading import check_reads_into_slots, parallel_model
 
 import shardload
 from shardload.errors import ShardloadError
@@ -135,3 +136,8 @@ def test_default_devices_are_the_gpus(example_dir: Path) -> None:
     count = torch.cuda.device_count()
     shards = shardload.load(example_dir, count)
     assert [next(iter(s.values())).device for s in shards] == [torch.device("cuda", r) for r in range(count)]
+
+
+@pytest.mark.parametrize("copy_out", (False, True))
+def test_reading_into_callers_gpu_tensors(tmp_path: Path, copy_out: bool) -> None:
+    check_reads_into_slots(parallel_model(tmp_path / "model"), GPU, copy_out)

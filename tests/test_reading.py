@@ -101,7 +101,7 @@ def test_example_model_every_path(
             assert torch.equal(got[r][k], want[r][k]), (path, r, k)
 
 
-def _parallel_model(directory: Path) -> Path:
+def parallel_model(directory: Path) -> Path:
     """Row-parallel, column-parallel, fused-QKV, replicated, empty and 0-d parameters, random data."""
     rng = np.random.default_rng(11)
     tensors = {
@@ -139,7 +139,7 @@ def _rchar() -> int | None:
 @pytest.mark.parametrize("n", (2, 4))
 def test_load_rank_reads_only_its_bytes(tmp_path: Path, n: int, strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shardload.engine.transfer, "READ_STRATEGY", strategy)
-    model = _parallel_model(tmp_path / "m")
+    model = parallel_model(tmp_path / "m")
     plan = shardload.plan_model(model, n)
     shardload.load_rank(model, 0, n)  # warm up lazy imports before counting
     for rank in range(n):
@@ -164,7 +164,7 @@ def test_load_rank_reads_only_its_bytes(tmp_path: Path, n: int, strategy: str, m
 
 
 def test_column_slice_reads_only_its_rows_parts(tmp_path: Path) -> None:
-    model = _parallel_model(tmp_path / "m")
+    model = parallel_model(tmp_path / "m")
     info = {"version": 1, "params": {"col": [["shard_funcs.shard_dim", [None, None], 1, "num_shards"]]}}
     plan = shardload.plan_model(model, 4, shard_info=info)
     col = plan.params["col"]
@@ -178,7 +178,7 @@ def test_column_slice_reads_only_its_rows_parts(tmp_path: Path) -> None:
 def test_load_reads_each_stored_byte_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, portable: bool) -> None:
     if portable:
         monkeypatch.setattr(shardload.sources.reader, "_PREADV", None)
-    model = _parallel_model(tmp_path / "m")
+    model = parallel_model(tmp_path / "m")
     stored = sum(t.nbytes for t in open_checkpoint(model).tensors.values())
     for n in (1, 2, 4):
         with count_reads() as seen:
@@ -191,7 +191,7 @@ def test_load_reads_each_stored_byte_once(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_counting_is_off_outside_the_block(tmp_path: Path) -> None:
-    model = _parallel_model(tmp_path / "m")
+    model = parallel_model(tmp_path / "m")
     with count_reads() as seen:
         pass
     shardload.load(model, 2, devices=["cpu"] * 2)
@@ -237,7 +237,7 @@ def test_faulty_box_rule_is_refused(tmp_path: Path, kind: str, message: str) -> 
 def test_file_truncated_after_planning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, portable: bool) -> None:
     if portable:
         monkeypatch.setattr(shardload.sources.reader, "_PREADV", None)
-    model = _parallel_model(tmp_path / "m")
+    model = parallel_model(tmp_path / "m")
     plan = shardload.plan_model(model, 2)
     path = model / "model.safetensors"
     size = path.stat().st_size
@@ -250,7 +250,7 @@ def test_file_truncated_after_planning(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_plan_built_elsewhere_still_checks_boxes(tmp_path: Path) -> None:
-    model = _parallel_model(tmp_path / "m")
+    model = parallel_model(tmp_path / "m")
     plan = build_plan(ShardInfo.load(model / "shard_info.json"), open_checkpoint(model), 4)
     got = run_plan(plan, [3, 1], ["cpu", "cpu"])
     want = shardload.load(model, 4, devices=["cpu"] * 4)
@@ -270,7 +270,7 @@ def test_convert_with_a_compute_step(tmp_path: Path, monkeypatch: pytest.MonkeyP
         return (x.float() * 2).reshape(num_shards, x.shape[0] // num_shards, *x.shape[1:])
 
     try:
-        model = _parallel_model(tmp_path / "m")
+        model = parallel_model(tmp_path / "m")
         info = json.loads((model / "shard_info.json").read_text())
         info["params"]["norm"] = [["tests.doubled_rows", [None, None], "num_shards"]]
         (model / "shard_info.json").write_text(json.dumps(info))
@@ -318,3 +318,42 @@ def test_failed_write_stops_every_worker_and_leaves_nothing(
     with pytest.raises((OSError, shardload.ShardloadError), match="No space left"):
         shardload.convert(example_dir, 4, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+def check_reads_into_slots(model: Path, device: str, copy_out: bool) -> None:
+    """``Transfer.param(out=...)`` onto ``device`` (a server's own parameter memory: views into a larger buffer)
+    holds exactly what fresh tensors would, and writes nothing around the views."""
+    plan = shardload.plan_model(model, 4)
+    want = run_plan(plan, [2], ["cpu"])[0]
+    slots = {}
+    with Reader() as reader, Transfer(reader, defer=True, copy_out=copy_out) as transfer:
+        for name, param in plan.params.items():
+            backing = torch.full((param.rank_nbytes + 16,), 7, dtype=torch.uint8, device=device)
+            slot = backing[8 : 8 + param.rank_nbytes].view(want[name].dtype).view(want[name].shape)
+            assert transfer.param(param, [2], out=[slot])[0] is slot
+            slots[name] = (slot, backing)
+        transfer.wait()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    for name, (slot, backing) in slots.items():
+        assert slot.device == torch.device(device)
+        assert torch.equal(slot.cpu(), want[name]), name
+        end = 8 + slot.numel() * slot.element_size()
+        assert backing[:8].eq(7).all() and backing[end:].eq(7).all(), name
+
+
+@pytest.mark.parametrize("strategy", ("auto", "read", "map"))
+@pytest.mark.parametrize("copy_out", (False, True))
+def test_reading_into_callers_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str,
+                                      copy_out: bool) -> None:  # fmt: skip
+    monkeypatch.setattr(shardload.engine.transfer, "READ_STRATEGY", strategy)
+    model = parallel_model(tmp_path / "model")
+    check_reads_into_slots(model, "cpu", copy_out)
+    plan = shardload.plan_model(model, 4)
+    with Reader() as reader, Transfer(reader) as transfer:
+        param = plan.params["col"]
+        with pytest.raises(ValueError, match="col: out must be 1 contiguous"):
+            transfer.param(param, [0], out=[torch.empty((1, *param.shape), dtype=torch.float16)])
+        wide = torch.empty((param.shape[0], param.shape[1] * 2), dtype=torch.float16)[:, : param.shape[1]]
+        with pytest.raises(ValueError, match="contiguous"):
+            transfer.param(param, [0], out=[wide])

@@ -178,6 +178,15 @@ def example(out_dir: Path, overwrite: bool, multi_file: bool) -> None:
 )
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary table.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON (no progress bar).")
+@click.option(
+    "--layout",
+    "layout_name",
+    type=click.Choice(["shardload", "vllm"]),
+    default="shardload",
+    show_default=True,
+    help="shardload: rank files + manifest (load_rank, load_format='shardload'); vllm: vLLM's sharded_state "
+    "files, served by stock vLLM with load_format='sharded_state'.",
+)
 @_mesh_options
 @_guarded
 def convert(
@@ -189,6 +198,7 @@ def convert(
     fsync: bool | None,
     quiet: bool,
     as_json: bool,
+    layout_name: str,
     mesh: str | None,
     world_size: int | None,
     pp_layers: str | None,
@@ -196,10 +206,14 @@ def convert(
     """Write MODEL pre-sharded for N ranks: rank-RRRRR-of-NNNNN.safetensors + shard_manifest.json.
 
     With --mesh pp=P,tp=T there is one file per (stage, tensor rank), holding only that stage's layers.
+    With --layout vllm, vLLM's model-rank-R-part-0.safetensors files instead (tensor parallel only).
     """
     from ..engine.convert import convert as run_convert
     from .report import format_table, human_bytes
 
+    if layout_name == "vllm":
+        _convert_vllm(model, num_shards, out_dir, shard_info, overwrite, fsync, quiet, as_json, mesh)
+        return
     layout = _mesh_arg(mesh, world_size, pp_layers)
     if layout is None and num_shards is None:
         raise click.UsageError("give --num-shards (or --mesh)")
@@ -245,6 +259,38 @@ def convert(
     click.echo(format_table([*headers, "file", "tensors", "size", "bytes", "sha256"], rows, right=right))
     extra = f" and {len(result.other_files)} copied file(s)" if result.other_files else ""
     click.echo(f"\nwrote {len(result.rank_files)} rank files{extra} to {result.out_dir}")
+
+
+def _convert_vllm(
+    model: Path,
+    num_shards: int | None,
+    out_dir: Path,
+    shard_info: Path | None,
+    overwrite: bool,
+    fsync: bool | None,
+    quiet: bool,
+    as_json: bool,
+    mesh: str | None,
+) -> None:
+    """``convert --layout vllm``: vLLM's sharded_state files for ``num_shards`` tensor-parallel ranks."""
+    from ..engine.vllm_layout import convert_vllm
+    from .report import format_table, human_bytes
+
+    if mesh is not None or num_shards is None:
+        raise click.UsageError("--layout vllm takes --num-shards (vLLM's tensor-parallel size) and no --mesh")
+    files = convert_vllm(model, num_shards, out_dir, shard_info, overwrite=overwrite, fsync=fsync)
+    if as_json:
+        click.echo(json.dumps({"out_dir": str(out_dir), "num_shards": num_shards, "layout": "vllm",
+                               "rank_files": [f.__dict__ for f in files]}, indent=2))  # fmt: skip
+        return
+    if quiet:
+        return
+    rows = [(r, f.path, human_bytes(f.size), f.size, f.sha256[:16]) for r, f in enumerate(files)]
+    click.echo(format_table(["rank", "file", "size", "bytes", "sha256"], rows, right=(0, 2, 3)))
+    click.echo(
+        f"\nwrote vLLM's sharded_state layout for tensor_parallel_size={num_shards} to {out_dir}; serve it with "
+        f"`vllm serve {out_dir} --load-format sharded_state --tensor-parallel-size {num_shards}`"
+    )
 
 
 @main.command()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError, ShardloadError
 from ..planning.mesh import Mesh
-from ..sources.checkpoint import MANIFEST_NAME, open_checkpoint
+from ..sources.checkpoint import MANIFEST_NAME, VLLM_MANIFEST_FORMAT, open_checkpoint, read_json
 from .load import load_rank
 from .verify import VerifyReport, check_entry
 
@@ -25,23 +25,57 @@ def verify_dir(path: str | os.PathLike[str], source: str | os.PathLike[str] | No
         for problem in report.problems:
             print(problem)
     """
+    vllm = _vllm_manifest(Path(path))
+    if vllm is not None:
+        if source is not None:
+            raise CheckpointError(
+                "--source compares shardload's rank layout; this directory is in vLLM's sharded_state layout "
+                "(its files are still checked against the manifest without --source)",
+                file=str(path),
+            )
+        return _check_files(VerifyReport(Path(path), vllm["num_shards"]), Path(path), vllm)
     checkpoint = open_checkpoint(path)
     if checkpoint.kind != "converted" or checkpoint.manifest is None:
         raise CheckpointError(f"not a converted directory (no {MANIFEST_NAME})", file=str(path))
     manifest = checkpoint.manifest
-    report = VerifyReport(checkpoint.root, manifest["num_shards"])
+    report = _check_files(VerifyReport(checkpoint.root, manifest["num_shards"]), checkpoint.root, manifest)
+    if source is not None and report.ok:
+        report.problems += _against_source(checkpoint.root, Path(source), manifest)
+    return report
+
+
+def _vllm_manifest(path: Path) -> dict | None:
+    """The manifest of a directory written by ``convert --layout vllm`` (checked), or None for anything else."""
+    manifest_path = path / MANIFEST_NAME
+    if not path.is_dir() or not manifest_path.is_file():
+        return None
+    manifest = read_json(manifest_path, "manifest")
+    if not isinstance(manifest, dict) or manifest.get("format") != VLLM_MANIFEST_FORMAT:
+        return None
+    files = manifest.get("files")
+    n = manifest.get("num_shards")
+    entries_ok = isinstance(files, list) and all(
+        isinstance(e, dict) and isinstance(e.get("path"), str) and type(e.get("size")) is int
+        and isinstance(e.get("sha256"), str) for e in files
+    )  # fmt: skip
+    if type(n) is not int or n < 1 or not entries_ok:
+        raise CheckpointError("inconsistent manifest: needs num_shards >= 1 and files with path, size and sha256",
+                              file=str(manifest_path))  # fmt: skip
+    return manifest
+
+
+def _check_files(report: VerifyReport, root: Path, manifest: dict) -> VerifyReport:
+    """Every file the manifest lists (size, sha256, rank header) and any safetensors file it does not."""
     for entry in manifest["files"]:
-        _, problem = check_entry(checkpoint.root, entry, checksum=True)
+        _, problem = check_entry(root, entry, checksum=True)
         report.files += 1
         report.nbytes += entry["size"]
         if problem is not None:
             report.problems.append(problem)
     listed = {entry["path"] for entry in manifest["files"]}
-    for extra in sorted(checkpoint.root.iterdir()):
+    for extra in sorted(root.iterdir()):
         if extra.name.endswith(".safetensors") and extra.name not in listed:
             report.problems.append(CheckpointError("is not listed in the manifest", file=str(extra)))
-    if source is not None and report.ok:
-        report.problems += _against_source(checkpoint.root, Path(source), manifest)
     return report
 
 

@@ -114,20 +114,36 @@ class Transfer:
         else:
             self.futures.append(self.pool.submit(fn))
 
-    def param(self, plan: ParamPlan, ranks: Sequence[int], devices: Sequence[Any] | None = None) -> list[torch.Tensor]:
-        """``plan``'s tensors for ``ranks`` (rank ``ranks[k]`` on ``devices[k]``, default CPU), being filled."""
+    def param(
+        self,
+        plan: ParamPlan,
+        ranks: Sequence[int],
+        devices: Sequence[Any] | None = None,
+        *,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """``plan``'s tensors for ``ranks`` (rank ``ranks[k]`` on ``devices[k]``, default CPU), being filled.
+
+        ``out`` (one per rank: contiguous, of the plan's per-rank shape and dtype) receives the bytes in place of
+        fresh tensors, e.g. a server's own parameter memory; the devices are then the tensors' own.
+        """
         import torch
 
         from ..planning.runs import param_runs, shifted, structure
 
+        if out is not None:
+            want = (tuple(plan.shape), to_torch(plan.dtype))
+            if len(out) != len(ranks) or any((tuple(t.shape), t.dtype) != want or not t.is_contiguous() for t in out):
+                raise ValueError(f"{plan.name}: out must be {len(ranks)} contiguous {want[1]} tensor(s) of {want[0]}")
+            devices = [t.device for t in out]
         devs = [torch.device("cpu")] * len(ranks) if devices is None else [torch.device(d) for d in devices]
         key = (structure(plan, ranks), tuple(devs))
-        if self.mappings is not None and len(ranks) == 1 and devs[0].type == "cpu":
+        if out is None and self.mappings is not None and len(ranks) == 1 and devs[0].type == "cpu":
             view = self._view(plan, ranks, key)
             if view is not None:
                 return [view]
         if self.filemaps is not None and len(ranks) == 1:
-            copied = self._copy_out(plan, ranks[0], key, devs[0])
+            copied = self._copy_out(plan, ranks[0], key, devs[0], None if out is None else out[0])
             if copied is not None:
                 return [copied]
         if key in self.schedules:
@@ -142,13 +158,22 @@ class Transfer:
 
             full = torch.empty(plan.source.shape, dtype=to_torch(plan.source.dtype))
             self.reader.read_tensor(plan.source.file, plan.source.offset, full)
-            out = run_steps(plan, full)
-            return [out[r].to(d, copy=True, memory_format=torch.contiguous_format) for r, d in zip(ranks, devs)]  # noqa: B905
-        dests = [torch.empty(plan.shape, dtype=to_torch(plan.dtype), device=d) for d in devs]
+            computed = run_steps(plan, full)
+            if out is not None:
+                for r, t in zip(ranks, out, strict=True):
+                    t.copy_(computed[r])
+                return list(out)
+            return [computed[r].to(d, copy=True, memory_format=torch.contiguous_format) for r, d in zip(ranks, devs)]  # noqa: B905
+        if out is not None:
+            dests = list(out)
+        else:
+            dests = [torch.empty(plan.shape, dtype=to_torch(plan.dtype), device=d) for d in devs]
         self._start(plan.source.file, plan.source.offset, schedule, dests)
         return dests
 
-    def _copy_out(self, plan: ParamPlan, rank: int, key: Any, device: torch.device) -> torch.Tensor | None:
+    def _copy_out(
+        self, plan: ParamPlan, rank: int, key: Any, device: torch.device, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """The rank's tensor, being filled by strided copies out of a read-only mapping of its file, when the
         strategy says so (None: read it with ``preadv`` instead). On a GPU (or with ``staged``) the copies gather
         the rank's bytes into the pinned staging buffers, each upload one contiguous block.
@@ -212,7 +237,7 @@ class Transfer:
             if not direct and lead and math.prod(b - a for a, b in piece.dst) * dtype.itemsize // lead > block:
                 return None
         src = data[plan.source.offset : end].view(dtype).view(plan.source.shape)
-        dest = torch.empty(plan.shape, dtype=dtype, device=device)
+        dest = torch.empty(plan.shape, dtype=dtype, device=device) if out is None else out
         file = plan.source.file
         if not direct and self.staging is None:
             self.staging = _Staging(STAGE_BYTES, max(2, self.threads + 1), pin=device.type == "cuda")

@@ -27,6 +27,8 @@ SHARD_INFO_NAME = "shard_info.json"
 CONFIG_NAME = "config.json"
 MANIFEST_FORMAT = "shardload.converted"
 MANIFEST_VERSION = 1
+VLLM_MANIFEST_FORMAT = "shardload.vllm-sharded-state"
+"""The manifest format of a directory in vLLM's ``sharded_state`` layout (``convert --layout vllm``)."""
 MAX_HEADER_BYTES = 100 << 20
 """Cap on a safetensors header and on index/manifest JSON files (real headers are a few MB at most)."""
 MAX_CONFIG_BYTES = 16 << 20
@@ -285,6 +287,12 @@ def check_manifest(manifest: Any, where: Path) -> None:
 
     if not isinstance(manifest, dict):
         raise bad("not a JSON object")
+    if isinstance(manifest, dict) and manifest.get("format") == VLLM_MANIFEST_FORMAT:
+        raise CheckpointError(
+            "is in vLLM's sharded_state layout (convert --layout vllm): serve it with vLLM's "
+            "load_format='sharded_state'; `shardload verify` checks its files",
+            file=str(where.parent),
+        )
     if manifest.get("format") != MANIFEST_FORMAT:
         raise bad(f"'format' is {manifest.get('format')!r}, not {MANIFEST_FORMAT!r}")
     if manifest.get("version") != MANIFEST_VERSION or type(manifest.get("version")) is not int:

@@ -1,0 +1,334 @@
+"""``shardload convert --layout vllm``: write vLLM's ``sharded_state`` layout, which stock vLLM serves with
+``load_format="sharded_state"`` and no plugin.
+
+One file per tensor-parallel rank, ``model-rank-{r}-part-0.safetensors``, holding vLLM's parameter names and its
+per-rank layout: ``qkv_proj`` = [this rank's q rows; its k rows; its v rows], ``gate_up_proj`` = [gate; up],
+row-parallel weights split by columns, embeddings and the LM head padded with zero rows to a multiple of 64 and
+split by rows (a tied LM head is stored once, under ``lm_head.weight``, the key vLLM keeps). The rank tensors come
+from the model's shard_info (or a plan made in memory from config.json), streamed one parameter at a time; the
+output is staged and published like :func:`shardload.convert`'s, with a manifest so ``shardload verify`` checks
+it. Never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ShardloadError
+from ..format.shard_info import ShardInfo
+from ..models.plan_source import plan_shard_info
+from ..models.vllm_names import DEFAULT_PACKED, SKIPPED_SUFFIXES, is_vocab, vllm_target, vocab_range
+from ..planning.plan import ModelPlan, build_plan
+from ..sources.checkpoint import (
+    MANIFEST_NAME,
+    SHARD_INFO_NAME,
+    VLLM_MANIFEST_FORMAT,
+    Checkpoint,
+    as_path,
+    open_checkpoint,
+    read_config,
+)
+from ..sources.dtypes import DTYPES, itemsize
+from ..sources.reader import Reader
+from ..version import __version__
+from .load import iter_shards, materialize
+from .output import (
+    Staging,
+    check_output,
+    check_sources_unchanged,
+    copy_companions,
+    source_paths,
+    stamp_sources,
+    write_error,
+)
+from .writer import OutFile, OutputFile
+
+if TYPE_CHECKING:
+    import torch
+
+FILE_PATTERN = "model-rank-{rank}-part-0.safetensors"
+"""vLLM's ``ShardedStateLoader`` file name for tensor-parallel rank ``rank`` (one part per rank)."""
+ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
+"""Float32 scalars (1.0 unless a checkpoint quantizes the KV cache) each vLLM attention layer keeps in its state."""
+
+
+@dataclass(frozen=True)
+class VllmTensor:
+    """One tensor of every rank file: vLLM's name, the stored tensors it is made of, its per-rank shape."""
+
+    name: str
+    parts: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    vocab: bool = False
+    experts: int = 0
+    """For a stacked MoE parameter: the number of experts; ``parts`` is expert-major (e0's parts, e1's, ...)."""
+    constant: float | None = None
+    """A float32 value vLLM's model keeps in its state (its attention's default quantization scales)."""
+
+
+@dataclass(frozen=True)
+class VllmLayout:
+    """The pure plan of a ``sharded_state`` output: tensors in file order, and the shard plan that feeds them."""
+
+    tensors: list[VllmTensor]
+    plan: ModelPlan
+    vocab_plan: ModelPlan
+    source: str
+
+    def header(self) -> bytes:
+        """The safetensors header every rank file shares (all ranks hold the same shapes)."""
+        header: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": f"shardload {__version__}"}}
+        offset = 0
+        for t in self.tensors:
+            size = itemsize(t.dtype)
+            for n in t.shape:
+                size *= n
+            span = [offset, offset + size]
+            header[t.name] = {"dtype": DTYPES[t.dtype][0], "shape": list(t.shape), "data_offsets": span}
+            offset += size
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        return struct.pack("<Q", len(text)) + text
+
+
+def plan_layout(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None) -> VllmLayout:
+    """Plan vLLM's per-rank tensors of ``checkpoint`` for ``num_shards`` ranks (headers only, no tensor data)."""
+    where = checkpoint.name
+    if checkpoint.kind != "safetensors" or checkpoint.presharded is not None:
+        raise ShardloadError("--layout vllm converts a safetensors source checkpoint", file=where)
+    config = read_config(checkpoint.root, missing_ok=True)
+    quantized = _quantization(config, where)
+    tied = config.get("tie_word_embeddings") is True
+    info, source = plan_shard_info(checkpoint, shard_info)
+    stored = [n for n in checkpoint.tensors if not n.endswith(SKIPPED_SUFFIXES)]
+    vocab_names = [n for n in stored if is_vocab(n) and not (tied and n.endswith("lm_head.weight"))]
+    kept = {k: v for k, v in info.params.items() if k not in vocab_names and k in stored}
+    body = {n: checkpoint.tensors[n] for n in stored if n not in vocab_names}
+    plan = build_plan(ShardInfo(kept, info.num_shards, source=info.source), _only(checkpoint, body), num_shards)
+    whole = {n: checkpoint.tensors[n] for n in vocab_names}
+    vocab_plan = build_plan(ShardInfo(source="<whole>"), _only(checkpoint, whole), 1)
+    tensors: list[VllmTensor] = []
+    for name in vocab_names:
+        info_t = checkpoint.tensors[name]
+        rows = info_t.shape[0]
+        _, _, per_rank = vocab_range(rows, 0, num_shards)
+        if per_rank * num_shards != -(-rows // 64) * 64:
+            raise ShardloadError(
+                f"vLLM pads the vocabulary of {rows} rows to {-(-rows // 64) * 64}, which num_shards={num_shards} "
+                "does not divide",
+                file=where,
+                param=name,
+            )
+        out_name = "lm_head.weight" if tied and name.endswith("embed_tokens.weight") else name
+        tensors.append(VllmTensor(out_name, (name,), (per_rank, *info_t.shape[1:]), info_t.dtype, vocab=True))
+    groups: dict[str, list[str | None]] = {}
+    stacks: dict[str, dict[tuple[int, int], str]] = {}
+    experts = _expert_counts(plan)
+    for name, param in plan.params.items():
+        target = vllm_target(name, DEFAULT_PACKED)
+        if target.expert is None and ".experts." in name:
+            raise ShardloadError(
+                "--layout vllm writes experts stored one by one (experts.E.w1 or experts.E.gate_proj); this "
+                "checkpoint stores them stacked (transformers' save_original_format=False): serve it with "
+                "load_format='shardload' or save it in the original format",
+                file=where,
+                param=name,
+            )
+        if target.expert is not None:
+            stack = stacks.setdefault(target.name, {})
+            stack[(target.expert, target.part)] = name
+            if len(stack) == experts[target.name] * target.parts:
+                tensors.append(_stacked(target.name, stack, experts[target.name], target.parts, plan, where))
+                del stacks[target.name]
+            continue
+        if not target.fused:
+            tensors.append(VllmTensor(target.name, (name,), param.shape, param.dtype))
+            continue
+        parts = groups.setdefault(target.name, [None] * target.parts)
+        parts[target.part] = name
+        if all(p is not None for p in parts):
+            shapes = [plan.params[p].shape for p in parts if p is not None]
+            dtypes = {plan.params[p].dtype for p in parts if p is not None}
+            if len(dtypes) > 1 or any(s[1:] != shapes[0][1:] for s in shapes):
+                raise ShardloadError(f"its parts have different dtypes or widths ({shapes})", file=where,
+                                     param=target.name)  # fmt: skip
+            rows = sum(s[0] for s in shapes)
+            tensors.append(VllmTensor(target.name, tuple(p for p in parts if p), (rows, *shapes[0][1:]), dtypes.pop()))
+            del groups[target.name]
+    for vname, parts in groups.items():
+        missing = [DEFAULT_PACKED[vname.split(".")[-2]][i] for i, p in enumerate(parts) if p is None]
+        raise ShardloadError(f"vLLM fuses it, but {missing} are not in the checkpoint", file=where, param=vname)
+    for vname in stacks:
+        raise ShardloadError(f"vLLM stacks {experts[vname]} experts into it, but not all of their projections are "
+                             "in the checkpoint", file=where, param=vname)  # fmt: skip
+    attention = sorted({t.name.rsplit(".", 2)[0] for t in tensors if t.name.endswith(".qkv_proj.weight")})
+    for prefix in attention:  # vLLM's Attention registers these persistent buffers; sharded_state needs every key
+        for scale in ATTENTION_SCALES:
+            tensors.append(VllmTensor(f"{prefix}.attn.{scale}", (), (), "float32", constant=1.0))
+        if quantized:  # compressed-tensors' KV-cache placeholders, at the values vLLM gives a checkpoint without them
+            for kind in ("k", "v", "q"):
+                tensors.append(VllmTensor(f"{prefix}.attn.{kind}_scale", (), (1,), "float32", constant=1.0))
+                tensors.append(VllmTensor(f"{prefix}.attn.{kind}_zero_point", (), (1,), "float32", constant=0.0))
+    return VllmLayout(tensors, plan, vocab_plan, source)
+
+
+def _quantization(config: dict[str, Any], where: str) -> bool:
+    """Whether the model is quantized in a way ``--layout vllm`` writes (compressed-tensors); refuse the others."""
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict):
+        return False
+    method = quant.get("quant_method")
+    if method != "compressed-tensors" or quant.get("kv_cache_scheme") is not None:
+        raise ShardloadError(
+            f"--layout vllm writes unquantized and compressed-tensors checkpoints, not quant_method={method!r}"
+            f"{' with a kv_cache_scheme' if method == 'compressed-tensors' else ''}; serve this one with "
+            "load_format='shardload'",
+            file=where,
+        )
+    return True
+
+
+def _expert_counts(plan: ModelPlan) -> dict[str, int]:
+    """How many experts each stacked vLLM MoE parameter holds (the highest stored expert index + 1)."""
+    counts: dict[str, int] = {}
+    for name in plan.params:
+        target = vllm_target(name, DEFAULT_PACKED)
+        if target.expert is not None:
+            counts[target.name] = max(counts.get(target.name, 0), target.expert + 1)
+    return counts
+
+
+def _stacked(
+    vname: str, stack: dict[tuple[int, int], str], experts: int, parts: int, plan: ModelPlan, where: str
+) -> VllmTensor:
+    """vLLM's stacked expert parameter: ``[experts, rows of its parts, ...]``, checked for equal shapes and dtypes."""
+    names = tuple(stack[(e, p)] for e in range(experts) for p in range(parts))
+    shapes = {plan.params[n].shape for n in names}
+    dtypes = {plan.params[n].dtype for n in names}
+    if len(shapes) != 1 or len(dtypes) != 1:
+        raise ShardloadError(f"its experts' projections differ in shape or dtype ({sorted(shapes)})", file=where,
+                             param=vname)  # fmt: skip
+    shape = shapes.pop()
+    return VllmTensor(vname, names, (experts, shape[0] * parts, *shape[1:]), dtypes.pop(), experts=experts)
+
+
+def _only(checkpoint: Checkpoint, tensors: dict[str, Any]) -> Checkpoint:
+    return Checkpoint(checkpoint.path, checkpoint.root, checkpoint.kind, tensors, checkpoint.files)
+
+
+def rank_tensors(layout: VllmLayout, num_shards: int) -> Iterator[tuple[VllmTensor, list[torch.Tensor]]]:
+    """Each output tensor of ``layout`` for every rank, in file order, one parameter's worth in memory at a time."""
+    import torch
+
+    with Reader() as reader:
+        for t in layout.tensors:
+            if not t.vocab:
+                break
+            whole = materialize(layout.vocab_plan.params[t.parts[0]], reader, [0])[0]
+            shards = []
+            for r in range(num_shards):
+                start, stop, per_rank = vocab_range(whole.shape[0], r, num_shards)
+                shard = torch.zeros((per_rank, *whole.shape[1:]), dtype=whole.dtype)
+                shard[: stop - start].copy_(whole[start:stop])
+                shards.append(shard)
+            yield t, shards
+    pending: dict[str, list[torch.Tensor]] = {}
+    order = iter(t for t in layout.tensors if not t.vocab and t.constant is None)
+    want = next(order, None)
+    for param, shards in iter_shards(layout.plan, range(num_shards)):
+        pending[param.name] = shards
+        while want is not None and all(p in pending for p in want.parts):
+            pieces = [pending.pop(p) for p in want.parts]
+            if want.experts:
+                per = len(pieces) // want.experts
+                groups = [pieces[e * per : (e + 1) * per] for e in range(want.experts)]
+                yield want, [torch.stack([torch.cat([p[r] for p in g]) for g in groups]) for r in range(num_shards)]
+            else:
+                fused = len(pieces) > 1
+                yield want, [torch.cat([p[r] for p in pieces]) if fused else pieces[0][r] for r in range(num_shards)]
+            want = next(order, None)
+    for t in layout.tensors:
+        if t.constant is not None:
+            yield t, [torch.full(t.shape, t.constant, dtype=torch.float32) for _ in range(num_shards)]
+
+
+def convert_vllm(
+    model: str | os.PathLike[str],
+    num_shards: int,
+    out_dir: str | os.PathLike[str],
+    shard_info: Any = None,
+    *,
+    overwrite: bool = False,
+    fsync: bool | None = None,
+) -> list[OutputFile]:
+    """Write ``model`` in vLLM's ``sharded_state`` layout for ``num_shards`` ranks into ``out_dir``; return the files.
+
+    Example::
+
+        convert_vllm("llama-dir", 2, "llama-vllm-tp2")
+        # vllm serve llama-vllm-tp2 --load-format sharded_state --tensor-parallel-size 2
+    """
+    out = as_path(out_dir, "out_dir")
+    if type(num_shards) is not int or num_shards < 1:
+        raise ShardloadError(f"num_shards must be a positive integer, got {num_shards!r}", file=str(model))
+    checkpoint = open_checkpoint(model)
+    stamps = stamp_sources(checkpoint.files)
+    layout = plan_layout(checkpoint, num_shards, shard_info)
+    sources = source_paths(checkpoint.root, checkpoint.files)
+    exists = check_output(out, sources, overwrite=overwrite)
+    durable = exists if fsync is None else fsync
+    header = layout.header()
+    try:
+        with Staging(out, fsync, synced=durable, overwrite=overwrite) as staging:
+            files = [OutFile(staging.dir / FILE_PATTERN.format(rank=r), durable=durable) for r in range(num_shards)]
+            try:
+                for f in files:
+                    f.write(header)
+                for _, shards in rank_tensors(layout, num_shards):
+                    for f, shard in zip(files, shards, strict=True):
+                        f.write(memoryview(shard.contiguous().reshape(-1).view(_u8()).numpy()))
+                written = [f.finish() for f in files]
+            finally:
+                for f in files:
+                    f.close()
+            others = copy_companions(checkpoint.root, staging.dir, {SHARD_INFO_NAME}, durable)
+            assert staging.marker is not None
+            others.append(staging.marker)
+            manifest = {
+                "format": VLLM_MANIFEST_FORMAT,
+                "version": 1,
+                "shardload_version": __version__,
+                "num_shards": num_shards,
+                "plan": layout.source,
+                "source": {"files": [{"path": f.name, "size": st[2]} for f, st in stamps]},
+                "files": [f.__dict__ for f in written + others],
+            }
+            out_file = OutFile(staging.dir / MANIFEST_NAME, durable=durable)
+            try:
+                out_file.write((json.dumps(manifest, indent=2) + "\n").encode())
+                out_file.finish()
+            finally:
+                out_file.close()
+            check_sources_unchanged(stamps)
+            staging.publish()
+    except OSError as err:
+        raise write_error(err, out) from None
+    return written
+
+
+def _u8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def rank_path(out_dir: str | os.PathLike[str], rank: int) -> Path:
+    """The file vLLM reads for tensor-parallel rank ``rank`` of a ``sharded_state`` directory."""
+    return Path(out_dir) / FILE_PATTERN.format(rank=rank)

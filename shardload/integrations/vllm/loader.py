@@ -1,0 +1,462 @@
+"""The ``shardload`` load format for vLLM: each worker reads only its own bytes and fills vLLM's parameters in place.
+
+Each worker takes its rank and N from vLLM's tensor-parallel group, plans the checkpoint with shardload
+(its ``shard_info.json``, ``model_loader_extra_config={"shard_info": PATH}``, or a plan made in memory from
+config.json when there is none), and reads this rank's bytes straight into vLLM's parameters wherever a
+slice is one contiguous stretch of one (else into a scratch tensor, then copied): fused parameters
+(``qkv_proj``, ``gate_up_proj``) assembled from their parts along the output dim, MoE experts into their
+stacked parameters, padded vocabularies filled row for row with zeros after the stored rows. A parameter
+left unfilled, a stored tensor with no place in vLLM's model, or a shape that differs is a
+:class:`~shardload.errors.ShardloadError` naming it: a model is never served half loaded. Imports vLLM (only
+this module of shardload does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from ...errors import ShardloadError
+from ...format.shard_info import ShardInfo
+from ...models.plan_source import plan_shard_info
+from ...models.vllm_names import (
+    DEFAULT_PACKED,
+    EXPERTS_MODULE,
+    OPTIONAL_SUFFIXES,
+    SKIPPED_SUFFIXES,
+    Target,
+    vllm_target,
+)
+from ...planning.plan import ModelPlan, ParamPlan, build_plan
+from ...sources.checkpoint import open_checkpoint
+from ...sources.dtypes import to_torch
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+LOAD_FORMAT = "shardload"
+EXTRA_KEYS = ("shard_info", "verify")
+"""Keys accepted in ``model_loader_extra_config``."""
+
+log = logging.getLogger("vllm.shardload")  # under vLLM's logger, so its handlers print it
+
+
+def register_loader() -> None:
+    """Add ``load_format="shardload"`` to vLLM's loaders (idempotent)."""
+    from vllm.model_executor import model_loader
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    if LOAD_FORMAT in model_loader._LOAD_FORMAT_TO_MODEL_LOADER:
+        return
+
+    class ShardloadModelLoader(BaseModelLoader):
+        """vLLM loader reading each tensor-parallel rank's own bytes through shardload."""
+
+        def __init__(self, load_config: Any) -> None:
+            super().__init__(load_config)
+            extra = dict(load_config.model_loader_extra_config or {})
+            unknown = sorted(set(extra) - set(EXTRA_KEYS))
+            if unknown:
+                raise ShardloadError(
+                    f"unknown model_loader_extra_config key(s) {unknown} for load_format={LOAD_FORMAT!r}; "
+                    f"accepted: {list(EXTRA_KEYS)}"
+                )
+            self.shard_info = extra.get("shard_info")
+            self.verify = bool(extra.get("verify", False))
+
+        def download_model(self, model_config: Any) -> None:
+            _model_dir(model_config)
+
+        def load_weights(self, model: nn.Module, model_config: Any) -> None:
+            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+            started = time.perf_counter()
+            rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+            tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+            report = fill_model(
+                model, _model_dir(model_config), rank, size, shard_info=self.shard_info, verify=self.verify, tied=tied
+            )
+            log.info(
+                "shardload: rank %d of %d filled %d parameters from %d stored tensors in %.2f s (%s)",
+                rank, size, report.filled, report.tensors, time.perf_counter() - started, report.source,
+            )  # fmt: skip
+
+    model_loader.register_model_loader(LOAD_FORMAT)(ShardloadModelLoader)
+
+
+def _model_dir(model_config: Any) -> str:
+    path = getattr(model_config, "model_weights", None) or model_config.model
+    if not os.path.exists(path):
+        raise ShardloadError(
+            f"load_format={LOAD_FORMAT!r} reads a local checkpoint directory; {path!r} is not one "
+            "(download it first, e.g. with `huggingface-cli download`)"
+        )
+    return str(path)
+
+
+@dataclass
+class FillReport:
+    """What :func:`fill_model` did: parameters filled, stored tensors used, and where the plan came from."""
+
+    filled: int = 0
+    tensors: int = 0
+    source: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Fused:
+    parts: list[torch.Tensor | None]
+    names: list[str | None]
+
+
+def fill_model(
+    model: nn.Module,
+    model_dir: str | os.PathLike[str],
+    rank: int,
+    num_shards: int,
+    *,
+    shard_info: Any = None,
+    verify: bool = False,
+    tied: bool = False,
+) -> FillReport:
+    """Fill every parameter of vLLM's ``model`` with rank ``rank`` of ``num_shards``, read through shardload."""
+    from vllm.model_executor.models.utils import is_pp_missing_parameter
+
+    where = str(model_dir)
+    targets = dict(model.named_parameters())
+    packed = {k: tuple(v) for k, v in (getattr(model, "packed_modules_mapping", None) or DEFAULT_PACKED).items()}
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is not None and hasattr(mapper, "get_rename_mapper"):
+        mapper = mapper.get_rename_mapper()  # renames only: fusion is ours, part by part
+    checkpoint = open_checkpoint(model_dir)
+    report = FillReport()
+
+    def route(name: str) -> Target | None:
+        mapped = mapper._map_name(name) if mapper is not None and hasattr(mapper, "_map_name") else name
+        if mapped is None or name.endswith(SKIPPED_SUFFIXES):
+            return None
+        target = vllm_target(mapped, packed)
+        if target.name in targets:
+            return target
+        if target.expert is not None:  # vLLM before 0.32 keeps the stacked experts one module up
+            older = replace(target, name=target.name.replace(f".{EXPERTS_MODULE}.", ".", 1))
+            if older.name in targets:
+                return older
+        if tied and target.name.endswith("lm_head.weight"):
+            return None
+        if is_pp_missing_parameter(target.name, model):
+            return None  # another pipeline stage's parameter
+        raise ShardloadError(
+            f"no parameter {target.name!r} in vLLM's {type(model).__name__} to take it", file=where, param=name
+        )
+
+    vocab = _vocab_ranges(model, targets)
+    if checkpoint.kind == "converted":
+        if shard_info is not None:
+            raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=where)
+        from ...engine.load import load_rank
+
+        report.source = f"converted directory, rank file {rank}"
+        stored = load_rank(model_dir, rank, num_shards, verify=verify, mmap=True)
+        routes = {name: route(name) for name in stored}
+        spans = {n: vocab[t.name] for n, t in routes.items() if t is not None and t.name in vocab}
+        narrow = {n for n, span in spans.items() if stored[n].shape[0] == span[2] != _rows(span)}
+        for name in set(spans) - narrow:
+            if stored[name].shape[0] == _rows(spans[name]):
+                continue
+            raise ShardloadError(
+                f"this directory splits the vocabulary into {stored[name].shape[0]} rows per rank; vLLM's padded "
+                f"vocabulary needs rows {vocab[routes[name].name][0]}..{vocab[routes[name].name][1]} on rank {rank}: "
+                "load the source checkpoint with load_format='shardload', or convert with --layout vllm",
+                file=where,
+                param=name,
+            )
+        tensors: Mapping[str, torch.Tensor] = stored
+        direct: set[str] = set()
+    else:
+        info, report.source = plan_shard_info(checkpoint, shard_info)
+        plan = build_plan(info, checkpoint, num_shards)
+        routes = {name: route(name) for name in plan.params}
+        mismatched = _vocab_mismatches(plan, routes, vocab, rank)
+        if mismatched:
+            kept = {k: v for k, v in info.params.items() if k not in mismatched}
+            info = ShardInfo(kept, info.num_shards, info.version, info.form, info.source)
+            plan = build_plan(info, checkpoint, num_shards)
+            report.notes.append(
+                f"{', '.join(sorted(mismatched))}: the plan's split is not vLLM's padded vocabulary "
+                f"({num_shards} ranks); read whole and narrowed"
+            )
+        narrow = {n for n, p in plan.params.items() if (t := routes[n]) and t.name in vocab and p.replicated}
+        needed = ModelPlan(plan.num_shards, plan.shard_info, plan.checkpoint,
+                           {n: p for n, p in plan.params.items() if routes[n] is not None})  # fmt: skip
+        tensors, direct = _read_in_place(needed, rank, targets, routes, vocab, narrow)
+    for note in report.notes:
+        log.warning("shardload: %s", note)
+    report.tensors = len(tensors)
+    filled = _copy_into(targets, tensors, routes, vocab, narrow, where, direct)
+    report.filled = len(filled)
+    missing = [
+        n for n in targets
+        if n not in filled and not is_pp_missing_parameter(n, model) and not n.endswith(OPTIONAL_SUFFIXES)
+    ]  # fmt: skip
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ShardloadError(
+            f"vLLM parameter {missing[0]!r}{more} has no tensor in the checkpoint; the model would run with "
+            "uninitialised weights",
+            file=where,
+        )
+    return report
+
+
+def _read_in_place(
+    plan: ModelPlan,
+    rank: int,
+    targets: Mapping[str, Any],
+    routes: Mapping[str, Target | None],
+    vocab: Mapping[str, tuple[int, int, int]],
+    narrow: set[str],
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Read rank ``rank`` of ``plan``: straight into vLLM's parameter memory where its slot is one contiguous
+    stretch of the plan's shape (no second copy, no extra memory), into fresh tensors otherwise. Returns every
+    stored tensor (the slot itself when read in place) and the names read in place."""
+    from ...engine.transfer import Transfer
+    from ...sources.reader import Reader
+
+    slots = _slots(plan, targets, routes, vocab, narrow)
+    tensors: dict[str, torch.Tensor] = {}
+    with Reader() as reader, Transfer(reader, defer=True, copy_out=True) as transfer:
+        for name, param in plan.params.items():
+            slot = slots.get(name)
+            tensors[name] = transfer.param(param, [rank], out=None if slot is None else [slot])[0]
+        transfer.wait()
+    return tensors, set(slots)
+
+
+def _slots(
+    plan: ModelPlan,
+    targets: Mapping[str, Any],
+    routes: Mapping[str, Target | None],
+    vocab: Mapping[str, tuple[int, int, int]],
+    narrow: set[str],
+) -> dict[str, torch.Tensor]:
+    """For each stored tensor whose rank slice fits its place in a vLLM parameter exactly: that place (a view)."""
+
+    def fits(view: torch.Tensor, name: str) -> bool:
+        p = plan.params[name]
+        return tuple(view.shape) == tuple(p.shape) and view.dtype == to_torch(p.dtype) and view.is_contiguous()
+
+    slots: dict[str, torch.Tensor] = {}
+    fused: dict[str, dict[int, str]] = {}
+    for name, target in routes.items():
+        if target is None or name not in plan.params:
+            continue
+        data = targets[target.name].data
+        if target.expert is not None:
+            if target.expert < data.shape[0]:
+                view = data[target.expert]
+                rows = view.shape[0] // target.parts
+                view = view.narrow(0, target.part * rows, rows)
+                if fits(view, name):
+                    slots[name] = view
+        elif target.fused:
+            fused.setdefault(target.name, {})[target.part] = name
+        elif target.name in vocab:
+            start, stop, _ = vocab[target.name]
+            if name not in narrow and stop - start <= data.shape[0] and fits(data[: stop - start], name):
+                slots[name] = data[: stop - start]
+        elif fits(data, name):
+            slots[name] = data
+    for vname, parts in fused.items():
+        param = targets[vname]
+        dim = getattr(param, "output_dim", None)
+        names = [parts.get(i) for i in range(routes[next(iter(parts.values()))].parts)]  # type: ignore[union-attr]
+        if dim not in (0, None) or any(n is None for n in names):
+            continue  # assembled by concatenation (and checked) after the reads
+        views, at = {}, 0
+        for n in names:
+            assert n is not None
+            rows = plan.params[n].shape[0] if plan.params[n].shape else 0
+            if at + rows > param.data.shape[0]:
+                break
+            views[n] = param.data.narrow(0, at, rows)
+            at += rows
+        if at == param.data.shape[0] and len(views) == len(names) and all(fits(v, n) for n, v in views.items()):
+            slots.update(views)
+    return slots
+
+
+def _vocab_ranges(model: nn.Module, targets: Mapping[str, Any]) -> dict[str, tuple[int, int, int]]:
+    """For each vocabulary-parallel parameter: ``(first stored row on this rank, stop, stored rows in all)``."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    ranges = {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, VocabParallelEmbedding):
+            continue
+        name = f"{prefix}.weight" if prefix else "weight"
+        if name in targets:
+            si = module.shard_indices
+            ranges[name] = (si.org_vocab_start_index, si.org_vocab_end_index, module.org_vocab_size)
+    return ranges
+
+
+def _rows(span: tuple[int, int, int]) -> int:
+    return span[1] - span[0]
+
+
+def _vocab_mismatches(
+    plan: ModelPlan, routes: Mapping[str, Target | None], vocab: Mapping[str, tuple[int, int, int]], rank: int
+) -> set[str]:
+    """Stored vocabulary tensors whose planned rank slice is not vLLM's row range (they are read whole instead)."""
+    wrong = set()
+    for name, param in plan.params.items():
+        target = routes[name]
+        if target is None or target.name not in vocab or param.replicated:
+            continue
+        if _row_span(param, rank) != vocab[target.name][:2]:
+            wrong.add(name)
+    return wrong
+
+
+def _row_span(param: ParamPlan, rank: int) -> tuple[int, int] | None:
+    """The stored rows ``rank`` gets when its slice is whole rows, in order; else None."""
+    pieces = param.pieces(rank)
+    if not pieces:
+        return None
+    full = [(0, n) for n in param.source.shape[1:]]
+    rows = sorted((p.src[0], p.dst[0]) for p in pieces)
+    if any(list(p.src[1:]) != full for p in pieces) or param.shape[1:] != param.source.shape[1:]:
+        return None
+    start, stop = rows[0][0][0], rows[0][0][0]
+    for src, dst in rows:
+        if src[0] != stop or dst[0] != stop - start:
+            return None
+        stop = src[1]
+    return start, stop
+
+
+def _copy_into(
+    targets: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    routes: Mapping[str, Target | None],
+    vocab: Mapping[str, tuple[int, int, int]],
+    narrow: set[str],
+    where: str,
+    direct: set[str] = frozenset(),  # type: ignore[assignment]
+) -> set[str]:
+    """Copy each rank tensor into its vLLM parameter (those in ``direct`` were read there); return the parameters
+    filled."""
+    import torch
+
+    filled: set[str] = set()
+    fused: dict[str, _Fused] = {}
+    experts: dict[str, set[tuple[int, int]]] = {}
+    for name, tensor in tensors.items():
+        target = routes.get(name)
+        if target is None:
+            continue
+        param = targets[target.name]
+        if target.expert is not None:
+            seen = experts.setdefault(target.name, set())
+            if (target.expert, target.part) in seen:
+                raise ShardloadError(f"a second stored tensor for expert {target.expert} of {target.name!r}",
+                                     file=where, param=name)  # fmt: skip
+            if name not in direct:
+                _fill_expert(param, tensor, target, where, name)
+            seen.add((target.expert, target.part))
+            if len(seen) == param.shape[0] * target.parts:
+                filled.add(target.name)
+            continue
+        if target.name in filled:
+            raise ShardloadError(f"a second stored tensor for vLLM parameter {target.name!r}", file=where, param=name)
+        if not target.fused:
+            if target.name in vocab:
+                _fill_vocab(param, tensor, vocab[target.name], name in narrow, where, name, name in direct)
+            elif name not in direct:
+                _check_shape(param, tensor.shape, where, name, target.name)
+                param.data.copy_(tensor)
+            filled.add(target.name)
+            continue
+        group = fused.setdefault(target.name, _Fused([None] * target.parts, [None] * target.parts))
+        if group.parts[target.part] is not None:
+            raise ShardloadError(f"a second stored tensor for part {target.part} of {target.name!r}", file=where,
+                                 param=name)  # fmt: skip
+        group.parts[target.part], group.names[target.part] = tensor, name
+        if all(n in direct for n in group.names):
+            del fused[target.name]
+            filled.add(target.name)
+        elif all(p is not None for p in group.parts):
+            dim = getattr(param, "output_dim", None)
+            dim = 0 if dim is None else dim
+            whole = torch.cat([p for p in group.parts if p is not None], dim=dim)
+            _check_shape(param, whole.shape, where, " + ".join(n for n in group.names if n), target.name)
+            param.data.copy_(whole)
+            del fused[target.name]
+            filled.add(target.name)
+    for vname, seen in experts.items():
+        if vname not in filled:
+            absent = sorted({e for e in range(targets[vname].shape[0]) for p in (0, 1) if (e, p) not in seen})
+            raise ShardloadError(f"expert(s) {absent[:8]} of vLLM's stacked parameter {vname!r} are not all in the "
+                                 "checkpoint", file=where)  # fmt: skip
+    for vname, group in fused.items():
+        absent = [i for i, p in enumerate(group.parts) if p is None]
+        raise ShardloadError(f"part(s) {absent} of vLLM's fused parameter {vname!r} are not in the checkpoint",
+                             file=where, param=next(n for n in group.names if n))  # fmt: skip
+    return filled
+
+
+def _fill_expert(param: Any, tensor: torch.Tensor, target: Target, where: str, name: str) -> None:
+    """One expert's projection into vLLM's stacked parameter: ``w13`` = [gate rows; up rows], ``w2`` whole."""
+    assert target.expert is not None
+    if target.expert >= param.shape[0]:
+        raise ShardloadError(
+            f"vLLM's {target.name!r} holds {param.shape[0]} experts on this rank, not expert {target.expert} "
+            "(expert parallelism is not supported by load_format='shardload')",
+            file=where,
+            param=name,
+        )
+    dest = param.data[target.expert]
+    if target.parts > 1:
+        rows = dest.shape[0] // target.parts
+        dest = dest.narrow(0, target.part * rows, rows)
+    _check_shape(dest, tensor.shape, where, name, f"{target.name}[{target.expert}]")
+    dest.copy_(tensor)
+
+
+def _check_shape(param: Any, shape: Sequence[int], where: str, name: str, vname: str) -> None:
+    if tuple(param.shape) != tuple(shape):
+        raise ShardloadError(
+            f"vLLM's {vname!r} on this rank is {list(param.shape)}, the plan gives {list(shape)} (is the shard_info's "
+            "split vLLM's?)",
+            file=where,
+            param=name,
+        )
+
+
+def _fill_vocab(
+    param: Any, tensor: torch.Tensor, span: tuple[int, int, int], whole: bool, where: str, name: str, placed: bool
+) -> None:
+    """A padded vocabulary shard: the stored rows ``span`` covers (already there when ``placed``), then zeros."""
+    start, stop, _ = span
+    if placed:
+        param.data[stop - start :].zero_()
+        return
+    rows = tensor.narrow(0, start, stop - start) if whole else tensor
+    fits = rows.shape[0] == stop - start <= param.shape[0] and tuple(rows.shape[1:]) == tuple(param.shape[1:])
+    if not fits:
+        raise ShardloadError(
+            f"vLLM's vocabulary shard is {list(param.shape)} holding stored rows {start}..{stop}; the plan gives "
+            f"{list(tensor.shape)}",
+            file=where,
+            param=name,
+        )
+    param.data[: rows.shape[0]].copy_(rows)
+    param.data[rows.shape[0] :].zero_()

@@ -1,0 +1,214 @@
+"""``convert --layout vllm`` without vLLM: the rank files hold vLLM's names and per-rank layout, element for element.
+
+The reference below is written from vLLM's documented tensor parallelism (fused ``qkv_proj`` and ``gate_up_proj``
+per rank, KV heads replicated when N exceeds them, row-parallel weights split by columns, vocabularies padded to
+a multiple of 64 then split, experts stacked), from the unsharded state dict. vLLM itself serving these files is
+proven in ``tests_vllm/`` (its own virtualenv); this suite guards the layout where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+import shardload
+from shardload.cli.main import main
+from shardload.engine.vllm_layout import convert_vllm, rank_path
+from shardload.errors import ShardloadError
+from shardload.models.vllm_names import Target, vllm_target
+
+pytest.importorskip("transformers")
+from tiny_models import build
+
+
+def _split(t: torch.Tensor, n: int, r: int, dim: int = 0) -> torch.Tensor:
+    return t.chunk(n, dim)[r]
+
+
+def _heads(t: torch.Tensor, heads: int, n: int, r: int) -> torch.Tensor:
+    """Rank r's heads of a q/k/v projection: an even split, or the replicated head when N exceeds ``heads``."""
+    if heads >= n:
+        return _split(t, n, r)
+    return t.chunk(heads, 0)[r * heads // n]
+
+
+def reference(state: dict[str, torch.Tensor], config: dict, n: int, r: int) -> dict[str, torch.Tensor]:
+    """vLLM's rank-r tensors for tensor_parallel_size=n, computed from the unsharded checkpoint."""
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    tied = config.get("tie_word_embeddings", False)
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in state.items():
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            padded = -(-t.shape[0] // 64) * 64
+            whole = torch.zeros((padded, *t.shape[1:]), dtype=t.dtype)
+            whole[: t.shape[0]] = t
+            out["lm_head.weight" if tied else name] = _split(whole, n, r)
+            continue
+        m = re.match(r"(.*)\.experts\.(\d+)\.(w1|w2|w3)\.weight$", name)
+        if m:
+            part = _split(t, n, r, 1 if m.group(3) == "w2" else 0)
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = part
+            continue
+        proj = name.split(".")[-2]
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            out[name] = _heads(t, heads if proj == "q_proj" else kv, n, r)
+        elif proj in ("o_proj", "down_proj") and name.endswith("weight"):
+            out[name] = _split(t, n, r, 1)
+        elif proj in ("gate_proj", "up_proj"):
+            out[name] = _split(t, n, r)
+        else:
+            out[name] = t
+    fused: dict[str, torch.Tensor] = {}
+    for name, t in out.items():
+        for group, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
+            if name.split(".")[-2] == parts[0]:
+                pieces = [out[name.replace(f".{parts[0]}.", f".{p}.")] for p in parts]
+                fused[name.replace(f".{parts[0]}.", f".{group}.")] = torch.cat(pieces)
+                break
+        else:
+            if name.split(".")[-2] not in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+                fused[name] = t
+    for prefix, by_expert in experts.items():
+        count = len(by_expert)
+        fused[f"{prefix}.experts.routed_experts.w13_weight"] = torch.stack(
+            [torch.cat([by_expert[e]["w1"], by_expert[e]["w3"]]) for e in range(count)]
+        )
+        fused[f"{prefix}.experts.routed_experts.w2_weight"] = torch.stack([by_expert[e]["w2"] for e in range(count)])
+    return fused
+
+
+CASES = [
+    ("llama_gqa", {}, 2),  # 8 query heads, 2 KV heads
+    ("llama_gqa", {}, 4),  # N above the KV heads: each KV head on two ranks
+    ("qwen2", {"vocab_size": 250}, 2),  # biases, tied embeddings, a vocabulary padded to 256
+    ("mixtral", {}, 2),  # 4 experts stacked per layer
+]
+
+
+@pytest.mark.parametrize(("kind", "overrides", "n"), CASES, ids=[f"{c[0]}-n{c[2]}" for c in CASES])
+def test_rank_files_are_vllms_layout(tmp_path: Path, kind: str, overrides: dict, n: int) -> None:
+    model = tmp_path / "model"
+    build(kind, model, **overrides)
+    state = load_file(str(model / "model.safetensors"))
+    config = json.loads((model / "config.json").read_text())
+    files = convert_vllm(model, n, tmp_path / "out")
+    assert [Path(f.path).name for f in files] == [f"model-rank-{r}-part-0.safetensors" for r in range(n)]
+    for r in range(n):
+        got = load_file(str(rank_path(tmp_path / "out", r)))
+        want = reference(state, config, n, r)
+        scales = {k for k in got if ".attn._" in k}
+        assert {k.rsplit(".", 1)[0] for k in scales} == {
+            k.removesuffix(".qkv_proj.weight") + ".attn" for k in want if k.endswith(".qkv_proj.weight")
+        }
+        assert all(got[k].item() == 1.0 and got[k].dtype == torch.float32 for k in scales)
+        assert sorted(set(got) - scales) == sorted(want)
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), f"rank {r}: {name}"
+    assert (tmp_path / "out" / "config.json").read_text() == (model / "config.json").read_text()
+
+
+def test_padding_rows_are_zero_and_stored_rows_kept(tmp_path: Path) -> None:
+    build("qwen2", tmp_path / "model", vocab_size=250)
+    convert_vllm(tmp_path / "model", 2, tmp_path / "out")
+    embed = load_file(str(tmp_path / "model" / "model.safetensors"))["model.embed_tokens.weight"]
+    last = load_file(str(rank_path(tmp_path / "out", 1)))["lm_head.weight"]
+    assert last.shape[0] == 128
+    assert torch.equal(last[:122], embed[128:]) and not last[122:].any()
+
+
+def test_quantized_compressed_tensors_keeps_int8_and_fuses_scales(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    build("llama_gqa", model)
+    state = load_file(str(model / "model.safetensors"))
+    quant = {}
+    for name, t in state.items():
+        if name.endswith("proj.weight"):
+            scale = t.abs().amax(dim=1, keepdim=True) / 127
+            quant[name] = torch.round(t / scale).to(torch.int8)
+            quant[name.removesuffix("weight") + "weight_scale"] = scale
+        else:
+            quant[name] = t
+    save_file(quant, str(model / "model.safetensors"))
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "int-quantized"}
+    (model / "config.json").write_text(json.dumps(config))
+    convert_vllm(model, 2, tmp_path / "out")
+    got = load_file(str(rank_path(tmp_path / "out", 1)))
+    layer = "model.layers.0"
+    q, k, v = (quant[f"{layer}.self_attn.{p}_proj.weight"] for p in "qkv")
+    assert got[f"{layer}.self_attn.qkv_proj.weight"].dtype == torch.int8
+    assert torch.equal(got[f"{layer}.self_attn.qkv_proj.weight"], torch.cat([q[32:], k[8:], v[8:]]))
+    scales = [quant[f"{layer}.self_attn.{p}_proj.weight_scale"] for p in "qkv"]
+    assert torch.equal(got[f"{layer}.self_attn.qkv_proj.weight_scale"],
+                       torch.cat([scales[0][32:], scales[1][8:], scales[2][8:]]))  # fmt: skip
+    assert torch.equal(got[f"{layer}.mlp.down_proj.weight_scale"], quant[f"{layer}.mlp.down_proj.weight_scale"])
+    assert got[f"{layer}.self_attn.attn.k_scale"].tolist() == [1.0]
+    assert got[f"{layer}.self_attn.attn.k_zero_point"].tolist() == [0.0]
+
+
+@pytest.mark.parametrize(
+    ("name", "target"),
+    [
+        ("model.layers.3.self_attn.k_proj.weight", Target("model.layers.3.self_attn.qkv_proj.weight", 1, 3)),
+        ("model.layers.3.self_attn.v_proj.bias", Target("model.layers.3.self_attn.qkv_proj.bias", 2, 3)),
+        ("model.layers.0.mlp.up_proj.weight_scale", Target("model.layers.0.mlp.gate_up_proj.weight_scale", 1, 2)),
+        ("model.layers.0.mlp.down_proj.weight", Target("model.layers.0.mlp.down_proj.weight")),
+        ("model.layers.1.block_sparse_moe.experts.7.w3.weight",
+         Target("model.layers.1.block_sparse_moe.experts.routed_experts.w13_weight", 1, 2, 7)),
+        ("model.layers.1.mlp.experts.12.down_proj.weight",
+         Target("model.layers.1.mlp.experts.routed_experts.w2_weight", 0, 1, 12)),
+        ("model.layers.1.mlp.shared_expert.gate_proj.weight",
+         Target("model.layers.1.mlp.shared_expert.gate_up_proj.weight", 0, 2)),
+        ("model.norm.weight", Target("model.norm.weight")),
+    ],
+)  # fmt: skip
+def test_vllm_target(name: str, target: Target) -> None:
+    assert vllm_target(name) == target
+
+
+def test_refusals_name_the_reason(tmp_path: Path) -> None:
+    thirds = {"hidden_size": 96, "intermediate_size": 192, "num_attention_heads": 6, "num_key_value_heads": 3}
+    build("llama_gqa", tmp_path / "thirds", **thirds)
+    with pytest.raises(ShardloadError, match="pads the vocabulary of 256 rows to 256, which num_shards=3"):
+        convert_vllm(tmp_path / "thirds", 3, tmp_path / "out3")
+    assert not (tmp_path / "out3").exists()
+    build("llama_gqa", tmp_path / "model")
+    build("mixtral_stacked", tmp_path / "stacked")
+    with pytest.raises(ShardloadError, match="stores them stacked"):
+        convert_vllm(tmp_path / "stacked", 2, tmp_path / "out")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ShardloadError, match="not quant_method='awq'"):
+        convert_vllm(tmp_path / "model", 2, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_convert_verify_and_load_refusal(tmp_path: Path) -> None:
+    build("llama_gqa", tmp_path / "model")
+    out = tmp_path / "out"
+    runner = CliRunner()
+    result = runner.invoke(main, ["convert", str(tmp_path / "model"), "-n", "2", "--layout", "vllm", "-o", str(out),
+                                  "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert [Path(f["path"]).name for f in json.loads(result.output)["rank_files"]] == [
+        "model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"
+    ]  # fmt: skip
+    assert runner.invoke(main, ["verify", str(out)]).exit_code == 0
+    with pytest.raises(ShardloadError, match="vLLM's sharded_state layout"):
+        shardload.load_rank(out, 0, 2)
+    data = bytearray(rank_path(out, 1).read_bytes())
+    data[-1] ^= 0xFF
+    rank_path(out, 1).write_bytes(bytes(data))
+    result = runner.invoke(main, ["verify", str(out)])
+    assert result.exit_code != 0 and "model-rank-1-part-0.safetensors" in result.output
+    result = runner.invoke(main, ["convert", str(tmp_path / "model"), "--layout", "vllm", "--mesh", "pp=2,tp=1",
+                                  "-o", str(tmp_path / "o2")])  # fmt: skip
+    assert result.exit_code == 2 and "--layout vllm takes --num-shards" in result.output

@@ -1,0 +1,103 @@
+"""Tiny random checkpoints saved by transformers, for the vLLM tests (run in the vLLM virtualenv).
+
+Usage: python make_models.py OUT_DIR [NAME ...]   (all models when no NAME is given)
+Weights are drawn from a fixed seed with a large enough spread that greedy tokens depend on every layer.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+COMMON = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=128)  # fmt: skip
+"""head_dim 64: vLLM's CPU attention needs at least 32."""
+
+
+def _save(model, out: Path) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(out)
+
+
+def llama(out: Path) -> None:
+    """Llama with grouped-query attention: 4 query heads, 2 KV heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _save(LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **COMMON)), out)
+
+
+def llama_kv1(out: Path) -> None:
+    """One KV head: fewer than N=2, so vLLM replicates it on both ranks."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _save(LlamaForCausalLM(LlamaConfig(num_key_value_heads=1, **COMMON)), out)
+
+
+def qwen2(out: Path) -> None:
+    """Qwen2: biases on q/k/v, tied embeddings, and a vocabulary (250) that is not a multiple of 64."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **dict(COMMON, vocab_size=250))
+    _save(Qwen2ForCausalLM(cfg), out)
+
+
+def mixtral(out: Path) -> None:
+    """Mixtral: 4 experts, 2 per token, which vLLM stacks into one fused MoE parameter per layer."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **COMMON)
+    _save(MixtralForCausalLM(cfg), out)
+
+
+def w8a8(out: Path) -> None:
+    """The Llama above with every linear layer quantized to compressed-tensors W8A8 int8 (per-channel weights)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    llama(out)
+    tensors = load_file(out / "model.safetensors")
+    quantized = {}
+    for name, t in tensors.items():
+        if name.endswith("proj.weight"):
+            scale = t.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127
+            quantized[name] = torch.round(t / scale).clamp(-128, 127).to(torch.int8)
+            quantized[name.removesuffix("weight") + "weight_scale"] = scale.to(torch.float32)
+        else:
+            quantized[name] = t
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                            "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                      "dynamic": True},
+            }
+        },
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+MODELS = {"llama": llama, "llama_kv1": llama_kv1, "qwen2": qwen2, "mixtral": mixtral, "w8a8": w8a8}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    for name in sys.argv[2:] or list(MODELS):
+        MODELS[name](out / name)
+        print(f"make_models: {out / name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

