@@ -212,3 +212,14 @@ def test_cli_convert_verify_and_load_refusal(tmp_path: Path) -> None:
     result = runner.invoke(main, ["convert", str(tmp_path / "model"), "--layout", "vllm", "--mesh", "pp=2,tp=1",
                                   "-o", str(tmp_path / "o2")])  # fmt: skip
     assert result.exit_code == 2 and "--layout vllm takes --num-shards" in result.output
+
+
+def test_output_may_not_replace_the_shard_info_it_reads(tmp_path: Path) -> None:
+    build("llama_gqa", tmp_path / "model")
+    out = tmp_path / "out"
+    convert_vllm(tmp_path / "model", 2, out)
+    result = CliRunner().invoke(main, ["plan", str(tmp_path / "model"), "-o", str(out / "plan.json"), "-q"])
+    assert result.exit_code == 0, result.output
+    with pytest.raises(ShardloadError):
+        convert_vllm(tmp_path / "model", 2, out, out / "plan.json", overwrite=True)
+    assert (out / "plan.json").is_file()

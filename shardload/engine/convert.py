@@ -11,7 +11,6 @@ before the rename, so a power loss cannot trade a complete old output for a half
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -23,9 +22,7 @@ from ..planning.mesh import Mesh
 from ..planning.plan import ModelPlan, build_plan, resolve_shard_info
 from ..sources.checkpoint import (
     MANIFEST_FORMAT,
-    MANIFEST_NAME,
     MANIFEST_VERSION,
-    SHARD_INFO_NAME,
     as_path,
     open_checkpoint,
     rank_file_name,
@@ -35,13 +32,12 @@ from .load import layout_for, stages_of
 from .output import (
     Staging,
     check_output,
-    check_sources_unchanged,
-    copy_companions,
+    publish_with_manifest,
     source_paths,
     stamp_sources,
     write_error,
 )
-from .writer import OutFile, OutputFile, write_rank_files
+from .writer import OutputFile, write_rank_files
 
 Progress = Callable[[int, str], None]
 """``progress(source_bytes_done, param_name)``, called after each parameter."""
@@ -114,10 +110,6 @@ def convert(
     try:
         with Staging(out, fsync, synced=durable, overwrite=overwrite) as staging:
             rank_files = _write_ranks(stages, staging.dir, progress, durable)
-            # The manifest holds the resolved shard_info; a copied shard_info.json would only mislead.
-            others = copy_companions(checkpoint.root, staging.dir, {SHARD_INFO_NAME}, durable)
-            assert staging.marker is not None
-            others.append(staging.marker)
             manifest = {
                 "format": MANIFEST_FORMAT,
                 "version": MANIFEST_VERSION,
@@ -126,17 +118,8 @@ def convert(
                 "mesh": _mesh_record(layout, stages),
                 "shard_info": plan.resolved_shard_info(),
                 "source": {"files": [{"path": f.name, "size": st[2]} for f, st in stamps]},
-                "files": [f.__dict__ for f in rank_files + others],
             }
-            text = json.dumps(manifest, indent=2) + "\n"
-            out_file = OutFile(staging.dir / MANIFEST_NAME, durable=durable)
-            try:
-                out_file.write(text.encode())
-                out_file.finish()
-            finally:
-                out_file.close()
-            check_sources_unchanged(stamps)
-            staging.publish()
+            others = publish_with_manifest(staging, checkpoint.root, stamps, rank_files, manifest, durable)
     except OSError as err:
         raise write_error(err, out) from None
     return ConvertResult(out, plan, rank_files, others, layout)

@@ -16,15 +16,17 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import secrets
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from ..errors import CheckpointError, ShardloadError
 from ..format.smallfile import read_small
-from ..sources.checkpoint import MANIFEST_NAME, TMP_MARKER
+from ..sources.checkpoint import MANIFEST_NAME, SHARD_INFO_NAME, TMP_MARKER
 from ..sources.companions import companion_files
 from .writer import OutFile, OutputFile, fsync_dir, fsync_tree
 
@@ -278,3 +280,29 @@ class Staging:
             os.replace(self.dir, self.out)
         if flush:
             fsync_dir(self.out.parent)
+
+
+def publish_with_manifest(
+    staging: Staging,
+    model_root: Path,
+    stamps: list[Stamp],
+    written: list[OutputFile],
+    manifest: dict[str, Any],
+    durable: bool,
+) -> list[OutputFile]:
+    """Finish a converted output: copy the model's companion files (never its shard_info.json: the manifest says
+    how the output was planned), add the output marker, write ``manifest`` with ``files`` listing every file, and
+    publish once the sources are checked unchanged. Returns the companion files and the marker."""
+    others = copy_companions(model_root, staging.dir, {SHARD_INFO_NAME}, durable)
+    assert staging.marker is not None
+    others.append(staging.marker)
+    record = {**manifest, "files": [f.__dict__ for f in written + others]}
+    out_file = OutFile(staging.dir / MANIFEST_NAME, durable=durable)
+    try:
+        out_file.write((json.dumps(record, indent=2) + "\n").encode())
+        out_file.finish()
+    finally:
+        out_file.close()
+    check_sources_unchanged(stamps)
+    staging.publish()
+    return others

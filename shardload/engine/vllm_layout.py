@@ -26,8 +26,6 @@ from ..models.plan_source import plan_shard_info
 from ..models.vllm_names import DEFAULT_PACKED, SKIPPED_SUFFIXES, is_vocab, vllm_target, vocab_range
 from ..planning.plan import ModelPlan, build_plan
 from ..sources.checkpoint import (
-    MANIFEST_NAME,
-    SHARD_INFO_NAME,
     VLLM_MANIFEST_FORMAT,
     Checkpoint,
     as_path,
@@ -41,8 +39,7 @@ from .load import iter_shards, materialize
 from .output import (
     Staging,
     check_output,
-    check_sources_unchanged,
-    copy_companions,
+    publish_with_manifest,
     source_paths,
     stamp_sources,
     write_error,
@@ -130,9 +127,13 @@ def plan_layout(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None)
         tensors.append(VllmTensor(out_name, (name,), (per_rank, *info_t.shape[1:]), info_t.dtype, vocab=True))
     groups: dict[str, list[str | None]] = {}
     stacks: dict[str, dict[tuple[int, int], str]] = {}
-    experts = _expert_counts(plan)
+    targets = {name: vllm_target(name, DEFAULT_PACKED) for name in plan.params}
+    experts: dict[str, int] = {}  # stacked parameter -> experts in it (the highest stored index + 1)
+    for t in targets.values():
+        if t.expert is not None:
+            experts[t.name] = max(experts.get(t.name, 0), t.expert + 1)
     for name, param in plan.params.items():
-        target = vllm_target(name, DEFAULT_PACKED)
+        target = targets[name]
         if target.expert is None and ".experts." in name:
             raise ShardloadError(
                 "--layout vllm writes experts stored one by one (experts.E.w1 or experts.E.gate_proj); this "
@@ -193,16 +194,6 @@ def _quantization(config: dict[str, Any], where: str) -> bool:
             file=where,
         )
     return True
-
-
-def _expert_counts(plan: ModelPlan) -> dict[str, int]:
-    """How many experts each stacked vLLM MoE parameter holds (the highest stored expert index + 1)."""
-    counts: dict[str, int] = {}
-    for name in plan.params:
-        target = vllm_target(name, DEFAULT_PACKED)
-        if target.expert is not None:
-            counts[target.name] = max(counts.get(target.name, 0), target.expert + 1)
-    return counts
 
 
 def _stacked(
@@ -282,6 +273,8 @@ def convert_vllm(
     stamps = stamp_sources(checkpoint.files)
     layout = plan_layout(checkpoint, num_shards, shard_info)
     sources = source_paths(checkpoint.root, checkpoint.files)
+    if Path(layout.plan.shard_info.source).exists():  # a shard_info file named outside the model, as convert does
+        sources.append(Path(layout.plan.shard_info.source))
     exists = check_output(out, sources, overwrite=overwrite)
     durable = exists if fsync is None else fsync
     header = layout.header()
@@ -298,9 +291,6 @@ def convert_vllm(
             finally:
                 for f in files:
                     f.close()
-            others = copy_companions(checkpoint.root, staging.dir, {SHARD_INFO_NAME}, durable)
-            assert staging.marker is not None
-            others.append(staging.marker)
             manifest = {
                 "format": VLLM_MANIFEST_FORMAT,
                 "version": 1,
@@ -308,16 +298,8 @@ def convert_vllm(
                 "num_shards": num_shards,
                 "plan": layout.source,
                 "source": {"files": [{"path": f.name, "size": st[2]} for f, st in stamps]},
-                "files": [f.__dict__ for f in written + others],
             }
-            out_file = OutFile(staging.dir / MANIFEST_NAME, durable=durable)
-            try:
-                out_file.write((json.dumps(manifest, indent=2) + "\n").encode())
-                out_file.finish()
-            finally:
-                out_file.close()
-            check_sources_unchanged(stamps)
-            staging.publish()
+            publish_with_manifest(staging, checkpoint.root, stamps, written, manifest, durable)
     except OSError as err:
         raise write_error(err, out) from None
     return written
