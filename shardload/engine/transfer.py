@@ -451,7 +451,8 @@ class Transfer:
             self.staging.sync()
         if self.filemaps is not None:
             filemaps, self.filemaps = self.filemaps, None
-            threading.Thread(target=filemaps.release, name="shardload-unmap", daemon=True).start()
+            # not a daemon: interpreter exit waits for it (a daemon thread stopped inside the C call would abort)
+            threading.Thread(target=filemaps.release, name="shardload-unmap").start()
 
     def __enter__(self) -> Transfer:
         return self
