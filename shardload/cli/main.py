@@ -321,6 +321,17 @@ def _convert_vllm(
     multiple=True,
     help="Fail, writing nothing, unless the plan works for N (repeatable).",
 )
+@click.option(
+    "--vocab-padding",
+    type=click.Choice(["vllm", "plain", "none"]),
+    default="vllm",
+    show_default=True,
+    help="A vocabulary N does not divide gets zero rows: vllm to a multiple of 64 (vLLM's rows per rank), "
+    "plain to a multiple of N, none not at all (such an N fails).",
+)
+@click.option(
+    "--allow-single", is_flag=True, help="Write the file even when it works for num_shards=1 only (else exit 1)."
+)
 @click.option("--overwrite", is_flag=True, help="Replace the output file if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No notes and no summary line.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary (with -o -, to stderr).")
@@ -331,6 +342,8 @@ def plan(
     style: str,
     experts: str,
     num_shards: tuple[int, ...],
+    vocab_padding: str,
+    allow_single: bool,
     overwrite: bool,
     quiet: bool,
     as_json: bool,
@@ -343,7 +356,10 @@ def plan(
     to_stdout = str(target) == "-"
     if not to_stdout and target.exists() and not overwrite:
         raise ShardloadError("exists (pass --overwrite to replace it)", file=str(target))
-    result = generate(model, style=style, experts=experts, num_shards=num_shards)
+    result = generate(
+        model, style=style, experts=experts, num_shards=num_shards, vocab_padding=vocab_padding,
+        allow_single=allow_single,
+    )  # fmt: skip
     if to_stdout:
         click.echo(json.dumps(result.document, indent=2))
     else:
