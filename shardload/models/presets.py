@@ -287,7 +287,9 @@ def preset_placements(
     else:
         known = ", ".join(DECODER_TYPES + ENCODER_TYPES)
         raise PlanError(
-            f"model_type {model_type!r} has no built-in preset (known: {known}) and no base_model_tp_plan",
+            f"model_type {model_type!r}: no plan source knows this architecture (no base_model_tp_plan applies; "
+            f"built-in presets: {known}); write a shard_info.json for it beside the weights, or pass one with "
+            "--shard-info (shard_info= in Python)",
             file="config.json",
         )
     dims = ModelDims.from_config(config)
@@ -579,6 +581,8 @@ class GeneratedPlan:
     style: str
     notes: list[str] = field(default_factory=list)
     stored: int = 0
+    source: str = ""
+    """What the placements came from, e.g. ``the llama preset`` or ``base_model_tp_plan of config.json``."""
 
     @property
     def sharded(self) -> int:
@@ -685,7 +689,7 @@ def generate(
     unmatched = sum(1 for n in logical if placements[n].style == "replicated" and not placements[n].rule)
     if unmatched:
         notes.append(f"{unmatched} tensor(s) matched no rule and are replicated (norms, routers, buffers, ...)")
-    return GeneratedPlan(document, placements, supported, chosen, notes, len(tensors))
+    return GeneratedPlan(document, placements, supported, chosen, notes, len(tensors), source)
 
 
 def _padding_hint(problems: Sequence[str], rule: str) -> str:

@@ -393,21 +393,3 @@ def resolve_shard_info(checkpoint: Checkpoint, shard_info: ShardInfo | dict[str,
             file=checkpoint.name,
         )
     return ShardInfo.load(resolve_inside(checkpoint.root, default.name, default))
-
-
-def plan_model(
-    model: Any, num_shards: int, shard_info: ShardInfo | dict[str, Any] | str | Any | None = None
-) -> ModelPlan:
-    """Plan ``model`` for ``num_shards`` ranks without reading tensor data; raises the first problem.
-
-    Example::
-
-        p = shardload.plan_model("llama-dir", 8)
-        print(p.params["model.embed_tokens.weight"].shape)   # per-rank shape
-    """
-    from ..sources.checkpoint import open_checkpoint
-
-    checkpoint = open_checkpoint(model)
-    if checkpoint.kind == "converted":
-        raise PlanError("this is a converted directory; plan the source checkpoint instead", file=checkpoint.name)
-    return build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, num_shards)
