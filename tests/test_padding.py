@@ -224,3 +224,20 @@ def test_a_box_rule_without_a_source_needs_pads(tmp_path: Path) -> None:
         unregister("tests.no_source")
     with pytest.raises(TypeError, match="pads=True"):
         register("tests.pads_without_boxes", shape=shape, pads=True)(no_source)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("poisoned")
+@pytest.mark.parametrize("strategy", ["read", "map"])
+def test_padding_is_zero_on_the_gpu(padded_model: Path, monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
+    """Pinned staging and side-stream uploads onto a GPU: the padding (zeroed on the default stream) survives the
+    uploads of the stored rows, whether read with preadv or copied out of a mapping."""
+    monkeypatch.setattr(transfer, "READ_STRATEGY", strategy)
+    n = 4
+    want = _reference(padded_model, n)
+    every = shardload.load(padded_model, n, devices=["cuda:0"] * n)
+    for r in range(n):
+        for got in (every[r], shardload.load_rank(padded_model, r, n, device="cuda:0")):
+            for name, t in got.items():
+                assert t.device.type == "cuda"
+                np.testing.assert_array_equal(t.cpu().numpy(), want[r][name], err_msg=f"{strategy} rank {r} {name}")
