@@ -464,14 +464,15 @@ def _skip_holes(
 ) -> list[tuple[int, int, int, int]]:
     """Staged uploads ``(buffer offset, tensor, start, stop)`` cut so none covers a hole (padding, zeros already
     written into the tensor, that the staging buffer holds no bytes for)."""
+    import numpy as np
+
     out = []
     for at, b, lo, hi in ups:
-        starts, lengths = holes[b]
+        starts, lengths = holes[b]  # sorted, disjoint
+        ends = starts + lengths
+        first, last = int(np.searchsorted(ends, lo, "right")), int(np.searchsorted(starts, hi, "left"))
         cut = lo
-        for start, length in zip(starts.tolist(), lengths.tolist(), strict=True):
-            end = start + length
-            if end <= cut or start >= hi:
-                continue
+        for start, end in zip(starts[first:last].tolist(), ends[first:last].tolist(), strict=True):
             if start > cut:
                 out.append((at + cut - lo, b, cut, start))
             cut = max(cut, end)
