@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ..errors import PlanError
+from ..errors import PlanError, ShardloadError
 from ..format.shard_info import ShardInfo
 from ..planning.plan import ModelPlan, build_plan, resolve_shard_info
 from ..sources.checkpoint import CONFIG_NAME, Checkpoint
@@ -41,8 +41,8 @@ def plan_shard_info(checkpoint: Checkpoint, shard_info: Any) -> tuple[ShardInfo,
 
     try:
         generated = generate(checkpoint.path, check_up_to=0)  # the caller plans for its own N next
-    except PlanError as err:
-        raise PlanError(
+    except ShardloadError as err:  # the same kind of error, saying first that no file was found
+        raise type(err)(
             f"no {default.name} beside the weights, and planning one from {config.name} failed: {err.message}",
             file=checkpoint.name,
         ) from None
