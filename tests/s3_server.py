@@ -52,10 +52,12 @@ class FaultyProxy:
         self.faults = Faults()
         self.served: list[Served] = []
         self.lock = threading.Lock()
+        self._local = threading.local()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body leave in separate writes: no 40 ms delayed-ACK stall
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -85,6 +87,15 @@ class FaultyProxy:
         """Body bytes served by successful GETs of keys ending with ``key_suffix``."""
         with self.lock:
             return sum(s.nbytes for s in self.served if s.method == "GET" and s.key.endswith(key_suffix))
+
+    def _upstream(self) -> http.client.HTTPConnection:
+        """This handler thread's keep-alive connection to moto."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = http.client.HTTPConnection(*self.upstream, timeout=60)
+            conn.connect()
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
 
     def _fault(self, method: str) -> str | None:
         with self.lock:
@@ -128,19 +139,22 @@ class FaultyProxy:
             h.end_headers()
             h.wfile.write(payload)
             return
-        conn = http.client.HTTPConnection(*self.upstream, timeout=60)
+        conn = self._upstream()
         try:
             headers = {k: v for k, v in h.headers.items() if k.lower() not in ("connection",)}
             conn.request(h.command, h.path, body=body, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
-        finally:
+        except (OSError, http.client.HTTPException):
+            self._local.conn = None
             conn.close()
+            raise
         h.send_response(resp.status)
         for k, v in resp.getheaders():
             if k.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date"):
                 h.send_header(k, v)
-        h.send_header("Content-Length", str(len(data)))
+        size = resp.getheader("Content-Length") if h.command == "HEAD" else None
+        h.send_header("Content-Length", size or str(len(data)))
         h.end_headers()
         if h.command == "HEAD":
             return

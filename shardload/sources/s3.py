@@ -106,7 +106,7 @@ class S3Store(ObjectStore):
                 for entry in page.get("Contents", ()):
                     found[entry["Key"]] = int(entry["Size"])
         except (ClientError, BotoCoreError) as err:
-            raise self._fail(err, prefix or None) from None
+            raise self._fail(err, prefix.rstrip("/") or None) from None
         return found
 
     def _head(self, key: str) -> int | None:
@@ -205,7 +205,7 @@ def _make_client() -> Any:
 
     session = boto3.session.Session()
     options: dict[str, Any] = {
-        "retries": {"max_attempts": ATTEMPTS, "mode": "standard"},
+        "retries": {"total_max_attempts": ATTEMPTS, "mode": "standard"},
         "max_pool_connections": CONCURRENCY + 8,
         "connect_timeout": CONNECT_TIMEOUT,
         "read_timeout": READ_TIMEOUT,
