@@ -137,6 +137,14 @@ def test_each_rank_fetches_only_its_bytes(
         assert gets and all(s.range is not None and s.range[1] - s.range[0] < weights.stat().st_size for s in gets)
 
 
+def test_progress_of_a_load_from_s3(endpoint: S3, uris: dict) -> None:
+    local, uri = uris["multi"]
+    seen: list[tuple[int, int]] = []
+    state = shardload.load_rank(uri, 1, 2, progress=lambda done, total: seen.append((done, total)))
+    _equal(state, shardload.load_rank(local, 1, 2))
+    assert seen and seen[-1][0] == seen[-1][1] and [d for d, _ in seen] == list(range(1, len(seen) + 1))
+
+
 def test_converted_rank_fetches_its_file_only(endpoint: S3, uris: dict) -> None:
     local, uri = uris["converted"]
     shardload.load_rank(uri, 1, 2)

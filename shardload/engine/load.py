@@ -221,6 +221,7 @@ def load_rank(
     mesh: Any = None,
     verify: bool = False,
     mmap: bool = False,
+    progress: bool | Callable[[int, int], None] = False,
 ) -> dict[str, torch.Tensor]:
     """Load only rank ``rank``'s shard of ``model`` onto ``device``, reading only the bytes it needs.
 
@@ -236,6 +237,9 @@ def load_rank(
     read as usual, and so is a file the kernel refuses to map. The files must not be truncated or
     rewritten in place while the views live (the process would get SIGBUS), which a directory written
     by :func:`convert` never is.
+
+    ``progress=True`` draws a progress line on stderr when it is a terminal (worth it for a model read from object
+    storage); a callable gets ``(read jobs done, total)``.
 
     Example::
 
@@ -275,7 +279,8 @@ def load_rank(
         return _load_presharded_rank(checkpoint, shard_info, layout, coord, device, mmap)
     plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, layout.tp)
     stage = stages_of(plan, layout)[coord.pp]
-    return run_plan(stage, [coord.tp], [device], mmap=mmap)[0]
+    call = _progress_line(f"loading rank {rank}") if progress is True else (progress if callable(progress) else None)
+    return run_plan(stage, [coord.tp], [device], mmap=mmap, progress=call)[0]
 
 
 def _device_type(device: Any) -> str:

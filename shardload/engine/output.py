@@ -50,10 +50,7 @@ def source_paths(root: Path, files: Iterable[Path]) -> list[Path]:
     if isinstance(root, ObjectPath):
         return []  # in object storage: no local file to protect
     files = list(files)
-    found = [root, *files, *(_real(f) for f in files)]
-    if root.parent.name == "snapshots" and (root.parent.parent / "blobs").is_dir():
-        found.append(root.parent.parent)  # a Hugging Face cache entry: its snapshots and blobs are all the source's
-    return found
+    return [root, *files, *(_real(f) for f in files)]
 
 
 def check_output(out: Path, sources: Iterable[Path], *, overwrite: bool) -> bool:
@@ -73,6 +70,13 @@ def check_output(out: Path, sources: Iterable[Path], *, overwrite: bool) -> bool
     for src, real in found:
         if target.is_relative_to(real) and real.is_dir():
             raise ShardloadError(f"lies inside the source directory {src}; write the output elsewhere", file=str(out))
+    for _src, real in found:  # a Hugging Face cache entry (blobs/, snapshots/, refs/) belongs to the source whole
+        if real.parent.name == "blobs" and (real.parent.parent / "snapshots").is_dir():
+            if target.is_relative_to(real.parent.parent):
+                raise ShardloadError(
+                    f"lies inside the Hugging Face cache entry {real.parent.parent}; write the output elsewhere",
+                    file=str(out),
+                )
     exists = out.exists() or out.is_symlink()
     if not exists:
         return False
