@@ -145,3 +145,20 @@ def test_convert_never_writes_into_the_cache(hub: Path, inside: str) -> None:
     storage = hub / file_download.repo_folder_name(repo_id=REPO, repo_type="model")
     with pytest.raises(ShardloadError, match="write the output elsewhere"):
         shardload.convert(REPO, 2, storage / inside / "out")
+
+
+def test_download_patterns_fetch_weights_config_and_tokenizer_only() -> None:
+    """HUB_PATTERNS through huggingface_hub's own matcher (the one snapshot_download applies to allow_patterns)."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from shardload.sources.location import HUB_PATTERNS
+
+    repo_files = [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+        "config.json", "generation_config.json", "shard_info.json", "tokenizer.json", "tokenizer_config.json",
+        "tokenizer.model", "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
+        "pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "flax_model.msgpack", "tf_model.h5",
+        "original/consolidated.00.pth", "model.gguf", "README.md", ".gitattributes", "modeling_custom.py",
+    ]  # fmt: skip
+    fetched = set(filter_repo_objects(repo_files, allow_patterns=HUB_PATTERNS))
+    assert fetched == set(repo_files[:13])
