@@ -75,9 +75,15 @@ def object_path(uri: str) -> ObjectPath:
     scheme, _, rest = uri.partition("://")
     bucket, _, key = rest.partition("/")
     if scheme not in SCHEMES:
+        hint = (
+            "; Google Cloud Storage speaks S3 too: s3://BUCKET/PREFIX with AWS_ENDPOINT_URL_S3="
+            "https://storage.googleapis.com and an HMAC key as AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+            if scheme in ("gs", "gcs")
+            else ""
+        )
         raise CheckpointError(
-            f"{scheme}:// is not a supported object store (s3:// is; S3-compatible stores through "
-            "AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL)",
+            f"{scheme}:// is not a supported object store (s3:// is, and S3-compatible stores through "
+            f"AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL){hint}",
             file=uri,
         )
     if not bucket:
