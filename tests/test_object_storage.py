@@ -137,6 +137,16 @@ def test_each_rank_fetches_only_its_bytes(
         assert gets and all(s.range is not None and s.range[1] - s.range[0] < weights.stat().st_size for s in gets)
 
 
+def test_staged_reads_from_s3(endpoint: S3, uris: dict) -> None:
+    """The path a GPU destination takes (reads into staging buffers, then copies), run on the CPU."""
+    from shardload.engine.load import run_plan
+
+    local, uri = uris["multi"]
+    plan = shardload.plan_model(uri, 4)
+    for rank in (0, 3):
+        _equal(run_plan(plan, [rank], ["cpu"], staged=True)[0], shardload.load_rank(local, rank, 4))
+
+
 def test_progress_of_a_load_from_s3(endpoint: S3, uris: dict) -> None:
     local, uri = uris["multi"]
     seen: list[tuple[int, int]] = []

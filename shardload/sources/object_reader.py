@@ -89,12 +89,15 @@ class ObjectReader:
         def fetch(request: tuple[int, int, int, int]) -> None:
             first, last, start, end = request
             parts: list[memoryview] = []
+            scratch: memoryview | None = None  # one buffer all this request's gaps are read into, then dropped
             at = start
             for i in range(first, last):
                 a, k = src_l[i], len_l[i]
                 lo, hi = max(a, at), min(a + k, end)
                 if lo > at:
-                    parts.append(memoryview(bytearray(lo - at)))  # a gap: fetched, dropped
+                    if scratch is None or len(scratch) < lo - at:
+                        scratch = memoryview(bytearray(max(lo - at, 64 << 10)))
+                    parts.append(scratch[: lo - at])
                 if hi > lo:
                     off = dst_l[i] + (lo - a)
                     parts.append(views[buf_l[i]][off : off + hi - lo])
