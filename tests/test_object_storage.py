@@ -328,3 +328,19 @@ def test_tuned_requests_still_load_equal(endpoint: S3, uris: dict, monkeypatch: 
     _equal(state, shardload.load_rank(local, 1, 4))
     own = sum(t.numel() * t.element_size() for t in state.values())
     assert endpoint.proxy.get_bytes(".safetensors") > 1.05 * own  # merging through gaps fetched more
+
+
+def test_unreachable_endpoint_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import socket
+
+    from shardload.sources import s3 as s3_store
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    use_endpoint(monkeypatch, f"http://127.0.0.1:{port}", tmp_path)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "very-secret-key")
+    monkeypatch.setattr(s3_store, "ATTEMPTS", 2)
+    result = CliRunner().invoke(main, ["inspect", f"s3://{BUCKET}/model", "-n", "2"])
+    assert result.exit_code == 1
+    assert result.output == f"error: s3://{BUCKET}/model: cannot reach the store: EndpointConnectionError\n"
