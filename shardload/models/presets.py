@@ -304,100 +304,16 @@ def _replicated(tensors: Mapping[str, TensorHeader]) -> dict[str, Placement]:
     return {name: Placement(name, "replicated") for name in tensors}
 
 
-# --- HF transformers tp_plan ------------------------------------------------------------------
-
-HF_COLUMN = {"colwise", "local_colwise"}
-HF_COLUMN_GATHERED = {"colwise_rep", "colwise_gather_output"}
-HF_ROW = {"rowwise", "local_rowwise"}
-HF_ROW_REPLICATED_INPUT = {"rowwise_rep", "rowwise_split_input"}
-HF_REPLICATED = {
-    "replicate", "replicated_with_grad_allreduce", "sequence_parallel", "all_reduce", "gather", "local",
-    "isolated", "local_params", "moe_tp_experts", "moe_identity_expert", "ep_dispatch_experts", "ep_router",
-}  # fmt: skip
-HF_STYLES = sorted(
-    HF_COLUMN | HF_COLUMN_GATHERED | HF_ROW | HF_ROW_REPLICATED_INPUT | HF_REPLICATED
-    | {"packed_colwise", "packed_rowwise", "embedding_rowwise", "embedding_colwise", "grouped_gemm"}
-)  # fmt: skip
+# --- HF transformers tp_plan (shardload.models.hf_plans) ---------------------------------------
 
 
 def hf_placements(
     config: Mapping[str, Any], tensors: Mapping[str, TensorHeader], *, experts: str = "tp"
 ) -> tuple[dict[str, Placement], list[str]]:
-    """Placements from config's ``base_model_tp_plan`` (and ``base_model_ep_plan`` for ``experts="parallel"``).
+    """Placements from transformers' own TP plan for config's model_type (see :mod:`shardload.models.hf_plans`)."""
+    from . import hf_plans
 
-    Returns the placements and notes (plan patterns that matched no tensor). Tensors no pattern
-    matches are replicated; ``lm_head`` is column-parallel as in HF's causal-LM classes unless
-    the plan names it.
-    """
-    plan = _plan_dict(config, "base_model_tp_plan")
-    if experts == "parallel":
-        ep = config.get("base_model_ep_plan")
-        if not ep:
-            raise PlanError(
-                "--experts parallel with --style hf needs a base_model_ep_plan (or use --style megatron)",
-                file="config.json",
-            )
-        plan.update(_plan_dict(config, "base_model_ep_plan"))
-    if "lm_head" not in plan and any(n == "lm_head.weight" for n in tensors):
-        plan["lm_head"] = "colwise_gather_output"
-    dims = ModelDims.from_config(config)
-    placements = _replicated(tensors)
-    used: set[str] = set()
-    for name, pattern, param in _targets(tensors, plan):
-        used.add(pattern)
-        info = tensors.get(name)
-        shape = None if info is None else tuple(info.shape)
-        placements[name] = _hf_style_placement(plan[pattern], pattern, name, param, shape, dims)
-    notes = [f"tp_plan entry {p!r} ({plan[p]}) matched no tensor" for p in plan if p not in used]
-    return placements, notes
-
-
-def _plan_dict(config: Mapping[str, Any], key: str) -> dict[str, str]:
-    plan = config.get(key)
-    ok = isinstance(plan, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items())
-    if not ok:
-        raise PlanError(f"{key} must be an object of module pattern -> style name", file="config.json")
-    return dict(plan)
-
-
-def _hf_style_placement(
-    style: str, pattern: str, name: str, param: str | None, shape: tuple[int, ...] | None, dims: ModelDims
-) -> Placement:
-    rule = f"tp_plan {pattern}: {style}"
-    bias = param == "bias" or (param is None and name.endswith("bias"))
-    ndim = len(shape) if shape is not None else (1 if bias else 2)
-    out_dim = ndim - 1 if bias else max(ndim - 2, 0)  # a bias holds only the output dim
-    attention = ATTENTION_ROLES.get(pattern.rsplit(".", 1)[-1])
-    if style in HF_REPLICATED:
-        return Placement(name, "replicated", rule=rule)
-    if style in HF_COLUMN and attention in ("q", "k", "v", "qkv") and ndim <= 2:
-        return _attention_placement(attention, name, bias, shape, dims, rule)
-    if style in HF_COLUMN | HF_COLUMN_GATHERED:
-        return Placement(name, "column", out_dim, rule=rule)
-    if style in HF_ROW | HF_ROW_REPLICATED_INPUT:
-        if bias:
-            return Placement(name, "replicated", rule=rule)
-        if style in HF_ROW and attention == "o" and ndim == 2:
-            return _attention_placement("o", name, False, shape, dims, rule)
-        return Placement(name, "row", ndim - 1, rule=rule)
-    half = dims.expert_intermediate_size if ndim == 3 else dims.intermediate_size
-    if style == "packed_colwise":
-        return _packed(name, out_dim, shape, half, rule)
-    if style == "packed_rowwise":
-        if bias:
-            return Placement(name, "replicated", rule=rule)
-        return replace(_packed(name, ndim - 1, shape, half, rule), style="row")
-    if style == "embedding_rowwise":
-        return Placement(name, "vocab", 0, rule=rule)
-    if style == "embedding_colwise":
-        return Placement(name, "column", ndim - 1, rule=rule)
-    if style == "grouped_gemm":
-        return Placement(name, "expert", 0, rule=rule)
-    raise PlanError(
-        f"tp_plan entry {pattern!r}: unsupported style {style!r} (supported: {', '.join(HF_STYLES)})",
-        file="config.json",
-        param=name,
-    )
+    return hf_plans.hf_placements(config, tensors, experts=experts)
 
 
 # --- placements -> steps -> document ----------------------------------------------------------
@@ -443,21 +359,35 @@ def model_placements(
         raise PlanError(f"style must be one of {', '.join(PLAN_STYLES)}, got {style!r}")
     if experts not in EXPERT_MODES:
         raise PlanError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {experts!r}")
-    if resolved_style(config, style) == "hf":
+    if resolved_style(config, style, tensors) == "hf":
         return hf_placements(config, tensors, experts=experts)
     return preset_placements(config, tensors, experts=experts), []
 
 
-def resolved_style(config: Mapping[str, Any], style: str) -> str:
-    """``"hf"`` or ``"megatron"``: what ``style`` means for this config (``auto`` picks hf when it has a plan)."""
-    has_plan = bool(config.get("base_model_tp_plan"))
-    if style == "hf" and not has_plan:
-        raise PlanError(
-            "--style hf needs a base_model_tp_plan in config.json (or use --style megatron)", file="config.json"
-        )
-    if style == "auto":
-        return "hf" if has_plan else "megatron"
-    return style
+def resolved_style(config: Mapping[str, Any], style: str, tensors: Mapping[str, TensorHeader] | None = None) -> str:
+    """``"hf"`` or ``"megatron"``: what ``style`` means for this config.
+
+    ``auto`` picks hf when config.json has its own base_model_tp_plan, the built-in preset for its families
+    (and GGUF names), else transformers' plan for the model_type when there is one.
+    """
+    if style == "megatron":
+        return style
+    from . import hf_plans
+
+    if style == "hf":
+        if hf_plans.plan_for(config) is None:
+            raise PlanError(
+                "--style hf needs a base_model_tp_plan in config.json or a transformers TP plan for model_type "
+                f"{config.get('model_type')!r} (or use --style megatron)",
+                file="config.json",
+            )
+        return style
+    if config.get("base_model_tp_plan"):
+        return "hf"
+    model_type = config.get("model_type")
+    if model_type in DECODER_TYPES + ENCODER_TYPES or (tensors is not None and _gguf_names(tensors)):
+        return "megatron"
+    return "hf" if hf_plans.plan_for(config) is not None else "megatron"
 
 
 def build_shard_info(
@@ -575,7 +505,7 @@ def generate(
     tensors = checkpoint.tensors
     try:
         logical = logical_tensors(tensors, qconfig)
-        chosen = resolved_style(config, style)
+        chosen = resolved_style(config, style, logical)
         placements, notes = model_placements(config, logical, style=chosen, experts=experts)
         document = shard_info_document(placements, tensors, quantization_config=qconfig)
     except PlanError as err:
@@ -590,7 +520,7 @@ def generate(
             raise PlanError(f"num_shards={n}: {problems[0]}{more}", file=str(model))
     checked = plan_problems(document, tensors, range(1, check_up_to + 1))
     supported = [n for n, problems in checked.items() if not problems]
-    source = f"base_model_tp_plan of {config_path}" if chosen == "hf" else f"the {config.get('model_type')} preset"
+    source = _plan_source(config, config_path) if chosen == "hf" else f"the {config.get('model_type')} preset"
     quantized = [f for n in logical if n.endswith(".weight") and (f := detect_format(n, tensors, qconfig)) != "dense"]
     if quantized:
         formats = ", ".join(sorted(set(quantized)))
@@ -610,6 +540,16 @@ def generate(
     if unmatched:
         notes.append(f"{unmatched} tensor(s) matched no rule and are replicated (norms, routers, buffers, ...)")
     return GeneratedPlan(document, placements, supported, chosen, notes, len(tensors))
+
+
+def _plan_source(config: Mapping[str, Any], config_path: str) -> str:
+    """Where the hf style's plan came from, for the description."""
+    from .hf_plans import plan_for
+
+    plan = plan_for(config)
+    if plan is None or plan.source == "base_model_tp_plan of config.json":
+        return f"base_model_tp_plan of {config_path}"
+    return f"the TP plan of {plan.source}"
 
 
 def _relocated(err: PlanError, config_path: str) -> PlanError:
