@@ -302,7 +302,7 @@ def hf_placements(
             file="config.json",
         )
     full = checkpoint_plan(plan, tensors, experts=experts)
-    dims = ModelDims.from_config(config)
+    dims = _dims(config)
     placements = _replicated(tensors)
     used: set[str] = set()
     for name, info in tensors.items():
@@ -319,6 +319,19 @@ def hf_placements(
         if p not in used and not p.endswith("embed_tokens")
     ]
     return placements, notes
+
+
+_DIM_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts",
+             "num_experts", "intermediate_size", "moe_intermediate_size")  # fmt: skip
+
+
+def _dims(config: Mapping[str, Any]) -> ModelDims:
+    """Head and expert counts, leaving out values that are no single positive count (per-layer lists: Gemma 3n's
+    ``intermediate_size``): transformers' plans split by stored shapes, the counts only decide whole heads."""
+    plain = {
+        k: v for k, v in config.items() if k not in _DIM_KEYS or (type(v) is int and v > 0)
+    }  # fmt: skip
+    return ModelDims.from_config(plain)
 
 
 def _style_placement(style: str, pattern: str, name: str, shape: tuple[int, ...], dims: ModelDims) -> Placement:
