@@ -143,9 +143,7 @@ def compare_rank(model_dir: Path, rank: int, entry: dict[str, Any], swap: bool =
         model_cls = _model_class_of(model_dir, entry)
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             model = model_cls.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32)
-        theirs = {
-            k: (v.to_local() if hasattr(v, "to_local") else v).detach() for k, v in model.state_dict().items()
-        }
+        theirs = {k: (v.to_local() if hasattr(v, "to_local") else v).detach() for k, v in model.state_dict().items()}
     except Exception as err:  # transformers' failure is an outcome of the comparison
         return {"outcome": "transformers fails", "why": _one_line(err)}
     try:
@@ -323,7 +321,8 @@ def summarize(model_type: str, ranks: list[dict[str, Any]], entry: dict[str, Any
         if bad in outcomes:
             why = next(r for r in ranks if r["outcome"] == bad)
             if why.get("vocab"):  # shardload refuses a vocab N does not divide until padding lands
-                return {"type": model_type, "outcome": "differs", "differs": {}, "why": why["why"], "vocab": why["vocab"]}
+                vocab = why["vocab"]
+                return {"type": model_type, "outcome": "differs", "differs": {}, "why": why["why"], "vocab": vocab}
             return {"type": model_type, "outcome": bad, "why": why.get("why", "")}
     differs: dict[str, str] = {}
     for r, got in enumerate(ranks):
@@ -366,10 +365,10 @@ def _dir_name(spec: str) -> str:
 
 def run(types: list[str] | None, work: Path, log: Any = sys.stderr, swap: bool = False) -> list[dict[str, Any]]:
     """Build every type's tiny model, compare in one torchrun launch (relaunched past a crash); one row per type."""
+    from transformers import CONFIG_MAPPING
     from transformers import logging as hf_logging
 
     from shardload.models.hf_plans import installed_entry
-    from transformers import CONFIG_MAPPING
 
     hf_logging.set_verbosity_error()
     wanted = types or [t for t in sorted(CONFIG_MAPPING.keys()) if installed_entry(t) is not None]

@@ -20,9 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-import shardload
 import tiny_models
-import tp_reference as tp
 from shardload.models import hf_plans, presets
 
 pytest.importorskip("transformers")
@@ -207,3 +205,20 @@ def test_swapped_ranks_differ(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     (row,) = json.loads(out.read_text())
     assert row["outcome"] == "differs" and "model.layers.0.self_attn.q_proj.weight" in row["differs"]
+
+
+def test_gqa_above_kv_heads_transformers_splits_a_head_shardload_replicates(tmp_path: Path) -> None:
+    """4 query heads, 1 KV head, 2 ranks: transformers gives each rank half of the KV head, and its forward cannot
+    compute attention; shardload gives both ranks the whole head, and its tensor-parallel forward (each rank its
+    own two query heads against the one KV head) equals the unsharded logits."""
+    out = tmp_path / "gqa.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--gqa", "--json", str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    proof = json.loads(out.read_text())
+    theirs, ours = proof["transformers"], proof["shardload"]
+    assert [r["k_proj"] for r in theirs] == [[8, 64], [8, 64]]  # half of a 16-wide head on each rank
+    assert all("error" in r or r["max_abs_diff"] > 1e-3 for r in theirs), theirs
+    assert ours["k_proj"] == [[16, 64], [16, 64]]
+    assert ours["max_abs_diff"] < 1e-4, ours

@@ -318,7 +318,8 @@ def test_plan_errors(models: dict, tmp_path: Path) -> None:
     result = runner.invoke(main, ["plan", str(unknown)])
     assert result.exit_code == 1 and "model_type 'gpt2' has no built-in preset" in result.output
     result = runner.invoke(main, ["plan", str(unknown), "--style", "hf"])
-    assert result.exit_code == 1 and "--style hf needs a base_model_tp_plan in config.json or a transformers" in result.output
+    assert result.exit_code == 1
+    assert "--style hf needs a base_model_tp_plan in config.json or a transformers" in result.output
     no_config = tmp_path / "nc"
     no_config.mkdir()
     (no_config / "model.safetensors").write_bytes((unknown / "model.safetensors").read_bytes())

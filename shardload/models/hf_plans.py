@@ -121,7 +121,7 @@ def _transformers_installed() -> bool:
     return importlib.util.find_spec("transformers") is not None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def transformers_entry(model_type: str) -> dict[str, Any] | None:
     """The table entry for ``model_type`` read from the installed transformers (None: it has no TP plan).
 
@@ -152,7 +152,7 @@ def transformers_entry(model_type: str) -> dict[str, Any] | None:
 
 
 def _model_class(model_type: str, config_cls: type) -> type | None:
-    """The class ``from_pretrained`` builds for a text checkpoint of ``model_type``: its causal LM, else its base model."""
+    """The class ``from_pretrained`` builds for a text checkpoint of ``model_type``: causal LM, else base model."""
     import transformers
     from transformers.models.auto import modeling_auto
 
@@ -173,7 +173,8 @@ def _model_class(model_type: str, config_cls: type) -> type | None:
         return None
     found = [
         c for c in vars(module).values()
-        if isinstance(c, type) and getattr(c, "config_class", None) is config_cls and not c.__name__.endswith("PreTrainedModel")
+        if isinstance(c, type) and getattr(c, "config_class", None) is config_cls
+        and not c.__name__.endswith("PreTrainedModel")
     ]  # fmt: skip
     found.sort(key=lambda c: (not c.__name__.endswith("ForCausalLM"), not c.__name__.endswith("Model"), c.__name__))
     return found[0] if found else None
@@ -218,9 +219,8 @@ def plan_for(config: Mapping[str, Any]) -> HfPlan | None:
         if known is None:
             return HfPlan(model_type, plan, "base_model_tp_plan of config.json", ep)
         cls = HfPlan.from_entry(model_type, known, "")
-        return HfPlan(
-            model_type, plan, "base_model_tp_plan of config.json", ep, cls.head_plan, cls.prefix, cls.tied, cls.model_class
-        )
+        source = "base_model_tp_plan of config.json"
+        return HfPlan(model_type, plan, source, ep, cls.head_plan, cls.prefix, cls.tied, cls.model_class)
     if known is None:
         return None
     return HfPlan.from_entry(model_type, known, source)
@@ -246,6 +246,11 @@ def generic_name(name: str) -> str:
 
 
 def checkpoint_plan(plan: HfPlan, tensors: Mapping[str, TensorHeader], *, experts: str = "tp") -> dict[str, str]:
+    """The plan keyed by stored names (``model.layers.*.mlp.up_proj``), as ``from_pretrained`` assembles it."""
+    return {name: style for name, (_, style) in _checkpoint_keys(plan, tensors, experts).items()}
+
+
+def _checkpoint_keys(plan: HfPlan, tensors: Mapping[str, TensorHeader], experts: str) -> dict[str, tuple[str, str]]:
     """The plan keyed by stored names (``model.layers.*.mlp.up_proj``), as ``from_pretrained`` assembles it.
 
     The model class's own entries (``lm_head``) apply when the checkpoint holds the base model under its
@@ -262,14 +267,29 @@ def checkpoint_plan(plan: HfPlan, tensors: Mapping[str, TensorHeader], *, expert
             )
         under = re.compile(rf"(?:{'|'.join(map(re.escape, plan.ep_plan))})(?:\..+)?").fullmatch
         base = {k: v for k, v in base.items() if not under(k)} | plan.ep_plan
-    prefix = plan.prefix if plan.prefix and any(n.startswith(plan.prefix + ".") for n in tensors) else ""
+    prefix = _base_prefix(plan, base, tensors)
     dot = f"{prefix}." if prefix else ""
     embed = tensors.get(f"{dot}embed_tokens.weight")
     if base and "embed_tokens" not in base and embed is not None and len(embed.shape) == 2:
         base = {"embed_tokens": "embedding_rowwise", **base}
-    full = dict(plan.head_plan) if prefix or not plan.prefix else {}
-    full.update({dot + k: v for k, v in base.items()})
+    full = {k: (k, v) for k, v in plan.head_plan.items()} if prefix else {}
+    full.update({dot + k: (k, v) for k, v in base.items()})
     return full
+
+
+def _base_prefix(plan: HfPlan, base: Mapping[str, str], tensors: Mapping[str, TensorHeader]) -> str:
+    """Where the base model sits in the checkpoint: the leading name under which most tensors match its plan
+    (``model``; transformers' ``base_model_prefix`` can differ from the attribute, as Llama 4's
+    ``language_model`` does), or "" for a checkpoint of the base model itself."""
+    candidates = {""} | {n.split(".", 1)[0] for n in tensors if "." in n}
+    if plan.prefix:
+        candidates.add(plan.prefix)
+
+    def matches(prefix: str) -> int:
+        dot = f"{prefix}." if prefix else ""
+        return sum(1 for n in tensors if n.startswith(dot) and _style_for(n[len(dot) :], base) is not None)
+
+    return max(sorted(candidates), key=lambda p: (matches(p), p == plan.prefix))
 
 
 def _style_for(name: str, plan: Mapping[str, str]) -> tuple[str, str] | None:
@@ -301,7 +321,9 @@ def hf_placements(
             f"{config.get('model_type')!r} (or use --style megatron)",
             file="config.json",
         )
-    full = checkpoint_plan(plan, tensors, experts=experts)
+    full_keys = _checkpoint_keys(plan, tensors, experts)
+    full = {p: style for p, (_, style) in full_keys.items()}
+    full_keys = {p: key for p, (key, _) in full_keys.items()}
     dims = _dims(config)
     placements = _replicated(tensors)
     used: set[str] = set()
@@ -312,11 +334,10 @@ def hf_placements(
         pattern, style = found
         used.add(pattern)
         placements[name] = _style_placement(style, pattern, name, tuple(info.shape), dims)
-    dot = f"{plan.prefix}." if plan.prefix else ""
     notes = [
-        f"tp_plan entry {p.removeprefix(dot)!r} ({full[p]}) matched no tensor"
-        for p in full
-        if p not in used and not p.endswith("embed_tokens")
+        f"tp_plan entry {key!r} ({full[p]}) matched no tensor"
+        for p, key in full_keys.items()
+        if p not in used and key != "embed_tokens"
     ]
     return placements, notes
 
