@@ -61,27 +61,65 @@ def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 
 def tiny_config(spec: str) -> Any:
-    """A config of ``spec``'s model type with every size attribute it has shrunk (layer lists cut to the layer
-    count), then ``spec``'s overrides."""
+    """A config of ``spec``'s model type with every size attribute it has shrunk, then ``spec``'s overrides.
+
+    Per-layer lists are cut to the layer count keeping one layer of each kind (attention and linear/mamba
+    layers), a per-modality list of sizes shrinks element-wise, ``mrope_section`` follows the head size, and a
+    config that refuses grouped-query attention is retried with as many KV heads as query heads.
+    """
     from transformers import CONFIG_MAPPING
 
     model_type, overrides = split_spec(spec)
-
     cls = CONFIG_MAPPING[model_type]
     default = cls()
     values = default.to_dict()
-    layers = next((values[k] for k in ("num_hidden_layers", "num_layers", "n_layer") if k in values), None)
-    kwargs = {k: v for k, v in TINY.items() if k in values}
-    new_layers = kwargs.get("num_hidden_layers", kwargs.get("num_layers", kwargs.get("n_layer")))
-    for key, value in values.items():
-        if key in kwargs or key in SUB_CONFIGS:
+    layer_key = next((k for k in ("num_hidden_layers", "num_layers", "n_layer") if k in values), None)
+    layers = values.get(layer_key) if layer_key else None
+    kwargs: dict[str, Any] = {}
+    for key, tiny in TINY.items():
+        if key not in values:
             continue
-        if isinstance(value, list) and layers and len(value) == layers and new_layers:
-            kwargs[key] = value[:new_layers]
-        elif isinstance(value, list) and key.endswith(("_layers", "layers_idx", "layer_idx")) and new_layers:
-            kwargs[key] = [i for i in value if isinstance(i, int) and i < new_layers] or value[:0]
+        old = values[key]
+        if old in (0, None, False) and key not in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            continue  # a feature the model has off (no q LoRA, no RoPE part, no dense layers): keep it off
+        per_item = isinstance(old, list) and old and isinstance(old[0], int) and len(old) != layers
+        kwargs[key] = [tiny] * len(old) if per_item else tiny
+    kinds = 2
+    for key, value in values.items():
+        if isinstance(value, list) and layers and len(value) == layers and key not in kwargs:
+            kinds = max(kinds, len({json.dumps(v) for v in value}))
+    for key, value in values.items():
+        if key in kwargs or key in SUB_CONFIGS or not isinstance(value, list) or not layers:
+            continue
+        if len(value) == layers:
+            seen: dict[str, int] = {}
+            for i, v in enumerate(value):
+                seen.setdefault(json.dumps(v), i)  # the first layer of each kind
+            firsts = sorted(seen.values())
+            picked = sorted(firsts + [i for i in range(len(value)) if i not in firsts][: kinds - len(firsts)])
+            kwargs[key] = [value[i] for i in picked]
+        elif key.endswith(("_layers", "layers_idx", "layer_idx", "layer_ids")):
+            kwargs[key] = [i for i in value if isinstance(i, int) and i < kinds]
+    if layer_key:
+        kwargs[layer_key] = kinds
+    for key in TINY:
+        if isinstance(values.get(key), list) and layers and len(values[key]) == layers:
+            kwargs[key] = [TINY[key]] * kinds  # one size per layer
+    head_dim = kwargs.get("head_dim", 16)
+    rope = values.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and len(rope["mrope_section"]) == 3:
+        half = head_dim // 2
+        kwargs["rope_parameters"] = {**rope, "mrope_section": [half - 2 * (half // 4), half // 4, half // 4]}
+    if "mamba_d_head" in kwargs and "mamba_expand" in values:
+        kwargs["mamba_d_head"] = values["mamba_expand"] * kwargs["hidden_size"] // kwargs.get("mamba_n_heads", 4)
     kwargs["tie_word_embeddings"] = model_type in TIED
-    config = cls(**{**kwargs, **overrides})
+    kwargs.update(overrides)
+    try:
+        config = cls(**kwargs)
+    except Exception:
+        if "num_key_value_heads" not in kwargs:
+            raise
+        config = cls(**{**kwargs, "num_key_value_heads": kwargs.get("num_attention_heads", 4)})
     config._attn_implementation = "eager"
     return config
 
