@@ -10,6 +10,7 @@ compared with the tensor it is tied to. All types run in one launch (a crash rel
     python scripts/hf_tp_compare.py                       # every type, the table and counts
     python scripts/hf_tp_compare.py --types llama,gemma   # some types
     python scripts/hf_tp_compare.py --json results.json   # also write the results
+    python scripts/hf_tp_compare.py --types 'llama#swap'  # control: each rank against the other's shard
 
 Outcomes: ``equal``; ``differs`` (which tensors, and why when known); ``transformers fails``
 (from_pretrained raised); ``shardload fails``; ``not instantiable`` (no tiny model from the config class).
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 RANKS = 2
-MAX_PARAMS = 20_000_000
+MAX_PARAMS = 50_000_000
 
 # config attribute -> tiny value, set where the config class has the attribute
 TINY: dict[str, Any] = {
@@ -55,8 +56,9 @@ SUB_CONFIGS = ("text_config", "decoder", "encoder")
 
 
 def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"llama@vocab_size=257"`` -> ``("llama", {"vocab_size": 257})``: a model type and config overrides."""
-    model_type, *overrides = spec.split("@")
+    """``"llama@vocab_size=257"`` -> ``("llama", {"vocab_size": 257})``: a model type and config overrides
+    (a trailing ``#swap`` marks the control run that compares each rank with the other rank's shard)."""
+    model_type, *overrides = spec.removesuffix("#swap").split("@")
     return model_type, {k: json.loads(v) for k, _, v in (o.partition("=") for o in overrides)}
 
 
@@ -80,8 +82,8 @@ def tiny_config(spec: str) -> Any:
         if key not in values:
             continue
         old = values[key]
-        if old in (0, None, False) and key not in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            continue  # a feature the model has off (no q LoRA, no RoPE part, no dense layers): keep it off
+        if (old == 0 or old is False) and key not in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            continue  # a feature the model has off (no RoPE part, no dense layers): keep it off
         per_item = isinstance(old, list) and old and isinstance(old[0], int) and len(old) != layers
         kwargs[key] = [tiny] * len(old) if per_item else tiny
     kinds = 2
@@ -258,7 +260,8 @@ def child(work: Path, types: list[str], results: Path, swap: bool = False) -> No
     for model_type in types:
         dist.barrier()
         try:
-            got = compare_rank(work / _dir_name(model_type), rank, entries[model_type], swap)
+            swapped = swap or model_type.endswith("#swap")
+            got = compare_rank(work / _dir_name(model_type), rank, entries[model_type], swapped)
         except Exception:
             got = {"outcome": "shardload fails", "why": traceback.format_exc().strip().splitlines()[-1][:160]}
         everyone: list[Any] = [None] * RANKS

@@ -1,8 +1,9 @@
 """Model plans: decide, from config.json and tensor names, how each weight is tensor-parallel.
 
 Decisions come from built-in architecture presets (Llama, Mistral, Qwen2/3, Phi-3, Mixtral,
-Qwen-MoE and BERT families, by Hugging Face or GGUF tensor names) or from HF transformers'
-``base_model_tp_plan`` when config.json has one. Each decision is a
+Qwen-MoE and BERT families, by Hugging Face or GGUF tensor names) or from HF transformers' own
+TP plans (:mod:`shardload.models.hf_plans`: config.json's ``base_model_tp_plan``, the installed
+transformers', or the table shipped with shardload). Each decision is a
 :class:`~shardload.models.placement.Placement` (tensor, parallel style, dim, fused segments in units,
 KV flags) made on the model's *logical* tensors: a quantized module is seen as its logical
 weight (:func:`shardload.models.quant_plan.logical_tensors`). :func:`model_placements` makes them and
