@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 import torch
 
+import shardload
 import tiny_models
+import tp_reference as tp
 from shardload.models import hf_plans, presets
 
 pytest.importorskip("transformers")
@@ -221,3 +223,39 @@ def test_gqa_above_kv_heads_transformers_splits_a_head_shardload_replicates(tmp_
     assert all("error" in r or r["max_abs_diff"] > 1e-3 for r in theirs), theirs
     assert ours["k_proj"] == [[16, 64], [16, 64]]
     assert ours["max_abs_diff"] < 1e-4, ours
+
+
+def test_fused_checkpoint_follows_the_plan_for_its_parts(tmp_path: Path) -> None:
+    """A Llama stored with q/k/v fused into qkv_proj and gate/up into gate_up_proj (as Phi-3 and vLLM store them):
+    transformers' plan names only the parts; --style hf splits the fused tensors by whole heads (KV heads
+    replicated past their count) and by both halves, and the tensor-parallel forward equals the unsharded one."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_models.build("llama_gqa", tmp_path / "src")  # 8 query heads, 2 KV heads
+    state = load_file(tmp_path / "src" / "model.safetensors")
+    fused = {}
+    for name, tensor in state.items():
+        if ".q_proj." in name:
+            p = name.replace(".q_proj.", ".{}.")
+            fused[p.format("qkv_proj")] = torch.cat([state[p.format(w)] for w in ("q_proj", "k_proj", "v_proj")])
+        elif ".gate_proj." in name:
+            p = name.replace(".gate_proj.", ".{}.")
+            fused[p.format("gate_up_proj")] = torch.cat([state[p.format(w)] for w in ("gate_proj", "up_proj")])
+        elif not any(f".{w}." in name for w in ("k_proj", "v_proj", "up_proj")):
+            fused[name] = tensor
+    model_dir = tmp_path / "fused"
+    model_dir.mkdir()
+    save_file(fused, model_dir / "model.safetensors")
+    (model_dir / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
+    plan = presets.generate(model_dir, style="hf", num_shards=[2, 4, 8])
+    qkv = plan.placements["model.layers.0.self_attn.qkv_proj.weight"]
+    assert (qkv.segments, qkv.kv) == ((8, 2, 2), (False, True, True))
+    assert plan.placements["model.layers.0.mlp.gate_up_proj.weight"].segments == (128, 128)
+    config = json.loads((model_dir / "config.json").read_text())
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        for n in (1, 2, 4, 8):
+            shards = shardload.load(model_dir, n, devices=["cpu"] * n, shard_info=plan.document)
+            got = tp.decoder_logits(config, shards, ids)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

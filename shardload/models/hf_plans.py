@@ -19,7 +19,7 @@ import importlib.util
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
 
@@ -330,6 +330,10 @@ def hf_placements(
     for name, info in tensors.items():
         found = _style_for(name, full)
         if found is None:
+            fused = _fused_placement(name, tuple(info.shape), full, dims)
+            if fused is not None:
+                used.update(fused[1])
+                placements[name] = fused[0]
             continue
         pattern, style = found
         used.add(pattern)
@@ -397,6 +401,49 @@ def _style_placement(style: str, pattern: str, name: str, shape: tuple[int, ...]
     if rule == "embedding_column":
         return Placement(name, "column", ndim - 1, rule=why)
     return Placement(name, "expert", 0, rule=why)  # "expert"
+
+
+_COLUMN_STYLES = ("colwise", "local_colwise")
+# a stored tensor the plan does not name -> the plan entries (siblings) whose split it takes, and how
+_FUSED = {
+    "qkv_proj": (("q_proj", "k_proj", "v_proj"), "qkv"),
+    "gate_up_proj": (("gate_proj", "up_proj"), "gate_up"),
+}
+_EXPERT_COLUMN = ("w1", "w3", "gate_proj", "up_proj")
+_EXPERT_ROW = ("w2", "down_proj")
+
+
+def _fused_placement(
+    name: str, shape: tuple[int, ...], plan: Mapping[str, str], dims: ModelDims
+) -> tuple[Placement, list[str]] | None:
+    """Where the plan names separate modules but the checkpoint stores them otherwise (the preset knowledge):
+    a fused ``qkv_proj`` / ``gate_up_proj`` whose parts the plan splits column-wise gets whole heads / both halves
+    split; one expert's ``experts.E.w1`` (``gate_proj``, ...) of stacked experts the plan splits gets the same
+    split of its own ``[out, in]``. Returns the placement and the plan entries it followed, or None."""
+    module, _, param = generic_name(name).rpartition(".")
+    parent, _, last = module.rpartition(".")
+    if param not in ("weight", "bias"):
+        return None
+    if last in _FUSED:
+        parts, role = _FUSED[last]
+        keys = [f"{parent}.{p}" for p in parts]
+        if not all(plan.get(k) in _COLUMN_STYLES for k in keys):
+            return None
+        why = f"tp_plan {', '.join(keys)}: colwise, stored fused as {last}"
+        if role == "qkv" and len(shape) <= 2:
+            heads = _heads_or_none("qkv", name, param == "bias", shape, dims, why)
+            return (heads, keys) if heads is not None else None
+        return _packed(name, 0, shape, None, why), keys
+    experts, _, number = parent.rpartition(".")
+    if number == "*" and last in _EXPERT_COLUMN + _EXPERT_ROW and len(shape) <= 2:
+        gate_up, down = plan.get(f"{experts}.gate_up_proj"), plan.get(f"{experts}.down_proj")
+        why = f"tp_plan {experts}: stacked experts stored one by one"
+        if last in _EXPERT_COLUMN and gate_up == "packed_colwise":
+            return Placement(name, "column", 0, rule=why), [f"{experts}.gate_up_proj"]
+        if last in _EXPERT_ROW and down == "rowwise":
+            placement = Placement(name, "replicated" if param == "bias" else "row", None if param == "bias" else 1)
+            return replace(placement, rule=why), [f"{experts}.down_proj"]
+    return None
 
 
 def _heads_or_none(
