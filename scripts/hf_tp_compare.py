@@ -38,7 +38,8 @@ MAX_PARAMS = 50_000_000
 TINY: dict[str, Any] = {
     "hidden_size": 64, "d_model": 64, "n_embd": 64, "intermediate_size": 128, "ffn_hidden_size": 128,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "expert_intermediate_size": 32,
-    "moe_ffn_hidden_size": 32, "dense_intermediate_size": 128, "ffn_dim": 128,
+    "moe_ffn_hidden_size": 32, "dense_intermediate_size": 128, "ffn_dim": 128, "expert_ffn_hidden_size": 32,
+    "zero_expert_num": 2,
     "num_hidden_layers": 2, "num_layers": 2, "n_layer": 2,
     "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "num_key_value_heads": 2, "num_kv_heads": 2,
     "head_dim": 16, "attention_head_dim": 16, "vocab_size": 256, "max_position_embeddings": 128,
