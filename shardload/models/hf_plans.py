@@ -8,7 +8,7 @@ only here); the table shipped in this package (``hf_tp_plans.json``, written fro
 ``scripts/gen_hf_tp_plans.py``). :func:`hf_placements` turns the plan into one
 :class:`~shardload.models.placement.Placement` per tensor, matching names and splitting tensors as
 transformers' ``from_pretrained(tp_plan="auto")`` does (:data:`STYLES`), except where transformers
-is wrong: KV heads that N cannot split are replicated (``presets._attention_placement``), a packed
+is wrong: KV heads that N cannot split are replicated (``splits._attention_placement``), a packed
 bias follows its weight's halves.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import PlanError
 from .placement import Placement, TensorHeader
-from .presets import ATTENTION_ROLES, ModelDims, _attention_placement, _packed, _replicated
+from .splits import ATTENTION_ROLES, ModelDims, _attention_placement, _packed, _replicated
 
 __all__ = [
     "STYLES",
