@@ -12,13 +12,14 @@ transformers is not installed; tests/test_hf_plans.py checks it against the inst
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from shardload.models.hf_plans import TABLE_FILE, transformers_entry
+from shardload.models.hf_plans import TABLE_FILE, model_class_entry, transformers_entry
 
 TABLE = Path(__file__).resolve().parent.parent / "shardload" / "models" / TABLE_FILE
 
@@ -33,9 +34,30 @@ def build_table() -> dict[str, Any]:
     models = {}
     for model_type in sorted(CONFIG_MAPPING.keys()):
         entry = transformers_entry(model_type)
+        if entry is not None and "model_class" not in entry:
+            found = sub_config_model_class(CONFIG_MAPPING[model_type])
+            if found is not None:
+                entry = {**entry, **model_class_entry(found)}
         if entry is not None:
             models[model_type] = entry
     return {"transformers": version("transformers"), "models": models}
+
+
+def sub_config_model_class(config_cls: type) -> type | None:
+    """The model class of a sub-config no auto mapping lists (a multimodal model's text part): in its modeling
+    module, the causal LM built from it, else its base model."""
+    module_name = config_cls.__module__.replace(".configuration_", ".modeling_")
+    try:
+        module = importlib.import_module(module_name)
+    except (ImportError, RuntimeError):
+        return None
+    found = [
+        c for c in vars(module).values()
+        if isinstance(c, type) and getattr(c, "config_class", None) is config_cls
+        and not c.__name__.endswith("PreTrainedModel")
+    ]  # fmt: skip
+    found.sort(key=lambda c: (not c.__name__.endswith("ForCausalLM"), not c.__name__.endswith("Model"), c.__name__))
+    return found[0] if found else None
 
 
 def render(table: dict[str, Any]) -> str:

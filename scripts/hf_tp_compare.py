@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib.util
 import io
 import json
 import os
@@ -134,16 +135,11 @@ def build(spec: str, out: Path, entry: dict[str, Any]) -> str | None:
     """Save a tiny random model of ``spec`` (a model type, maybe with overrides) to ``out``; None when done, else
     why it cannot be built."""
     import torch
-    import transformers
 
     model_type, _ = split_spec(spec)
     try:
         config = tiny_config(spec)
-        model_cls = getattr(transformers, entry.get("model_class", ""), None)
-        if model_cls is None:
-            from shardload.models.hf_plans import _model_class
-
-            model_cls = _model_class(model_type, type(config))
+        model_cls = _model_class(model_type)
         if model_cls is None:
             return "no model class"
         with torch.device("meta"):  # count first: a size the shrinking missed must not allocate gigabytes
@@ -181,7 +177,8 @@ def compare_rank(model_dir: Path, rank: int, entry: dict[str, Any], swap: bool =
     from shardload.models.presets import generate
 
     try:
-        model_cls = _model_class_of(model_dir, entry)
+        model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
+        model_cls = _model_class(model_type)
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             model = model_cls.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32)
         theirs = {k: (v.to_local() if hasattr(v, "to_local") else v).detach() for k, v in model.state_dict().items()}
@@ -230,17 +227,22 @@ def _zero_padded(mine: Any, theirs: Any) -> bool:
     return torch.equal(head, theirs.to(mine.dtype)) and not tail.any()
 
 
-def _model_class_of(model_dir: Path, entry: dict[str, Any]) -> Any:
-    """The class the tiny model was built with (sub-configs are in no auto mapping, so not AutoModel)."""
-    import transformers
+def _model_class(model_type: str) -> Any:
+    """The class a tiny ``model_type`` model is built and loaded with: the one the table names (sub-configs are in
+    no auto mapping, so not AutoModel)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto import modeling_auto
 
-    from shardload.models.hf_plans import _model_class
-
-    model_cls = getattr(transformers, entry.get("model_class", ""), None)
-    if model_cls is None:
-        model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
-        model_cls = _model_class(model_type, type(transformers.AutoConfig.for_model(model_type)))
-    return model_cls
+    config_cls = CONFIG_MAPPING[model_type]
+    for mapping in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING, modeling_auto.MODEL_MAPPING):
+        try:
+            return mapping[config_cls]
+        except KeyError:
+            pass
+    gen = importlib.util.spec_from_file_location("gen_hf_tp_plans", Path(__file__).with_name("gen_hf_tp_plans.py"))
+    module = importlib.util.module_from_spec(gen)
+    gen.loader.exec_module(module)
+    return module.sub_config_model_class(config_cls)
 
 
 def _vocab_note(model_dir: Path) -> str:

@@ -122,10 +122,12 @@ def _transformers_installed() -> bool:
 
 
 @functools.cache
-def transformers_entry(model_type: str) -> dict[str, Any] | None:
+def transformers_entry(model_type: str, model_cls: type | None = None) -> dict[str, Any] | None:
     """The table entry for ``model_type`` read from the installed transformers (None: it has no TP plan).
 
-    Imports transformers and the model's modeling module: for plan generation only, never at import.
+    The model class (``lm_head``'s plan, the base model's prefix, tied weights) is the one transformers' auto
+    mappings give for the config class, or ``model_cls``. Imports transformers: for planning only, never at
+    import; names are only looked up in transformers' own registries, keyed by the config class.
     """
     from transformers import CONFIG_MAPPING
 
@@ -140,44 +142,37 @@ def transformers_entry(model_type: str) -> dict[str, Any] | None:
     ep_plan = dict(getattr(config_cls, "base_model_ep_plan", None) or {})
     if ep_plan:
         entry["ep_plan"] = ep_plan
-    model_cls = _model_class(model_type, config_cls)
+    model_cls = model_cls or _auto_model_class(config_cls)
     if model_cls is not None:
-        entry["model_class"] = model_cls.__name__
-        entry["prefix"] = str(getattr(model_cls, "base_model_prefix", "") or "")
-        head = getattr(model_cls, "_tp_plan", None)
-        entry["head_plan"] = {str(k): str(v) for k, v in dict(head or {}).items()}
-        tied = getattr(model_cls, "_tied_weights_keys", None)
-        entry["tied"] = {str(k): str(v) for k, v in tied.items()} if isinstance(tied, dict) else {}
+        entry.update(model_class_entry(model_cls))
     return entry
 
 
-def _model_class(model_type: str, config_cls: type) -> type | None:
-    """The class ``from_pretrained`` builds for a text checkpoint of ``model_type``: causal LM, else base model."""
-    import transformers
+def model_class_entry(model_cls: type) -> dict[str, Any]:
+    """What a model class adds to its base model's plan: its name, ``base_model_prefix``, its own ``_tp_plan``
+    (``lm_head``) and ``_tied_weights_keys``."""
+    head = getattr(model_cls, "_tp_plan", None)
+    tied = getattr(model_cls, "_tied_weights_keys", None)
+    return {
+        "model_class": model_cls.__name__,
+        "prefix": str(getattr(model_cls, "base_model_prefix", "") or ""),
+        "head_plan": {str(k): str(v) for k, v in dict(head or {}).items()},
+        "tied": {str(k): str(v) for k, v in tied.items()} if isinstance(tied, dict) else {},
+    }
+
+
+def _auto_model_class(config_cls: type) -> type | None:
+    """The class ``from_pretrained`` builds for a text checkpoint: the causal LM, else the base model (None for a
+    sub-config no auto mapping lists)."""
     from transformers.models.auto import modeling_auto
 
-    for mapping in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, modeling_auto.MODEL_MAPPING_NAMES):
-        name = mapping.get(model_type)
-        if isinstance(name, (list, tuple)):
-            name = name[0]
-        if name:
-            try:
-                return getattr(transformers, name)
-            except (AttributeError, ImportError, RuntimeError):
-                pass
-    # sub-configs (a multimodal model's text part) are in no auto mapping: look in their modeling module
-    module_name = config_cls.__module__.replace(".configuration_", ".modeling_")
-    try:
-        module = importlib.import_module(module_name)
-    except (ImportError, RuntimeError):
-        return None
-    found = [
-        c for c in vars(module).values()
-        if isinstance(c, type) and getattr(c, "config_class", None) is config_cls
-        and not c.__name__.endswith("PreTrainedModel")
-    ]  # fmt: skip
-    found.sort(key=lambda c: (not c.__name__.endswith("ForCausalLM"), not c.__name__.endswith("Model"), c.__name__))
-    return found[0] if found else None
+    for mapping in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING, modeling_auto.MODEL_MAPPING):
+        try:
+            found = mapping[config_cls]
+        except (KeyError, ValueError, ImportError, AttributeError, RuntimeError):
+            continue
+        return found[0] if isinstance(found, (list, tuple)) else found
+    return None
 
 
 def installed_entry(model_type: str) -> dict[str, Any] | None:
@@ -205,6 +200,10 @@ def plan_for(config: Mapping[str, Any]) -> HfPlan | None:
     source = ""
     if model_type:
         known = installed_entry(model_type)
+        if known is not None and "model_class" not in known:  # a sub-config: the table knows its model class
+            table_entry = shipped_table()["models"].get(model_type) or {}
+            parts = ("model_class", "prefix", "head_plan", "tied")
+            known = {**known, **{k: table_entry[k] for k in parts if k in table_entry}}
         if known is not None:
             source = f"transformers {_installed_version()} ({known['config_class']}.base_model_tp_plan"
             source += f" + {known['model_class']}._tp_plan)" if known.get("head_plan") else ")"
