@@ -237,8 +237,8 @@ def _model_class(model_type: str) -> Any:
     for mapping in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING, modeling_auto.MODEL_MAPPING):
         try:
             return mapping[config_cls]
-        except KeyError:
-            pass
+        except (KeyError, ValueError, ImportError, AttributeError):
+            pass  # not in this mapping, or a name the mapping lists that the package does not export
     gen = importlib.util.spec_from_file_location("gen_hf_tp_plans", Path(__file__).with_name("gen_hf_tp_plans.py"))
     module = importlib.util.module_from_spec(gen)
     gen.loader.exec_module(module)

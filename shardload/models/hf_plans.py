@@ -340,7 +340,7 @@ def hf_placements(
     notes = [
         f"tp_plan entry {key!r} ({full[p]}) matched no tensor"
         for p, key in full_keys.items()
-        if p not in used and key != "embed_tokens"
+        if p not in used and key != "embed_tokens" and f"{p}.weight" not in plan.tied  # a tied head is not stored
     ]
     return placements, notes
 
