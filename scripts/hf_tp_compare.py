@@ -59,8 +59,9 @@ SUB_CONFIGS = ("text_config", "decoder", "encoder")
 
 def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``"llama@vocab_size=257"`` -> ``("llama", {"vocab_size": 257})``: a model type and config overrides
-    (a trailing ``#swap`` marks the control run that compares each rank with the other rank's shard)."""
-    model_type, *overrides = spec.removesuffix("#swap").split("@")
+    (flags after ``#``: ``swap``, the control that compares each rank with the other rank's shard; ``orig``, saved
+    in the checkpoint's original format, one tensor per expert, which transformers stacks when loading)."""
+    model_type, *overrides = spec.split("#")[0].split("@")
     return model_type, {k: json.loads(v) for k, _, v in (o.partition("=") for o in overrides)}
 
 
@@ -154,7 +155,7 @@ def build(spec: str, out: Path, entry: dict[str, Any]) -> str | None:
                     base = 1.0 if "norm" in name.lower() else 0.0
                     param.copy_(base + 0.1 * torch.randn_like(param))
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            model.save_pretrained(out, save_original_format=False)
+            model.save_pretrained(out, save_original_format="#orig" in spec)
     except Exception as err:  # any failure of a config class or model to build tiny: reported, not raised
         return _one_line(err)
     return None
@@ -196,6 +197,11 @@ def compare_rank(model_dir: Path, rank: int, entry: dict[str, Any], swap: bool =
         if mine is None and name in tied:
             mine = ours.get(tied[name])
         if mine is None:
+            mine = _stacked(name, ours)
+        for model_part, stored_part in _RENAMES:
+            if mine is None:
+                mine = ours.get(name.replace(model_part, stored_part))
+        if mine is None:
             if name.endswith(("inv_freq", "position_ids")) or not tensor.is_floating_point():
                 continue  # buffers transformers computes, not stored weights
             differs[name] = "not loaded by shardload"
@@ -209,8 +215,49 @@ def compare_rank(model_dir: Path, rank: int, entry: dict[str, Any], swap: bool =
         elif not torch.equal(mine, tensor.to(mine.dtype)):
             differs[name] = "values differ"
     for name in ours.keys() - theirs.keys() - set(tied.values()):
+        if any(name.replace(stored, model) in theirs for model, stored in _RENAMES):
+            continue  # compared under transformers' name above
+        if ".experts." in name and any(name.endswith(f".{p}.weight") for p in _EXPERT_PARTS):
+            continue  # one expert's tensor: compared inside transformers' stacked tensor above
         differs[name] = "not in transformers' model"
     return {"outcome": "differs" if differs else "equal", "differs": differs, "compared": compared, "padded": padded}
+
+
+# transformers' conversions of MoE checkpoints stored one tensor per expert (conversion_mapping.py's "mixtral" and
+# "qwen2_moe" patterns): stacked name -> the per-expert names it is made of, gate and up concatenated
+_PER_EXPERT = {
+    "experts.gate_up_proj": [("experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight"),
+                             ("experts.{e}.w1.weight", "experts.{e}.w3.weight")],
+    "experts.down_proj": [("experts.{e}.down_proj.weight",), ("experts.{e}.w2.weight",)],
+}  # fmt: skip
+
+
+# transformers' renames of stored names (conversion_mapping.py): (name in the model, name in the checkpoint)
+_RENAMES = [
+    (".mlp.", ".block_sparse_moe."),  # mixtral pattern
+    (".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"),  # exaone_moe
+    (".mlp.gate.moe_statics.", ".mlp.moe_statics."),  # ernie4_5_moe
+]
+_EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+
+
+def _stacked(name: str, ours: dict[str, Any]) -> Any:
+    """transformers' stacked expert tensor ``name`` built from shardload's per-expert tensors of this rank (each
+    expert's gate and up concatenated, as transformers concatenates them), or None."""
+    import torch
+
+    for suffix, layouts in _PER_EXPERT.items():
+        if not name.endswith(suffix):
+            continue
+        head = name[: -len(suffix)]
+        for prefix in {head, head.replace(".mlp.", ".block_sparse_moe.")}:
+            for parts in layouts:
+                experts = []
+                while all(prefix + p.format(e=len(experts)) in ours for p in parts):
+                    experts.append(torch.cat([ours[prefix + p.format(e=len(experts))] for p in parts]))
+                if experts:
+                    return torch.stack(experts)
+    return None
 
 
 def _zero_padded(mine: Any, theirs: Any) -> bool:
@@ -263,7 +310,7 @@ def child(work: Path, types: list[str], results: Path, swap: bool = False) -> No
     for model_type in types:
         dist.barrier()
         try:
-            swapped = swap or model_type.endswith("#swap")
+            swapped = swap or "#swap" in model_type
             got = compare_rank(work / _dir_name(model_type), rank, entries[model_type], swapped)
         except Exception:
             got = {"outcome": "shardload fails", "why": traceback.format_exc().strip().splitlines()[-1][:160]}

@@ -438,6 +438,8 @@ def _fused_placement(
         return _packed(name, 0, shape, None, why), keys
     experts, _, number = parent.rpartition(".")
     if number == "*" and last in _EXPERT_COLUMN + _EXPERT_ROW and len(shape) <= 2:
+        if f"{experts}.gate_up_proj" not in plan:  # transformers' Mixtral conversion renames block_sparse_moe
+            experts = experts.replace(".block_sparse_moe.", ".mlp.")
         gate_up, down = plan.get(f"{experts}.gate_up_proj"), plan.get(f"{experts}.down_proj")
         why = f"tp_plan {experts}: stacked experts stored one by one"
         if last in _EXPERT_COLUMN and gate_up == "packed_colwise":
