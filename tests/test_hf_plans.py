@@ -200,13 +200,11 @@ def test_the_comparison_can_fail(compared: dict[str, dict[str, Any]]) -> None:
 
 
 def test_odd_vocab(compared: dict[str, dict[str, Any]]) -> None:
-    """transformers gives rank 0 129 rows of a 257-row vocab and rank 1 128 (torch.chunk); every other tensor
-    matches. Until vocab padding lands (helper vocab, issue 13 part 2) shardload refuses the split."""
+    """transformers gives rank 0 129 rows of a 257-row vocab and rank 1 128 (torch.chunk); shardload's plain
+    padding (to a multiple of N) gives the same rows, rank 1's followed by one zero row."""
     row = compared[ODD_VOCAB]
-    if row["outcome"] != "equal":
-        assert row.get("vocab") == "vocab 257 not divisible by 2", row
-        pytest.xfail(f"vocab N does not divide: padding is issue 13 part 2 (helper vocab): {row.get('why')}")
-    assert row["padded"], row  # padded with zeros past transformers' rows
+    assert row["outcome"] == "equal", row
+    assert row["padded"] == ["lm_head.weight", "model.embed_tokens.weight"], row
 
 
 def test_gqa_above_kv_heads_transformers_splits_a_head_shardload_replicates(tmp_path: Path) -> None:
