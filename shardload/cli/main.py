@@ -341,7 +341,8 @@ def _convert_vllm(
     type=click.Choice(["auto", "megatron", "hf"]),
     default="auto",
     show_default=True,
-    help="hf: config's base_model_tp_plan; megatron: built-in preset; auto: the tp_plan when there is one.",
+    help="hf: transformers' TP plan (config.json's, else the installed transformers', else shardload's table); "
+    "megatron: built-in preset; auto: config.json's plan, else the preset, else transformers' plan.",
 )
 @click.option(
     "--experts",
