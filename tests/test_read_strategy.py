@@ -199,7 +199,7 @@ def test_forced_strategies_warm_and_cold(tmp_path: Path, monkeypatch: pytest.Mon
 class _Remote(shardload.sources.reader.Reader):
     """A reader whose files must not be mapped (as a remote object store's)."""
 
-    mappable = False
+    can_map = False
 
 
 def test_unmappable_reader_is_only_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

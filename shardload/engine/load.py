@@ -17,6 +17,8 @@ from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh, MeshCoord, as_mesh, stage_plans
 from ..planning.plan import ModelPlan, ParamPlan, build_plan
 from ..sources.checkpoint import open_checkpoint, read_header
+from ..sources.object_reader import reader_for
+from ..sources.objects import ObjectPath
 from ..sources.reader import Reader
 from .devices import resolve_device
 from .transfer import Transfer
@@ -38,7 +40,7 @@ def materialize(plan: ParamPlan, files: Reader, ranks: Sequence[int]) -> list[to
 
 def iter_shards(plan: ModelPlan, ranks: Sequence[int]) -> Iterator[tuple[ParamPlan, list[torch.Tensor]]]:
     """Stream ``(param plan, shards for ranks)`` one parameter at a time, in checkpoint order, on the CPU."""
-    with Reader() as reader, Transfer(reader) as transfer:
+    with reader_for(_first_file(plan)) as reader, Transfer(reader) as transfer:
         for param in plan.params.values():
             shards = transfer.param(param, ranks)
             transfer.wait()
@@ -149,7 +151,7 @@ def run_plan(
     # rank's tensors are populated by the readers themselves, so its reads start while later parameters are planned
     defer = not (one_rank and torch.device(devices[0]).type == "cpu")
     with (
-        Reader() as reader,
+        reader_for(_first_file(plan)) as reader,
         Transfer(reader, staged=staged, defer=defer, mapped=mmap, copy_out=one_rank, progress=progress) as transfer,
     ):
         for param in plan.params.values():
@@ -157,6 +159,11 @@ def run_plan(
                 result[k][param.name] = t
         transfer.wait()
     return result
+
+
+def _first_file(plan: ModelPlan) -> Any:
+    """A file the plan reads (its reader follows: an object store's or the local one)."""
+    return next((p.source.file for p in plan.params.values()), None)
 
 
 def layout_for(num_shards: int | None, mesh: Any, world_size: int | None) -> Mesh:
@@ -218,6 +225,7 @@ def load_rank(
     mesh: Any = None,
     verify: bool = False,
     mmap: bool = False,
+    progress: bool | Callable[[int, int], None] = False,
 ) -> dict[str, torch.Tensor]:
     """Load only rank ``rank``'s shard of ``model`` onto ``device``, reading only the bytes it needs.
 
@@ -233,6 +241,9 @@ def load_rank(
     read as usual, and so is a file the kernel refuses to map. The files must not be truncated or
     rewritten in place while the views live (the process would get SIGBUS), which a directory written
     by :func:`convert` never is.
+
+    ``progress=True`` draws a progress line on stderr when it is a terminal (worth it for a model read from object
+    storage); a callable gets ``(read jobs done, total)``.
 
     Example::
 
@@ -254,6 +265,12 @@ def load_rank(
         error = CheckpointError if checkpoint.kind == "converted" else ShardloadError
         raise error(f"rank {rank} is out of range for {what}", file=str(model))
     coord = layout.coord(rank)
+    if mmap and isinstance(checkpoint.path, ObjectPath):
+        raise ShardloadError(
+            "mmap=True maps local files; this model is in object storage (load without mmap, or convert it to a "
+            "local directory first)",
+            file=str(model),
+        )
     if mmap and _device_type(device) != "cpu":
         raise ShardloadError(
             f"mmap=True maps files into host memory; it needs device='cpu', not {device!r}", file=str(model)
@@ -266,7 +283,8 @@ def load_rank(
         return _load_presharded_rank(checkpoint, shard_info, layout, coord, device, mmap)
     plan = build_plan(shard_info_for(checkpoint, shard_info), checkpoint, layout.tp)
     stage = stages_of(plan, layout)[coord.pp]
-    return run_plan(stage, [coord.tp], [device], mmap=mmap)[0]
+    call = _progress_line(f"loading rank {rank}") if progress is True else (progress if callable(progress) else None)
+    return run_plan(stage, [coord.tp], [device], mmap=mmap, progress=call)[0]
 
 
 def _device_type(device: Any) -> str:
@@ -283,7 +301,7 @@ def _load_converted_rank(
 ) -> dict[str, torch.Tensor]:
     path = rank_file(checkpoint, coord.tp, layout, stage=coord.pp, checksum=verify)
     infos = list(read_header(path).values())
-    with Reader() as reader, Transfer(reader, mapped=mmap) as transfer:
+    with reader_for(path) as reader, Transfer(reader, mapped=mmap) as transfer:
         tensors = transfer.tensors(infos, device)
         transfer.wait()
     return {info.name: t for info, t in zip(infos, tensors, strict=True)}

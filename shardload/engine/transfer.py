@@ -85,7 +85,7 @@ class Transfer:
     instead of reading it (see :class:`~shardload.sources.reader.Mappings`). ``copy_out`` lets a single
     rank copy its pieces out of a read-only mapping with strided copies where that is faster than reading
     them (:data:`READ_STRATEGY`). Neither maps anything when the reader says its files cannot be mapped
-    (``reader.mappable`` False: a remote object store); every byte is then read with ``read_runs``.
+    (``reader.can_map`` False: an object store); every byte is then read with ``read_runs``.
     ``progress(done, total)`` is called as the read jobs of :meth:`wait` finish.
     """
 
@@ -102,12 +102,12 @@ class Transfer:
     ) -> None:
         self.reader = reader
         self.progress = progress
-        local = getattr(reader, "mappable", True)  # a remote reader's files are never mapped: only read
-        self.mappings = Mappings() if mapped and local else None
-        self.filemaps = FileMaps() if copy_out and local else None
+        can_map = getattr(reader, "can_map", True)  # an object-store reader has no file to map
+        self.mappings = Mappings() if mapped and can_map else None
+        self.filemaps = FileMaps() if copy_out and can_map else None
         self.spans: dict[Any, tuple[Any, ...] | None] = {}
         self.whole: dict[Any, int | None] = {}
-        self.threads = READ_THREADS if threads is None else threads
+        self.threads = (getattr(reader, "threads", None) or READ_THREADS) if threads is None else threads
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardload-read") if self.threads else None
         self.stage_cpu = staged
         self.futures: list[Future[None]] = []

@@ -115,7 +115,7 @@ def buffer_view(t: Any) -> memoryview:
 class Reader:
     """Open checkpoint files once and read byte runs from them into tensors, thread-safely."""
 
-    mappable = True
+    can_map = True
     """Whether the loader may map this reader's files and ask the page cache about them (``mmap``, ``mincore``).
     A reader of remote objects says False: it then gets only :meth:`read_runs`, :meth:`no_readahead` and
     :meth:`prefetch` calls."""
