@@ -4,6 +4,7 @@
 Usage::
 
     python benchmarks/run.py [--size-gib 1.0] [--num-shards 8] [--repeats 3] [--warmup 1] [--keep DIR] [--no-peer]
+                             [--only load,bytes,convert,peer,gpu,rank]
 
 On a random ~``--size-gib`` float16 Llama-shaped checkpoint (fused GQA qkv, gate_up, o, down, embeddings)
 with its shard_info, warm page cache, N = ``--num-shards``:
@@ -24,7 +25,14 @@ with its shard_info, warm page cache, N = ``--num-shards``:
    three have the target <= 0.5x. The shards are compared with transformers' element for element.
 5. With CUDA: ``load()`` onto ``cuda:0..G-1`` against the pinned host-to-device bandwidth (target >= 0.8x);
    the whole model onto ``cuda:0`` against ``safe_open(..., device="cuda:0")``, and one rank of N against
-   safetensors' ``get_slice`` on the same device (``--only-gpu`` measures this row alone).
+   safetensors' ``get_slice`` on the same device (``--only gpu`` measures this row alone).
+6. One rank (rank 3 of N) in a fresh process, page cache warm, every page of the result touched, imports excluded:
+   ``load_rank`` and ``load_rank(mmap=True)`` against ``safe_open(...).get_slice(name)[...]`` narrowing the same
+   boxes (target <= 1x; get_slice returns views of its mapping, copied only where a rank's piece is not one box), and
+   against get_slice with every tensor cloned into fresh memory (shown); the whole model against ``load_file``
+   (views) and ``load_file`` + clone (shown); the same rank after dropping the file's pages
+   (``posix_fadvise(DONTNEED)``): bytes fetched from storage (``/proc/self/io`` read_bytes) against the pages holding
+   the rank's bytes (target <= 1.05x) and time against get_slice (target <= 1x). ``--only rank`` measures this row.
 
 Times are the best of ``--repeats`` interleaved rounds after ``--warmup`` untimed ones, each started from a warm
 page cache (the source is read just before). It prints one table
@@ -65,6 +73,8 @@ ST_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 SAMPLE_INTERVAL_S = 0.01
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 PEER_RANKS = 2
+GROUPS = {"load": 1, "bytes": 2, "convert": 3, "peer": 4, "gpu": 5, "rank": 6}
+"""``--only`` row groups and the rows they measure."""
 HERE = Path(__file__).resolve()
 
 
@@ -403,15 +413,17 @@ def child_slice(kind: str, model: str, rank: str, num_shards: str, cold: str) ->
     from safetensors import safe_open
     from safetensors.torch import load_file
 
+    import shardload.planning.runs  # what loading imports lazily: not timed
+
     path = Path(model) / MODEL_FILE
     r, n = int(rank), int(num_shards)
-    plan = shardload.plan_model(model, n)  # imports what loading imports lazily; not timed
+    plan = shardload.plan_model(model, n)  # not timed: the load itself is compared, imports excluded
     if cold == "cold":
         _drop_cached(path)
     before = proc_io()
     t0 = time.perf_counter()
     with count_reads() as seen:
-        if kind == "safetensors":
+        if kind in ("safetensors", "safetensors-fresh"):
             state = {}
             with safe_open(str(path), framework="pt") as f:
                 for name, p in plan.params.items():
@@ -427,6 +439,8 @@ def child_slice(kind: str, model: str, rank: str, num_shards: str, cold: str) ->
                             tuple(slice(a, b) for a, b in pc.src)
                         ].reshape(box)
                     state[name] = dest
+            if kind == "safetensors-fresh":  # every tensor in fresh memory, as the default load_rank gives
+                state = {k: v.clone(memory_format=torch.contiguous_format) for k, v in state.items()}
         elif kind in ("shardload", "shardload-mmap"):
             state = shardload.load_rank(model, r, n, mmap=kind == "shardload-mmap")
         elif kind == "whole-shardload-mmap":
@@ -480,8 +494,9 @@ def rows_slices(model: Path, n: int, repeats: int) -> tuple[list[Row], dict[str,
             runs.append(json_line(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout))
         return min(runs, key=lambda x: x["seconds"]) | {"all": [x["seconds"] for x in runs]}
 
-    got = {k: best(k) for k in ("shardload", "shardload-mmap", "safetensors", "whole-shardload-mmap",
-                                "whole-load-file", "whole-shardload", "whole-load-file-clone")}  # fmt: skip
+    got = {k: best(k) for k in ("shardload", "shardload-mmap", "safetensors", "safetensors-fresh",
+                                "whole-shardload-mmap", "whole-load-file", "whole-shardload",
+                                "whole-load-file-clone")}  # fmt: skip
     cold = {k: best(k, cold=True) for k in ("shardload", "safetensors")}
     plan = shardload.plan_model(model, n)
     own = plan.rank_nbytes(rank)
@@ -492,6 +507,8 @@ def rows_slices(model: Path, n: int, repeats: int) -> tuple[list[Row], dict[str,
                 seconds(t["shardload"]), seconds(t["safetensors"])),
         at_most(t["shardload-mmap"] / t["safetensors"], 1.0, "6. load_rank(mmap=True) vs safetensors get_slice",
                 seconds(t["shardload-mmap"]), seconds(t["safetensors"])),
+        Row("6. load_rank (fresh memory) vs get_slice + clone (fresh memory)", seconds(t["shardload"]),
+            seconds(t["safetensors-fresh"]), t["shardload"] / t["safetensors-fresh"], "", None),
         Row("6. whole model: load_rank(m, 0, 1, mmap=True) vs load_file (views)", seconds(t["whole-shardload-mmap"]),
             seconds(t["whole-load-file"]), t["whole-shardload-mmap"] / t["whole-load-file"], "", None),
         Row("6. whole model: load(m, 1) vs load_file + clone (fresh memory)", seconds(t["whole-shardload"]),
@@ -510,6 +527,11 @@ def rows_slices(model: Path, n: int, repeats: int) -> tuple[list[Row], dict[str,
     ]  # fmt: skip
     times = {f"slice {k}": v["all"] for k, v in got.items()} | {f"cold {k}": v["all"] for k, v in cold.items()}
     return rows, times
+
+
+def load_average() -> str:
+    """The 1-minute load average (other work on a shared machine makes every timing noisier)."""
+    return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "unknown"
 
 
 def seconds(t: float) -> str:
@@ -804,24 +826,26 @@ def run(args: argparse.Namespace, work: Path) -> int:
     )
     warm_page_cache(model / MODEL_FILE)
     fresh_pages_per_allocation()
+    load_start = load_average()
 
     rows: list[Row] = []
     times: dict[str, list[float]] = {}
-    if args.only_slices or args.only_gpu:
-        rows, times = (rows_slices(model, n, max(3, args.repeats)) if args.only_slices
-                       else rows_gpu(model, total, n, args.repeats))  # fmt: skip
-        print(format_table(["figure", "shardload", "baseline", "ratio", "target", "met"], [x.cells() for x in rows]))
-        print("all repetitions (s): " + "; ".join(f"{k} " + " ".join(f"{x:.3f}" for x in v) for k, v in times.items()))
-        return 1 if any(x.ok is False for x in rows) else 0
-    r, t = rows_load(model, n, total, args.repeats, args.warmup)
-    rows += r
-    times.update(t)
-    r, notes = rows_load_rank(model, n)
-    rows += r
-    r, t = rows_convert(model, work, n, largest, args.repeats, args.warmup)
-    rows += r
-    times.update(t)
-    if args.no_peer:
+    notes: list[str] = []
+    only = set(args.only)
+    if "load" in only:
+        r, t = rows_load(model, n, total, args.repeats, args.warmup)
+        rows += r
+        times.update(t)
+    if "bytes" in only:
+        r, notes = rows_load_rank(model, n)
+        rows += r
+    if "convert" in only:
+        r, t = rows_convert(model, work, n, largest, args.repeats, args.warmup)
+        rows += r
+        times.update(t)
+    if "peer" not in only:
+        pass
+    elif args.no_peer:
         rows.append(Row("4. load_rank vs HF tp_plan=auto", "skipped (--no-peer)", "", None, "<= 0.5x", None))
     else:
         try:
@@ -834,19 +858,23 @@ def run(args: argparse.Namespace, work: Path) -> int:
             rows += r
             times.update(t)
             notes.append(note)
-    r, t = rows_gpu(model, total, n, args.repeats)
-    rows += r
-    times.update(t)
-    r, t = rows_slices(model, n, max(3, args.repeats))
-    rows += r
-    times.update(t)
+    if "gpu" in only:
+        r, t = rows_gpu(model, total, n, args.repeats)
+        rows += r
+        times.update(t)
+    if "rank" in only:
+        r, t = rows_slices(model, n, max(3, args.repeats))
+        rows += r
+        times.update(t)
 
     print(format_table(["figure", "shardload", "baseline", "ratio", "target", "met"], [x.cells() for x in rows]))
     print()
-    print("row 2, bytes read per rank (fresh process each):")
+    if notes:
+        print("row 2, bytes read per rank (fresh process each):")
     for note in notes:
         print(("  " if note.startswith("rank") else "") + note)
     print("all repetitions (s): " + "; ".join(f"{k} " + " ".join(f"{x:.3f}" for x in v) for k, v in times.items()))
+    print(f"load average at the start and the end (1 min): {load_start} and {load_average()}")
     missed = [x.figure for x in rows if x.ok is False]
     print(f"targets missed: {len(missed)}" + (": " + "; ".join(missed) if missed else ""))
     return 1 if missed else 0
@@ -861,10 +889,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds before the timed ones (default 1)")
     parser.add_argument("--keep", type=Path, metavar="DIR", help="work in DIR and keep it (reused when it matches)")
     parser.add_argument("--no-peer", action="store_true", help="skip the HF transformers comparison (row 4)")
-    parser.add_argument("--only-slices", action="store_true", help="measure row 6 only (a rank vs safetensors)")
-    parser.add_argument("--only-gpu", action="store_true", help="measure row 5 only (onto CUDA)")
+    parser.add_argument(
+        "--only",
+        type=lambda text: text.split(","),
+        default=list(GROUPS),
+        metavar="ROWS",
+        help=f"comma-separated row groups to measure, of {','.join(GROUPS)} (rows 1 to 6; default all)",
+    )
+    parser.add_argument("--only-slices", action="store_true", help="same as --only rank (row 6)")
+    parser.add_argument("--only-gpu", action="store_true", help="same as --only gpu (row 5)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.only_slices or args.only_gpu:
+        args.only = ["rank"] * args.only_slices + ["gpu"] * args.only_gpu
+    unknown = set(args.only) - set(GROUPS)
+    if unknown:
+        parser.error(f"--only: unknown row group(s) {', '.join(sorted(unknown))}; choose from {', '.join(GROUPS)}")
+    return args
 
 
 @contextmanager

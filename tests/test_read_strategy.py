@@ -1,6 +1,7 @@
-"""A single CPU rank's two ways of getting its bytes: strided copies out of a mapping (page cache warm, or runs
-smaller than a page) and ``preadv`` of the exact runs (cold storage). Both give the unsharded reference's slices,
-element for element, and read only the rank's own bytes."""
+"""A single rank's two ways of getting its bytes: strided copies out of a mapping (short runs: column slices) and
+``preadv`` of the exact runs (long runs, or a reader whose files cannot be mapped), with cold-storage hints when the
+page cache does not hold the rank's pages. Every way gives the unsharded reference's slices, element for element,
+and reads only the rank's own bytes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from test_load import reference_shards
 import shardload
 import shardload.engine.transfer as transfer
 from conftest import write_model
-from shardload.sources.reader import FileMaps, count_reads
+from shardload.sources.reader import PAGE, FileMaps, count_reads
 
 
 @pytest.mark.parametrize("strategy", ["map", "read", "auto"])
@@ -83,22 +84,181 @@ def _drop_cache(path: Path) -> float | None:
     return FileMaps().resident(path, np.array([0]), np.array([size]))
 
 
-def test_cold_file_is_read_with_preadv(tmp_path: Path) -> None:
-    """Row shards of a file that is not in the page cache are read with preadv: exactly the rank's bytes."""
+def _two_kinds(directory: Path) -> tuple[Path, np.ndarray, np.ndarray]:
+    """A model with a dim-0 split (one 256 KiB run per rank at N=4) and a column split (512-byte runs)."""
     rng = np.random.default_rng(1)
-    w = rng.standard_normal((512, 1024)).astype(np.float16)  # rows of 2 KiB: runs of 256 KiB per rank
-    info = {"w": [["shard_funcs.shard_dim", [[4, 128, 1024], "float16"], 0, 4]]}
-    model = write_model(tmp_path / "m", {"w": w}, info)
-    left = _drop_cache(model / "model.safetensors")
+    rows = rng.standard_normal((512, 1024)).astype(np.float16)
+    cols = rng.standard_normal((512, 1024)).astype(np.float16)
+    info = {
+        "rows": [["shard_funcs.shard_dim", [[4, 128, 1024], "float16"], 0, 4]],
+        "cols": [["shard_funcs.shard_dim", [[4, 512, 256], "float16"], 1, 4]],
+    }
+    return write_model(directory, {"rows": rows, "cols": cols}, info), rows, cols
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
+    """Record the reader's cold-storage hints (the calls still happen)."""
+    from shardload.sources.reader import Reader
+
+    seen: dict[str, list[object]] = {"prefetch": [], "no_readahead": []}
+    prefetch, no_readahead = Reader.prefetch, Reader.no_readahead
+
+    def spy_prefetch(self: Reader, path: Path, starts: list[int], ends: list[int]) -> None:
+        seen["prefetch"].append((list(starts), list(ends)))
+        prefetch(self, path, starts, ends)
+
+    def spy_no_readahead(self: Reader, path: Path) -> None:
+        seen["no_readahead"].append(path)
+        no_readahead(self, path)
+
+    monkeypatch.setattr(Reader, "prefetch", spy_prefetch)
+    monkeypatch.setattr(Reader, "no_readahead", spy_no_readahead)
+    return seen
+
+
+def _read_bytes() -> int | None:
+    """Bytes this process has fetched from storage so far (``/proc/self/io`` read_bytes), None where unknown."""
+    try:
+        text = Path("/proc/self/io").read_text()
+    except OSError:
+        return None
+    return int(next(line.split()[1] for line in text.splitlines() if line.startswith("read_bytes:")))
+
+
+def test_auto_warm_reads_long_runs_and_maps_short_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Page cache warm: the dim-0 shard is read with preadv (no page of a mapping faulted in), the column slice is
+    copied out of the mapping (no call), and no cold-storage hint is given."""
+    model, rows, cols = _two_kinds(tmp_path / "m")
+    (model / "model.safetensors").read_bytes()  # warm
+    seen = _spy(monkeypatch)
+    for r in range(4):
+        only_rows = {"version": 1, "params": {"rows": [["shard_funcs.shard_dim", [None, None], 0, "num_shards"]]}}
+        with count_reads() as rows_read:
+            got = shardload.load_rank(model, r, 4, shard_info=only_rows)
+        np.testing.assert_array_equal(got["rows"].numpy(), rows[128 * r : 128 * (r + 1)])
+        # the replicated column tensor is one long run too: both read by preadv, every byte once
+        assert rows_read.bytes == rows.nbytes // 4 + cols.nbytes and rows_read.calls >= 2
+        with count_reads() as both:
+            got = shardload.load_rank(model, r, 4)
+        np.testing.assert_array_equal(got["rows"].numpy(), rows[128 * r : 128 * (r + 1)])
+        np.testing.assert_array_equal(got["cols"].numpy(), cols[:, 256 * r : 256 * (r + 1)])
+        assert both.bytes == (rows.nbytes + cols.nbytes) // 4
+        assert both.calls == rows_read.calls - 1  # the column slice made no read call: copied out of the mapping
+    assert seen == {"prefetch": [], "no_readahead": []}
+
+
+def test_auto_cold_fetches_only_the_rank_pages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Page cache cold: the dim-0 shard's run is requested up front and read exactly, the column slice's pages are
+    requested as merged page ranges and copied as they arrive; storage is asked for no other page."""
+    from shardload.engine.transfer import LONG_RUN, SMALL_RUN
+
+    model, rows, cols = _two_kinds(tmp_path / "m")
+    path = model / "model.safetensors"
+    plan = shardload.plan_model(model, 4)
+    assert plan.params["rows"].rank_nbytes >= LONG_RUN and 1024 // 4 * 2 < SMALL_RUN  # the two kinds of runs
+    seen = _spy(monkeypatch)
+    left = _drop_cache(path)
     if left is None or left > 0.5:
         pytest.skip(f"the kernel kept the file's pages cached ({left})")
-    with count_reads() as seen:
+    before = _read_bytes()
+    with count_reads() as counted:
         got = shardload.load_rank(model, 1, 4)
-    np.testing.assert_array_equal(got["w"].numpy(), w[128:256])
-    assert seen.bytes == w.nbytes // 4 and seen.calls >= 1  # preadv, not a mapping copy
-    with count_reads() as warm:
-        again = shardload.load_rank(model, 1, 4)  # now cached: copied out of the mapping
-    assert torch.equal(got["w"], again["w"]) and warm.calls == 0
+    after = _read_bytes()
+    np.testing.assert_array_equal(got["rows"].numpy(), rows[128:256])
+    np.testing.assert_array_equal(got["cols"].numpy(), cols[:, 256:512])
+    assert counted.bytes == (rows.nbytes + cols.nbytes) // 4
+    row_run = plan.params["rows"].source.offset + rows.nbytes // 4
+    assert ([row_run], [row_run + rows.nbytes // 4]) in seen["prefetch"]  # exactly the run, up front
+    assert len(seen["prefetch"]) == 2 and seen["no_readahead"]
+    if before is not None and after is not None and after > before:  # the kernel reports storage reads here
+        pages = 0
+        for p in plan.params.values():
+            lo, hi = p.source.offset, p.source.offset + p.source.nbytes
+            pages += (hi - 1) // PAGE - lo // PAGE + 1 if p.name == "cols" else -(-p.rank_nbytes // PAGE) + 1
+        assert after - before <= pages * PAGE  # the rank's pages (a column slice touches every row's page)
+
+
+@pytest.mark.parametrize("cold", [False, True])
+@pytest.mark.parametrize("strategy", ["map", "read"])
+def test_forced_strategies_warm_and_cold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str,
+                                         cold: bool) -> None:  # fmt: skip
+    """Either way forced, from a warm or a cold page cache: the reference's slices, exactly the rank's bytes."""
+    monkeypatch.setattr(transfer, "READ_STRATEGY", strategy)
+    model, rows, cols = _two_kinds(tmp_path / "m")
+    for r in range(4):
+        if cold:
+            _drop_cache(model / "model.safetensors")
+        with count_reads() as seen:
+            got = shardload.load_rank(model, r, 4)
+        np.testing.assert_array_equal(got["rows"].numpy(), rows[128 * r : 128 * (r + 1)])
+        np.testing.assert_array_equal(got["cols"].numpy(), cols[:, 256 * r : 256 * (r + 1)])
+        assert seen.bytes == (rows.nbytes + cols.nbytes) // 4
+        assert (seen.calls == 0) == (strategy == "map")
+
+
+class _Remote(shardload.sources.reader.Reader):
+    """A reader whose files must not be mapped (as a remote object store's)."""
+
+    can_map = False
+
+
+def test_unmappable_reader_is_only_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader that says its files cannot be mapped gets read_runs calls only, for every kind of run."""
+    from shardload.engine.transfer import Transfer
+    from shardload.sources import reader as reader_module
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a file of an unmappable reader was mapped")
+
+    monkeypatch.setattr(reader_module.FileMaps, "bytes", refuse)
+    monkeypatch.setattr(reader_module.Mappings, "_map", refuse)
+    model, rows, cols = _two_kinds(tmp_path / "m")
+    plan = shardload.plan_model(model, 4)
+    for mapped in (False, True):
+        with count_reads() as seen, _Remote() as files, Transfer(files, copy_out=True, mapped=mapped) as t:
+            got = {name: t.param(p, [2])[0] for name, p in plan.params.items()}
+            t.wait()
+        np.testing.assert_array_equal(got["rows"].numpy(), rows[256:384])
+        np.testing.assert_array_equal(got["cols"].numpy(), cols[:, 512:768])
+        assert seen.bytes == (rows.nbytes + cols.nbytes) // 4 and seen.calls >= 512  # one preadv per row
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.bool])
+def test_copy_bytes_equals_torch_copy(dtype: torch.dtype) -> None:
+    """The numpy copy used in reader threads gives what ``copy_`` gives, strided or not, any dtype and rank."""
+    from shardload.engine.transfer import copy_bytes
+
+    g = torch.Generator().manual_seed(0)
+    whole = torch.randint(0, 100, (64, 48), generator=g).to(dtype)
+    for src in (whole, whole[:, 8:24], whole[3:40], whole[5], whole[:, 7], whole[2, 3], whole.t()):
+        dst = torch.empty(src.shape, dtype=dtype)
+        copy_bytes(dst, src)
+        assert torch.equal(dst, src.clone())
+
+
+def test_probes_lie_in_the_runs() -> None:
+    from shardload.sources.reader import PROBES, probes
+
+    starts = np.array([0, 5000, 9000, 100_000], dtype=np.int64)
+    ends = np.array([10, 5200, 9100, 200_000], dtype=np.int64)
+    got = probes(starts, ends)
+    assert 0 < len(got) <= PROBES and got == sorted(got)
+    assert all(any(a <= x < b for a, b in zip(starts, ends, strict=True)) for x in got)
+    assert probes(starts[:1], ends[:1], 64) == list(range(10))  # fewer bytes than probes: each byte once
+    assert max(got) >= 100_000  # spread over the bytes, the long run included
+
+
+def test_release_keeps_the_page_cache(tmp_path: Path) -> None:
+    """Unmapping after a load drops this process's page-table entries only: the file stays cached and readable."""
+    model, rows, _ = _two_kinds(tmp_path / "m")
+    path = model / "model.safetensors"
+    path.read_bytes()
+    maps = FileMaps()
+    before = maps.resident(path, np.array([0]), np.array([path.stat().st_size]))
+    maps.release()
+    after = FileMaps().resident(path, np.array([0]), np.array([path.stat().st_size]))
+    assert before == after == 1.0
+    np.testing.assert_array_equal(shardload.load_rank(model, 0, 4)["rows"].numpy(), rows[:128])
 
 
 def test_file_cut_short_is_an_error_not_sigbus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -147,9 +147,12 @@ def run_plan(
     import torch
 
     one_rank = len(ranks) == 1 and torch.device(devices[0]).type in ("cpu", "cuda")
+    # several ranks: allocate everything first, then read (page faults of fresh tensors slow the readers); one CPU
+    # rank's tensors are populated by the readers themselves, so its reads start while later parameters are planned
+    defer = not (one_rank and torch.device(devices[0]).type == "cpu")
     with (
         reader_for(_first_file(plan)) as reader,
-        Transfer(reader, staged=staged, defer=True, mapped=mmap, copy_out=one_rank, progress=progress) as transfer,
+        Transfer(reader, staged=staged, defer=defer, mapped=mmap, copy_out=one_rank, progress=progress) as transfer,
     ):
         for param in plan.params.values():
             for k, t in enumerate(transfer.param(param, ranks, devices)):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
 from ..sources.dtypes import to_torch
-from ..sources.reader import PAGE, FileMaps, Mappings, Reader, count_mapped, populate
+from ..sources.reader import PAGE, FileMaps, Mappings, Reader, count_mapped, populate, probes
 
 if TYPE_CHECKING:
     import torch
@@ -39,16 +39,23 @@ STAGE_BYTES = 16 << 20
 """Bytes per staging buffer; ``threads + 1`` of them cycle between reads and uploads."""
 STAGE_MIN_SLICE = 64 << 10
 """Rank tensors share a staging buffer in slices of at least this many bytes each."""
-READ_THREADS = max(1, min(8, os.cpu_count() or 1))
-"""Reader threads: page-cache copies scale with cores until memory bandwidth is the bound."""
+READ_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+"""Reader threads: page-cache copies scale with cores until memory bandwidth is the bound (the cores this process
+may run on: a container or ``taskset`` may allow fewer than the machine has)."""
 READ_STRATEGY = "auto"
-"""How a single CPU rank's pieces are read: ``"auto"`` (below), ``"map"`` (always copy out of a mapping) or
+"""How a single rank's pieces are read: ``"auto"`` (below), ``"map"`` (always copy out of a mapping) or
 ``"read"`` (always ``preadv`` the exact runs)."""
 RESIDENT_ENOUGH = 0.9
-"""``auto`` copies out of a mapping when at least this fraction of the pages holding the rank's bytes is cached."""
+"""``auto`` treats a parameter's bytes as cached when at least this fraction of the pages holding them is (sampled
+with ``mincore``); otherwise it fetches exactly those pages from storage."""
 SMALL_RUN = PAGE // 2
-"""``auto`` also copies out of a mapping when the runs average under this many bytes (a column slice of a narrow
-tensor): ``preadv`` would pay one iovec per run, and the kernel reads whole pages either way."""
+"""On cold storage, ``auto`` copies runs averaging under this many bytes (a column slice) out of a mapping, their pages
+requested up front: ``preadv`` would pay one call per run, and the kernel reads whole pages either way."""
+LONG_RUN = 64 << 10
+"""A CPU rank reads runs averaging at least this many bytes (dim-0 shards, whole tensors) with ``preadv`` whether or
+not they are cached: the kernel's copy out of the page cache costs no page faults on a mapping of the file, and no
+unmapping after. Shorter runs (column slices) are copied out of the mapping when cached: one ``preadv`` per row
+costs more than faulting the pages in."""
 
 STAGED_MAP_RUN = 256 << 10
 """A GPU rank copies out of a mapping (when cached) only if its runs average under this many bytes; longer runs
@@ -75,9 +82,11 @@ class Transfer:
     every read until :meth:`wait`: allocating destinations while other threads fault pages in slows
     both, so a whole-model load allocates first, then reads at full speed. ``mapped`` returns a single
     rank's CPU tensor that is one contiguous stretch of its file as a view of a private file mapping
-    instead of reading it (see :class:`~shardload.sources.reader.Mappings`). ``copy_out`` lets a single CPU
+    instead of reading it (see :class:`~shardload.sources.reader.Mappings`). ``copy_out`` lets a single
     rank copy its pieces out of a read-only mapping with strided copies where that is faster than reading
-    them (:data:`READ_STRATEGY`). ``progress(done, total)`` is called as the read jobs of :meth:`wait` finish.
+    them (:data:`READ_STRATEGY`). Neither maps anything when the reader says its files cannot be mapped
+    (``reader.can_map`` False: an object store); every byte is then read with ``read_runs``.
+    ``progress(done, total)`` is called as the read jobs of :meth:`wait` finish.
     """
 
     def __init__(
@@ -96,7 +105,7 @@ class Transfer:
         can_map = getattr(reader, "can_map", True)  # an object-store reader has no file to map
         self.mappings = Mappings() if mapped and can_map else None
         self.filemaps = FileMaps() if copy_out and can_map else None
-        self.spans: dict[Any, tuple[Any, Any, float] | None] = {}
+        self.spans: dict[Any, tuple[Any, ...] | None] = {}
         self.whole: dict[Any, int | None] = {}
         self.threads = (getattr(reader, "threads", None) or READ_THREADS) if threads is None else threads
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardload-read") if self.threads else None
@@ -198,21 +207,26 @@ class Transfer:
             return None
         if key not in self.spans:
             runs = param_runs(plan, [rank])
-            self.spans[key] = None if runs is None or not len(runs) else (
-                runs.src - plan.source.offset,
-                runs.src + runs.length - plan.source.offset,
-                float(runs.length.mean()),
-            )  # fmt: skip
+            if runs is None or not len(runs):
+                self.spans[key] = None
+            else:
+                starts, ends = runs.src - plan.source.offset, runs.src + runs.length - plan.source.offset
+                self.spans[key] = (starts, ends, float(runs.length.mean()), probes(starts, ends), int(ends.max()))
         span = self.spans[key]
         assert self.filemaps is not None
         if span is None:
             return None
         direct = device.type == "cpu" and not self.stage_cpu
         if READ_STRATEGY == "auto" and span:
-            starts, ends, mean_run = plan.source.offset + span[0], plan.source.offset + span[1], span[2]
-            if not direct and mean_run >= STAGED_MAP_RUN:
-                return None  # long runs reach a GPU faster by preadv into the pinned buffers than by page faults
-            resident = self.filemaps.resident(plan.source.file, starts, ends)
+            at = plan.source.offset
+            starts, ends, mean_run = at + span[0], at + span[1], span[2]
+            resident = self.filemaps.cached(plan.source.file, [at + x for x in span[3]], at + span[4])
+            if mean_run >= (LONG_RUN if direct else STAGED_MAP_RUN):
+                # long runs reach a CPU tensor or the pinned buffers faster by preadv than by page faults
+                if resident is not None and resident < RESIDENT_ENOUGH:
+                    self.reader.no_readahead(plan.source.file)  # cold: exactly the runs, their pages requested now
+                    self.reader.prefetch(plan.source.file, starts.tolist(), ends.tolist())
+                return None
             if resident is None:
                 return None
             if resident < RESIDENT_ENOUGH:  # cold: fetch the pages holding the rank's bytes, and nothing else
@@ -261,13 +275,13 @@ class Transfer:
                     if direct:
                         if d.is_contiguous():
                             populate(d.data_ptr(), n)  # fresh pages in one call
-                        d.copy_(s)
+                        copy_bytes(d, s)
                     else:
                         assert staging is not None
                         buf = staging.acquire()
                         try:
                             host = buf[:n].view(d.dtype).view(d.shape)
-                            host.copy_(s)
+                            copy_bytes(host, s)
                             staging.copy(buf, host, d)
                         finally:
                             staging.release(buf)
@@ -439,18 +453,36 @@ class Transfer:
             _apply_copies(c, dests)
 
     def close(self) -> None:
-        """Stop the pool: jobs not started are cancelled, running ones finish."""
+        """Stop the pool (jobs not started are cancelled, running ones finish), then unmap the files copied from in
+        the background: their page-table entries take tens of milliseconds to tear down."""
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
         if self.staging is not None:
             self.staging.sync()
+        if self.filemaps is not None:
+            filemaps, self.filemaps = self.filemaps, None
+            # not a daemon: interpreter exit waits for it (a daemon thread stopped inside the C call would abort)
+            threading.Thread(target=filemaps.release, name="shardload-unmap").start()
 
     def __enter__(self) -> Transfer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for tensors of one dtype, by numpy where it can view them as bytes: single-threaded, the GIL
+    released. From a reader thread, torch would start an OpenMP team of its own for each large copy (one per
+    reader thread, each as wide as the machine), and those teams fight the reader threads for the cores."""
+    import numpy as np
+    import torch
+
+    if dst.dim() and dst.stride(-1) == 1 and src.stride(-1) == 1 and dst.device.type == src.device.type == "cpu":
+        np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy(), casting="no")
+    else:
+        dst.copy_(src)
 
 
 def fill_padding(plan: ParamPlan, rank: int, dest: torch.Tensor) -> None:
