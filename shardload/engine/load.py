@@ -27,6 +27,11 @@ if TYPE_CHECKING:
     from ..sources.checkpoint import Checkpoint
 
 
+def open_reader(checkpoint: Checkpoint | None = None) -> Reader:
+    """The reader of a checkpoint's bytes: the one place where the byte source is chosen (local files today)."""
+    return Reader()
+
+
 def materialize(plan: ParamPlan, files: Reader, ranks: Sequence[int]) -> list[torch.Tensor]:
     """Build this parameter's shards for ``ranks`` on the CPU (fresh, contiguous tensors), reading synchronously."""
     with Transfer(files, threads=0) as transfer:
@@ -37,7 +42,7 @@ def materialize(plan: ParamPlan, files: Reader, ranks: Sequence[int]) -> list[to
 
 def iter_shards(plan: ModelPlan, ranks: Sequence[int]) -> Iterator[tuple[ParamPlan, list[torch.Tensor]]]:
     """Stream ``(param plan, shards for ranks)`` one parameter at a time, in checkpoint order, on the CPU."""
-    with Reader() as reader, Transfer(reader) as transfer:
+    with open_reader(plan.checkpoint) as reader, Transfer(reader) as transfer:
         for param in plan.params.values():
             shards = transfer.param(param, ranks)
             transfer.wait()
@@ -109,15 +114,15 @@ def load(
     return result
 
 
-def _progress_line(label: str) -> Callable[[int, int], None] | None:
-    """A callback drawing ``label: done/total (pct)`` on stderr, or None when stderr is not a terminal."""
+def _progress_line(label: str, unit: str = "read jobs") -> Callable[[int, int], None] | None:
+    """A callback drawing ``label: done/total unit (pct)`` on stderr, or None when stderr is not a terminal."""
     import sys
 
     if not sys.stderr.isatty():
         return None
 
     def draw(done: int, total: int) -> None:
-        sys.stderr.write(f"\r{label}: {done}/{total} read jobs ({100 * done // total}%)")
+        sys.stderr.write(f"\r{label}: {done}/{total} {unit} ({100 * done // total}%)")
         if done == total:
             sys.stderr.write("\n")
         sys.stderr.flush()
@@ -145,7 +150,7 @@ def run_plan(
 
     one_rank = len(ranks) == 1 and torch.device(devices[0]).type in ("cpu", "cuda")
     with (
-        Reader() as reader,
+        open_reader(plan.checkpoint) as reader,
         Transfer(reader, staged=staged, defer=True, mapped=mmap, copy_out=one_rank, progress=progress) as transfer,
     ):
         for param in plan.params.values():
@@ -214,6 +219,8 @@ def load_rank(
     mesh: Any = None,
     verify: bool = False,
     mmap: bool = False,
+    share_reads: Any = False,
+    progress: bool | Callable[[int, int], None] = False,
 ) -> dict[str, torch.Tensor]:
     """Load only rank ``rank``'s shard of ``model`` onto ``device``, reading only the bytes it needs.
 
@@ -230,9 +237,22 @@ def load_rank(
     rewritten in place while the views live (the process would get SIGBUS), which a directory written
     by :func:`convert` never is.
 
+    ``share_reads=True`` (or a ``torch.distributed`` process group; True is the default group) shares the reading
+    with the other ranks of the group, which all make the same call with their own rank: the bytes any of them
+    needs are split into chunks, each read from storage by exactly one rank, and exchanged over the group's
+    collectives (gloo on CPU, NCCL on GPU), so dp replicas, pipeline stages and tensors replicated across tp
+    ranks cost the storage one read per group instead of one per rank. Memory for the exchange stays under
+    ``shardload.engine.exchange.EXCHANGE_BYTES``; a rank that dies or hangs makes the others fail with a
+    :class:`ShardloadError` within ``EXCHANGE_TIMEOUT`` seconds, and ranks that planned different checkpoints or
+    shard_infos are refused before any byte moves.
+
+    ``progress=True`` draws a progress line on stderr when it is a terminal (under torch.distributed only on
+    the first rank of each node); a callable gets ``(done, total)`` (read jobs, or exchange rounds).
+
     Example::
 
         state = shardload.load_rank("llama-dir", rank=1, num_shards=4, device="cuda:1")
+        shared = shardload.load_rank("llama-dir", mesh="dp=2,tp=4", share_reads=True)  # under torchrun
         stage = shardload.load_rank("llama-dir", rank=5, mesh="pp=2,tp=4")   # stage 1, tp rank 1
         cpu = shardload.load_rank("llama-tp8", rank=0, num_shards=8, mmap=True)  # views of rank 0's file
     """
@@ -250,6 +270,14 @@ def load_rank(
         error = CheckpointError if checkpoint.kind == "converted" else ShardloadError
         raise error(f"rank {rank} is out of range for {what}", file=str(model))
     coord = layout.coord(rank)
+    shared = share_reads is not False and share_reads is not None
+    group = _share_group(share_reads, str(model), mmap) if shared else None
+    if shared and (checkpoint.kind == "converted" or checkpoint.presharded is not None):
+        raise ShardloadError(
+            "share_reads works on a source checkpoint; a converted or pre-sharded one is read rank file by rank file "
+            "(load it without share_reads)",
+            file=str(model),
+        )
     if mmap and _device_type(device) != "cpu":
         raise ShardloadError(
             f"mmap=True maps files into host memory; it needs device='cpu', not {device!r}", file=str(model)
@@ -261,8 +289,50 @@ def load_rank(
     if checkpoint.presharded is not None:
         return _load_presharded_rank(checkpoint, shard_info, layout, coord, device, mmap)
     plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, layout.tp)
-    stage = stages_of(plan, layout)[coord.pp]
-    return run_plan(stage, [coord.tp], [device], mmap=mmap)[0]
+    stages = stages_of(plan, layout)
+    call = _rank_progress(progress, f"loading rank {rank}", "exchange rounds" if shared else "read jobs")
+    if shared:
+        from .exchange import load_shared
+
+        with open_reader(checkpoint) as reader:
+            return load_shared(plan, stages, (coord.pp, coord.tp), device, reader, group, progress=call)
+    return run_plan(stages[coord.pp], [coord.tp], [device], mmap=mmap, progress=call)[0]
+
+
+def _share_group(share_reads: Any, where: str, mmap: bool) -> Any:
+    """The process group ``share_reads`` names (True: the default group), checked to be usable."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ShardloadError("share_reads needs an initialised torch.distributed process group", file=where)
+    if mmap:
+        raise ShardloadError("share_reads and mmap=True exclude each other (views of a file are not exchanged)",
+                             file=where)  # fmt: skip
+    if share_reads is True:
+        return None
+    if isinstance(share_reads, dist.ProcessGroup):
+        if dist.get_rank(share_reads) < 0:
+            raise ShardloadError("share_reads names a process group this rank is not a member of", file=where)
+        return share_reads
+    raise ShardloadError(f"share_reads must be True, False or a torch.distributed ProcessGroup, got {share_reads!r}",
+                         file=where)  # fmt: skip
+
+
+def _rank_progress(progress: Any, label: str, unit: str) -> Callable[[int, int], None] | None:
+    """The progress callback of one rank: a callable as given; True draws a line on a terminal, under
+    torch.distributed only on the node's first rank (``LOCAL_RANK`` 0, else global rank 0)."""
+    if callable(progress):
+        return progress
+    if progress is not True:
+        return None
+    import torch.distributed as dist
+
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None:
+        first = local == "0"
+    else:
+        first = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return _progress_line(label, unit) if first else None
 
 
 def _device_type(device: Any) -> str:
@@ -279,7 +349,7 @@ def _load_converted_rank(
 ) -> dict[str, torch.Tensor]:
     path = rank_file(checkpoint, coord.tp, layout, stage=coord.pp, checksum=verify)
     infos = list(read_header(path).values())
-    with Reader() as reader, Transfer(reader, mapped=mmap) as transfer:
+    with open_reader(checkpoint) as reader, Transfer(reader, mapped=mmap) as transfer:
         tensors = transfer.tensors(infos, device)
         transfer.wait()
     return {info.name: t for info, t in zip(infos, tensors, strict=True)}

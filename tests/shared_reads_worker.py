@@ -1,0 +1,94 @@
+"""One rank of a group that loads with ``load_rank(share_reads=True)`` (run under torch.distributed by
+tests/test_shared_reads.py; not a test itself).
+
+    python -m torch.distributed.run --standalone --nproc_per_node 4 shared_reads_worker.py CASES_JSON
+
+CASES_JSON is a list of ``{"model": DIR, "mesh": "dp=2,tp=2" | null, "chunk": BYTES | null}``. For each case the
+rank loads its shard plainly and with shared reads, each inside ``count_reads``, compares the two element for
+element, and rank 0 prints one ``RESULT {json}`` line: bytes read by the whole group both ways and the tensor
+bytes of the checkpoint. ``SHARDLOAD_TEST_DIE`` = ``RANK:ROUND`` makes that rank exit hard (``os._exit(3)``) after
+reading its chunk of that exchange round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import shardload
+import shardload.engine.exchange as exchange
+import shardload.engine.load as load
+from shardload.sources.checkpoint import open_checkpoint
+from shardload.sources.reader import Reader, count_reads
+
+
+class DyingReader(Reader):
+    """A reader whose process exits hard once it has read its chunk of round ``after`` (counted per call)."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after = after
+        self.rounds = 0
+
+    def read_runs(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        super().read_runs(*args, **kwargs)
+        self.rounds += 1
+        if self.rounds > self.after:
+            time.sleep(0.2)  # let the others start the exchange of this round
+            os._exit(3)
+
+
+def main() -> None:
+    cases = json.loads(sys.argv[1])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    die = os.environ.get("SHARDLOAD_TEST_DIE")
+    if "SHARDLOAD_TEST_TIMEOUT" in os.environ:
+        exchange.EXCHANGE_TIMEOUT = float(os.environ["SHARDLOAD_TEST_TIMEOUT"])
+    if die:
+        who, after = (int(x) for x in die.split(":"))
+        if who == rank:
+            load.open_reader = lambda checkpoint=None: DyingReader(after)  # type: ignore[assignment]
+        exchange.EXCHANGE_BYTES = cases[0]["chunk"] * (2 * dist.get_world_size() + 2)
+        started = time.monotonic()
+        try:
+            shardload.load_rank(cases[0]["model"], mesh=cases[0].get("mesh"), share_reads=True)
+        except shardload.ShardloadError as err:
+            print(f"FAILED rank {rank} after {time.monotonic() - started:.1f} s: {err}", flush=True)
+            sys.exit(1)
+        print(f"rank {rank} finished without error", flush=True)
+        return
+    for case in cases:
+        if case.get("chunk"):
+            # chunks of about case["chunk"] bytes: several rounds even on a tiny model
+            exchange.EXCHANGE_BYTES = case["chunk"] * (2 * dist.get_world_size() + 2)
+        model, mesh = case["model"], case.get("mesh")
+        with count_reads() as plain_count:
+            plain = shardload.load_rank(model, mesh=mesh)
+        started = time.monotonic()
+        with count_reads() as shared_count:
+            shared = shardload.load_rank(model, mesh=mesh, share_reads=True)
+        seconds = time.monotonic() - started
+        assert plain.keys() == shared.keys(), (rank, sorted(plain.keys() ^ shared.keys()))
+        for name, want in plain.items():
+            got = shared[name]
+            assert got.shape == want.shape and got.dtype == want.dtype, (rank, name, got.shape, want.shape)
+            assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), (rank, name)
+        counts = torch.tensor([plain_count.bytes, shared_count.bytes], dtype=torch.int64)
+        dist.all_reduce(counts)
+        if rank == 0:
+            stored = sum(t.nbytes for t in open_checkpoint(model).tensors.values())
+            report = {"mesh": mesh, "plain": int(counts[0]), "shared": int(counts[1]), "stored": stored,
+                      "seconds": seconds}  # fmt: skip
+            print("RESULT " + json.dumps(report), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
