@@ -7,7 +7,9 @@ CASES_JSON is a list of ``{"model": DIR, "mesh": "dp=2,tp=2" | null, "chunk": BY
 rank loads its shard plainly and with shared reads, each inside ``count_reads``, compares the two element for
 element, and rank 0 prints one ``RESULT {json}`` line: bytes read by the whole group both ways and the tensor
 bytes of the checkpoint. ``SHARDLOAD_TEST_DIE`` = ``RANK:ROUND`` makes that rank exit hard (``os._exit(3)``) after
-reading its chunk of that exchange round.
+reading its chunk of that exchange round (``SHARDLOAD_TEST_HANG``: stops for 8 s first);
+``SHARDLOAD_TEST_FAIL``: the shared load is expected to fail (``model_of_rank`` gives some rank another model);
+``SHARDLOAD_TEST_TIMEOUT`` sets the exchange timeout in seconds.
 """
 
 from __future__ import annotations
@@ -28,17 +30,21 @@ from shardload.sources.reader import Reader, count_reads
 
 
 class DyingReader(Reader):
-    """A reader whose process exits hard once it has read its chunk of round ``after`` (counted per call)."""
+    """A reader whose process exits hard (with ``hang``, after stopping for 8 s) once it has read its chunk of
+    round ``after`` (counted per call)."""
 
-    def __init__(self, after: int) -> None:
+    def __init__(self, after: int, hang: bool) -> None:
         super().__init__()
         self.after = after
+        self.hang = hang
         self.rounds = 0
 
     def read_runs(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         super().read_runs(*args, **kwargs)
         self.rounds += 1
         if self.rounds > self.after:
+            if self.hang:
+                time.sleep(8)
             time.sleep(0.2)  # let the others start the exchange of this round
             os._exit(3)
 
@@ -47,17 +53,20 @@ def main() -> None:
     cases = json.loads(sys.argv[1])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    die = os.environ.get("SHARDLOAD_TEST_DIE")
+    die = os.environ.get("SHARDLOAD_TEST_DIE") or os.environ.get("SHARDLOAD_TEST_HANG")
     if "SHARDLOAD_TEST_TIMEOUT" in os.environ:
         exchange.EXCHANGE_TIMEOUT = float(os.environ["SHARDLOAD_TEST_TIMEOUT"])
-    if die:
-        who, after = (int(x) for x in die.split(":"))
-        if who == rank:
-            load.open_reader = lambda checkpoint=None: DyingReader(after)  # type: ignore[assignment]
-        exchange.EXCHANGE_BYTES = cases[0]["chunk"] * (2 * dist.get_world_size() + 2)
+    if die or "SHARDLOAD_TEST_FAIL" in os.environ:  # one shared load that is meant to fail: print its error
+        if die:
+            who, after = (int(x) for x in die.split(":"))
+            if who == rank:
+                load.open_reader = lambda checkpoint=None: DyingReader(after, "SHARDLOAD_TEST_HANG" in os.environ)  # type: ignore[assignment]
+        case = cases[0]
+        exchange.EXCHANGE_BYTES = case["chunk"] * (2 * dist.get_world_size() + 2)
+        model = case.get("model_of_rank", {}).get(str(rank), case["model"])
         started = time.monotonic()
         try:
-            shardload.load_rank(cases[0]["model"], mesh=cases[0].get("mesh"), share_reads=True)
+            shardload.load_rank(model, mesh=case.get("mesh"), share_reads=True)
         except shardload.ShardloadError as err:
             print(f"FAILED rank {rank} after {time.monotonic() - started:.1f} s: {err}", flush=True)
             sys.exit(1)

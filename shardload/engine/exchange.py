@@ -61,7 +61,7 @@ def load_shared(
     digest = plan_digest(plan, stages, chunk)
     mine = torch.tensor([slot[0], slot[1], *digest], dtype=torch.int64, device=comm)
     rows = [torch.empty_like(mine) for _ in range(size)]
-    _wait(dist.all_gather(rows, mine, group=group, async_op=True), comm, "announcing the plans")
+    _wait(dist.all_gather(rows, mine, group=group, async_op=True), comm, "while the ranks compared their plans")
     table = [row.tolist() for row in rows]
     for i, row in enumerate(table):
         if row[2:] != table[0][2:]:
@@ -126,7 +126,7 @@ def load_shared(
                 recv = torch.empty(sum(splits), dtype=torch.uint8, device=comm)
             got = recv[: sum(splits)]
             work = dist.all_to_all_single(got, send, splits, sizes, group=group, async_op=True)
-            _wait(work, comm, f"round {k + 1} of {schedule.rounds}")
+            _wait(work, comm, f"in exchange round {k + 1} of {schedule.rounds}")
             _copy(got, strided(unpack[k]), flat)
             complete(finish[k + 1])
             if progress is not None:
@@ -189,12 +189,12 @@ def _wait(work: Any, comm: torch.device, what: str) -> None:
         reason = _SOURCE_PREFIX.sub("", str(err).strip().splitlines()[0] if str(err).strip() else "")
         if isinstance(err, TimeoutError) or "timed out" in reason.lower():
             raise ShardloadError(
-                f"shared reads: no answer from the group within {timeout:g} s while {what}: "
+                f"shared reads: no answer from the group within {timeout:g} s {what}: "
                 "another rank died, hangs or is not calling load_rank(share_reads=...)"
             ) from None
         reason = reason.split(". ")[0][:160]
         raise ShardloadError(
-            f"shared reads: the exchange failed while {what}: another rank of the group died or failed ({reason})"
+            f"shared reads: the exchange failed {what}: another rank of the group died or failed ({reason})"
         ) from None
 
 

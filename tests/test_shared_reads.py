@@ -1,0 +1,267 @@
+"""load_rank(share_reads=True): the ranks of a process group split the reading, each stored byte read once, and
+exchange over collectives. The schedule is checked in-process (every member simulated, element for element against
+plain load_rank), then real processes run it on gloo: torchrun with dp x tp, pp x tp and plain tp groups, and
+directly spawned groups in which a rank dies, hangs, or planned another shard_info."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import shardload
+import tiny_models
+from shardload.cli.main import main
+from shardload.engine.load import _rank_progress
+from shardload.planning.group_reads import GroupReads, file_bases, slot_needs, strided
+from shardload.planning.mesh import Mesh, stage_plans
+from shardload.planning.plan import build_plan, resolve_shard_info
+from shardload.planning.runs import Runs
+from shardload.sources.checkpoint import open_checkpoint
+from shardload.sources.reader import Reader
+
+WORKER = Path(__file__).resolve().parent / "shared_reads_worker.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Qwen2 with one KV head (replicated on every tp rank), qkv biases and tied embeddings, planned."""
+    model_dir = tmp_path_factory.mktemp("shared") / "qwen2"
+    tiny_models.build("qwen2", model_dir, num_key_value_heads=1)
+    planned = CliRunner().invoke(main, ["plan", str(model_dir), "-n", "4"])
+    assert planned.exit_code == 0, planned.output
+    return model_dir
+
+
+def simulate(model: Path, mesh: Mesh, chunk: int, members: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Run the schedule of a group of ``members`` (global ranks of ``mesh``) in one process: every member reads its
+    chunks, packs, the all_to_all is done by hand, every member unpacks; returns each member's tensors."""
+    checkpoint = open_checkpoint(model)
+    plan = build_plan(resolve_shard_info(checkpoint, None), checkpoint, mesh.tp)
+    stages = [plan] if mesh.pp == 1 else stage_plans(plan, mesh)
+    slots = [(mesh.coord(r).pp, mesh.coord(r).tp) for r in members]
+    bases = file_bases(plan)
+    needs = {s: slot_needs(list(stages[s[0]].params.values()), s[1], bases) for s in set(slots)}
+    schedule = GroupReads.build(slots, needs, chunk)
+    size = len(members)
+    read_total = 0
+    covered = np.zeros(schedule.union.total, dtype=np.int64)
+    results: list[list[torch.Tensor]] = []
+    for slot in slots:
+        own = needs[slot]
+        results.append([
+            torch.empty(p.source.nbytes if w else p.rank_nbytes, dtype=torch.uint8)
+            for p, w in zip(own.params, own.whole, strict=True)
+        ])  # fmt: skip
+    unpack = [schedule.unpack(s) for s in slots]
+    with Reader() as reader:
+        for k in range(schedule.rounds):
+            sent = []
+            for i in range(size):
+                lo, hi = schedule.chunk_range(k, i)
+                covered[lo:hi] += 1
+                buf = torch.zeros(schedule.chunk, dtype=torch.uint8)
+                for path, runs in schedule.reads(k, i, bases):
+                    reader.read_runs(path, runs.src, runs.length, runs.buf, runs.dst, [buf])
+                    read_total += runs.nbytes
+                sizes, pack = schedule.pack(k, i)
+                out = torch.zeros(sum(sizes), dtype=torch.uint8)
+                apply(buf, pack, [out])
+                sent.append(list(out.split(sizes)))
+            for m, slot in enumerate(slots):
+                got = torch.cat([sent[i][m] for i in range(size)])
+                assert [len(sent[i][m]) for i in range(size)] == schedule.splits(k, slot)
+                apply(got, unpack[m][k], results[m])
+    assert read_total == schedule.union.total and bool((covered == 1).all()), "each needed byte read exactly once"
+    out = []
+    for m, slot in enumerate(slots):
+        own = needs[slot]
+        state = {}
+        for p, w, raw in zip(own.params, own.whole, results[m], strict=True):
+            from shardload.engine.steps import run_steps
+            from shardload.sources.dtypes import to_torch
+
+            if w:
+                full = raw.view(to_torch(p.source.dtype)).view(p.source.shape)
+                state[p.name] = run_steps(p, full)[slot[1]].contiguous()
+            else:
+                state[p.name] = raw.view(to_torch(p.dtype)).view(p.shape)
+        out.append(state)
+    return out
+
+
+def apply(src: torch.Tensor, runs: Runs, dests: list[torch.Tensor]) -> None:
+    """The copies of ``runs`` through :func:`strided`, one strided copy per group, as the executor does."""
+    from shardload.engine.exchange import _copy
+
+    _copy(src, strided(runs), dests)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "chunk", "members"),
+    [
+        ("dp=2,tp=2", 4096, [0, 1, 2, 3]),
+        ("pp=2,tp=2", 1000, [0, 1, 2, 3]),
+        ("tp=4", 1 << 20, [0, 1, 2, 3]),
+        ("tp=4", 777, [3, 1]),  # a subgroup, members out of order, an odd chunk size
+        ("dp=2,pp=2,tp=2", 5000, [7, 0, 5, 2, 1]),
+    ],
+)
+def test_schedule_rebuilds_every_member_exactly(qwen_dir: Path, mesh: str, chunk: int, members: list[int]) -> None:
+    layout = Mesh.parse(mesh)
+    got = simulate(qwen_dir, layout, chunk, members)
+    for rank, state in zip(members, got, strict=True):
+        want = shardload.load_rank(qwen_dir, rank=rank, mesh=layout)
+        assert state.keys() == want.keys()
+        for name, t in want.items():
+            assert torch.equal(state[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+def test_strided_copies_cover_runs_exactly() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        rows = []
+        while len(rows) < rng.integers(1, 20):
+            n, s0, d0 = int(rng.integers(1, 6)), int(rng.integers(0, 64)), int(rng.integers(0, 64))
+            ds, dd, length = int(rng.integers(-1, 3)) * 8, int(rng.integers(1, 3)) * 4, int(rng.integers(1, 4))
+            rows += [(s0 + i * ds, length, int(rng.integers(0, 2)), d0 + i * dd) for i in range(n)]
+        a = np.array([r for r in rows if r[0] >= 0], dtype=np.int64).reshape(-1, 4)
+        runs = Runs(a[:, 0], a[:, 1], a[:, 2], a[:, 3])
+        c = strided(runs)
+        assert int(c.count.sum()) == len(runs) and bool((c.src_step >= 0).all()) and bool((c.dst_step >= 0).all())
+        expanded = sorted(
+            (int(c.src[k] + i * c.src_step[k]), int(c.length[k]), int(c.buf[k]), int(c.dst[k] + i * c.dst_step[k]))
+            for k in range(len(c))
+            for i in range(int(c.count[k]))
+        )
+        assert expanded == sorted(map(tuple, a.tolist()))
+    column = np.arange(1000, dtype=np.int64)
+    assert len(strided(Runs(column * 100, column * 0 + 10, column * 0, column * 10))) == 1, "a column slice: 1 copy"
+
+
+def test_share_reads_needs_a_process_group(example_dir: Path) -> None:
+    with pytest.raises(shardload.ShardloadError, match=r"initialised torch\.distributed"):
+        shardload.load_rank(example_dir, 0, 2, share_reads=True)
+
+
+def test_progress_draws_on_the_first_rank_of_a_node(example_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    import shardload.engine.transfer as transfer
+
+    monkeypatch.setattr(transfer, "JOB_BYTES", 4096)
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    state = shardload.load_rank(example_dir, 1, 2, progress=True)
+    line = screen.getvalue()
+    assert line.startswith("\rloading rank 1: 1/") and line.endswith("read jobs (100%)\n"), line
+    want = shardload.load_rank(example_dir, 1, 2)
+    assert all(torch.equal(state[k], want[k]) for k in want)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert _rank_progress(True, "x", "read jobs") is None, "only the node's first rank draws"
+    seen: list[tuple[int, int]] = []
+    shardload.load_rank(example_dir, 0, 2, progress=lambda d, t: seen.append((d, t)))
+    assert seen and seen[-1][0] == seen[-1][1] and [d for d, _ in seen] == list(range(1, len(seen) + 1))
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_torchrun_groups_read_each_byte_once(example_multi_dir: Path, qwen_dir: Path) -> None:
+    """4 processes on gloo: dp=2 x tp=2 (a two-file checkpoint, 4 KiB chunks: hundreds of rounds), pp=2 x tp=2 and
+    a plain tp=4 group (one KV head replicated on every rank). Each rank compares with plain load_rank element for
+    element (in the worker); the group reads each stored byte once, where plain loads read more."""
+    cases = [
+        {"model": str(example_multi_dir), "mesh": "dp=2,tp=2", "chunk": 4096},
+        {"model": str(qwen_dir), "mesh": "pp=2,tp=2", "chunk": 3000},
+        {"model": str(qwen_dir), "mesh": None, "chunk": None},
+    ]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+               str(WORKER), json.dumps(cases)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=ENV)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [r["mesh"] for r in results] == [c["mesh"] for c in cases]
+    for r in results:
+        assert r["shared"] == r["stored"], r  # 1.00x: every stored byte read by exactly one rank
+        assert r["plain"] > r["stored"], r  # every rank reading for itself reads replicated bytes again
+    assert results[0]["plain"] >= 2 * results[0]["stored"]  # two dp replicas
+
+
+def spawn(cases: list[dict], env: dict[str, str], ranks: int = 4, timeout: float = 90) -> list[tuple[int, str, float]]:
+    """Start ``ranks`` worker processes of one gloo group directly (no torchrun, which would kill the others as soon
+    as one fails); return each one's exit code, output and seconds until it exited."""
+    port = _port()
+    started = time.monotonic()
+    procs = []
+    for r in range(ranks):
+        rank_env = {**ENV, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
+                    "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(r)}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(cases)], env=rank_env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    out = []
+    try:
+        for p in procs:
+            text, _ = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - started)))
+            out.append((p.returncode, text, time.monotonic() - started))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+def test_a_rank_that_dies_mid_exchange_fails_the_others_at_once(example_dir: Path) -> None:
+    results = spawn([{"model": str(example_dir), "mesh": "dp=2,tp=2", "chunk": 4096}],
+                    {"SHARDLOAD_TEST_DIE": "1:1", "SHARDLOAD_TEST_TIMEOUT": "60"})  # fmt: skip
+    assert results[1][0] == 3, results[1][1]
+    for rc, text, _ in (results[0], results[2], results[3]):
+        assert rc == 1, text
+        line = next(ln for ln in text.splitlines() if ln.startswith("FAILED"))
+        assert "shared reads: the exchange failed in exchange round 2 of " in line, line
+        assert "another rank of the group died or failed" in line, line
+        assert float(line.split(" after ")[1].split(" s:")[0]) < 30, "noticed at once, well before the timeout"
+
+
+def test_a_rank_that_hangs_fails_the_others_after_the_timeout(example_dir: Path) -> None:
+    """Rank 1 stops for 8 s after its first chunk; the others give up after the 3 s timeout (under gloo their
+    processes then exit once the hung rank is gone)."""
+    results = spawn([{"model": str(example_dir), "mesh": "dp=2,tp=2", "chunk": 4096}],
+                    {"SHARDLOAD_TEST_HANG": "1:1", "SHARDLOAD_TEST_TIMEOUT": "3"})  # fmt: skip
+    for rank in (0, 2, 3):
+        text = results[rank][1]
+        line = next(ln for ln in text.splitlines() if ln.startswith("FAILED"))
+        assert "no answer from the group within 3 s in exchange round 2 of" in line, line
+        assert 2.5 < float(line.split(" after ")[1].split(" s:")[0]) < 15, line
+
+
+def test_ranks_that_planned_differently_are_refused_up_front(example_dir: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(example_dir, other)
+    (other / "shard_info.json").write_text(json.dumps({"version": 1, "num_shards": None, "params": {}}))
+    case = {"model": str(example_dir), "mesh": "dp=2,tp=2", "chunk": 4096, "model_of_rank": {"3": str(other)}}
+    results = spawn([case], {"SHARDLOAD_TEST_FAIL": "1"})
+    for rc, text, _ in results:
+        assert rc == 1, text
+        line = next(ln for ln in text.splitlines() if ln.startswith("FAILED"))
+        assert "rank 3 planned a different checkpoint, shard_info or mesh than rank 0" in line, line
