@@ -3,13 +3,17 @@ tests/test_shared_reads.py; not a test itself).
 
     python -m torch.distributed.run --standalone --nproc_per_node 4 shared_reads_worker.py CASES_JSON
 
-CASES_JSON is a list of ``{"model": DIR, "mesh": "dp=2,tp=2" | null, "chunk": BYTES | null}``. For each case the
-rank loads its shard plainly and with shared reads, each inside ``count_reads``, compares the two element for
-element, and rank 0 prints one ``RESULT {json}`` line: bytes read by the whole group both ways and the tensor
-bytes of the checkpoint. ``SHARDLOAD_TEST_DIE`` = ``RANK:ROUND`` makes that rank exit hard (``os._exit(3)``) after
-reading its chunk of that exchange round (``SHARDLOAD_TEST_HANG``: stops for 8 s first);
-``SHARDLOAD_TEST_FAIL``: the shared load is expected to fail (``model_of_rank`` gives some rank another model);
-``SHARDLOAD_TEST_TIMEOUT`` sets the exchange timeout in seconds.
+CASES_JSON is a list of ``{"model": DIR, "mesh": "dp=2,tp=2" | null, "chunk": BYTES | null}``. For each case
+the rank loads its shard plainly and with shared reads, each inside ``count_reads``, compares the two element
+for element, and rank 0 prints one ``RESULT {json}`` line: bytes read by the whole group both ways and the
+tensor bytes of the checkpoint.
+
+Environment: ``SHARDLOAD_TEST_BACKEND`` (gloo) names the backend; ``SHARDLOAD_TEST_DEVICE=cuda`` loads onto
+``cuda:LOCAL_RANK`` (modulo the GPUs); ``SHARDLOAD_TEST_DIE=RANK:ROUND`` makes that rank exit hard
+(``os._exit(3)``) after reading its chunk of that exchange round (``SHARDLOAD_TEST_HANG``: after stopping for
+8 s); ``SHARDLOAD_TEST_FAIL``: the shared load is expected to fail (``model_of_rank`` gives some rank another
+model); ``SHARDLOAD_TEST_TIMEOUT`` sets the exchange timeout in seconds. A load meant to fail prints one
+``FAILED rank R after S s: MESSAGE`` line and exits 1.
 """
 
 from __future__ import annotations
@@ -51,7 +55,12 @@ class DyingReader(Reader):
 
 def main() -> None:
     cases = json.loads(sys.argv[1])
-    dist.init_process_group("gloo")
+    backend = os.environ.get("SHARDLOAD_TEST_BACKEND", "gloo")
+    device = "cpu"
+    if os.environ.get("SHARDLOAD_TEST_DEVICE") == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
     rank = dist.get_rank()
     die = os.environ.get("SHARDLOAD_TEST_DIE") or os.environ.get("SHARDLOAD_TEST_HANG")
     if "SHARDLOAD_TEST_TIMEOUT" in os.environ:
@@ -78,17 +87,19 @@ def main() -> None:
             exchange.EXCHANGE_BYTES = case["chunk"] * (2 * dist.get_world_size() + 2)
         model, mesh = case["model"], case.get("mesh")
         with count_reads() as plain_count:
-            plain = shardload.load_rank(model, mesh=mesh)
+            plain = shardload.load_rank(model, mesh=mesh, device=device)
         started = time.monotonic()
         with count_reads() as shared_count:
-            shared = shardload.load_rank(model, mesh=mesh, share_reads=True)
+            shared = shardload.load_rank(model, mesh=mesh, device=device, share_reads=True)
         seconds = time.monotonic() - started
         assert plain.keys() == shared.keys(), (rank, sorted(plain.keys() ^ shared.keys()))
         for name, want in plain.items():
             got = shared[name]
             assert got.shape == want.shape and got.dtype == want.dtype, (rank, name, got.shape, want.shape)
+            assert got.device == torch.device(device) and got.is_contiguous(), (rank, name, got.device)
             assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), (rank, name)
         counts = torch.tensor([plain_count.bytes, shared_count.bytes], dtype=torch.int64)
+        counts = counts.to(device) if backend == "nccl" else counts
         dist.all_reduce(counts)
         if rank == 0:
             stored = sum(t.nbytes for t in open_checkpoint(model).tensors.values())

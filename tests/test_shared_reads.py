@@ -265,3 +265,25 @@ def test_ranks_that_planned_differently_are_refused_up_front(example_dir: Path, 
         assert rc == 1, text
         line = next(ln for ln in text.splitlines() if ln.startswith("FAILED"))
         assert "rank 3 planned a different checkpoint, shard_info or mesh than rank 0" in line, line
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_groups_exchange_on_the_device(example_multi_dir: Path, qwen_dir: Path) -> None:
+    """NCCL with one rank per GPU (the exchange's buffers on the rank's GPU), and gloo carrying CPU buffers for 4 ranks
+    whose tensors live on the GPUs; both element for element against plain load_rank onto the same device."""
+    gpus = torch.cuda.device_count()
+    env = {**ENV, "SHARDLOAD_TEST_DEVICE": "cuda"}
+    env.pop("CUDA_VISIBLE_DEVICES")
+    runs = [
+        ("nccl", gpus, [{"model": str(example_multi_dir), "mesh": f"tp={gpus}", "chunk": 4096},
+                        {"model": str(qwen_dir), "mesh": f"dp={gpus}", "chunk": 3000}]),
+        ("gloo", 4, [{"model": str(example_multi_dir), "mesh": "dp=2,tp=2", "chunk": 4096}]),
+    ]  # fmt: skip
+    for backend, ranks, cases in runs:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+                   str(WORKER), json.dumps(cases)]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=240,
+                              env={**env, "SHARDLOAD_TEST_BACKEND": backend})  # fmt: skip
+        assert done.returncode == 0, backend + done.stdout[-3000:] + done.stderr[-3000:]
+        results = [json.loads(ln.split(" ", 1)[1]) for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert len(results) == len(cases) and all(r["shared"] == r["stored"] for r in results), (backend, results)
