@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,11 @@ class DyingReader(Reader):
             os._exit(3)
 
 
+def rounds_seen(seen: list[tuple[int, int]]) -> Callable[[int, int], None]:
+    """A progress callback that records ``(done, total)`` in ``seen``."""
+    return lambda done, total: seen.append((done, total))
+
+
 def main() -> None:
     cases = json.loads(sys.argv[1])
     backend = os.environ.get("SHARDLOAD_TEST_BACKEND", "gloo")
@@ -81,18 +87,21 @@ def main() -> None:
             sys.exit(1)
         print(f"rank {rank} finished without error", flush=True)
         return
+    default = exchange.EXCHANGE_BYTES
     for case in cases:
-        if case.get("chunk"):
-            # chunks of about case["chunk"] bytes: several rounds even on a tiny model
-            exchange.EXCHANGE_BYTES = case["chunk"] * (2 * dist.get_world_size() + 2)
+        # chunks of about case["chunk"] bytes: many rounds even on a tiny model (else the default buffer size)
+        exchange.EXCHANGE_BYTES = case["chunk"] * (2 * dist.get_world_size() + 2) if case.get("chunk") else default
         model, mesh = case["model"], case.get("mesh")
         with count_reads() as plain_count:
             plain = shardload.load_rank(model, mesh=mesh, device=device)
         started = time.monotonic()
+        rounds: list[tuple[int, int]] = []
         with count_reads() as shared_count:
-            shared = shardload.load_rank(model, mesh=mesh, device=device, share_reads=True)
+            report_round = rounds_seen(rounds)
+            shared = shardload.load_rank(model, mesh=mesh, device=device, share_reads=True, progress=report_round)
         seconds = time.monotonic() - started
         assert plain.keys() == shared.keys(), (rank, sorted(plain.keys() ^ shared.keys()))
+        assert rounds and rounds == [(k, rounds[-1][1]) for k in range(1, rounds[-1][1] + 1)], rounds
         for name, want in plain.items():
             got = shared[name]
             assert got.shape == want.shape and got.dtype == want.dtype, (rank, name, got.shape, want.shape)
@@ -104,7 +113,7 @@ def main() -> None:
         if rank == 0:
             stored = sum(t.nbytes for t in open_checkpoint(model).tensors.values())
             report = {"mesh": mesh, "plain": int(counts[0]), "shared": int(counts[1]), "stored": stored,
-                      "seconds": seconds}  # fmt: skip
+                      "seconds": seconds, "rounds": rounds[-1][1]}  # fmt: skip
             print("RESULT " + json.dumps(report), flush=True)
     dist.barrier()
     dist.destroy_process_group()

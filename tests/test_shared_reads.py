@@ -205,6 +205,7 @@ def test_torchrun_groups_read_each_byte_once(example_multi_dir: Path, qwen_dir: 
         assert r["shared"] == r["stored"], r  # 1.00x: every stored byte read by exactly one rank
         assert r["plain"] > r["stored"], r  # every rank reading for itself reads replicated bytes again
     assert results[0]["plain"] >= 2 * results[0]["stored"]  # two dp replicas
+    assert results[0]["rounds"] > 100 and results[2]["rounds"] == 1  # 4 KiB chunks; the default: one round
 
 
 def spawn(cases: list[dict], env: dict[str, str], ranks: int = 4, timeout: float = 90) -> list[tuple[int, str, float]]:

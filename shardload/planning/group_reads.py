@@ -281,13 +281,11 @@ def plan_digest(plan: ModelPlan, stages: Sequence[ModelPlan], chunk: int) -> byt
     """A hash of what a rank planned before it knows the others: files, parameters, steps, stages and chunk size.
     Ranks that load different checkpoints or shard_infos get different digests."""
     h = hashlib.sha256(repr((plan.num_shards, chunk, len(stages))).encode())
-    root = plan.checkpoint.root if plan.checkpoint is not None else Path(".")
+    root = str(plan.checkpoint.root) if plan.checkpoint is not None else ""
     for p in plan.params.values():
         s = p.source
-        try:
-            file = str(s.file.relative_to(root))
-        except ValueError:
-            file = s.file.name
+        file = str(s.file)  # relative to the model's root: nodes may hold the same model at other paths
+        file = file[len(root) :] if root and file.startswith(root) else file
         steps = tuple((st.name, repr(st.args), st.out_shape, st.out_dtype) for st in p.steps)
         h.update(repr((p.name, file, s.offset, s.nbytes, s.shape, s.dtype, s.decode, steps, p.shape)).encode())
     for k, stage in enumerate(stages):
