@@ -30,7 +30,7 @@ import torch.distributed as dist
 import shardload
 import shardload.engine.exchange as exchange
 import shardload.engine.load as load
-from shardload.sources.checkpoint import open_checkpoint
+from shardload.sources.checkpoint import open_checkpoint, read_header
 from shardload.sources.reader import Reader, count_reads
 
 
@@ -111,7 +111,12 @@ def main() -> None:
         counts = counts.to(device) if backend == "nccl" else counts
         dist.all_reduce(counts)
         if rank == 0:
-            stored = sum(t.nbytes for t in open_checkpoint(model).tensors.values())
+            checkpoint = open_checkpoint(model)
+            if checkpoint.kind == "converted":  # every rank file's tensors
+                files = [f["path"] for f in (checkpoint.manifest or {})["files"] if f["path"].endswith(".safetensors")]
+                stored = sum(t.nbytes for f in files for t in read_header(checkpoint.root / f).values())
+            else:
+                stored = sum(t.nbytes for t in checkpoint.tensors.values())
             report = {"mesh": mesh, "plain": int(counts[0]), "shared": int(counts[1]), "stored": stored,
                       "seconds": seconds, "rounds": rounds[-1][1]}  # fmt: skip
             print("RESULT " + json.dumps(report), flush=True)

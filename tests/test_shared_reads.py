@@ -21,6 +21,7 @@ from click.testing import CliRunner
 
 import shardload
 import tiny_models
+from conftest import write_model
 from shardload.cli.main import main
 from shardload.engine.load import _rank_progress
 from shardload.planning.group_reads import GroupReads, file_bases, slot_needs, strided
@@ -44,6 +45,25 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_dir
 
 
+@pytest.fixture(scope="module")
+def compute_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model with compute steps (shard_shape, shard_group_index: read whole, then the steps run), a column slice and
+    a replicated bias."""
+    rng = np.random.default_rng(0)
+    tensors = {
+        "a.weight": rng.standard_normal((8, 12)).astype("float32"),
+        "a.bias": rng.standard_normal(12).astype("float32"),
+        "q.weight_shape": np.array([8, 12], dtype=np.int64),
+        "q.g_idx": np.array([0, 0, 0, 1, 1, 1, 1, 3, 4, 4, 5, 5, 6, 7, 7, 7], dtype=np.int32),  # ranks differ
+    }
+    info = {"version": 1, "num_shards": None, "params": {
+        "a.weight": [["shard_funcs.shard_dim", [["num_shards", 8, "12 // num_shards"], "float32"], 1, "num_shards"]],
+        "q.weight_shape": [["shard_funcs.shard_shape", [["num_shards", 2], "int64"], 1, "num_shards"]],
+        "q.g_idx": [["shard_funcs.shard_group_index", [["num_shards", "16 // num_shards"], "int32"], 8, "num_shards"]],
+    }}  # fmt: skip
+    return write_model(tmp_path_factory.mktemp("compute") / "model", tensors, info)
+
+
 def simulate(model: Path, mesh: Mesh, chunk: int, members: list[int]) -> list[dict[str, torch.Tensor]]:
     """Run the schedule of a group of ``members`` (global ranks of ``mesh``) in one process: every member reads its
     chunks, packs, the all_to_all is done by hand, every member unpacks; returns each member's tensors."""
@@ -51,7 +71,7 @@ def simulate(model: Path, mesh: Mesh, chunk: int, members: list[int]) -> list[di
     plan = build_plan(resolve_shard_info(checkpoint, None), checkpoint, mesh.tp)
     stages = [plan] if mesh.pp == 1 else stage_plans(plan, mesh)
     slots = [(mesh.coord(r).pp, mesh.coord(r).tp) for r in members]
-    bases = file_bases(plan)
+    bases = file_bases(plan.params.values())
     needs = {s: slot_needs(list(stages[s[0]].params.values()), s[1], bases) for s in set(slots)}
     schedule = GroupReads.build(slots, needs, chunk)
     size = len(members)
@@ -186,14 +206,21 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_torchrun_groups_read_each_byte_once(example_multi_dir: Path, qwen_dir: Path) -> None:
+def test_torchrun_groups_read_each_byte_once(
+    example_multi_dir: Path, qwen_dir: Path, compute_dir: Path, tmp_path: Path
+) -> None:
     """4 processes on gloo: dp=2 x tp=2 (a two-file checkpoint, 4 KiB chunks: hundreds of rounds), pp=2 x tp=2 and
-    a plain tp=4 group (one KV head replicated on every rank). Each rank compares with plain load_rank element for
-    element (in the worker); the group reads each stored byte once, where plain loads read more."""
+    a plain tp=4 group (one KV head replicated on every rank), compute steps, and the dp replicas of a converted
+    directory. Each rank compares with plain load_rank element for element (in the worker); the group reads each
+    stored byte once, where plain loads read more."""
+    converted = tmp_path / "tp2"
+    shardload.convert(example_multi_dir, 2, converted)
     cases = [
         {"model": str(example_multi_dir), "mesh": "dp=2,tp=2", "chunk": 4096},
         {"model": str(qwen_dir), "mesh": "pp=2,tp=2", "chunk": 3000},
         {"model": str(qwen_dir), "mesh": None, "chunk": None},
+        {"model": str(compute_dir), "mesh": "dp=2,tp=2", "chunk": None},
+        {"model": str(converted), "mesh": "dp=2,tp=2", "chunk": 8192},
     ]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                str(WORKER), json.dumps(cases)]  # fmt: skip

@@ -12,6 +12,7 @@ rank that dies or hangs makes the others fail with one line instead of waiting f
 from __future__ import annotations
 
 import datetime
+import hashlib
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ShardloadError
-from ..planning.group_reads import GroupReads, file_bases, plan_digest, slot_needs, strided
+from ..planning.group_reads import GroupReads, file_bases, slot_needs, strided
 from ..sources.dtypes import to_torch
 from ..sources.reader import PAGE
 from .steps import run_steps
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..planning.group_reads import Copies
-    from ..planning.plan import ModelPlan
+    from ..planning.plan import ParamPlan
     from ..sources.reader import Reader
 
 EXCHANGE_BYTES = 256 << 20
@@ -42,23 +43,29 @@ chunk, so this only has to exceed that (and the planning of the slowest rank, fo
 
 
 def load_shared(
-    plan: ModelPlan,
-    stages: Sequence[ModelPlan],
+    slot_params: Callable[[tuple[int, int]], tuple[Sequence[ParamPlan], int]],
+    digest: bytes,
     slot: tuple[int, int],
     device: torch.device,
     reader: Reader,
     group: Any = None,
     progress: Callable[[int, int], None] | None = None,
+    where: str = "",
 ) -> dict[str, torch.Tensor]:
-    """This rank's tensors of stage ``slot[0]``, tp rank ``slot[1]``, the reading shared with the ranks of ``group``
-    (None: the default process group), each of which calls this with its own slot."""
+    """This rank's tensors, the reading shared with the ranks of ``group`` (None: the default process group), each
+    of which calls this with its own ``slot`` (stage, tp rank).
+
+    ``slot_params(slot)`` gives the parameter plans a slot builds and the rank of those plans it takes (the same on
+    every rank, computed without I/O beyond headers); ``digest`` hashes what this rank planned, so that ranks
+    that planned differently are refused before any byte moves.
+    """
     import torch
     import torch.distributed as dist
 
     size, me = dist.get_world_size(group), dist.get_rank(group)
     comm = _comm_device(group, device)
     chunk = max(PAGE, EXCHANGE_BYTES // (2 * size + 2) // PAGE * PAGE)
-    digest = plan_digest(plan, stages, chunk)
+    digest = hashlib.sha256(digest + repr((size, chunk)).encode()).digest()
     mine = torch.tensor([slot[0], slot[1], *digest], dtype=torch.int64, device=comm)
     rows = [torch.empty_like(mine) for _ in range(size)]
     _wait(dist.all_gather(rows, mine, group=group, async_op=True), comm, "while the ranks compared their plans")
@@ -69,13 +76,16 @@ def load_shared(
             raise ShardloadError(
                 f"rank {ranks[1]} planned a different checkpoint, shard_info or mesh than rank {ranks[0]} (their plan "
                 "digests differ): every rank sharing reads must load the same model the same way",
-                file=str(plan.checkpoint.path if plan.checkpoint is not None else ""),
+                file=where,
             )
     members = [(int(row[0]), int(row[1])) for row in table]
-    bases = file_bases(plan)
-    needs = {key: slot_needs(list(stages[key[0]].params.values()), key[1], bases) for key in set(members)}
+    keys = sorted(set(members))
+    plans = {key: slot_params(key) for key in keys}
+    bases = file_bases([p for key in keys for p in plans[key][0]])
+    needs = {key: slot_needs(plans[key][0], plans[key][1], bases) for key in keys}
     schedule = GroupReads.build(members, needs, chunk)
     own = needs[slot]
+    taken = plans[slot][1]  # the rank of the slot's plans this rank takes
 
     dests: list[torch.Tensor] = []
     for p, whole in zip(own.params, own.whole, strict=True):
@@ -91,10 +101,10 @@ def load_shared(
         if own.whole[k]:
             finish[r + 1].append(k)
 
-    def complete(index: list[int]) -> None:
-        for k in index:
+    def complete(done: list[int]) -> None:
+        for k in done:
             p = own.params[k]
-            part = run_steps(p, dests[k])[slot[1]]
+            part = run_steps(p, dests[k])[taken]
             result[p.name] = part.to(device, copy=True, memory_format=torch.contiguous_format)
             dests[k] = flat[k] = torch.empty(0, dtype=torch.uint8)  # the whole stored tensor is no longer needed
 

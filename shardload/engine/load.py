@@ -272,31 +272,67 @@ def load_rank(
     coord = layout.coord(rank)
     shared = share_reads is not False and share_reads is not None
     group = _share_group(share_reads, str(model), mmap) if shared else None
-    if shared and (checkpoint.kind == "converted" or checkpoint.presharded is not None):
+    if shared and checkpoint.presharded is not None:
         raise ShardloadError(
-            "share_reads works on a source checkpoint; a converted or pre-sharded one is read rank file by rank file "
-            "(load it without share_reads)",
+            "share_reads works on a source checkpoint or a converted directory; a pre-sharded one is read rank by "
+            "rank (load it without share_reads)",
             file=str(model),
         )
     if mmap and _device_type(device) != "cpu":
         raise ShardloadError(
             f"mmap=True maps files into host memory; it needs device='cpu', not {device!r}", file=str(model)
         )
+    call = _rank_progress(progress, f"loading rank {rank}", "exchange rounds" if shared else "read jobs")
     if checkpoint.kind == "converted":
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
+        if shared:
+            return _load_converted_shared(checkpoint, layout, coord, device, verify, group, call)
         return _load_converted_rank(checkpoint, layout, coord, device, verify, mmap)
     if checkpoint.presharded is not None:
         return _load_presharded_rank(checkpoint, shard_info, layout, coord, device, mmap)
     plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, layout.tp)
     stages = stages_of(plan, layout)
-    call = _rank_progress(progress, f"loading rank {rank}", "exchange rounds" if shared else "read jobs")
     if shared:
+        from ..planning.group_reads import plan_digest
         from .exchange import load_shared
 
+        def slot_params(key: tuple[int, int]) -> tuple[list[ParamPlan], int]:
+            return list(stages[key[0]].params.values()), key[1]
+
+        digest = plan_digest(plan, stages) + str(layout).encode()
         with open_reader(checkpoint) as reader:
-            return load_shared(plan, stages, (coord.pp, coord.tp), device, reader, group, progress=call)
+            return load_shared(slot_params, digest, (coord.pp, coord.tp), device, reader, group, call, str(model))
     return run_plan(stages[coord.pp], [coord.tp], [device], mmap=mmap, progress=call)[0]
+
+
+def _load_converted_shared(
+    checkpoint: Checkpoint,
+    layout: Mesh,
+    coord: MeshCoord,
+    device: Any,
+    verify: bool,
+    group: Any,
+    progress: Callable[[int, int], None] | None,
+) -> dict[str, torch.Tensor]:
+    """A rank of a converted directory, the reading of the group's rank files shared (dp replicas read each once).
+    ``verify`` checks this rank's own file's sha256 (reading it once more); every file's size is checked."""
+    import hashlib
+    import json
+
+    from ..planning.group_reads import whole_tensors
+    from .exchange import load_shared
+
+    own = (coord.pp, coord.tp)
+
+    def slot_params(key: tuple[int, int]) -> tuple[list[ParamPlan], int]:
+        path = rank_file(checkpoint, key[1], layout, stage=key[0], checksum=verify and key == own)
+        return whole_tensors(read_header(path).values()), 0
+
+    manifest = json.dumps(checkpoint.manifest, sort_keys=True, default=str).encode()
+    digest = hashlib.sha256(manifest + str(layout).encode()).digest()
+    with open_reader(checkpoint) as reader:
+        return load_shared(slot_params, digest, own, device, reader, group, progress, str(checkpoint.path))
 
 
 def _share_group(share_reads: Any, where: str, mmap: bool) -> Any:

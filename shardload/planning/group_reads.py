@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..sources.checkpoint import TensorInfo
 from .plan import ModelPlan, ParamPlan
 from .runs import Runs, param_runs
 
@@ -96,11 +97,11 @@ class Needs:
     runs: Runs
 
 
-def file_bases(plan: ModelPlan) -> dict[Path, int]:
-    """Where each checkpoint file starts in file space: files in plan order, each as long as its last tensor
-    byte, one byte apart (so no interval ever spans two files)."""
+def file_bases(params: Iterable[ParamPlan]) -> dict[Path, int]:
+    """Where each checkpoint file starts in file space: files in the order ``params`` first name them, each as
+    long as its last tensor byte, one byte apart (so no interval ever spans two files)."""
     ends: dict[Path, int] = {}
-    for p in plan.params.values():
+    for p in params:
         ends[p.source.file] = max(ends.get(p.source.file, 0), p.source.offset + p.source.nbytes)
     bases, at = {}, 0
     for path, end in ends.items():
@@ -277,10 +278,10 @@ def cut(runs: Runs, bounds: Sequence[int]) -> list[Runs]:
     return out
 
 
-def plan_digest(plan: ModelPlan, stages: Sequence[ModelPlan], chunk: int) -> bytes:
-    """A hash of what a rank planned before it knows the others: files, parameters, steps, stages and chunk size.
-    Ranks that load different checkpoints or shard_infos get different digests."""
-    h = hashlib.sha256(repr((plan.num_shards, chunk, len(stages))).encode())
+def plan_digest(plan: ModelPlan, stages: Sequence[ModelPlan]) -> bytes:
+    """A hash of what a rank planned before it knows the others: files, parameters, steps and stages. Ranks that
+    load different checkpoints or shard_infos get different digests."""
+    h = hashlib.sha256(repr((plan.num_shards, len(stages))).encode())
     root = str(plan.checkpoint.root) if plan.checkpoint is not None else ""
     for p in plan.params.values():
         s = p.source
@@ -291,6 +292,11 @@ def plan_digest(plan: ModelPlan, stages: Sequence[ModelPlan], chunk: int) -> byt
     for k, stage in enumerate(stages):
         h.update(repr((k, tuple(stage.params))).encode())
     return h.digest()
+
+
+def whole_tensors(infos: Iterable[TensorInfo]) -> list[ParamPlan]:
+    """Plans that read stored tensors whole, as they are (a converted directory's rank file): rank 0 of 1 each."""
+    return [ParamPlan(t.name, t, (), 1, t.shape, t.logical_dtype) for t in infos]
 
 
 @dataclass(frozen=True)
