@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -266,8 +267,9 @@ def test_a_rank_that_dies_mid_exchange_fails_the_others_at_once(example_dir: Pat
     for rc, text, _ in (results[0], results[2], results[3]):
         assert rc == 1, text
         line = next(ln for ln in text.splitlines() if ln.startswith("FAILED"))
-        assert "shared reads: the exchange failed in exchange round 2 of " in line, line
-        assert "another rank of the group died or failed" in line, line
+        # rank 1 dies while it reads round 2's chunk (during round 1's exchange, or just after it)
+        assert re.search(r"shared reads: the exchange failed in exchange round [12] of \d+: another rank of the "
+                         r"group died or failed \(.+\)$", line), line  # fmt: skip
         assert float(line.split(" after ")[1].split(" s:")[0]) < 30, "noticed at once, well before the timeout"
 
 

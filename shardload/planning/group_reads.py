@@ -128,7 +128,12 @@ def slot_needs(params: Sequence[ParamPlan], tp: int, bases: dict[Path, int]) -> 
     if not parts:
         z = np.zeros(0, dtype=np.int64)
         return Needs((), (), Runs(z, z, z, z))
-    runs = Runs(*(np.concatenate([getattr(r, f) for r in parts]) for f in ("src", "length", "buf", "dst")))
+    runs = Runs(
+        np.concatenate([r.src for r in parts]),
+        np.concatenate([r.length for r in parts]),
+        np.concatenate([r.buf for r in parts]),
+        np.concatenate([r.dst for r in parts]),
+    )
     return Needs(tuple(params), tuple(whole), runs.take(np.argsort(runs.src, kind="stable")))
 
 
