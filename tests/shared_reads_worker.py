@@ -3,7 +3,8 @@ tests/test_shared_reads.py; not a test itself).
 
     python -m torch.distributed.run --standalone --nproc_per_node 4 shared_reads_worker.py CASES_JSON
 
-CASES_JSON is a list of ``{"model": DIR, "mesh": "dp=2,tp=2" | null, "chunk": BYTES | null}``. For each case
+CASES_JSON is a list of ``{"model": DIR, "mesh": "dp=2,tp=2" | null, "chunk": BYTES | null}``, optionally with
+``"groups": [[0, 2], [1, 3]]`` (share within these subgroups instead of the whole world). For each case
 the rank loads its shard plainly and with shared reads, each inside ``count_reads``, compares the two element
 for element, and rank 0 prints one ``RESULT {json}`` line: bytes read by the whole group both ways and the
 tensor bytes of the checkpoint.
@@ -23,6 +24,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,13 +94,18 @@ def main() -> None:
         # chunks of about case["chunk"] bytes: many rounds even on a tiny model (else the default buffer size)
         exchange.EXCHANGE_BYTES = case["chunk"] * (2 * dist.get_world_size() + 2) if case.get("chunk") else default
         model, mesh = case["model"], case.get("mesh")
+        share: Any = True
+        for members in case.get("groups") or []:  # subgroups: every rank creates every group, joins its own
+            group = dist.new_group(members)
+            if rank in members:
+                share = group
         with count_reads() as plain_count:
             plain = shardload.load_rank(model, mesh=mesh, device=device)
         started = time.monotonic()
         rounds: list[tuple[int, int]] = []
         with count_reads() as shared_count:
             report_round = rounds_seen(rounds)
-            shared = shardload.load_rank(model, mesh=mesh, device=device, share_reads=True, progress=report_round)
+            shared = shardload.load_rank(model, mesh=mesh, device=device, share_reads=share, progress=report_round)
         seconds = time.monotonic() - started
         assert plain.keys() == shared.keys(), (rank, sorted(plain.keys() ^ shared.keys()))
         assert rounds and rounds == [(k, rounds[-1][1]) for k in range(1, rounds[-1][1] + 1)], rounds

@@ -222,6 +222,7 @@ def test_torchrun_groups_read_each_byte_once(
         {"model": str(qwen_dir), "mesh": None, "chunk": None},
         {"model": str(compute_dir), "mesh": "dp=2,tp=2", "chunk": None},
         {"model": str(converted), "mesh": "dp=2,tp=2", "chunk": 8192},
+        {"model": str(example_multi_dir), "mesh": "dp=2,tp=2", "chunk": 4096, "groups": [[0, 2], [1, 3]]},
     ]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                str(WORKER), json.dumps(cases)]  # fmt: skip
@@ -229,7 +230,10 @@ def test_torchrun_groups_read_each_byte_once(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert [r["mesh"] for r in results] == [c["mesh"] for c in cases]
-    for r in results:
+    *whole, pairs = results
+    # subgroups of the two dp replicas of each tp rank: each pair reads its bytes once, half what both replicas read
+    assert 2 * pairs["shared"] == pairs["plain"] and pairs["shared"] > pairs["stored"], pairs
+    for r in whole:
         assert r["shared"] == r["stored"], r  # 1.00x: every stored byte read by exactly one rank
         assert r["plain"] > r["stored"], r  # every rank reading for itself reads replicated bytes again
     assert results[0]["plain"] >= 2 * results[0]["stored"]  # two dp replicas
