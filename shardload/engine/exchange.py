@@ -96,7 +96,7 @@ def load_shared(
     flat = [t.reshape(-1).view(torch.uint8) for t in dests]
     result: dict[str, torch.Tensor] = {p.name: t for p, t in zip(own.params, dests, strict=True)}
     last = schedule.last_round(slot)
-    finish = [[] for _ in range(schedule.rounds + 1)]  # type: list[list[int]]
+    finish: list[list[int]] = [[] for _ in range(schedule.rounds + 1)]  # compute-step parameters done after round
     for k, r in enumerate(last):
         if own.whole[k]:
             finish[r + 1].append(k)
