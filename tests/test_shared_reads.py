@@ -25,7 +25,7 @@ import tiny_models
 from conftest import write_model
 from shardload.cli.main import main
 from shardload.engine.load import _rank_progress
-from shardload.planning.group_reads import GroupReads, file_bases, slot_needs, strided
+from shardload.planning.group_reads import GroupReads, choose_chunk, file_bases, slot_needs, strided
 from shardload.planning.mesh import Mesh, stage_plans
 from shardload.planning.plan import build_plan, resolve_shard_info
 from shardload.planning.runs import Runs
@@ -169,6 +169,14 @@ def test_strided_copies_cover_runs_exactly() -> None:
         assert expanded == sorted(map(tuple, a.tolist()))
     column = np.arange(1000, dtype=np.int64)
     assert len(strided(Runs(column * 100, column * 0 + 10, column * 0, column * 10))) == 1, "a column slice: 1 copy"
+
+
+def test_chunks_fit_the_memory_bound_and_leave_several_rounds() -> None:
+    mib = 1 << 20
+    assert choose_chunk(140_000 * mib, 64, (256 * mib) // 130, 8, mib) == (256 * mib) // 130 // 4096 * 4096
+    assert choose_chunk(256 * mib, 4, 25 * mib, 8, mib) == 8 * mib  # 8 rounds of 4 chunks
+    assert choose_chunk(3 * mib, 4, 25 * mib, 8, mib) == mib  # never below 1 MiB ...
+    assert choose_chunk(3 * mib, 4, 4096, 8, mib) == 4096  # ... unless the memory bound says so
 
 
 def test_share_reads_needs_a_process_group(example_dir: Path) -> None:

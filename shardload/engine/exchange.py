@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ShardloadError
-from ..planning.group_reads import GroupReads, file_bases, slot_needs, strided
+from ..planning.group_reads import GroupReads, choose_chunk, file_bases, slot_needs, strided
 from ..sources.dtypes import to_torch
 from ..sources.reader import PAGE
 from .steps import run_steps
@@ -34,8 +34,14 @@ if TYPE_CHECKING:
 
 EXCHANGE_BYTES = 256 << 20
 """Bytes of exchange buffers per rank, at most: two chunk buffers (one being read, one being sent) plus a send
-and a receive buffer of up to one chunk per member, so a group of ``G`` ranks reads chunks of
-``EXCHANGE_BYTES / (2 G + 2)`` bytes (25.6 MiB for 4 ranks, 1.9 MiB for 64). The rank's own tensors come on top."""
+and a receive buffer of up to one chunk per member, so a group of ``G`` ranks reads chunks of at most
+``EXCHANGE_BYTES / (2 G + 2)`` bytes (25.6 MiB for 4 ranks, 1.9 MiB for 64; smaller for a small model, see
+:data:`MIN_ROUNDS`). The rank's own tensors come on top."""
+MIN_ROUNDS = 8
+"""Chunks are made small enough for at least this many rounds (down to :data:`MIN_CHUNK`): the last round's exchange
+is the one no read overlaps, so on a small model smaller chunks finish sooner."""
+MIN_CHUNK = 1 << 20
+"""Chunks are at least this many bytes (unless the memory bound says less): every round costs a collective."""
 EXCHANGE_TIMEOUT = 300.0
 """Seconds a rank waits for one collective of the exchange before it fails with a :class:`ShardloadError` (a rank
 that died is usually noticed at once: its connections close). A round waits for the slowest rank's read of one
@@ -64,8 +70,8 @@ def load_shared(
 
     size, me = dist.get_world_size(group), dist.get_rank(group)
     comm = _comm_device(group, device)
-    chunk = max(PAGE, EXCHANGE_BYTES // (2 * size + 2) // PAGE * PAGE)
-    digest = hashlib.sha256(digest + repr((size, chunk)).encode()).digest()
+    most = max(PAGE, EXCHANGE_BYTES // (2 * size + 2) // PAGE * PAGE)
+    digest = hashlib.sha256(digest + repr((size, most, MIN_ROUNDS, MIN_CHUNK)).encode()).digest()
     mine = torch.tensor([slot[0], slot[1], *digest], dtype=torch.int64, device=comm)
     rows = [torch.empty_like(mine) for _ in range(size)]
     _wait(dist.all_gather(rows, mine, group=group, async_op=True), comm, "while the ranks compared their plans")
@@ -83,7 +89,9 @@ def load_shared(
     plans = {key: slot_params(key) for key in keys}
     bases = file_bases([p for key in keys for p in plans[key][0]])
     needs = {key: slot_needs(plans[key][0], plans[key][1], bases) for key in keys}
-    schedule = GroupReads.build(members, needs, chunk)
+    schedule = GroupReads.build(members, needs, most)
+    chunk = choose_chunk(schedule.union.total, size, most, MIN_ROUNDS, MIN_CHUNK)
+    schedule = schedule.with_chunk(chunk)
     own = needs[slot]
     taken = plans[slot][1]  # the rank of the slot's plans this rank takes
 

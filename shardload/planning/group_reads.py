@@ -167,6 +167,12 @@ class GroupReads:
             own[k] = Intervals(start, start + (mine.end - mine.start), mine.at, mine.total)
         return cls(tuple(members), {k: needs[k] for k in keys}, union, own, chunk)
 
+    def with_chunk(self, chunk: int) -> GroupReads:
+        """The same group reading chunks of ``chunk`` bytes."""
+        if chunk < 1:
+            raise ValueError("chunk must be positive")
+        return GroupReads(self.members, self.needs, self.union, self.own, chunk)
+
     @property
     def size(self) -> int:
         """Members in the group."""
@@ -263,6 +269,16 @@ class GroupReads:
         for key in sorted(self.own):
             h.update(repr(key).encode() + self.own[key].digest())
         return h.digest()
+
+
+def choose_chunk(total: int, size: int, most: int, rounds: int, least: int) -> int:
+    """Chunk bytes for a group of ``size`` reading ``total`` bytes: at most ``most`` (the memory bound), small enough
+    for at least ``rounds`` rounds (the last round's exchange is the part that no read overlaps), at least
+    ``least`` (each round costs a collective's latency) unless ``most`` is smaller; a multiple of ``least``'s
+    alignment (4 KiB)."""
+    want = -(-total // (size * rounds))
+    chunk = min(most, max(least, want))
+    return max(4096, chunk // 4096 * 4096)
 
 
 def cut(runs: Runs, bounds: Sequence[int]) -> list[Runs]:
