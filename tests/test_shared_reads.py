@@ -248,65 +248,86 @@ def test_torchrun_groups_read_each_byte_once(
     assert results[0]["rounds"] > 100 and results[2]["rounds"] == 1  # 4 KiB chunks; the default: one round
 
 
-def spawn(cases: list[dict], env: dict[str, str], ranks: int = 4, timeout: float = 90) -> list[tuple[int, str, float]]:
+def spawn(cases: list[dict], env: dict[str, str], ranks: int = 4) -> list[subprocess.Popen[str]]:
     """Start ``ranks`` worker processes of one gloo group directly (no torchrun, which would kill the others as soon
-    as one fails); return each one's exit code, output and seconds until it exited."""
+    as one fails)."""
     port = _port()
-    started = time.monotonic()
     procs = []
     for r in range(ranks):
         rank_env = {**ENV, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
                     "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(r)}  # fmt: skip
         procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(cases)], env=rank_env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
-    out = []
+    return procs
+
+
+@pytest.fixture(scope="module")
+def failed_groups(example_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[int, str]]]:
+    """Three groups of 4 processes run at once (they mostly wait): in one rank 1 dies after its first chunk, in one
+    it stops for 8 s (the others' timeout is 3 s), in one rank 3 loads another shard_info. Each process's exit code
+    and output, by group."""
+    other = tmp_path_factory.mktemp("other") / "model"
+    shutil.copytree(example_dir, other)
+    (other / "shard_info.json").write_text(json.dumps({"version": 1, "num_shards": None, "params": {}}))
+    case = {"model": str(example_dir), "mesh": "dp=2,tp=2", "chunk": 4096}
+    groups = {
+        "dies": spawn([case], {"SHARDLOAD_TEST_DIE": "1:1", "SHARDLOAD_TEST_TIMEOUT": "60"}),
+        "hangs": spawn([case], {"SHARDLOAD_TEST_HANG": "1:1", "SHARDLOAD_TEST_TIMEOUT": "3"}),
+        "differs": spawn([{**case, "model_of_rank": {"3": str(other)}}], {"SHARDLOAD_TEST_FAIL": "1"}),
+    }
+    deadline = time.monotonic() + 120
+    out: dict[str, list[tuple[int, str]]] = {}
     try:
-        for p in procs:
-            text, _ = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - started)))
-            out.append((p.returncode, text, time.monotonic() - started))
+        for name, procs in groups.items():
+            out[name] = []
+            for p in procs:
+                text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                out[name].append((p.returncode, text))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        for procs in groups.values():
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
     return out
 
 
-def test_a_rank_that_dies_mid_exchange_fails_the_others_at_once(example_dir: Path) -> None:
-    results = spawn([{"model": str(example_dir), "mesh": "dp=2,tp=2", "chunk": 4096}],
-                    {"SHARDLOAD_TEST_DIE": "1:1", "SHARDLOAD_TEST_TIMEOUT": "60"})  # fmt: skip
+def failure_line(text: str) -> str:
+    """The one ``FAILED rank R after S s: MESSAGE`` line a worker printed."""
+    return next(ln for ln in text.splitlines() if ln.startswith("FAILED"))
+
+
+def seconds(line: str) -> float:
+    """How long the failed load took, from its ``FAILED`` line."""
+    return float(line.split(" after ")[1].split(" s:")[0])
+
+
+def test_a_rank_that_dies_mid_exchange_fails_the_others_at_once(failed_groups: dict) -> None:
+    results = failed_groups["dies"]
     assert results[1][0] == 3, results[1][1]
-    for rc, text, _ in (results[0], results[2], results[3]):
+    for rc, text in (results[0], results[2], results[3]):
         assert rc == 1, text
-        line = next(ln for ln in text.splitlines() if ln.startswith("FAILED"))
+        line = failure_line(text)
         # rank 1 dies while it reads round 2's chunk (during round 1's exchange, or just after it)
         assert re.search(r"shared reads: the exchange failed in exchange round [12] of \d+: another rank of the "
                          r"group died or failed \(.+\)$", line), line  # fmt: skip
-        assert float(line.split(" after ")[1].split(" s:")[0]) < 30, "noticed at once, well before the timeout"
+        assert seconds(line) < 30, "noticed at once, well before the 60 s timeout"
 
 
-def test_a_rank_that_hangs_fails_the_others_after_the_timeout(example_dir: Path) -> None:
+def test_a_rank_that_hangs_fails_the_others_after_the_timeout(failed_groups: dict) -> None:
     """Rank 1 stops for 8 s after its first chunk; the others give up after the 3 s timeout (under gloo their
     processes then exit once the hung rank is gone)."""
-    results = spawn([{"model": str(example_dir), "mesh": "dp=2,tp=2", "chunk": 4096}],
-                    {"SHARDLOAD_TEST_HANG": "1:1", "SHARDLOAD_TEST_TIMEOUT": "3"})  # fmt: skip
     for rank in (0, 2, 3):
-        text = results[rank][1]
-        line = next(ln for ln in text.splitlines() if ln.startswith("FAILED"))
-        assert "no answer from the group within 3 s in exchange round 2 of" in line, line
-        assert 2.5 < float(line.split(" after ")[1].split(" s:")[0]) < 15, line
+        rc, text = failed_groups["hangs"][rank]
+        line = failure_line(text)
+        assert rc == 1 and "no answer from the group within 3 s in exchange round 2 of" in line, line
+        assert 2.5 < seconds(line) < 15, line
 
 
-def test_ranks_that_planned_differently_are_refused_up_front(example_dir: Path, tmp_path: Path) -> None:
-    other = tmp_path / "other"
-    shutil.copytree(example_dir, other)
-    (other / "shard_info.json").write_text(json.dumps({"version": 1, "num_shards": None, "params": {}}))
-    case = {"model": str(example_dir), "mesh": "dp=2,tp=2", "chunk": 4096, "model_of_rank": {"3": str(other)}}
-    results = spawn([case], {"SHARDLOAD_TEST_FAIL": "1"})
-    for rc, text, _ in results:
-        assert rc == 1, text
-        line = next(ln for ln in text.splitlines() if ln.startswith("FAILED"))
-        assert "rank 3 planned a different checkpoint, shard_info or mesh than rank 0" in line, line
+def test_ranks_that_planned_differently_are_refused_up_front(failed_groups: dict) -> None:
+    for rc, text in failed_groups["differs"]:
+        line = failure_line(text)
+        assert rc == 1 and "rank 3 planned a different checkpoint, shard_info or mesh than rank 0" in line, line
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
