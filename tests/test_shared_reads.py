@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -182,6 +183,47 @@ def test_chunks_fit_the_memory_bound_and_leave_several_rounds() -> None:
 def test_share_reads_needs_a_process_group(example_dir: Path) -> None:
     with pytest.raises(shardload.ShardloadError, match=r"initialised torch\.distributed"):
         shardload.load_rank(example_dir, 0, 2, share_reads=True)
+
+
+@pytest.fixture
+def group_of_one() -> Any:
+    """An initialised gloo process group of this process alone, destroyed afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_group_of_one_reads_and_draws_progress(
+    example_dir: Path, group_of_one: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    import shardload.engine.exchange as exchange
+    from shardload.sources.reader import count_reads
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(exchange, "EXCHANGE_BYTES", 4 * 65536)  # 64 KiB chunks: many rounds
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with count_reads() as seen:
+        state = shardload.load_rank(example_dir, share_reads=group_of_one, progress=True)  # rank 0 of 1: the group's
+    want = shardload.load_rank(example_dir, 0, 1)
+    assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
+    assert seen.bytes == sum(t.nbytes for t in open_checkpoint(example_dir).tensors.values())
+    line = screen.getvalue()
+    assert line.startswith("\rloading rank 0: 1/") and line.endswith("exchange rounds (100%)\n"), line
+    with pytest.raises(shardload.ShardloadError, match="exclude each other"):
+        shardload.load_rank(example_dir, share_reads=True, mmap=True)
+    with pytest.raises(shardload.ShardloadError, match=r"must be True, False or a torch\.distributed ProcessGroup"):
+        shardload.load_rank(example_dir, share_reads="group")
 
 
 def test_progress_draws_on_the_first_rank_of_a_node(example_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
