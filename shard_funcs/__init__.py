@@ -2,8 +2,9 @@
 
 Each takes the input tensor first, then the extra arguments written in shard_info.json, and
 declares a shape rule and a box rule. Steps for one concern live in their own submodule:
-``segments`` (fused-segment splits with GQA replication and pack factors) and ``quant``
-(quantized layouts), both imported here so they register too.
+``segments`` (fused-segment splits with GQA replication and pack factors), ``quant``
+(quantized layouts) and ``padding`` (zero padding so N divides a dim, e.g. a vocabulary), all
+imported here so they register too.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from shardload.planning.registry import Box, Shape, register
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["replicate", "reorder_segments", "shard_dim", "shard_segments"]
+__all__ = ["pad_dim", "replicate", "reorder_segments", "shard_dim", "shard_segments"]
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
@@ -159,4 +160,5 @@ def replicate(x: torch.Tensor, num_shards: int) -> torch.Tensor:
 
 # the submodules register their steps and need the helpers above
 from . import quant  # noqa: E402,F401
+from .padding import pad_dim  # noqa: E402
 from .segments import shard_segments  # noqa: E402

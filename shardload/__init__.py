@@ -34,8 +34,9 @@ from .engine.quantize import quantize
 from .engine.verify import VerifyReport
 from .errors import CheckpointError, FormatError, PlanError, ShardloadError
 from .format.shard_info import ShardInfo, StepSpec
+from .models.plan_source import plan_model
 from .planning.mesh import Mesh
-from .planning.plan import ModelPlan, ParamPlan, plan_model
+from .planning.plan import ModelPlan, ParamPlan
 from .planning.registry import register
 from .planning.validate import validate
 from .version import __version__

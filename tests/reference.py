@@ -71,10 +71,26 @@ def shard_segments(
     return np.stack(ranks)
 
 
+def pad_dim(x: np.ndarray, dim: int, multiple: int, n: int) -> np.ndarray:
+    """``x`` with zero rows appended along ``dim`` up to the next multiple of ``multiple``, unless n divides it."""
+    size = x.shape[dim]
+    if size % n == 0:
+        return x
+    target = size + (multiple - size % multiple) % multiple
+    shape = list(x.shape)
+    shape[dim] = target
+    out = np.zeros(shape, dtype=x.dtype)
+    index = [slice(None)] * x.ndim
+    index[dim] = slice(0, size)
+    out[tuple(index)] = x
+    return out
+
+
 def rank_slices(x: np.ndarray, steps: list[tuple], n: int) -> list[np.ndarray]:
     """Apply ``steps`` ((name, *args) with args already evaluated) and split the result by rank."""
     funcs = {"shard_dim": shard_dim, "reorder_segments": reorder_segments, "replicate": replicate}
     funcs["shard_segments"] = shard_segments
+    funcs["pad_dim"] = pad_dim
     for name, *args in steps:
         x = funcs[name](x, *args)
     return [np.ascontiguousarray(x[r]) for r in range(n)]

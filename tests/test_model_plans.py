@@ -315,7 +315,9 @@ def test_plan_errors(models: dict, tmp_path: Path) -> None:
     assert result.exit_code == 1 and "shard_info.json: exists (pass --overwrite" in result.output
     unknown = _fake_model(tmp_path / "u", {"model_type": "gpt2"}, {"h.0.attn.c_attn.weight": (4, 4)})
     result = runner.invoke(main, ["plan", str(unknown)])
-    assert result.exit_code == 1 and "model_type 'gpt2' has no built-in preset" in result.output
+    assert result.exit_code == 1 and result.output.count("\n") == 1
+    assert result.output.startswith(f"error: {unknown / 'config.json'}: model_type 'gpt2': no plan source knows")
+    assert "write a shard_info.json for it beside the weights, or pass one with --shard-info" in result.output
     no_config = tmp_path / "nc"
     no_config.mkdir()
     (no_config / "model.safetensors").write_bytes((unknown / "model.safetensors").read_bytes())

@@ -99,6 +99,30 @@ CASES: dict[str, Case] = {
         "float32",
         lambda n: ([step("shard_segments", 1, [2], [1], "num_shards", 4)], [("shard_segments", 1, [2], [1], n, 4)]),
     ),
+    "pad_vocab_vllm": (
+        (250, 6),
+        "float16",
+        lambda n: (
+            [step("pad_dim", 0, 64, "num_shards"), step("shard_dim", 0, "num_shards")],
+            [("pad_dim", 0, 64, n), ("shard_dim", 0, n)],
+        ),
+    ),
+    "pad_plain_dim1_3d": (
+        (2, 3, 23),
+        "int32",
+        lambda n: (
+            [step("pad_dim", -1, "num_shards", "num_shards"), step("shard_dim", 2, "num_shards")],
+            [("pad_dim", 2, n, n), ("shard_dim", 2, n)],
+        ),
+    ),
+    "pad_bias_then_replicate": (
+        (7,),
+        "float32",
+        lambda n: (
+            [step("pad_dim", 0, 4, "num_shards"), step("replicate", "num_shards")],
+            [("pad_dim", 0, 4, n), ("replicate", n)],
+        ),
+    ),
     "reorder_then_replicate": (
         (24, 2),
         "float16",
@@ -127,6 +151,9 @@ def _valid(shape: tuple[int, ...], name: str, n: int) -> bool:
         "reorder_then_replicate": [12, 12],
         "qkv_heads": [8],
         "kv_heads_dim1": [],
+        "pad_vocab_vllm": [] if 250 % n == 0 else [256],
+        "pad_plain_dim1_3d": [],
+        "pad_bias_then_replicate": [] if 7 % n == 0 else [8],
     }[name]
     kv_heads = {"qkv_heads": [2, 2], "kv_heads_dim1": [2]}.get(name, [])
     return all(k % n == 0 for k in needs) and all(k % n == 0 or n % k == 0 for k in kv_heads)

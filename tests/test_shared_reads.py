@@ -39,10 +39,11 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny Qwen2 with one KV head (replicated on every tp rank), qkv biases and tied embeddings, planned."""
+    """Tiny Qwen2 with one KV head (replicated on every tp rank), qkv biases, tied embeddings and a vocabulary of 250
+    rows, planned with vLLM's padding (at N=4 the last rank's rows end in zeros no stored byte maps to)."""
     model_dir = tmp_path_factory.mktemp("shared") / "qwen2"
-    tiny_models.build("qwen2", model_dir, num_key_value_heads=1)
-    planned = CliRunner().invoke(main, ["plan", str(model_dir), "-n", "4"])
+    tiny_models.build("qwen2", model_dir, num_key_value_heads=1, vocab_size=250)
+    planned = CliRunner().invoke(main, ["plan", str(model_dir), "-n", "4", "--vocab-padding", "vllm"])
     assert planned.exit_code == 0, planned.output
     return model_dir
 
@@ -82,8 +83,8 @@ def simulate(model: Path, mesh: Mesh, chunk: int, members: list[int]) -> list[di
     results: list[list[torch.Tensor]] = []
     for slot in slots:
         own = needs[slot]
-        results.append([
-            torch.empty(p.source.nbytes if w else p.rank_nbytes, dtype=torch.uint8)
+        results.append([  # zeros: the padding no run writes
+            torch.zeros(p.source.nbytes if w else p.rank_nbytes, dtype=torch.uint8)
             for p, w in zip(own.params, own.whole, strict=True)
         ])  # fmt: skip
     unpack = [schedule.unpack(s) for s in slots]

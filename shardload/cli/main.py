@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import signal
 import sys
@@ -23,6 +24,7 @@ from ..errors import ShardloadError, printable
 from ..version import __version__
 
 DEFAULT_CHECK_NS = (1, 2, 4, 8)
+INSPECT_N = 8
 MAX_LISTED_N = 16
 
 
@@ -149,6 +151,22 @@ def _plugin_option(fn: Callable[..., Any]) -> Callable[..., Any]:
 @_plugin_option
 def main() -> None:
     """Shard one safetensors checkpoint for any tensor-parallel size, at load time."""
+    _show_plan_notes()
+
+
+class _NoteHandler(logging.Handler):
+    """Prints a ``shardload.plan`` record (a plan made from config.json) as one ``note:`` line on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(printable(f"note: {record.getMessage()}"), err=True)
+
+
+def _show_plan_notes() -> None:
+    """Route the plan-source line the API logs at INFO to stderr, once per process."""
+    logger = logging.getLogger("shardload.plan")
+    if not any(isinstance(h, _NoteHandler) for h in logger.handlers):
+        logger.addHandler(_NoteHandler())
+    logger.setLevel(logging.INFO)
 
 
 @main.command()
@@ -321,6 +339,17 @@ def _convert_vllm(
     multiple=True,
     help="Fail, writing nothing, unless the plan works for N (repeatable).",
 )
+@click.option(
+    "--vocab-padding",
+    type=click.Choice(["vllm", "plain", "none"]),
+    default="vllm",
+    show_default=True,
+    help="A vocabulary N does not divide gets zero rows: vllm to a multiple of 64 (vLLM's rows per rank), "
+    "plain to a multiple of N, none not at all (such an N fails).",
+)
+@click.option(
+    "--allow-single", is_flag=True, help="Write the file even when it works for num_shards=1 only (else exit 1)."
+)
 @click.option("--overwrite", is_flag=True, help="Replace the output file if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No notes and no summary line.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary (with -o -, to stderr).")
@@ -331,6 +360,8 @@ def plan(
     style: str,
     experts: str,
     num_shards: tuple[int, ...],
+    vocab_padding: str,
+    allow_single: bool,
     overwrite: bool,
     quiet: bool,
     as_json: bool,
@@ -343,7 +374,10 @@ def plan(
     to_stdout = str(target) == "-"
     if not to_stdout and target.exists() and not overwrite:
         raise ShardloadError("exists (pass --overwrite to replace it)", file=str(target))
-    result = generate(model, style=style, experts=experts, num_shards=num_shards)
+    result = generate(
+        model, style=style, experts=experts, num_shards=num_shards, vocab_padding=vocab_padding,
+        allow_single=allow_single,
+    )  # fmt: skip
     if to_stdout:
         click.echo(json.dumps(result.document, indent=2))
     else:
@@ -476,7 +510,10 @@ def quantize(model: Path, out_dir: Path, scheme: str, shard_info: Path | None, o
 @main.command()
 @_plugin_option
 @click.argument("model", type=click.Path(path_type=Path))
-@click.option("-n", "--num-shards", type=click.IntRange(min=1), help="N (default: the file's N, or 8).")
+@click.option(
+    "-n", "--num-shards", type=click.IntRange(min=1),
+    help=f"N (default: the file's N, else {INSPECT_N} when it plans, else the largest N below that does).",
+)  # fmt: skip
 @click.option("--shard-info", type=click.Path(path_type=Path), help="shard_info.json (default MODEL/shard_info.json).")
 @click.option("--json", "as_json", is_flag=True, help="Print rows and totals as JSON.")
 @_mesh_options
@@ -494,7 +531,8 @@ def inspect(
 
     With --mesh, also a row per (pipeline stage, tensor rank): its layers, tensors, bytes held and read.
     """
-    from ..planning.plan import build_plan, resolve_shard_info
+    from ..models.plan_source import shard_info_for
+    from ..planning.plan import build_plan
     from ..sources.checkpoint import open_checkpoint
     from .report import inspect_rows, inspect_text, mesh_rows, mesh_text, totals
 
@@ -507,8 +545,8 @@ def inspect(
     checkpoint = open_checkpoint(model)
     if checkpoint.kind == "converted":
         raise ShardloadError("this is a converted directory; inspect the source checkpoint", file=str(model))
-    info = resolve_shard_info(checkpoint, shard_info)
-    n = num_shards or info.num_shards or 8
+    info = shard_info_for(checkpoint, shard_info)
+    n = num_shards or info.num_shards or _inspect_n(info, checkpoint)
     plan = build_plan(info, checkpoint, n)
     if as_json:
         doc: dict[str, Any] = {"rows": inspect_rows(plan), "totals": totals(plan)}
@@ -519,6 +557,27 @@ def inspect(
         click.echo(inspect_text(plan))
         if layout is not None:
             click.echo("\n" + mesh_text(plan, layout))
+
+
+def _inspect_n(info: Any, checkpoint: Any) -> int:
+    """``inspect``'s N when none is given: :data:`INSPECT_N` when it plans, else the largest N below it that does
+    (said on stderr, with why the larger ones fail); :data:`INSPECT_N` again when none does (its error follows)."""
+    from ..planning.plan import build_plan
+
+    first = None
+    for n in range(INSPECT_N, 0, -1):
+        problems = build_plan(info, checkpoint, n, strict=False).problems
+        if not problems:
+            if n == INSPECT_N:
+                click.echo(f"note: no -n given: inspecting num_shards={n}", err=True)
+            else:
+                click.echo(printable(f"note: no -n given: inspecting num_shards={n}, the largest N up to "
+                                     f"{INSPECT_N} this plan works for (num_shards={INSPECT_N}: {first})"),
+                           err=True)  # fmt: skip
+            return n
+        if first is None:
+            first = problems[0].message
+    return INSPECT_N
 
 
 @main.command()

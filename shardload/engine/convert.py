@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ShardloadError
+from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh
-from ..planning.plan import ModelPlan, build_plan, resolve_shard_info
+from ..planning.plan import ModelPlan, build_plan
 from ..sources.checkpoint import (
     MANIFEST_FORMAT,
     MANIFEST_VERSION,
@@ -92,7 +93,7 @@ def convert(
     stamps = stamp_sources(checkpoint.files)
     if checkpoint.kind == "converted":
         raise ShardloadError("already a converted directory; convert the source checkpoint", file=checkpoint.name)
-    info = resolve_shard_info(checkpoint, shard_info)
+    info = shard_info_for(checkpoint, shard_info)
     layout = layout_for(num_shards, mesh, None)
     plan = build_plan(info, checkpoint, layout.tp)
     if checkpoint.presharded is not None:

@@ -24,6 +24,7 @@ from ..planning.group_reads import GroupReads, choose_chunk, file_bases, slot_ne
 from ..sources.dtypes import to_torch
 from ..sources.reader import PAGE
 from .steps import run_steps
+from .transfer import fill_padding
 
 if TYPE_CHECKING:
     import torch
@@ -101,6 +102,7 @@ def load_shared(
             dests.append(torch.empty(p.source.shape, dtype=to_torch(p.source.dtype)))
         else:
             dests.append(torch.empty(p.shape, dtype=to_torch(p.dtype), device=device))
+            fill_padding(p, taken, dests[-1])  # zeros no stored byte maps to (a padded vocabulary)
     flat = [t.reshape(-1).view(torch.uint8) for t in dests]
     result: dict[str, torch.Tensor] = {p.name: t for p, t in zip(own.params, dests, strict=True)}
     last = schedule.last_round(slot)

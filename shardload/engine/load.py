@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardloadError
 from ..format.shard_info import ShardInfo
+from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh, MeshCoord, as_mesh, stage_plans
-from ..planning.plan import ModelPlan, ParamPlan, build_plan, resolve_shard_info
+from ..planning.plan import ModelPlan, ParamPlan, build_plan
 from ..sources.checkpoint import open_checkpoint, read_header
 from ..sources.reader import Reader
 from .devices import resolve_device
@@ -100,7 +101,7 @@ def load(
             _load_presharded_rank(checkpoint, shard_info, layout, layout.coord(r), devices[r], False)
             for r in range(world)
         ]
-    plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, layout.tp)
+    plan = build_plan(shard_info_for(checkpoint, shard_info), checkpoint, layout.tp)
     result: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
     for pp, stage in enumerate(stages_of(plan, layout)):
         first = [layout.rank(0, pp, tp) for tp in range(layout.tp)]
@@ -291,7 +292,7 @@ def load_rank(
         return _load_converted_rank(checkpoint, layout, coord, device, verify, mmap)
     if checkpoint.presharded is not None:
         return _load_presharded_rank(checkpoint, shard_info, layout, coord, device, mmap)
-    plan = build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, layout.tp)
+    plan = build_plan(shard_info_for(checkpoint, shard_info), checkpoint, layout.tp)
     stages = stages_of(plan, layout)
     if shared:
         from ..planning.group_reads import plan_digest
@@ -396,7 +397,7 @@ def _load_presharded_rank(
 ) -> dict[str, torch.Tensor]:
     """A rank of a source stored already split (a pre-sharded TVM cache): its own part of each split parameter,
     and every tensor stored whole."""
-    build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, layout.tp)  # checks N and the steps
+    build_plan(shard_info_for(checkpoint, shard_info), checkpoint, layout.tp)  # checks N and the steps
     if layout.pp != 1:
         raise ShardloadError("pipeline stages of a pre-sharded checkpoint are not supported", file=checkpoint.name)
     view = checkpoint.rank_view(coord.tp)

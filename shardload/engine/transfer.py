@@ -129,7 +129,7 @@ class Transfer:
         """
         import torch
 
-        from ..planning.runs import param_runs, shifted, structure
+        from ..planning.runs import param_runs, shifted, structure, zero_spans
 
         if out is not None:
             want = (tuple(plan.shape), to_torch(plan.dtype))
@@ -152,7 +152,8 @@ class Transfer:
             runs = param_runs(plan, ranks)
             sizes = [plan.rank_nbytes] * len(ranks)
             rel = None if runs is None else shifted(runs, -plan.source.offset)
-            schedule = self.schedules[key] = None if rel is None else self._schedule(rel, sizes, devs)
+            holes = [zero_spans(plan, r) for r in ranks] if plan.pads else None
+            schedule = self.schedules[key] = None if rel is None else self._schedule(rel, sizes, devs, holes)
         if schedule is None:  # a compute step: read the tensor whole, run the steps, split
             from .steps import run_steps
 
@@ -168,6 +169,8 @@ class Transfer:
             dests = list(out)
         else:
             dests = [torch.empty(plan.shape, dtype=to_torch(plan.dtype), device=d) for d in devs]
+        for r, t in zip(ranks, dests, strict=True):
+            fill_padding(plan, r, t)
         self._start(plan.source.file, plan.source.offset, schedule, dests)
         return dests
 
@@ -238,6 +241,7 @@ class Transfer:
                 return None
         src = data[plan.source.offset : end].view(dtype).view(plan.source.shape)
         dest = torch.empty(plan.shape, dtype=dtype, device=device) if out is None else out
+        fill_padding(plan, rank, dest)
         file = plan.source.file
         if not direct and self.staging is None:
             self.staging = _Staging(STAGE_BYTES, max(2, self.threads + 1), pin=device.type == "cuda")
@@ -319,8 +323,13 @@ class Transfer:
             self._start(infos[keep[0]].file, 0, schedule, dests)
         return dests
 
-    def _schedule(self, runs: Runs, sizes: list[int], devices: Sequence[Any]) -> _Schedule:
-        """Split ``runs`` (sorted by file offset) between direct reads into CPU tensors and staged ones."""
+    def _schedule(
+        self, runs: Runs, sizes: list[int], devices: Sequence[Any], holes: Sequence[tuple[Any, Any]] | None = None
+    ) -> _Schedule:
+        """Split ``runs`` (sorted by file offset) between direct reads into CPU tensors and staged ones.
+
+        ``holes`` (per tensor: byte starts and lengths) are padding no run writes: staged uploads leave them out.
+        """
         import numpy as np
 
         direct_buf = np.array([d.type == "cpu" and not self.stage_cpu for d in devices], dtype=bool)
@@ -330,6 +339,8 @@ class Transfer:
             self._plan_direct(runs.take(direct) if not direct.all() else runs, schedule)
         if not direct.all():
             self._plan_staged(runs.take(~direct) if direct.any() else runs, sizes, schedule)
+            if holes is not None:
+                schedule.batches = [(part, _skip_holes(ups, holes)) for part, ups in schedule.batches]
         return schedule
 
     def _plan_direct(self, runs: Runs, schedule: _Schedule) -> None:
@@ -439,6 +450,35 @@ class Transfer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def fill_padding(plan: ParamPlan, rank: int, dest: torch.Tensor) -> None:
+    """Write zeros into the padding of ``rank``'s tensor (:meth:`ParamPlan.zeros`): no byte of it is read, and no
+    run writes it, so this runs before or beside the reads (on a GPU, on the default stream the uploads wait for)."""
+    for box in plan.zeros(rank):
+        dest[tuple(slice(a, b) for a, b in box)].zero_()
+
+
+def _skip_holes(
+    ups: list[tuple[int, int, int, int]], holes: Sequence[tuple[Any, Any]]
+) -> list[tuple[int, int, int, int]]:
+    """Staged uploads ``(buffer offset, tensor, start, stop)`` cut so none covers a hole (padding, zeros already
+    written into the tensor, that the staging buffer holds no bytes for)."""
+    import numpy as np
+
+    out = []
+    for at, b, lo, hi in ups:
+        starts, lengths = holes[b]  # sorted, disjoint
+        ends = starts + lengths
+        first, last = int(np.searchsorted(ends, lo, "right")), int(np.searchsorted(starts, hi, "left"))
+        cut = lo
+        for start, end in zip(starts[first:last].tolist(), ends[first:last].tolist(), strict=True):
+            if start > cut:
+                out.append((at + cut - lo, b, cut, start))
+            cut = max(cut, end)
+        if cut < hi:
+            out.append((at + cut - lo, b, cut, hi))
+    return out
 
 
 def _page_ranges(starts: Any, ends: Any) -> tuple[list[int], list[int]]:

@@ -288,6 +288,24 @@ def _follow(
                 progress(source_done, params[reported].name)
 
 
+def _padding_by_chunk(param: ParamPlan, ranks: list[int], chunk: int) -> dict[int, list[tuple[int, int, int]]]:
+    """The padding of each rank's tensor (byte spans that are zeros) cut by write chunk: chunk k -> (buffer,
+    start, stop) within the chunk."""
+    from ..planning.runs import zero_spans
+
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for j, rank in enumerate(ranks):
+        starts, lengths = zero_spans(param, rank)
+        for start, length in zip(starts.tolist(), lengths.tolist(), strict=True):
+            at, end = start, start + length
+            while at < end:
+                k = at // chunk
+                stop = min(end, (k + 1) * chunk)
+                out.setdefault(k, []).append((j, at - k * chunk, stop - k * chunk))
+                at = stop
+    return out
+
+
 def _write_group(
     params: list[ParamPlan],
     ranks: list[int],
@@ -309,7 +327,8 @@ def _write_group(
     bufs.append(torch.empty(READ_THROUGH_BYTES, dtype=torch.uint8))  # holes land here
     views = [buffer_view(t) for t in bufs]
     scratch = len(ranks)
-    schedules: dict[Any, list[tuple[int, Runs]] | None] = {}  # per structure, offsets relative to the tensor
+    # per structure, offsets relative to the tensor: (chunk k, its reads, its padding as (buffer, start, stop))
+    schedules: dict[Any, list[tuple[int, Runs | None, list[tuple[int, int, int]]]] | None] = {}
     for i, param in enumerate(params):
         if stop.is_set():
             return
@@ -319,7 +338,10 @@ def _write_group(
             schedules[key] = None
             if runs is not None:
                 rel = shifted(runs, -param.source.offset)
-                schedules[key] = [(k, fill_gaps(part, READ_THROUGH_BYTES, scratch)) for k, part in chunks(rel, chunk)]
+                parts = {k: fill_gaps(part, READ_THROUGH_BYTES, scratch) for k, part in chunks(rel, chunk)}
+                pads = _padding_by_chunk(param, ranks, chunk) if param.pads else {}
+                count = -(-param.rank_nbytes // chunk)
+                schedules[key] = [(k, parts.get(k), pads.get(k, [])) for k in range(count) if k in parts or k in pads]
         schedule = schedules[key]
         if schedule is None:  # a compute step: the whole tensor, computed once for all workers
             shards = shared.get(param, reader)
@@ -329,10 +351,13 @@ def _write_group(
             shared.done(param)
         else:
             offset = param.source.offset
-            for k, part in schedule:
+            for k, part, zeros in schedule:
                 if stop.is_set():
                     return
-                reader.read_runs(param.source.file, part.src + offset, part.length, part.buf, part.dst, bufs)
+                for j, lo, hi in zeros:  # padding: zeros, not read (the buffers hold the last chunk's bytes)
+                    bufs[j][lo:hi].zero_()
+                if part is not None:
+                    reader.read_runs(param.source.file, part.src + offset, part.length, part.buf, part.dst, bufs)
                 size = min(chunk, param.rank_nbytes - k * chunk)
                 for j, r in enumerate(ranks):
                     files[r].write(views[j][:size])

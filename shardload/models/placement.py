@@ -10,7 +10,7 @@ checkpoint). Pure data: no tensor is read here.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from ..errors import PlanError, StepArgumentError
@@ -49,7 +49,9 @@ class Placement:
     ``dim`` is the split dim of the (logical) tensor (None when replicated); ``segments`` are the
     sizes of the fused parts along ``dim`` in ``unit``s (empty: one part); ``kv`` flags the
     segments that hold KV heads, replicated when N exceeds their head count; ``rule`` says which
-    preset or tp_plan entry decided it ("" when none matched).
+    preset or tp_plan entry decided it ("" when none matched); ``pad_to``, for a vocabulary, pads the split dim
+    with zero rows where N does not divide it, up to a multiple of ``pad_to`` (64, or ``"num_shards"``), with
+    ``shard_funcs.pad_dim`` (None: no padding, so such an N fails).
     """
 
     name: str
@@ -59,6 +61,7 @@ class Placement:
     unit: int = 1
     kv: tuple[bool, ...] = ()
     rule: str = ""
+    pad_to: int | str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", tuple(self.segments))
@@ -71,6 +74,8 @@ class Placement:
             raise ValueError(f"{self.name}: kv flags {self.kv} do not match segments {self.segments}")
         if self.unit < 1 or any(s < 1 for s in self.segments):
             raise ValueError(f"{self.name}: unit and segments must be positive")
+        if self.pad_to is not None and (self.dim is None or self.segmented):
+            raise ValueError(f"{self.name}: only an unsegmented split pads (pad_to={self.pad_to!r})")
 
     @property
     def segmented(self) -> bool:
@@ -81,8 +86,9 @@ class Placement:
 def placement_from_steps(name: str, steps: Sequence[Any]) -> Placement:
     """Read a dense tensor's shard_info steps back into a :class:`Placement` (to carry them over).
 
-    Understood: no steps or ``replicate``; ``shard_dim``; ``reorder_segments`` + ``shard_dim`` on one
-    dim; ``shard_segments`` without a pack factor. Arguments must not depend on num_shards except N.
+    Understood: no steps or ``replicate``; ``shard_dim``, alone or after ``pad_dim`` on the same dim;
+    ``reorder_segments`` + ``shard_dim`` on one dim; ``shard_segments`` without a pack factor. Arguments
+    must not depend on num_shards except N.
     """
     calls = [(_step_name(s), _step_args(s)) for s in steps]
     names = [c[0] for c in calls]
@@ -91,6 +97,12 @@ def placement_from_steps(name: str, steps: Sequence[Any]) -> Placement:
             return Placement(name, "replicated")
         if names == ["shard_funcs.shard_dim"]:
             return _dim_placement(name, _int(calls[0][1][0]))
+        if names == ["shard_funcs.pad_dim", "shard_funcs.shard_dim"]:
+            dim, multiple = _int(calls[0][1][0]), calls[0][1][1]
+            if _int(calls[1][1][0]) != dim:
+                raise StepArgumentError("pad_dim and shard_dim work on different dims")
+            pad_to = "num_shards" if multiple == "num_shards" else _int(multiple)
+            return replace(_dim_placement(name, dim), pad_to=pad_to)
         if names == ["shard_funcs.reorder_segments", "shard_funcs.shard_dim"]:
             args = calls[0][1]
             dim = _int(args[0])
@@ -109,7 +121,7 @@ def placement_from_steps(name: str, steps: Sequence[Any]) -> Placement:
     except (StepArgumentError, IndexError, TypeError, ValueError) as err:
         raise PlanError(f"cannot carry steps {names} over to quantized tensors: {err}", param=name) from None
     raise PlanError(
-        f"cannot carry steps {names} over to quantized tensors: only replicate, shard_dim, "
+        f"cannot carry steps {names} over to quantized tensors: only replicate, shard_dim, pad_dim + shard_dim, "
         "reorder_segments + shard_dim and shard_segments are understood",
         param=name,
     )

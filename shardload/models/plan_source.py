@@ -1,22 +1,79 @@
-"""Which shard_info a model is planned with: the one given, the model's file, or a plan made from config.json."""
+"""Which shard_info a model is planned with: the one given, the model's file, or a plan made from config.json.
+
+Every entry point that plans a source checkpoint (``load``, ``load_rank``, ``convert``, ``plan_model``, the
+``inspect`` command, vLLM's loader) asks :func:`plan_shard_info`. A shard_info given by the caller wins, then a
+``shard_info.json`` beside the weights; without either, the model is planned in memory from its config.json
+(or a GGUF file's metadata) exactly as ``shardload plan`` would write it, and :func:`shard_info_for` logs one
+INFO line on the ``shardload.plan`` logger naming that source (the command line prints it as a note).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
+from ..errors import PlanError, ShardloadError
 from ..format.shard_info import ShardInfo
-from ..planning.plan import resolve_shard_info
-from ..sources.checkpoint import Checkpoint
+from ..planning.plan import ModelPlan, build_plan, resolve_shard_info
+from ..sources.checkpoint import CONFIG_NAME, Checkpoint
+
+if TYPE_CHECKING:
+    import os
+
+log = logging.getLogger("shardload.plan")
+"""Where a plan made on the fly is announced, at INFO: a server's logging configuration decides whether it shows."""
 
 
 def plan_shard_info(checkpoint: Checkpoint, shard_info: Any) -> tuple[ShardInfo, str]:
-    """The shard_info to plan ``checkpoint`` with, and a phrase naming where it came from."""
+    """The shard_info to plan ``checkpoint`` with, and a phrase naming where it came from.
+
+    Raises PlanError when none is given, none lies beside the weights and none can be planned from the config
+    (no config.json, or an architecture no plan source knows), saying how to proceed.
+    """
     default = checkpoint.default_shard_info()
     if shard_info is not None or default.exists() or default.is_symlink() or checkpoint.presharded is not None:
         info = resolve_shard_info(checkpoint, shard_info)
         return info, f"shard_info {info.source}"
+    config = checkpoint.files[0] if checkpoint.kind == "gguf" else checkpoint.root / CONFIG_NAME
+    if checkpoint.kind != "gguf" and not (config.exists() or config.is_symlink()):
+        resolve_shard_info(checkpoint, None)  # raises: no shard_info, and no config to plan one from
     from .presets import generate
 
-    generated = generate(checkpoint.path, check_up_to=0)  # the caller plans for its own N next
-    info = ShardInfo.from_dict(generated.document, source=f"<planned from {checkpoint.root / 'config.json'}>")
-    return info, f"no shard_info.json: planned in memory from config.json ({generated.style} style)"
+    try:
+        generated = generate(checkpoint.path, check_up_to=0)  # the caller plans for its own N next
+    except ShardloadError as err:  # the same kind of error, saying first that no file was found
+        raise type(err)(
+            f"no {default.name} beside the weights, and planning one from {config.name} failed: {err.message}",
+            file=checkpoint.name,
+        ) from None
+    info = ShardInfo.from_dict(generated.document, source=f"<planned from {config}>")
+    return info, f"no {default.name}: planned in memory from {config} ({generated.source})"
+
+
+def shard_info_for(checkpoint: Checkpoint, shard_info: Any) -> ShardInfo:
+    """:func:`plan_shard_info`'s shard_info; a plan made from the config is announced on :data:`log` at INFO."""
+    info, source = plan_shard_info(checkpoint, shard_info)
+    if info.source.startswith("<planned from "):
+        log.info("%s: %s", checkpoint.name, source)
+    return info
+
+
+def plan_model(
+    model: str | os.PathLike[str], num_shards: int, shard_info: ShardInfo | dict[str, Any] | str | Any | None = None
+) -> ModelPlan:
+    """Plan ``model`` for ``num_shards`` ranks without reading tensor data; raises the first problem.
+
+    Without ``shard_info`` and without a shard_info.json beside the weights, the model is planned from its
+    config.json (see :func:`plan_shard_info`).
+
+    Example::
+
+        p = shardload.plan_model("llama-dir", 8)
+        print(p.params["model.embed_tokens.weight"].shape)   # per-rank shape
+    """
+    from ..sources.checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(model)
+    if checkpoint.kind == "converted":
+        raise PlanError("this is a converted directory; plan the source checkpoint instead", file=checkpoint.name)
+    return build_plan(shard_info_for(checkpoint, shard_info), checkpoint, num_shards)

@@ -32,6 +32,7 @@ __all__ = [
     "generate",
     "hf_placements",
     "model_placements",
+    "pad_vocab",
     "plan_problems",
     "preset_placements",
     "resolved_style",
@@ -40,6 +41,11 @@ __all__ = [
 
 PLAN_STYLES = ("auto", "megatron", "hf")
 EXPERT_MODES = ("tp", "parallel")
+VOCAB_PADDING: dict[str, int | str | None] = {"vllm": 64, "plain": "num_shards", "none": None}
+"""How a vocabulary N does not divide is padded (``pad_to`` of its placements): ``vllm`` to a multiple of 64 as
+vLLM's ``pad_vocab_size`` does (the default: rank r then holds vLLM's rows), ``plain`` to a multiple of N (the
+least padding; every N), ``none`` not at all (such an N fails). An N that divides the vocabulary pads nothing."""
+DEFAULT_VOCAB_PADDING = "vllm"
 MAX_CHECKED_NUM_SHARDS = 64
 SCHEMA_URL = "https://shardload.dev/shard_info.schema.json"
 
@@ -281,7 +287,9 @@ def preset_placements(
     else:
         known = ", ".join(DECODER_TYPES + ENCODER_TYPES)
         raise PlanError(
-            f"model_type {model_type!r} has no built-in preset (known: {known}) and no base_model_tp_plan",
+            f"model_type {model_type!r}: no plan source knows this architecture (no base_model_tp_plan applies; "
+            f"built-in presets: {known}); write a shard_info.json for it beside the weights, or pass one with "
+            "--shard-info (shard_info= in Python)",
             file="config.json",
         )
     dims = ModelDims.from_config(config)
@@ -400,6 +408,49 @@ def _hf_style_placement(
     )
 
 
+# --- vocabulary padding ----------------------------------------------------------------------
+
+LM_HEADS = ("lm_head", "embed_out", "output", "lm_head.decoder", "cls.predictions.decoder", "cls.predictions")
+"""Modules that project onto the vocabulary (HF ``lm_head``, GPT-NeoX ``embed_out``, GGUF ``output``, BERT/RoBERTa
+masked-LM heads); their weight and bias split along the vocabulary like the embedding."""
+
+
+def _vocab_rows(name: str, placement: Placement, tensors: Mapping[str, TensorHeader]) -> int | None:
+    """The vocabulary size when ``placement`` splits a vocabulary (an embedding, or an LM head along its rows)."""
+    info = tensors.get(name)
+    if info is None or placement.dim is None or placement.segmented:
+        return None
+    shape = tuple(info.shape)
+    dim = placement.dim % len(shape) if shape else 0
+    if placement.style == "vocab" and dim == 0:
+        return shape[0]
+    module, _, param = name.rpartition(".")
+    top = module.split(".", 1)[-1] if module.startswith(("model.", "transformer.")) else module
+    head = (param in ("weight", "bias") and top in LM_HEADS) or name in ("cls.predictions.bias", "lm_head.bias")
+    if placement.style == "column" and head and dim == 0:
+        return shape[0]
+    return None
+
+
+def pad_vocab(
+    placements: Mapping[str, Placement], tensors: Mapping[str, TensorHeader], rule: str = DEFAULT_VOCAB_PADDING
+) -> tuple[dict[str, Placement], int | None]:
+    """``placements`` with every vocabulary split (embeddings, LM head weight and bias) padded by ``rule`` (a key of
+    :data:`VOCAB_PADDING`) where N does not divide it, and the vocabulary size (None: none is split)."""
+    if rule not in VOCAB_PADDING:
+        raise PlanError(f"vocab padding must be one of {', '.join(VOCAB_PADDING)}, got {rule!r}")
+    out = dict(placements)
+    vocab = None
+    for name, placement in placements.items():
+        rows = _vocab_rows(name, placement, tensors)
+        if rows is None:
+            continue
+        vocab = max(vocab or 0, rows)
+        if VOCAB_PADDING[rule] is not None:
+            out[name] = replace(placement, pad_to=VOCAB_PADDING[rule])
+    return out, vocab
+
+
 # --- placements -> steps -> document ----------------------------------------------------------
 
 
@@ -461,11 +512,18 @@ def resolved_style(config: Mapping[str, Any], style: str) -> str:
 
 
 def build_shard_info(
-    config: Mapping[str, Any], tensors: Mapping[str, TensorHeader], *, style: str = "auto", experts: str = "tp"
+    config: Mapping[str, Any],
+    tensors: Mapping[str, TensorHeader],
+    *,
+    style: str = "auto",
+    experts: str = "tp",
+    vocab_padding: str = DEFAULT_VOCAB_PADDING,
 ) -> dict[str, Any]:
     """The N-agnostic shard_info document for a model's config and stored tensors (pure; quantized too)."""
     qconfig = _quantization_config(config)
-    placements, _ = model_placements(config, logical_tensors(tensors, qconfig), style=style, experts=experts)
+    logical = logical_tensors(tensors, qconfig)
+    placements, _ = model_placements(config, logical, style=style, experts=experts)
+    placements, _ = pad_vocab(placements, logical, vocab_padding)
     return shard_info_document(placements, tensors, quantization_config=qconfig)
 
 
@@ -523,6 +581,8 @@ class GeneratedPlan:
     style: str
     notes: list[str] = field(default_factory=list)
     stored: int = 0
+    source: str = ""
+    """What the placements came from, e.g. ``the llama preset`` or ``base_model_tp_plan of config.json``."""
 
     @property
     def sharded(self) -> int:
@@ -552,12 +612,17 @@ def generate(
     experts: str = "tp",
     num_shards: Sequence[int] = (),
     check_up_to: int = MAX_CHECKED_NUM_SHARDS,
+    vocab_padding: str = DEFAULT_VOCAB_PADDING,
+    allow_single: bool = False,
 ) -> GeneratedPlan:
     """Generate the N-agnostic shard_info of a model; raise PlanError if any of ``num_shards`` cannot work.
 
     ``model`` is a Hugging Face model directory (config.json; dense or quantized) or a GGUF file or
     directory (config from its metadata). The result records every N in 1..``check_up_to`` it plans
     for (also in its description), checked against every stored tensor, quantized companions included.
+    A vocabulary that N does not divide is padded with zero rows by ``vocab_padding`` (a key of
+    :data:`VOCAB_PADDING`). A plan that works for N=1 alone (of ``check_up_to`` > 1 checked) raises PlanError
+    naming why N=2 fails, unless ``allow_single``.
     """
     from ..sources.checkpoint import open_checkpoint, read_config
     from ..sources.gguf import model_config
@@ -577,6 +642,7 @@ def generate(
         logical = logical_tensors(tensors, qconfig)
         chosen = resolved_style(config, style)
         placements, notes = model_placements(config, logical, style=chosen, experts=experts)
+        placements, vocab = pad_vocab(placements, logical, vocab_padding)
         document = shard_info_document(placements, tensors, quantization_config=qconfig)
     except PlanError as err:
         raise _relocated(err, config_path) from None
@@ -587,20 +653,34 @@ def generate(
         problems = plan_problems(document, tensors, [n])[n]
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise PlanError(f"num_shards={n}: {problems[0]}{more}", file=str(model))
+            raise PlanError(f"num_shards={n}: {problems[0]}{more}{_padding_hint(problems, vocab_padding)}",
+                            file=str(model))  # fmt: skip
     checked = plan_problems(document, tensors, range(1, check_up_to + 1))
     supported = [n for n, problems in checked.items() if not problems]
+    if check_up_to > 1 and supported in ([], [1]) and not allow_single:
+        n = 2 if supported else 1
+        first = (config_problems(config, placements, n) or checked[n])[0]
+        hint = _padding_hint(checked[n], vocab_padding)
+        raise PlanError(
+            f"the plan works for {'num_shards=1 only' if supported else 'no num_shards'} (num_shards={n}: {first})"
+            f"{hint}; pass --allow-single (allow_single=True) to write it anyway",
+            file=str(model),
+        )
     source = f"base_model_tp_plan of {config_path}" if chosen == "hf" else f"the {config.get('model_type')} preset"
     quantized = [f for n in logical if n.endswith(".weight") and (f := detect_format(n, tensors, qconfig)) != "dense"]
     if quantized:
         formats = ", ".join(sorted(set(quantized)))
         source += f", quantized weights: {formats}"
         notes.append(f"{len(quantized)} quantized weight(s) ({formats}): each stored tensor follows its weight's split")
+    padding = _padding_note(document, tensors, supported, vocab, vocab_padding)
+    if padding:
+        notes.append(padding)
     document = {
         **{k: v for k, v in document.items() if k != "params"},
         "description": (
             f"Generated by `shardload plan` from {source} (experts: {experts}). N-agnostic; plans for "
             f"num_shards {', '.join(map(str, supported))} (checked 1..{check_up_to})."
+            + (f" {padding}" if padding else "")
         ),
         "params": document["params"],
     }
@@ -609,7 +689,36 @@ def generate(
     unmatched = sum(1 for n in logical if placements[n].style == "replicated" and not placements[n].rule)
     if unmatched:
         notes.append(f"{unmatched} tensor(s) matched no rule and are replicated (norms, routers, buffers, ...)")
-    return GeneratedPlan(document, placements, supported, chosen, notes, len(tensors))
+    return GeneratedPlan(document, placements, supported, chosen, notes, len(tensors), source)
+
+
+def _padding_hint(problems: Sequence[str], rule: str) -> str:
+    """A pointer to ``--vocab-padding plain`` when a vocabulary split is among ``problems``."""
+    if rule == "plain" or not any("pad_dim" in p or "embed" in p or "lm_head" in p for p in problems):
+        return ""
+    return "; --vocab-padding plain pads a vocabulary to a multiple of N"
+
+
+def _padding_note(
+    document: Mapping[str, Any], tensors: Mapping[str, TensorHeader], supported: Sequence[int], vocab: int | None,
+    rule: str,
+) -> str:  # fmt: skip
+    """One sentence recording the padded vocabulary size for each N it is padded for ("" when none is)."""
+    padded = [name for name, steps in document["params"].items() if steps and steps[0][0] == "shard_funcs.pad_dim"]
+    if not padded or vocab is None:
+        return ""
+    multiple = VOCAB_PADDING[rule]
+
+    def size(n: int) -> int:  # shard_funcs.pad_dim's rule, for an N the plan was checked for
+        m = n if multiple == "num_shards" else int(multiple or 1)
+        return vocab if vocab % n == 0 else -(-vocab // m) * m
+
+    sizes = [(n, size(n)) for n in supported]
+    listed = ", ".join(f"{size} rows for N={n}" for n, size in sizes if size != vocab) or "no N listed pads"
+    return (
+        f"Vocabulary of {vocab} rows ({', '.join(padded)}) padded with zero rows where N does not divide it "
+        f"({rule} rule: {listed}); a server masks the logits of rows >= {vocab}."
+    )
 
 
 def _relocated(err: PlanError, config_path: str) -> PlanError:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 from pathlib import Path
 from typing import Any
@@ -184,6 +184,8 @@ def companion_steps(
         split_dim = _split_dim(placement, len(weight.logical))
     except StepArgumentError as err:
         raise PlanError(str(err), param=name) from None
+    if placement.pad_to is not None and not _paddable(weight, split_dim):
+        placement = replace(placement, pad_to=None)  # packed or grouped along the split: N must divide it
     out: dict[str, list[Step]] = {}
     for tensor, layout in weight.layouts.items():
         shape, dtype = stored[tensor]
@@ -231,6 +233,21 @@ def read_quantization_config(model: str | os.PathLike[str]) -> dict[str, Any] | 
         return quantization_config(path)
     qc = read_config(path if path.is_dir() else path.parent, missing_ok=True).get("quantization_config")
     return qc if isinstance(qc, dict) else None
+
+
+def _paddable(weight: _Weight, split_dim: int | None) -> bool:
+    """Whether every stored tensor of ``weight`` holds the split dim element for element (or not at all), so zero
+    padding along it pads each of them alike; packed, grouped, shape-vector and g_idx layouts along it do not."""
+    for layout in weight.layouts.values():
+        if layout == "scalar":
+            continue
+        if isinstance(layout, str):
+            if layout == "shape" or split_dim == len(weight.logical) - 1:
+                return False
+            continue
+        if any(axis.logical == split_dim and axis.kind != "plain" for axis in layout):
+            return False
+    return True
 
 
 def _split_dim(placement: Placement, ndim: int) -> int | None:
@@ -571,6 +588,11 @@ def _steps(
         return [_split_step("shard_funcs.shard_packed", shape, dtype, d, [axis.factor])]
     if axis.kind == "group":
         return [_split_step("shard_funcs.shard_groups", shape, dtype, d, [axis.factor], [axis.size])]
+    if placement.pad_to is not None:  # a vocabulary: zero rows where N does not divide it, then the split
+        return [
+            ["shard_funcs.pad_dim", [None, dtype], d, placement.pad_to, "num_shards"],
+            ["shard_funcs.shard_dim", [None, dtype], d, "num_shards"],
+        ]
     return [_split_step("shard_funcs.shard_dim", shape, dtype, d, [])]
 
 

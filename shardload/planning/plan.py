@@ -2,7 +2,8 @@
 
 For every stored tensor the plan holds the resolved steps with each intermediate shape and
 dtype, the per-rank shape, and, when every step is an index remap, the source boxes each
-rank reads (:meth:`ParamPlan.pieces`). Validation is building a plan and listing what could
+rank reads (:meth:`ParamPlan.pieces`) and the boxes of padding it fills with zeros without a
+read (:meth:`ParamPlan.zeros`). Validation is building a plan and listing what could
 not be planned.
 """
 
@@ -60,7 +61,7 @@ class ParamPlan:
     num_shards: int
     shape: Shape
     dtype: str
-    _pieces: dict[int, list[Piece]] = field(default_factory=dict, repr=False, compare=False)
+    _pieces: dict[int, tuple[list[Piece], list[Box]]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def replicated(self) -> bool:
@@ -95,27 +96,57 @@ class ParamPlan:
             return None
         if rank not in self._pieces:
             self._pieces[rank] = _trace_pieces(self, rank)
-        return self._pieces[rank]
+        return self._pieces[rank][0]
+
+    @property
+    def pads(self) -> bool:
+        """True when a step may leave padding (zeros no stored byte maps to) in the rank tensors."""
+        return any(s.func.pads for s in self.steps)
+
+    def zeros(self, rank: int) -> list[Box]:
+        """The boxes of ``rank``'s tensor that are padding: zeros, written without reading anything.
+
+        Empty unless a step pads (``register(..., pads=True)``), and for a plan with a compute step, whose
+        functions produce the zeros themselves.
+        """
+        if not self.pads or self.pieces(rank) is None:
+            return []
+        return self._pieces[rank][1]
 
 
 def _full(shape: Shape) -> Box:
     return tuple((0, n) for n in shape)
 
 
-def _trace_pieces(plan: ParamPlan, rank: int) -> list[Piece]:
-    """Walk the remap steps backwards from ``output[rank]`` to boxes of the stored tensor."""
+def _trace_pieces(plan: ParamPlan, rank: int) -> tuple[list[Piece], list[Box]]:
+    """Walk the remap steps backwards from ``output[rank]`` to boxes of the stored tensor.
+
+    Returns the pieces to copy and the boxes of the rank's tensor that no stored element maps to (padding a
+    ``pads`` step declares: zeros); a part left without a source stops there and is not traced further.
+    """
     if plan.replicated:
-        return [Piece(_full(plan.source.shape), _full(plan.shape))]
+        return [Piece(_full(plan.source.shape), _full(plan.shape))], []
     last = plan.steps[-1].out_shape
     current: list[tuple[Box, Box]] = [(((rank, rank + 1), *_full(last[1:])), _full(plan.shape))]
+    zeros: list[Box] = []
     for step in reversed(plan.steps):
         traced: list[tuple[Box, Box]] = []
         for out_box, dst in current:
             assert step.func.boxes is not None
             for in_box, part in step.func.boxes(out_box, step.in_shape, *step.args):
-                traced.append((tuple(in_box), _map_part(out_box, dst, tuple(part), plan, step)))
+                mapped = _map_part(out_box, dst, tuple(part), plan, step)
+                if in_box is None:
+                    if not step.func.pads:
+                        raise PlanError(
+                            "box rule returned a part with no source, but the step was not registered with pads=True",
+                            param=plan.name, step=step.index, func=step.name,
+                        )  # fmt: skip
+                    if all(b > a for a, b in mapped):
+                        zeros.append(mapped)
+                    continue
+                traced.append((tuple(in_box), mapped))
         current = traced
-    return [Piece(src, dst) for src, dst in current if all(b > a for a, b in src)]
+    return [Piece(src, dst) for src, dst in current if all(b > a for a, b in src)], zeros
 
 
 def _map_part(out_box: Box, dst: Box, part: Box, plan: ParamPlan, step: PlannedStep) -> Box:
@@ -362,21 +393,3 @@ def resolve_shard_info(checkpoint: Checkpoint, shard_info: ShardInfo | dict[str,
             file=checkpoint.name,
         )
     return ShardInfo.load(resolve_inside(checkpoint.root, default.name, default))
-
-
-def plan_model(
-    model: Any, num_shards: int, shard_info: ShardInfo | dict[str, Any] | str | Any | None = None
-) -> ModelPlan:
-    """Plan ``model`` for ``num_shards`` ranks without reading tensor data; raises the first problem.
-
-    Example::
-
-        p = shardload.plan_model("llama-dir", 8)
-        print(p.params["model.embed_tokens.weight"].shape)   # per-rank shape
-    """
-    from ..sources.checkpoint import open_checkpoint
-
-    checkpoint = open_checkpoint(model)
-    if checkpoint.kind == "converted":
-        raise PlanError("this is a converted directory; plan the source checkpoint instead", file=checkpoint.name)
-    return build_plan(resolve_shard_info(checkpoint, shard_info), checkpoint, num_shards)

@@ -3,7 +3,8 @@
 A registered step carries its callable and a *shape rule* (input shape/dtype + arguments ->
 output shape/dtype), so a plan can be checked without touching data. A step that also
 declares *source boxes* is an index remap: the planner can turn a chain of remaps into the
-byte regions each rank reads.
+byte regions each rank reads. A remap registered with ``pads=True`` may also leave output
+elements with no source (padding): they are zeros, written without reading anything.
 
 Built-in steps (the ``shard_funcs`` package) register with :func:`register` like any user step; the
 package root ``shardload/__init__.py`` imports ``shard_funcs`` once, so they are present whenever
@@ -29,11 +30,13 @@ Box = tuple[tuple[int, int], ...]
 ShapeRule = Callable[..., tuple[Shape, str]]
 """``rule(in_shape, in_dtype, *args) -> (out_shape, out_dtype)``; raises StepArgumentError."""
 
-BoxRule = Callable[..., list[tuple[Box, Box]]]
+BoxRule = Callable[..., list[tuple[Box | None, Box]]]
 """``boxes(out_box, in_shape, *args) -> [(in_box, out_part), ...]``.
 
 The parts tile ``out_box``; each ``in_box`` holds the same elements as its ``out_part`` in
 the same row-major order (the two shapes are equal once size-1 dimensions are dropped).
+A step registered with ``pads=True`` may give ``None`` for ``in_box``: that part has no
+source and is zeros.
 """
 
 ARG_KINDS = ("int", "ints", "str", "float", "bool", "any")
@@ -66,6 +69,9 @@ class StepFunction:
     out: bool = False
     """Destination-passing (TVM's convention): called as ``fn(x, *args, out)`` with ``out`` allocated from the
     declared output shape and dtype; it writes into ``out``."""
+    pads: bool = False
+    """The box rule may return parts with no source (``in_box`` None): output elements that are zeros
+    (padding). A rank's zeros are written in place, never read; the function itself must return zeros there."""
 
     @property
     def remap(self) -> bool:
@@ -164,9 +170,13 @@ def register(
     shape: ShapeRule | None = None,
     boxes: BoxRule | None = None,
     out: bool = False,
+    pads: bool = False,
     replace: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: register ``fn(x, *args)`` under ``name`` with its shape rule (and box rule for remaps).
+
+    With ``pads=True`` the box rule may map parts of the output to no input (``(None, out_part)``): those
+    elements are zeros, filled without a read (``shard_funcs.pad_dim``); the function must give zeros there too.
 
     With ``out=True`` the function is destination-passing, as TVM's step functions are: ``fn(x, *args, out)``
     writes into ``out``, allocated from the output shape and dtype the file declares (the declaration is the
@@ -182,12 +192,14 @@ def register(
         raise TypeError("a step function name must be a non-empty string")
     if shape is None and not out:
         raise TypeError(f"step function {name!r} needs a shape rule (or out=True: the file's declaration)")
+    if pads and boxes is None:
+        raise TypeError(f"step function {name!r}: pads=True declares zero parts of a box rule; give boxes=")
 
     def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
         if name in _REGISTRY and not replace and _REGISTRY[name].fn is not fn:
             raise ValueError(f"step function {name!r} is already registered (pass replace=True)")
         params, variadic = _arg_specs(fn, out)
-        _REGISTRY[name] = StepFunction(name, fn, shape, boxes, params, variadic, out)
+        _REGISTRY[name] = StepFunction(name, fn, shape, boxes, params, variadic, out, pads)
         return fn
 
     return decorator

@@ -3,9 +3,11 @@
 Run i copies ``length[i]`` bytes from file offset ``src[i]`` to byte ``dst[i]`` of buffer ``buf[i]``
 (buffer k holds the k-th requested rank's tensor). :func:`param_runs` builds them from a plan, checked
 against the stored tensor and the rank tensors (a faulty box rule cannot read or write out of bounds,
-nor leave a byte unwritten) and sorted by file offset; :func:`dedupe` turns runs whose bytes an
-earlier run already reads into memory copies, so each stored byte is read once; :func:`split`,
-:func:`jobs` and :func:`chunks` cut runs into thread-pool jobs and bounded staging chunks.
+nor leave a byte unwritten: a byte no run writes must be padding the plan declares, which
+:func:`zero_spans` lists for the executor to fill with zeros) and sorted by file offset;
+:func:`dedupe` turns runs whose bytes an earlier run already reads into memory copies, so each stored
+byte is read once; :func:`split`, :func:`jobs` and :func:`chunks` cut runs into thread-pool jobs and
+bounded staging chunks.
 """
 
 from __future__ import annotations
@@ -154,7 +156,7 @@ def run_count(plan: ParamPlan, ranks: Sequence[int]) -> int:
             _check_piece(plan, rank, piece.src, piece.dst)
             run = min(_contiguous_run(plan.source.shape, piece.src), _contiguous_run(plan.shape, piece.dst))
             total += prod(b - a for a, b in piece.src) // max(1, run)
-        if not _tiles([p.dst for p in pieces], plan.shape):
+        if not _tiles([p.dst for p in pieces] + plan.zeros(rank), plan.shape):
             raise PlanError(
                 f"box rule pieces do not cover rank {rank}'s {list(plan.shape)} tensor exactly once", param=plan.name
             )
@@ -227,9 +229,32 @@ def _src_order(runs: Runs) -> np.ndarray | slice:
     return order
 
 
+def zero_spans(plan: ParamPlan, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """Byte offsets and lengths, in ``rank``'s tensor, of its padding (:meth:`ParamPlan.zeros`), merged where
+    they touch: what the executor fills with zeros instead of reading. Empty for a plan that does not pad."""
+    starts, lengths = [], []
+    size = itemsize(plan.dtype)
+    for box in plan.zeros(rank):
+        dst, _, run = box_runs(plan.shape, box, plan.shape, box)
+        starts.append(dst * size)
+        lengths.append(np.full(len(dst), run * size, dtype=np.int64))
+    if not starts:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    start, length = np.concatenate(starts), np.concatenate(lengths)
+    order = np.argsort(start, kind="stable")
+    start, length = start[order], length[order]
+    joins = start[1:] == (start + length)[:-1]
+    heads = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return start[heads], np.add.reduceat(length, heads)
+
+
 def _check_coverage(plan: ParamPlan, rank: int, runs: Runs) -> None:
-    """The runs of one rank must write its tensor exactly once, byte for byte (no gap, no overlap)."""
+    """The runs of one rank and its padding must write its tensor exactly once, byte for byte (no gap, no
+    overlap)."""
     dst, length = runs.dst, runs.length
+    if plan.pads:
+        zero_dst, zero_length = zero_spans(plan, rank)
+        dst, length = np.concatenate((dst, zero_dst)), np.concatenate((length, zero_length))
     if len(dst) > 1 and not bool(np.all(dst[1:] > dst[:-1])):
         order = np.argsort(dst, kind="stable")
         dst, length = dst[order], length[order]
