@@ -29,7 +29,7 @@ from .transfer import fill_padding
 if TYPE_CHECKING:
     import torch
 
-    from ..planning.group_reads import Copies
+    from ..planning.group_reads import StridedCopies
     from ..planning.plan import ParamPlan
     from ..sources.reader import Reader
 
@@ -156,7 +156,7 @@ def load_shared(
     return result
 
 
-def _copy(src: torch.Tensor, copies: Copies, dests: Sequence[torch.Tensor]) -> None:
+def _copy(src: torch.Tensor, copies: StridedCopies, dests: Sequence[torch.Tensor]) -> None:
     """Apply strided copies from the byte tensor ``src`` into the byte tensors ``dests``."""
     import torch
 

@@ -321,7 +321,7 @@ def whole_tensors(infos: Iterable[TensorInfo]) -> list[ParamPlan]:
 
 
 @dataclass(frozen=True)
-class Copies:
+class StridedCopies:
     """Strided copies that apply many runs at once: copy ``k`` moves ``count[k]`` rows of ``length[k]`` bytes from
     byte ``src[k] + i * src_step[k]`` to byte ``dst[k] + i * dst_step[k]`` of buffer ``buf[k]``."""
 
@@ -337,7 +337,7 @@ class Copies:
         return len(self.src)
 
 
-def strided(runs: Runs) -> Copies:
+def strided(runs: Runs) -> StridedCopies:
     """Group consecutive runs of one buffer and one length whose source and destination advance by fixed steps
     (the rows of a column slice) into one strided copy each; any other run is a copy of its own."""
     n = len(runs)
@@ -374,4 +374,4 @@ def strided(runs: Runs) -> Copies:
     nxt = np.minimum(f + 1, max(n - 1, 0))
     src_step = np.where(c > 1, runs.src[nxt] - runs.src[f], 0) if n else f
     dst_step = np.where(c > 1, runs.dst[nxt] - runs.dst[f], 0) if n else f
-    return Copies(runs.src[f], src_step, runs.dst[f], dst_step, runs.buf[f], runs.length[f], c)
+    return StridedCopies(runs.src[f], src_step, runs.dst[f], dst_step, runs.buf[f], runs.length[f], c)
