@@ -4,7 +4,8 @@ tests/test_shared_reads.py; not a test itself).
     python -m torch.distributed.run --standalone --nproc_per_node 4 shared_reads_worker.py CASES_JSON
 
 CASES_JSON is a list of ``{"model": DIR, "mesh": "dp=2,tp=2" | null, "chunk": BYTES | null}``, optionally with
-``"groups": [[0, 2], [1, 3]]`` (share within these subgroups instead of the whole world). For each case
+``"groups": [[0, 2], [1, 3]]`` (share within these subgroups instead of the whole world); a mesh
+``"device:dp=2,tp=2"`` is passed as a torch ``DeviceMesh`` with those named axes. For each case
 the rank loads its shard plainly and with shared reads, each inside ``count_reads``, compares the two element
 for element, and rank 0 prints one ``RESULT {json}`` line: bytes read by the whole group both ways and the
 tensor bytes of the checkpoint.
@@ -95,6 +96,11 @@ def main() -> None:
         # chunks of about case["chunk"] bytes: many rounds even on a tiny model (else the default buffer size)
         exchange.EXCHANGE_BYTES = case["chunk"] * (2 * dist.get_world_size() + 2) if case.get("chunk") else default
         model, mesh = case["model"], case.get("mesh")
+        if isinstance(mesh, str) and mesh.startswith("device:"):  # a torch DeviceMesh with named axes
+            from torch.distributed.device_mesh import init_device_mesh
+
+            sizes = dict(part.split("=") for part in mesh[len("device:") :].split(","))
+            mesh = init_device_mesh("cpu", tuple(int(v) for v in sizes.values()), mesh_dim_names=tuple(sizes))
         share: Any = True
         for members in case.get("groups") or []:  # subgroups: every rank creates every group, joins its own
             group = dist.new_group(members)
@@ -125,7 +131,7 @@ def main() -> None:
                 stored = sum(t.nbytes for f in files for t in read_header(checkpoint.root / f).values())
             else:
                 stored = sum(t.nbytes for t in checkpoint.tensors.values())
-            report = {"mesh": mesh, "plain": int(counts[0]), "shared": int(counts[1]), "stored": stored,
+            report = {"mesh": case.get("mesh"), "plain": int(counts[0]), "shared": int(counts[1]), "stored": stored,
                       "seconds": seconds, "rounds": rounds[-1][1]}  # fmt: skip
             print("RESULT " + json.dumps(report), flush=True)
     dist.barrier()

@@ -261,7 +261,8 @@ def _port() -> int:
 def test_torchrun_groups_read_each_byte_once(
     example_multi_dir: Path, qwen_dir: Path, compute_dir: Path, tmp_path: Path
 ) -> None:
-    """4 processes on gloo: dp=2 x tp=2 (a two-file checkpoint, 4 KiB chunks: hundreds of rounds), pp=2 x tp=2 and
+    """4 processes on gloo: dp=2 x tp=2 (a two-file checkpoint, 4 KiB chunks: hundreds of rounds), pp=2 x tp=2 (as a
+    torch DeviceMesh) and
     a plain tp=4 group (one KV head replicated on every rank), compute steps, and the dp replicas of a converted
     directory. Each rank compares with plain load_rank element for element (in the worker); the group reads each
     stored byte once, where plain loads read more."""
@@ -269,7 +270,7 @@ def test_torchrun_groups_read_each_byte_once(
     shardload.convert(example_multi_dir, 2, converted)
     cases = [
         {"model": str(example_multi_dir), "mesh": "dp=2,tp=2", "chunk": 4096},
-        {"model": str(qwen_dir), "mesh": "pp=2,tp=2", "chunk": 3000},
+        {"model": str(qwen_dir), "mesh": "device:pp=2,tp=2", "chunk": 3000},
         {"model": str(qwen_dir), "mesh": None, "chunk": None},
         {"model": str(compute_dir), "mesh": "dp=2,tp=2", "chunk": None},
         {"model": str(converted), "mesh": "dp=2,tp=2", "chunk": 8192},
