@@ -78,7 +78,7 @@ def main() -> None:
         if die:
             who, after = (int(x) for x in die.split(":"))
             if who == rank:
-                load.open_reader = lambda checkpoint=None: DyingReader(after, "SHARDLOAD_TEST_HANG" in os.environ)  # type: ignore[assignment]
+                load.reader_for = lambda path=None: DyingReader(after, "SHARDLOAD_TEST_HANG" in os.environ)  # type: ignore[assignment]
         case = cases[0]
         exchange.EXCHANGE_BYTES = case["chunk"] * (2 * dist.get_world_size() + 2)
         model = case.get("model_of_rank", {}).get(str(rank), case["model"])

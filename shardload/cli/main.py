@@ -23,6 +23,22 @@ from ..engine.quantize import SCHEMES as QUANT_SCHEMES
 from ..errors import ShardloadError, printable
 from ..version import __version__
 
+
+class ModelArgument(click.ParamType):
+    """A MODEL argument: a local path (a Path, as before), or kept as typed when it is an object-store URI
+    (``s3://bucket/prefix``) or a Hugging Face Hub id (``org/name[@revision]``) that names no local path."""
+
+    name = "model"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from ..sources.location import model_kind
+
+        if isinstance(value, Path) or model_kind(value) == "local":
+            return Path(value)
+        return value
+
+
+MODEL = ModelArgument()
 DEFAULT_CHECK_NS = (1, 2, 4, 8)
 INSPECT_N = 8
 MAX_LISTED_N = 16
@@ -184,7 +200,7 @@ def example(out_dir: Path, overwrite: bool, multi_file: bool) -> None:
 
 @main.command()
 @_plugin_option
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model", type=MODEL)
 @click.option("-n", "--num-shards", type=click.IntRange(min=1), help="Tensor-parallel size N (or give --mesh).")
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Output directory.")
 @click.option("--shard-info", type=click.Path(path_type=Path), help="shard_info.json (default MODEL/shard_info.json).")
@@ -313,16 +329,20 @@ def _convert_vllm(
 
 @main.command()
 @_plugin_option
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model", type=MODEL)
 @click.option(
-    "-o", "--out", type=click.Path(path_type=Path), help="Output file (default MODEL/shard_info.json; - for stdout)."
+    "-o",
+    "--out",
+    type=click.Path(path_type=Path),
+    help="Output file (default MODEL/shard_info.json, or stdout for a Hub id or an s3:// model; - for stdout).",
 )
 @click.option(
     "--style",
     type=click.Choice(["auto", "megatron", "hf"]),
     default="auto",
     show_default=True,
-    help="hf: config's base_model_tp_plan; megatron: built-in preset; auto: the tp_plan when there is one.",
+    help="hf: transformers' TP plan (config.json's, else the installed transformers', else shardload's table); "
+    "megatron: built-in preset; auto: config.json's plan, else the preset, else transformers' plan.",
 )
 @click.option(
     "--experts",
@@ -368,9 +388,17 @@ def plan(
 ) -> None:
     """Write an N-agnostic shard_info.json for MODEL (dense, quantized or GGUF) from its config and tensor names."""
     from ..models.presets import generate
+    from ..sources.location import hub_cache_dir, model_kind
 
-    root = model if model.is_dir() else model.parent
-    target = out if out is not None else root / "shard_info.json"
+    kind = model_kind(model)
+    if kind != "local":  # never written into the Hub cache or a bucket: to -o, else to stdout
+        target = out if out is not None else Path("-")
+        cache = hub_cache_dir() if kind == "hub" else None
+        if cache is not None and str(target) != "-" and target.resolve().is_relative_to(cache.resolve()):
+            raise ShardloadError("lies inside the Hugging Face cache; write the plan elsewhere", file=str(target))
+    else:
+        root = model if model.is_dir() else model.parent
+        target = out if out is not None else root / "shard_info.json"
     to_stdout = str(target) == "-"
     if not to_stdout and target.exists() and not overwrite:
         raise ShardloadError("exists (pass --overwrite to replace it)", file=str(target))
@@ -403,7 +431,7 @@ def plan(
 @main.command()
 @_plugin_option
 @click.argument("shard_info_path", metavar="SHARD_INFO", type=click.Path(path_type=Path))
-@click.option("--model", type=click.Path(path_type=Path), help="Check against this checkpoint's tensors.")
+@click.option("--model", type=MODEL, help="Check against this checkpoint's tensors.")
 @click.option("-n", "--num-shards", "num_shards", type=click.IntRange(min=1), multiple=True,
               help="N to check (repeatable). Default: the file's N, or 1, 2, 4, 8 for an N-agnostic file.")  # fmt: skip
 @click.option("--list-valid-n", is_flag=True,
@@ -470,7 +498,7 @@ def validate(
 
 @main.command()
 @_plugin_option
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model", type=MODEL)
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Output directory.")
 @click.option("--scheme", type=click.Choice(list(QUANT_SCHEMES)), default="int4-g128", show_default=True,
               help="int4-gG: 4-bit, a scale per G inputs; int8 and fp8: a scale per output channel.")  # fmt: skip
@@ -509,7 +537,7 @@ def quantize(model: Path, out_dir: Path, scheme: str, shard_info: Path | None, o
 
 @main.command()
 @_plugin_option
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model", type=MODEL)
 @click.option(
     "-n", "--num-shards", type=click.IntRange(min=1),
     help=f"N (default: the file's N, else {INSPECT_N} when it plans, else the largest N below that does).",
@@ -583,7 +611,7 @@ def _inspect_n(info: Any, checkpoint: Any) -> int:
 @main.command()
 @click.argument("out_dir", metavar="OUT", type=click.Path(path_type=Path))
 @click.option(
-    "--source", "source", type=click.Path(path_type=Path), metavar="MODEL",
+    "--source", "source", type=MODEL, metavar="MODEL",
     help="Also compare every rank with the same rank loaded from MODEL (the checkpoint OUT was made from).",
 )  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report (exit code as without).")

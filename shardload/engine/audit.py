@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from ..errors import CheckpointError, ShardloadError
 from ..planning.mesh import Mesh
@@ -40,7 +41,7 @@ def verify_dir(path: str | os.PathLike[str], source: str | os.PathLike[str] | No
     manifest = checkpoint.manifest
     report = _check_files(VerifyReport(checkpoint.root, manifest["num_shards"]), checkpoint.root, manifest)
     if source is not None and report.ok:
-        report.problems += _against_source(checkpoint.root, Path(source), manifest)
+        report.problems += _against_source(checkpoint.root, source, manifest)
     return report
 
 
@@ -79,7 +80,7 @@ def _check_files(report: VerifyReport, root: Path, manifest: dict) -> VerifyRepo
     return report
 
 
-def _against_source(out: Path, source: Path, manifest: dict) -> list[CheckpointError]:
+def _against_source(out: Path, source: Any, manifest: dict) -> list[CheckpointError]:
     """Every rank of ``out`` against the same rank loaded from ``source``: names, dtypes, shapes and bytes."""
     import torch
 

@@ -17,6 +17,8 @@ from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh, MeshCoord, as_mesh, stage_plans
 from ..planning.plan import ModelPlan, ParamPlan, build_plan
 from ..sources.checkpoint import open_checkpoint, read_header
+from ..sources.object_reader import reader_for
+from ..sources.objects import ObjectPath
 from ..sources.reader import Reader
 from .devices import resolve_device
 from .transfer import Transfer
@@ -26,11 +28,6 @@ if TYPE_CHECKING:
     import torch
 
     from ..sources.checkpoint import Checkpoint
-
-
-def open_reader(checkpoint: Checkpoint | None = None) -> Reader:
-    """The reader of a checkpoint's bytes: the one place where the byte source is chosen (local files today)."""
-    return Reader()
 
 
 def materialize(plan: ParamPlan, files: Reader, ranks: Sequence[int]) -> list[torch.Tensor]:
@@ -43,7 +40,7 @@ def materialize(plan: ParamPlan, files: Reader, ranks: Sequence[int]) -> list[to
 
 def iter_shards(plan: ModelPlan, ranks: Sequence[int]) -> Iterator[tuple[ParamPlan, list[torch.Tensor]]]:
     """Stream ``(param plan, shards for ranks)`` one parameter at a time, in checkpoint order, on the CPU."""
-    with open_reader(plan.checkpoint) as reader, Transfer(reader) as transfer:
+    with reader_for(_first_file(plan)) as reader, Transfer(reader) as transfer:
         for param in plan.params.values():
             shards = transfer.param(param, ranks)
             transfer.wait()
@@ -151,7 +148,7 @@ def run_plan(
 
     one_rank = len(ranks) == 1 and torch.device(devices[0]).type in ("cpu", "cuda")
     with (
-        open_reader(plan.checkpoint) as reader,
+        reader_for(_first_file(plan)) as reader,
         Transfer(reader, staged=staged, defer=True, mapped=mmap, copy_out=one_rank, progress=progress) as transfer,
     ):
         for param in plan.params.values():
@@ -159,6 +156,11 @@ def run_plan(
                 result[k][param.name] = t
         transfer.wait()
     return result
+
+
+def _first_file(plan: ModelPlan) -> Any:
+    """A file the plan reads (its reader follows: an object store's or the local one)."""
+    return next((p.source.file for p in plan.params.values()), None)
 
 
 def layout_for(num_shards: int | None, mesh: Any, world_size: int | None) -> Mesh:
@@ -279,6 +281,12 @@ def load_rank(
             "rank (load it without share_reads)",
             file=str(model),
         )
+    if mmap and isinstance(checkpoint.path, ObjectPath):
+        raise ShardloadError(
+            "mmap=True maps local files; this model is in object storage (load without mmap, or convert it to a "
+            "local directory first)",
+            file=str(model),
+        )
     if mmap and _device_type(device) != "cpu":
         raise ShardloadError(
             f"mmap=True maps files into host memory; it needs device='cpu', not {device!r}", file=str(model)
@@ -302,7 +310,7 @@ def load_rank(
             return list(stages[key[0]].params.values()), key[1]
 
         digest = plan_digest(plan, stages) + str(layout).encode()
-        with open_reader(checkpoint) as reader:
+        with reader_for(_first_file(plan)) as reader:
             return load_shared(slot_params, digest, (coord.pp, coord.tp), device, reader, group, call, str(model))
     return run_plan(stages[coord.pp], [coord.tp], [device], mmap=mmap, progress=call)[0]
 
@@ -332,7 +340,7 @@ def _load_converted_shared(
 
     manifest = json.dumps(checkpoint.manifest, sort_keys=True, default=str).encode()
     digest = hashlib.sha256(manifest + str(layout).encode()).digest()
-    with open_reader(checkpoint) as reader:
+    with reader_for(checkpoint.path) as reader:
         return load_shared(slot_params, digest, own, device, reader, group, progress, str(checkpoint.path))
 
 
@@ -386,7 +394,7 @@ def _load_converted_rank(
 ) -> dict[str, torch.Tensor]:
     path = rank_file(checkpoint, coord.tp, layout, stage=coord.pp, checksum=verify)
     infos = list(read_header(path).values())
-    with open_reader(checkpoint) as reader, Transfer(reader, mapped=mmap) as transfer:
+    with reader_for(path) as reader, Transfer(reader, mapped=mmap) as transfer:
         tensors = transfer.tensors(infos, device)
         transfer.wait()
     return {info.name: t for info, t in zip(infos, tensors, strict=True)}

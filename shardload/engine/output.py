@@ -28,6 +28,7 @@ from ..errors import CheckpointError, ShardloadError
 from ..format.smallfile import read_small
 from ..sources.checkpoint import MANIFEST_NAME, SHARD_INFO_NAME, TMP_MARKER
 from ..sources.companions import companion_files
+from ..sources.objects import ObjectPath
 from .writer import OutFile, OutputFile, fsync_dir, fsync_tree
 
 MARKER = ".shardload-output"
@@ -46,6 +47,8 @@ def _real(path: Path) -> Path:
 
 def source_paths(root: Path, files: Iterable[Path]) -> list[Path]:
     """A source's directory and files, plus where each file's symlink really points (HF cache blobs)."""
+    if isinstance(root, ObjectPath):
+        return []  # in object storage: no local file to protect
     files = list(files)
     return [root, *files, *(_real(f) for f in files)]
 
@@ -67,6 +70,13 @@ def check_output(out: Path, sources: Iterable[Path], *, overwrite: bool) -> bool
     for src, real in found:
         if target.is_relative_to(real) and real.is_dir():
             raise ShardloadError(f"lies inside the source directory {src}; write the output elsewhere", file=str(out))
+    for _src, real in found:  # a Hugging Face cache entry (blobs/, snapshots/, refs/) belongs to the source whole
+        if real.parent.name == "blobs" and (real.parent.parent / "snapshots").is_dir():
+            if target.is_relative_to(real.parent.parent):
+                raise ShardloadError(
+                    f"lies inside the Hugging Face cache entry {real.parent.parent}; write the output elsewhere",
+                    file=str(out),
+                )
     exists = out.exists() or out.is_symlink()
     if not exists:
         return False
@@ -105,7 +115,10 @@ def copy_companions(root: Path, dst: Path, skip: set[str], durable: bool) -> lis
     opened without following a FIFO or a device and read to its size at opening."""
     copied = []
     for source in companion_files(root, skip):
-        data = read_small(source, MAX_COMPANION_BYTES, "companion file", CheckpointError)
+        if isinstance(source, ObjectPath):
+            data = source.read_small(MAX_COMPANION_BYTES, "companion file")
+        else:
+            data = read_small(source, MAX_COMPANION_BYTES, "companion file", CheckpointError)
         out = OutFile(dst / source.name, durable=durable)
         try:
             out.write(data)
@@ -122,6 +135,9 @@ def stamp_sources(files: Iterable[Path]) -> list[Stamp]:
     """Device, inode, size and modification time of each source file, to tell later whether it changed."""
     stamps = []
     for f in files:
+        if isinstance(f, ObjectPath):
+            stamps.append((f, f.store.stamp(f.key)))
+            continue
         st = os.stat(f)
         stamps.append((f, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)))
     return stamps
@@ -131,9 +147,12 @@ def check_sources_unchanged(stamps: list[Stamp]) -> None:
     """Refuse to publish an output whose source files were replaced, rewritten or resized while it was written."""
     for path, before in stamps:
         try:
-            st = os.stat(path)
-            now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        except OSError:
+            if isinstance(path, ObjectPath):
+                now = path.store.stamp(path.key)
+            else:
+                st = os.stat(path)
+                now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        except (OSError, CheckpointError):
             now = None
         if now != before:
             raise CheckpointError(

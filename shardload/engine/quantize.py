@@ -23,6 +23,7 @@ from ..format.shard_info import ShardInfo
 from ..models.placement import Header
 from ..models.quant_plan import quantized_shard_info
 from ..sources.checkpoint import SHARD_INFO_NAME, as_path, open_checkpoint, read_config
+from ..sources.objects import ObjectPath
 from ..sources.reader import Reader
 from .output import (
     Staging,
@@ -108,6 +109,12 @@ def quantize(
     spec = SCHEMES[scheme]
     out = as_path(out_dir, "out_dir")
     checkpoint = open_checkpoint(model)
+    if isinstance(checkpoint.path, ObjectPath):
+        raise ShardloadError(
+            "quantize reads a local checkpoint; this one is in object storage: convert it (or copy it) to a local "
+            "directory first",
+            file=str(model),
+        )
     if checkpoint.kind != "safetensors":
         raise ShardloadError(f"quantize reads a safetensors model, this is a {checkpoint.kind} one", file=str(model))
     stamps = stamp_sources(checkpoint.files)

@@ -93,11 +93,12 @@ class Transfer:
     ) -> None:
         self.reader = reader
         self.progress = progress
-        self.mappings = Mappings() if mapped else None
-        self.filemaps = FileMaps() if copy_out else None
+        can_map = getattr(reader, "can_map", True)  # an object-store reader has no file to map
+        self.mappings = Mappings() if mapped and can_map else None
+        self.filemaps = FileMaps() if copy_out and can_map else None
         self.spans: dict[Any, tuple[Any, Any, float] | None] = {}
         self.whole: dict[Any, int | None] = {}
-        self.threads = READ_THREADS if threads is None else threads
+        self.threads = (getattr(reader, "threads", None) or READ_THREADS) if threads is None else threads
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardload-read") if self.threads else None
         self.stage_cpu = staged
         self.futures: list[Future[None]] = []

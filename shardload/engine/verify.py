@@ -22,6 +22,7 @@ from ..sources.checkpoint import (
     read_header_and_metadata,
     resolve_inside,
 )
+from ..sources.objects import ObjectPath
 
 if TYPE_CHECKING:
     from ..planning.mesh import Mesh
@@ -32,6 +33,11 @@ __all__ = ["VerifyReport", "check_entry", "rank_file", "sha256_file"]
 def sha256_file(path: str | os.PathLike[str]) -> str:
     """Hex sha256 of a file, read in 8 MiB blocks."""
     h = hashlib.sha256()
+    if isinstance(path, ObjectPath):  # in object storage: streamed in ranged reads
+        size = path.size() or 0
+        for start in range(0, size, 8 << 20):
+            h.update(path.store.read(path.key, start, min(size, start + (8 << 20))))
+        return h.hexdigest()
     with open(path, "rb") as fh:
         while block := fh.read(8 << 20):
             h.update(block)
@@ -60,7 +66,7 @@ def check_entry(root: Path, entry: dict[str, Any], checksum: bool) -> tuple[Path
     full = root / name
     try:
         full = resolve_inside(root, name, root / MANIFEST_NAME)
-        size = full.stat().st_size
+        size = full.size() if isinstance(full, ObjectPath) else full.stat().st_size
     except (CheckpointError, OSError):
         if not full.exists() and not full.is_symlink():
             return full, CheckpointError("is missing (listed in the manifest)", file=str(full))

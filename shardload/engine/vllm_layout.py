@@ -33,7 +33,7 @@ from ..sources.checkpoint import (
     read_config,
 )
 from ..sources.dtypes import DTYPES, itemsize
-from ..sources.reader import Reader
+from ..sources.object_reader import reader_for
 from ..version import __version__
 from .load import iter_shards, materialize
 from .output import (
@@ -218,7 +218,7 @@ def rank_tensors(layout: VllmLayout, num_shards: int) -> Iterator[tuple[VllmTens
     """Each output tensor of ``layout`` for every rank, in file order, one parameter's worth in memory at a time."""
     import torch
 
-    with Reader() as reader:
+    with reader_for(next((p.source.file for p in layout.plan.params.values()), None)) as reader:
         for t in layout.tensors:
             if not t.vocab:
                 break

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from ..errors import PlanError
 from ..sources.checkpoint import MAX_HEADER_BYTES
 from ..sources.dtypes import DTYPES, itemsize, to_torch
+from ..sources.object_reader import reader_for
 from ..sources.reader import Reader, buffer_view, libc_function
 
 if TYPE_CHECKING:
@@ -235,7 +236,7 @@ def write_rank_files(
             files.append(OutFile(path, durable=durable))
         for r, f in enumerate(files):
             f.write(rank_header(plan, r, stage, stages))
-        with Reader() as reader:
+        with reader_for(next((p.source.file for p in params), None)) as reader:
             shared = _Shared(workers)
 
             def work(w: int) -> None:

@@ -1,8 +1,9 @@
 """Model plans: decide, from config.json and tensor names, how each weight is tensor-parallel.
 
 Decisions come from built-in architecture presets (Llama, Mistral, Qwen2/3, Phi-3, Mixtral,
-Qwen-MoE and BERT families, by Hugging Face or GGUF tensor names) or from HF transformers'
-``base_model_tp_plan`` when config.json has one. Each decision is a
+Qwen-MoE and BERT families, by Hugging Face or GGUF tensor names) or from HF transformers' own
+TP plans (:mod:`shardload.models.hf_plans`: config.json's ``base_model_tp_plan``, the installed
+transformers', or the table shipped with shardload). Each decision is a
 :class:`~shardload.models.placement.Placement` (tensor, parallel style, dim, fused segments in units,
 KV flags) made on the model's *logical* tensors: a quantized module is seen as its logical
 weight (:func:`shardload.models.quant_plan.logical_tensors`). :func:`model_placements` makes them and
@@ -20,9 +21,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, PlanError
+from ..errors import PlanError
 from .placement import Placement, TensorHeader
 from .quant_plan import companion_steps, detect_format, logical_tensors
+from .splits import ModelDims, _attention_placement, _packed, _replicated, _shape_error
 
 __all__ = [
     "GeneratedPlan",
@@ -48,39 +50,6 @@ least padding; every N), ``none`` not at all (such an N fails). An N that divide
 DEFAULT_VOCAB_PADDING = "vllm"
 MAX_CHECKED_NUM_SHARDS = 64
 SCHEMA_URL = "https://shardload.dev/shard_info.schema.json"
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """The sizes a plan needs from config.json: attention heads and, for MoE models, experts."""
-
-    hidden_size: int | None
-    num_heads: int | None
-    num_kv_heads: int | None
-    head_dim: int | None
-    num_experts: int | None
-    intermediate_size: int | None
-    expert_intermediate_size: int | None
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> ModelDims:
-        """Read head and expert counts (absent keys give None; GQA defaults to one KV head per head)."""
-        hidden = _int_key(config, "hidden_size")
-        heads = _int_key(config, "num_attention_heads")
-        kv = _int_key(config, "num_key_value_heads") or heads
-        head_dim = _int_key(config, "head_dim") or (hidden // heads if hidden and heads else None)
-        experts = _int_key(config, "num_local_experts") or _int_key(config, "num_experts")
-        inter = _int_key(config, "intermediate_size")
-        return cls(hidden, heads, kv, head_dim, experts, inter, _int_key(config, "moe_intermediate_size") or inter)
-
-
-def _int_key(config: Mapping[str, Any], key: str) -> int | None:
-    value = config.get(key)
-    if value is None:
-        return None
-    if type(value) is not int or value < 1:
-        raise CheckpointError(f"{key} must be a positive integer, got {value!r}", file="config.json")
-    return value
 
 
 # --- built-in presets ----------------------------------------------------------------------
@@ -148,8 +117,6 @@ GGUF_ROLES: dict[str, str] = {
     "ffn_down_exps": "stacked_row",
 }
 GGUF_OVERRIDES: dict[str, dict[str, str]] = {"phi3": {"ffn_up": "gate_up"}}  # Phi-3 stores gate and up fused
-ATTENTION_ROLES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "qkv_proj": "qkv", "o_proj": "o",
-                   "query": "q", "key": "k", "value": "v"}  # fmt: skip
 
 
 def _star(path: str) -> str:
@@ -184,10 +151,6 @@ def _targets(tensors: Mapping[str, TensorHeader], patterns: Iterable[str]) -> It
         pattern = _match(module, patterns) if module and param in ("weight", "bias") else None
         if pattern is not None:
             yield name, pattern, param
-
-
-def _shape_error(name: str, reason: str) -> PlanError:
-    return PlanError(reason, file="config.json", param=name)
 
 
 def _role_placement(
@@ -232,47 +195,6 @@ def _role_placement(
     return Placement(name, "replicated", rule=rule) if bias else Placement(name, "row", 2, rule=rule)
 
 
-def _packed(name: str, dim: int, shape: tuple[int, ...] | None, half: int | None, rule: str) -> Placement:
-    """Column-parallel over two equal fused halves (gate and up) along ``dim``.
-
-    The half size comes from the stored shape, or from config (``half``) for a logical weight.
-    """
-    if shape is not None:
-        if shape[dim] % 2:
-            raise _shape_error(name, f"fused gate_up dim {dim} of size {shape[dim]} is not two equal halves")
-        half = shape[dim] // 2
-    if half is None:
-        raise _shape_error(name, "the fused gate_up size is unknown: it is not stored and config.json has no size")
-    return Placement(name, "column", dim, (half, half), rule=rule)
-
-
-def _attention_placement(
-    role: str, name: str, bias: bool, shape: tuple[int, ...] | None, dims: ModelDims, rule: str
-) -> Placement:
-    """Split by whole heads; KV heads are flagged so they replicate when N exceeds their count."""
-    heads, kv_heads, head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
-    if heads is None or kv_heads is None or head_dim is None:
-        raise _shape_error(name, "config.json needs num_attention_heads (and hidden_size or head_dim) to split heads")
-    if role == "o":
-        if bias:
-            return Placement(name, "replicated", rule=rule)
-        if shape is not None and shape[-1] != heads * head_dim:
-            raise _shape_error(
-                name, f"input dim {shape[-1]} != num_attention_heads={heads} x head_dim={head_dim} from config.json"
-            )
-        return Placement(name, "row", 1, (heads,), head_dim, (False,), rule=rule)
-    segments, kv = {
-        "q": ((heads,), (False,)),
-        "k": ((kv_heads,), (True,)),
-        "v": ((kv_heads,), (True,)),
-        "qkv": ((heads, kv_heads, kv_heads), (False, True, True)),
-    }[role]
-    if shape is not None and shape[0] != sum(segments) * head_dim:
-        counts = f"num_attention_heads={heads}, num_key_value_heads={kv_heads}, head_dim={head_dim}"
-        raise _shape_error(name, f"output dim {shape[0]} does not match {counts} from config.json")
-    return Placement(name, "column", 0, segments, head_dim, kv, rule=rule)
-
-
 def preset_placements(
     config: Mapping[str, Any], tensors: Mapping[str, TensorHeader], *, experts: str = "tp"
 ) -> dict[str, Placement]:
@@ -308,104 +230,16 @@ def _gguf_names(tensors: Mapping[str, TensorHeader]) -> bool:
     return any(name.startswith("blk.") or name.startswith("token_embd.") for name in tensors)
 
 
-def _replicated(tensors: Mapping[str, TensorHeader]) -> dict[str, Placement]:
-    return {name: Placement(name, "replicated") for name in tensors}
-
-
-# --- HF transformers tp_plan ------------------------------------------------------------------
-
-HF_COLUMN = {"colwise", "local_colwise"}
-HF_COLUMN_GATHERED = {"colwise_rep", "colwise_gather_output"}
-HF_ROW = {"rowwise", "local_rowwise"}
-HF_ROW_REPLICATED_INPUT = {"rowwise_rep", "rowwise_split_input"}
-HF_REPLICATED = {
-    "replicate", "replicated_with_grad_allreduce", "sequence_parallel", "all_reduce", "gather", "local",
-    "isolated", "local_params", "moe_tp_experts", "moe_identity_expert", "ep_dispatch_experts", "ep_router",
-}  # fmt: skip
-HF_STYLES = sorted(
-    HF_COLUMN | HF_COLUMN_GATHERED | HF_ROW | HF_ROW_REPLICATED_INPUT | HF_REPLICATED
-    | {"packed_colwise", "packed_rowwise", "embedding_rowwise", "embedding_colwise", "grouped_gemm"}
-)  # fmt: skip
+# --- HF transformers tp_plan (shardload.models.hf_plans) ---------------------------------------
 
 
 def hf_placements(
     config: Mapping[str, Any], tensors: Mapping[str, TensorHeader], *, experts: str = "tp"
 ) -> tuple[dict[str, Placement], list[str]]:
-    """Placements from config's ``base_model_tp_plan`` (and ``base_model_ep_plan`` for ``experts="parallel"``).
+    """Placements from transformers' own TP plan for config's model_type (see :mod:`shardload.models.hf_plans`)."""
+    from . import hf_plans
 
-    Returns the placements and notes (plan patterns that matched no tensor). Tensors no pattern
-    matches are replicated; ``lm_head`` is column-parallel as in HF's causal-LM classes unless
-    the plan names it.
-    """
-    plan = _plan_dict(config, "base_model_tp_plan")
-    if experts == "parallel":
-        ep = config.get("base_model_ep_plan")
-        if not ep:
-            raise PlanError(
-                "--experts parallel with --style hf needs a base_model_ep_plan (or use --style megatron)",
-                file="config.json",
-            )
-        plan.update(_plan_dict(config, "base_model_ep_plan"))
-    if "lm_head" not in plan and any(n == "lm_head.weight" for n in tensors):
-        plan["lm_head"] = "colwise_gather_output"
-    dims = ModelDims.from_config(config)
-    placements = _replicated(tensors)
-    used: set[str] = set()
-    for name, pattern, param in _targets(tensors, plan):
-        used.add(pattern)
-        info = tensors.get(name)
-        shape = None if info is None else tuple(info.shape)
-        placements[name] = _hf_style_placement(plan[pattern], pattern, name, param, shape, dims)
-    notes = [f"tp_plan entry {p!r} ({plan[p]}) matched no tensor" for p in plan if p not in used]
-    return placements, notes
-
-
-def _plan_dict(config: Mapping[str, Any], key: str) -> dict[str, str]:
-    plan = config.get(key)
-    ok = isinstance(plan, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items())
-    if not ok:
-        raise PlanError(f"{key} must be an object of module pattern -> style name", file="config.json")
-    return dict(plan)
-
-
-def _hf_style_placement(
-    style: str, pattern: str, name: str, param: str | None, shape: tuple[int, ...] | None, dims: ModelDims
-) -> Placement:
-    rule = f"tp_plan {pattern}: {style}"
-    bias = param == "bias" or (param is None and name.endswith("bias"))
-    ndim = len(shape) if shape is not None else (1 if bias else 2)
-    out_dim = ndim - 1 if bias else max(ndim - 2, 0)  # a bias holds only the output dim
-    attention = ATTENTION_ROLES.get(pattern.rsplit(".", 1)[-1])
-    if style in HF_REPLICATED:
-        return Placement(name, "replicated", rule=rule)
-    if style in HF_COLUMN and attention in ("q", "k", "v", "qkv") and ndim <= 2:
-        return _attention_placement(attention, name, bias, shape, dims, rule)
-    if style in HF_COLUMN | HF_COLUMN_GATHERED:
-        return Placement(name, "column", out_dim, rule=rule)
-    if style in HF_ROW | HF_ROW_REPLICATED_INPUT:
-        if bias:
-            return Placement(name, "replicated", rule=rule)
-        if style in HF_ROW and attention == "o" and ndim == 2:
-            return _attention_placement("o", name, False, shape, dims, rule)
-        return Placement(name, "row", ndim - 1, rule=rule)
-    half = dims.expert_intermediate_size if ndim == 3 else dims.intermediate_size
-    if style == "packed_colwise":
-        return _packed(name, out_dim, shape, half, rule)
-    if style == "packed_rowwise":
-        if bias:
-            return Placement(name, "replicated", rule=rule)
-        return replace(_packed(name, ndim - 1, shape, half, rule), style="row")
-    if style == "embedding_rowwise":
-        return Placement(name, "vocab", 0, rule=rule)
-    if style == "embedding_colwise":
-        return Placement(name, "column", ndim - 1, rule=rule)
-    if style == "grouped_gemm":
-        return Placement(name, "expert", 0, rule=rule)
-    raise PlanError(
-        f"tp_plan entry {pattern!r}: unsupported style {style!r} (supported: {', '.join(HF_STYLES)})",
-        file="config.json",
-        param=name,
-    )
+    return hf_plans.hf_placements(config, tensors, experts=experts)
 
 
 # --- vocabulary padding ----------------------------------------------------------------------
@@ -494,21 +328,35 @@ def model_placements(
         raise PlanError(f"style must be one of {', '.join(PLAN_STYLES)}, got {style!r}")
     if experts not in EXPERT_MODES:
         raise PlanError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {experts!r}")
-    if resolved_style(config, style) == "hf":
+    if resolved_style(config, style, tensors) == "hf":
         return hf_placements(config, tensors, experts=experts)
     return preset_placements(config, tensors, experts=experts), []
 
 
-def resolved_style(config: Mapping[str, Any], style: str) -> str:
-    """``"hf"`` or ``"megatron"``: what ``style`` means for this config (``auto`` picks hf when it has a plan)."""
-    has_plan = bool(config.get("base_model_tp_plan"))
-    if style == "hf" and not has_plan:
-        raise PlanError(
-            "--style hf needs a base_model_tp_plan in config.json (or use --style megatron)", file="config.json"
-        )
-    if style == "auto":
-        return "hf" if has_plan else "megatron"
-    return style
+def resolved_style(config: Mapping[str, Any], style: str, tensors: Mapping[str, TensorHeader] | None = None) -> str:
+    """``"hf"`` or ``"megatron"``: what ``style`` means for this config.
+
+    ``auto`` picks hf when config.json has its own base_model_tp_plan, the built-in preset for its families
+    (and GGUF names), else transformers' plan for the model_type when there is one.
+    """
+    if style == "megatron":
+        return style
+    from . import hf_plans
+
+    if style == "hf":
+        if hf_plans.plan_for(config) is None:
+            raise PlanError(
+                "--style hf needs a base_model_tp_plan in config.json or a transformers TP plan for model_type "
+                f"{config.get('model_type')!r} (or use --style megatron)",
+                file="config.json",
+            )
+        return style
+    if config.get("base_model_tp_plan"):
+        return "hf"
+    model_type = config.get("model_type")
+    if model_type in DECODER_TYPES + ENCODER_TYPES or (tensors is not None and _gguf_names(tensors)):
+        return "megatron"
+    return "hf" if hf_plans.plan_for(config) is not None else "megatron"
 
 
 def build_shard_info(
@@ -640,7 +488,7 @@ def generate(
     tensors = checkpoint.tensors
     try:
         logical = logical_tensors(tensors, qconfig)
-        chosen = resolved_style(config, style)
+        chosen = resolved_style(config, style, logical)
         placements, notes = model_placements(config, logical, style=chosen, experts=experts)
         placements, vocab = pad_vocab(placements, logical, vocab_padding)
         document = shard_info_document(placements, tensors, quantization_config=qconfig)
@@ -666,7 +514,7 @@ def generate(
             f"{hint}; pass --allow-single (allow_single=True) to write it anyway",
             file=str(model),
         )
-    source = f"base_model_tp_plan of {config_path}" if chosen == "hf" else f"the {config.get('model_type')} preset"
+    source = _plan_source(config, config_path) if chosen == "hf" else f"the {config.get('model_type')} preset"
     quantized = [f for n in logical if n.endswith(".weight") and (f := detect_format(n, tensors, qconfig)) != "dense"]
     if quantized:
         formats = ", ".join(sorted(set(quantized)))
@@ -719,6 +567,16 @@ def _padding_note(
         f"Vocabulary of {vocab} rows ({', '.join(padded)}) padded with zero rows where N does not divide it "
         f"({rule} rule: {listed}); a server masks the logits of rows >= {vocab}."
     )
+
+
+def _plan_source(config: Mapping[str, Any], config_path: str) -> str:
+    """Where the hf style's plan came from, for the description."""
+    from .hf_plans import plan_for
+
+    plan = plan_for(config)
+    if plan is None or plan.source == "base_model_tp_plan of config.json":
+        return f"base_model_tp_plan of {config_path}"
+    return f"the TP plan of {plan.source}"
 
 
 def _relocated(err: PlanError, config_path: str) -> PlanError:

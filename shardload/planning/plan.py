@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
-from ..errors import PlanError, ShardloadError, StepArgumentError
+from ..errors import FormatError, PlanError, ShardloadError, StepArgumentError
 from ..format import expr
-from ..format.shard_info import MAX_RANKS, ShardInfo, StepSpec
+from ..format.shard_info import MAX_FILE_BYTES, MAX_RANKS, ShardInfo, StepSpec
 from ..sources.checkpoint import Checkpoint, TensorInfo, as_path, resolve_inside
 from ..sources.dtypes import DTYPES, itemsize
+from ..sources.objects import ObjectPath
 from .registry import Box, Shape, StepFunction, lookup
 
 
@@ -392,4 +393,17 @@ def resolve_shard_info(checkpoint: Checkpoint, shard_info: ShardInfo | dict[str,
             f"`shardload plan {checkpoint.root}` (or pass --shard-info / shard_info=)",
             file=checkpoint.name,
         )
-    return ShardInfo.load(resolve_inside(checkpoint.root, default.name, default))
+    found = resolve_inside(checkpoint.root, default.name, default)
+    if isinstance(found, ObjectPath):  # in object storage: read whole, then parsed as a local file would be
+        return shard_info_object(found)
+    return ShardInfo.load(found)
+
+
+def shard_info_object(path: ObjectPath) -> ShardInfo:
+    """A shard_info.json kept in object storage, read and checked."""
+    raw = path.read_small(MAX_FILE_BYTES, "shard_info")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise FormatError(f"not UTF-8 text ({err.reason} at byte {err.start})", file=str(path)) from None
+    return ShardInfo.from_json(text, source=str(path))

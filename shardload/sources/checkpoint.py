@@ -19,6 +19,8 @@ from ..format import strictjson
 from ..format.smallfile import read_small
 from .dtypes import DTYPES, FROM_SAFETENSORS
 from .formats import format_for_dir, format_for_file
+from .location import resolve_model
+from .objects import ObjectPath
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -137,20 +139,26 @@ class Checkpoint:
 
 def read_config(root: str | os.PathLike[str], *, missing_ok: bool = False) -> dict[str, Any]:
     """A model directory's ``config.json`` as a JSON object (``{}`` when absent and ``missing_ok``)."""
-    path = Path(root) / CONFIG_NAME
+    base = root if isinstance(root, ObjectPath) else Path(root)
+    path = base / CONFIG_NAME
     if not (path.exists() or path.is_symlink()):
         if missing_ok:
             return {}
         raise CheckpointError(f"no {CONFIG_NAME} here (a plan reads the model's config)", file=str(root))
-    config = read_json(resolve_inside(Path(root), CONFIG_NAME, path), "config", MAX_CONFIG_BYTES)
+    config = read_json(resolve_inside(base, CONFIG_NAME, path), "config", MAX_CONFIG_BYTES)
     if not isinstance(config, dict):
         raise CheckpointError("top level must be a JSON object", file=str(path))
     return config
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Open a model directory, a ``.safetensors`` or ``.gguf`` file, or a converted directory (headers only)."""
-    path = as_path(path, "model")
+    """Open a model directory, a ``.safetensors`` or ``.gguf`` file, or a converted directory (headers only).
+
+    ``path`` may also be a Hugging Face Hub id or an ``s3://`` URI (:func:`~shardload.sources.location.resolve_model`).
+    """
+    path = resolve_model(path)
+    if isinstance(path, ObjectPath):
+        return _open_object(path)
     if TMP_MARKER in path.name or (path.is_file() and TMP_MARKER in path.parent.name):
         raise CheckpointError(
             "is a temporary entry of an unfinished or interrupted convert, not a model; convert again", file=str(path)
@@ -192,6 +200,50 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             f"no {SINGLE_NAME}, {INDEX_NAME}, {MANIFEST_NAME} or *.safetensors file here", file=str(path)
         )
     return _open_files(path, path, [resolve_inside(path, p.name, path) for p in found])
+
+
+def _open_object(path: ObjectPath) -> Checkpoint:
+    """Open a checkpoint in object storage (headers by range requests): one object, or a prefix holding a
+    single file, an HF index with its files, or a converted directory."""
+    if path.key and path.size() is not None:
+        name = path.name
+        if name == MANIFEST_NAME:
+            return _open_converted(path.parent)
+        if name.endswith(".index.json"):
+            return _open_index(path.parent, path)
+        if name.endswith(PICKLE_SUFFIXES):
+            raise CheckpointError(PICKLE_REFUSED, file=str(path))
+        if not name.endswith(".safetensors"):
+            raise CheckpointError(
+                "is not a .safetensors object (from object storage shardload reads safetensors: a file, a prefix "
+                "with an HF index, or a converted directory)",
+                file=str(path),
+            )
+        return _open_files(path, path.parent, [path])
+    children = path.children()
+    if not children:
+        raise CheckpointError("no such object, and no objects under this prefix", file=str(path))
+    if MANIFEST_NAME in children:
+        return _open_converted(path)
+    if INDEX_NAME in children:
+        return _open_index(path, path / INDEX_NAME)
+    if SINGLE_NAME in children:
+        return _open_files(path, path, [path / SINGLE_NAME])
+    found = sorted(n for n in children if n.endswith(".safetensors"))
+    if any(RANK_FILE_RE.fullmatch(n) for n in found):
+        raise CheckpointError(
+            f"holds rank-*-of-*.safetensors files but no {MANIFEST_NAME}: an incomplete or damaged converted "
+            "directory; convert the source checkpoint again",
+            file=str(path),
+        )
+    if not found:
+        pickles = sorted(n for n in children if n.endswith(PICKLE_SUFFIXES))
+        if pickles:
+            raise CheckpointError(f"holds {pickles[0]}: {PICKLE_REFUSED}", file=str(path))
+        raise CheckpointError(
+            f"no {SINGLE_NAME}, {INDEX_NAME}, {MANIFEST_NAME} or *.safetensors object here", file=str(path)
+        )
+    return _open_files(path, path, [path / n for n in found])
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -255,6 +307,13 @@ def resolve_inside(root: Path, file_name: str, referrer: Path) -> Path:
     candidate = Path(file_name)
     if not file_name or "\0" in file_name or candidate.is_absolute() or ".." in candidate.parts:
         raise CheckpointError(f"file name {file_name!r} points outside the model directory", file=str(referrer))
+    if isinstance(root, ObjectPath):
+        if "\\" in file_name or file_name.startswith("/") or "//" in file_name:
+            raise CheckpointError(f"file name {file_name!r} is not a plain object name", file=str(referrer))
+        obj = root / file_name
+        if obj.size() is None:
+            raise CheckpointError(f"references missing file {file_name!r}", file=str(referrer))
+        return obj  # type: ignore[return-value]
     full = root / candidate
     try:
         real = full.resolve(strict=True)
@@ -344,7 +403,9 @@ def _short_repr(value: Any, limit: int = 120) -> str:
 def read_json(path: Path, what: str, limit: int = MAX_HEADER_BYTES) -> Any:
     """A JSON file of a checkpoint (config, index, manifest, cache table): a regular file, size-capped, UTF-8, no
     duplicate keys."""
-    raw = read_small(path, limit, what, CheckpointError)
+    raw = (
+        path.read_small(limit, what) if isinstance(path, ObjectPath) else read_small(path, limit, what, CheckpointError)
+    )
     try:
         return strictjson.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
@@ -363,6 +424,36 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 def read_header_and_metadata(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Like :func:`read_header`, also returning the header's ``__metadata__`` strings."""
     name = str(path)
+    if isinstance(path, ObjectPath):
+        raw, header_len, size = _object_header(path)
+    else:
+        raw, header_len, size = _file_header(path)
+    if len(raw) != header_len:
+        raise CheckpointError("file shrank while its header was read", file=name)
+    return _parse_header(path, raw, header_len, size)
+
+
+def _object_header(path: ObjectPath) -> tuple[bytes, int, int]:
+    """A safetensors object's header by two range requests: its 8-byte length, then the header itself."""
+    name = str(path)
+    size = path.size()
+    if size is None:
+        raise CheckpointError("no such object", file=name)
+    if size < 8:
+        raise CheckpointError(f"file of {size} bytes is too short for a safetensors header", file=name)
+    (header_len,) = struct.unpack("<Q", path.store.read(path.key, 0, 8))
+    if header_len > MAX_HEADER_BYTES:
+        raise CheckpointError(f"header of {header_len} bytes exceeds the {MAX_HEADER_BYTES} byte cap", file=name)
+    if 8 + header_len > size:
+        raise CheckpointError(
+            f"header length {header_len} runs past the end of the {size}-byte file (truncated?)", file=name
+        )
+    return path.store.read(path.key, 8, 8 + header_len), header_len, size
+
+
+def _file_header(path: Path) -> tuple[bytes, int, int]:
+    """A local safetensors file's raw header, its length and the file's size."""
+    name = str(path)
     try:
         with open(path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
@@ -380,8 +471,12 @@ def read_header_and_metadata(path: Path) -> tuple[dict[str, TensorInfo], dict[st
             raw = fh.read(header_len)
     except OSError as err:
         raise CheckpointError(f"cannot read: {err.strerror or err}", file=name) from None
-    if len(raw) != header_len:
-        raise CheckpointError("file shrank while its header was read", file=name)
+    return raw, header_len, size
+
+
+def _parse_header(path: Any, raw: bytes, header_len: int, size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Check a raw safetensors header against the file's size: dtypes, shapes, byte ranges tiling the data."""
+    name = str(path)
     try:
         header = strictjson.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:

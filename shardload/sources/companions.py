@@ -9,6 +9,7 @@ import fnmatch
 from pathlib import Path
 
 from .checkpoint import resolve_inside
+from .objects import ObjectPath
 
 COMPANION_NAMES = frozenset({
     "config.json", "generation_config.json",
@@ -32,6 +33,8 @@ def is_companion(name: str) -> bool:
 def companion_files(root: Path, skip: frozenset[str] | set[str] = frozenset()) -> list[Path]:
     """The companions in ``root`` (sorted, except the names in ``skip``), each checked to be a regular file that
     resolves inside the model directory (a symlink elsewhere is a ``CheckpointError``, never followed)."""
+    if isinstance(root, ObjectPath):  # a model in object storage: its objects directly under the prefix
+        return [root / name for name in sorted(root.children()) if name not in skip and is_companion(name)]
     found = []
     for entry in sorted(root.iterdir()):
         if entry.name in skip or not is_companion(entry.name):

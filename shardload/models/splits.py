@@ -1,0 +1,100 @@
+"""The splits every model plan shares: head and expert counts from config.json, whole-head attention splits (KV
+heads replicated when N exceeds them), fused gate/up halves. Used by the built-in presets
+(:mod:`shardload.models.presets`) and by transformers' plans (:mod:`shardload.models.hf_plans`). Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CheckpointError, PlanError
+from .placement import Placement, TensorHeader
+
+__all__ = ["ATTENTION_ROLES", "ModelDims"]
+
+ATTENTION_ROLES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "qkv_proj": "qkv", "o_proj": "o",
+                   "query": "q", "key": "k", "value": "v"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes a plan needs from config.json: attention heads and, for MoE models, experts."""
+
+    hidden_size: int | None
+    num_heads: int | None
+    num_kv_heads: int | None
+    head_dim: int | None
+    num_experts: int | None
+    intermediate_size: int | None
+    expert_intermediate_size: int | None
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ModelDims:
+        """Read head and expert counts (absent keys give None; GQA defaults to one KV head per head)."""
+        hidden = _int_key(config, "hidden_size")
+        heads = _int_key(config, "num_attention_heads")
+        kv = _int_key(config, "num_key_value_heads") or heads
+        head_dim = _int_key(config, "head_dim") or (hidden // heads if hidden and heads else None)
+        experts = _int_key(config, "num_local_experts") or _int_key(config, "num_experts")
+        inter = _int_key(config, "intermediate_size")
+        return cls(hidden, heads, kv, head_dim, experts, inter, _int_key(config, "moe_intermediate_size") or inter)
+
+
+def _int_key(config: Mapping[str, Any], key: str) -> int | None:
+    value = config.get(key)
+    if value is None:
+        return None
+    if type(value) is not int or value < 1:
+        raise CheckpointError(f"{key} must be a positive integer, got {value!r}", file="config.json")
+    return value
+
+
+def _shape_error(name: str, reason: str) -> PlanError:
+    return PlanError(reason, file="config.json", param=name)
+
+
+def _packed(name: str, dim: int, shape: tuple[int, ...] | None, half: int | None, rule: str) -> Placement:
+    """Column-parallel over two equal fused halves (gate and up) along ``dim``.
+
+    The half size comes from the stored shape, or from config (``half``) for a logical weight.
+    """
+    if shape is not None:
+        if shape[dim] % 2:
+            raise _shape_error(name, f"fused gate_up dim {dim} of size {shape[dim]} is not two equal halves")
+        half = shape[dim] // 2
+    if half is None:
+        raise _shape_error(name, "the fused gate_up size is unknown: it is not stored and config.json has no size")
+    return Placement(name, "column", dim, (half, half), rule=rule)
+
+
+def _attention_placement(
+    role: str, name: str, bias: bool, shape: tuple[int, ...] | None, dims: ModelDims, rule: str
+) -> Placement:
+    """Split by whole heads; KV heads are flagged so they replicate when N exceeds their count."""
+    heads, kv_heads, head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
+    if heads is None or kv_heads is None or head_dim is None:
+        raise _shape_error(name, "config.json needs num_attention_heads (and hidden_size or head_dim) to split heads")
+    if role == "o":
+        if bias:
+            return Placement(name, "replicated", rule=rule)
+        if shape is not None and shape[-1] != heads * head_dim:
+            raise _shape_error(
+                name, f"input dim {shape[-1]} != num_attention_heads={heads} x head_dim={head_dim} from config.json"
+            )
+        return Placement(name, "row", 1, (heads,), head_dim, (False,), rule=rule)
+    segments, kv = {
+        "q": ((heads,), (False,)),
+        "k": ((kv_heads,), (True,)),
+        "v": ((kv_heads,), (True,)),
+        "qkv": ((heads, kv_heads, kv_heads), (False, True, True)),
+    }[role]
+    if shape is not None and shape[0] != sum(segments) * head_dim:
+        counts = f"num_attention_heads={heads}, num_key_value_heads={kv_heads}, head_dim={head_dim}"
+        raise _shape_error(name, f"output dim {shape[0]} does not match {counts} from config.json")
+    return Placement(name, "column", 0, segments, head_dim, kv, rule=rule)
+
+
+def _replicated(tensors: Mapping[str, TensorHeader]) -> dict[str, Placement]:
+    return {name: Placement(name, "replicated") for name in tensors}

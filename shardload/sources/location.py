@@ -1,0 +1,159 @@
+"""Where a model comes from: the one place a model argument is resolved.
+
+- a local file or directory (a path that exists locally always wins);
+- an object-store URI, ``s3://bucket/prefix`` (a model "directory" or one object): an
+  :class:`~shardload.sources.objects.ObjectPath`, read with range requests (the ``s3`` extra);
+- a Hugging Face Hub id, ``org/name`` or ``org/name@revision``: the snapshot directory in the local
+  Hugging Face cache, downloaded first when online (only weights, index, config, tokenizer and
+  shard_info files) and taken from the cache alone when offline (``HF_HUB_OFFLINE=1``, or no network).
+
+Every entry point that takes a model (``load``, ``load_rank``, ``convert``, ``inspect``, ``plan``,
+``validate --model``, ``verify --source``) opens it through :func:`shardload.sources.checkpoint.open_checkpoint`,
+which asks :func:`resolve_model`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError
+from .objects import ObjectPath, ObjectStore
+
+HUB_ID_RE = re.compile(
+    r"(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95})(?:@(?P<rev>[^\s@]{1,255}))?"
+)
+"""``org/name`` or ``org/name@revision`` (the Hub's repository naming rules, loosely)."""
+HUB_PATTERNS = [
+    "*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json", "shard_info.json",
+    "shard_manifest.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+    "*.model", "*.tiktoken", "chat_template*", "preprocessor_config.json", "processor_config.json",
+]  # fmt: skip
+"""What a Hub download fetches: weights, their index, config, tokenizer and shard_info (no .bin, no .pt)."""
+SCHEMES = ("s3",)
+"""Object-store URI schemes shardload reads."""
+
+_stores: dict[tuple[str, str], ObjectStore] = {}
+
+
+def is_uri(value: Any) -> bool:
+    """Whether ``value`` is a string naming an object-store location (``scheme://...``)."""
+    return isinstance(value, str) and "://" in value
+
+
+def is_hub_id(value: Any) -> bool:
+    """Whether ``value`` reads as a Hub id (``org/name[@revision]``) and names no local path."""
+    if not isinstance(value, str) or is_uri(value) or value.startswith((".", "/", "~")):
+        return False
+    return HUB_ID_RE.fullmatch(value) is not None and not (os.path.exists(value) or os.path.islink(value))
+
+
+def model_kind(value: Any) -> str:
+    """``"object"``, ``"hub"`` or ``"local"``: how :func:`resolve_model` will take ``value``."""
+    if isinstance(value, ObjectPath) or is_uri(value):
+        return "object"
+    return "hub" if is_hub_id(value) else "local"
+
+
+def resolve_model(value: Any, what: str = "model") -> Path | ObjectPath:
+    """A model argument as a local Path (a Hub id becomes its snapshot directory) or an ObjectPath."""
+    if isinstance(value, ObjectPath):
+        return value
+    if not isinstance(value, (str, os.PathLike)) or (isinstance(value, str) and not value):
+        raise CheckpointError(f"{what} must be a path (str or os.PathLike), got {value!r}")
+    if is_uri(value):
+        return object_path(value)
+    if is_hub_id(value):
+        return hub_snapshot(value)
+    return Path(value)
+
+
+def object_path(uri: str) -> ObjectPath:
+    """The ObjectPath of ``scheme://bucket/key`` (one store object per bucket, shared)."""
+    scheme, _, rest = uri.partition("://")
+    bucket, _, key = rest.partition("/")
+    if scheme not in SCHEMES:
+        hint = (
+            "; Google Cloud Storage speaks S3 too: s3://BUCKET/PREFIX with AWS_ENDPOINT_URL_S3="
+            "https://storage.googleapis.com and an HMAC key as AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+            if scheme in ("gs", "gcs")
+            else ""
+        )
+        raise CheckpointError(
+            f"{scheme}:// is not a supported object store (s3:// is, and S3-compatible stores through "
+            f"AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL){hint}",
+            file=uri,
+        )
+    if not bucket:
+        raise CheckpointError("names no bucket (s3://BUCKET/PREFIX)", file=uri)
+    store = _stores.get((scheme, bucket))
+    if store is None:
+        from .s3 import S3Store
+
+        store = _stores.setdefault((scheme, bucket), S3Store(bucket))
+    return ObjectPath(store, key.rstrip("/"))
+
+
+def forget_stores() -> None:
+    """Drop every cached store and its connections (tests switch endpoints; a long-lived process may too)."""
+    for store in list(_stores.values()):
+        store.close()
+    _stores.clear()
+
+
+def hub_snapshot(value: str) -> Path:
+    """The local snapshot directory of Hub id ``org/name[@revision]``: downloaded (weights, index, config,
+    tokenizer and shard_info only) when online, from the cache alone when offline."""
+    match = HUB_ID_RE.fullmatch(value)
+    assert match is not None
+    repo, revision = match["repo"], match["rev"]
+    try:
+        import huggingface_hub
+        from huggingface_hub import errors
+    except ImportError:
+        raise CheckpointError(
+            "no such file or directory (as a Hugging Face Hub id it needs huggingface_hub: pip install "
+            "huggingface_hub)",
+            file=value,
+        ) from None
+    offline = huggingface_hub.constants.HF_HUB_OFFLINE
+    try:
+        path = huggingface_hub.snapshot_download(
+            repo, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=offline
+        )
+    except errors.LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached"
+        raise CheckpointError(
+            f"no such file or directory, and the Hugging Face Hub model {repo}"
+            f"{'@' + revision if revision else ''} is not in the local cache ({huggingface_hub.constants.HF_HUB_CACHE})"
+            f" and {why}: download it where the Hub is reachable (`hf download {repo}`), or point HF_HUB_CACHE at a "
+            "cache that holds it",
+            file=value,
+        ) from None
+    except errors.RevisionNotFoundError:
+        raise CheckpointError(f"the Hugging Face Hub model {repo} has no revision {revision!r}", file=value) from None
+    except errors.GatedRepoError:
+        raise CheckpointError(
+            f"the Hugging Face Hub model {repo} is gated: accept its terms on the Hub and log in (`hf auth login`)",
+            file=value,
+        ) from None
+    except errors.RepositoryNotFoundError:
+        raise CheckpointError(
+            f"no such file or directory, and no Hugging Face Hub model {repo} (or it is private: log in with "
+            "`hf auth login`)",
+            file=value,
+        ) from None
+    except (errors.HfHubHTTPError, OSError, ValueError) as err:
+        raise CheckpointError(f"cannot fetch from the Hugging Face Hub: {type(err).__name__}", file=value) from None
+    return Path(path)
+
+
+def hub_cache_dir() -> Path | None:
+    """The Hugging Face Hub cache directory (None where huggingface_hub is not installed)."""
+    try:
+        import huggingface_hub
+    except ImportError:
+        return None
+    return Path(huggingface_hub.constants.HF_HUB_CACHE)

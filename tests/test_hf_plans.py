@@ -1,0 +1,260 @@
+"""Plans from transformers' own TP plans, judged by transformers' own tensor parallelism.
+
+scripts/hf_tp_compare.py loads tiny random models with ``from_pretrained(tp_plan="auto")`` under
+torchrun (2 ranks, gloo, CPU) and compares every rank's local tensors with shardload's ``load_rank``
+of the same rank, planned from the model directory. Here a representative subset runs through the
+same code; the whole table is the script's (docs/model-plans.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardload
+import tiny_models
+import tp_reference as tp
+from shardload.models import hf_plans, presets
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "hf_tp_compare.py"
+
+
+def _script(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class T:
+    def __init__(self, *shape: int) -> None:
+        self.shape, self.dtype = shape, "float32"
+
+
+# --- where plans come from ------------------------------------------------------------------------
+
+
+def test_shipped_table_is_what_the_installed_transformers_declares() -> None:
+    """scripts/gen_hf_tp_plans.py run now writes exactly the shipped table."""
+    shipped = hf_plans.shipped_table()
+    installed = version("transformers")
+    if shipped["transformers"] != installed:
+        pytest.skip(f"table from transformers {shipped['transformers']}, installed {installed}: regenerate it")
+    gen = _script("gen_hf_tp_plans")
+    assert gen.render(gen.build_table()) == (ROOT / "shardload" / "models" / hf_plans.TABLE_FILE).read_text()
+    assert len(shipped["models"]) >= 100 and "gemma" in shipped["models"]
+
+
+def test_every_style_transformers_knows_is_translated() -> None:
+    import transformers.distributed.expert_parallel  # noqa: F401  (registers the expert-parallel styles)
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+    assert set(ALL_PARALLEL_STYLES.keys()) <= set(hf_plans.STYLES)
+    used = {
+        style
+        for entry in hf_plans.shipped_table()["models"].values()
+        for key in ("tp_plan", "ep_plan", "head_plan")
+        for style in entry.get(key, {}).values()
+    }
+    assert used <= set(hf_plans.STYLES)
+
+
+def test_sources_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """config.json's own plan wins, then the installed transformers, then the shipped table."""
+    config = {"model_type": "gemma", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    installed = hf_plans.plan_for(config)
+    assert installed.source.startswith(f"transformers {version('transformers')} (GemmaConfig.base_model_tp_plan")
+    assert installed.head_plan == {"lm_head": "colwise_gather_output"} and installed.prefix == "model"
+    own = hf_plans.plan_for({**config, "base_model_tp_plan": {"layers.*.mlp.up_proj": "colwise"}})
+    assert own.source == "base_model_tp_plan of config.json" and own.tp_plan == {"layers.*.mlp.up_proj": "colwise"}
+    monkeypatch.setattr(hf_plans, "_transformers_installed", lambda: False)
+    table = hf_plans.plan_for(config)
+    assert table.source.startswith("shardload's table of transformers")
+    assert (table.tp_plan, table.head_plan, table.prefix, table.tied) == (
+        installed.tp_plan, installed.head_plan, installed.prefix, installed.tied,
+    )  # fmt: skip
+    assert hf_plans.plan_for({"model_type": "no-such-type"}) is None
+
+
+def test_import_shardload_does_not_import_transformers() -> None:
+    code = (
+        "import sys, shardload; from shardload.models import presets, hf_plans; "
+        "presets.model_placements({'model_type': 'llama', 'hidden_size': 8, 'num_attention_heads': 2}, {}); "
+        "assert 'transformers' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_auto_style_uses_transformers_plan_where_no_preset(tmp_path: Path) -> None:
+    """A Gemma (no built-in preset) plans from transformers' GemmaConfig plan; the description names it."""
+    import transformers
+
+    config = transformers.GemmaConfig(
+        **tiny_models.COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True
+    )
+    torch.manual_seed(0)
+    transformers.GemmaForCausalLM(config).save_pretrained(tmp_path)
+    result = presets.generate(tmp_path, num_shards=[2])
+    assert result.style == "hf" and "GemmaConfig.base_model_tp_plan" in result.document["description"]
+    params = result.document["params"]
+    assert "model.embed_tokens.weight" in params and "model.layers.0.self_attn.q_proj.weight" in params
+    assert "model.layers.0.input_layernorm.weight" not in params
+
+
+# --- how styles translate ------------------------------------------------------------------------
+
+
+def test_names_match_as_transformers_matches_them() -> None:
+    """Exact generic names, else the parameter's module; prefix of the base model; lm_head from the model class."""
+    plan = hf_plans.HfPlan(
+        "x",
+        {"layers.*.mlp.experts.gate_up_proj": "packed_colwise", "layers.*.mlp.experts": "moe_tp_experts",
+         "layers.*.mlp.experts.down_proj": "rowwise", "layers.*.mlp.fc1": "colwise"},
+        "test",
+    )  # fmt: skip
+    tensors = {
+        "model.embed_tokens.weight": T(256, 64),
+        "model.layers.0.mlp.experts.gate_up_proj": T(4, 256, 64),
+        "model.layers.0.mlp.experts.gate_up_proj_bias": T(4, 256),  # the experts module's: replicated
+        "model.layers.0.mlp.experts.down_proj": T(4, 64, 128),
+        "model.layers.0.mlp.fc1.weight": T(128, 64),
+        "model.layers.0.mlp.fc1.bias": T(128),
+        "model.layers.0.other.mlp.fc1.weight": T(128, 64),  # a suffix is not a match
+        "lm_head.weight": T(256, 64),
+    }
+    placements, notes = hf_plans.hf_placements({"model_type": "x"}, tensors, plan=plan)
+    got = {n: (p.style, p.dim, p.segments) for n, p in placements.items()}
+    assert got == {
+        "model.embed_tokens.weight": ("vocab", 0, ()),
+        "model.layers.0.mlp.experts.gate_up_proj": ("column", 1, (128, 128)),
+        "model.layers.0.mlp.experts.gate_up_proj_bias": ("replicated", None, ()),
+        "model.layers.0.mlp.experts.down_proj": ("row", 2, ()),
+        "model.layers.0.mlp.fc1.weight": ("column", 0, ()),
+        "model.layers.0.mlp.fc1.bias": ("column", 0, ()),
+        "model.layers.0.other.mlp.fc1.weight": ("replicated", None, ()),
+        "lm_head.weight": ("column", 0, ()),
+    }
+    assert notes == []
+    # a base-model checkpoint (no prefix) gets no lm_head entry and still the base plan
+    base = {k.removeprefix("model."): v for k, v in tensors.items() if k != "lm_head.weight"}
+    placements, _ = hf_plans.hf_placements({"model_type": "x"}, base, plan=plan)
+    assert placements["layers.0.mlp.fc1.weight"].style == "column" and placements["embed_tokens.weight"].dim == 0
+
+
+def test_runtime_only_styles_leave_weights_whole() -> None:
+    runtime = [s for s, (rule, _) in hf_plans.STYLES.items() if rule == "replicated"]
+    assert {"moe_tp_experts", "mla_kv_a_proj", "replicated_with_grad_allreduce", "sequence_parallel"} <= set(runtime)
+    plan = hf_plans.HfPlan("x", {f"m{i}": s for i, s in enumerate(runtime)}, "test")
+    tensors = {f"model.m{i}.weight": T(8, 8) for i in range(len(runtime))}
+    placements, _ = hf_plans.hf_placements({"model_type": "x"}, tensors, plan=plan)
+    assert {p.style for p in placements.values()} == {"replicated"}
+
+
+# --- transformers' own tensor parallelism is the judge --------------------------------------------
+
+# MoE (qwen3_moe; deepseek_v3 with MLA and run-time-only styles), biases (starcoder2, phi, gpt_neox), tied
+# embeddings (gemma, starcoder2), no built-in preset (gemma, phi, olmo2, deepseek_v3), gathered plain splits
+# (phi3), packed_rowwise experts behind an attribute that is not base_model_prefix (llama4_text), a fused
+# query_key_value under another prefix (gpt_neox).
+SUBSET = ["gemma", "qwen3_moe", "deepseek_v3", "starcoder2", "phi", "gpt_neox", "olmo2", "phi3", "llama4_text"]
+SUBSET += ["olmoe#orig"]  # stored one tensor per expert, as on the Hub: transformers stacks them when loading
+ODD_VOCAB = "llama@vocab_size=257"
+CONTROL = "llama#swap"  # each rank against the other rank's shard: must differ
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """One torchrun launch over the subset, the odd vocab and the control (the script's own code)."""
+    out = tmp_path_factory.mktemp("hf_tp") / "rows.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--types", ",".join([*SUBSET, ODD_VOCAB, CONTROL]), "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return {row["type"]: row for row in json.loads(out.read_text())}
+
+
+@pytest.mark.parametrize("model_type", SUBSET)
+def test_every_local_tensor_equals_transformers(compared: dict[str, dict[str, Any]], model_type: str) -> None:
+    row = compared[model_type]
+    assert row["outcome"] == "equal", row
+    assert row["compared"] > 2 * 10  # both ranks, every weight of a 2-layer model
+
+
+def test_the_comparison_can_fail(compared: dict[str, dict[str, Any]]) -> None:
+    row = compared[CONTROL]
+    assert row["outcome"] == "differs" and "model.layers.0.self_attn.q_proj.weight" in row["differs"]
+
+
+def test_odd_vocab(compared: dict[str, dict[str, Any]]) -> None:
+    """transformers gives rank 0 129 rows of a 257-row vocab and rank 1 128 (torch.chunk); shardload's plain
+    padding (to a multiple of N) gives the same rows, rank 1's followed by one zero row."""
+    row = compared[ODD_VOCAB]
+    assert row["outcome"] == "equal", row
+    assert row["padded"] == ["lm_head.weight", "model.embed_tokens.weight"], row
+
+
+def test_gqa_above_kv_heads_transformers_splits_a_head_shardload_replicates(tmp_path: Path) -> None:
+    """4 query heads, 1 KV head, 2 ranks: transformers gives each rank half of the KV head, and its forward cannot
+    compute attention; shardload gives both ranks the whole head, and its tensor-parallel forward (each rank its
+    own two query heads against the one KV head) equals the unsharded logits."""
+    out = tmp_path / "gqa.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--gqa", "--json", str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    proof = json.loads(out.read_text())
+    theirs, ours = proof["transformers"], proof["shardload"]
+    assert [r["k_proj"] for r in theirs] == [[8, 64], [8, 64]]  # half of a 16-wide head on each rank
+    assert all("error" in r or r["max_abs_diff"] > 1e-3 for r in theirs), theirs
+    assert ours["k_proj"] == [[16, 64], [16, 64]]
+    assert ours["max_abs_diff"] < 1e-4, ours
+
+
+def test_fused_checkpoint_follows_the_plan_for_its_parts(tmp_path: Path) -> None:
+    """A Llama stored with q/k/v fused into qkv_proj and gate/up into gate_up_proj (as Phi-3 and vLLM store them):
+    transformers' plan names only the parts; --style hf splits the fused tensors by whole heads (KV heads
+    replicated past their count) and by both halves, and the tensor-parallel forward equals the unsharded one."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_models.build("llama_gqa", tmp_path / "src")  # 8 query heads, 2 KV heads
+    state = load_file(tmp_path / "src" / "model.safetensors")
+    fused = {}
+    for name, tensor in state.items():
+        if ".q_proj." in name:
+            p = name.replace(".q_proj.", ".{}.")
+            fused[p.format("qkv_proj")] = torch.cat([state[p.format(w)] for w in ("q_proj", "k_proj", "v_proj")])
+        elif ".gate_proj." in name:
+            p = name.replace(".gate_proj.", ".{}.")
+            fused[p.format("gate_up_proj")] = torch.cat([state[p.format(w)] for w in ("gate_proj", "up_proj")])
+        elif not any(f".{w}." in name for w in ("k_proj", "v_proj", "up_proj")):
+            fused[name] = tensor
+    model_dir = tmp_path / "fused"
+    model_dir.mkdir()
+    save_file(fused, model_dir / "model.safetensors")
+    (model_dir / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
+    plan = presets.generate(model_dir, style="hf", num_shards=[2, 4, 8])
+    qkv = plan.placements["model.layers.0.self_attn.qkv_proj.weight"]
+    assert (qkv.segments, qkv.kv) == ((8, 2, 2), (False, True, True))
+    assert plan.placements["model.layers.0.mlp.gate_up_proj.weight"].segments == (128, 128)
+    config = json.loads((model_dir / "config.json").read_text())
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        for n in (1, 2, 4, 8):
+            shards = shardload.load(model_dir, n, devices=["cpu"] * n, shard_info=plan.document)
+            got = tp.decoder_logits(config, shards, ids)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

@@ -1,0 +1,164 @@
+"""Hugging Face Hub ids as models, resolved from a real Hub cache laid out by huggingface_hub's own functions
+(blobs, snapshots/<commit> links, refs), offline: every load is compared element for element with the same
+load from the directory the cache was filled from."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import shardload
+from shardload.cli.example import write_example
+from shardload.cli.main import main
+from shardload.errors import CheckpointError, ShardloadError
+from shardload.sources.checkpoint import open_checkpoint
+
+if os.environ.get("CI") == "true":  # CI installs huggingface_hub through the test extra: never skip there
+    import huggingface_hub
+else:
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+
+from huggingface_hub import file_download
+
+REPO = "shardload-test/tiny-llama"
+COMMIT_MAIN = "a" * 40
+COMMIT_V1 = "b" * 40
+
+
+def _put_revision(cache: Path, repo: str, source: Path, commit: str, ref: str) -> None:
+    """Put every file of ``source`` in the cache as huggingface_hub does: content in blobs/, a link per file in
+    snapshots/<commit>/, and refs/<ref> naming the commit."""
+    storage = cache / file_download.repo_folder_name(repo_id=repo, repo_type="model")
+    (storage / "blobs").mkdir(parents=True, exist_ok=True)
+    for f in sorted(source.iterdir()):
+        blob = storage / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        if not blob.exists():
+            shutil.copyfile(f, blob)
+        pointer = Path(file_download._get_pointer_path(str(storage), commit, f.name))
+        pointer.parent.mkdir(parents=True, exist_ok=True)
+        file_download._create_symlink(str(blob), str(pointer), new_blob=False)
+    file_download._cache_commit_hash_for_specific_revision(str(storage), ref, commit)
+
+
+@pytest.fixture
+def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, example_dir: Path) -> Path:
+    """An offline Hub cache holding REPO at main (the example model) and at tag v1 (another seed)."""
+    cache = tmp_path / "hub"
+    other = write_example(tmp_path / "seed1", seed=1)
+    _put_revision(cache, REPO, example_dir, COMMIT_MAIN, "main")
+    _put_revision(cache, REPO, other, COMMIT_V1, "v1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # an id names no local path here
+    return cache
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+
+
+def test_cache_is_laid_out_as_huggingface_hub_reads_it(hub: Path, example_dir: Path) -> None:
+    info = huggingface_hub.scan_cache_dir(hub)
+    (repo,) = info.repos
+    assert repo.repo_id == REPO
+    assert {r.commit_hash: set(r.refs) for r in repo.revisions} == {COMMIT_MAIN: {"main"}, COMMIT_V1: {"v1"}}
+    found = huggingface_hub.try_to_load_from_cache(REPO, "model.safetensors", cache_dir=hub)
+    assert Path(found).read_bytes() == (example_dir / "model.safetensors").read_bytes()
+
+
+def test_load_hub_id_and_revisions_offline(hub: Path, example_dir: Path, tmp_path: Path) -> None:
+    other = tmp_path / "seed1"
+    for rank in range(2):
+        want = shardload.load_rank(example_dir, rank, 2)
+        _equal(shardload.load_rank(REPO, rank, 2), want)
+        _equal(shardload.load_rank(f"{REPO}@main", rank, 2), want)
+        _equal(shardload.load_rank(f"{REPO}@{COMMIT_MAIN}", rank, 2), want)
+        _equal(shardload.load_rank(f"{REPO}@v1", rank, 2), shardload.load_rank(other, rank, 2))
+    assert not torch.equal(
+        shardload.load_rank(f"{REPO}@v1", 0, 2)["lm_head.weight"], shardload.load_rank(REPO, 0, 2)["lm_head.weight"]
+    )  # the two revisions really differ
+    cpus = ["cpu"] * 2
+    for got, want in zip(shardload.load(REPO, 2, devices=cpus), shardload.load(example_dir, 2, cpus), strict=True):
+        _equal(got, want)
+
+
+def test_missing_hub_id_offline_is_one_line(hub: Path) -> None:
+    with pytest.raises(CheckpointError) as err:
+        shardload.load_rank("shardload-test/not-cached", 0, 2)
+    message = err.value.message
+    assert message.startswith(
+        "shardload-test/not-cached: no such file or directory, and the Hugging Face Hub model "
+        "shardload-test/not-cached is not in the local cache"
+    )
+    assert "HF_HUB_OFFLINE is set" in message and "hf download shardload-test/not-cached" in message
+    assert "\n" not in message
+    with pytest.raises(CheckpointError, match="is not in the local cache"):
+        shardload.load_rank(f"{REPO}@no-such-tag", 0, 2)
+    result = CliRunner().invoke(main, ["inspect", "shardload-test/not-cached", "-n", "2"])
+    assert result.exit_code == 1 and result.output.count("\n") == 1 and "HF_HUB_OFFLINE" in result.output
+
+
+def test_a_local_path_wins_over_a_hub_id(hub: Path, tmp_path: Path, example_multi_dir: Path) -> None:
+    local = tmp_path / "shardload-test" / "tiny-llama"
+    shutil.copytree(example_multi_dir, local)
+    ckpt = open_checkpoint(REPO)
+    assert ckpt.root == Path(REPO) and ckpt.path.name == "model.safetensors.index.json"
+
+
+def test_cli_with_hub_ids(hub: Path, example_dir: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    got = runner.invoke(main, ["inspect", REPO, "-n", "2", "--json"])
+    want = runner.invoke(main, ["inspect", str(example_dir), "-n", "2", "--json"])
+    assert got.exit_code == 0 and json.loads(got.output) == json.loads(want.output)
+    got = runner.invoke(main, ["validate", str(example_dir / "shard_info.json"), "--model", f"{REPO}@v1", "-n", "2"])
+    assert got.exit_code == 0, got.output
+    before = sorted(str(p) for p in hub.rglob("*"))
+    got = runner.invoke(main, ["plan", REPO, "--overwrite"])
+    assert got.exit_code == 0, got.output
+    assert json.loads(got.stdout)["params"]  # no -o: the plan goes to stdout, never into the cache
+    snapshot = Path(huggingface_hub.snapshot_download(REPO, local_files_only=True))
+    got = runner.invoke(main, ["plan", REPO, "-o", str(snapshot / "shard_info.json"), "--overwrite"])
+    assert got.exit_code == 1 and "lies inside the Hugging Face cache" in got.output
+    assert sorted(str(p) for p in hub.rglob("*")) == before  # nothing was written into the cache
+    out = tmp_path / "tp2"
+    got = runner.invoke(main, ["convert", REPO, "-n", "2", "-o", str(out), "-q"])
+    assert got.exit_code == 0, got.output
+    for rank in range(2):
+        _equal(shardload.load_rank(out, rank, 2), shardload.load_rank(example_dir, rank, 2))
+    got = runner.invoke(main, ["verify", str(out), "--source", REPO])
+    assert got.exit_code == 0 and "every rank equals" in got.output, got.output
+
+
+@pytest.mark.parametrize("inside", ["blobs", "snapshots", "refs"])
+def test_convert_never_writes_into_the_cache(hub: Path, inside: str) -> None:
+    storage = hub / file_download.repo_folder_name(repo_id=REPO, repo_type="model")
+    with pytest.raises(ShardloadError, match="write the output elsewhere"):
+        shardload.convert(REPO, 2, storage / inside / "out")
+
+
+def test_download_patterns_fetch_weights_config_and_tokenizer_only() -> None:
+    """HUB_PATTERNS through huggingface_hub's own matcher (the one snapshot_download applies to allow_patterns)."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from shardload.sources.location import HUB_PATTERNS
+
+    repo_files = [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+        "config.json", "generation_config.json", "shard_info.json", "tokenizer.json", "tokenizer_config.json",
+        "tokenizer.model", "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
+        "pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "flax_model.msgpack", "tf_model.h5",
+        "original/consolidated.00.pth", "model.gguf", "README.md", ".gitattributes", "modeling_custom.py",
+    ]  # fmt: skip
+    fetched = set(filter_repo_objects(repo_files, allow_patterns=HUB_PATTERNS))
+    assert fetched == set(repo_files[:13])

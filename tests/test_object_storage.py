@@ -1,0 +1,346 @@
+"""Models in object storage: a real S3 server (moto in server mode) on loopback, behind a faulty proxy.
+
+Every load from ``s3://`` is compared element for element with the same load from the local directory it was
+uploaded from; the proxy counts the bytes each load fetched and injects transient failures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import shardload
+from shardload.errors import CheckpointError, ShardloadError
+
+if os.environ.get("CI") == "true":  # CI installs boto3 and moto[server] through the test extra: never skip there
+    import boto3  # noqa: F401
+    import moto.server  # noqa: F401
+else:
+    pytest.importorskip("boto3")
+    pytest.importorskip("moto.server")
+
+from s3_server import BUCKET, S3, use_endpoint
+
+from conftest import write_model
+from shardload.cli.main import main
+from shardload.sources import objects
+from shardload.sources.checkpoint import open_checkpoint, read_header
+from shardload.sources.object_reader import plan_requests
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3]:
+    server = S3()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def uris(s3: S3, example_dir: Path, example_multi_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The example model uploaded three ways: one file, an HF index over two files, converted for 2 ranks."""
+    converted = tmp_path_factory.mktemp("converted") / "tp2"
+    shardload.convert(example_dir, 2, converted)
+    return {
+        "single": (example_dir, s3.upload_dir(example_dir, "single")),
+        "multi": (example_multi_dir, s3.upload_dir(example_multi_dir, "multi")),
+        "converted": (converted, s3.upload_dir(converted, "converted")),
+    }
+
+
+@pytest.fixture
+def endpoint(s3: S3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[S3]:
+    """The server, reached through the proxy. The example model's column slices are rows of a few bytes: read
+    exactly (the default) they cost a GET per row, so these tests let requests merge through gaps; the byte
+    count test below runs the default on a model whose runs are long enough to fetch exactly."""
+    use_endpoint(monkeypatch, s3.url, tmp_path)
+    monkeypatch.setattr(objects, "MAX_WASTE", float("inf"))
+    s3.proxy.reset()
+    yield s3
+    s3.proxy.reset()
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("kind", ["single", "multi", "converted"])
+def test_load_rank_from_s3_equals_local(endpoint: S3, uris: dict, kind: str) -> None:
+    local, uri = uris[kind]
+    for rank in range(2):
+        _equal(shardload.load_rank(uri, rank, 2), shardload.load_rank(local, rank, 2))
+    assert endpoint.proxy.get_bytes() > 0  # the loads really went through the server
+    if kind == "converted":  # verify=True streams the rank file through sha256 against the manifest
+        _equal(shardload.load_rank(uri, 1, 2, verify=True), shardload.load_rank(local, 1, 2))
+
+
+def test_converted_rank_damaged_in_the_store(endpoint: S3, uris: dict, tmp_path: Path) -> None:
+    local, _ = uris["converted"]
+    damaged = tmp_path / "damaged"
+    shutil.copytree(local, damaged)
+    rank_file = damaged / "rank-00001-of-00002.safetensors"
+    data = bytearray(rank_file.read_bytes())
+    data[-1] ^= 0xFF  # same size, one byte changed: only the sha256 can tell
+    rank_file.write_bytes(bytes(data))
+    uri = endpoint.upload_dir(damaged, "damaged")
+    with pytest.raises(CheckpointError, match=r"rank-00001-of-00002.safetensors: does not match its sha256"):
+        shardload.load_rank(uri, 1, 2, verify=True)
+
+
+@pytest.mark.parametrize("kind", ["single", "multi"])
+def test_load_all_ranks_and_mesh_from_s3(endpoint: S3, uris: dict, kind: str) -> None:
+    local, uri = uris[kind]
+    cpus = ["cpu"] * 4
+    for got, want in zip(shardload.load(uri, 4, devices=cpus), shardload.load(local, 4, devices=cpus), strict=True):
+        _equal(got, want)
+    _equal(shardload.load_rank(uri, 3, mesh="pp=2,tp=2"), shardload.load_rank(local, 3, mesh="pp=2,tp=2"))
+
+
+def _header_bytes(files: list[Path]) -> int:
+    return sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in files)
+
+
+def _wide_model(directory: Path) -> Path:
+    """Column slices of rows long enough to fetch exactly, a row split, a 3-d slice and replicated tensors."""
+    rng = np.random.default_rng(5)
+    shard = {
+        "col.weight": [["shard_funcs.shard_dim", [None, None], 1, "num_shards"]],
+        "row.weight": [["shard_funcs.shard_dim", [None, None], 0, "num_shards"]],
+        "cube.weight": [["shard_funcs.shard_dim", [None, None], 2, "num_shards"]],
+    }
+    tensors = {
+        "col.weight": rng.standard_normal((24, 8192)).astype("float16"),
+        "row.weight": rng.standard_normal((4096, 24)).astype("float32"),
+        "cube.weight": rng.standard_normal((3, 4, 4096)).astype("float16"),
+        "norm.weight": rng.standard_normal(4096).astype("float32"),
+        "mid.bias": rng.standard_normal(1000).astype("float16"),
+    }
+    return write_model(directory, tensors, {"version": 1, "params": shard})
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_each_rank_fetches_only_its_bytes(
+    endpoint: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int
+) -> None:
+    """Counted at the server, default request limits: a rank's GETs of the weights carry the header and at most
+    1.05x its own bytes (replicated tensors included), every one a range request, never the whole object."""
+    monkeypatch.setattr(objects, "MAX_WASTE", 0.05)
+    local = _wide_model(tmp_path / "wide")
+    uri = endpoint.upload_dir(local, f"wide-{n}")
+    weights = local / "model.safetensors"
+    for rank in range(n):
+        endpoint.proxy.reset()
+        state = shardload.load_rank(uri, rank, n)
+        _equal(state, shardload.load_rank(local, rank, n))
+        own = sum(t.numel() * t.element_size() for t in state.values())
+        assert own < weights.stat().st_size / 1.5  # it holds a part, so fetching it all could not pass below
+        fetched = endpoint.proxy.get_bytes(".safetensors")
+        assert own + _header_bytes([weights]) <= fetched <= 1.05 * own + _header_bytes([weights]), (rank, fetched)
+        gets = [s for s in endpoint.proxy.served if s.method == "GET" and s.key.endswith(".safetensors")]
+        assert gets and all(s.range is not None and s.range[1] - s.range[0] < weights.stat().st_size for s in gets)
+
+
+def test_staged_reads_from_s3(endpoint: S3, uris: dict) -> None:
+    """The path a GPU destination takes (reads into staging buffers, then copies), run on the CPU."""
+    from shardload.engine.load import run_plan
+
+    local, uri = uris["multi"]
+    plan = shardload.plan_model(uri, 4)
+    for rank in (0, 3):
+        _equal(run_plan(plan, [rank], ["cpu"], staged=True)[0], shardload.load_rank(local, rank, 4))
+
+
+def test_progress_of_a_load_from_s3(endpoint: S3, uris: dict) -> None:
+    local, uri = uris["multi"]
+    seen: list[tuple[int, int]] = []
+    state = shardload.load_rank(uri, 1, 2, progress=lambda done, total: seen.append((done, total)))
+    _equal(state, shardload.load_rank(local, 1, 2))
+    assert seen and seen[-1][0] == seen[-1][1] and [d for d, _ in seen] == list(range(1, len(seen) + 1))
+
+
+def test_converted_rank_fetches_its_file_only(endpoint: S3, uris: dict) -> None:
+    local, uri = uris["converted"]
+    shardload.load_rank(uri, 1, 2)
+    served = {s.key.rsplit("/", 1)[-1] for s in endpoint.proxy.served if s.method == "GET"}
+    assert "rank-00000-of-00002.safetensors" not in served
+    rank_file = local / "rank-00001-of-00002.safetensors"
+    assert endpoint.proxy.get_bytes("rank-00001-of-00002.safetensors") == rank_file.stat().st_size + _header_bytes(
+        [rank_file]
+    )  # the header (read to check the file), then the tensors
+
+
+@pytest.mark.parametrize("fault", ["503", "500", "reset", "cut"])
+def test_transient_failures_are_retried(endpoint: S3, uris: dict, fault: str) -> None:
+    local, uri = uris["multi"]
+    want = [shardload.load_rank(local, r, 2) for r in range(2)]
+    endpoint.proxy.faults.kind = fault
+    endpoint.proxy.faults.every = 4
+    for rank in range(2):
+        _equal(shardload.load_rank(uri, rank, 2), want[rank])
+    assert endpoint.proxy.faults.injected >= 2
+
+
+def test_retry_policy_is_botocores_standard_mode(endpoint: S3, uris: dict) -> None:
+    from shardload.sources import s3 as s3_store
+    from shardload.sources.location import object_path
+
+    store = object_path(uris["single"][1]).store
+    retries = store.client.meta.config.retries
+    assert retries["mode"] == "standard" and retries["total_max_attempts"] == s3_store.ATTEMPTS
+
+
+def test_throttling_past_the_retry_budget_is_one_line(endpoint: S3, uris: dict, monkeypatch) -> None:
+    from shardload.sources import s3 as s3_store
+
+    monkeypatch.setattr(s3_store, "ATTEMPTS", 2)
+    endpoint.proxy.faults.kind = "503"
+    endpoint.proxy.faults.every = 1
+    uri = uris["single"][1]
+    with pytest.raises(CheckpointError) as err:
+        shardload.load_rank(uri, 0, 2)
+    assert err.value.message == f"{uri}: the store answered SlowDown (HTTP 503) after 2 attempts"  # its listing
+
+
+def test_permanent_errors_name_bucket_and_key(endpoint: S3, uris: dict) -> None:
+    uri = uris["single"][1]
+    with pytest.raises(CheckpointError) as err:
+        shardload.load_rank(f"s3://{BUCKET}/no-such-model", 0, 2)
+    assert err.value.message == f"s3://{BUCKET}/no-such-model: no such object, and no objects under this prefix"
+    with pytest.raises(CheckpointError) as err:
+        shardload.load_rank("s3://no-such-bucket/model", 0, 2)
+    assert err.value.message == "s3://no-such-bucket/model: no such bucket"
+    endpoint.proxy.faults.forbidden.add("single/model.safetensors")
+    with pytest.raises(CheckpointError) as err:
+        shardload.load_rank(uri, 0, 2)
+    message = err.value.message
+    assert message == f"{uri}/model.safetensors: access denied (check the credentials and the bucket policy)"
+    assert "testing" not in message and "\n" not in message  # never a credential
+
+
+def test_index_naming_a_missing_object(endpoint: S3, example_multi_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(example_multi_dir, broken)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = "model-00009-of-00009.safetensors"
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    uri = endpoint.upload_dir(broken, "broken-index")
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(uri)
+    assert err.value.message == (
+        f"{uri}/model.safetensors.index.json: references missing file 'model-00009-of-00009.safetensors'"
+    )
+
+
+def test_cli_over_s3(endpoint: S3, uris: dict, tmp_path: Path) -> None:
+    local, uri = uris["single"]
+    runner = CliRunner()
+    got = runner.invoke(main, ["inspect", uri, "-n", "2", "--json"])
+    assert got.exit_code == 0, got.output
+    want = runner.invoke(main, ["inspect", str(local), "-n", "2", "--json"])
+    assert json.loads(got.output) == json.loads(want.output)
+    got = runner.invoke(main, ["validate", str(local / "shard_info.json"), "--model", uri, "-n", "2", "-n", "4"])
+    assert got.exit_code == 0 and "valid for num_shards 2, 4" in got.output, got.output
+    out = tmp_path / "tp2"
+    got = runner.invoke(main, ["convert", uri, "-n", "2", "-o", str(out), "-q"])
+    assert got.exit_code == 0, got.output
+    assert (out / "config.json").read_bytes() == (local / "config.json").read_bytes()  # companions came along
+    for rank in range(2):
+        _equal(shardload.load_rank(out, rank, 2), shardload.load_rank(local, rank, 2))
+    got = runner.invoke(main, ["verify", str(out), "--source", uri])
+    assert got.exit_code == 0 and "every rank equals" in got.output, got.output
+    got = runner.invoke(main, ["plan", uri, "--overwrite"])
+    assert got.exit_code == 0, got.output
+    plan_doc = json.loads(got.stdout)  # no -o: a model in object storage gets its plan on stdout
+    assert plan_doc["params"]
+    got = runner.invoke(main, ["inspect", f"s3://{BUCKET}/nothing-here", "-n", "2"])
+    assert got.exit_code == 1
+    assert got.output == f"error: s3://{BUCKET}/nothing-here: no such object, and no objects under this prefix\n"
+
+
+def test_config_json_is_read_like_a_local_one(endpoint: S3, example_dir: Path, tmp_path: Path) -> None:
+    from shardload.models.plan_source import plan_shard_info
+
+    bare = tmp_path / "bare"
+    shutil.copytree(example_dir, bare)
+    (bare / "shard_info.json").unlink()
+    uri = endpoint.upload_dir(bare, "bare")
+    remote, how = plan_shard_info(open_checkpoint(uri), None)
+    local, _ = plan_shard_info(open_checkpoint(bare), None)
+    assert "config.json" in how and remote.source == f"<planned from {uri}/config.json>"
+    assert remote.params == local.params
+
+
+def test_single_object_uri_and_header_by_ranges(endpoint: S3, uris: dict) -> None:
+    local, uri = uris["single"]
+    ckpt = open_checkpoint(f"{uri}/model.safetensors")
+    assert ckpt.tensors.keys() == read_header(local / "model.safetensors").keys()
+    gets = [s for s in endpoint.proxy.served if s.method == "GET"]
+    assert [g.range for g in gets] == [(0, 8), (8, 8 + _header_bytes([local / "model.safetensors"]) - 8)]
+
+
+def test_mmap_over_s3_is_an_error(endpoint: S3, uris: dict) -> None:
+    uri = uris["converted"][1]
+    with pytest.raises(ShardloadError, match="mmap=True maps local files; this model is in object storage"):
+        shardload.load_rank(uri, 0, 2, mmap=True)
+
+
+def test_unsupported_scheme_is_one_line() -> None:
+    with pytest.raises(CheckpointError, match=r"^gs://b/m: gs:// is not a supported object store"):
+        shardload.load_rank("gs://b/m", 0, 2)
+
+
+def test_plan_requests_merge_split_and_waste(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(objects, "REQUEST_BYTES", 100)
+    monkeypatch.setattr(objects, "MERGE_GAP", 10)
+    monkeypatch.setattr(objects, "MAX_WASTE", 0.05)
+    # adjacent runs share a request; a 4-byte gap among 200 bytes of runs is within 5%; a long run is split
+    assert plan_requests([0, 40, 84, 300], [40, 40, 16, 250]) == [
+        (0, 3, 0, 100), (3, 4, 300, 400), (3, 4, 400, 500), (3, 4, 500, 550),
+    ]  # fmt: skip
+    # a gap over MERGE_GAP, or one costing more than 5% of the bytes wanted, starts a new request
+    assert plan_requests([0, 30], [10, 10]) == [(0, 1, 0, 10), (1, 2, 30, 40)]
+    assert plan_requests([0, 15], [10, 10]) == [(0, 1, 0, 10), (1, 2, 15, 25)]
+    monkeypatch.setattr(objects, "MAX_WASTE", float("inf"))
+    assert plan_requests([0, 15], [10, 10]) == [(0, 2, 0, 25)]
+    # overlapping runs (bytes two ranks hold) are fetched once
+    assert plan_requests([0, 5], [10, 10]) == [(0, 2, 0, 15)]
+
+
+def test_tuned_requests_still_load_equal(endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small requests with generous merging: many more, split and merged GETs, the same tensors."""
+    local, uri = uris["single"]
+    monkeypatch.setattr(objects, "REQUEST_BYTES", 4096)
+    monkeypatch.setattr(objects, "MAX_WASTE", float("inf"))
+    state = shardload.load_rank(uri, 1, 4)
+    _equal(state, shardload.load_rank(local, 1, 4))
+    own = sum(t.numel() * t.element_size() for t in state.values())
+    assert endpoint.proxy.get_bytes(".safetensors") > 1.05 * own  # merging through gaps fetched more
+
+
+def test_unreachable_endpoint_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import socket
+
+    from shardload.sources import s3 as s3_store
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    use_endpoint(monkeypatch, f"http://127.0.0.1:{port}", tmp_path)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "very-secret-key")
+    monkeypatch.setattr(s3_store, "ATTEMPTS", 2)
+    result = CliRunner().invoke(main, ["inspect", f"s3://{BUCKET}/model", "-n", "2"])
+    assert result.exit_code == 1
+    assert result.output == f"error: s3://{BUCKET}/model: cannot reach the store: EndpointConnectionError\n"
