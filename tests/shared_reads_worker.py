@@ -5,7 +5,8 @@ tests/test_shared_reads.py; not a test itself).
 
 CASES_JSON is a list of ``{"model": DIR, "mesh": "dp=2,tp=2" | null, "chunk": BYTES | null}``, optionally with
 ``"groups": [[0, 2], [1, 3]]`` (share within these subgroups instead of the whole world); a mesh
-``"device:dp=2,tp=2"`` is passed as a torch ``DeviceMesh`` with those named axes. For each case
+``"device:dp=2,tp=2"`` is passed as a torch ``DeviceMesh`` with those named axes; ``"reference": DIR`` makes the
+plain load read that local copy (of a model in object storage) instead. For each case
 the rank loads its shard plainly and with shared reads, each inside ``count_reads``, compares the two element
 for element, and rank 0 prints one ``RESULT {json}`` line: bytes read by the whole group both ways and the
 tensor bytes of the checkpoint.
@@ -106,8 +107,8 @@ def main() -> None:
             group = dist.new_group(members)
             if rank in members:
                 share = group
-        with count_reads() as plain_count:
-            plain = shardload.load_rank(model, mesh=mesh, device=device)
+        with count_reads() as plain_count:  # the same model, or its local copy ("reference")
+            plain = shardload.load_rank(case.get("reference", model), mesh=mesh, device=device)
         started = time.monotonic()
         rounds: list[tuple[int, int]] = []
         with count_reads() as shared_count:

@@ -259,15 +259,16 @@ def _port() -> int:
 
 
 def test_torchrun_groups_read_each_byte_once(
-    example_multi_dir: Path, qwen_dir: Path, compute_dir: Path, tmp_path: Path
+    example_multi_dir: Path, qwen_dir: Path, compute_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """4 processes on gloo: dp=2 x tp=2 (a two-file checkpoint, 4 KiB chunks: hundreds of rounds), pp=2 x tp=2 (as a
     torch DeviceMesh) and
     a plain tp=4 group (one KV head replicated on every rank), compute steps, and the dp replicas of a converted
-    directory. Each rank compares with plain load_rank element for element (in the worker); the group reads each
-    stored byte once, where plain loads read more."""
+    directory, and a checkpoint in S3. Each rank compares with plain load_rank element for element (in the worker);
+    the group reads each stored byte once, where plain loads read more."""
     converted = tmp_path / "tp2"
     shardload.convert(example_multi_dir, 2, converted)
+    s3 = object_store(tmp_path, monkeypatch)
     cases = [
         {"model": str(example_multi_dir), "mesh": "dp=2,tp=2", "chunk": 4096},
         {"model": str(qwen_dir), "mesh": "device:pp=2,tp=2", "chunk": 3000},
@@ -276,9 +277,17 @@ def test_torchrun_groups_read_each_byte_once(
         {"model": str(converted), "mesh": "dp=2,tp=2", "chunk": 8192},
         {"model": str(example_multi_dir), "mesh": "dp=2,tp=2", "chunk": 4096, "groups": [[0, 2], [1, 3]]},
     ]
+    if s3 is not None:  # the two-file checkpoint from S3 (moto on loopback), compared with the local copy
+        cases.insert(-1, {"model": s3.upload_dir(example_multi_dir, "shared"), "reference": str(example_multi_dir),
+                          "mesh": "dp=2,tp=2", "chunk": 65536})  # fmt: skip
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                str(WORKER), json.dumps(cases)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=ENV)
+    try:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # with the S3 endpoint's settings
+        done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    finally:
+        if s3 is not None:
+            s3.close()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert [r["mesh"] for r in results] == [c["mesh"] for c in cases]
@@ -290,6 +299,22 @@ def test_torchrun_groups_read_each_byte_once(
         assert r["plain"] > r["stored"], r  # every rank reading for itself reads replicated bytes again
     assert results[0]["plain"] >= 2 * results[0]["stored"]  # two dp replicas
     assert results[0]["rounds"] > 100 and results[2]["rounds"] == 1  # 4 KiB chunks; the default: one round
+
+
+def object_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A started S3 server (moto on loopback) with this process's environment pointed at it, or None where boto3 or
+    moto is missing (never in CI, whose test extra installs both)."""
+    if os.environ.get("CI") != "true":
+        try:
+            import boto3  # noqa: F401
+            import moto.server  # noqa: F401
+        except ImportError:
+            return None
+    from s3_server import S3, use_endpoint
+
+    server = S3()
+    use_endpoint(monkeypatch, server.url, tmp_path)
+    return server
 
 
 def spawn(cases: list[dict], env: dict[str, str], ranks: int = 4) -> list[subprocess.Popen[str]]:
