@@ -112,15 +112,15 @@ def load(
     return result
 
 
-def _progress_line(label: str) -> Callable[[int, int], None] | None:
-    """A callback drawing ``label: done/total (pct)`` on stderr, or None when stderr is not a terminal."""
+def _progress_line(label: str, unit: str = "read jobs") -> Callable[[int, int], None] | None:
+    """A callback drawing ``label: done/total unit (pct)`` on stderr, or None when stderr is not a terminal."""
     import sys
 
     if not sys.stderr.isatty():
         return None
 
     def draw(done: int, total: int) -> None:
-        sys.stderr.write(f"\r{label}: {done}/{total} read jobs ({100 * done // total}%)")
+        sys.stderr.write(f"\r{label}: {done}/{total} {unit} ({100 * done // total}%)")
         if done == total:
             sys.stderr.write("\n")
         sys.stderr.flush()
@@ -225,6 +225,7 @@ def load_rank(
     mesh: Any = None,
     verify: bool = False,
     mmap: bool = False,
+    share_reads: Any = False,
     progress: bool | Callable[[int, int], None] = False,
 ) -> dict[str, torch.Tensor]:
     """Load only rank ``rank``'s shard of ``model`` onto ``device``, reading only the bytes it needs.
@@ -242,12 +243,22 @@ def load_rank(
     rewritten in place while the views live (the process would get SIGBUS), which a directory written
     by :func:`convert` never is.
 
-    ``progress=True`` draws a progress line on stderr when it is a terminal (worth it for a model read from object
-    storage); a callable gets ``(read jobs done, total)``.
+    ``share_reads=True`` (or a ``torch.distributed`` process group; True is the default group) shares the reading
+    with the other ranks of the group, which all make the same call with their own rank: the bytes any of them
+    needs are split into chunks, each read from storage by exactly one rank, and exchanged over the group's
+    collectives (gloo on CPU, NCCL on GPU), so dp replicas, pipeline stages and tensors replicated across tp
+    ranks cost the storage one read per group instead of one per rank. Memory for the exchange stays under
+    ``shardload.engine.exchange.EXCHANGE_BYTES``; a rank that dies or hangs makes the others fail with a
+    :class:`ShardloadError` within ``EXCHANGE_TIMEOUT`` seconds, and ranks that planned different checkpoints or
+    shard_infos are refused before any byte moves.
+
+    ``progress=True`` draws a progress line on stderr when it is a terminal (under torch.distributed only on
+    the first rank of each node); a callable gets ``(done, total)`` (read jobs, or exchange rounds).
 
     Example::
 
         state = shardload.load_rank("llama-dir", rank=1, num_shards=4, device="cuda:1")
+        shared = shardload.load_rank("llama-dir", mesh="dp=2,tp=4", share_reads=True)  # under torchrun
         stage = shardload.load_rank("llama-dir", rank=5, mesh="pp=2,tp=4")   # stage 1, tp rank 1
         cpu = shardload.load_rank("llama-tp8", rank=0, num_shards=8, mmap=True)  # views of rank 0's file
     """
@@ -265,6 +276,14 @@ def load_rank(
         error = CheckpointError if checkpoint.kind == "converted" else ShardloadError
         raise error(f"rank {rank} is out of range for {what}", file=str(model))
     coord = layout.coord(rank)
+    shared = share_reads is not False and share_reads is not None
+    group = _share_group(share_reads, str(model), mmap) if shared else None
+    if shared and checkpoint.presharded is not None:
+        raise ShardloadError(
+            "share_reads works on a source checkpoint or a converted directory; a pre-sharded one is read rank by "
+            "rank (load it without share_reads)",
+            file=str(model),
+        )
     if mmap and isinstance(checkpoint.path, ObjectPath):
         raise ShardloadError(
             "mmap=True maps local files; this model is in object storage (load without mmap, or convert it to a "
@@ -275,16 +294,93 @@ def load_rank(
         raise ShardloadError(
             f"mmap=True maps files into host memory; it needs device='cpu', not {device!r}", file=str(model)
         )
+    call = _rank_progress(progress, f"loading rank {rank}", "exchange rounds" if shared else "read jobs")
     if checkpoint.kind == "converted":
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
+        if shared:
+            return _load_converted_shared(checkpoint, layout, coord, device, verify, group, call)
         return _load_converted_rank(checkpoint, layout, coord, device, verify, mmap)
     if checkpoint.presharded is not None:
         return _load_presharded_rank(checkpoint, shard_info, layout, coord, device, mmap)
     plan = build_plan(shard_info_for(checkpoint, shard_info), checkpoint, layout.tp)
-    stage = stages_of(plan, layout)[coord.pp]
-    call = _progress_line(f"loading rank {rank}") if progress is True else (progress if callable(progress) else None)
-    return run_plan(stage, [coord.tp], [device], mmap=mmap, progress=call)[0]
+    stages = stages_of(plan, layout)
+    if shared:
+        from ..planning.group_reads import plan_digest
+        from .exchange import load_shared
+
+        def slot_params(key: tuple[int, int]) -> tuple[list[ParamPlan], int]:
+            return list(stages[key[0]].params.values()), key[1]
+
+        digest = plan_digest(plan, stages) + str(layout).encode()
+        with reader_for(_first_file(plan)) as reader:
+            return load_shared(slot_params, digest, (coord.pp, coord.tp), device, reader, group, call, str(model))
+    return run_plan(stages[coord.pp], [coord.tp], [device], mmap=mmap, progress=call)[0]
+
+
+def _load_converted_shared(
+    checkpoint: Checkpoint,
+    layout: Mesh,
+    coord: MeshCoord,
+    device: Any,
+    verify: bool,
+    group: Any,
+    progress: Callable[[int, int], None] | None,
+) -> dict[str, torch.Tensor]:
+    """A rank of a converted directory, the reading of the group's rank files shared (dp replicas read each once).
+    ``verify`` checks this rank's own file's sha256 (reading it once more); every file's size is checked."""
+    import hashlib
+    import json
+
+    from ..planning.group_reads import whole_tensors
+    from .exchange import load_shared
+
+    own = (coord.pp, coord.tp)
+
+    def slot_params(key: tuple[int, int]) -> tuple[list[ParamPlan], int]:
+        path = rank_file(checkpoint, key[1], layout, stage=key[0], checksum=verify and key == own)
+        return whole_tensors(read_header(path).values()), 0
+
+    manifest = json.dumps(checkpoint.manifest, sort_keys=True, default=str).encode()
+    digest = hashlib.sha256(manifest + str(layout).encode()).digest()
+    with reader_for(checkpoint.path) as reader:
+        return load_shared(slot_params, digest, own, device, reader, group, progress, str(checkpoint.path))
+
+
+def _share_group(share_reads: Any, where: str, mmap: bool) -> Any:
+    """The process group ``share_reads`` names (True: the default group), checked to be usable."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ShardloadError("share_reads needs an initialised torch.distributed process group", file=where)
+    if mmap:
+        raise ShardloadError("share_reads and mmap=True exclude each other (views of a file are not exchanged)",
+                             file=where)  # fmt: skip
+    if share_reads is True:
+        return None
+    if isinstance(share_reads, dist.ProcessGroup):
+        if dist.get_rank(share_reads) < 0:
+            raise ShardloadError("share_reads names a process group this rank is not a member of", file=where)
+        return share_reads
+    raise ShardloadError(f"share_reads must be True, False or a torch.distributed ProcessGroup, got {share_reads!r}",
+                         file=where)  # fmt: skip
+
+
+def _rank_progress(progress: Any, label: str, unit: str) -> Callable[[int, int], None] | None:
+    """The progress callback of one rank: a callable as given; True draws a line on a terminal, under
+    torch.distributed only on the node's first rank (``LOCAL_RANK`` 0, else global rank 0)."""
+    if callable(progress):
+        return progress
+    if progress is not True:
+        return None
+    import torch.distributed as dist
+
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None:
+        first = local == "0"
+    else:
+        first = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return _progress_line(label, unit) if first else None
 
 
 def _device_type(device: Any) -> str:

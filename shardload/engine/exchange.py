@@ -1,0 +1,227 @@
+"""Loading one rank's shard with the reading shared across a torch.distributed group (``load_rank(share_reads=)``).
+
+The ranks first exchange their (stage, tp rank) and a digest of their plan (a rank that planned another
+checkpoint or shard_info is refused before any byte moves), then each computes the same
+:class:`~shardload.planning.group_reads.GroupReads`. Per round every rank reads one chunk of the bytes the group
+needs (each stored byte read by exactly one rank), copies out what each member needs, and one
+``all_to_all_single`` delivers it; the rank copies what it received into its tensors. A thread reads round
+``k + 1``'s chunk while round ``k`` is exchanged. Every collective is waited on with :data:`EXCHANGE_TIMEOUT`, so a
+rank that dies or hangs makes the others fail with one line instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import re
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ShardloadError
+from ..planning.group_reads import GroupReads, choose_chunk, file_bases, slot_needs, strided
+from ..sources.dtypes import to_torch
+from ..sources.reader import PAGE
+from .steps import run_steps
+from .transfer import fill_padding
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..planning.group_reads import StridedCopies
+    from ..planning.plan import ParamPlan
+    from ..sources.reader import Reader
+
+EXCHANGE_BYTES = 256 << 20
+"""Bytes of exchange buffers per rank, at most: two chunk buffers (one being read, one being sent) plus a send
+and a receive buffer of up to one chunk per member, so a group of ``G`` ranks reads chunks of at most
+``EXCHANGE_BYTES / (2 G + 2)`` bytes (25.6 MiB for 4 ranks, 1.9 MiB for 64; smaller for a small model, see
+:data:`MIN_ROUNDS`). The rank's own tensors come on top."""
+MIN_ROUNDS = 8
+"""Chunks are made small enough for at least this many rounds (down to :data:`MIN_CHUNK`): the last round's exchange
+is the one no read overlaps, so on a small model smaller chunks finish sooner."""
+MIN_CHUNK = 1 << 20
+"""Chunks are at least this many bytes (unless the memory bound says less): every round costs a collective."""
+EXCHANGE_TIMEOUT = 300.0
+"""Seconds a rank waits for one collective of the exchange before it fails with a :class:`ShardloadError` (a rank
+that died is usually noticed at once: its connections close). A round waits for the slowest rank's read of one
+chunk, so this only has to exceed that (and the planning of the slowest rank, for the first collective)."""
+
+
+def load_shared(
+    slot_params: Callable[[tuple[int, int]], tuple[Sequence[ParamPlan], int]],
+    digest: bytes,
+    slot: tuple[int, int],
+    device: torch.device,
+    reader: Reader,
+    group: Any = None,
+    progress: Callable[[int, int], None] | None = None,
+    where: str = "",
+) -> dict[str, torch.Tensor]:
+    """This rank's tensors, the reading shared with the ranks of ``group`` (None: the default process group), each
+    of which calls this with its own ``slot`` (stage, tp rank).
+
+    ``slot_params(slot)`` gives the parameter plans a slot builds and the rank of those plans it takes (the same on
+    every rank, computed without I/O beyond headers); ``digest`` hashes what this rank planned, so that ranks
+    that planned differently are refused before any byte moves.
+    """
+    import torch
+    import torch.distributed as dist
+
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    comm = _comm_device(group, device)
+    most = max(PAGE, EXCHANGE_BYTES // (2 * size + 2) // PAGE * PAGE)
+    digest = hashlib.sha256(digest + repr((size, most, MIN_ROUNDS, MIN_CHUNK)).encode()).digest()
+    mine = torch.tensor([slot[0], slot[1], *digest], dtype=torch.int64, device=comm)
+    rows = [torch.empty_like(mine) for _ in range(size)]
+    _wait(dist.all_gather(rows, mine, group=group, async_op=True), comm, "while the ranks compared their plans")
+    table = [row.tolist() for row in rows]
+    for i, row in enumerate(table):
+        if row[2:] != table[0][2:]:
+            ranks = _global(group, [0, i])
+            raise ShardloadError(
+                f"rank {ranks[1]} planned a different checkpoint, shard_info or mesh than rank {ranks[0]} (their plan "
+                "digests differ): every rank sharing reads must load the same model the same way",
+                file=where,
+            )
+    members = [(int(row[0]), int(row[1])) for row in table]
+    keys = sorted(set(members))
+    plans = {key: slot_params(key) for key in keys}
+    bases = file_bases([p for key in keys for p in plans[key][0]])
+    needs = {key: slot_needs(plans[key][0], plans[key][1], bases) for key in keys}
+    schedule = GroupReads.build(members, needs, most)
+    chunk = choose_chunk(schedule.union.total, size, most, MIN_ROUNDS, MIN_CHUNK)
+    schedule = schedule.with_chunk(chunk)
+    own = needs[slot]
+    taken = plans[slot][1]  # the rank of the slot's plans this rank takes
+
+    dests: list[torch.Tensor] = []
+    for p, whole in zip(own.params, own.whole, strict=True):
+        if whole:  # the stored tensor, gathered on the CPU; the steps run once its last byte is in
+            dests.append(torch.empty(p.source.shape, dtype=to_torch(p.source.dtype)))
+        else:
+            dests.append(torch.empty(p.shape, dtype=to_torch(p.dtype), device=device))
+            fill_padding(p, taken, dests[-1])  # zeros no stored byte maps to (a padded vocabulary)
+    flat = [t.reshape(-1).view(torch.uint8) for t in dests]
+    result: dict[str, torch.Tensor] = {p.name: t for p, t in zip(own.params, dests, strict=True)}
+    last = schedule.last_round(slot)
+    finish: list[list[int]] = [[] for _ in range(schedule.rounds + 1)]  # compute-step parameters done after round
+    for k, r in enumerate(last):
+        if own.whole[k]:
+            finish[r + 1].append(k)
+
+    def complete(done: list[int]) -> None:
+        for k in done:
+            p = own.params[k]
+            part = run_steps(p, dests[k])[taken]
+            result[p.name] = part.to(device, copy=True, memory_format=torch.contiguous_format)
+            dests[k] = flat[k] = torch.empty(0, dtype=torch.uint8)  # the whole stored tensor is no longer needed
+
+    complete(finish[0])
+    unpack = schedule.unpack(slot)
+    pin = comm.type == "cuda"
+    buffers = [torch.empty(chunk, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+    send_host = torch.empty(0, dtype=torch.uint8, pin_memory=pin)
+    recv = torch.empty(0, dtype=torch.uint8, device=comm)
+
+    def read(k: int) -> None:
+        for path, runs in schedule.reads(k, me, bases):
+            reader.read_runs(path, runs.src, runs.length, runs.buf, runs.dst, [buffers[k % 2]])
+
+    with ThreadPoolExecutor(1, thread_name_prefix="shardload-exchange") as pool:
+        pending: Future[None] | None = pool.submit(read, 0) if schedule.rounds else None
+        for k in range(schedule.rounds):
+            assert pending is not None
+            pending.result()
+            pending = pool.submit(read, k + 1) if k + 1 < schedule.rounds else None
+            sizes, pack = schedule.pack(k, me)
+            total = sum(sizes)
+            if send_host.numel() < total:
+                send_host = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+            _copy(buffers[k % 2], strided(pack), [send_host])
+            send = send_host[:total].to(comm) if pin else send_host[:total]
+            splits = schedule.splits(k, slot)
+            if recv.numel() < sum(splits):
+                recv = torch.empty(sum(splits), dtype=torch.uint8, device=comm)
+            got = recv[: sum(splits)]
+            work = dist.all_to_all_single(got, send, splits, sizes, group=group, async_op=True)
+            _wait(work, comm, f"in exchange round {k + 1} of {schedule.rounds}")
+            _copy(got, strided(unpack[k]), flat)
+            complete(finish[k + 1])
+            if progress is not None:
+                progress(k + 1, schedule.rounds)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result
+
+
+def _copy(src: torch.Tensor, copies: StridedCopies, dests: Sequence[torch.Tensor]) -> None:
+    """Apply strided copies from the byte tensor ``src`` into the byte tensors ``dests``."""
+    import torch
+
+    rows = zip(
+        copies.src.tolist(), copies.src_step.tolist(), copies.dst.tolist(), copies.dst_step.tolist(),
+        copies.buf.tolist(), copies.length.tolist(), copies.count.tolist(), strict=True,
+    )  # fmt: skip
+    for s, s_step, d, d_step, b, n, count in rows:
+        out = dests[b]
+        if count == 1:
+            out[d : d + n].copy_(src[s : s + n])
+            continue
+        a = torch.as_strided(src, (count, n), (s_step, 1), src.storage_offset() + s)
+        z = torch.as_strided(out, (count, n), (d_step, 1), out.storage_offset() + d)
+        z.copy_(a)
+
+
+def _comm_device(group: Any, device: torch.device) -> torch.device:
+    """Where the exchange's tensors live: the rank's CUDA device under NCCL, else the CPU (gloo)."""
+    import torch
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" not in backend:
+        return torch.device("cpu")
+    if device.type == "cuda":
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+    if "gloo" in backend:  # a CPU load on a mixed group: gloo carries CPU tensors
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*")
+
+
+def _wait(work: Any, comm: torch.device, what: str) -> None:
+    """Wait for one collective, at most :data:`EXCHANGE_TIMEOUT` seconds; any failure is one ShardloadError line."""
+    timeout = EXCHANGE_TIMEOUT
+    try:
+        if comm.type == "cuda":  # NCCL work completes on the device: poll it, so a dead peer cannot hang us
+            deadline = time.monotonic() + timeout
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+                time.sleep(0.001)
+            work.wait()
+        else:
+            work.wait(datetime.timedelta(seconds=timeout))
+    except (RuntimeError, TimeoutError) as err:
+        reason = _SOURCE_PREFIX.sub("", str(err).strip().splitlines()[0] if str(err).strip() else "")
+        if isinstance(err, TimeoutError) or "timed out" in reason.lower():
+            raise ShardloadError(
+                f"shared reads: no answer from the group within {timeout:g} s {what}: "
+                "another rank died, hangs or is not calling load_rank(share_reads=...)"
+            ) from None
+        reason = reason.split(". ")[0][:160]
+        raise ShardloadError(
+            f"shared reads: the exchange failed {what}: another rank of the group died or failed ({reason})"
+        ) from None
+
+
+def _global(group: Any, ranks: list[int]) -> list[int]:
+    """Global ranks of group ranks ``ranks``."""
+    import torch.distributed as dist
+
+    if group is None:
+        return ranks
+    return [dist.get_global_rank(group, r) for r in ranks]

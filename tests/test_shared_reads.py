@@ -1,0 +1,421 @@
+"""load_rank(share_reads=True): the ranks of a process group split the reading, each stored byte read once, and
+exchange over collectives. The schedule is checked in-process (every member simulated, element for element against
+plain load_rank), then real processes run it on gloo: torchrun with dp x tp, pp x tp and plain tp groups, and
+directly spawned groups in which a rank dies, hangs, or planned another shard_info."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import shardload
+import tiny_models
+from conftest import write_model
+from shardload.cli.main import main
+from shardload.engine.load import _rank_progress
+from shardload.planning.group_reads import GroupReads, choose_chunk, file_bases, slot_needs, strided
+from shardload.planning.mesh import Mesh, stage_plans
+from shardload.planning.plan import build_plan, resolve_shard_info
+from shardload.planning.runs import Runs
+from shardload.sources.checkpoint import open_checkpoint
+from shardload.sources.reader import Reader
+
+WORKER = Path(__file__).resolve().parent / "shared_reads_worker.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Qwen2 with one KV head (replicated on every tp rank), qkv biases, tied embeddings and a vocabulary of 250
+    rows, planned with vLLM's padding (at N=4 the last rank's rows end in zeros no stored byte maps to)."""
+    model_dir = tmp_path_factory.mktemp("shared") / "qwen2"
+    tiny_models.build("qwen2", model_dir, num_key_value_heads=1, vocab_size=250)
+    planned = CliRunner().invoke(main, ["plan", str(model_dir), "-n", "4", "--vocab-padding", "vllm"])
+    assert planned.exit_code == 0, planned.output
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def compute_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model with compute steps (shard_shape, shard_group_index: read whole, then the steps run), a column slice and
+    a replicated bias."""
+    rng = np.random.default_rng(0)
+    tensors = {
+        "a.weight": rng.standard_normal((8, 12)).astype("float32"),
+        "a.bias": rng.standard_normal(12).astype("float32"),
+        "q.weight_shape": np.array([8, 12], dtype=np.int64),
+        "q.g_idx": np.array([0, 0, 0, 1, 1, 1, 1, 3, 4, 4, 5, 5, 6, 7, 7, 7], dtype=np.int32),  # ranks differ
+    }
+    info = {"version": 1, "num_shards": None, "params": {
+        "a.weight": [["shard_funcs.shard_dim", [["num_shards", 8, "12 // num_shards"], "float32"], 1, "num_shards"]],
+        "q.weight_shape": [["shard_funcs.shard_shape", [["num_shards", 2], "int64"], 1, "num_shards"]],
+        "q.g_idx": [["shard_funcs.shard_group_index", [["num_shards", "16 // num_shards"], "int32"], 8, "num_shards"]],
+    }}  # fmt: skip
+    return write_model(tmp_path_factory.mktemp("compute") / "model", tensors, info)
+
+
+def simulate(model: Path, mesh: Mesh, chunk: int, members: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Run the schedule of a group of ``members`` (global ranks of ``mesh``) in one process: every member reads its
+    chunks, packs, the all_to_all is done by hand, every member unpacks; returns each member's tensors."""
+    checkpoint = open_checkpoint(model)
+    plan = build_plan(resolve_shard_info(checkpoint, None), checkpoint, mesh.tp)
+    stages = [plan] if mesh.pp == 1 else stage_plans(plan, mesh)
+    slots = [(mesh.coord(r).pp, mesh.coord(r).tp) for r in members]
+    bases = file_bases(plan.params.values())
+    needs = {s: slot_needs(list(stages[s[0]].params.values()), s[1], bases) for s in set(slots)}
+    schedule = GroupReads.build(slots, needs, chunk)
+    size = len(members)
+    read_total = 0
+    covered = np.zeros(schedule.union.total, dtype=np.int64)
+    results: list[list[torch.Tensor]] = []
+    for slot in slots:
+        own = needs[slot]
+        results.append([  # zeros: the padding no run writes
+            torch.zeros(p.source.nbytes if w else p.rank_nbytes, dtype=torch.uint8)
+            for p, w in zip(own.params, own.whole, strict=True)
+        ])  # fmt: skip
+    unpack = [schedule.unpack(s) for s in slots]
+    with Reader() as reader:
+        for k in range(schedule.rounds):
+            sent = []
+            for i in range(size):
+                lo, hi = schedule.chunk_range(k, i)
+                covered[lo:hi] += 1
+                buf = torch.zeros(schedule.chunk, dtype=torch.uint8)
+                for path, runs in schedule.reads(k, i, bases):
+                    reader.read_runs(path, runs.src, runs.length, runs.buf, runs.dst, [buf])
+                    read_total += runs.nbytes
+                sizes, pack = schedule.pack(k, i)
+                out = torch.zeros(sum(sizes), dtype=torch.uint8)
+                apply(buf, pack, [out])
+                sent.append(list(out.split(sizes)))
+            for m, slot in enumerate(slots):
+                got = torch.cat([sent[i][m] for i in range(size)])
+                assert [len(sent[i][m]) for i in range(size)] == schedule.splits(k, slot)
+                apply(got, unpack[m][k], results[m])
+    assert read_total == schedule.union.total and bool((covered == 1).all()), "each needed byte read exactly once"
+    out = []
+    for m, slot in enumerate(slots):
+        own = needs[slot]
+        state = {}
+        for p, w, raw in zip(own.params, own.whole, results[m], strict=True):
+            from shardload.engine.steps import run_steps
+            from shardload.sources.dtypes import to_torch
+
+            if w:
+                full = raw.view(to_torch(p.source.dtype)).view(p.source.shape)
+                state[p.name] = run_steps(p, full)[slot[1]].contiguous()
+            else:
+                state[p.name] = raw.view(to_torch(p.dtype)).view(p.shape)
+        out.append(state)
+    return out
+
+
+def apply(src: torch.Tensor, runs: Runs, dests: list[torch.Tensor]) -> None:
+    """The copies of ``runs`` through :func:`strided`, one strided copy per group, as the executor does."""
+    from shardload.engine.exchange import _copy
+
+    _copy(src, strided(runs), dests)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "chunk", "members"),
+    [
+        ("dp=2,tp=2", 4096, [0, 1, 2, 3]),
+        ("pp=2,tp=2", 1000, [0, 1, 2, 3]),
+        ("tp=4", 1 << 20, [0, 1, 2, 3]),
+        ("tp=4", 777, [3, 1]),  # a subgroup, members out of order, an odd chunk size
+        ("dp=2,pp=2,tp=2", 5000, [7, 0, 5, 2, 1]),
+    ],
+)
+def test_schedule_rebuilds_every_member_exactly(qwen_dir: Path, mesh: str, chunk: int, members: list[int]) -> None:
+    layout = Mesh.parse(mesh)
+    got = simulate(qwen_dir, layout, chunk, members)
+    for rank, state in zip(members, got, strict=True):
+        want = shardload.load_rank(qwen_dir, rank=rank, mesh=layout)
+        assert state.keys() == want.keys()
+        for name, t in want.items():
+            assert torch.equal(state[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+def test_strided_copies_cover_runs_exactly() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        rows = []
+        while len(rows) < rng.integers(1, 20):
+            n, s0, d0 = int(rng.integers(1, 6)), int(rng.integers(0, 64)), int(rng.integers(0, 64))
+            ds, dd, length = int(rng.integers(-1, 3)) * 8, int(rng.integers(1, 3)) * 4, int(rng.integers(1, 4))
+            rows += [(s0 + i * ds, length, int(rng.integers(0, 2)), d0 + i * dd) for i in range(n)]
+        a = np.array([r for r in rows if r[0] >= 0], dtype=np.int64).reshape(-1, 4)
+        runs = Runs(a[:, 0], a[:, 1], a[:, 2], a[:, 3])
+        c = strided(runs)
+        assert int(c.count.sum()) == len(runs) and bool((c.src_step >= 0).all()) and bool((c.dst_step >= 0).all())
+        expanded = sorted(
+            (int(c.src[k] + i * c.src_step[k]), int(c.length[k]), int(c.buf[k]), int(c.dst[k] + i * c.dst_step[k]))
+            for k in range(len(c))
+            for i in range(int(c.count[k]))
+        )
+        assert expanded == sorted(map(tuple, a.tolist()))
+    column = np.arange(1000, dtype=np.int64)
+    assert len(strided(Runs(column * 100, column * 0 + 10, column * 0, column * 10))) == 1, "a column slice: 1 copy"
+
+
+def test_chunks_fit_the_memory_bound_and_leave_several_rounds() -> None:
+    mib = 1 << 20
+    assert choose_chunk(140_000 * mib, 64, (256 * mib) // 130, 8, mib) == (256 * mib) // 130 // 4096 * 4096
+    assert choose_chunk(256 * mib, 4, 25 * mib, 8, mib) == 8 * mib  # 8 rounds of 4 chunks
+    assert choose_chunk(3 * mib, 4, 25 * mib, 8, mib) == mib  # never below 1 MiB ...
+    assert choose_chunk(3 * mib, 4, 4096, 8, mib) == 4096  # ... unless the memory bound says so
+
+
+def test_share_reads_needs_a_process_group(example_dir: Path) -> None:
+    with pytest.raises(shardload.ShardloadError, match=r"initialised torch\.distributed"):
+        shardload.load_rank(example_dir, 0, 2, share_reads=True)
+
+
+@pytest.fixture
+def group_of_one() -> Any:
+    """An initialised gloo process group of this process alone, destroyed afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_group_of_one_reads_and_draws_progress(
+    example_dir: Path, group_of_one: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    import shardload.engine.exchange as exchange
+    from shardload.sources.reader import count_reads
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(exchange, "EXCHANGE_BYTES", 4 * 65536)  # 64 KiB chunks: many rounds
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with count_reads() as seen:
+        state = shardload.load_rank(example_dir, share_reads=group_of_one, progress=True)  # rank 0 of 1: the group's
+    want = shardload.load_rank(example_dir, 0, 1)
+    assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
+    assert seen.bytes == sum(t.nbytes for t in open_checkpoint(example_dir).tensors.values())
+    line = screen.getvalue()
+    assert line.startswith("\rloading rank 0: 1/") and line.endswith("exchange rounds (100%)\n"), line
+    with pytest.raises(shardload.ShardloadError, match="exclude each other"):
+        shardload.load_rank(example_dir, share_reads=True, mmap=True)
+    with pytest.raises(shardload.ShardloadError, match=r"must be True, False or a torch\.distributed ProcessGroup"):
+        shardload.load_rank(example_dir, share_reads="group")
+
+
+def test_progress_draws_on_the_first_rank_of_a_node(example_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    import shardload.engine.transfer as transfer
+
+    monkeypatch.setattr(transfer, "JOB_BYTES", 4096)
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    state = shardload.load_rank(example_dir, 1, 2, progress=True)
+    line = screen.getvalue()
+    assert line.startswith("\rloading rank 1: 1/") and line.endswith("read jobs (100%)\n"), line
+    want = shardload.load_rank(example_dir, 1, 2)
+    assert all(torch.equal(state[k], want[k]) for k in want)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert _rank_progress(True, "x", "read jobs") is None, "only the node's first rank draws"
+    seen: list[tuple[int, int]] = []
+    shardload.load_rank(example_dir, 0, 2, progress=lambda d, t: seen.append((d, t)))
+    assert seen and seen[-1][0] == seen[-1][1] and [d for d, _ in seen] == list(range(1, len(seen) + 1))
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_torchrun_groups_read_each_byte_once(
+    example_multi_dir: Path, qwen_dir: Path, compute_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """4 processes on gloo: dp=2 x tp=2 (a two-file checkpoint, 4 KiB chunks: hundreds of rounds), pp=2 x tp=2 (as a
+    torch DeviceMesh) and
+    a plain tp=4 group (one KV head replicated on every rank), compute steps, and the dp replicas of a converted
+    directory, and a checkpoint in S3. Each rank compares with plain load_rank element for element (in the worker);
+    the group reads each stored byte once, where plain loads read more."""
+    converted = tmp_path / "tp2"
+    shardload.convert(example_multi_dir, 2, converted)
+    s3 = object_store(tmp_path, monkeypatch)
+    cases = [
+        {"model": str(example_multi_dir), "mesh": "dp=2,tp=2", "chunk": 4096},
+        {"model": str(qwen_dir), "mesh": "device:pp=2,tp=2", "chunk": 3000},
+        {"model": str(qwen_dir), "mesh": None, "chunk": None},
+        {"model": str(compute_dir), "mesh": "dp=2,tp=2", "chunk": None},
+        {"model": str(converted), "mesh": "dp=2,tp=2", "chunk": 8192},
+        {"model": str(example_multi_dir), "mesh": "dp=2,tp=2", "chunk": 4096, "groups": [[0, 2], [1, 3]]},
+    ]
+    if s3 is not None:  # the two-file checkpoint from S3 (moto on loopback), compared with the local copy
+        cases.insert(-1, {"model": s3.upload_dir(example_multi_dir, "shared"), "reference": str(example_multi_dir),
+                          "mesh": "dp=2,tp=2", "chunk": 65536})  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+               str(WORKER), json.dumps(cases)]  # fmt: skip
+    try:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # with the S3 endpoint's settings
+        done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    finally:
+        if s3 is not None:
+            s3.close()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [r["mesh"] for r in results] == [c["mesh"] for c in cases]
+    *whole, pairs = results
+    # subgroups of the two dp replicas of each tp rank: each pair reads its bytes once, half what both replicas read
+    assert 2 * pairs["shared"] == pairs["plain"] and pairs["shared"] > pairs["stored"], pairs
+    for r in whole:
+        assert r["shared"] == r["stored"], r  # 1.00x: every stored byte read by exactly one rank
+        assert r["plain"] > r["stored"], r  # every rank reading for itself reads replicated bytes again
+    assert results[0]["plain"] >= 2 * results[0]["stored"]  # two dp replicas
+    assert results[0]["rounds"] > 100 and results[2]["rounds"] == 1  # 4 KiB chunks; the default: one round
+
+
+def object_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A started S3 server (moto on loopback) with this process's environment pointed at it, or None where boto3 or
+    moto is missing (never in CI, whose test extra installs both)."""
+    if os.environ.get("CI") != "true":
+        try:
+            import boto3  # noqa: F401
+            import moto.server  # noqa: F401
+        except ImportError:
+            return None
+    from s3_server import S3, use_endpoint
+
+    server = S3()
+    use_endpoint(monkeypatch, server.url, tmp_path)
+    return server
+
+
+def spawn(cases: list[dict], env: dict[str, str], ranks: int = 4) -> list[subprocess.Popen[str]]:
+    """Start ``ranks`` worker processes of one gloo group directly (no torchrun, which would kill the others as soon
+    as one fails)."""
+    port = _port()
+    procs = []
+    for r in range(ranks):
+        rank_env = {**ENV, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
+                    "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(r)}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(cases)], env=rank_env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    return procs
+
+
+@pytest.fixture(scope="module")
+def failed_groups(example_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[int, str]]]:
+    """Three groups of 4 processes run at once (they mostly wait): in one rank 1 dies after its first chunk, in one
+    it stops for 8 s (the others' timeout is 3 s), in one rank 3 loads another shard_info. Each process's exit code
+    and output, by group."""
+    other = tmp_path_factory.mktemp("other") / "model"
+    shutil.copytree(example_dir, other)
+    (other / "shard_info.json").write_text(json.dumps({"version": 1, "num_shards": None, "params": {}}))
+    case = {"model": str(example_dir), "mesh": "dp=2,tp=2", "chunk": 4096}
+    groups = {
+        "dies": spawn([case], {"SHARDLOAD_TEST_DIE": "1:1", "SHARDLOAD_TEST_TIMEOUT": "60"}),
+        "hangs": spawn([case], {"SHARDLOAD_TEST_HANG": "1:1", "SHARDLOAD_TEST_TIMEOUT": "3"}),
+        "differs": spawn([{**case, "model_of_rank": {"3": str(other)}}], {"SHARDLOAD_TEST_FAIL": "1"}),
+    }
+    deadline = time.monotonic() + 120
+    out: dict[str, list[tuple[int, str]]] = {}
+    try:
+        for name, procs in groups.items():
+            out[name] = []
+            for p in procs:
+                text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                out[name].append((p.returncode, text))
+    finally:
+        for procs in groups.values():
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    return out
+
+
+def failure_line(text: str) -> str:
+    """The one ``FAILED rank R after S s: MESSAGE`` line a worker printed."""
+    return next(ln for ln in text.splitlines() if ln.startswith("FAILED"))
+
+
+def seconds(line: str) -> float:
+    """How long the failed load took, from its ``FAILED`` line."""
+    return float(line.split(" after ")[1].split(" s:")[0])
+
+
+def test_a_rank_that_dies_mid_exchange_fails_the_others_at_once(failed_groups: dict) -> None:
+    results = failed_groups["dies"]
+    assert results[1][0] == 3, results[1][1]
+    for rc, text in (results[0], results[2], results[3]):
+        assert rc == 1, text
+        line = failure_line(text)
+        # rank 1 dies while it reads round 2's chunk (during round 1's exchange, or just after it)
+        assert re.search(r"shared reads: the exchange failed in exchange round [12] of \d+: another rank of the "
+                         r"group died or failed \(.+\)$", line), line  # fmt: skip
+        assert seconds(line) < 30, "noticed at once, well before the 60 s timeout"
+
+
+def test_a_rank_that_hangs_fails_the_others_after_the_timeout(failed_groups: dict) -> None:
+    """Rank 1 stops for 8 s after its first chunk; the others give up after the 3 s timeout (under gloo their
+    processes then exit once the hung rank is gone)."""
+    for rank in (0, 2, 3):
+        rc, text = failed_groups["hangs"][rank]
+        line = failure_line(text)
+        assert rc == 1 and "no answer from the group within 3 s in exchange round 2 of" in line, line
+        assert 2.5 < seconds(line) < 15, line
+
+
+def test_ranks_that_planned_differently_are_refused_up_front(failed_groups: dict) -> None:
+    for rc, text in failed_groups["differs"]:
+        line = failure_line(text)
+        assert rc == 1 and "rank 3 planned a different checkpoint, shard_info or mesh than rank 0" in line, line
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_groups_exchange_on_the_device(example_multi_dir: Path, qwen_dir: Path) -> None:
+    """NCCL with one rank per GPU (the exchange's buffers on the rank's GPU), and gloo carrying CPU buffers for 4 ranks
+    whose tensors live on the GPUs; both element for element against plain load_rank onto the same device."""
+    gpus = torch.cuda.device_count()
+    env = {**ENV, "SHARDLOAD_TEST_DEVICE": "cuda"}
+    env.pop("CUDA_VISIBLE_DEVICES")
+    runs = [
+        ("nccl", gpus, [{"model": str(example_multi_dir), "mesh": f"tp={gpus}", "chunk": 4096},
+                        {"model": str(qwen_dir), "mesh": f"dp={gpus}", "chunk": 3000}]),
+        ("gloo", 4, [{"model": str(example_multi_dir), "mesh": "dp=2,tp=2", "chunk": 4096}]),
+    ]  # fmt: skip
+    for backend, ranks, cases in runs:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+                   str(WORKER), json.dumps(cases)]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=240,
+                              env={**env, "SHARDLOAD_TEST_BACKEND": backend})  # fmt: skip
+        assert done.returncode == 0, backend + done.stdout[-3000:] + done.stderr[-3000:]
+        results = [json.loads(ln.split(" ", 1)[1]) for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert len(results) == len(cases) and all(r["shared"] == r["stored"] for r in results), (backend, results)
