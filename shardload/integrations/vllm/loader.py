@@ -166,20 +166,7 @@ def fill_model(
         report.source = f"converted directory, rank file {rank}"
         stored = load_rank(model_dir, rank, num_shards, verify=verify, mmap=True)
         routes = {name: route(name) for name in stored}
-        spans = {n: vocab[t.name] for n, t in routes.items() if t is not None and t.name in vocab}
-        narrow = {n for n, span in spans.items() if stored[n].shape[0] == span[2] != _rows(span)}
-        for name in set(spans) - narrow:
-            if stored[name].shape[0] in (_rows(spans[name]), spans[name][3]):
-                continue  # the stored rows alone, or vLLM's padded shard (stored rows, then zeros): its split
-            start, stop, _, per_rank = spans[name]
-            raise ShardloadError(
-                f"this directory splits the vocabulary into {stored[name].shape[0]} rows per rank; vLLM's padded "
-                f"vocabulary needs {per_rank} rows per rank (stored rows {start}..{stop} on rank {rank}, then zeros): "
-                "load the source checkpoint with load_format='shardload', or convert with a plan made with "
-                "`shardload plan --vocab-padding vllm` (the default), or with --layout vllm",
-                file=where,
-                param=name,
-            )
+        narrow = _converted_vocab(stored, routes, vocab, rank, where)
         tensors: Mapping[str, torch.Tensor] = stored
         direct: set[str] = set()
     else:
@@ -203,6 +190,32 @@ def fill_model(
             file=where,
         )
     return report
+
+
+def _converted_vocab(
+    stored: Mapping[str, torch.Tensor],
+    routes: Mapping[str, Target | None],
+    vocab: Mapping[str, tuple[int, int, int, int]],
+    rank: int,
+    where: str,
+) -> set[str]:
+    """Check that a converted directory's vocabulary tensors are split as vLLM splits them: vLLM's padded rows per
+    rank (stored rows, then zeros), the stored rows alone, or the whole vocabulary (returned: to narrow)."""
+    spans = {n: vocab[t.name] for n, t in routes.items() if t is not None and t.name in vocab}
+    narrow = {n for n, span in spans.items() if stored[n].shape[0] == span[2] != _rows(span)}
+    for name in set(spans) - narrow:
+        if stored[name].shape[0] in (_rows(spans[name]), spans[name][3]):
+            continue
+        start, stop, _, per_rank = spans[name]
+        raise ShardloadError(
+            f"this directory splits the vocabulary into {stored[name].shape[0]} rows per rank; vLLM's padded "
+            f"vocabulary needs {per_rank} rows per rank (stored rows {start}..{stop} on rank {rank}, then zeros): "
+            "load the source checkpoint with load_format='shardload', or convert with a plan made with "
+            "`shardload plan --vocab-padding vllm` (the default), or with --layout vllm",
+            file=where,
+            param=name,
+        )
+    return narrow
 
 
 def _read_planned(
