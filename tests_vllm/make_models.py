@@ -33,10 +33,11 @@ def llama(out: Path) -> None:
 
 
 def llama_kv1(out: Path) -> None:
-    """One KV head: fewer than N=2, so vLLM replicates it on both ranks."""
+    """One KV head: fewer than N=2, so vLLM replicates it on both ranks. Its vocabulary (251) is one N=2 does not
+    divide: the plan pads it to 256 (vLLM's rule), 128 rows per rank, the last 5 zeros."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    _save(LlamaForCausalLM(LlamaConfig(num_key_value_heads=1, **COMMON)), out)
+    _save(LlamaForCausalLM(LlamaConfig(num_key_value_heads=1, **dict(COMMON, vocab_size=251))), out)
 
 
 def qwen2(out: Path) -> None:

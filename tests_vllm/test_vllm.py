@@ -29,7 +29,8 @@ from shardload.engine.vllm_layout import convert_vllm, rank_path
 
 HERE = Path(__file__).parent
 MODELS = ["llama", "llama_kv1", "qwen2", "mixtral", "w8a8"]
-"""GQA Llama; one KV head (replicated at TP=2); Qwen2 (biases, tied, padded vocab); Mixtral (MoE); W8A8 int8."""
+"""GQA Llama; one KV head (replicated at TP=2) and a vocabulary of 251 rows (padded at TP=2); Qwen2 (biases, tied,
+a vocabulary of 250 rows: split 125 + 125 by the plan, 128 + 122 by vLLM); Mixtral (MoE); W8A8 int8."""
 TP1_MODELS = [m for m in MODELS if m != "llama_kv1"]
 FORMATS = ["shardload", "sharded_state"]
 ERRORS = {
@@ -56,7 +57,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 convert_vllm(root / name, n, root / f"{name}-vllm{n}")
     subprocess.run([str(Path(sys.executable).parent / "shardload"), "plan", str(root / "llama"), "-o",
                     str(root / "llama.shard_info.json"), "-n", "2", "-q"], check=True)  # fmt: skip
-    shardload.convert(root / "llama", 2, root / "llama-converted2", shard_info=root / "llama.shard_info.json")
+    shardload.convert(root / "llama_kv1", 2, root / "converted2")  # planned in memory: its vocabulary padded
     swapped = root / "llama-vllm2-swapped"
     shutil.copytree(root / "llama-vllm2", swapped)
     rank_path(swapped, 0).rename(swapped / "tmp")
@@ -104,7 +105,7 @@ def results(work: Path) -> dict[tuple[str, str, int], dict[str, Any]]:
         tp2.append(_job(work / name, "auto", 2, work / f"{name}-auto-2.json"))
         tp2.append(_job(work / name, "shardload", 2, work / f"{name}-shardload-2.json", extra))
         tp2.append(_job(work / f"{name}-vllm2", "sharded_state", 2, work / f"{name}-sharded_state-2.json"))
-    tp2.append(_job(work / "llama-converted2", "shardload", 2, work / "converted-shardload-2.json", {"verify": True}))
+    tp2.append(_job(work / "converted2", "shardload", 2, work / "converted-shardload-2.json", {"verify": True}))
     tp2.append(_job(work / "llama-vllm2-swapped", "sharded_state", 2, work / "swapped-sharded_state-2.json"))
     _run(tp1, work / "tp1.log", timeout=900)
     _run(tp2, work / "tp2.log", timeout=1500)
@@ -134,7 +135,8 @@ def test_same_tokens_and_logprobs_as_vllms_default_loader(
 
 
 def test_converted_directory_each_worker_reads_its_rank_file(results: dict[tuple[str, str, int], Any]) -> None:
-    assert _outputs(results, ("converted", "shardload", 2)) == _outputs(results, ("llama", "auto", 2))
+    """``shardload convert -n 2`` of the Llama whose vocabulary (251) the plan pads to vLLM's 128 rows per rank."""
+    assert _outputs(results, ("converted", "shardload", 2)) == _outputs(results, ("llama_kv1", "auto", 2))
 
 
 def test_control_swapped_rank_files_change_the_output(results: dict[tuple[str, str, int], Any]) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +32,7 @@ from ...models.vllm_names import (
     vllm_target,
 )
 from ...planning.plan import ModelPlan, ParamPlan, build_plan
-from ...sources.checkpoint import open_checkpoint
+from ...sources.checkpoint import Checkpoint, open_checkpoint
 from ...sources.dtypes import to_torch
 
 if TYPE_CHECKING:
@@ -166,37 +166,13 @@ def fill_model(
         report.source = f"converted directory, rank file {rank}"
         stored = load_rank(model_dir, rank, num_shards, verify=verify, mmap=True)
         routes = {name: route(name) for name in stored}
-        spans = {n: vocab[t.name] for n, t in routes.items() if t is not None and t.name in vocab}
-        narrow = {n for n, span in spans.items() if stored[n].shape[0] == span[2] != _rows(span)}
-        for name in set(spans) - narrow:
-            if stored[name].shape[0] == _rows(spans[name]):
-                continue
-            raise ShardloadError(
-                f"this directory splits the vocabulary into {stored[name].shape[0]} rows per rank; vLLM's padded "
-                f"vocabulary needs rows {vocab[routes[name].name][0]}..{vocab[routes[name].name][1]} on rank {rank}: "
-                "load the source checkpoint with load_format='shardload', or convert with --layout vllm",
-                file=where,
-                param=name,
-            )
+        narrow = _converted_vocab(stored, routes, vocab, rank, where)
         tensors: Mapping[str, torch.Tensor] = stored
         direct: set[str] = set()
     else:
         info, report.source = plan_shard_info(checkpoint, shard_info)
-        plan = build_plan(info, checkpoint, num_shards)
-        routes = {name: route(name) for name in plan.params}
-        mismatched = _vocab_mismatches(plan, routes, vocab, rank)
-        if mismatched:
-            kept = {k: v for k, v in info.params.items() if k not in mismatched}
-            info = ShardInfo(kept, info.num_shards, info.version, info.form, info.source)
-            plan = build_plan(info, checkpoint, num_shards)
-            report.notes.append(
-                f"{', '.join(sorted(mismatched))}: the plan's split is not vLLM's padded vocabulary "
-                f"({num_shards} ranks); read whole and narrowed"
-            )
-        narrow = {n for n, p in plan.params.items() if (t := routes[n]) and t.name in vocab and p.replicated}
-        needed = ModelPlan(plan.num_shards, plan.shard_info, plan.checkpoint,
-                           {n: p for n, p in plan.params.items() if routes[n] is not None})  # fmt: skip
-        tensors, direct = _read_in_place(needed, rank, targets, routes, vocab, narrow)
+        tensors, direct, narrow, routes = _read_planned(checkpoint, info, rank, num_shards, route, targets, vocab,
+                                                        report)  # fmt: skip
     for note in report.notes:
         log.warning("shardload: %s", note)
     report.tensors = len(tensors)
@@ -216,12 +192,69 @@ def fill_model(
     return report
 
 
+def _converted_vocab(
+    stored: Mapping[str, torch.Tensor],
+    routes: Mapping[str, Target | None],
+    vocab: Mapping[str, tuple[int, int, int, int]],
+    rank: int,
+    where: str,
+) -> set[str]:
+    """Check that a converted directory's vocabulary tensors are split as vLLM splits them: vLLM's padded rows per
+    rank (stored rows, then zeros), the stored rows alone, or the whole vocabulary (returned: to narrow)."""
+    spans = {n: vocab[t.name] for n, t in routes.items() if t is not None and t.name in vocab}
+    narrow = {n for n, span in spans.items() if stored[n].shape[0] == span[2] != _rows(span)}
+    for name in set(spans) - narrow:
+        if stored[name].shape[0] in (_rows(spans[name]), spans[name][3]):
+            continue
+        start, stop, _, per_rank = spans[name]
+        raise ShardloadError(
+            f"this directory splits the vocabulary into {stored[name].shape[0]} rows per rank; vLLM's padded "
+            f"vocabulary needs {per_rank} rows per rank (stored rows {start}..{stop} on rank {rank}, then zeros): "
+            "load the source checkpoint with load_format='shardload', or convert with a plan made with "
+            "`shardload plan --vocab-padding vllm` (the default), or with --layout vllm",
+            file=where,
+            param=name,
+        )
+    return narrow
+
+
+def _read_planned(
+    checkpoint: Checkpoint,
+    info: ShardInfo,
+    rank: int,
+    num_shards: int,
+    route: Callable[[str], Target | None],
+    targets: Mapping[str, Any],
+    vocab: Mapping[str, tuple[int, int, int, int]],
+    report: FillReport,
+) -> tuple[dict[str, torch.Tensor], set[str], set[str], dict[str, Target | None]]:
+    """Plan ``checkpoint`` with ``info`` and read rank ``rank``'s tensors (in place where they fit). A vocabulary
+    whose planned split is not vLLM's is read whole instead (noted in ``report``). Returns the tensors, the names
+    read in place, the names read whole (to narrow) and each stored name's vLLM target."""
+    plan = build_plan(info, checkpoint, num_shards)
+    routes = {name: route(name) for name in plan.params}
+    mismatched = _vocab_mismatches(plan, routes, vocab, rank)
+    if mismatched:
+        kept = {k: v for k, v in info.params.items() if k not in mismatched}
+        info = ShardInfo(kept, info.num_shards, info.version, info.form, info.source)
+        plan = build_plan(info, checkpoint, num_shards)
+        report.notes.append(
+            f"{', '.join(sorted(mismatched))}: the plan's split is not vLLM's padded vocabulary "
+            f"({num_shards} ranks); read whole and narrowed"
+        )
+    narrow = {n for n, p in plan.params.items() if (t := routes[n]) and t.name in vocab and p.replicated}
+    needed = ModelPlan(plan.num_shards, plan.shard_info, plan.checkpoint,
+                       {n: p for n, p in plan.params.items() if routes[n] is not None})  # fmt: skip
+    tensors, direct = _read_in_place(needed, rank, targets, routes, vocab, narrow)
+    return tensors, direct, narrow, routes
+
+
 def _read_in_place(
     plan: ModelPlan,
     rank: int,
     targets: Mapping[str, Any],
     routes: Mapping[str, Target | None],
-    vocab: Mapping[str, tuple[int, int, int]],
+    vocab: Mapping[str, tuple[int, int, int, int]],
     narrow: set[str],
 ) -> tuple[dict[str, torch.Tensor], set[str]]:
     """Read rank ``rank`` of ``plan``: straight into vLLM's parameter memory where its slot is one contiguous
@@ -244,7 +277,7 @@ def _slots(
     plan: ModelPlan,
     targets: Mapping[str, Any],
     routes: Mapping[str, Target | None],
-    vocab: Mapping[str, tuple[int, int, int]],
+    vocab: Mapping[str, tuple[int, int, int, int]],
     narrow: set[str],
 ) -> dict[str, torch.Tensor]:
     """For each stored tensor whose rank slice fits its place in a vLLM parameter exactly: that place (a view)."""
@@ -268,10 +301,10 @@ def _slots(
                     slots[name] = view
         elif target.fused:
             fused.setdefault(target.name, {})[target.part] = name
-        elif target.name in vocab:
-            start, stop, _ = vocab[target.name]
-            if name not in narrow and stop - start <= data.shape[0] and fits(data[: stop - start], name):
-                slots[name] = data[: stop - start]
+        elif target.name in vocab and name not in narrow:
+            rows = plan.params[name].shape[0] if plan.params[name].shape else 0  # stored rows, then any padding
+            if 0 < rows <= data.shape[0] and fits(data[:rows], name):
+                slots[name] = data[:rows]
         elif fits(data, name):
             slots[name] = data
     for vname, parts in fused.items():
@@ -293,8 +326,9 @@ def _slots(
     return slots
 
 
-def _vocab_ranges(model: nn.Module, targets: Mapping[str, Any]) -> dict[str, tuple[int, int, int]]:
-    """For each vocabulary-parallel parameter: ``(first stored row on this rank, stop, stored rows in all)``."""
+def _vocab_ranges(model: nn.Module, targets: Mapping[str, Any]) -> dict[str, tuple[int, int, int, int]]:
+    """For each vocabulary-parallel parameter: ``(first stored row on this rank, stop, stored rows in all, padded
+    rows per rank)``: vLLM pads the vocabulary to a multiple of 64, then splits it evenly."""
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     ranges = {}
@@ -304,18 +338,20 @@ def _vocab_ranges(model: nn.Module, targets: Mapping[str, Any]) -> dict[str, tup
         name = f"{prefix}.weight" if prefix else "weight"
         if name in targets:
             si = module.shard_indices
-            ranges[name] = (si.org_vocab_start_index, si.org_vocab_end_index, module.org_vocab_size)
+            ranges[name] = (si.org_vocab_start_index, si.org_vocab_end_index, module.org_vocab_size,
+                            si.num_org_elements_padded)  # fmt: skip
     return ranges
 
 
-def _rows(span: tuple[int, int, int]) -> int:
+def _rows(span: tuple[int, ...]) -> int:
     return span[1] - span[0]
 
 
 def _vocab_mismatches(
-    plan: ModelPlan, routes: Mapping[str, Target | None], vocab: Mapping[str, tuple[int, int, int]], rank: int
+    plan: ModelPlan, routes: Mapping[str, Target | None], vocab: Mapping[str, tuple[int, int, int, int]], rank: int
 ) -> set[str]:
-    """Stored vocabulary tensors whose planned rank slice is not vLLM's row range (they are read whole instead)."""
+    """Stored vocabulary tensors whose planned rank slice is not vLLM's row range, then only padding (they are read
+    whole instead): a padding rule other than vLLM's moves the rows."""
     wrong = set()
     for name, param in plan.params.items():
         target = routes[name]
@@ -327,7 +363,8 @@ def _vocab_mismatches(
 
 
 def _row_span(param: ParamPlan, rank: int) -> tuple[int, int] | None:
-    """The stored rows ``rank`` gets when its slice is whole rows, in order; else None."""
+    """The stored rows ``rank`` gets when its slice is whole rows, in order, followed by nothing but whole rows of
+    padding (zeros, :meth:`ParamPlan.zeros`); else None."""
     pieces = param.pieces(rank)
     if not pieces:
         return None
@@ -340,14 +377,19 @@ def _row_span(param: ParamPlan, rank: int) -> tuple[int, int] | None:
         if src[0] != stop or dst[0] != stop - start:
             return None
         stop = src[1]
-    return start, stop
+    at = stop - start
+    for box in sorted(param.zeros(rank)):
+        if list(box[1:]) != full or box[0][0] != at:
+            return None
+        at = box[0][1]
+    return (start, stop) if at == param.shape[0] else None
 
 
 def _copy_into(
     targets: Mapping[str, Any],
     tensors: Mapping[str, torch.Tensor],
     routes: Mapping[str, Target | None],
-    vocab: Mapping[str, tuple[int, int, int]],
+    vocab: Mapping[str, tuple[int, int, int, int]],
     narrow: set[str],
     where: str,
     direct: set[str] = frozenset(),  # type: ignore[assignment]
@@ -442,14 +484,15 @@ def _check_shape(param: Any, shape: Sequence[int], where: str, name: str, vname:
 
 
 def _fill_vocab(
-    param: Any, tensor: torch.Tensor, span: tuple[int, int, int], whole: bool, where: str, name: str, placed: bool
+    param: Any, tensor: torch.Tensor, span: tuple[int, int, int, int], whole: bool, where: str, name: str, placed: bool
 ) -> None:
-    """A padded vocabulary shard: the stored rows ``span`` covers (already there when ``placed``), then zeros."""
-    start, stop, _ = span
+    """A padded vocabulary shard: the stored rows ``span`` covers (already there when ``placed``), then zeros.
+    ``tensor`` is the whole vocabulary when ``whole``, else this rank's stored rows, perhaps followed by padding."""
+    start, stop, _, _ = span
     if placed:
         param.data[stop - start :].zero_()
         return
-    rows = tensor.narrow(0, start, stop - start) if whole else tensor
+    rows = tensor.narrow(0, start, stop - start) if whole else tensor[: stop - start]
     fits = rows.shape[0] == stop - start <= param.shape[0] and tuple(rows.shape[1:]) == tuple(param.shape[1:])
     if not fits:
         raise ShardloadError(

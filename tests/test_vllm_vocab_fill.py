@@ -1,0 +1,131 @@
+"""``load_format="shardload"`` with a vocabulary N does not divide, without vLLM: the plan's padded rank slice
+fills vLLM's padded vocabulary shard (stored rows, then zeros), read in place; a plan padded by another rule is
+detected and read whole, then narrowed; a converted directory is taken when padded by vLLM's rule and refused
+when split another way; ``convert --layout vllm`` writes the same rows as the plan.
+
+vLLM's row ranges come from :func:`shardload.models.vllm_names.vocab_range` (vLLM's ``pad_vocab_size`` rule,
+which ``tests_vllm/`` checks against vLLM's own ``VocabParallelEmbedding``); the parameters are plain tensors
+of vLLM's per-rank shape. vLLM serving such a model through this path is proven in ``tests_vllm/``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+import shardload
+from shardload.cli.main import main
+from shardload.engine.vllm_layout import convert_vllm, rank_path
+from shardload.errors import ShardloadError
+from shardload.integrations.vllm.loader import FillReport, _converted_vocab, _copy_into, _read_planned
+from shardload.models.plan_source import plan_shard_info
+from shardload.models.vllm_names import Target, vocab_range
+from shardload.sources.checkpoint import open_checkpoint
+
+pytest.importorskip("transformers")
+import tiny_models
+
+VOCAB, N = 251, 2
+HEADS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    root = tmp_path_factory.mktemp("vllm_vocab")
+    built = tiny_models.build("llama", root / "llama", vocab_size=VOCAB)
+    plain = root / "plain.shard_info.json"
+    result = CliRunner().invoke(main, ["plan", str(root / "llama"), "-o", str(plain), "--vocab-padding", "plain"])
+    assert result.exit_code == 0, result.output
+    return root, {k: v.detach().clone() for k, v in built.state_dict().items()}
+
+
+def _fill(
+    model_dir: Path, shard_info: Path | None, rank: int, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], set[str], FillReport]:
+    """What the loader's planned branch puts into vLLM's rank-``rank`` vocabulary parameters (NaN where nothing)."""
+    checkpoint = open_checkpoint(model_dir)
+    info, _ = plan_shard_info(checkpoint, shard_info)
+    vocab = {}
+    targets = {}
+    for name in HEADS:
+        start, stop, per_rank = vocab_range(VOCAB, rank, N)
+        vocab[name] = (start, stop, VOCAB, per_rank)
+        targets[name] = torch.nn.Parameter(torch.full((per_rank, 64), float("nan"), dtype=dtype), requires_grad=False)
+    report = FillReport()
+
+    def route(name: str) -> Target | None:
+        return Target(name) if name in HEADS else None
+
+    tensors, direct, narrow, routes = _read_planned(checkpoint, info, rank, N, route, targets, vocab, report)
+    assert set(tensors) == set(HEADS)
+    filled = _copy_into(targets, tensors, routes, vocab, narrow, str(model_dir), direct)
+    assert filled == set(HEADS)
+    return {k: v.data for k, v in targets.items()}, direct, report
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["in_place", "scratch"])
+@pytest.mark.parametrize("rule", ["vllm", "plain"])
+def test_padded_vocabulary_fills_vllms_shards(
+    model: tuple[Path, dict[str, torch.Tensor]], rule: str, dtype: torch.dtype
+) -> None:
+    """float64 parameters (vLLM's dtype is not the checkpoint's) are read into scratch tensors, then copied."""
+    root, state = model
+    for rank in range(N):
+        info = None if rule == "vllm" else root / "plain.shard_info.json"
+        got, direct, report = _fill(root / "llama", info, rank, dtype)
+        start, stop, per_rank = vocab_range(VOCAB, rank, N)
+        assert per_rank == 128 and stop - start == (128 if rank == 0 else 123)
+        for name in HEADS:
+            want = torch.zeros(per_rank, 64, dtype=dtype)
+            want[: stop - start] = state[name][start:stop].to(dtype)
+            assert torch.equal(got[name], want), (rule, rank, name)
+        if rule == "vllm":  # the plan's padding is vLLM's: read straight into the parameters, no note
+            assert direct == (set(HEADS) if dtype == torch.float32 else set()) and report.notes == []
+        else:  # plain pads 251 to 252, 126 rows per rank: not vLLM's rows, so read whole and narrowed
+            assert direct == set() and len(report.notes) == 1
+            assert "lm_head.weight, model.embed_tokens.weight: the plan's split is not vLLM's" in report.notes[0]
+
+
+def test_layout_vllm_writes_the_plans_padded_rows(model: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    """``convert --layout vllm`` (vLLM's rule, applied itself) and the plan's default padding agree row for row."""
+    root, state = model
+    convert_vllm(root / "llama", N, root / "vllm2")
+    for rank in range(N):
+        planned = shardload.load_rank(root / "llama", rank, N)
+        written = load_file(str(rank_path(root / "vllm2", rank)))
+        for name in HEADS:
+            assert written[name].shape == (128, 64)
+            assert torch.equal(written[name], planned[name]), (rank, name)
+    last = torch.cat([state["lm_head.weight"][128:], torch.zeros(5, 64)])  # rank 1: rows 128..250, then 5 zeros
+    assert torch.equal(written["lm_head.weight"], last)
+
+
+def test_converted_directory_padded_by_vllms_rule_fills_and_another_split_is_refused(
+    model: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
+    root, state = model
+    shardload.convert(root / "llama", N, root / "conv-vllm")
+    shardload.convert(root / "llama", N, root / "conv-plain", shard_info=root / "plain.shard_info.json")
+    for rank in range(N):
+        start, stop, per_rank = vocab_range(VOCAB, rank, N)
+        vocab = {name: (start, stop, VOCAB, per_rank) for name in HEADS}
+        routes = {name: Target(name) for name in HEADS}
+        stored = shardload.load_rank(root / "conv-vllm", rank, N, mmap=True)
+        stored = {k: v for k, v in stored.items() if k in HEADS}
+        narrow = _converted_vocab(stored, routes, vocab, rank, "conv-vllm")
+        assert narrow == set()
+        targets = {n: torch.nn.Parameter(torch.full((per_rank, 64), float("nan")), requires_grad=False) for n in HEADS}
+        assert _copy_into(targets, stored, routes, vocab, narrow, "conv-vllm") == set(HEADS)
+        for name in HEADS:
+            want = torch.zeros(per_rank, 64)
+            want[: stop - start] = state[name][start:stop]
+            assert torch.equal(targets[name].data, want), (rank, name)
+        plain = shardload.load_rank(root / "conv-plain", rank, N)
+        with pytest.raises(ShardloadError, match=r"splits the vocabulary into 126 rows per rank; vLLM's padded "
+                           r"vocabulary needs 128 rows per rank") as err:  # fmt: skip
+            _converted_vocab({k: plain[k] for k in HEADS}, routes, vocab, rank, "conv-plain")
+        assert "\n" not in str(err.value)
