@@ -42,6 +42,7 @@ and exits 1 if a ratio misses its target (it is a benchmark, not a test).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import ctypes.util
 import gc
@@ -414,6 +415,9 @@ def child_slice(kind: str, model: str, rank: str, num_shards: str, cold: str) ->
     from safetensors.torch import load_file
 
     import shardload.planning.runs  # what loading imports lazily: not timed
+
+    with contextlib.suppress(ImportError):
+        import jsonschema_rs  # noqa: F401  (shard_info's schema check imports it on first use)
 
     path = Path(model) / MODEL_FILE
     r, n = int(rank), int(num_shards)

@@ -114,6 +114,7 @@ class Transfer:
         self.copies: list[tuple[Copies, list[torch.Tensor]]] = []
         self.staging: _Staging | None = None
         self.schedules: dict[Any, _Schedule | None] = {}
+        self.rel_runs: dict[Any, Runs | None] = {}
         self.held: list[Callable[[], None]] | None = [] if defer else None
 
     def _submit(self, fn: Callable[[], None]) -> None:
@@ -139,7 +140,7 @@ class Transfer:
         """
         import torch
 
-        from ..planning.runs import param_runs, shifted, structure, zero_spans
+        from ..planning.runs import structure, zero_spans
 
         if out is not None:
             want = (tuple(plan.shape), to_torch(plan.dtype))
@@ -159,9 +160,8 @@ class Transfer:
         if key in self.schedules:
             schedule = self.schedules[key]
         else:
-            runs = param_runs(plan, ranks)
+            rel = self._runs(plan, ranks, key)
             sizes = [plan.rank_nbytes] * len(ranks)
-            rel = None if runs is None else shifted(runs, -plan.source.offset)
             holes = [zero_spans(plan, r) for r in ranks] if plan.pads else None
             schedule = self.schedules[key] = None if rel is None else self._schedule(rel, sizes, devs, holes)
         if schedule is None:  # a compute step: read the tensor whole, run the steps, split
@@ -184,6 +184,16 @@ class Transfer:
         self._start(plan.source.file, plan.source.offset, schedule, dests)
         return dests
 
+    def _runs(self, plan: ParamPlan, ranks: Sequence[int], key: Any) -> Runs | None:
+        """``plan``'s runs for ``ranks`` with file offsets relative to the stored tensor (None: read it whole), built
+        once per structure ``key`` and shared by every parameter of that structure."""
+        from ..planning.runs import param_runs, shifted
+
+        if key not in self.rel_runs:
+            runs = param_runs(plan, ranks)
+            self.rel_runs[key] = None if runs is None else shifted(runs, -plan.source.offset)
+        return self.rel_runs[key]
+
     def _copy_out(
         self, plan: ParamPlan, rank: int, key: Any, device: torch.device, out: torch.Tensor | None = None
     ) -> torch.Tensor | None:
@@ -197,7 +207,7 @@ class Transfer:
         """
         import torch
 
-        from ..planning.runs import MANY_RUNS, param_runs, run_count
+        from ..planning.runs import MANY_RUNS, run_count
 
         if not plan.remap or plan.rank_nbytes == 0 or plan.source.dtype != plan.dtype:
             return None
@@ -206,11 +216,11 @@ class Transfer:
         if READ_STRATEGY == "read" and self.spans.get(key) != ():
             return None
         if key not in self.spans:
-            runs = param_runs(plan, [rank])
+            runs = self._runs(plan, [rank], key)
             if runs is None or not len(runs):
                 self.spans[key] = None
             else:
-                starts, ends = runs.src - plan.source.offset, runs.src + runs.length - plan.source.offset
+                starts, ends = runs.src, runs.src + runs.length
                 self.spans[key] = (starts, ends, float(runs.length.mean()), probes(starts, ends), int(ends.max()))
         span = self.spans[key]
         assert self.filemaps is not None
@@ -292,12 +302,10 @@ class Transfer:
 
     def _view(self, plan: ParamPlan, ranks: Sequence[int], key: Any) -> torch.Tensor | None:
         """The rank's tensor as a view of the file mapping, where it is one contiguous stretch of the file."""
-        from ..planning.runs import param_runs
-
         if key not in self.whole:
-            runs = param_runs(plan, ranks)
+            runs = self._runs(plan, ranks, key)
             whole = runs is not None and len(runs) == 1 and int(runs.length[0]) == plan.rank_nbytes
-            self.whole[key] = int(runs.src[0]) - plan.source.offset if whole and runs is not None else None
+            self.whole[key] = int(runs.src[0]) if whole and runs is not None else None
         at = self.whole[key]
         if at is None or self.mappings is None:
             return None

@@ -208,6 +208,9 @@ def _seed_num_shards(params: dict[str, list[StepSpec]], source: str) -> int | No
 @lru_cache(maxsize=1)
 def schema() -> dict[str, Any]:
     """The JSON Schema of shard_info.json, as shipped with the package."""
+    beside = Path(__file__).with_name("shard_info.schema.json")  # an installed package: no importlib.resources
+    if beside.is_file():
+        return json.loads(beside.read_text())
     packaged = resources.files("shardload.format") / "shard_info.schema.json"
     if packaged.is_file():
         return json.loads(packaged.read_text())

@@ -267,19 +267,28 @@ def build_plan(
             )
         plan.problems.extend(shard_info.alias_problems(checkpoint.tied_weights()))
     names = list(stored) if checkpoint is not None else list(shard_info.params)
+    structures: dict[object, tuple[tuple[PlannedStep, ...], dict[int, tuple[list[Piece], list[Box]]]]] = {}
     for name in names:
         source = stored.get(name)
         specs = shard_info.params.get(name, [])
-        try:
-            steps = _plan_steps(name, specs, source, num_shards)
-        except ShardloadError as err:
-            plan.problems.append(err.located(file=src, param=name))
-            continue
+        key = structure_key(specs, source, num_shards) if STRUCTURE_CACHE and source is not None else None
+        known = structures.get(key) if key is not None else None
+        if known is not None:  # a parameter shaped like an earlier one (the same in every layer): same steps
+            steps, traced = known
+        else:
+            try:
+                steps = tuple(_plan_steps(name, specs, source, num_shards))
+            except ShardloadError as err:
+                plan.problems.append(err.located(file=src, param=name))
+                continue
+            traced = {}
+            if key is not None:
+                structures[key] = (steps, traced)
         if source is None:
             continue  # planned without a checkpoint: checks only, nothing to execute
         last = (steps[-1].out_shape[1:], steps[-1].out_dtype) if steps else (source.shape, source.logical_dtype)
         shape, dtype = last
-        param = ParamPlan(name, source, tuple(steps), num_shards, shape, dtype)
+        param = ParamPlan(name, source, steps, num_shards, shape, dtype, traced)
         if param.rank_nbytes > MAX_GROWTH * source.nbytes + GROWTH_SLACK:
             plan.problems.append(
                 PlanError(
@@ -292,6 +301,39 @@ def build_plan(
             continue
         plan.params[name] = param
     return _finish(plan, strict)
+
+
+STRUCTURE_CACHE = True
+"""Plan each parameter *structure* once per :func:`build_plan` (tests turn it off to compare with a plain build)."""
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+
+
+def structure_key(specs: list[StepSpec], source: TensorInfo, n: int) -> tuple[object, ...] | None:
+    """What a parameter's resolved steps and traced boxes depend on, besides ``n``: its step specs, the stored
+    shape and the dtype the steps see. Parameters with equal keys (every layer of a model) get the same steps and
+    share the boxes traced for them. None (no sharing) when an argument is not a plain JSON value, whose ``repr``
+    might not tell two different values apart."""
+    parts: list[object] = []
+    for spec in specs:
+        if not (isinstance(spec.func, str) and _plain(spec.args) and _plain(spec.shape)):
+            return None
+        parts.append((spec.func, repr(spec.shape), spec.dtype, repr(spec.args)))
+    return (tuple(parts), source.shape, source.logical_dtype, n)
+
+
+def _plain(value: object, depth: int = 0) -> bool:
+    """Whether ``value`` is built of JSON scalars, lists, tuples and string-keyed dicts only (exact types: a
+    subclass may repr like its base and behave otherwise)."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return True
+    if depth > 32:
+        return False
+    if kind is list or kind is tuple:
+        return all(_plain(v, depth + 1) for v in value)  # type: ignore[attr-defined]
+    if kind is dict:
+        return all(type(k) is str and _plain(v, depth + 1) for k, v in value.items())  # type: ignore[attr-defined]
+    return False
 
 
 def _finish(plan: ModelPlan, strict: bool) -> ModelPlan:

@@ -133,7 +133,7 @@ def _check_piece(plan: ParamPlan, rank: int, src: Box, dst: Box) -> None:
 def structure(plan: ParamPlan, ranks: Sequence[int]) -> tuple[object, ...]:
     """A key shared by parameters whose runs differ only by the stored tensor's file offset."""
     steps = tuple((s.func, repr(s.args)) for s in plan.steps)
-    return (plan.source.shape, plan.source.dtype, plan.shape, plan.dtype, steps, tuple(ranks))
+    return (plan.source.shape, plan.source.dtype, plan.source.decode, plan.shape, plan.dtype, steps, tuple(ranks))
 
 
 def shifted(runs: Runs, delta: int) -> Runs:

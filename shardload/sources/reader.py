@@ -72,10 +72,14 @@ def count_reads() -> Iterator[ReadCount]:
         _count = outer
 
 
-def libc_function(pick: Callable[[Any], Any], argtypes: list[Any], restype: Any) -> Any:
-    """The C library function ``pick`` takes from libc (``lambda libc: libc.preadv``), typed; None where absent."""
+def libc_function(pick: Callable[[Any], Any], argtypes: list[Any], restype: Any, *, keep_gil: bool = False) -> Any:
+    """The C library function ``pick`` takes from libc (``lambda libc: libc.preadv``), typed; None where absent.
+
+    ``keep_gil`` calls it without releasing the GIL: for a call that never blocks, where releasing and retaking
+    the GIL costs more than the call (and makes the caller queue behind busy threads to get it back).
+    """
     try:
-        fn = pick(ctypes.CDLL(None, use_errno=True))
+        fn = pick((ctypes.PyDLL if keep_gil else ctypes.CDLL)(None, use_errno=True))
     except (OSError, AttributeError):
         return None
     fn.argtypes = argtypes
@@ -95,7 +99,9 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
 MADV_RANDOM = 1  # no readahead on faults: a fault reads just its page
 MADV_DONTNEED = 4  # drop a range's page-table entries (a shared file mapping's pages stay in the page cache)
 _MINCORE = (
-    libc_function(lambda libc: libc.mincore, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p], ctypes.c_int)
+    libc_function(
+        lambda libc: libc.mincore, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p], ctypes.c_int, keep_gil=True
+    )  # one page per call: page tables and the page cache, never I/O
     if sys.platform.startswith("linux")
     else None
 )
@@ -357,13 +363,14 @@ class FileMaps:
         if data is None or _MINCORE is None or not offsets or end > len(data):
             return None
         base = data.data_ptr()
+        pages = {(base + offset) // PAGE for offset in offsets}  # a small tensor's probes share one or two pages
         vec = (ctypes.c_ubyte * 1)()
         cached = 0
-        for offset in offsets:
-            if _MINCORE((base + offset) // PAGE * PAGE, PAGE, vec) != 0:
+        for page in pages:
+            if _MINCORE(page * PAGE, PAGE, vec) != 0:
                 return None
             cached += vec[0] & 1
-        return cached / len(offsets)
+        return cached / len(pages)
 
     def no_readahead(self, path: Path, start: int, end: int) -> None:
         """Ask the kernel to read just the faulted page of this range (best effort): for sparse pieces of a
