@@ -19,9 +19,6 @@ from .objects import ObjectPath
 
 if TYPE_CHECKING:
     import numpy as np
-    import torch
-
-    from .checkpoint import TensorInfo
 
 
 def reader_for(path: Any) -> Any:
@@ -29,7 +26,7 @@ def reader_for(path: Any) -> Any:
     return ObjectReader() if isinstance(path, ObjectPath) else local.Reader()
 
 
-class ObjectReader:
+class ObjectReader(local.RunReader):
     """The :class:`~shardload.sources.reader.Reader` protocol over an object store: ranged GETs, concurrently.
 
     It cannot map files (``can_map`` is False), so the transfer reads every run; ``threads`` is how many read
@@ -72,16 +69,13 @@ class ObjectReader:
         Runs must be sorted by ``src``. They are grouped into ranged requests (:func:`plan_requests`), fetched
         concurrently; each response is written straight into the destination bytes.
         """
-        import numpy as np
 
         if not isinstance(path, ObjectPath):
             raise CheckpointError("an object-store reader was given a local file", file=str(path))
         n = len(src)
         if n == 0:
             return
-        sizes = np.array([t.numel() * t.element_size() for t in buffers], dtype=np.int64)
-        if not (bool(np.all(dst >= 0)) and bool(np.all(length > 0)) and bool(np.all(dst + length <= sizes[buf]))):
-            raise ValueError("a byte run lies outside its destination buffer")
+        local.check_destinations(length, buf, dst, buffers)
         views = [local.buffer_view(t) for t in buffers]
         src_l, len_l, buf_l, dst_l = src.tolist(), length.tolist(), buf.tolist(), dst.tolist()
         requests = plan_requests(src_l, len_l)
@@ -111,37 +105,12 @@ class ObjectReader:
         if local._count is not None:
             local._count.add(path, sum(len_l), len(requests))
 
-    def read_tensor(self, path: Any, offset: int, out: Any) -> None:
-        """Fill the contiguous CPU tensor ``out`` with its bytes at ``offset`` of the object ``path``."""
-        import numpy as np
-
-        nbytes = out.numel() * out.element_size()
-        if nbytes:
-            z = np.zeros(1, dtype=np.int64)
-            self.read_runs(path, np.array([offset], dtype=np.int64), np.array([nbytes], dtype=np.int64), z, z, [out])
-
-    def tensor(self, info: TensorInfo) -> torch.Tensor:
-        """The whole stored tensor ``info``, read into a fresh CPU tensor."""
-        import torch
-
-        from .dtypes import to_torch
-
-        out = torch.empty(info.shape, dtype=to_torch(info.dtype))
-        self.read_tensor(info.file, info.offset, out)
-        return out
-
     def close(self) -> None:
         """Stop the request pool."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-
-    def __enter__(self) -> ObjectReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def plan_requests(src: Sequence[int], length: Sequence[int]) -> list[tuple[int, int, int, int]]:

@@ -27,6 +27,7 @@ from ..errors import CheckpointError
 if TYPE_CHECKING:
     import numpy as np
     import torch
+    from typing_extensions import Self
 
     from .checkpoint import TensorInfo
 
@@ -118,13 +119,64 @@ def buffer_view(t: Any) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-class Reader:
-    """Open checkpoint files once and read byte runs from them into tensors, thread-safely."""
+def check_destinations(length: np.ndarray, buf: np.ndarray, dst: np.ndarray, buffers: Sequence[Any]) -> None:
+    """Refuse, before anything is read, runs that are empty or reach outside their destination buffers."""
+    import numpy as np
 
-    can_map = True
+    sizes = np.array([t.numel() * t.element_size() for t in buffers], dtype=np.int64)
+    if not (bool(np.all(dst >= 0)) and bool(np.all(length > 0)) and bool(np.all(dst + length <= sizes[buf]))):
+        raise ValueError("a byte run lies outside its destination buffer")
+
+
+class RunReader:
+    """What every byte reader shares: whole tensors read through :meth:`read_runs`, and closing on exit.
+
+    Subclasses give ``read_runs(path, src, length, buf, dst, buffers)``, ``no_readahead``, ``prefetch`` and
+    ``close``: :class:`Reader` for local files, ``ObjectReader`` for object storage."""
+
+    can_map = False
     """Whether the loader may map this reader's files and ask the page cache about them (``mmap``, ``mincore``).
     A reader of remote objects says False: it then gets only :meth:`read_runs`, :meth:`no_readahead` and
     :meth:`prefetch` calls."""
+
+    def read_runs(self, path: Any, src: Any, length: Any, buf: Any, dst: Any, buffers: Sequence[Any]) -> None:
+        """Copy run i: ``length[i]`` bytes at ``src[i]`` of ``path`` to byte ``dst[i]`` of ``buffers[buf[i]]``."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the reader holds (files, connections)."""
+
+    def read_tensor(self, path: Any, offset: int, out: Any) -> None:
+        """Fill the contiguous CPU tensor ``out`` with its bytes at ``offset`` of ``path``."""
+        import numpy as np
+
+        nbytes = out.numel() * out.element_size()
+        if nbytes:
+            z = np.zeros(1, dtype=np.int64)
+            one = np.array([nbytes], dtype=np.int64)
+            self.read_runs(path, np.array([offset], dtype=np.int64), one, z, z, [out])
+
+    def tensor(self, info: TensorInfo) -> torch.Tensor:
+        """The whole stored tensor ``info``, read into a fresh CPU tensor."""
+        import torch
+
+        from .dtypes import to_torch
+
+        out = torch.empty(info.shape, dtype=to_torch(info.dtype))
+        self.read_tensor(info.file, info.offset, out)
+        return out
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Reader(RunReader):
+    """Open checkpoint files once and read byte runs from them into tensors, thread-safely."""
+
+    can_map = True
 
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
@@ -187,9 +239,7 @@ class Reader:
         n = len(src)
         if n == 0:
             return
-        sizes = np.array([t.numel() * t.element_size() for t in buffers], dtype=np.int64)
-        if not (bool(np.all(dst >= 0)) and bool(np.all(length > 0)) and bool(np.all(dst + length <= sizes[buf]))):
-            raise ValueError("a byte run lies outside its destination buffer")
+        check_destinations(length, buf, dst, buffers)
         ends = src + length
         starts = np.flatnonzero(src[1:] != ends[:-1]) + 1
         bounds = np.concatenate(([0], starts, [n])).tolist()
@@ -280,38 +330,12 @@ class Reader:
         if _count is not None:
             _count.add(path, total, calls)
 
-    def read_tensor(self, path: Path, offset: int, out: Any) -> None:
-        """Fill the contiguous CPU tensor ``out`` with its bytes at ``offset`` of ``path``."""
-        import numpy as np
-
-        nbytes = out.numel() * out.element_size()
-        if nbytes:
-            z = np.zeros(1, dtype=np.int64)
-            one = np.array([nbytes], dtype=np.int64)
-            self.read_runs(path, np.array([offset], dtype=np.int64), one, z, z, [out])
-
-    def tensor(self, info: TensorInfo) -> torch.Tensor:
-        """The whole stored tensor ``info``, read into a fresh CPU tensor."""
-        import torch
-
-        from .dtypes import to_torch
-
-        out = torch.empty(info.shape, dtype=to_torch(info.dtype))
-        self.read_tensor(info.file, info.offset, out)
-        return out
-
     def close(self) -> None:
         """Close every file this reader opened."""
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
-
-    def __enter__(self) -> Reader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class FileMaps:
