@@ -19,9 +19,9 @@ from ..planning.plan import ModelPlan, ParamPlan, build_plan
 from ..sources.checkpoint import open_checkpoint, read_header
 from ..sources.object_reader import reader_for
 from ..sources.objects import ObjectPath
-from ..sources.reader import Reader
+from ..sources.reader import RunReader
 from .devices import resolve_device
-from .transfer import Transfer
+from .transfer import Transfer, plan_reader
 from .verify import rank_file
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ..sources.checkpoint import Checkpoint
 
 
-def materialize(plan: ParamPlan, files: Reader, ranks: Sequence[int]) -> list[torch.Tensor]:
+def materialize(plan: ParamPlan, files: RunReader, ranks: Sequence[int]) -> list[torch.Tensor]:
     """Build this parameter's shards for ``ranks`` on the CPU (fresh, contiguous tensors), reading synchronously."""
     with Transfer(files, threads=0) as transfer:
         shards = transfer.param(plan, ranks)
@@ -40,7 +40,7 @@ def materialize(plan: ParamPlan, files: Reader, ranks: Sequence[int]) -> list[to
 
 def iter_shards(plan: ModelPlan, ranks: Sequence[int]) -> Iterator[tuple[ParamPlan, list[torch.Tensor]]]:
     """Stream ``(param plan, shards for ranks)`` one parameter at a time, in checkpoint order, on the CPU."""
-    with reader_for(_first_file(plan)) as reader, Transfer(reader) as transfer:
+    with plan_reader(plan.params.values()) as reader, Transfer(reader) as transfer:
         for param in plan.params.values():
             shards = transfer.param(param, ranks)
             transfer.wait()
@@ -151,7 +151,7 @@ def run_plan(
     # rank's tensors are populated by the readers themselves, so its reads start while later parameters are planned
     defer = not (one_rank and torch.device(devices[0]).type == "cpu")
     with (
-        reader_for(_first_file(plan)) as reader,
+        plan_reader(plan.params.values()) as reader,
         Transfer(reader, staged=staged, defer=defer, mapped=mmap, copy_out=one_rank, progress=progress) as transfer,
     ):
         for param in plan.params.values():
@@ -159,11 +159,6 @@ def run_plan(
                 result[k][param.name] = t
         transfer.wait()
     return result
-
-
-def _first_file(plan: ModelPlan) -> Any:
-    """A file the plan reads (its reader follows: an object store's or the local one)."""
-    return next((p.source.file for p in plan.params.values()), None)
 
 
 def layout_for(num_shards: int | None, mesh: Any, world_size: int | None) -> Mesh:
@@ -313,7 +308,7 @@ def load_rank(
             return list(stages[key[0]].params.values()), key[1]
 
         digest = plan_digest(plan, stages) + str(layout).encode()
-        with reader_for(_first_file(plan)) as reader:
+        with plan_reader(plan.params.values()) as reader:
             return load_shared(slot_params, digest, (coord.pp, coord.tp), device, reader, group, call, str(model))
     return run_plan(stages[coord.pp], [coord.tp], [device], mmap=mmap, progress=call)[0]
 

@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ShardloadError
-from ..format.smallfile import read_small
-from ..sources.checkpoint import MANIFEST_NAME, SHARD_INFO_NAME, TMP_MARKER
+from ..sources.checkpoint import MANIFEST_NAME, SHARD_INFO_NAME, TMP_MARKER, read_small_file
 from ..sources.companions import companion_files
 from ..sources.objects import ObjectPath
 from .writer import OutFile, OutputFile, fsync_dir, fsync_tree
@@ -115,10 +114,7 @@ def copy_companions(root: Path, dst: Path, skip: set[str], durable: bool) -> lis
     opened without following a FIFO or a device and read to its size at opening."""
     copied = []
     for source in companion_files(root, skip):
-        if isinstance(source, ObjectPath):
-            data = source.read_small(MAX_COMPANION_BYTES, "companion file")
-        else:
-            data = read_small(source, MAX_COMPANION_BYTES, "companion file", CheckpointError)
+        data = read_small_file(source, MAX_COMPANION_BYTES, "companion file")
         out = OutFile(dst / source.name, durable=durable)
         try:
             out.write(data)
@@ -132,26 +128,23 @@ Stamp = tuple[Path, tuple[int, int, int, int]]
 
 
 def stamp_sources(files: Iterable[Path]) -> list[Stamp]:
-    """Device, inode, size and modification time of each source file, to tell later whether it changed."""
-    stamps = []
-    for f in files:
-        if isinstance(f, ObjectPath):
-            stamps.append((f, f.store.stamp(f.key)))
-            continue
-        st = os.stat(f)
-        stamps.append((f, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)))
-    return stamps
+    """Device, inode, size and modification time of each source file (an object's size, ETag and time), to tell
+    later whether it changed."""
+    return [(f, _stamp(f)) for f in files]
+
+
+def _stamp(path: Path | ObjectPath) -> Any:
+    if isinstance(path, ObjectPath):
+        return path.store.stamp(path.key)
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def check_sources_unchanged(stamps: list[Stamp]) -> None:
     """Refuse to publish an output whose source files were replaced, rewritten or resized while it was written."""
     for path, before in stamps:
         try:
-            if isinstance(path, ObjectPath):
-                now = path.store.stamp(path.key)
-            else:
-                st = os.stat(path)
-                now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            now = _stamp(path)
         except (OSError, CheckpointError):
             now = None
         if now != before:

@@ -16,7 +16,7 @@ import math
 import os
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
 from ..sources.dtypes import to_torch
-from ..sources.reader import PAGE, FileMaps, Mappings, Reader, count_mapped, populate, probes
+from ..sources.object_reader import reader_for
+from ..sources.reader import PAGE, FileMaps, Mappings, RunReader, count_mapped, populate, probes
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +92,7 @@ class Transfer:
 
     def __init__(
         self,
-        reader: Reader,
+        reader: RunReader,
         *,
         threads: int | None = None,
         staged: bool = False,
@@ -102,12 +103,11 @@ class Transfer:
     ) -> None:
         self.reader = reader
         self.progress = progress
-        can_map = getattr(reader, "can_map", True)  # an object-store reader has no file to map
-        self.mappings = Mappings() if mapped and can_map else None
-        self.filemaps = FileMaps() if copy_out and can_map else None
+        self.mappings = Mappings() if mapped and reader.can_map else None  # an object store has no file to map
+        self.filemaps = FileMaps() if copy_out and reader.can_map else None
         self.spans: dict[Any, tuple[Any, ...] | None] = {}
         self.whole: dict[Any, int | None] = {}
-        self.threads = (getattr(reader, "threads", None) or READ_THREADS) if threads is None else threads
+        self.threads = (reader.threads or READ_THREADS) if threads is None else threads
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardload-read") if self.threads else None
         self.stage_cpu = staged
         self.futures: list[Future[None]] = []
@@ -478,6 +478,11 @@ class Transfer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def plan_reader(params: Iterable[ParamPlan]) -> RunReader:
+    """The reader of the files ``params`` are read from: an object store's, or the local one."""
+    return reader_for(next((p.source.file for p in params), None))
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:

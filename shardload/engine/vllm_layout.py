@@ -33,7 +33,6 @@ from ..sources.checkpoint import (
     read_config,
 )
 from ..sources.dtypes import DTYPES, itemsize
-from ..sources.object_reader import reader_for
 from ..version import __version__
 from .load import iter_shards, materialize
 from .output import (
@@ -44,6 +43,7 @@ from .output import (
     stamp_sources,
     write_error,
 )
+from .transfer import plan_reader
 from .writer import OutFile, OutputFile
 
 if TYPE_CHECKING:
@@ -218,7 +218,7 @@ def rank_tensors(layout: VllmLayout, num_shards: int) -> Iterator[tuple[VllmTens
     """Each output tensor of ``layout`` for every rank, in file order, one parameter's worth in memory at a time."""
     import torch
 
-    with reader_for(next((p.source.file for p in layout.plan.params.values()), None)) as reader:
+    with plan_reader(layout.plan.params.values()) as reader:
         for t in layout.tensors:
             if not t.vocab:
                 break

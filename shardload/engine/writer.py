@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from ..errors import PlanError
 from ..sources.checkpoint import MAX_HEADER_BYTES
 from ..sources.dtypes import DTYPES, itemsize, to_torch
-from ..sources.object_reader import reader_for
-from ..sources.reader import Reader, buffer_view, libc_function
+from ..sources.reader import RunReader, buffer_view, libc_function
+from .transfer import plan_reader
 
 if TYPE_CHECKING:
     import torch
@@ -181,7 +181,7 @@ class _Shared:
         self.lock = threading.Lock()
         self.entries: dict[str, list[Any]] = {}  # name -> [lock, shards or None, workers left]
 
-    def get(self, param: ParamPlan, reader: Reader) -> list[torch.Tensor]:
+    def get(self, param: ParamPlan, reader: RunReader) -> list[torch.Tensor]:
         """The parameter's per-rank shards (contiguous CPU tensors)."""
         import torch
 
@@ -236,7 +236,7 @@ def write_rank_files(
             files.append(OutFile(path, durable=durable))
         for r, f in enumerate(files):
             f.write(rank_header(plan, r, stage, stages))
-        with reader_for(next((p.source.file for p in params), None)) as reader:
+        with plan_reader(params) as reader:
             shared = _Shared(workers)
 
             def work(w: int) -> None:
@@ -312,7 +312,7 @@ def _write_group(
     ranks: list[int],
     files: list[OutFile],
     results: list[OutputFile | None],
-    reader: Reader,
+    reader: RunReader,
     shared: _Shared,
     stop: threading.Event,
     passed: Callable[[int], None],

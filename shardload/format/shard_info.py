@@ -71,13 +71,16 @@ class ShardInfo:
     def load(cls, path: str | os.PathLike[str]) -> ShardInfo:
         """Read and check a shard_info.json file (either form)."""
         path = Path(path)
-        name = str(path)
-        raw = read_small(path, MAX_FILE_BYTES, "shard_info", FormatError)
+        return cls.from_bytes(read_small(path, MAX_FILE_BYTES, "shard_info", FormatError), source=str(path))
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, *, source: str) -> ShardInfo:
+        """Parse a shard_info file's bytes (UTF-8 JSON), read from wherever it is kept."""
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise FormatError(f"not UTF-8 text ({err.reason} at byte {err.start})", file=name) from None
-        return cls.from_json(text, source=name)
+            raise FormatError(f"not UTF-8 text ({err.reason} at byte {err.start})", file=source) from None
+        return cls.from_json(text, source=source)
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "shard_info.json") -> ShardInfo:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
-from ..errors import FormatError, PlanError, ShardloadError, StepArgumentError
+from ..errors import PlanError, ShardloadError, StepArgumentError
 from ..format import expr
 from ..format.shard_info import MAX_FILE_BYTES, MAX_RANKS, ShardInfo, StepSpec
 from ..sources.checkpoint import Checkpoint, TensorInfo, as_path, resolve_inside
@@ -443,9 +443,4 @@ def resolve_shard_info(checkpoint: Checkpoint, shard_info: ShardInfo | dict[str,
 
 def shard_info_object(path: ObjectPath) -> ShardInfo:
     """A shard_info.json kept in object storage, read and checked."""
-    raw = path.read_small(MAX_FILE_BYTES, "shard_info")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise FormatError(f"not UTF-8 text ({err.reason} at byte {err.start})", file=str(path)) from None
-    return ShardInfo.from_json(text, source=str(path))
+    return ShardInfo.from_bytes(path.read_small(MAX_FILE_BYTES, "shard_info"), source=str(path))

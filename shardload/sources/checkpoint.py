@@ -400,12 +400,17 @@ def _short_repr(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def read_small_file(path: Path | ObjectPath, limit: int, what: str) -> bytes:
+    """The bytes of a small file of a checkpoint (at most ``limit``), local or in object storage."""
+    if isinstance(path, ObjectPath):
+        return path.read_small(limit, what)
+    return read_small(path, limit, what, CheckpointError)
+
+
 def read_json(path: Path, what: str, limit: int = MAX_HEADER_BYTES) -> Any:
     """A JSON file of a checkpoint (config, index, manifest, cache table): a regular file, size-capped, UTF-8, no
     duplicate keys."""
-    raw = (
-        path.read_small(limit, what) if isinstance(path, ObjectPath) else read_small(path, limit, what, CheckpointError)
-    )
+    raw = read_small_file(path, limit, what)
     try:
         return strictjson.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
@@ -439,16 +444,26 @@ def _object_header(path: ObjectPath) -> tuple[bytes, int, int]:
     size = path.size()
     if size is None:
         raise CheckpointError("no such object", file=name)
+    _check_size(size, name)
+    header_len = _header_length(path.store.read(path.key, 0, 8), size, name)
+    return path.store.read(path.key, 8, 8 + header_len), header_len, size
+
+
+def _check_size(size: int, name: str) -> None:
     if size < 8:
         raise CheckpointError(f"file of {size} bytes is too short for a safetensors header", file=name)
-    (header_len,) = struct.unpack("<Q", path.store.read(path.key, 0, 8))
+
+
+def _header_length(first: bytes, size: int, name: str) -> int:
+    """The header length the first 8 bytes of a safetensors file give, checked against the cap and the file size."""
+    (header_len,) = struct.unpack("<Q", first)
     if header_len > MAX_HEADER_BYTES:
         raise CheckpointError(f"header of {header_len} bytes exceeds the {MAX_HEADER_BYTES} byte cap", file=name)
     if 8 + header_len > size:
         raise CheckpointError(
             f"header length {header_len} runs past the end of the {size}-byte file (truncated?)", file=name
         )
-    return path.store.read(path.key, 8, 8 + header_len), header_len, size
+    return header_len
 
 
 def _file_header(path: Path) -> tuple[bytes, int, int]:
@@ -457,17 +472,8 @@ def _file_header(path: Path) -> tuple[bytes, int, int]:
     try:
         with open(path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
-            if size < 8:
-                raise CheckpointError(f"file of {size} bytes is too short for a safetensors header", file=name)
-            (header_len,) = struct.unpack("<Q", fh.read(8))
-            if header_len > MAX_HEADER_BYTES:
-                raise CheckpointError(
-                    f"header of {header_len} bytes exceeds the {MAX_HEADER_BYTES} byte cap", file=name
-                )
-            if 8 + header_len > size:
-                raise CheckpointError(
-                    f"header length {header_len} runs past the end of the {size}-byte file (truncated?)", file=name
-                )
+            _check_size(size, name)
+            header_len = _header_length(fh.read(8), size, name)
             raw = fh.read(header_len)
     except OSError as err:
         raise CheckpointError(f"cannot read: {err.strerror or err}", file=name) from None

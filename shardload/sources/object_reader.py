@@ -33,7 +33,6 @@ class ObjectReader(local.RunReader):
     jobs the transfer should keep going at once.
     """
 
-    can_map = False
     threads = 8
 
     def __init__(self, concurrency: int | None = None) -> None:

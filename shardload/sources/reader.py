@@ -138,6 +138,8 @@ class RunReader:
     """Whether the loader may map this reader's files and ask the page cache about them (``mmap``, ``mincore``).
     A reader of remote objects says False: it then gets only :meth:`read_runs`, :meth:`no_readahead` and
     :meth:`prefetch` calls."""
+    threads: int | None = None
+    """How many read jobs a transfer should keep going at once with this reader (None: the transfer's default)."""
 
     def read_runs(self, path: Any, src: Any, length: Any, buf: Any, dst: Any, buffers: Sequence[Any]) -> None:
         """Copy run i: ``length[i]`` bytes at ``src[i]`` of ``path`` to byte ``dst[i]`` of ``buffers[buf[i]]``."""
