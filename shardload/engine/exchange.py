@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from ..planning.group_reads import StridedCopies
     from ..planning.plan import ParamPlan
-    from ..sources.reader import Reader
+    from ..sources.reader import RunReader
 
 EXCHANGE_BYTES = 256 << 20
 """Bytes of exchange buffers per rank, at most: two chunk buffers (one being read, one being sent) plus a send
@@ -54,7 +54,7 @@ def load_shared(
     digest: bytes,
     slot: tuple[int, int],
     device: torch.device,
-    reader: Reader,
+    reader: RunReader,
     group: Any = None,
     progress: Callable[[int, int], None] | None = None,
     where: str = "",

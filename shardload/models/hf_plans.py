@@ -8,7 +8,7 @@ only here); the table shipped in this package (``hf_tp_plans.json``, written fro
 ``scripts/gen_hf_tp_plans.py``). :func:`hf_placements` turns the plan into one
 :class:`~shardload.models.placement.Placement` per tensor, matching names and splitting tensors as
 transformers' ``from_pretrained(tp_plan="auto")`` does (:data:`STYLES`), except where transformers
-is wrong: KV heads that N cannot split are replicated (``splits._attention_placement``), a packed
+is wrong: KV heads that N cannot split are replicated (``splits.attention_placement``), a packed
 bias follows its weight's halves.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import PlanError
 from .placement import Placement, TensorHeader
-from .splits import ATTENTION_ROLES, ModelDims, _attention_placement, _packed, _replicated
+from .splits import ATTENTION_ROLES, ModelDims, all_replicated, attention_placement, packed_halves
 
 __all__ = [
     "STYLES",
@@ -327,7 +327,7 @@ def hf_placements(
     full = {p: style for p, (_, style) in full_keys.items()}
     full_keys = {p: key for p, (key, _) in full_keys.items()}
     dims = _dims(config)
-    placements = _replicated(tensors)
+    placements = all_replicated(tensors)
     used: set[str] = set()
     for name, info in tensors.items():
         found = _style_for(name, full)
@@ -393,11 +393,11 @@ def _style_placement(style: str, pattern: str, name: str, shape: tuple[int, ...]
                 return heads
         return Placement(name, "row", ndim - 1, rule=why)
     if rule == "packed_column":
-        return _packed(name, out_dim, shape, None, why)
+        return packed_halves(name, out_dim, shape, None, why)
     if rule == "packed_row":
         if bias:
             return Placement(name, "replicated", rule=why)
-        return Placement(name, "row", ndim - 1, _packed(name, ndim - 1, shape, None, why).segments, rule=why)
+        return Placement(name, "row", ndim - 1, packed_halves(name, ndim - 1, shape, None, why).segments, rule=why)
     if rule == "vocab":
         return Placement(name, "vocab", 0, rule=why)
     if rule == "embedding_column":
@@ -435,7 +435,7 @@ def _fused_placement(
         if role == "qkv" and len(shape) <= 2:
             heads = _heads_or_none("qkv", name, param == "bias", shape, dims, why)
             return (heads, keys) if heads is not None else None
-        return _packed(name, 0, shape, None, why), keys
+        return packed_halves(name, 0, shape, None, why), keys
     experts, _, number = parent.rpartition(".")
     if number == "*" and last in _EXPERT_COLUMN + _EXPERT_ROW and len(shape) <= 2:
         if f"{experts}.gate_up_proj" not in plan:  # transformers' Mixtral conversion renames block_sparse_moe
@@ -456,6 +456,6 @@ def _heads_or_none(
     """A whole-head split (KV heads replicated when N exceeds them), or None where the config's head counts do not
     describe this tensor (then the split is plain, as transformers does it)."""
     try:
-        return _attention_placement(role, name, bias, shape, dims, why)
+        return attention_placement(role, name, bias, shape, dims, why)
     except PlanError:
         return None

@@ -24,7 +24,7 @@ from typing import Any
 from ..errors import PlanError
 from .placement import Placement, TensorHeader
 from .quant_plan import companion_steps, detect_format, logical_tensors
-from .splits import ModelDims, _attention_placement, _packed, _replicated, _shape_error
+from .splits import ModelDims, all_replicated, attention_placement, packed_halves, shape_error
 
 __all__ = [
     "GeneratedPlan",
@@ -163,13 +163,13 @@ def _role_placement(
     if role == "lm_head":
         return Placement(name, "column", 0, rule=rule)
     if role in ("q", "k", "v", "qkv", "o"):
-        return _attention_placement(role, name, bias, shape, dims, rule)
+        return attention_placement(role, name, bias, shape, dims, rule)
     if role == "column":
         return Placement(name, "column", 0, rule=rule)
     if role == "row":
         return Placement(name, "replicated", rule=rule) if bias else Placement(name, "row", 1, rule=rule)
     if role == "gate_up":
-        return _packed(name, 0, shape, dims.intermediate_size, rule)
+        return packed_halves(name, 0, shape, dims.intermediate_size, rule)
     if role in ("expert_column", "expert_row"):
         if experts == "parallel":
             raise PlanError(
@@ -183,13 +183,13 @@ def _role_placement(
         return Placement(name, "replicated", rule=rule) if bias else Placement(name, "row", 1, rule=rule)
     # stacked experts: [num_experts, out, in] weights, [num_experts, out] biases
     if shape is not None and dims.num_experts is not None and shape[0] != dims.num_experts:
-        raise _shape_error(
+        raise shape_error(
             name, f"stacked expert tensor {list(shape)} does not lead with num_experts={dims.num_experts}"
         )
     if experts == "parallel":
         return Placement(name, "expert", 0, rule=rule)
     if role == "stacked_gate_up":
-        return _packed(name, 1, shape, dims.expert_intermediate_size, rule)
+        return packed_halves(name, 1, shape, dims.expert_intermediate_size, rule)
     if role == "stacked_column":
         return Placement(name, "column", 1, rule=rule)
     return Placement(name, "replicated", rule=rule) if bias else Placement(name, "row", 2, rule=rule)
@@ -215,7 +215,7 @@ def preset_placements(
             file="config.json",
         )
     dims = ModelDims.from_config(config)
-    placements = _replicated(tensors)
+    placements = all_replicated(tensors)
     for name, pattern, param in _targets(tensors, roles):
         info = tensors.get(name)
         rule = f"preset {model_type}: {pattern}"

@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import CheckpointError, PlanError
 from .placement import Placement, TensorHeader
 
-__all__ = ["ATTENTION_ROLES", "ModelDims"]
+__all__ = ["ATTENTION_ROLES", "ModelDims", "all_replicated", "attention_placement", "packed_halves", "shape_error"]
 
 ATTENTION_ROLES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "qkv_proj": "qkv", "o_proj": "o",
                    "query": "q", "key": "k", "value": "v"}  # fmt: skip
@@ -51,36 +51,37 @@ def _int_key(config: Mapping[str, Any], key: str) -> int | None:
     return value
 
 
-def _shape_error(name: str, reason: str) -> PlanError:
+def shape_error(name: str, reason: str) -> PlanError:
+    """A located error: ``name``'s stored shape does not fit what config.json says."""
     return PlanError(reason, file="config.json", param=name)
 
 
-def _packed(name: str, dim: int, shape: tuple[int, ...] | None, half: int | None, rule: str) -> Placement:
+def packed_halves(name: str, dim: int, shape: tuple[int, ...] | None, half: int | None, rule: str) -> Placement:
     """Column-parallel over two equal fused halves (gate and up) along ``dim``.
 
     The half size comes from the stored shape, or from config (``half``) for a logical weight.
     """
     if shape is not None:
         if shape[dim] % 2:
-            raise _shape_error(name, f"fused gate_up dim {dim} of size {shape[dim]} is not two equal halves")
+            raise shape_error(name, f"fused gate_up dim {dim} of size {shape[dim]} is not two equal halves")
         half = shape[dim] // 2
     if half is None:
-        raise _shape_error(name, "the fused gate_up size is unknown: it is not stored and config.json has no size")
+        raise shape_error(name, "the fused gate_up size is unknown: it is not stored and config.json has no size")
     return Placement(name, "column", dim, (half, half), rule=rule)
 
 
-def _attention_placement(
+def attention_placement(
     role: str, name: str, bias: bool, shape: tuple[int, ...] | None, dims: ModelDims, rule: str
 ) -> Placement:
     """Split by whole heads; KV heads are flagged so they replicate when N exceeds their count."""
     heads, kv_heads, head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
     if heads is None or kv_heads is None or head_dim is None:
-        raise _shape_error(name, "config.json needs num_attention_heads (and hidden_size or head_dim) to split heads")
+        raise shape_error(name, "config.json needs num_attention_heads (and hidden_size or head_dim) to split heads")
     if role == "o":
         if bias:
             return Placement(name, "replicated", rule=rule)
         if shape is not None and shape[-1] != heads * head_dim:
-            raise _shape_error(
+            raise shape_error(
                 name, f"input dim {shape[-1]} != num_attention_heads={heads} x head_dim={head_dim} from config.json"
             )
         return Placement(name, "row", 1, (heads,), head_dim, (False,), rule=rule)
@@ -92,9 +93,10 @@ def _attention_placement(
     }[role]
     if shape is not None and shape[0] != sum(segments) * head_dim:
         counts = f"num_attention_heads={heads}, num_key_value_heads={kv_heads}, head_dim={head_dim}"
-        raise _shape_error(name, f"output dim {shape[0]} does not match {counts} from config.json")
+        raise shape_error(name, f"output dim {shape[0]} does not match {counts} from config.json")
     return Placement(name, "column", 0, segments, head_dim, kv, rule=rule)
 
 
-def _replicated(tensors: Mapping[str, TensorHeader]) -> dict[str, Placement]:
+def all_replicated(tensors: Mapping[str, TensorHeader]) -> dict[str, Placement]:
+    """Every tensor replicated: where a plan starts before its rules split some."""
     return {name: Placement(name, "replicated") for name in tensors}

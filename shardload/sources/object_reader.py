@@ -68,7 +68,6 @@ class ObjectReader(local.RunReader):
         Runs must be sorted by ``src``. They are grouped into ranged requests (:func:`plan_requests`), fetched
         concurrently; each response is written straight into the destination bytes.
         """
-
         if not isinstance(path, ObjectPath):
             raise CheckpointError("an object-store reader was given a local file", file=str(path))
         n = len(src)
