@@ -8,7 +8,8 @@ Usage::
 Four processes under ``torchrun`` (gloo, CPU) load a random Llama-shaped float16 checkpoint as a dp=2 x tp=2 mesh,
 from a store throttled to a fixed bandwidth shared by every reader. The throttle is a token bucket kept in a
 file under a file lock (``flock``), wrapped around shardload's reader by this script only (``ThrottledReader``,
-plugged in at ``shardload.engine.load.reader_for``): before a read of ``n`` bytes a process books the next
+plugged in where the engine picks readers: ``reader_for`` in ``shardload.engine.load`` and ``.transfer``): before
+a read of ``n`` bytes a process books the next
 ``n / bandwidth`` seconds of the shared link and sleeps until its booking ends, then reads (from the page cache).
 So the four processes together never read faster than ``--mb-per-s``, as through a throttling proxy in front of
 an object store. Both ways read exact runs with ``preadv`` (``READ_STRATEGY = "read"``), so every byte passes
@@ -93,7 +94,8 @@ def worker(model: str, bucket: str, rate: float, repeats: int, warmup: int) -> N
     rank = dist.get_rank()
     transfer.READ_STRATEGY = "read"  # every byte through the (throttled) reader, never copied out of a mapping
     if rate > 0:
-        load.reader_for = lambda path=None: ThrottledReader(bucket, rate)  # type: ignore[assignment]
+        throttled = lambda path=None: ThrottledReader(bucket, rate)  # noqa: E731
+        load.reader_for = transfer.reader_for = throttled  # type: ignore[assignment]  (paths, and plans' files)
     best: dict[str, float] = {}
     nbytes: dict[str, int] = {}
     states: dict[str, dict[str, torch.Tensor]] = {}

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import shardload
 import shardload.engine.exchange as exchange
 import shardload.engine.load as load
+import shardload.engine.transfer as transfer
 from shardload.sources.checkpoint import open_checkpoint, read_header
 from shardload.sources.reader import Reader, count_reads
 
@@ -79,7 +80,8 @@ def main() -> None:
         if die:
             who, after = (int(x) for x in die.split(":"))
             if who == rank:
-                load.reader_for = lambda path=None: DyingReader(after, "SHARDLOAD_TEST_HANG" in os.environ)  # type: ignore[assignment]
+                dying = lambda path=None: DyingReader(after, "SHARDLOAD_TEST_HANG" in os.environ)  # noqa: E731
+                load.reader_for = transfer.reader_for = dying  # type: ignore[assignment]  (paths, and plans' files)
         case = cases[0]
         exchange.EXCHANGE_BYTES = case["chunk"] * (2 * dist.get_world_size() + 2)
         model = case.get("model_of_rank", {}).get(str(rank), case["model"])
