@@ -6,6 +6,7 @@ and reads only the rank's own bytes."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -271,3 +272,50 @@ def test_file_cut_short_is_an_error_not_sigbus(tmp_path: Path, monkeypatch: pyte
         fh.truncate(path.stat().st_size - 1024)
     with pytest.raises(shardload.CheckpointError, match="shorter than its header says"):
         shardload.engine.load.run_plan(plan, [0], ["cpu"])
+
+
+def test_warm_file_is_probed_once_a_partly_cached_one_per_parameter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file found cached as a whole (sampled once) asks no page-cache question per parameter; with one tensor's
+    pages dropped the file is not warm, each parameter is asked about, and only the cold one gets storage hints."""
+    from shardload.sources.reader import FileMaps
+
+    model, rows, cols = _two_kinds(tmp_path / "m")
+    path = model / "model.safetensors"
+    plan = shardload.plan_model(model, 4)
+    asked: list[int] = []
+    cached = FileMaps.cached
+
+    def spy_cached(self: FileMaps, file: Path, offsets: list[int], end: int) -> float | None:
+        asked.append(len(offsets))
+        return cached(self, file, offsets, end)
+
+    monkeypatch.setattr(FileMaps, "cached", spy_cached)
+    path.read_bytes()  # warm
+    got = shardload.load_rank(model, 2, 4)
+    np.testing.assert_array_equal(got["cols"].numpy(), cols[:, 512:768])
+    assert asked == [shardload.sources.reader.FILE_PROBES]  # the file-wide sample, nothing per parameter
+
+    col = plan.params["cols"].source
+    for thread in threading.enumerate():  # pages still mapped by this process cannot be dropped
+        if thread.name == "shardload-unmap":
+            thread.join()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages are not dropped
+        os.posix_fadvise(fd, col.offset, col.nbytes, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    left = FileMaps().resident(path, np.array([col.offset]), np.array([col.offset + col.nbytes]))
+    if left is None or left > 0.25:  # its first page, shared with the header, stays
+        pytest.skip(f"the kernel kept the column tensor's pages cached ({left})")
+    asked.clear()
+    seen = _spy(monkeypatch)
+    got = shardload.load_rank(model, 2, 4)
+    np.testing.assert_array_equal(got["rows"].numpy(), rows[256:384])
+    np.testing.assert_array_equal(got["cols"].numpy(), cols[:, 512:768])
+    assert asked[0] == shardload.sources.reader.FILE_PROBES and len(asked) == 3  # the file, then each parameter
+    cold = [(a, b) for starts, ends in seen["prefetch"] for a, b in zip(starts, ends, strict=True)]
+    first = col.offset // PAGE * PAGE  # hints name whole pages
+    assert cold and all(first <= a and b <= col.offset + col.nbytes + PAGE for a, b in cold)

@@ -30,7 +30,7 @@ from ..sources.reader import PAGE, FileMaps, Mappings, RunReader, count_mapped, 
 if TYPE_CHECKING:
     import torch
 
-    from ..planning.plan import ParamPlan
+    from ..planning.plan import ParamPlan, Piece
     from ..planning.runs import Copies, Runs
     from ..sources.checkpoint import TensorInfo
 
@@ -115,6 +115,7 @@ class Transfer:
         self.staging: _Staging | None = None
         self.schedules: dict[Any, _Schedule | None] = {}
         self.rel_runs: dict[Any, Runs | None] = {}
+        self.programs: dict[Any, list[tuple[tuple[slice, ...], tuple[slice, ...], tuple[slice, ...]]]] = {}
         self.held: list[Callable[[], None]] | None = [] if defer else None
 
     def _submit(self, fn: Callable[[], None]) -> None:
@@ -229,17 +230,21 @@ class Transfer:
         direct = device.type == "cpu" and not self.stage_cpu
         if READ_STRATEGY == "auto" and span:
             at = plan.source.offset
-            starts, ends, mean_run = at + span[0], at + span[1], span[2]
-            resident = self.filemaps.cached(plan.source.file, [at + x for x in span[3]], at + span[4])
+            mean_run = span[2]
+            if self.filemaps.warm(plan.source.file):  # the whole file is cached: no probe per parameter
+                resident: float | None = 1.0
+            else:
+                resident = self.filemaps.cached(plan.source.file, [at + x for x in span[3]], at + span[4])
             if mean_run >= (LONG_RUN if direct else STAGED_MAP_RUN):
                 # long runs reach a CPU tensor or the pinned buffers faster by preadv than by page faults
                 if resident is not None and resident < RESIDENT_ENOUGH:
                     self.reader.no_readahead(plan.source.file)  # cold: exactly the runs, their pages requested now
-                    self.reader.prefetch(plan.source.file, starts.tolist(), ends.tolist())
+                    self.reader.prefetch(plan.source.file, (at + span[0]).tolist(), (at + span[1]).tolist())
                 return None
             if resident is None:
                 return None
             if resident < RESIDENT_ENOUGH:  # cold: fetch the pages holding the rank's bytes, and nothing else
+                starts, ends = at + span[0], at + span[1]
                 if mean_run >= SMALL_RUN:  # few long runs: read exactly them, their pages requested up front
                     self.reader.no_readahead(plan.source.file)
                     self.reader.prefetch(plan.source.file, starts.tolist(), ends.tolist())
@@ -264,10 +269,13 @@ class Transfer:
             lead = piece.dst[0][1] - piece.dst[0][0] if piece.dst else 1
             if not direct and lead and math.prod(b - a for a, b in piece.dst) * dtype.itemsize // lead > block:
                 return None
-        src = data[plan.source.offset : end].view(dtype).view(plan.source.shape)
         dest = torch.empty(plan.shape, dtype=dtype, device=device) if out is None else out
         fill_padding(plan, rank, dest)
         file = plan.source.file
+        if direct and _words(dtype.itemsize) is not None:
+            self._copy_direct(plan, pieces, key, dest)
+            return dest
+        src = data[plan.source.offset : end].view(dtype).view(plan.source.shape)
         if not direct and self.staging is None:
             self.staging = _Staging(STAGE_BYTES, max(2, self.threads + 1), pin=device.type == "cuda")
         staging = self.staging
@@ -299,6 +307,24 @@ class Transfer:
 
                 self._submit(job)
         return dest
+
+    def _copy_direct(self, plan: ParamPlan, pieces: Sequence[Piece], key: Any, dest: torch.Tensor) -> None:
+        """Submit the strided copies of ``pieces`` out of the file's mapping into the CPU tensor ``dest``, in jobs
+        of about ``JOB_BYTES``. The calling thread only hands over numpy views; each job slices them itself."""
+        program = self.programs.get(key)
+        if program is None:
+            program = self.programs[key] = _copy_program(pieces, dest.element_size(), JOB_BYTES)
+        data = self.filemaps.array(plan.source.file) if self.filemaps is not None else None
+        assert data is not None  # mapped by the caller
+        words = _words(dest.element_size())
+        assert words is not None
+        torch_word, np_word = words
+        at = plan.source.offset
+        src = data[at : at + plan.source.nbytes].view(np_word).reshape(plan.source.shape)
+        out = dest.view(torch_word).numpy()
+        file = plan.source.file
+        for src_box, dst_box, part in program:
+            self._submit(lambda s=src_box, d=dst_box, p=part: _copy_piece(src, out, s, d, p, file))
 
     def _view(self, plan: ParamPlan, ranks: Sequence[int], key: Any) -> torch.Tensor | None:
         """The rank's tensor as a view of the file mapping, where it is one contiguous stretch of the file."""
@@ -496,6 +522,57 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
         np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy(), casting="no")
     else:
         dst.copy_(src)
+
+
+_WORDS: dict[int, tuple[Any, Any]] = {}
+
+
+def _words(itemsize: int) -> tuple[Any, Any] | None:
+    """The integer types of ``itemsize`` bytes, torch's and numpy's (None for other sizes): strided copies move
+    words, whatever the dtype. Built on first use, so importing this module imports neither library."""
+    if not _WORDS:
+        import numpy as np
+        import torch
+
+        _WORDS.update({1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32),
+                       8: (torch.int64, np.int64)})  # fmt: skip
+    return _WORDS.get(itemsize)
+
+
+def _copy_program(
+    pieces: Sequence[Piece], itemsize: int, block: int
+) -> list[tuple[tuple[slice, ...], tuple[slice, ...], tuple[slice, ...]]]:
+    """Per job: the source box, the destination box and the rows of that box it copies (about ``block`` bytes),
+    computed once per parameter structure."""
+    program = []
+    for piece in pieces:
+        src_box = tuple(slice(a, b) for a, b in piece.src)
+        dst_box = tuple(slice(a, b) for a, b in piece.dst)
+        if not piece.dst:
+            program.append((src_box, dst_box, ()))
+            continue
+        rows = piece.dst[0][1] - piece.dst[0][0]
+        nbytes = math.prod(b - a for a, b in piece.dst) * itemsize
+        step = max(1, rows * block // max(1, nbytes))
+        program += [(src_box, dst_box, (slice(a, a + step),)) for a in range(0, rows, step)]
+    return program
+
+
+def _copy_piece(
+    src: Any, out: Any, src_box: tuple[slice, ...], dst_box: tuple[slice, ...], part: tuple[slice, ...], file: Path
+) -> None:
+    """One job: copy rows ``part`` of source box ``src_box`` of ``src`` (a mapping's words) into ``dst_box`` of
+    ``out``, with the GIL released during the copy; the fresh destination pages are faulted in in one call first."""
+    import numpy as np
+
+    d = out[dst_box or ...]  # a 0-d box: ``[()]`` would give a scalar, not a view
+    s = src[src_box or ...].reshape(d.shape)
+    if part:
+        d, s = d[part], s[part]
+    if d.flags.c_contiguous and d.nbytes:
+        populate(d.ctypes.data, d.nbytes)
+    np.copyto(d, s, casting="no")
+    count_mapped(file, d.nbytes)
 
 
 def fill_padding(plan: ParamPlan, rank: int, dest: torch.Tensor) -> None:

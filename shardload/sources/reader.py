@@ -109,6 +109,10 @@ _MINCORE = (
 PAGE = mmap.PAGESIZE
 PROBES = 16
 """Pages :func:`probes` picks for ``mincore`` to ask about, at most, per parameter."""
+FILE_PROBES = 64
+"""Pages spread over a whole file that :meth:`FileMaps.warm` asks about, once per file."""
+WARM_FILE = 0.95
+"""The fraction of :data:`FILE_PROBES` found cached from which a file counts as warm as a whole."""
 _HAVE_PREADV = hasattr(os, "preadv")
 
 
@@ -350,18 +354,19 @@ class FileMaps:
     """
 
     def __init__(self) -> None:
-        self._maps: dict[Path, tuple[mmap.mmap, torch.Tensor] | None] = {}
+        self._maps: dict[Path, tuple[mmap.mmap, torch.Tensor, np.ndarray] | None] = {}
+        self._warm: dict[Path, bool] = {}
         self._lock = threading.Lock()
 
-    def bytes(self, path: Path) -> torch.Tensor | None:
-        """The file's bytes as a uint8 tensor over its read-only mapping (None where it cannot be mapped).
-
-        Never write to it: the pages are the page cache's own, mapped read-only (a write would fault).
-        """
+    def _entry(self, path: Path) -> tuple[mmap.mmap, torch.Tensor, np.ndarray] | None:
         import warnings
 
+        import numpy as np
         import torch
 
+        entry = self._maps.get(path, False)
+        if entry is not False:
+            return entry
         with self._lock:
             if path not in self._maps:
                 try:
@@ -369,11 +374,36 @@ class FileMaps:
                         mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
                     with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is, on purpose
                         warnings.simplefilter("ignore", UserWarning)
-                        self._maps[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+                        self._maps[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8), np.frombuffer(mm, np.uint8))
                 except (OSError, ValueError):  # empty, or not mappable: the caller reads instead
                     self._maps[path] = None
-            entry = self._maps[path]
-            return None if entry is None else entry[1]
+            return self._maps[path]
+
+    def bytes(self, path: Path) -> torch.Tensor | None:
+        """The file's bytes as a uint8 tensor over its read-only mapping (None where it cannot be mapped).
+
+        Never write to it: the pages are the page cache's own, mapped read-only (a write would fault).
+        """
+        entry = self._entry(path)
+        return None if entry is None else entry[1]
+
+    def array(self, path: Path) -> np.ndarray | None:
+        """The same bytes as a read-only numpy uint8 array (slicing one costs a fraction of a torch view's time)."""
+        entry = self._entry(path)
+        return None if entry is None else entry[2]
+
+    def warm(self, path: Path) -> bool:
+        """Whether ``path`` as a whole looks cached: at least :data:`WARM_FILE` of :data:`FILE_PROBES` pages spread
+        over it are in the page cache (asked once per file). Then no parameter of it needs probing of its own; any
+        other answer leaves the choice to each parameter's probes (:meth:`cached`)."""
+        verdict = self._warm.get(path)
+        if verdict is None:
+            data = self.bytes(path)
+            size = 0 if data is None else len(data)
+            offsets = [k * size // FILE_PROBES for k in range(FILE_PROBES)] if size else []
+            resident = self.cached(path, offsets, size)
+            verdict = self._warm[path] = resident is not None and resident >= WARM_FILE
+        return verdict
 
     def resident(self, path: Path, starts: np.ndarray, ends: np.ndarray) -> float | None:
         """The fraction of the pages holding byte runs ``[starts[i], ends[i])`` of ``path`` (sorted by start) that
@@ -417,7 +447,7 @@ class FileMaps:
         with self._lock:
             entries = [e for e in self._maps.values() if e is not None]
             self._maps.clear()
-        for _, data in entries:
+        for _, data, _ in entries:
             if _MADVISE is not None and len(data):
                 _MADVISE(data.data_ptr(), len(data), MADV_DONTNEED)
         del entries
