@@ -29,7 +29,9 @@ with its shard_info, warm page cache, N = ``--num-shards``:
 6. One rank (rank 3 of N) in a fresh process, page cache warm, every page of the result touched, imports excluded:
    ``load_rank`` and ``load_rank(mmap=True)`` against ``safe_open(...).get_slice(name)[...]`` narrowing the same
    boxes (target <= 1x; get_slice returns views of its mapping, copied only where a rank's piece is not one box), and
-   against get_slice with every tensor cloned into fresh memory (shown); the whole model against ``load_file``
+   against get_slice with every tensor cloned into fresh memory and against the fresh-memory floor (each of the
+   rank's pieces copied once by torch out of a mapping into a new tensor, the plan given; shown, and the floor
+   itself against get_slice); the whole model against ``load_file``
    (views) and ``load_file`` + clone (shown); the same rank after dropping the file's pages
    (``posix_fadvise(DONTNEED)``): bytes fetched from storage (``/proc/self/io`` read_bytes) against the pages holding
    the rank's bytes (target <= 1.05x) and time against get_slice (target <= 1x). ``--only rank`` measures this row.
@@ -445,6 +447,16 @@ def child_slice(kind: str, model: str, rank: str, num_shards: str, cold: str) ->
                     state[name] = dest
             if kind == "safetensors-fresh":  # every tensor in fresh memory, as the default load_rank gives
                 state = {k: v.clone(memory_format=torch.contiguous_format) for k, v in state.items()}
+        elif kind == "copy-floor":  # the least a fresh-memory load does: each piece copied once out of a mapping
+            mm, base, header = _mapped(path)
+            state = {}
+            for name, p in plan.params.items():
+                src = _view(mm, base, header[name])
+                dest = torch.empty(p.shape, dtype=getattr(torch, p.dtype))
+                for pc in p.pieces(r) or []:
+                    box = dest[tuple(slice(a, b) for a, b in pc.dst)]
+                    box.copy_(src[tuple(slice(a, b) for a, b in pc.src)].reshape(box.shape))
+                state[name] = dest
         elif kind in ("shardload", "shardload-mmap"):
             state = shardload.load_rank(model, r, n, mmap=kind == "shardload-mmap")
         elif kind == "whole-shardload-mmap":
@@ -498,7 +510,7 @@ def rows_slices(model: Path, n: int, repeats: int) -> tuple[list[Row], dict[str,
             runs.append(json_line(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout))
         return min(runs, key=lambda x: x["seconds"]) | {"all": [x["seconds"] for x in runs]}
 
-    got = {k: best(k) for k in ("shardload", "shardload-mmap", "safetensors", "safetensors-fresh",
+    got = {k: best(k) for k in ("shardload", "shardload-mmap", "safetensors", "safetensors-fresh", "copy-floor",
                                 "whole-shardload-mmap", "whole-load-file", "whole-shardload",
                                 "whole-load-file-clone")}  # fmt: skip
     cold = {k: best(k, cold=True) for k in ("shardload", "safetensors")}
@@ -513,6 +525,10 @@ def rows_slices(model: Path, n: int, repeats: int) -> tuple[list[Row], dict[str,
                 seconds(t["shardload-mmap"]), seconds(t["safetensors"])),
         Row("6. load_rank (fresh memory) vs get_slice + clone (fresh memory)", seconds(t["shardload"]),
             seconds(t["safetensors-fresh"]), t["shardload"] / t["safetensors-fresh"], "", None),
+        Row("6. load_rank (fresh memory) vs its pieces copied once out of a mapping (fresh-memory floor)",
+            seconds(t["shardload"]), seconds(t["copy-floor"]), t["shardload"] / t["copy-floor"], "", None),
+        Row("6. fresh-memory floor vs safetensors get_slice (views)", seconds(t["copy-floor"]),
+            seconds(t["safetensors"]), t["copy-floor"] / t["safetensors"], "", None),
         Row("6. whole model: load_rank(m, 0, 1, mmap=True) vs load_file (views)", seconds(t["whole-shardload-mmap"]),
             seconds(t["whole-load-file"]), t["whole-shardload-mmap"] / t["whole-load-file"], "", None),
         Row("6. whole model: load(m, 1) vs load_file + clone (fresh memory)", seconds(t["whole-shardload"]),

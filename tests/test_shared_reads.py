@@ -396,7 +396,7 @@ def test_a_rank_that_hangs_fails_the_others_after_the_timeout(failed_groups: dic
 def test_ranks_that_planned_differently_are_refused_up_front(failed_groups: dict) -> None:
     for rc, text in failed_groups["differs"]:
         line = failure_line(text)
-        assert rc == 1 and "rank 3 planned a different checkpoint, shard_info or mesh than rank 0" in line, line
+        assert rc == 1 and "rank 3 planned a different checkpoint, shard_info or mesh than rank 0" in line, text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
