@@ -52,11 +52,6 @@ with ``mincore``); otherwise it fetches exactly those pages from storage."""
 SMALL_RUN = PAGE // 2
 """On cold storage, ``auto`` copies runs averaging under this many bytes (a column slice) out of a mapping, their pages
 requested up front: ``preadv`` would pay one call per run, and the kernel reads whole pages either way."""
-LONG_RUN = 64 << 10
-"""A CPU rank reads runs averaging at least this many bytes (dim-0 shards, whole tensors) with ``preadv`` whether or
-not they are cached: the kernel's copy out of the page cache costs no page faults on a mapping of the file, and no
-unmapping after. Shorter runs (column slices) are copied out of the mapping when cached: one ``preadv`` per row
-costs more than faulting the pages in."""
 
 STAGED_MAP_RUN = 256 << 10
 """A GPU rank copies out of a mapping (when cached) only if its runs average under this many bytes; longer runs
@@ -202,9 +197,12 @@ class Transfer:
         strategy says so (None: read it with ``preadv`` instead). On a GPU (or with ``staged``) the copies gather
         the rank's bytes into the pinned staging buffers, each upload one contiguous block.
 
-        ``auto`` copies when the pages holding the rank's bytes are in the page cache (``mincore``), or when its
-        runs are smaller than half a page (then faults read just their pages: no readahead); otherwise, on cold
-        storage, ``preadv`` of the exact runs reads no byte the rank does not need.
+        ``auto`` copies when the pages holding the rank's bytes are in the page cache (``mincore``), whatever the
+        length of its runs on a CPU rank (user-space copies out of a mapping beat the kernel's copy out of the page
+        cache, page faults included: 0.056 s against 0.059 s for ``load_rank(mmap=True)``, rank 3 of 8, medians of 10
+        in ``benchmarks/run.py``'s setting), or when its runs are smaller than half a page (then faults read just
+        their pages: no readahead); otherwise, on cold storage, ``preadv`` of the exact runs reads no byte the rank
+        does not need.
         """
         import torch
 
@@ -235,8 +233,8 @@ class Transfer:
                 resident: float | None = 1.0
             else:
                 resident = self.filemaps.cached(plan.source.file, [at + x for x in span[3]], at + span[4])
-            if mean_run >= (LONG_RUN if direct else STAGED_MAP_RUN):
-                # long runs reach a CPU tensor or the pinned buffers faster by preadv than by page faults
+            if not direct and mean_run >= STAGED_MAP_RUN:
+                # long runs reach the pinned buffers faster by preadv than through a mapping
                 if resident is not None and resident < RESIDENT_ENOUGH:
                     self.reader.no_readahead(plan.source.file)  # cold: exactly the runs, their pages requested now
                     self.reader.prefetch(plan.source.file, (at + span[0]).tolist(), (at + span[1]).tolist())
