@@ -7,7 +7,8 @@ Each run is a fresh process that imports everything a load imports (not timed), 
 the header parse (``open_checkpoint``), the shard_info read and schema check, ``build_plan``, the executor's
 set-up of every parameter with the reads held back (``Transfer(defer=True)``: no phase waits for a core or the
 interpreter lock behind the reader threads), the reads, and freeing the result. The table shows the median over
-``--runs`` processes. To compare with another version, run it with ``PYTHONPATH`` pointing at that checkout.
+``--runs`` processes, each started right after the model's files were read (a warm page cache). To compare with
+another version, run it with ``PYTHONPATH`` pointing at that checkout.
 ``benchmarks/run.py --keep DIR --only rank`` builds a 1 GiB Llama-shaped checkpoint in ``DIR/model``.
 """
 
@@ -21,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 PHASES = [
     ("open_checkpoint: header parsed", "header"),
@@ -39,8 +41,8 @@ def child(model: str, rank: int, num_shards: int, mmap: bool) -> None:
 
     import shardload.engine.steps
     import shardload.planning.runs  # noqa: F401
-    from shardload.engine.load import Mesh, _first_file, reader_for, shard_info_for, stages_of
-    from shardload.engine.transfer import Transfer
+    from shardload.engine.load import Mesh, shard_info_for, stages_of
+    from shardload.engine.transfer import Transfer, plan_reader
     from shardload.planning.plan import build_plan
     from shardload.sources.checkpoint import open_checkpoint
 
@@ -56,7 +58,7 @@ def child(model: str, rank: int, num_shards: int, mmap: bool) -> None:
     stage = stages_of(plan, Mesh(tp=num_shards))[0]
     marks.append(time.thread_time())
     out = {}
-    with reader_for(_first_file(stage)) as reader:
+    with plan_reader(stage.params.values()) as reader:
         transfer = Transfer(reader, defer=True, mapped=mmap, copy_out=True)
         for param in stage.params.values():
             out[param.name] = transfer.param(param, [rank], ["cpu"])[0]
@@ -67,6 +69,16 @@ def child(model: str, rank: int, num_shards: int, mmap: bool) -> None:
     del out
     marks.append(time.thread_time())
     print(json.dumps({"tensors": len(stage.params), "seconds": [b - a for a, b in itertools.pairwise(marks)]}))
+
+
+def warm(model: Path) -> None:
+    """Read the model's safetensors files once, so each run starts from a warm page cache (as row 6 does)."""
+    files = [model] if model.is_file() else sorted(model.glob("*.safetensors"))
+    buf = bytearray(16 << 20)
+    for path in files:
+        with open(path, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,8 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd = [sys.executable, __file__, "--child", args.model, "--rank", str(args.rank), "--num-shards",
            str(args.num_shards)] + (["--mmap"] if args.mmap else [])  # fmt: skip
-    results = [json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
-               for _ in range(args.runs)]  # fmt: skip
+    results = []
+    for _ in range(args.runs):
+        warm(Path(args.model))
+        run = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        results.append(json.loads(run.stdout.splitlines()[-1]))
     tensors = results[0]["tensors"]
     print(f"load_rank(rank {args.rank} of {args.num_shards}{', mmap=True' if args.mmap else ''}): {tensors} tensors, "
           f"median of {args.runs} fresh processes, thread CPU time")  # fmt: skip
