@@ -564,9 +564,14 @@ def _copy_piece(
     import numpy as np
 
     d = out[dst_box or ...]  # a 0-d box: ``[()]`` would give a scalar, not a view
-    s = src[src_box or ...].reshape(d.shape)
-    if part:
-        d, s = d[part], s[part]
+    s = src[src_box or ...]
+    if part and s.shape[:1] == d.shape[:1]:  # rows line up: reshape only this job's rows (never a copy of the box)
+        d = d[part]
+        s = s[part].reshape(d.shape)
+    else:
+        s = s.reshape(d.shape)
+        if part:
+            d, s = d[part], s[part]
     if d.flags.c_contiguous and d.nbytes:
         populate(d.ctypes.data, d.nbytes)
     np.copyto(d, s, casting="no")
