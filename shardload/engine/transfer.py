@@ -262,19 +262,18 @@ class Transfer:
         if plan.source.offset % dtype.itemsize:
             return None  # packed at an odd offset (a TVM cache can be): preadv has no alignment needs
         pieces = plan.pieces(rank) or []
-        block = JOB_BYTES if direct else STAGE_BYTES
         for piece in pieces:  # a GPU rank stages whole rows (or elements): each must fit a staging buffer
             lead = piece.dst[0][1] - piece.dst[0][0] if piece.dst else 1
-            if not direct and lead and math.prod(b - a for a, b in piece.dst) * dtype.itemsize // lead > block:
+            if not direct and lead and math.prod(b - a for a, b in piece.dst) * dtype.itemsize // lead > STAGE_BYTES:
                 return None
         dest = torch.empty(plan.shape, dtype=dtype, device=device) if out is None else out
         fill_padding(plan, rank, dest)
-        file = plan.source.file
-        if direct and _words(dtype.itemsize) is not None:
+        if direct:
             self._copy_direct(plan, pieces, key, dest)
             return dest
+        file = plan.source.file
         src = data[plan.source.offset : end].view(dtype).view(plan.source.shape)
-        if not direct and self.staging is None:
+        if self.staging is None:
             self.staging = _Staging(STAGE_BYTES, max(2, self.threads + 1), pin=device.type == "cuda")
         staging = self.staging
         for piece in pieces:
@@ -282,25 +281,19 @@ class Transfer:
             s = src[tuple(slice(a, b) for a, b in piece.src)].reshape(d.shape)
             rows = d.shape[0] if d.dim() else 1
             nbytes = d.numel() * d.element_size()
-            step = max(1, rows * block // max(1, nbytes)) if d.dim() else 1
+            step = max(1, rows * STAGE_BYTES // max(1, nbytes)) if d.dim() else 1
             for a in range(0, rows, step):
                 part = (slice(a, a + step),) if d.dim() else ()
 
                 def job(d: Any = d[part], s: Any = s[part]) -> None:
                     n = d.numel() * d.element_size()
-                    if direct:
-                        if d.is_contiguous():
-                            populate(d.data_ptr(), n)  # fresh pages in one call
-                        copy_bytes(d, s)
-                    else:
-                        assert staging is not None
-                        buf = staging.acquire()
-                        try:
-                            host = buf[:n].view(d.dtype).view(d.shape)
-                            copy_bytes(host, s)
-                            staging.copy(buf, host, d)
-                        finally:
-                            staging.release(buf)
+                    buf = staging.acquire()
+                    try:
+                        host = buf[:n].view(d.dtype).view(d.shape)
+                        copy_bytes(host, s)
+                        staging.copy(buf, host, d)
+                    finally:
+                        staging.release(buf)
                     count_mapped(file, n)
 
                 self._submit(job)
@@ -314,9 +307,7 @@ class Transfer:
             program = self.programs[key] = _copy_program(pieces, dest.element_size(), JOB_BYTES)
         data = self.filemaps.array(plan.source.file) if self.filemaps is not None else None
         assert data is not None  # mapped by the caller
-        words = _words(dest.element_size())
-        assert words is not None
-        torch_word, np_word = words
+        torch_word, np_word = _words(dest.element_size())
         at = plan.source.offset
         src = data[at : at + plan.source.nbytes].view(np_word).reshape(plan.source.shape)
         out = dest.view(torch_word).numpy()
@@ -525,16 +516,16 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 _WORDS: dict[int, tuple[Any, Any]] = {}
 
 
-def _words(itemsize: int) -> tuple[Any, Any] | None:
-    """The integer types of ``itemsize`` bytes, torch's and numpy's (None for other sizes): strided copies move
-    words, whatever the dtype. Built on first use, so importing this module imports neither library."""
+def _words(itemsize: int) -> tuple[Any, Any]:
+    """The integer types of ``itemsize`` bytes (every dtype shardload knows has 1, 2, 4 or 8), torch's and numpy's:
+    strided copies move words, whatever the dtype. Built on first use: importing this module imports neither."""
     if not _WORDS:
         import numpy as np
         import torch
 
         _WORDS.update({1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32),
                        8: (torch.int64, np.int64)})  # fmt: skip
-    return _WORDS.get(itemsize)
+    return _WORDS[itemsize]
 
 
 def _copy_program(
