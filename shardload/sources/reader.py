@@ -97,6 +97,9 @@ _MADVISE = (
     else None
 )
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
+# Whether the kernel takes MADV_POPULATE_WRITE: cleared by the first refusal (an older kernel), after which copies
+# fault pages in themselves. Kept apart from _MADVISE, so MADV_RANDOM and MADV_DONTNEED go on being asked.
+_POPULATE = _MADVISE is not None
 MADV_RANDOM = 1  # no readahead on faults: a fault reads just its page
 MADV_DONTNEED = 4  # drop a range's page-table entries (a shared file mapping's pages stay in the page cache)
 _MINCORE = (
@@ -531,19 +534,19 @@ class Mappings:
 
 def populate(address: int, nbytes: int) -> None:
     """Fault in the whole pages inside ``[address, address + nbytes)`` of fresh memory in one call (best effort)."""
-    global _MADVISE
+    global _POPULATE
     start = -(-address // PAGE) * PAGE
     end = (address + nbytes) // PAGE * PAGE
-    if _MADVISE is not None and end > start and _MADVISE(start, end - start, MADV_POPULATE_WRITE) != 0:
-        _MADVISE = None  # an older kernel: let the copy fault pages in
+    if _POPULATE and _MADVISE is not None and end > start and _MADVISE(start, end - start, MADV_POPULATE_WRITE) != 0:
+        _POPULATE = False  # an older kernel: let the copy fault pages in
 
 
 def _populate(ptrs: np.ndarray, buf: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
     """Fault in the whole pages between the first and the last byte each buffer receives (best effort)."""
-    global _MADVISE
+    global _POPULATE
     import numpy as np
 
-    if _MADVISE is None:
+    if not _POPULATE or _MADVISE is None:
         return
     lo = np.full(len(ptrs), np.iinfo(np.int64).max, dtype=np.int64)
     hi = np.zeros(len(ptrs), dtype=np.int64)
@@ -553,7 +556,7 @@ def _populate(ptrs: np.ndarray, buf: np.ndarray, dst: np.ndarray, length: np.nda
         start = -(-(int(ptrs[b]) + int(lo[b])) // PAGE) * PAGE
         end = (int(ptrs[b]) + int(hi[b])) // PAGE * PAGE
         if end > start and _MADVISE(start, end - start, MADV_POPULATE_WRITE) != 0:
-            _MADVISE = None  # an older kernel: let the copy fault pages in
+            _POPULATE = False  # an older kernel: let the copy fault pages in
             return
 
 
