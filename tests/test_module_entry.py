@@ -1,0 +1,16 @@
+"""``python -m shardload`` is the same command line as the ``shardload`` script."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_python_dash_m_runs_the_cli(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "shardload", "example", str(tmp_path / "m")], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "m" / "shard_info.json").is_file()
+    usage = subprocess.run([sys.executable, "-m", "shardload", "--help"], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 0 and usage.stdout.startswith("Usage: shardload ")
