@@ -117,6 +117,13 @@ def quantize(
         )
     if checkpoint.kind != "safetensors":
         raise ShardloadError(f"quantize reads a safetensors model, this is a {checkpoint.kind} one", file=str(model))
+    for name, t in checkpoint.tensors.items():
+        if 0 in t.shape and _skip_reason(name, t.shape, t.dtype, spec, ignore) is None:
+            raise CheckpointError(
+                f"a linear weight of shape {list(t.shape)} has no values to quantize (a zero dim); remove it",
+                file=str(t.file),
+                param=name,
+            )
     stamps = stamp_sources(checkpoint.files)
     info = _source_shard_info(checkpoint.root, shard_info)
     sources = source_paths(checkpoint.root, checkpoint.files)
