@@ -16,6 +16,7 @@ from ..planning.plan import ModelPlan, build_plan
 from ..sources.checkpoint import (
     MANIFEST_NAME,
     VLLM_MANIFEST_FORMAT,
+    TensorInfo,
     open_checkpoint,
     read_header,
     read_json,
@@ -23,7 +24,7 @@ from ..sources.checkpoint import (
 )
 from .load import load_rank
 from .verify import VerifyReport, check_entry
-from .vllm_layout import FILE_PATTERN, check_vllm_manifest, plan_layout, rank_tensors
+from .vllm_layout import FILE_PATTERN, VllmLayout, check_vllm_manifest, plan_layout, rank_tensors
 
 
 def verify_dir(
@@ -173,8 +174,21 @@ def _vllm_against_source(out: Path, source: Any, manifest: dict, shard_info: Any
                                     str(out / MANIFEST_NAME))  # fmt: skip
     if differences:
         return differences
-    paths = [out / FILE_PATTERN.format(rank=r) for r in range(n)]
-    headers = [read_header(p) for p in paths]
+    try:
+        headers = [read_header(out / FILE_PATTERN.format(rank=r)) for r in range(n)]
+    except CheckpointError as err:
+        return [err]
+    try:
+        return _vllm_rank_differences(out, layout, headers)
+    except ShardloadError as err:
+        return [CheckpointError(f"cannot read the source: {err.message}", file=str(source))]
+
+
+def _vllm_rank_differences(
+    out: Path, layout: VllmLayout, headers: list[dict[str, TensorInfo]]
+) -> list[CheckpointError]:
+    """Every rank file's tensors (``headers``, rank order) against the ones ``layout`` makes from the source."""
+    n = len(headers)
     problems: list[CheckpointError] = []
     wanted = {t.name for t in layout.tensors}
     for r, header in enumerate(headers):
