@@ -8,6 +8,7 @@ verify, as fits) and through the Python API (load_rank).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -613,6 +614,195 @@ def test_verify_on_a_source_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["verify", str(model)])
     assert result.exit_code == 1 and result.stderr.startswith(f"error: {model}: not a converted directory")
     assert CliRunner().invoke(main, ["verify"]).exit_code == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# round 3: a TVM record's dtype under validate --json, vLLM-layout manifests, outputs against their sources,
+# entry points only from installed distributions
+
+
+def test_tvm_record_with_a_list_dtype_is_reported_as_json(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "params_shard_0.bin").write_bytes(b"\0" * 16)
+    rec = {"name": "w", "shape": [4], "dtype": ["float32"], "format": "raw", "nbytes": 16, "byteOffset": 0}
+    shard = {"dataPath": "params_shard_0.bin", "format": "raw-shard", "nbytes": 16, "records": [rec]}
+    (cache / "tensor-cache.json").write_text(json.dumps({"records": [shard]}))
+    info = tmp_path / "si.json"
+    info.write_text(doc({"w": [[SHARD_DIM, [["num_shards", "4 // num_shards"], "float32"], 0, "num_shards"]]}))
+    result = CliRunner().invoke(main, ["validate", str(info), "--model", str(cache), "--json", "-n", "2"])
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert report["verdict"] == "fail"
+    assert any("dtype ['float32'] is not one shardload reads" in p["message"] for p in report["problems"]), report
+
+
+def _vllm_out(tmp_path: Path, shard_info: Path | None = None) -> tuple[Path, Path]:
+    """A tiny llama converted with ``--layout vllm`` for 2 ranks: (model, out)."""
+    pytest.importorskip("transformers")
+    from shardload.engine.vllm_layout import convert_vllm
+    from tiny_models import build
+
+    model = tmp_path / "model"
+    if not model.exists():
+        build("llama_gqa", model)
+    out = tmp_path / ("out" if shard_info is None else "out-custom")
+    convert_vllm(model, 2, out, shard_info)
+    return model, out
+
+
+def _rehash(out: Path) -> None:
+    """Make the manifest's sizes and sha256 match the files again (as a forger would)."""
+    manifest = json.loads((out / "shard_manifest.json").read_text())
+    for entry in manifest["files"]:
+        if (out / entry["path"]).is_file():
+            data = (out / entry["path"]).read_bytes()
+            entry["size"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    (out / "shard_manifest.json").write_text(json.dumps(manifest))
+
+
+V1 = "model-rank-1-part-0.safetensors"
+VLLM_MANIFEST_CASES = [
+    ("rank listed twice", lambda m: m["files"].append(dict(m["files"][1])), f"file {V1!r} is listed twice"),
+    ("num_shards above the files", lambda m: m.update(num_shards=3), "lists no file model-rank-2-part-0"),
+    ("num_shards below the files", lambda m: m.update(num_shards=1), f"lists {V1}, which is not a rank file"),
+    ("rank unlisted", lambda m: m["files"].pop(1), f"lists no file {V1}"),
+    ("num_shards 10**9", lambda m: m.update(num_shards=10**9), "over the limit of 65536"),
+    ("a path outside", lambda m: m["files"][0].update(path="../x"), "not a plain file name"),
+]
+
+
+@pytest.mark.parametrize(("change", "reason"), [c[1:] for c in VLLM_MANIFEST_CASES],
+                         ids=[c[0] for c in VLLM_MANIFEST_CASES])  # fmt: skip
+def test_vllm_layout_manifest_follows_the_plain_rules(
+    tmp_path: Path, change: Callable[[dict[str, Any]], None], reason: str
+) -> None:
+    _, out = _vllm_out(tmp_path)
+    manifest = json.loads((out / "shard_manifest.json").read_text())
+    change(manifest)
+    (out / "shard_manifest.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["verify", str(out), "--json"])
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert any(reason in p["message"] for p in report["problems"]), report
+    result = CliRunner().invoke(main, ["verify", str(out)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert_one_line(result.stderr, [reason])
+
+
+def test_vllm_layout_manifest_stores_no_absolute_path(tmp_path: Path) -> None:
+    model, out = _vllm_out(tmp_path)
+    custom = tmp_path / "plans" / "custom.json"
+    custom.parent.mkdir()
+    assert CliRunner().invoke(main, ["plan", str(model), "-o", str(custom), "-q"]).exit_code == 0
+    _, out2 = _vllm_out(tmp_path, custom)
+    for directory in (out, out2):
+        text = (directory / "shard_manifest.json").read_text()
+        assert str(tmp_path) not in text, text
+
+        def walk(value: Any) -> None:
+            if isinstance(value, str):
+                assert not os.path.isabs(value) and "/" not in value.split(" (")[0].split(" ")[-1], value
+            elif isinstance(value, dict):
+                for v in value.values():
+                    walk(v)
+            elif isinstance(value, list):
+                for v in value:
+                    walk(v)
+
+        walk(json.loads(text))
+
+
+def _other_plan(model: Path, tmp_path: Path) -> Path:
+    """A shard_info for ``model`` that splits lm_head.weight by columns rather than by rows."""
+    info = json.loads((model / "shard_info.json").read_text())
+    info["params"]["lm_head.weight"] = [
+        [SHARD_DIM, [["num_shards", 1024, "256 // num_shards"], "float16"], 1, "num_shards"]
+    ]
+    path = tmp_path / "custom.json"
+    path.write_text(json.dumps(info))
+    return path
+
+
+def test_verify_source_compares_the_sources_own_plan(tmp_path: Path) -> None:
+    from shardload.cli.example import write_example
+
+    model = write_example(tmp_path / "m")
+    custom = _other_plan(model, tmp_path)
+    shardload.convert(model, 2, tmp_path / "out", custom)
+    result = CliRunner().invoke(main, ["verify", str(tmp_path / "out"), "--source", str(model), "--json"])
+    assert result.exit_code == 1, result.output
+    problems = json.loads(result.stdout)["problems"]
+    assert problems and all(p["param"] == "lm_head.weight" for p in problems), problems
+    assert "the manifest's plan differs from the plan the source gives" in problems[0]["message"]
+    result = CliRunner().invoke(
+        main, ["verify", str(tmp_path / "out"), "--source", str(model), "--shard-info", str(custom)]
+    )
+    assert result.exit_code == 0, result.output
+    shardload.convert(model, 2, tmp_path / "plain")
+    assert CliRunner().invoke(main, ["verify", str(tmp_path / "plain"), "--source", str(model)]).exit_code == 0
+
+
+def test_verify_source_of_a_vllm_layout_output(tmp_path: Path) -> None:
+    model, out = _vllm_out(tmp_path)
+    result = CliRunner().invoke(main, ["verify", str(out), "--source", str(model)])
+    assert result.exit_code == 0, result.output
+    plan = tmp_path / "plan.json"
+    assert CliRunner().invoke(main, ["plan", str(model), "-o", str(plan), "-q"]).exit_code == 0
+    info = json.loads(plan.read_text())
+    name = "model.layers.0.self_attn.o_proj.weight"
+    info["params"][name] = [["shard_funcs.replicate", [["num_shards", 64, 64], "float32"], "num_shards"]]
+    plan.write_text(json.dumps(info))
+    _, custom = _vllm_out(tmp_path, plan)
+    result = CliRunner().invoke(main, ["verify", str(custom), "--source", str(model), "--json"])
+    assert result.exit_code == 1, result.output
+    problems = json.loads(result.stdout)["problems"]
+    assert any(p["param"] == name and "plan differs" in p["message"] for p in problems), problems
+    # a forged rank file whose manifest entry was rewritten to match: only the source tells
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(out / V1))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1
+    save_file(tensors, str(out / V1), metadata={"format": "pt"})
+    _rehash(out)
+    assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 0
+    result = CliRunner().invoke(main, ["verify", str(out), "--source", str(model)])
+    assert result.exit_code == 1 and "model.norm.weight" in result.output and "rank 1" in result.output
+
+
+def _planted_distribution(where: Path) -> Path:
+    """A ``*.dist-info`` in ``where`` whose ``shardload.steps`` entry point would create ``where/PWNED``."""
+    (where / "planted_steps.py").write_text(
+        "from pathlib import Path\n\ndef register():\n    (Path(__file__).parent / 'PWNED').write_text('ran')\n"
+    )
+    dist = where / "planted_steps-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: planted-steps\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[shardload.steps]\nplanted = planted_steps:register\n")
+    return where / "PWNED"
+
+
+def test_entry_points_never_come_from_the_current_or_the_model_directory(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    model = model_dir(tmp_path / "m")
+    marker = _planted_distribution(model)
+    load = "import shardload.planning.registry as r; r.load_entry_points(); print('loaded')"
+    runs = {
+        "python -c in the model directory": ([sys.executable, "-c", load], model, str(root)),
+        "PYTHONPATH=. in the model directory": ([sys.executable, "-c", load], model, f"{root}:."),
+        "PYTHONPATH=$PWD": ([sys.executable, "-c", load], model, f"{root}:{model}"),
+        "a script in the model directory": ([sys.executable, str(model / "run.py")], tmp_path, str(root)),
+        "python -m from the model directory": ([sys.executable, "-m", "run"], model, str(root)),
+    }
+    (model / "run.py").write_text(load + "\n")
+    for what, (cmd, cwd, path) in runs.items():
+        r = subprocess.run(cmd, cwd=cwd, env={"PYTHONPATH": path, "PATH": "/usr/bin:/bin"},
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert r.returncode == 0 and "loaded" in r.stdout, (what, r.stderr[-500:])
+        assert not marker.exists(), f"{what}: a planted entry point ran"
 
 
 def corpus_size() -> int:

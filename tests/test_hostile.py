@@ -104,6 +104,48 @@ def _replicates(d: Path) -> list[str]:
     return ["inspect", str(m), "-n", "8"]
 
 
+def _manifest(d: Path, num_shards: int, mesh: dict | None = None) -> Path:
+    """A converted directory whose 1-file manifest claims ``num_shards`` ranks (and ``mesh``), with no rank files."""
+    out = d / "conv"
+    out.mkdir()
+    doc = {"format": "shardload.converted", "version": 1, "num_shards": num_shards, "mesh": mesh, "files": [],
+           "shard_info": {"version": 1, "num_shards": num_shards, "params": {}}}  # fmt: skip
+    (out / "shard_manifest.json").write_text(json.dumps(doc))
+    return out
+
+
+def _tvm_aliases(d: Path, records: int = 2048, dtype: object = "float32") -> Path:
+    """A TVM cache of one 1 MiB data file whose ``records`` records all claim its whole bytes."""
+    cache = d / "cache"
+    cache.mkdir()
+    (cache / "params_shard_0.bin").write_bytes(b"\0" * (1 << 20))
+    rec = [{"name": f"t{i}", "shape": [1 << 18], "dtype": dtype, "format": "raw", "nbytes": 1 << 20, "byteOffset": 0}
+           for i in range(records)]  # fmt: skip
+    shard = {"dataPath": "params_shard_0.bin", "format": "raw-shard", "nbytes": 1 << 20, "records": rec}
+    (cache / "tensor-cache.json").write_text(json.dumps({"metadata": {}, "records": [shard]}))
+    return cache
+
+
+def _gguf_aliases(d: Path, tensors: int = 2048) -> Path:
+    """A GGUF file of 1 MiB of data whose ``tensors`` float32 tensors all start at data offset 0."""
+    path = d / "alias.gguf"
+    head = b"GGUF" + struct.pack("<IQQ", 3, tensors, 0)
+    for i in range(tensors):
+        name = f"t{i}".encode()
+        head += struct.pack("<Q", len(name)) + name + struct.pack("<IQIQ", 1, 1 << 18, 0, 0)  # 1 dim, F32, offset 0
+    head += b"\0" * (-len(head) % 32)
+    path.write_bytes(head + b"\0" * (1 << 20))
+    return path
+
+
+def _zero_width(d: Path, shape: tuple[int, int]) -> Path:
+    """A model whose one linear weight ``proj.weight`` has a zero dim."""
+    m = d / "zw"
+    m.mkdir()
+    save_file({"proj.weight": np.zeros(shape, np.float16)}, str(m / "model.safetensors"))
+    return m
+
+
 CASES: dict[str, Case] = {
     # files that are not files
     "config.json is a FIFO (plan)": Case(
@@ -149,6 +191,36 @@ CASES: dict[str, Case] = {
         "sizes", lambda d: ["inspect", str(_gguf(d, 0, 1, _kv_array(1 << 60)))], says="length"
     ),
     "GGUF metadata count 2**62": Case("sizes", lambda d: ["inspect", str(_gguf(d, 0, 1 << 62))], says="metadata count"),
+    "converted manifest claiming num_shards 10**9": Case(
+        "sizes", lambda d: ["verify", str(_manifest(d, 10**9))], says="over the limit of 65536"
+    ),
+    "converted manifest with a mesh of 60000 x 60000": Case(
+        "sizes",
+        lambda d: ["inspect", str(_manifest(d, 60000, {"pp": 60000, "tp": 60000, "pp_layers": [0] * 60000}))],
+        says="over the limit of 65536",
+    ),
+    "TVM records aliasing one 1 MiB file 2048 times": Case(
+        "sizes", lambda d: ["inspect", str(_tvm_aliases(d))], says="overlap tensor"
+    ),
+    "GGUF tensors aliasing one 1 MiB data section 2048 times": Case(
+        "sizes", lambda d: ["inspect", str(_gguf_aliases(d))], says="overlap tensor"
+    ),
+    "TVM record with a list as its dtype": Case(
+        "messages", lambda d: ["inspect", str(_tvm_aliases(d, 1, ["float32"]))], says="dtype"
+    ),
+    "quantize a weight of zero columns": Case(
+        "sizes",
+        lambda d: ["quantize", str(_zero_width(d, (4, 0))), "-o", str(d / "out"), "--scheme", "int8"],
+        says="proj.weight",
+    ),
+    "quantize a weight of zero columns, fp8": Case(
+        "sizes",
+        lambda d: ["quantize", str(_zero_width(d, (4, 0))), "-o", str(d / "out"), "--scheme", "fp8"],
+        says="proj.weight",
+    ),
+    "quantize a weight of zero rows": Case(
+        "sizes", lambda d: ["quantize", str(_zero_width(d, (0, 128))), "-o", str(d / "out")], says="proj.weight"
+    ),
     # work that must stay linear
     "tall narrow tensor, convert": Case(
         "linear work",

@@ -612,16 +612,27 @@ def _inspect_n(info: Any, checkpoint: Any) -> int:
 @click.argument("out_dir", metavar="OUT", type=click.Path(path_type=Path))
 @click.option(
     "--source", "source", type=MODEL, metavar="MODEL",
-    help="Also compare every rank with the same rank loaded from MODEL (the checkpoint OUT was made from).",
+    help="Also compare OUT's plan with the plan MODEL gives, then every rank with the same rank made from MODEL "
+         "(the checkpoint OUT was made from).",
 )  # fmt: skip
+@click.option("--shard-info", type=click.Path(path_type=Path),
+              help="With --source: the shard_info OUT was converted with (default: MODEL's own plan).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report (exit code as without).")
 @_guarded
-def verify(out_dir: Path, source: Path | None, as_json: bool) -> None:
+def verify(out_dir: Path, source: Path | None, shard_info: Path | None, as_json: bool) -> None:
     """Recompute every file's sha256 in converted directory OUT against its manifest; list each mismatch."""
     from ..engine.audit import verify_dir
+    from ..engine.verify import VerifyReport
     from .report import human_bytes
 
-    report = verify_dir(out_dir, source=source)
+    if shard_info is not None and source is None:
+        raise click.UsageError("--shard-info goes with --source")
+    try:
+        report = verify_dir(out_dir, source=source, shard_info=shard_info)
+    except ShardloadError as err:
+        if not as_json:
+            raise
+        report = VerifyReport(out_dir, 0, problems=[err])
     if as_json:
         doc = {
             "out_dir": str(out_dir), "source": None if source is None else str(source), "ok": report.ok,

@@ -1,24 +1,40 @@
 """Auditing a converted directory as a whole: every listed file against the manifest (size, sha256, rank
-header), and, given the source it was made from, every rank's tensors against the same rank loaded from that
-source with the manifest's resolved shard_info (``shardload verify OUT [--source MODEL]``)."""
+header), and, given the source it was made from, the manifest's plan against the plan the source gives, then every
+rank's tensors against the same rank made from that source (``shardload verify OUT [--source MODEL]``)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ShardloadError
+from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh
-from ..sources.checkpoint import MANIFEST_NAME, VLLM_MANIFEST_FORMAT, open_checkpoint, read_json
+from ..planning.plan import ModelPlan, build_plan
+from ..sources.checkpoint import (
+    MANIFEST_NAME,
+    VLLM_MANIFEST_FORMAT,
+    TensorInfo,
+    open_checkpoint,
+    read_header,
+    read_json,
+    short_repr,
+)
 from .load import load_rank
 from .verify import VerifyReport, check_entry
+from .vllm_layout import FILE_PATTERN, VllmLayout, check_vllm_manifest, plan_layout, rank_tensors
 
 
-def verify_dir(path: str | os.PathLike[str], source: str | os.PathLike[str] | None = None) -> VerifyReport:
+def verify_dir(
+    path: str | os.PathLike[str], source: str | os.PathLike[str] | None = None, shard_info: Any = None
+) -> VerifyReport:
     """Recompute every file's sha256 in a converted directory against its manifest; list each mismatch. With
-    ``source``, also compare each rank with the same rank loaded from ``source`` (one rank in memory at a time),
-    so an output whose source changed since it was written is reported.
+    ``source``, also compare the manifest's plan with the plan the source gives (its shard_info.json, or one
+    planned from its config.json; ``shard_info`` when the output was converted with another), then each rank
+    with the same rank made from ``source`` (one rank, or one parameter, in memory at a time), so an output
+    whose source or manifest changed since it was written is reported.
 
     Example::
 
@@ -28,20 +44,17 @@ def verify_dir(path: str | os.PathLike[str], source: str | os.PathLike[str] | No
     """
     vllm = _vllm_manifest(Path(path))
     if vllm is not None:
-        if source is not None:
-            raise CheckpointError(
-                "--source compares shardload's rank layout; this directory is in vLLM's sharded_state layout "
-                "(its files are still checked against the manifest without --source)",
-                file=str(path),
-            )
-        return _check_files(VerifyReport(Path(path), vllm["num_shards"]), Path(path), vllm)
+        report = _check_files(VerifyReport(Path(path), vllm["num_shards"]), Path(path), vllm)
+        if source is not None and report.ok:
+            report.problems += _vllm_against_source(Path(path), source, vllm, shard_info)
+        return report
     checkpoint = open_checkpoint(path)
     if checkpoint.kind != "converted" or checkpoint.manifest is None:
         raise CheckpointError(f"not a converted directory (no {MANIFEST_NAME})", file=str(path))
     manifest = checkpoint.manifest
     report = _check_files(VerifyReport(checkpoint.root, manifest["num_shards"]), checkpoint.root, manifest)
     if source is not None and report.ok:
-        report.problems += _against_source(checkpoint.root, source, manifest)
+        report.problems += _against_source(checkpoint.root, source, manifest, shard_info)
     return report
 
 
@@ -53,15 +66,7 @@ def _vllm_manifest(path: Path) -> dict | None:
     manifest = read_json(manifest_path, "manifest")
     if not isinstance(manifest, dict) or manifest.get("format") != VLLM_MANIFEST_FORMAT:
         return None
-    files = manifest.get("files")
-    n = manifest.get("num_shards")
-    entries_ok = isinstance(files, list) and all(
-        isinstance(e, dict) and isinstance(e.get("path"), str) and type(e.get("size")) is int
-        and isinstance(e.get("sha256"), str) for e in files
-    )  # fmt: skip
-    if type(n) is not int or n < 1 or not entries_ok:
-        raise CheckpointError("inconsistent manifest: needs num_shards >= 1 and files with path, size and sha256",
-                              file=str(manifest_path))  # fmt: skip
+    check_vllm_manifest(manifest, manifest_path)
     return manifest
 
 
@@ -80,18 +85,64 @@ def _check_files(report: VerifyReport, root: Path, manifest: dict) -> VerifyRepo
     return report
 
 
-def _against_source(out: Path, source: Any, manifest: dict) -> list[CheckpointError]:
-    """Every rank of ``out`` against the same rank loaded from ``source``: names, dtypes, shapes and bytes."""
+MAX_PLAN_DIFFERENCES = 20
+"""Parameters whose plans differ that ``verify --source`` names one by one; the rest are counted."""
+
+
+def _plan_differences(recorded: Any, given: dict[str, Any], where: str) -> list[CheckpointError]:
+    """Each parameter whose steps in the manifest's plan (``recorded``) differ from the source's (``given``)."""
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("params"), dict):
+        return [CheckpointError("the manifest records no plan to compare with the source's", file=where)]
+    given = json.loads(json.dumps(given))  # tuples as lists, as the manifest stores them
+    theirs, ours = recorded["params"], given["params"]
+    problems = []
+    if recorded.get("num_shards") != given["num_shards"]:
+        problems.append(CheckpointError(
+            f"the manifest's plan is for num_shards={short_repr(recorded.get('num_shards'))}, the source's for "
+            f"{given['num_shards']}", file=where,
+        ))  # fmt: skip
+    names = [n for n in sorted(set(theirs) | set(ours)) if theirs.get(n) != ours.get(n)]
+    for name in names[:MAX_PLAN_DIFFERENCES]:
+        problems.append(CheckpointError(
+            f"the manifest's plan differs from the plan the source gives (manifest: {short_repr(theirs.get(name))}; "
+            f"source: {short_repr(ours.get(name))})", file=where, param=name,
+        ))  # fmt: skip
+    if len(names) > MAX_PLAN_DIFFERENCES:
+        more = len(names) - MAX_PLAN_DIFFERENCES
+        problems.append(CheckpointError(f"and {more} more parameters whose plans differ", file=where))
+    return problems
+
+
+def _source_plan(source: Any, num_shards: int, shard_info: Any) -> ModelPlan:
+    """The plan ``source`` itself gives for ``num_shards`` ranks (``shard_info`` when given)."""
+    checkpoint = open_checkpoint(source)
+    if checkpoint.kind == "converted":
+        raise CheckpointError("is a converted directory; --source names the checkpoint it was made from",
+                              file=str(source))  # fmt: skip
+    return build_plan(shard_info_for(checkpoint, shard_info), checkpoint, num_shards)
+
+
+def _against_source(out: Path, source: Any, manifest: dict, shard_info: Any) -> list[CheckpointError]:
+    """The manifest's plan against the source's, then every rank of ``out`` against the same rank loaded from
+    ``source``: names, dtypes, shapes and bytes."""
     import torch
 
     tp = manifest["num_shards"]
+    try:
+        plan = _source_plan(source, tp, shard_info)
+    except ShardloadError as err:
+        return [CheckpointError(f"cannot plan the source for num_shards={tp}: {err.message}", file=str(source))]
+    given = plan.resolved_shard_info()
+    differences = _plan_differences(manifest.get("shard_info"), given, str(out / MANIFEST_NAME))
+    if differences:
+        return differences
     record = manifest.get("mesh")
     layers = tuple(record["pp_layers"]) if record else None
     mesh = Mesh(pp=record["pp"], tp=tp, pp_layers=layers) if record else Mesh(tp=tp)
     problems = []
     for rank in range(mesh.world_size):
         try:
-            want = load_rank(source, rank, mesh=mesh, shard_info=manifest["shard_info"])
+            want = load_rank(source, rank, mesh=mesh, shard_info=given)
         except ShardloadError as err:
             return [CheckpointError(f"cannot load rank {rank} from the source: {err.reason}", file=str(source))]
         got = load_rank(out, rank, mesh=mesh)
@@ -109,3 +160,66 @@ def _against_source(out: Path, source: Any, manifest: dict) -> list[CheckpointEr
                 problems.append(CheckpointError(f"{name!r} differs from the source's bytes", file=where))
         del want, got
     return problems
+
+
+def _vllm_against_source(out: Path, source: Any, manifest: dict, shard_info: Any) -> list[CheckpointError]:
+    """A ``sharded_state`` output against ``source``: the manifest's plan against the source's, then every rank
+    file's tensors (names, dtypes, shapes, bytes) against the ones ``convert --layout vllm`` makes from it now."""
+    n = manifest["num_shards"]
+    try:
+        layout = plan_layout(open_checkpoint(source), n, shard_info)
+    except ShardloadError as err:
+        return [CheckpointError(f"cannot plan the source for num_shards={n}: {err.message}", file=str(source))]
+    differences = _plan_differences(manifest.get("shard_info"), layout.plan.resolved_shard_info(),
+                                    str(out / MANIFEST_NAME))  # fmt: skip
+    if differences:
+        return differences
+    try:
+        headers = [read_header(out / FILE_PATTERN.format(rank=r)) for r in range(n)]
+    except CheckpointError as err:
+        return [err]
+    try:
+        return _vllm_rank_differences(out, layout, headers)
+    except ShardloadError as err:
+        return [CheckpointError(f"cannot read the source: {err.message}", file=str(source))]
+
+
+def _vllm_rank_differences(
+    out: Path, layout: VllmLayout, headers: list[dict[str, TensorInfo]]
+) -> list[CheckpointError]:
+    """Every rank file's tensors (``headers``, rank order) against the ones ``layout`` makes from the source."""
+    n = len(headers)
+    problems: list[CheckpointError] = []
+    wanted = {t.name for t in layout.tensors}
+    for r, header in enumerate(headers):
+        for name in sorted(header.keys() - wanted):
+            problems.append(CheckpointError(f"{name!r} is in the output but not in the source's layout",
+                                            file=str(out / f"rank {r}")))  # fmt: skip
+    for t, shards in rank_tensors(layout, n):
+        for r, (header, shard) in enumerate(zip(headers, shards, strict=True)):
+            where = str(out / f"rank {r}")
+            info = header.get(t.name)
+            if info is None:
+                problems.append(CheckpointError(f"{t.name!r} is in the source's layout but not in the output",
+                                                file=where))  # fmt: skip
+                continue
+            want = shard.contiguous().reshape(-1).view(_u8()).numpy().tobytes()
+            if (info.dtype, info.shape) != (t.dtype, tuple(shard.shape)):
+                what = f"source {t.dtype} {tuple(shard.shape)}, output {info.dtype} {info.shape}"
+                problems.append(CheckpointError(f"{t.name!r} differs: {what}", file=where))
+            elif _read_bytes(info.file, info.offset, info.nbytes) != want:
+                problems.append(CheckpointError(f"{t.name!r} differs from the source's bytes", file=where))
+    return problems
+
+
+def _read_bytes(path: Path, offset: int, nbytes: int) -> bytes:
+    """``nbytes`` bytes of ``path`` from ``offset`` (one tensor of a rank file)."""
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        return fh.read(nbytes)
+
+
+def _u8() -> Any:
+    import torch
+
+    return torch.uint8

@@ -93,7 +93,8 @@ def quantize(
     """Write ``model``'s linear weights quantized with ``scheme`` to ``out_dir`` (compressed-tensors layout).
 
     Every 2-d floating ``*.weight`` whose module is not in ``ignore`` and whose input dim fits the
-    scheme is quantized; other tensors are copied. ``shard_info`` (default ``MODEL/shard_info.json``)
+    scheme is quantized (one with a zero dim is refused); other tensors are copied. ``shard_info`` (default
+    ``MODEL/shard_info.json``)
     is carried over to the quantized tensors. ``progress(source_bytes_done, name)`` is called after each stored
     tensor. Written like :func:`convert` writes: into a locked temporary
     directory beside ``out_dir``, then renamed; ``overwrite`` replaces only an empty directory or an earlier
@@ -117,6 +118,13 @@ def quantize(
         )
     if checkpoint.kind != "safetensors":
         raise ShardloadError(f"quantize reads a safetensors model, this is a {checkpoint.kind} one", file=str(model))
+    for name, t in checkpoint.tensors.items():
+        if 0 in t.shape and _skip_reason(name, t.shape, t.dtype, spec, ignore) is None:
+            raise CheckpointError(
+                f"a linear weight of shape {list(t.shape)} has no values to quantize (a zero dim); remove it",
+                file=str(t.file),
+                param=name,
+            )
     stamps = stamp_sources(checkpoint.files)
     info = _source_shard_info(checkpoint.root, shard_info)
     sources = source_paths(checkpoint.root, checkpoint.files)

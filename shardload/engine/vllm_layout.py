@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ShardloadError
-from ..format.shard_info import ShardInfo
+from ..errors import CheckpointError, ShardloadError, printable
+from ..format.shard_info import MAX_RANKS, ShardInfo
 from ..models.plan_source import plan_shard_info
 from ..models.vllm_names import DEFAULT_PACKED, SKIPPED_SUFFIXES, is_vocab, vllm_target, vocab_range
 from ..planning.plan import ModelPlan, build_plan
@@ -31,6 +32,7 @@ from ..sources.checkpoint import (
     as_path,
     open_checkpoint,
     read_config,
+    short_repr,
 )
 from ..sources.dtypes import DTYPES, itemsize
 from ..version import __version__
@@ -51,6 +53,9 @@ if TYPE_CHECKING:
 
 FILE_PATTERN = "model-rank-{rank}-part-0.safetensors"
 """vLLM's ``ShardedStateLoader`` file name for tensor-parallel rank ``rank`` (one part per rank)."""
+_RANK_FILE_RE = re.compile(r"model-rank-(0|[1-9][0-9]{0,8})-part-(0|[1-9][0-9]{0,8})\.safetensors")
+"""A file vLLM's ``ShardedStateLoader`` reads: rank, part (shardload writes part 0 only)."""
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 """Float32 scalars (1.0 unless a checkpoint quantizes the KV cache) each vLLM attention layer keeps in its state."""
 
@@ -296,13 +301,66 @@ def convert_vllm(
                 "version": 1,
                 "shardload_version": __version__,
                 "num_shards": num_shards,
-                "plan": layout.source,
+                "plan": plan_origin(layout, checkpoint.root),
+                "shard_info": layout.plan.resolved_shard_info(),
                 "source": {"files": [{"path": f.name, "size": st[2]} for f, st in stamps]},
             }
             publish_with_manifest(staging, checkpoint.root, stamps, written, manifest, durable)
     except OSError as err:
         raise write_error(err, out) from None
     return written
+
+
+def plan_origin(layout: VllmLayout, root: Path) -> str:
+    """Where ``layout``'s plan came from, every file named by its name alone: a manifest travels with its output
+    and stores no absolute path (the plain layout's manifest names files relative to the output too)."""
+    origin = layout.source
+    given = layout.plan.shard_info.source
+    if not given.startswith("<"):  # a shard_info file, beside the weights or named to convert
+        origin = origin.replace(given, Path(given).name)
+    for prefix in (f"{root}{os.sep}", str(root)):
+        origin = origin.replace(prefix, "" if prefix.endswith(os.sep) else ".")
+    return origin
+
+
+def check_vllm_manifest(manifest: Any, where: Path) -> None:
+    """Check a ``sharded_state`` output's manifest as :func:`~shardload.sources.checkpoint.check_manifest` checks
+    the plain layout's: num_shards within the rank cap, plain file names listed once, every rank's file listed
+    exactly once and no rank file of another N."""
+
+    def bad(reason: str) -> CheckpointError:
+        return CheckpointError(f"inconsistent manifest: {reason}", file=str(where))
+
+    if not isinstance(manifest, dict) or manifest.get("format") != VLLM_MANIFEST_FORMAT:
+        raise bad(f"'format' is not {VLLM_MANIFEST_FORMAT!r}")
+    if manifest.get("version") != 1 or type(manifest.get("version")) is not int:
+        raise bad(f"unsupported version {short_repr(manifest.get('version'))} (this shardload reads 1)")
+    n, files = manifest.get("num_shards"), manifest.get("files")
+    if type(n) is not int or n < 1 or not isinstance(files, list):
+        raise bad("needs an integer 'num_shards' >= 1 and a 'files' list")
+    if n > MAX_RANKS:
+        raise bad(f"num_shards={n} is over the limit of {MAX_RANKS}")
+    seen: set[str] = set()
+    ranks: set[int] = set()
+    for entry in files:
+        ok = isinstance(entry, dict) and isinstance(entry.get("path"), str) and type(entry.get("size")) is int
+        if not ok or entry["size"] < 0 or not _SHA256_RE.fullmatch(str(entry.get("sha256"))):
+            raise bad(f"bad 'files' entry {short_repr(entry)} (needs path, size >= 0 and a hex sha256)")
+        path = entry["path"]
+        if path in seen:
+            raise bad(f"file {printable(path)!r} is listed twice")
+        if not path or "/" in path or "\\" in path or path in (".", "..") or "\0" in path:
+            raise bad(f"file {printable(path)!r} is not a plain file name in the directory")
+        seen.add(path)
+        match = _RANK_FILE_RE.fullmatch(path)
+        if match:
+            if match[2] != "0" or int(match[1]) >= n:
+                raise bad(f"lists {path}, which is not a rank file of num_shards={n}")
+            ranks.add(int(match[1]))
+    missing = [r for r in range(n) if r not in ranks]
+    if missing:
+        name = FILE_PATTERN.format(rank=missing[0])
+        raise bad(f"lists no file {name} ({len(missing)} of {n} rank files unlisted)")
 
 
 def _u8() -> Any:

@@ -15,6 +15,11 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
+import re
+import site
+import sys
+import sysconfig
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -242,20 +247,51 @@ def load_entry_points() -> None:
     An entry point names a module (importing it registers its steps) or a callable (called with no
     arguments). Which code runs is decided by what is installed, never by a name in a shard_info file:
     all of them load together, at the first lookup of a name not registered yet, whatever that name is.
+    Installed means found in :func:`installed_paths`: a ``*.dist-info`` in the current directory or beside the
+    running script (a model directory one runs from) is never read.
     """
     global _entry_points_loaded
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
-    from importlib.metadata import entry_points
+    from importlib.metadata import distributions
 
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            loaded = ep.load()
-            if callable(loaded):
-                loaded()
-        except Exception as err:
-            raise StepArgumentError(
-                f"the installed {ENTRY_POINT_GROUP} entry point {ep.name!r} ({ep.value}) failed to load: "
-                f"{type(err).__name__}: {err}"
-            ) from None
+    seen: set[str] = set()
+    for dist in distributions(path=installed_paths()):
+        name = re.sub(r"[-_.]+", "-", str(dist.metadata["Name"] or "")).lower()
+        if name in seen:  # the first of a name on the path is the one Python imports
+            continue
+        seen.add(name)
+        for ep in dist.entry_points.select(group=ENTRY_POINT_GROUP):
+            try:
+                loaded = ep.load()
+                if callable(loaded):
+                    loaded()
+            except Exception as err:
+                raise StepArgumentError(
+                    f"the installed {ENTRY_POINT_GROUP} entry point {ep.name!r} ({ep.value}) failed to load: "
+                    f"{type(err).__name__}: {err}"
+                ) from None
+
+
+def installed_paths() -> list[str]:
+    """The ``sys.path`` entries entry points are read from: every one but the current directory (``''``, ``.``
+    or its full path, as ``-c``, ``-m`` and ``PYTHONPATH=.`` put it there) and the directory of the running script;
+    site-packages directories (the interpreter's, a virtualenv's, the user's) always count."""
+    sites = {os.path.realpath(p) for p in site.getsitepackages() if p} if hasattr(site, "getsitepackages") else set()
+    sites |= {os.path.realpath(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")}
+    if site.ENABLE_USER_SITE:
+        sites.add(os.path.realpath(site.getusersitepackages()))
+    denied = {os.path.realpath(os.getcwd())}
+    if sys.path and not getattr(sys.flags, "safe_path", False):
+        denied.add(os.path.realpath(sys.path[0] or os.getcwd()))
+    if sys.argv and sys.argv[0] and os.path.isfile(sys.argv[0]):
+        denied.add(os.path.dirname(os.path.realpath(sys.argv[0])))
+    kept = []
+    for entry in sys.path:
+        if not isinstance(entry, str) or not entry:
+            continue
+        real = os.path.realpath(entry)
+        if real in sites or real not in denied:
+            kept.append(entry)
+    return kept

@@ -9,13 +9,16 @@ from __future__ import annotations
 import os
 import re
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import pairwise
 from math import prod
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, printable
 from ..format import strictjson
+from ..format.shard_info import MAX_RANKS
 from ..format.smallfile import read_small
 from .dtypes import DTYPES, FROM_SAFETENSORS
 from .formats import format_for_dir, format_for_file
@@ -359,6 +362,8 @@ def check_manifest(manifest: Any, where: Path) -> None:
     n, files = manifest.get("num_shards"), manifest.get("files")
     if type(n) is not int or n < 1 or not isinstance(files, list):
         raise bad("needs an integer 'num_shards' >= 1 and a 'files' list")
+    if n > MAX_RANKS:
+        raise bad(f"num_shards={n} is over the limit of {MAX_RANKS}")
     info = manifest.get("shard_info")
     if not isinstance(info, dict) or info.get("num_shards") != n:
         raise bad(f"'shard_info' must be an object for num_shards={n}")
@@ -366,6 +371,8 @@ def check_manifest(manifest: Any, where: Path) -> None:
     if mesh is not None:
         pp, layers = (mesh.get("pp"), mesh.get("pp_layers")) if isinstance(mesh, dict) else (None, None)
         ok = type(pp) is int and pp >= 1 and mesh.get("tp") == n and isinstance(layers, list) and len(layers) == pp
+        if type(pp) is int and pp * n > MAX_RANKS:
+            raise bad(f"'mesh' of pp={pp} x tp={n} has {pp * n} ranks, over the limit of {MAX_RANKS}")
         if not ok or not all(type(c) is int and c >= 0 for c in layers):
             raise bad("'mesh' must hold pp >= 1, tp equal to num_shards and pp_layers, one count per stage")
     stages = manifest_stages(manifest)
@@ -374,7 +381,7 @@ def check_manifest(manifest: Any, where: Path) -> None:
     for entry in files:
         ok = isinstance(entry, dict) and isinstance(entry.get("path"), str) and type(entry.get("size")) is int
         if not ok or entry["size"] < 0 or not _SHA256_RE.fullmatch(str(entry.get("sha256"))):
-            raise bad(f"bad 'files' entry {_short_repr(entry)} (needs path, size >= 0 and a hex sha256)")
+            raise bad(f"bad 'files' entry {short_repr(entry)} (needs path, size >= 0 and a hex sha256)")
         path = entry["path"]
         if path in seen:
             raise bad(f"file {path!r} is listed twice")
@@ -395,7 +402,39 @@ def check_manifest(manifest: Any, where: Path) -> None:
         raise bad(f"lists no file {name} ({len(missing)} of {total} rank files unlisted)")
 
 
-def _short_repr(value: Any, limit: int = 120) -> str:
+def check_disjoint(tensors: Iterable[TensorInfo], where: str | None = None) -> None:
+    """Refuse stored tensors that share bytes (two records or tensor infos over one range of a file, or of two
+    names for one file), so a model never claims more bytes than its files hold. ``where`` names the file that
+    placed them (a cache table); by default the data file."""
+    by_file: dict[tuple[int, int], list[TensorInfo]] = {}
+    identity: dict[Path, tuple[int, int]] = {}
+    for t in tensors:
+        if t.nbytes == 0:
+            continue
+        if t.file not in identity:
+            st = os.stat(t.file)
+            identity[t.file] = (st.st_dev, st.st_ino)
+        by_file.setdefault(identity[t.file], []).append(t)
+    for infos in by_file.values():
+        infos.sort(key=lambda t: t.offset)
+        for before, t in pairwise(infos):
+            if t.offset < before.offset + before.nbytes:
+                raise CheckpointError(
+                    f"its bytes {t.offset}..{t.offset + t.nbytes} of {t.file.name} overlap tensor "
+                    f"{printable(before.name)!r} ({before.offset}..{before.offset + before.nbytes}{_in(before, t)}): "
+                    "stored tensors may not share bytes",
+                    file=where or str(t.file),
+                    param=t.name,
+                )
+
+
+def _in(before: TensorInfo, t: TensorInfo) -> str:
+    """`` in FILE`` when ``before`` is named through another path to the same file than ``t``."""
+    return "" if before.file == t.file else f" in {before.file.name}"
+
+
+def short_repr(value: Any, limit: int = 120) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for a value taken from a file that may be huge."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -534,19 +573,19 @@ def _tensor_entry(path: Path, key: str, entry: Any, data_start: int, data_size: 
         raise bad("header entry is not an object")
     code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(code, str) or code not in FROM_SAFETENSORS:
-        raise bad(f"unknown dtype {_short_repr(code)}")
+        raise bad(f"unknown dtype {short_repr(code)}")
     if not isinstance(shape, list) or len(shape) > 64 or not all(type(d) is int and d >= 0 for d in shape):
-        raise bad(f"bad shape {_short_repr(shape)}")
+        raise bad(f"bad shape {short_repr(shape)}")
     ok = isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)
     if not ok or offsets[0] > offsets[1]:
-        raise bad(f"bad data_offsets {_short_repr(offsets)}")
+        raise bad(f"bad data_offsets {short_repr(offsets)}")
     if offsets[1] > data_size:
         raise bad(f"data_offsets {offsets} run past the end of the data ({data_size} bytes; truncated file?)")
     dtype = FROM_SAFETENSORS[code]
     nbytes = prod(shape) * DTYPES[dtype][1]
     if offsets[1] - offsets[0] != nbytes:
         raise bad(
-            f"shape {_short_repr(shape)} of {dtype} needs {nbytes} bytes, "
+            f"shape {short_repr(shape)} of {dtype} needs {nbytes} bytes, "
             f"but data_offsets span {offsets[1] - offsets[0]}"
         )
     return TensorInfo(key, dtype, tuple(shape), path, data_start + offsets[0], nbytes)

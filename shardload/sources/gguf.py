@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from .checkpoint import MAX_HEADER_BYTES, Checkpoint, TensorInfo
+from .checkpoint import MAX_HEADER_BYTES, Checkpoint, TensorInfo, check_disjoint
 from .formats import SourceFormat, register_source
 
 GGUF_SUFFIX = ".gguf"
@@ -162,6 +162,7 @@ def _read(files: list[Path]) -> tuple[dict[str, TensorInfo], dict[str, dict[str,
                 first = tensors[t.name].file.name
                 raise CheckpointError(f"tensor is stored in two files: {first} and {f.name}", file=str(f), param=t.name)
             tensors[t.name], kinds[t.name] = _tensor_info(f, size, t)
+    check_disjoint(tensors.values())
     return tensors, kinds
 
 

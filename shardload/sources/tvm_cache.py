@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from .checkpoint import Checkpoint, TensorInfo, read_json, resolve_inside
+from .checkpoint import Checkpoint, TensorInfo, check_disjoint, read_json, resolve_inside, short_repr
 from .dtypes import DTYPES, itemsize
 from .formats import SourceFormat, register_source
 
@@ -77,6 +77,7 @@ def open_tensor_cache(path: Path) -> Checkpoint:
             if info.name in tensors:
                 raise CheckpointError("stored twice in the cache", file=str(table), param=info.name)
             tensors[info.name] = info
+    check_disjoint(tensors.values(), str(table))
     ckpt = Checkpoint(path, root, "tvm-cache", tensors, files)
     _split_presharded(ckpt, table)
     return ckpt
@@ -107,8 +108,8 @@ def _record(record: Any, file: Path, file_nbytes: int, table: Path, where: str) 
     if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape) or len(shape) > 64:
         raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
     dtype = record.get("dtype")
-    if dtype not in DTYPES:
-        raise bad(f"dtype {dtype!r} is not one shardload reads ({', '.join(DTYPES)})")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise bad(f"dtype {short_repr(dtype)} is not one shardload reads ({', '.join(DTYPES)})")
     encoding = record.get("format")
     if encoding not in ("raw", "f32-to-bf16"):
         raise bad(f"format {encoding!r} is neither 'raw' nor 'f32-to-bf16'")
