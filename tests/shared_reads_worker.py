@@ -16,7 +16,8 @@ Environment: ``SHARDLOAD_TEST_BACKEND`` (gloo) names the backend; ``SHARDLOAD_TE
 ``cuda:LOCAL_RANK`` (modulo the GPUs); ``SHARDLOAD_TEST_DIE=RANK:ROUND`` makes that rank exit hard
 (``os._exit(3)``) after reading its chunk of that exchange round (``SHARDLOAD_TEST_HANG``: after stopping for
 8 s); ``SHARDLOAD_TEST_FAIL``: the shared load is expected to fail (``model_of_rank`` gives some rank another
-model); ``SHARDLOAD_TEST_TIMEOUT`` sets the exchange timeout in seconds. A load meant to fail prints one
+model; ``SHARDLOAD_TEST_FAIL=unreadable:RANK``: that rank's reads to fingerprint the files fail);
+``SHARDLOAD_TEST_TIMEOUT`` sets the exchange timeout in seconds. A load meant to fail prints one
 ``FAILED rank R after S s: MESSAGE`` line and exits 1.
 """
 
@@ -64,6 +65,15 @@ class DyingReader(Reader):
             os._exit(3)
 
 
+class UnreadableReader(Reader):
+    """A reader whose reads fail (an I/O error) while the files are fingerprinted, and succeed otherwise."""
+
+    def read_runs(self, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if threading.current_thread().name.startswith("shardload-fingerprint"):
+            raise shardload.CheckpointError("cannot read: Input/output error", file=str(path))
+        super().read_runs(path, *args, **kwargs)
+
+
 def rounds_seen(seen: list[tuple[int, int]]) -> Callable[[int, int], None]:
     """A progress callback that records ``(done, total)`` in ``seen``."""
     return lambda done, total: seen.append((done, total))
@@ -87,6 +97,9 @@ def main() -> None:
             if who == rank:
                 dying = lambda path=None: DyingReader(after, "SHARDLOAD_TEST_HANG" in os.environ)  # noqa: E731
                 load.reader_for = transfer.reader_for = dying  # type: ignore[assignment]  (paths, and plans' files)
+        unreadable = os.environ.get("SHARDLOAD_TEST_FAIL", "").split(":")
+        if unreadable[0] == "unreadable" and int(unreadable[1]) == rank:
+            load.reader_for = transfer.reader_for = lambda path=None: UnreadableReader()  # type: ignore[assignment]
         case = cases[0]
         exchange.EXCHANGE_BYTES = case["chunk"] * (2 * dist.get_world_size() + 2)
         model = case.get("model_of_rank", {}).get(str(rank), case["model"])

@@ -450,6 +450,19 @@ def test_ranks_holding_other_weights_under_the_same_headers_are_refused(
         assert "RESULT" not in text and "finished without error" not in text, text
 
 
+def test_a_rank_that_cannot_read_its_copy_fails_the_group_at_once(example_multi_dir: Path) -> None:
+    """Rank 1's reads fail while it fingerprints its files: it fails with its own error, rank 0 at once (not after
+    the exchange timeout) with one line saying which rank could not read."""
+    case = {"model": str(example_multi_dir), "mesh": "dp=2", "chunk": 4096}
+    procs = spawn([case], {"SHARDLOAD_TEST_FAIL": "unreadable:1", "SHARDLOAD_TEST_TIMEOUT": "60"}, ranks=2)
+    results = [p.communicate(timeout=120)[0] for p in procs]
+    zero, one = (failure_line(text) for text in results)
+    said = f"{example_multi_dir}: shared reads refused: rank 1 could not read its copy of the checkpoint to "
+    assert zero.endswith(said + "fingerprint it (its own error names the file); nothing was exchanged"), zero
+    assert "model-0000" in one and one.endswith(".safetensors: cannot read: Input/output error"), one
+    assert seconds(zero) < 30 and all(p.returncode == 1 for p in procs)
+
+
 def test_identical_copies_at_other_paths_and_mtimes_load(example_multi_dir: Path, tmp_path: Path) -> None:
     """Two ranks under torchrun, each with its own copy of the model (another directory, other modification times,
     as on two nodes): the content check passes and each rank's shard equals plain load_rank of the original."""

@@ -95,7 +95,7 @@ def load_shared(
     bases = file_bases([p for key in keys for p in plans[key][0]])
     if size > 1:
         samples = fp.plan_samples(p.source for key in keys for p in plans[key][0])
-        _agree_on_content(samples, reader, group, comm)
+        _agree_on_content(samples, reader, group, comm, where)
     needs = {key: slot_needs(plans[key][0], plans[key][1], bases) for key in keys}
     schedule = GroupReads.build(members, needs, most)
     chunk = choose_chunk(schedule.union.total, size, most, MIN_ROUNDS, MIN_CHUNK)
@@ -163,29 +163,47 @@ def load_shared(
     return result
 
 
-def _agree_on_content(samples: fp.SamplePlan, reader: RunReader, group: Any, comm: torch.device) -> None:
+def _agree_on_content(samples: fp.SamplePlan, reader: RunReader, group: Any, comm: torch.device, where: str) -> None:
     """Fingerprint this rank's copy of every file the group reads and compare it with the group's first rank's;
-    every rank raises the same one-line error when any rank's copy differs, before any byte is exchanged."""
+    when a rank's copy differs, or a rank could not read its own, every rank fails with one line before any byte
+    is exchanged."""
     import torch
     import torch.distributed as dist
 
-    mine = fp.fingerprint(samples, reader)
-    raw = fp.encode(mine)
+    failed: ShardloadError | None = None
+    try:
+        mine = fp.fingerprint(samples, reader)
+    except ShardloadError as err:  # still take part, so that the others fail at once rather than time out
+        failed, mine = err, []
+    raw = fp.encode(mine) if failed is None else bytes(len(samples.files) * fp.ROW_BYTES)
     table = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(comm) if raw else torch.empty(0, dtype=torch.uint8)
-    first = _global(group, [0])[0]
     if table.numel():
-        work = dist.broadcast(table, src=first, group=group, async_op=True)
+        work = dist.broadcast(table, src=_global(group, [0])[0], group=group, async_op=True)
         _wait(work, comm, "while the ranks compared their files' fingerprints")
-    diff = fp.first_difference(mine, fp.decode(bytes(table.cpu().numpy()))) if dist.get_rank(group) else None
-    verdict = torch.tensor([-1, 0, -1] if diff is None else [diff.file, diff.kind, diff.slot], dtype=torch.int64)
-    verdict = verdict.to(comm)
-    rows = [torch.empty_like(verdict) for _ in range(dist.get_world_size(group))]
-    _wait(dist.all_gather(rows, verdict, group=group, async_op=True), comm, "while the ranks compared their files")
-    for i, row in enumerate(rows):
-        file, kind, slot = row.tolist()
-        if file >= 0:
+    diff = None
+    if failed is None and dist.get_rank(group) > 0:
+        diff = fp.first_difference(mine, fp.decode(bytes(table.cpu().numpy())))
+    if failed is not None:
+        verdict = fp.Difference(-1, fp.UNREADABLE)
+    else:
+        verdict = diff or fp.Difference(-1, 0)
+    row = torch.tensor([verdict.file, verdict.kind, verdict.slot], dtype=torch.int64).to(comm)
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
+    _wait(dist.all_gather(rows, row, group=group, async_op=True), comm, "while the ranks compared their files")
+    verdicts = [fp.Difference(*r.tolist()) for r in rows]
+    unreadable = [i for i, v in enumerate(verdicts) if v.kind == fp.UNREADABLE]
+    if failed is not None:
+        raise failed
+    if unreadable:
+        raise ShardloadError(
+            f"shared reads refused: rank {_global(group, unreadable[:1])[0]} could not read its copy of the "
+            "checkpoint to fingerprint it (its own error names the file); nothing was exchanged",
+            file=where,
+        )
+    for i, v in enumerate(verdicts):
+        if v.file >= 0:
             rank, reference = _global(group, [i, 0])
-            raise fp.describe(samples, fp.Difference(file, kind, slot), rank, reference)
+            raise fp.describe(samples, v, rank, reference)
 
 
 def _copy(src: torch.Tensor, copies: StridedCopies, dests: Sequence[torch.Tensor]) -> None:

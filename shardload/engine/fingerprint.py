@@ -42,8 +42,9 @@ ROW_BYTES = 8 + 1 + 32 + DIGEST_BYTES * SAMPLES_PER_FILE
 """Bytes of one file's encoded fingerprint: size, whether a sha256 is known, the sha256, the blocks' hashes."""
 _HUB_BLOB = re.compile(r"[0-9a-f]{64}")
 
-SIZE, SAMPLE, SHA256 = 1, 2, 3
-"""What can differ between two copies of a file (the kinds of :class:`Difference`)."""
+SIZE, SAMPLE, SHA256, UNREADABLE = 1, 2, 3, 4
+"""What can differ between two copies of a file (the kinds of :class:`Difference`), and a rank that could not read
+its copy to fingerprint it."""
 
 
 @dataclass(frozen=True)
