@@ -7,7 +7,7 @@ Usage::
 
 Writes (or reuses) the random Llama-shaped float16 checkpoint of ``benchmarks/checkpoints.py`` (one
 ``model.safetensors``), then times ``plan_samples`` + ``fingerprint`` on it (``shardload.engine.fingerprint``, what
-each rank of a group runs before any exchange; the group's three small collectives come on top): warm (the
+each rank of a group runs before any exchange; the group's two small collectives come on top): warm (the
 file in the page cache) and cold (the file's pages dropped first with ``posix_fadvise(DONTNEED)``). Shown: the
 median and range of ``--repeats`` runs in ms, the bytes ``count_reads`` counts (the blocks asked for), and for the
 cold runs the bytes the process read from storage (``read_bytes`` of ``/proc/self/io``: readahead included).

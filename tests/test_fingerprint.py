@@ -147,3 +147,12 @@ def test_a_file_without_tensor_bytes_has_a_fingerprint(tmp_path: Path, size: int
     model = write_model(tmp_path / "m", {"empty": np.zeros((0, 4), dtype=np.float32), "x": np.ones(size, np.uint8)})
     plan, mine = prints(model)
     assert plan.nbytes == size and len(mine) == 1 and len(mine[0].digests) == fp.SAMPLES_PER_FILE * fp.DIGEST_BYTES
+
+
+def test_a_verdict_another_rank_sends_is_checked_before_it_is_used(example_multi_dir: Path) -> None:
+    plan = fp.plan_samples(open_checkpoint(example_multi_dir).tensors.values())
+    good = [fp.Difference(0, fp.SIZE), fp.Difference(1, fp.SAMPLE, 63), fp.Difference(1, fp.SHA256)]
+    bad = [fp.Difference(2, fp.SIZE), fp.Difference(-1, fp.SAMPLE, 0), fp.Difference(0, fp.SAMPLE, 64),
+           fp.Difference(0, 9), fp.Difference(0, fp.UNREADABLE)]  # fmt: skip
+    assert all(fp.well_formed(plan, d) for d in good) and not any(fp.well_formed(plan, d) for d in bad)
+    assert "has another size than rank 0's, though" in str(fp.describe(plan, good[0], 2, 0))

@@ -201,8 +201,14 @@ def _agree_on_content(samples: fp.SamplePlan, reader: RunReader, group: Any, com
             file=where,
         )
     for i, v in enumerate(verdicts):
-        if v.file >= 0:
+        if v.kind != 0:
             rank, reference = _global(group, [i, 0])
+            if not fp.well_formed(samples, v):
+                raise ShardloadError(
+                    f"shared reads refused: rank {rank} reported a difference this rank cannot place ({v}): do all "
+                    "ranks run the same shardload?",
+                    file=where,
+                )
             raise fp.describe(samples, v, rank, reference)
 
 

@@ -103,7 +103,8 @@ class FileFingerprint:
 @dataclass(frozen=True)
 class Difference:
     """Where one rank's copy of file ``file`` (index into the plan) first differs from the reference copy:
-    ``kind`` :data:`SIZE`, :data:`SAMPLE` (``slot`` names the sampled slot) or :data:`SHA256`."""
+    ``kind`` :data:`SIZE`, :data:`SAMPLE` (``slot`` names the sampled slot) or :data:`SHA256` (0: no difference;
+    :data:`UNREADABLE`: the rank could not read its copy)."""
 
     file: int
     kind: int
@@ -225,13 +226,20 @@ def first_difference(mine: Sequence[FileFingerprint], reference: Sequence[FileFi
     return None
 
 
+def well_formed(plan: SamplePlan, diff: Difference) -> bool:
+    """Whether ``diff`` (as another rank reported it) names a file of ``plan``, a kind and, for a block, a slot."""
+    if not (0 <= diff.file < len(plan.files) and diff.kind in (SIZE, SAMPLE, SHA256)):
+        return False
+    return diff.kind != SAMPLE or 0 <= diff.slot < SAMPLES_PER_FILE
+
+
 def describe(plan: SamplePlan, diff: Difference, rank: int, reference: int) -> CheckpointError:
     """The one-line error every rank raises when rank ``rank``'s copies differ from rank ``reference``'s, naming
     this rank's path of the file (and the tensor, where a sampled block differs)."""
     samples = plan.files[diff.file]
     param, where = None, ""
     if diff.kind == SIZE:
-        what = "is not as long as"
+        what = "has another size than"
     elif diff.kind == SHA256:
         what = "has another sha256 (as the Hugging Face Hub caches name the files) than"
     else:
