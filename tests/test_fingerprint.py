@@ -47,7 +47,7 @@ def test_identical_copies_agree_wherever_they_lie(example_multi_dir: Path, tmp_p
     other_plan, theirs = prints(copy)
     assert [f.nbytes for f in plan.files] == [f.nbytes for f in other_plan.files]
     assert fp.encode(mine) == fp.encode(theirs) and fp.first_difference(theirs, mine) is None
-    assert fp.decode(fp.encode(mine)) == mine and len(fp.encode(mine)) == 2 * fp.ROW_BYTES
+    assert fp.decode(fp.encode(mine)) == mine and len(fp.encode(mine)) == 2 * fp.row_bytes() == 2 * 553
 
 
 def test_every_tensor_of_a_small_file_is_sampled_and_counted(example_multi_dir: Path) -> None:
@@ -156,3 +156,10 @@ def test_a_verdict_another_rank_sends_is_checked_before_it_is_used(example_multi
            fp.Difference(0, 9), fp.Difference(0, fp.UNREADABLE)]  # fmt: skip
     assert all(fp.well_formed(plan, d) for d in good) and not any(fp.well_formed(plan, d) for d in bad)
     assert "has another size than rank 0's, though" in str(fp.describe(plan, good[0], 2, 0))
+
+
+def test_fewer_blocks_when_tuned(example_multi_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fp, "SAMPLES_PER_FILE", 4)
+    plan, mine = prints(example_multi_dir)
+    assert all(len(f.tensor) == 4 for f in plan.files) and plan.nbytes <= 2 * 4 * fp.SAMPLE_BYTES
+    assert fp.decode(fp.encode(mine)) == mine and fp.row_bytes() == 8 + 1 + 32 + 4 * 8

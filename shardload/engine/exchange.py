@@ -175,7 +175,7 @@ def _agree_on_content(samples: fp.SamplePlan, reader: RunReader, group: Any, com
         mine = fp.fingerprint(samples, reader)
     except ShardloadError as err:  # still take part, so that the others fail at once rather than time out
         failed, mine = err, []
-    raw = fp.encode(mine) if failed is None else bytes(len(samples.files) * fp.ROW_BYTES)
+    raw = fp.encode(mine) if failed is None else bytes(len(samples.files) * fp.row_bytes())
     table = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(comm) if raw else torch.empty(0, dtype=torch.uint8)
     if table.numel():
         work = dist.broadcast(table, src=_global(group, [0])[0], group=group, async_op=True)

@@ -38,13 +38,16 @@ SAMPLE_BYTES = 4096
 the tensor allows, so a block is one page of storage on every machine."""
 DIGEST_BYTES = 8
 """Bytes of each block's hash."""
-ROW_BYTES = 8 + 1 + 32 + DIGEST_BYTES * SAMPLES_PER_FILE
-"""Bytes of one file's encoded fingerprint: size, whether a sha256 is known, the sha256, the blocks' hashes."""
 _HUB_BLOB = re.compile(r"[0-9a-f]{64}")
 
 SIZE, SAMPLE, SHA256, UNREADABLE = 1, 2, 3, 4
 """What can differ between two copies of a file (the kinds of :class:`Difference`), and a rank that could not read
 its copy to fingerprint it."""
+
+
+def row_bytes() -> int:
+    """Bytes of one file's encoded fingerprint: size, whether a sha256 is known, the sha256, the blocks' hashes."""
+    return 8 + 1 + 32 + DIGEST_BYTES * SAMPLES_PER_FILE
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ class FileFingerprint:
     digests: bytes
 
     def encode(self) -> bytes:
-        """The fixed-width row (:data:`ROW_BYTES`) the group exchanges."""
+        """The fixed-width row (:func:`row_bytes`) the group exchanges."""
         return (
             self.size.to_bytes(8, "little")
             + bytes([self.sha256 is not None])
@@ -97,7 +100,7 @@ class FileFingerprint:
     @classmethod
     def decode(cls, row: bytes) -> FileFingerprint:
         """The fingerprint :meth:`encode` wrote into ``row``."""
-        return cls(int.from_bytes(row[:8], "little"), row[9:41] if row[8] else None, row[41:ROW_BYTES])
+        return cls(int.from_bytes(row[:8], "little"), row[9:41] if row[8] else None, row[41 : row_bytes()])
 
 
 @dataclass(frozen=True)
@@ -200,13 +203,14 @@ def hub_sha256(file: Path | ObjectPath) -> bytes | None:
 
 
 def encode(prints: Sequence[FileFingerprint]) -> bytes:
-    """A rank's fingerprints as one buffer of ``len(prints) * ROW_BYTES`` bytes."""
+    """A rank's fingerprints as one buffer of ``len(prints) * row_bytes()`` bytes."""
     return b"".join(p.encode() for p in prints)
 
 
 def decode(raw: bytes) -> list[FileFingerprint]:
     """The fingerprints :func:`encode` wrote."""
-    return [FileFingerprint.decode(raw[k : k + ROW_BYTES]) for k in range(0, len(raw), ROW_BYTES)]
+    n = row_bytes()
+    return [FileFingerprint.decode(raw[k : k + n]) for k in range(0, len(raw), n)]
 
 
 def first_difference(mine: Sequence[FileFingerprint], reference: Sequence[FileFingerprint]) -> Difference | None:
