@@ -6,16 +6,18 @@ tests/test_shared_reads.py; not a test itself).
 CASES_JSON is a list of ``{"model": DIR, "mesh": "dp=2,tp=2" | null, "chunk": BYTES | null}``, optionally with
 ``"groups": [[0, 2], [1, 3]]`` (share within these subgroups instead of the whole world); a mesh
 ``"device:dp=2,tp=2"`` is passed as a torch ``DeviceMesh`` with those named axes; ``"reference": DIR`` makes the
-plain load read that local copy (of a model in object storage) instead. For each case
+plain load read that local copy (of a model in object storage, or another rank's copy) instead;
+``"model_of_rank": {"1": DIR}`` gives rank 1 its own copy of the model. For each case
 the rank loads its shard plainly and with shared reads, each inside ``count_reads``, compares the two element
-for element, and rank 0 prints one ``RESULT {json}`` line: bytes read by the whole group both ways and the
-tensor bytes of the checkpoint.
+for element, and rank 0 prints one ``RESULT {json}`` line: bytes read by the whole group both ways, the
+tensor bytes of the checkpoint, and the bytes the group's ranks read to fingerprint their copies of its files.
 
 Environment: ``SHARDLOAD_TEST_BACKEND`` (gloo) names the backend; ``SHARDLOAD_TEST_DEVICE=cuda`` loads onto
 ``cuda:LOCAL_RANK`` (modulo the GPUs); ``SHARDLOAD_TEST_DIE=RANK:ROUND`` makes that rank exit hard
 (``os._exit(3)``) after reading its chunk of that exchange round (``SHARDLOAD_TEST_HANG``: after stopping for
 8 s); ``SHARDLOAD_TEST_FAIL``: the shared load is expected to fail (``model_of_rank`` gives some rank another
-model); ``SHARDLOAD_TEST_TIMEOUT`` sets the exchange timeout in seconds. A load meant to fail prints one
+model; ``SHARDLOAD_TEST_FAIL=unreadable:RANK``: that rank's reads to fingerprint the files fail);
+``SHARDLOAD_TEST_TIMEOUT`` sets the exchange timeout in seconds. A load meant to fail prints one
 ``FAILED rank R after S s: MESSAGE`` line and exits 1.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,13 +38,14 @@ import shardload
 import shardload.engine.exchange as exchange
 import shardload.engine.load as load
 import shardload.engine.transfer as transfer
+from shardload.engine.fingerprint import plan_samples
 from shardload.sources.checkpoint import open_checkpoint, read_header
 from shardload.sources.reader import Reader, count_reads
 
 
 class DyingReader(Reader):
     """A reader whose process exits hard (with ``hang``, after stopping for 8 s) once it has read its chunk of
-    round ``after`` (counted per call)."""
+    round ``after`` (counted per call; the reads that fingerprint the files before the exchange do not count)."""
 
     def __init__(self, after: int, hang: bool) -> None:
         super().__init__()
@@ -51,12 +55,23 @@ class DyingReader(Reader):
 
     def read_runs(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         super().read_runs(*args, **kwargs)
+        if threading.current_thread().name.startswith("shardload-fingerprint"):
+            return
         self.rounds += 1
         if self.rounds > self.after:
             if self.hang:
                 time.sleep(8)
             time.sleep(0.2)  # let the others start the exchange of this round
             os._exit(3)
+
+
+class UnreadableReader(Reader):
+    """A reader whose reads fail (an I/O error) while the files are fingerprinted, and succeed otherwise."""
+
+    def read_runs(self, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if threading.current_thread().name.startswith("shardload-fingerprint"):
+            raise shardload.CheckpointError("cannot read: Input/output error", file=str(path))
+        super().read_runs(path, *args, **kwargs)
 
 
 def rounds_seen(seen: list[tuple[int, int]]) -> Callable[[int, int], None]:
@@ -82,6 +97,9 @@ def main() -> None:
             if who == rank:
                 dying = lambda path=None: DyingReader(after, "SHARDLOAD_TEST_HANG" in os.environ)  # noqa: E731
                 load.reader_for = transfer.reader_for = dying  # type: ignore[assignment]  (paths, and plans' files)
+        unreadable = os.environ.get("SHARDLOAD_TEST_FAIL", "").split(":")
+        if unreadable[0] == "unreadable" and int(unreadable[1]) == rank:
+            load.reader_for = transfer.reader_for = lambda path=None: UnreadableReader()  # type: ignore[assignment]
         case = cases[0]
         exchange.EXCHANGE_BYTES = case["chunk"] * (2 * dist.get_world_size() + 2)
         model = case.get("model_of_rank", {}).get(str(rank), case["model"])
@@ -100,7 +118,7 @@ def main() -> None:
     for case in cases:
         # chunks of about case["chunk"] bytes: many rounds even on a tiny model (else the default buffer size)
         exchange.EXCHANGE_BYTES = case["chunk"] * (2 * dist.get_world_size() + 2) if case.get("chunk") else default
-        model, mesh = case["model"], case.get("mesh")
+        model, mesh = case.get("model_of_rank", {}).get(str(rank), case["model"]), case.get("mesh")
         if isinstance(mesh, str) and mesh.startswith("device:"):  # a torch DeviceMesh with named axes
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -133,11 +151,15 @@ def main() -> None:
             checkpoint = open_checkpoint(model)
             if checkpoint.kind == "converted":  # every rank file's tensors
                 files = [f["path"] for f in (checkpoint.manifest or {})["files"] if f["path"].endswith(".safetensors")]
-                stored = sum(t.nbytes for f in files for t in read_header(checkpoint.root / f).values())
+                infos = [t for f in files for t in read_header(checkpoint.root / f).values()]
             else:
-                stored = sum(t.nbytes for t in checkpoint.tensors.values())
+                infos = list(checkpoint.tensors.values())
+            stored = sum(t.nbytes for t in infos)
+            # every rank of a group of several samples its own copy of every file its group reads (here: all)
+            world = dist.get_world_size()
+            sampled = plan_samples(infos).nbytes * world if world > 1 else 0
             report = {"mesh": case.get("mesh"), "plain": int(counts[0]), "shared": int(counts[1]), "stored": stored,
-                      "seconds": seconds, "rounds": rounds[-1][1]}  # fmt: skip
+                      "fingerprint": sampled, "seconds": seconds, "rounds": rounds[-1][1]}  # fmt: skip
             print("RESULT " + json.dumps(report), flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -293,9 +293,12 @@ def test_torchrun_groups_read_each_byte_once(
     assert [r["mesh"] for r in results] == [c["mesh"] for c in cases]
     *whole, pairs = results
     # subgroups of the two dp replicas of each tp rank: each pair reads its bytes once, half what both replicas read
-    assert 2 * pairs["shared"] == pairs["plain"] and pairs["shared"] > pairs["stored"], pairs
+    # (plus each rank's fingerprint of its copy of the files)
+    assert 2 * (pairs["shared"] - pairs["fingerprint"]) == pairs["plain"] and pairs["shared"] > pairs["stored"], pairs
     for r in whole:
-        assert r["shared"] == r["stored"], r  # 1.00x: every stored byte read by exactly one rank
+        # every stored byte read by exactly one rank (1.00x), and each rank's sampled blocks: a few KiB per tensor
+        assert r["shared"] == r["stored"] + r["fingerprint"], r
+        assert 0 < r["fingerprint"] <= 4 * 64 * 4096 * 2, r  # 4 ranks, at most 64 blocks of 4 KiB in each of 2 files
         assert r["plain"] > r["stored"], r  # every rank reading for itself reads replicated bytes again
     assert results[0]["plain"] >= 2 * results[0]["stored"]  # two dp replicas
     assert results[0]["rounds"] > 100 and results[2]["rounds"] == 1  # 4 KiB chunks; the default: one round
@@ -399,6 +402,85 @@ def test_ranks_that_planned_differently_are_refused_up_front(failed_groups: dict
         assert rc == 1 and "rank 3 planned a different checkpoint, shard_info or mesh than rank 0" in line, text
 
 
+def fine_tune(source: Path, copy: Path, name: str) -> Path:
+    """A copy of checkpoint ``source`` at ``copy`` in which tensor ``name`` holds other values (every element's sign
+    flipped in place): the same files, names, shapes, dtypes and offsets, so every header is byte for byte the
+    same, as with two fine-tunes of one base model that change only some tensors."""
+    shutil.copytree(source, copy)
+    info = open_checkpoint(copy).tensors[name]
+    with open(info.file, "r+b") as f:
+        f.seek(info.offset)
+        data = np.frombuffer(f.read(info.nbytes), dtype=np.uint8).copy()
+        data[1::2] ^= 0x80  # float16, little endian: the sign bit of each element
+        f.seek(info.offset)
+        f.write(data.tobytes())
+    original = open_checkpoint(source).tensors[name].file.read_bytes()
+    header = 8 + int.from_bytes(original[:8], "little")
+    assert info.file.read_bytes()[:header] == original[:header]  # the same header, byte for byte
+    return copy
+
+
+def test_ranks_holding_other_weights_under_the_same_headers_are_refused(
+    example_multi_dir: Path, tmp_path: Path
+) -> None:
+    """Two ranks, two dp replicas: rank 1 holds a fine-tune of rank 0's model (one tensor of the second file changed,
+    every header the same). Each would read half of the bytes and receive the other half from a different model;
+    instead both fail with one line naming the file, the tensor and why, and return nothing."""
+    changed = "model.layers.1.self_attn.o_proj.weight"
+    other = fine_tune(example_multi_dir, tmp_path / "finetune", changed)
+    case = {"model": str(example_multi_dir), "mesh": "dp=2", "chunk": 4096, "model_of_rank": {"1": str(other)}}
+    procs = spawn([case], {"SHARDLOAD_TEST_FAIL": "1"}, ranks=2)
+    results = []
+    try:
+        for p in procs:
+            text, _ = p.communicate(timeout=120)
+            results.append((p.returncode, text))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (rc, text) in enumerate(results):
+        assert rc == 1 and "FAILED" in text, f"rank {rank} loaded a mix of two models: {text}"
+        line = failure_line(text)
+        own = (other if rank == 1 else example_multi_dir) / "model-00002-of-00002.safetensors"
+        assert f": {own}: {changed}: " in line, line
+        assert "shared reads refused: rank 1's copy of this file holds other bytes than rank 0's in this tensor" in line
+        assert line.endswith("nothing was exchanged"), line
+        assert "RESULT" not in text and "finished without error" not in text, text
+
+
+def test_a_rank_that_cannot_read_its_copy_fails_the_group_at_once(example_multi_dir: Path) -> None:
+    """Rank 1's reads fail while it fingerprints its files: it fails with its own error, rank 0 at once (not after
+    the exchange timeout) with one line saying which rank could not read."""
+    case = {"model": str(example_multi_dir), "mesh": "dp=2", "chunk": 4096}
+    procs = spawn([case], {"SHARDLOAD_TEST_FAIL": "unreadable:1", "SHARDLOAD_TEST_TIMEOUT": "60"}, ranks=2)
+    results = [p.communicate(timeout=120)[0] for p in procs]
+    zero, one = (failure_line(text) for text in results)
+    said = f"{example_multi_dir}: shared reads refused: rank 1 could not read its copy of the checkpoint to "
+    assert zero.endswith(said + "fingerprint it (its own error names the file); nothing was exchanged"), zero
+    assert "model-0000" in one and one.endswith(".safetensors: cannot read: Input/output error"), one
+    assert seconds(zero) < 30 and all(p.returncode == 1 for p in procs)
+
+
+def test_identical_copies_at_other_paths_and_mtimes_load(example_multi_dir: Path, tmp_path: Path) -> None:
+    """Two ranks under torchrun, each with its own copy of the model (another directory, other modification times,
+    as on two nodes): the content check passes and each rank's shard equals plain load_rank of the original."""
+    copy = tmp_path / "node2" / "model"
+    shutil.copytree(example_multi_dir, copy)
+    for f in copy.iterdir():
+        os.utime(f, (1_000_000_000, 1_000_000_000))  # 2001: unlike the original's
+    assert all(f.stat().st_mtime != (example_multi_dir / f.name).stat().st_mtime for f in copy.iterdir())
+    case = {"model": str(example_multi_dir), "model_of_rank": {"1": str(copy)}, "reference": str(example_multi_dir),
+            "mesh": "dp=2", "chunk": 4096}  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(WORKER), json.dumps([case])]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=ENV)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [json.loads(ln.split(" ", 1)[1]) for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert len(results) == 1 and results[0]["rounds"] > 1, results
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_groups_exchange_on_the_device(example_multi_dir: Path, qwen_dir: Path) -> None:
     """NCCL with one rank per GPU (the exchange's buffers on the rank's GPU), and gloo carrying CPU buffers for 4 ranks
@@ -418,4 +500,5 @@ def test_gpu_groups_exchange_on_the_device(example_multi_dir: Path, qwen_dir: Pa
                               env={**env, "SHARDLOAD_TEST_BACKEND": backend})  # fmt: skip
         assert done.returncode == 0, backend + done.stdout[-3000:] + done.stderr[-3000:]
         results = [json.loads(ln.split(" ", 1)[1]) for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-        assert len(results) == len(cases) and all(r["shared"] == r["stored"] for r in results), (backend, results)
+        assert len(results) == len(cases), (backend, results)
+        assert all(r["shared"] == r["stored"] + r["fingerprint"] for r in results), (backend, results)

@@ -1,12 +1,14 @@
 """Loading one rank's shard with the reading shared across a torch.distributed group (``load_rank(share_reads=)``).
 
 The ranks first exchange their (stage, tp rank) and a digest of their plan (a rank that planned another
-checkpoint or shard_info is refused before any byte moves), then each computes the same
-:class:`~shardload.planning.group_reads.GroupReads`. Per round every rank reads one chunk of the bytes the group
-needs (each stored byte read by exactly one rank), copies out what each member needs, and one
-``all_to_all_single`` delivers it; the rank copies what it received into its tensors. A thread reads round
-``k + 1``'s chunk while round ``k`` is exchanged. Every collective is waited on with :data:`EXCHANGE_TIMEOUT`, so a
-rank that dies or hangs makes the others fail with one line instead of waiting forever.
+checkpoint or shard_info is refused before any byte moves), then compare fingerprints of their copies of the files
+(:mod:`~shardload.engine.fingerprint`: ranks whose headers agree but whose bytes differ, two fine-tunes of one
+base, are refused too); then each computes the same :class:`~shardload.planning.group_reads.GroupReads`. Per round
+every rank reads one chunk of the bytes the group needs (each stored byte read by exactly one rank), copies out what
+each member needs, and one ``all_to_all_single`` delivers it; the rank copies what it received into its tensors. A
+thread reads round ``k + 1``'s chunk while round ``k`` is exchanged. Every collective is waited on with
+:data:`EXCHANGE_TIMEOUT`, so a rank that dies or hangs makes the others fail with one line instead of waiting
+forever.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..errors import ShardloadError
 from ..planning.group_reads import GroupReads, choose_chunk, file_bases, slot_needs, strided
 from ..sources.dtypes import to_torch
 from ..sources.reader import PAGE
+from . import fingerprint as fp
 from .steps import run_steps
 from .transfer import fill_padding
 
@@ -72,7 +75,8 @@ def load_shared(
     size, me = dist.get_world_size(group), dist.get_rank(group)
     comm = _comm_device(group, device)
     most = max(PAGE, EXCHANGE_BYTES // (2 * size + 2) // PAGE * PAGE)
-    digest = hashlib.sha256(digest + repr((size, most, MIN_ROUNDS, MIN_CHUNK)).encode()).digest()
+    settings = (size, most, MIN_ROUNDS, MIN_CHUNK, fp.SAMPLES_PER_FILE, fp.SAMPLE_BYTES)
+    digest = hashlib.sha256(digest + repr(settings).encode()).digest()
     mine = torch.tensor([slot[0], slot[1], *digest], dtype=torch.int64, device=comm)
     rows = [torch.empty_like(mine) for _ in range(size)]
     _wait(dist.all_gather(rows, mine, group=group, async_op=True), comm, "while the ranks compared their plans")
@@ -89,6 +93,9 @@ def load_shared(
     keys = sorted(set(members))
     plans = {key: slot_params(key) for key in keys}
     bases = file_bases([p for key in keys for p in plans[key][0]])
+    if size > 1:
+        samples = fp.plan_samples(p.source for key in keys for p in plans[key][0])
+        _agree_on_content(samples, reader, group, comm, where)
     needs = {key: slot_needs(plans[key][0], plans[key][1], bases) for key in keys}
     schedule = GroupReads.build(members, needs, most)
     chunk = choose_chunk(schedule.union.total, size, most, MIN_ROUNDS, MIN_CHUNK)
@@ -154,6 +161,55 @@ def load_shared(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return result
+
+
+def _agree_on_content(samples: fp.SamplePlan, reader: RunReader, group: Any, comm: torch.device, where: str) -> None:
+    """Fingerprint this rank's copy of every file the group reads and compare it with the group's first rank's;
+    when a rank's copy differs, or a rank could not read its own, every rank fails with one line before any byte
+    is exchanged."""
+    import torch
+    import torch.distributed as dist
+
+    failed: ShardloadError | None = None
+    try:
+        mine = fp.fingerprint(samples, reader)
+    except ShardloadError as err:  # still take part, so that the others fail at once rather than time out
+        failed, mine = err, []
+    raw = fp.encode(mine) if failed is None else bytes(len(samples.files) * fp.row_bytes())
+    table = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(comm) if raw else torch.empty(0, dtype=torch.uint8)
+    if table.numel():
+        work = dist.broadcast(table, src=_global(group, [0])[0], group=group, async_op=True)
+        _wait(work, comm, "while the ranks compared their files' fingerprints")
+    diff = None
+    if failed is None and dist.get_rank(group) > 0:
+        diff = fp.first_difference(mine, fp.decode(bytes(table.cpu().numpy())))
+    if failed is not None:
+        verdict = fp.Difference(-1, fp.UNREADABLE)
+    else:
+        verdict = diff or fp.Difference(-1, 0)
+    row = torch.tensor([verdict.file, verdict.kind, verdict.slot], dtype=torch.int64).to(comm)
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
+    _wait(dist.all_gather(rows, row, group=group, async_op=True), comm, "while the ranks compared their files")
+    verdicts = [fp.Difference(*r.tolist()) for r in rows]
+    unreadable = [i for i, v in enumerate(verdicts) if v.kind == fp.UNREADABLE]
+    if failed is not None:
+        raise failed
+    if unreadable:
+        raise ShardloadError(
+            f"shared reads refused: rank {_global(group, unreadable[:1])[0]} could not read its copy of the "
+            "checkpoint to fingerprint it (its own error names the file); nothing was exchanged",
+            file=where,
+        )
+    for i, v in enumerate(verdicts):
+        if v.kind != 0:
+            rank, reference = _global(group, [i, 0])
+            if not fp.well_formed(samples, v):
+                raise ShardloadError(
+                    f"shared reads refused: rank {rank} reported a difference this rank cannot place ({v}): do all "
+                    "ranks run the same shardload?",
+                    file=where,
+                )
+            raise fp.describe(samples, v, rank, reference)
 
 
 def _copy(src: torch.Tensor, copies: StridedCopies, dests: Sequence[torch.Tensor]) -> None:

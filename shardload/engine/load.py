@@ -245,7 +245,8 @@ def load_rank(
     ranks cost the storage one read per group instead of one per rank. Memory for the exchange stays under
     ``shardload.engine.exchange.EXCHANGE_BYTES``; a rank that dies or hangs makes the others fail with a
     :class:`ShardloadError` within ``EXCHANGE_TIMEOUT`` seconds, and ranks that planned different checkpoints or
-    shard_infos are refused before any byte moves.
+    shard_infos, or whose copies hold other bytes under the same headers (sampled blocks, sizes and Hub cache
+    sha256s compared: :mod:`shardload.engine.fingerprint`), are refused before any byte moves.
 
     ``progress=True`` draws a progress line on stderr when it is a terminal (under torch.distributed only on
     the first rank of each node); a callable gets ``(done, total)`` (read jobs, or exchange rounds).
