@@ -307,16 +307,24 @@ def test_plan_requests_merge_split_and_waste(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(objects, "MERGE_GAP", 10)
     monkeypatch.setattr(objects, "MAX_WASTE", 0.05)
     # adjacent runs share a request; a 4-byte gap among 200 bytes of runs is within 5%; a long run is split
-    assert plan_requests([0, 40, 84, 300], [40, 40, 16, 250]) == [
-        (0, 3, 0, 100), (3, 4, 300, 400), (3, 4, 400, 500), (3, 4, 500, 550),
+    assert _spans(plan_requests([0, 40, 84, 300], [40, 40, 16, 250])) == [
+        (0, 100, (0, 1, 2)), (300, 400, (3,)), (400, 500, (3,)), (500, 550, (3,)),
     ]  # fmt: skip
     # a gap over MERGE_GAP, or one costing more than 5% of the bytes wanted, starts a new request
-    assert plan_requests([0, 30], [10, 10]) == [(0, 1, 0, 10), (1, 2, 30, 40)]
-    assert plan_requests([0, 15], [10, 10]) == [(0, 1, 0, 10), (1, 2, 15, 25)]
+    assert _spans(plan_requests([0, 30], [10, 10])) == [(0, 10, (0,)), (30, 40, (1,))]
+    assert _spans(plan_requests([0, 15], [10, 10])) == [(0, 10, (0,)), (15, 25, (1,))]
     monkeypatch.setattr(objects, "MAX_WASTE", float("inf"))
-    assert plan_requests([0, 15], [10, 10]) == [(0, 2, 0, 25)]
-    # overlapping runs (bytes two ranks hold) are fetched once
-    assert plan_requests([0, 5], [10, 10]) == [(0, 2, 0, 15)]
+    assert _spans(plan_requests([0, 15], [10, 10])) == [(0, 25, (0, 1))]
+    # overlapping runs (bytes two ranks hold) are fetched once; unsorted runs are taken in source order
+    assert _spans(plan_requests([5, 0], [10, 10])) == [(0, 15, (1, 0))]
+    # a run inside a long split run is carried by the request holding its bytes, not by the split's tail
+    assert _spans(plan_requests([0, 5, 5], [250, 10, 10])) == [
+        (0, 100, (0, 1, 2)), (100, 200, (0,)), (200, 250, (0,)),
+    ]  # fmt: skip
+
+
+def _spans(requests: list) -> list[tuple[int, int, tuple[int, ...]]]:
+    return [(r.start, r.end, r.runs) for r in requests]
 
 
 def test_tuned_requests_still_load_equal(endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -344,3 +352,73 @@ def test_unreachable_endpoint_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_p
     result = CliRunner().invoke(main, ["inspect", f"s3://{BUCKET}/model", "-n", "2"])
     assert result.exit_code == 1
     assert result.output == f"error: s3://{BUCKET}/model: cannot reach the store: EndpointConnectionError\n"
+
+
+class _MemoryStore(objects.ObjectStore):
+    """An object store in memory: ranged reads of one bytes object, for the reader's own tests."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__("memory")
+        self.data = data
+
+    def read_into(self, key: str, start: int, views) -> None:
+        at = start
+        for view in views:
+            view[:] = self.data[at : at + len(view)]
+            at += len(view)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_object_reader_fills_every_run_whatever_they_overlap(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """Runs as a writer thread serving several ranks plans them: the same bytes for several destinations
+    (replicated tensors), runs inside runs, long runs split over requests, destinations interleaved between
+    buffers; each run gets exactly its bytes, whatever the request limits."""
+    from shardload.sources.object_reader import ObjectReader
+    from shardload.sources.objects import ObjectPath
+
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    monkeypatch.setattr(objects, "REQUEST_BYTES", int(rng.choice([64, 100, 512, 8192])))
+    monkeypatch.setattr(objects, "MERGE_GAP", int(rng.choice([0, 16, 1024])))
+    monkeypatch.setattr(objects, "MAX_WASTE", float(rng.choice([0.0, 0.05, float("inf")])))
+    count = 60
+    src = np.sort(rng.integers(0, 3500, count)).astype(np.int64)
+    length = rng.integers(1, 500, count).astype(np.int64)
+    src[5:8] = src[4]  # the same bytes for four destinations (a replicated tensor, four ranks)
+    length[5:8] = length[4]
+    src[20], length[20] = src[19], 3000  # a long run containing many later ones
+    length = np.minimum(length, len(data) - src)
+    buffers = [torch.zeros(int(length.sum()), dtype=torch.uint8) for _ in range(3)]
+    buf = (np.arange(count) % 3).astype(np.int64)  # destinations interleaved between the buffers
+    dst = np.zeros(count, dtype=np.int64)
+    at = [0, 0, 0]
+    for i in rng.permutation(count):  # destinations in no particular order of the sources
+        dst[i] = at[buf[i]]
+        at[buf[i]] += int(length[i])
+    reader = ObjectReader(concurrency=4)
+    try:
+        reader.read_runs(ObjectPath(_MemoryStore(data), "m"), src, length, buf, dst, buffers)
+    finally:
+        reader.close()
+    for i in range(count):
+        got = buffers[buf[i]][dst[i] : dst[i] + length[i]].numpy().tobytes()
+        assert got == data[src[i] : src[i] + length[i]], i
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_convert_from_s3_with_fewer_write_threads_than_ranks(
+    endpoint: S3, uris: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int
+) -> None:
+    """Each writer thread serves several ranks, so one read carries the same bytes (a replicated norm) for
+    several rank files: every rank file equals the local load, element for element."""
+    from shardload.engine import writer
+
+    monkeypatch.setattr(writer, "WRITE_THREADS", 2)
+    for kind in ("single", "multi"):
+        local, uri = uris[kind]
+        out = tmp_path / f"{kind}-tp{n}"
+        shardload.convert(uri, n, out)
+        for rank in range(n):
+            _equal(shardload.load_rank(out, rank, n), shardload.load_rank(local, rank, n))
+        result = CliRunner().invoke(main, ["verify", str(out), "--source", str(local)])
+        assert result.exit_code == 0 and "every rank equals" in result.output, result.output
