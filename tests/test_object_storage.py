@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -422,3 +423,146 @@ def test_convert_from_s3_with_fewer_write_threads_than_ranks(
             _equal(shardload.load_rank(out, rank, n), shardload.load_rank(local, rank, n))
         result = CliRunner().invoke(main, ["verify", str(out), "--source", str(local)])
         assert result.exit_code == 0 and "every rank equals" in result.output, result.output
+
+
+def _fails_alone(call, limit_s: float = 60.0) -> BaseException | None:
+    """Run ``call`` in a thread; what it raised (None when it returned). A call still running after ``limit_s``
+    (a hang, where a deadline should have ended it) fails the test instead of hanging it."""
+    import threading
+
+    raised: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            raised.append(None)
+        except BaseException as err:
+            raised.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    assert raised, f"still running after {limit_s} s"
+    return raised[0]
+
+
+HOSTILE_REASONS = {
+    "whole": r"the store answered HTTP 200 instead of 206 Partial Content \(does it ignore Range\?\)",
+    "lie": r"the store answered Content-Range 'bytes \d+-\d+/\d+'",
+    "short": r"the store answered \d+ bytes \(Content-Length\) for a \d+-byte range",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_REASONS))
+def test_a_wrong_answer_to_a_range_is_refused(
+    endpoint: S3, uris: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A store (or a proxy, a CDN) that ignores Range, lies in Content-Range or sends a short body: never bytes
+    from the wrong place in a tensor; retried, then one line naming the object, the range and the reason."""
+    from shardload.sources import s3 as s3_store
+
+    monkeypatch.setattr(s3_store, "STREAM_ATTEMPTS", 3)
+    monkeypatch.setattr(s3_store, "STREAM_BACKOFF", 0.001)
+    local, uri = uris["single"]
+    endpoint.proxy.faults.kind = kind
+    endpoint.proxy.faults.every = 1
+    endpoint.proxy.faults.from_byte = _header_bytes([local / "model.safetensors"])  # the tensors' bytes only
+    err = _fails_alone(lambda: shardload.load_rank(uri, 1, 2))
+    assert isinstance(err, CheckpointError), err
+    pattern = rf"{uri}/model.safetensors: bytes \d+-\d+: {HOSTILE_REASONS[kind]}, 3 times"
+    assert re.fullmatch(pattern, err.message), err.message
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["convert", uri, "-n", "4", "-o", str(out), "-q"])
+    assert result.exit_code == 1 and result.output.count("\n") == 1 and re.search(HOSTILE_REASONS[kind], result.output)
+    assert not out.exists() and not list(tmp_path.iterdir())  # nothing written
+    endpoint.proxy.reset()  # now one answer in five is wrong: retried, and the load is right
+    monkeypatch.setattr(s3_store, "STREAM_ATTEMPTS", 8)
+    endpoint.proxy.faults.kind = kind
+    endpoint.proxy.faults.every = 5
+    endpoint.proxy.faults.from_byte = _header_bytes([local / "model.safetensors"])
+    _equal(shardload.load_rank(uri, 1, 2), shardload.load_rank(local, 1, 2))
+    assert endpoint.proxy.faults.injected >= 1
+
+
+@pytest.mark.parametrize("kind", ["trickle", "trickle-headers"])
+def test_a_trickling_store_fails_within_the_deadline(
+    endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """One byte a second keeps every socket read alive; the request's deadline and minimum rate end it."""
+    monkeypatch.setenv("SHARDLOAD_S3_DEADLINE", "3")
+    monkeypatch.setenv("SHARDLOAD_S3_MIN_RATE", "1000000")
+    uri = uris["single"][1]
+    endpoint.proxy.faults.kind = kind
+    endpoint.proxy.faults.every = 1
+    endpoint.proxy.faults.trickle_s = 1.0
+    err = _fails_alone(lambda: open_checkpoint(uri), limit_s=30)
+    assert isinstance(err, CheckpointError), err
+    assert re.fullmatch(
+        rf"{uri}/[\w.-]+: bytes \d+-\d+: no complete answer within the 3 s deadline \(SHARDLOAD_S3_DEADLINE\)",
+        err.message,
+    ), err.message
+
+
+def test_a_slow_store_is_cut_off_by_the_minimum_rate(endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Well within the deadline, an attempt slower than the minimum rate is cut off and retried, then one line."""
+    from shardload.sources import deadlines
+    from shardload.sources import s3 as s3_store
+
+    monkeypatch.setattr(deadlines, "RATE_GRACE", 0.5)
+    monkeypatch.setattr(s3_store, "STREAM_ATTEMPTS", 2)
+    monkeypatch.setenv("SHARDLOAD_S3_DEADLINE", "600")
+    monkeypatch.setenv("SHARDLOAD_S3_MIN_RATE", "1000000")
+    uri = uris["single"][1]
+    endpoint.proxy.faults.kind = "trickle"
+    endpoint.proxy.faults.every = 1
+    endpoint.proxy.faults.trickle_s = 1.0
+    err = _fails_alone(lambda: open_checkpoint(uri), limit_s=30)
+    assert isinstance(err, CheckpointError), err
+    assert re.fullmatch(
+        rf"{uri}/[\w.-]+: bytes \d+-\d+: the store sent under 1000000 bytes/s \(SHARDLOAD_S3_MIN_RATE\), 2 times",
+        err.message,
+    ), err.message
+
+
+@pytest.mark.parametrize("name", ["SHARDLOAD_S3_DEADLINE", "SHARDLOAD_S3_MIN_RATE"])
+@pytest.mark.parametrize("value", ["soon", "0", "-1", "inf", "nan"])
+def test_request_limits_from_the_environment_are_checked(
+    endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(main, ["inspect", uris["single"][1], "-n", "2"])
+    assert result.exit_code == 1 and result.output == f"error: {name}: must be a positive number, got {value!r}\n"
+
+
+def test_a_redirect_naming_no_region_is_one_line(endpoint: S3, uris: dict, tmp_path: Path) -> None:
+    uri = uris["single"][1]
+    endpoint.proxy.faults.kind = "redirect"
+    endpoint.proxy.faults.every = 1
+    err = _fails_alone(lambda: shardload.load_rank(uri, 0, 2))
+    assert isinstance(err, CheckpointError), err
+    assert re.fullmatch(
+        rf"{uri}(/model.safetensors)?: the store redirected the request \(HTTP 301( PermanentRedirect)?\) without "
+        r"naming the bucket's region: set AWS_DEFAULT_REGION to the bucket's region, or AWS_ENDPOINT_URL_S3 to the "
+        "endpoint it answers at",
+        err.message,
+    ), err.message
+    result = CliRunner().invoke(main, ["convert", uri, "-n", "2", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1 and result.output == f"error: {err.message}\n"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://AKIDSECRET:very-secret-key@[::1", "http://AKIDSECRET:very-secret-key@host:99999", "not a url at all"],
+)
+def test_a_malformed_endpoint_is_one_line_without_credentials(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, url: str
+) -> None:
+    use_endpoint(monkeypatch, url, tmp_path)
+    result = CliRunner().invoke(main, ["inspect", f"s3://{BUCKET}/model", "-n", "2"])
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+    assert result.output == (
+        f"error: s3://{BUCKET}/model: AWS_ENDPOINT_URL_S3 is not an endpoint URL (http:// or https://, a host, "
+        "an optional port below 65536, no user name or password)\n"
+    )
+    assert "secret" not in result.output and "AKID" not in result.output
