@@ -503,6 +503,24 @@ def test_a_trickling_store_fails_within_the_deadline(
     ), err.message
 
 
+def test_a_range_past_the_object_end_is_one_line(endpoint: S3, uris: dict) -> None:
+    """The store answers what it has (206, a shorter Content-Range): an object shorter than asked, not retried."""
+    from shardload.sources.location import object_path
+
+    local, uri = uris["single"]
+    path = object_path(f"{uri}/config.json")
+    size = (local / "config.json").stat().st_size
+    assert path.store.read(path.key, 0, size) == (local / "config.json").read_bytes()
+    endpoint.proxy.reset()
+    with pytest.raises(CheckpointError) as err:
+        path.store.read(path.key, 2, size + 10)
+    assert err.value.message == (
+        f"{uri}/config.json: bytes 2-{size + 9}: the object is {size} bytes, shorter than this range "
+        "(changed while loading?)"
+    )
+    assert len([s for s in endpoint.proxy.served if s.method == "GET"]) == 1
+
+
 def test_a_slow_store_is_cut_off_by_the_minimum_rate(endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """Well within the deadline, an attempt slower than the minimum rate is cut off and retried, then one line."""
     from shardload.sources import deadlines

@@ -112,6 +112,8 @@ class Deadlines:
 
     def attach(self, conn: Any) -> None:
         """Called by a connection about to send for this thread: the socket the watcher shuts down on expiry."""
+        if conn is None:
+            return
         with self._cond:
             attempt = self._attempts.get(threading.get_ident())
             if attempt is None:

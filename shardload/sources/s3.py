@@ -201,6 +201,14 @@ class S3Store(ObjectStore):
                     response = None
                 if response is not None:
                     body = response["Body"]
+                    DEADLINES.attach(getattr(getattr(body, "_raw_stream", None), "connection", None) or watch.conn)
+                    size = _object_size(response)
+                    if size is not None and size < end:
+                        body.close()
+                        raise CheckpointError(
+                            f"{span}the object is {size} bytes, shorter than this range (changed while loading?)",
+                            file=where,
+                        )
                     try:
                         wrong = _wrong_answer(response, first, end)
                         if wrong is None:
@@ -271,6 +279,12 @@ class RegionlessRedirect(Exception):
 
 def _status(err: Any) -> int | None:
     return err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+
+
+def _object_size(response: dict[str, Any]) -> int | None:
+    """The object's size as a 206 answer's Content-Range states it (None when it does not)."""
+    match = _CONTENT_RANGE.fullmatch(str(response.get("ContentRange") or "").strip())
+    return int(match[3]) if match is not None and match[3] != "*" else None
 
 
 def _wrong_answer(response: dict[str, Any], first: int, end: int) -> str | None:
