@@ -1,11 +1,11 @@
 """Time limits of object-store requests: an overall deadline and a minimum transfer rate, enforced on the socket.
 
 A socket timeout only bounds each read, so a server that sends one byte every few seconds keeps a request alive
-for hours. Here every request runs as :meth:`Deadlines.attempt`\\ s: an attempt registers its time limit, the
-connection it sends on registers itself (:meth:`Deadlines.attach`, called by the store's connection class), and
-one watcher thread shuts that connection's socket down once the limit passes, which ends any blocked read at
-once. The store then sees a broken connection, finds the attempt :attr:`Attempt.expired`, and either retries
-(time left) or fails with one line.
+for hours. Here every request runs as one or more attempts (:meth:`Deadlines.attempt`): each registers its
+time limit, the connection it sends on registers itself (:meth:`Deadlines.attach`, called by the store's
+connection class), and one watcher thread shuts that connection's socket down once the limit passes, which ends
+any blocked read at once. The store then sees a broken connection, finds the attempt :attr:`Attempt.expired`,
+and either retries (time left) or fails with one line.
 
 The limits come from :func:`request_limits`: ``SHARDLOAD_S3_DEADLINE`` and ``SHARDLOAD_S3_MIN_RATE`` in the
 environment, else :data:`DEADLINE` and :data:`MIN_RATE`.
@@ -91,6 +91,7 @@ class Deadlines:
         self._cond = threading.Condition()
         self._attempts: dict[int, Attempt] = {}
         self._watcher: threading.Thread | None = None
+        self._wake = 0.0  # when the watcher wakes next (time.monotonic())
 
     @contextmanager
     def attempt(self, seconds: float) -> Iterator[Attempt]:
@@ -102,7 +103,8 @@ class Deadlines:
             if self._watcher is None:
                 self._watcher = threading.Thread(target=self._watch, name="shardload-deadlines", daemon=True)
                 self._watcher.start()
-            self._cond.notify()
+            elif attempt.limit < self._wake:  # the watcher sleeps past this limit: wake it to sleep less
+                self._cond.notify()
         try:
             yield attempt
         finally:
@@ -145,13 +147,12 @@ class Deadlines:
                             _cut(attempt.conn)
                     else:
                         upcoming.append(attempt.limit)
-                if not self._attempts:
-                    self._cond.wait(IDLE_EXIT)
-                    if not self._attempts:
-                        self._watcher = None
-                        return
-                    continue
-                self._cond.wait(min(upcoming) - now if upcoming else IDLE_EXIT)
+                idle = not self._attempts
+                self._wake = min(upcoming) if upcoming else now + IDLE_EXIT
+                self._cond.wait(self._wake - now)
+                if idle and not self._attempts:
+                    self._watcher = None
+                    return
 
 
 def _cut(conn: Any) -> None:

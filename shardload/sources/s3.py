@@ -197,7 +197,10 @@ class S3Store(ObjectStore):
                     raise CheckpointError(err.reason, file=where) from None
                 except (ClientError, BotoCoreError, Expired, RegionlessRedirect) as err:
                     if not (watch.expired or isinstance(err, Expired)):
-                        raise self._fail(err, key) from None
+                        failed = self._fail(err, key)
+                        if isinstance(err, ClientError) and _status(err) == 416:  # the range is the point
+                            failed = CheckpointError(span + failed.reason, file=where)
+                        raise failed from None
                     response = None
                 if response is not None:
                     body = response["Body"]
