@@ -48,7 +48,7 @@ MAX_LIST_PAGES = 10_000
 """Pages of one listing (1000 objects each) before it is refused as endless."""
 ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 """Where boto3 finds an S3-compatible endpoint, the first one set winning."""
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+_CONTENT_RANGE = re.compile(r"bytes (?P<first>\d+)-(?P<last>\d+)/(?P<size>\d+|\*)")
 
 _PERMANENT = {
     "NoSuchKey": "no such object",
@@ -287,7 +287,7 @@ def _status(err: Any) -> int | None:
 def _object_size(response: dict[str, Any]) -> int | None:
     """The object's size as a 206 answer's Content-Range states it (None when it does not)."""
     match = _CONTENT_RANGE.fullmatch(str(response.get("ContentRange") or "").strip())
-    return int(match[3]) if match is not None and match[3] != "*" else None
+    return int(match["size"]) if match is not None and match["size"] != "*" else None
 
 
 def _wrong_answer(response: dict[str, Any], first: int, end: int) -> str | None:
@@ -297,7 +297,7 @@ def _wrong_answer(response: dict[str, Any], first: int, end: int) -> str | None:
         return f"the store answered HTTP {status} instead of 206 Partial Content (does it ignore Range?)"
     content_range = str(response.get("ContentRange") or "")
     match = _CONTENT_RANGE.fullmatch(content_range.strip())
-    if match is None or (int(match[1]), int(match[2])) != (first, end - 1):
+    if match is None or (int(match["first"]), int(match["last"])) != (first, end - 1):
         return f"the store answered Content-Range {content_range[:80]!r}"
     length = response.get("ContentLength")
     if length != end - first:
