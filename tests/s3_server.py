@@ -44,8 +44,9 @@ class Faults:
     """"503", "500", "reset" (close without answering), "cut" (half the body, then close); hostile answers to a
     ranged GET: "whole" (200 and the whole object), "lie" (206, Content-Range naming the next byte's range),
     "short" (206, Content-Range as asked, half the body with a Content-Length saying so); "trickle" (the body one
-    byte every ``trickle_s`` seconds), "trickle-headers" (the status line and headers that way); "redirect" (301
-    PermanentRedirect naming no region, for any request)."""
+    byte every ``trickle_s`` seconds), "trickle-headers" (the status line and headers that way), "trickle-all" (any
+    answer, listings and HEADs too, that way); "redirect" (301 PermanentRedirect naming no region, for any
+    request)."""
     trickle_s: float = 0.5
     from_byte: int = 0
     """Only ranged GETs starting at or past this byte are broken (a checkpoint's tensors, not its header)."""
@@ -191,6 +192,9 @@ class FaultyProxy:
         if h.command == "GET" and resp.status == 206 and fault in ("lie", "short", "trickle", "trickle-headers"):
             self._hostile_range(h, resp, data, fault)
             return
+        if fault == "trickle-all":  # any answer (a listing, a HEAD too): status line, headers and body trickled
+            self._trickle_answer(h, resp, data)
+            return
         h.send_response(resp.status)
         for k, v in resp.getheaders():
             if k.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date"):
@@ -239,6 +243,20 @@ class FaultyProxy:
             else:
                 h.wfile.write(data)
         except OSError:  # the client gave up: what a hostile server expects
+            pass
+
+    def _trickle_answer(self, h: BaseHTTPRequestHandler, resp: http.client.HTTPResponse, data: bytes) -> None:
+        """Send upstream's whole answer one byte every ``trickle_s`` seconds."""
+        lines = [f"HTTP/1.1 {resp.status} {resp.reason}"]
+        for k, v in resp.getheaders():
+            if k.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date"):
+                lines.append(f"{k}: {v}")
+        size = resp.getheader("Content-Length") if h.command == "HEAD" else None
+        lines.append(f"Content-Length: {size or len(data)}")
+        h.close_connection = True
+        try:
+            self._trickle(h, ("\r\n".join(lines) + "\r\n\r\n").encode() + (b"" if h.command == "HEAD" else data))
+        except OSError:
             pass
 
     def _trickle(self, h: BaseHTTPRequestHandler, data: bytes) -> None:

@@ -505,6 +505,21 @@ def test_a_trickling_store_fails_within_the_deadline(
     ), err.message
 
 
+def test_a_trickling_listing_fails_within_the_deadline(
+    endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests botocore reads whole (a listing, a HEAD) have the same deadline."""
+    monkeypatch.setenv("SHARDLOAD_S3_DEADLINE", "2")
+    uri = uris["single"][1]
+    endpoint.proxy.faults.kind = "trickle-all"
+    endpoint.proxy.faults.every = 1
+    endpoint.proxy.faults.only_get = False
+    endpoint.proxy.faults.trickle_s = 1.0
+    err = _fails_alone(lambda: open_checkpoint(uri), limit_s=30)
+    assert isinstance(err, CheckpointError), err
+    assert err.message == f"{uri}: no complete answer within the 2 s deadline (SHARDLOAD_S3_DEADLINE)", err.message
+
+
 def test_a_range_past_the_object_end_is_one_line(endpoint: S3, uris: dict) -> None:
     """The store answers what it has (206, a shorter Content-Range): an object shorter than asked, not retried."""
     from shardload.sources.location import object_path
