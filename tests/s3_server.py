@@ -4,6 +4,10 @@ The proxy forwards every request to moto and records what it served (method, key
 it can fail every k-th request with an HTTP 503/500, reset the connection before answering, or cut a response
 body off halfway, so tests can show that transient failures are survived and count the bytes each load fetched.
 It can also answer 403 for chosen keys (a permanent failure).
+
+It can play a hostile or broken store too: ignore Range (``200`` and the whole object, as some S3-compatible
+stores, proxies and CDNs do), lie in ``Content-Range``, send a consistent but short body, trickle the body or the
+headers one byte at a time, or redirect without naming a region.
 """
 
 from __future__ import annotations
@@ -36,12 +40,31 @@ class Faults:
     """What the proxy breaks: every ``every``-th request (counted over all requests) gets ``kind``."""
 
     every: int = 0
-    kind: str = "503"  # "503", "500", "reset" (close without answering), "cut" (half the body, then close)
+    kind: str = "503"
+    """"503", "500", "reset" (close without answering), "cut" (half the body, then close); hostile answers to a
+    ranged GET: "whole" (200 and the whole object), "lie" (206, Content-Range naming the next byte's range),
+    "short" (206, Content-Range as asked, half the body with a Content-Length saying so); "trickle" (the body one
+    byte every ``trickle_s`` seconds), "trickle-headers" (the status line and headers that way), "trickle-all" (any
+    answer, listings and HEADs too, that way); "redirect" (301 PermanentRedirect naming no region, for any
+    request)."""
+    trickle_s: float = 0.5
+    from_byte: int = 0
+    """Only ranged GETs starting at or past this byte are broken (a checkpoint's tensors, not its header)."""
     only_get: bool = True
     forbidden: set[str] = field(default_factory=set)
     """Keys answered with 403 AccessDenied, every time."""
     count: int = 0
     injected: int = 0
+
+
+class _Server(ThreadingHTTPServer):
+    """The proxy's server: a client that hangs up (as a refused or cut-off answer makes it do) is no error."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        import sys
+
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class FaultyProxy:
@@ -53,6 +76,7 @@ class FaultyProxy:
         self.served: list[Served] = []
         self.lock = threading.Lock()
         self._local = threading.local()
+        self._closing = threading.Event()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -67,7 +91,7 @@ class FaultyProxy:
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _any
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -97,10 +121,12 @@ class FaultyProxy:
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
 
-    def _fault(self, method: str) -> str | None:
+    def _fault(self, method: str, rng: tuple[int, int] | None) -> str | None:
         with self.lock:
             f = self.faults
-            if f.every <= 0 or (f.only_get and method != "GET"):
+            if f.every <= 0 or (f.only_get and method != "GET" and f.kind != "redirect"):
+                return None
+            if f.from_byte and (rng is None or rng[0] < f.from_byte):
                 return None
             f.count += 1
             if f.count % f.every:
@@ -122,7 +148,8 @@ class FaultyProxy:
             if h.command != "HEAD":
                 h.wfile.write(payload)
             return
-        fault = self._fault(h.command)
+        rng = _range(h.headers.get("Range"))
+        fault = self._fault(h.command, rng)
         if fault == "reset":
             h.close_connection = True
             try:
@@ -139,9 +166,22 @@ class FaultyProxy:
             h.end_headers()
             h.wfile.write(payload)
             return
+        if fault == "redirect":
+            payload = (
+                b"<?xml version='1.0'?><Error><Code>PermanentRedirect</Code><Message>The bucket you are attempting "
+                b"to access must be addressed using the specified endpoint.</Message></Error>"
+            )
+            h.send_response(301)
+            h.send_header("Content-Type", "application/xml")
+            h.send_header("Content-Length", str(len(payload)))
+            h.end_headers()
+            if h.command != "HEAD":
+                h.wfile.write(payload)
+            return
+        drop = ("connection", "range") if fault == "whole" else ("connection",)
         conn = self._upstream()
         try:
-            headers = {k: v for k, v in h.headers.items() if k.lower() not in ("connection",)}
+            headers = {k: v for k, v in h.headers.items() if k.lower() not in drop}
             conn.request(h.command, h.path, body=body, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
@@ -149,6 +189,12 @@ class FaultyProxy:
             self._local.conn = None
             conn.close()
             raise
+        if h.command == "GET" and resp.status == 206 and fault in ("lie", "short", "trickle", "trickle-headers"):
+            self._hostile_range(h, resp, data, fault)
+            return
+        if fault == "trickle-all":  # any answer (a listing, a HEAD too): status line, headers and body trickled
+            self._trickle_answer(h, resp, data)
+            return
         h.send_response(resp.status)
         for k, v in resp.getheaders():
             if k.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date"):
@@ -163,12 +209,67 @@ class FaultyProxy:
             h.wfile.flush()
             h.close_connection = True
             return
-        h.wfile.write(data)
-        rng = _range(h.headers.get("Range"))
+        try:
+            h.wfile.write(data)
+        except OSError:  # the client hung up (a ranged GET answered with a whole object it refused)
+            h.close_connection = True
+            return
         with self.lock:
             self.served.append(Served(h.command, key, rng, resp.status, len(data) if h.command == "GET" else 0))
 
+    def _hostile_range(
+        self, h: BaseHTTPRequestHandler, resp: http.client.HTTPResponse, data: bytes, fault: str
+    ) -> None:
+        """Answer a ranged GET as a broken or hostile store would (see :class:`Faults`)."""
+        content_range = resp.getheader("Content-Range") or ""
+        if fault == "lie":  # the same bytes, said to be those of the range one byte further on
+            first, last, size = (int(x) for x in content_range[6:].replace("/", "-").split("-"))
+            content_range = f"bytes {first + 1}-{last + 1}/{size}"
+        if fault == "short":
+            data = data[: len(data) // 2]
+        head = (
+            f"HTTP/1.1 206 Partial Content\r\nContent-Type: binary/octet-stream\r\nContent-Range: {content_range}"
+            f"\r\nContent-Length: {len(data)}\r\n\r\n"
+        ).encode()
+        h.close_connection = True
+        try:
+            if fault == "trickle-headers":
+                self._trickle(h, head)
+                return
+            h.wfile.write(head)
+            h.wfile.flush()
+            if fault == "trickle":
+                self._trickle(h, data)
+            else:
+                h.wfile.write(data)
+        except OSError:  # the client gave up: what a hostile server expects
+            pass
+
+    def _trickle_answer(self, h: BaseHTTPRequestHandler, resp: http.client.HTTPResponse, data: bytes) -> None:
+        """Send upstream's whole answer one byte every ``trickle_s`` seconds."""
+        lines = [f"HTTP/1.1 {resp.status} {resp.reason}"]
+        for k, v in resp.getheaders():
+            if k.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date"):
+                lines.append(f"{k}: {v}")
+        size = resp.getheader("Content-Length") if h.command == "HEAD" else None
+        lines.append(f"Content-Length: {size or len(data)}")
+        h.close_connection = True
+        try:
+            self._trickle(h, ("\r\n".join(lines) + "\r\n\r\n").encode() + (b"" if h.command == "HEAD" else data))
+        except OSError:
+            pass
+
+    def _trickle(self, h: BaseHTTPRequestHandler, data: bytes) -> None:
+        """Send ``data`` one byte every ``trickle_s`` seconds (bounded by its length; ends when the client leaves
+        or the proxy closes)."""
+        for i in range(len(data)):
+            if self._closing.wait(self.faults.trickle_s):
+                return
+            h.wfile.write(data[i : i + 1])
+            h.wfile.flush()
+
     def close(self) -> None:
+        self._closing.set()
         self.server.shutdown()
         self.server.server_close()
 

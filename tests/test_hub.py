@@ -162,3 +162,33 @@ def test_download_patterns_fetch_weights_config_and_tokenizer_only() -> None:
     ]  # fmt: skip
     fetched = set(filter_repo_objects(repo_files, allow_patterns=HUB_PATTERNS))
     assert fetched == set(repo_files[:13])
+
+
+@pytest.mark.parametrize("model", ["some-org/some-model", "models/llama-typo", "some-org/some-model@v1.0"])
+def test_hub_id_in_a_fresh_process_is_one_line(tmp_path: Path, model: str) -> None:
+    """A fresh interpreter, where nothing has imported huggingface_hub's submodules first (test imports above
+    would hide a missing import): a Hub id, or a mistyped local path that reads as one, is one line."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty-cache"), "NO_COLOR": "1"}
+    got = subprocess.run(
+        [sys.executable, str(Path(__file__).parents[1] / "cli.py"), "inspect", model, "-n", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    repo = model.split("@")[0]
+    assert got.returncode == 1, got.stderr
+    assert got.stderr.startswith(f"error: {model}: no such file or directory, and the Hugging Face Hub model {repo}")
+    assert "HF_HUB_OFFLINE is set" in got.stderr and got.stderr.count("\n") == 1, got.stderr
+
+
+@pytest.mark.parametrize(
+    "revision", ["../../../etc", "main/../../x", "/etc/passwd", "refs/../main", "a//b", "main/", "a\\..\\b", "."]
+)
+def test_hub_revision_that_is_a_path_is_refused(hub: Path, revision: str) -> None:
+    with pytest.raises(CheckpointError) as err:
+        shardload.load_rank(f"{REPO}@{revision}", 0, 2)
+    assert err.value.message == (
+        f"{REPO}@{revision}: the revision {revision!r} is not a branch, tag or commit name (no empty, '.' or '..' "
+        "parts, no leading or trailing '/', no backslash)"
+    )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -307,16 +308,24 @@ def test_plan_requests_merge_split_and_waste(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(objects, "MERGE_GAP", 10)
     monkeypatch.setattr(objects, "MAX_WASTE", 0.05)
     # adjacent runs share a request; a 4-byte gap among 200 bytes of runs is within 5%; a long run is split
-    assert plan_requests([0, 40, 84, 300], [40, 40, 16, 250]) == [
-        (0, 3, 0, 100), (3, 4, 300, 400), (3, 4, 400, 500), (3, 4, 500, 550),
+    assert _spans(plan_requests([0, 40, 84, 300], [40, 40, 16, 250])) == [
+        (0, 100, (0, 1, 2)), (300, 400, (3,)), (400, 500, (3,)), (500, 550, (3,)),
     ]  # fmt: skip
     # a gap over MERGE_GAP, or one costing more than 5% of the bytes wanted, starts a new request
-    assert plan_requests([0, 30], [10, 10]) == [(0, 1, 0, 10), (1, 2, 30, 40)]
-    assert plan_requests([0, 15], [10, 10]) == [(0, 1, 0, 10), (1, 2, 15, 25)]
+    assert _spans(plan_requests([0, 30], [10, 10])) == [(0, 10, (0,)), (30, 40, (1,))]
+    assert _spans(plan_requests([0, 15], [10, 10])) == [(0, 10, (0,)), (15, 25, (1,))]
     monkeypatch.setattr(objects, "MAX_WASTE", float("inf"))
-    assert plan_requests([0, 15], [10, 10]) == [(0, 2, 0, 25)]
-    # overlapping runs (bytes two ranks hold) are fetched once
-    assert plan_requests([0, 5], [10, 10]) == [(0, 2, 0, 15)]
+    assert _spans(plan_requests([0, 15], [10, 10])) == [(0, 25, (0, 1))]
+    # overlapping runs (bytes two ranks hold) are fetched once; unsorted runs are taken in source order
+    assert _spans(plan_requests([5, 0], [10, 10])) == [(0, 15, (1, 0))]
+    # a run inside a long split run is carried by the request holding its bytes, not by the split's tail
+    assert _spans(plan_requests([0, 5, 5], [250, 10, 10])) == [
+        (0, 100, (0, 1, 2)), (100, 200, (0,)), (200, 250, (0,)),
+    ]  # fmt: skip
+
+
+def _spans(requests: list) -> list[tuple[int, int, tuple[int, ...]]]:
+    return [(r.start, r.end, r.runs) for r in requests]
 
 
 def test_tuned_requests_still_load_equal(endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -344,3 +353,251 @@ def test_unreachable_endpoint_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_p
     result = CliRunner().invoke(main, ["inspect", f"s3://{BUCKET}/model", "-n", "2"])
     assert result.exit_code == 1
     assert result.output == f"error: s3://{BUCKET}/model: cannot reach the store: EndpointConnectionError\n"
+
+
+class _MemoryStore(objects.ObjectStore):
+    """An object store in memory: ranged reads of one bytes object, for the reader's own tests."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__("memory")
+        self.data = data
+
+    def read_into(self, key: str, start: int, views) -> None:
+        at = start
+        for view in views:
+            view[:] = self.data[at : at + len(view)]
+            at += len(view)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_object_reader_fills_every_run_whatever_they_overlap(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """Runs as a writer thread serving several ranks plans them: the same bytes for several destinations
+    (replicated tensors), runs inside runs, long runs split over requests, destinations interleaved between
+    buffers; each run gets exactly its bytes, whatever the request limits."""
+    from shardload.sources.object_reader import ObjectReader
+    from shardload.sources.objects import ObjectPath
+
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    monkeypatch.setattr(objects, "REQUEST_BYTES", int(rng.choice([64, 100, 512, 8192])))
+    monkeypatch.setattr(objects, "MERGE_GAP", int(rng.choice([0, 16, 1024])))
+    monkeypatch.setattr(objects, "MAX_WASTE", float(rng.choice([0.0, 0.05, float("inf")])))
+    count = 60
+    src = np.sort(rng.integers(0, 3500, count)).astype(np.int64)
+    length = rng.integers(1, 500, count).astype(np.int64)
+    src[5:8] = src[4]  # the same bytes for four destinations (a replicated tensor, four ranks)
+    length[5:8] = length[4]
+    src[20], length[20] = src[19], 3000  # a long run containing many later ones
+    length = np.minimum(length, len(data) - src)
+    buffers = [torch.zeros(int(length.sum()), dtype=torch.uint8) for _ in range(3)]
+    buf = (np.arange(count) % 3).astype(np.int64)  # destinations interleaved between the buffers
+    dst = np.zeros(count, dtype=np.int64)
+    at = [0, 0, 0]
+    for i in rng.permutation(count):  # destinations in no particular order of the sources
+        dst[i] = at[buf[i]]
+        at[buf[i]] += int(length[i])
+    order = rng.permutation(count) if seed % 2 else np.arange(count)  # runs in any order, not only by source
+    reader = ObjectReader(concurrency=4)
+    try:
+        path = ObjectPath(_MemoryStore(data), "m")
+        reader.read_runs(path, src[order], length[order], buf[order], dst[order], buffers)
+    finally:
+        reader.close()
+    for i in range(count):
+        got = buffers[buf[i]][dst[i] : dst[i] + length[i]].numpy().tobytes()
+        assert got == data[src[i] : src[i] + length[i]], i
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_convert_from_s3_with_fewer_write_threads_than_ranks(
+    endpoint: S3, uris: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int
+) -> None:
+    """Each writer thread serves several ranks, so one read carries the same bytes (a replicated norm) for
+    several rank files: every rank file equals the local load, element for element."""
+    from shardload.engine import writer
+
+    monkeypatch.setattr(writer, "WRITE_THREADS", 2)
+    for kind in ("single", "multi"):
+        local, uri = uris[kind]
+        out = tmp_path / f"{kind}-tp{n}"
+        shardload.convert(uri, n, out)
+        for rank in range(n):
+            _equal(shardload.load_rank(out, rank, n), shardload.load_rank(local, rank, n))
+        result = CliRunner().invoke(main, ["verify", str(out), "--source", str(local)])
+        assert result.exit_code == 0 and "every rank equals" in result.output, result.output
+
+
+def _fails_alone(call, limit_s: float = 60.0) -> BaseException | None:
+    """Run ``call`` in a thread; what it raised (None when it returned). A call still running after ``limit_s``
+    (a hang, where a deadline should have ended it) fails the test instead of hanging it."""
+    import threading
+
+    raised: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            raised.append(None)
+        except BaseException as err:
+            raised.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    assert raised, f"still running after {limit_s} s"
+    return raised[0]
+
+
+HOSTILE_REASONS = {
+    "whole": r"the store answered HTTP 200 instead of 206 Partial Content \(does it ignore Range\?\)",
+    "lie": r"the store answered Content-Range 'bytes \d+-\d+/\d+'",
+    "short": r"the store answered \d+ bytes \(Content-Length\) for a \d+-byte range",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_REASONS))
+def test_a_wrong_answer_to_a_range_is_refused(
+    endpoint: S3, uris: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A store (or a proxy, a CDN) that ignores Range, lies in Content-Range or sends a short body: never bytes
+    from the wrong place in a tensor; retried, then one line naming the object, the range and the reason."""
+    from shardload.sources import s3 as s3_store
+
+    monkeypatch.setattr(s3_store, "STREAM_ATTEMPTS", 3)
+    monkeypatch.setattr(s3_store, "STREAM_BACKOFF", 0.001)
+    local, uri = uris["single"]
+    endpoint.proxy.faults.kind = kind
+    endpoint.proxy.faults.every = 1
+    endpoint.proxy.faults.from_byte = _header_bytes([local / "model.safetensors"])  # the tensors' bytes only
+    err = _fails_alone(lambda: shardload.load_rank(uri, 1, 2))
+    assert isinstance(err, CheckpointError), err
+    pattern = rf"{uri}/model.safetensors: bytes \d+-\d+: {HOSTILE_REASONS[kind]}, 3 times"
+    assert re.fullmatch(pattern, err.message), err.message
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["convert", uri, "-n", "4", "-o", str(out), "-q"])
+    assert result.exit_code == 1 and result.output.count("\n") == 1 and re.search(HOSTILE_REASONS[kind], result.output)
+    assert not out.exists() and not list(tmp_path.iterdir())  # nothing written
+    endpoint.proxy.reset()  # now one answer in five is wrong: retried, and the load is right
+    monkeypatch.setattr(s3_store, "STREAM_ATTEMPTS", 8)
+    endpoint.proxy.faults.kind = kind
+    endpoint.proxy.faults.every = 5
+    endpoint.proxy.faults.from_byte = _header_bytes([local / "model.safetensors"])
+    _equal(shardload.load_rank(uri, 1, 2), shardload.load_rank(local, 1, 2))
+    assert endpoint.proxy.faults.injected >= 1
+
+
+@pytest.mark.parametrize("kind", ["trickle", "trickle-headers"])
+def test_a_trickling_store_fails_within_the_deadline(
+    endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """One byte a second keeps every socket read alive; the request's deadline and minimum rate end it."""
+    monkeypatch.setenv("SHARDLOAD_S3_DEADLINE", "3")
+    monkeypatch.setenv("SHARDLOAD_S3_MIN_RATE", "1000000")
+    uri = uris["single"][1]
+    endpoint.proxy.faults.kind = kind
+    endpoint.proxy.faults.every = 1
+    endpoint.proxy.faults.trickle_s = 1.0
+    err = _fails_alone(lambda: open_checkpoint(uri), limit_s=30)
+    assert isinstance(err, CheckpointError), err
+    assert re.fullmatch(
+        rf"{uri}/[\w.-]+: bytes \d+-\d+: no complete answer within the 3 s deadline \(SHARDLOAD_S3_DEADLINE\)",
+        err.message,
+    ), err.message
+
+
+def test_a_trickling_listing_fails_within_the_deadline(
+    endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests botocore reads whole (a listing, a HEAD) have the same deadline."""
+    monkeypatch.setenv("SHARDLOAD_S3_DEADLINE", "2")
+    uri = uris["single"][1]
+    endpoint.proxy.faults.kind = "trickle-all"
+    endpoint.proxy.faults.every = 1
+    endpoint.proxy.faults.only_get = False
+    endpoint.proxy.faults.trickle_s = 1.0
+    err = _fails_alone(lambda: open_checkpoint(uri), limit_s=30)
+    assert isinstance(err, CheckpointError), err
+    assert err.message == f"{uri}: no complete answer within the 2 s deadline (SHARDLOAD_S3_DEADLINE)", err.message
+
+
+def test_a_range_past_the_object_end_is_one_line(endpoint: S3, uris: dict) -> None:
+    """The store answers what it has (206, a shorter Content-Range): an object shorter than asked, not retried."""
+    from shardload.sources.location import object_path
+
+    local, uri = uris["single"]
+    path = object_path(f"{uri}/config.json")
+    size = (local / "config.json").stat().st_size
+    assert path.store.read(path.key, 0, size) == (local / "config.json").read_bytes()
+    endpoint.proxy.reset()
+    with pytest.raises(CheckpointError) as err:
+        path.store.read(path.key, 2, size + 10)
+    assert err.value.message == (
+        f"{uri}/config.json: bytes 2-{size + 9}: the object is {size} bytes, shorter than this range "
+        "(changed while loading?)"
+    )
+    assert len([s for s in endpoint.proxy.served if s.method == "GET"]) == 1
+
+
+def test_a_slow_store_is_cut_off_by_the_minimum_rate(endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Well within the deadline, an attempt slower than the minimum rate is cut off and retried, then one line."""
+    from shardload.sources import deadlines
+    from shardload.sources import s3 as s3_store
+
+    monkeypatch.setattr(deadlines, "RATE_GRACE", 0.5)
+    monkeypatch.setattr(s3_store, "STREAM_ATTEMPTS", 2)
+    monkeypatch.setenv("SHARDLOAD_S3_DEADLINE", "600")
+    monkeypatch.setenv("SHARDLOAD_S3_MIN_RATE", "1000000")
+    uri = uris["single"][1]
+    endpoint.proxy.faults.kind = "trickle"
+    endpoint.proxy.faults.every = 1
+    endpoint.proxy.faults.trickle_s = 1.0
+    err = _fails_alone(lambda: open_checkpoint(uri), limit_s=30)
+    assert isinstance(err, CheckpointError), err
+    assert re.fullmatch(
+        rf"{uri}/[\w.-]+: bytes \d+-\d+: the store sent under 1000000 bytes/s \(SHARDLOAD_S3_MIN_RATE\), 2 times",
+        err.message,
+    ), err.message
+
+
+@pytest.mark.parametrize("name", ["SHARDLOAD_S3_DEADLINE", "SHARDLOAD_S3_MIN_RATE"])
+@pytest.mark.parametrize("value", ["soon", "0", "-1", "inf", "nan"])
+def test_request_limits_from_the_environment_are_checked(
+    endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(main, ["inspect", uris["single"][1], "-n", "2"])
+    assert result.exit_code == 1 and result.output == f"error: {name}: must be a positive number, got {value!r}\n"
+
+
+def test_a_redirect_naming_no_region_is_one_line(endpoint: S3, uris: dict, tmp_path: Path) -> None:
+    uri = uris["single"][1]
+    endpoint.proxy.faults.kind = "redirect"
+    endpoint.proxy.faults.every = 1
+    err = _fails_alone(lambda: shardload.load_rank(uri, 0, 2))
+    assert isinstance(err, CheckpointError), err
+    assert re.fullmatch(
+        rf"{uri}(/model.safetensors)?: the store redirected the request \(HTTP 301( PermanentRedirect)?\) without "
+        r"naming the bucket's region: set AWS_DEFAULT_REGION to the bucket's region, or AWS_ENDPOINT_URL_S3 to the "
+        "endpoint it answers at",
+        err.message,
+    ), err.message
+    result = CliRunner().invoke(main, ["convert", uri, "-n", "2", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1 and result.output == f"error: {err.message}\n"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://AKIDSECRET:very-secret-key@[::1", "http://AKIDSECRET:very-secret-key@host:99999", "not a url at all"],
+)
+def test_a_malformed_endpoint_is_one_line_without_credentials(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, url: str
+) -> None:
+    use_endpoint(monkeypatch, url, tmp_path)
+    result = CliRunner().invoke(main, ["inspect", f"s3://{BUCKET}/model", "-n", "2"])
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+    assert result.output == (
+        f"error: s3://{BUCKET}/model: AWS_ENDPOINT_URL_S3 is not an endpoint URL (http:// or https://, a host, "
+        "an optional port below 65536, no user name or password)\n"
+    )
+    assert "secret" not in result.output and "AKID" not in result.output

@@ -103,22 +103,35 @@ def forget_stores() -> None:
     _stores.clear()
 
 
+def is_revision(revision: str) -> bool:
+    """Whether ``revision`` can name a branch, tag or commit without naming a path: the Hub's cache keeps refs
+    as files (``refs/<revision>``), so ``..`` parts, a leading ``/`` or a backslash could reach outside it."""
+    parts = revision.split("/")
+    return "\\" not in revision and all(part not in ("", ".", "..") for part in parts)
+
+
 def hub_snapshot(value: str) -> Path:
     """The local snapshot directory of Hub id ``org/name[@revision]``: downloaded (weights, index, config,
     tokenizer and shard_info only) when online, from the cache alone when offline."""
     match = HUB_ID_RE.fullmatch(value)
     assert match is not None
     repo, revision = match["repo"], match["rev"]
+    if revision is not None and not is_revision(revision):
+        raise CheckpointError(
+            f"the revision {revision!r} is not a branch, tag or commit name (no empty, '.' or '..' parts, no leading "
+            "or trailing '/', no backslash)",
+            file=value,
+        )
     try:
         import huggingface_hub
-        from huggingface_hub import errors
+        from huggingface_hub import constants, errors
     except ImportError:
         raise CheckpointError(
             "no such file or directory (as a Hugging Face Hub id it needs huggingface_hub: pip install "
             "huggingface_hub)",
             file=value,
         ) from None
-    offline = huggingface_hub.constants.HF_HUB_OFFLINE
+    offline = constants.HF_HUB_OFFLINE
     try:
         path = huggingface_hub.snapshot_download(
             repo, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=offline
@@ -127,7 +140,7 @@ def hub_snapshot(value: str) -> Path:
         why = "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached"
         raise CheckpointError(
             f"no such file or directory, and the Hugging Face Hub model {repo}"
-            f"{'@' + revision if revision else ''} is not in the local cache ({huggingface_hub.constants.HF_HUB_CACHE})"
+            f"{'@' + revision if revision else ''} is not in the local cache ({constants.HF_HUB_CACHE})"
             f" and {why}: download it where the Hub is reachable (`hf download {repo}`), or point HF_HUB_CACHE at a "
             "cache that holds it",
             file=value,
@@ -153,7 +166,7 @@ def hub_snapshot(value: str) -> Path:
 def hub_cache_dir() -> Path | None:
     """The Hugging Face Hub cache directory (None where huggingface_hub is not installed)."""
     try:
-        import huggingface_hub
+        from huggingface_hub import constants
     except ImportError:
         return None
-    return Path(huggingface_hub.constants.HF_HUB_CACHE)
+    return Path(constants.HF_HUB_CACHE)

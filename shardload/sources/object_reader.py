@@ -7,9 +7,12 @@ Runs are grouped into requests by :func:`plan_requests` under the limits in :mod
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
@@ -65,8 +68,10 @@ class ObjectReader(local.RunReader):
     ) -> None:
         """Copy run i: ``length[i]`` bytes at object offset ``src[i]`` to byte ``dst[i]`` of ``buffers[buf[i]]``.
 
-        Runs must be sorted by ``src``. They are grouped into ranged requests (:func:`plan_requests`), fetched
-        concurrently; each response is written straight into the destination bytes.
+        Any set of runs is read right: unsorted, overlapping or repeated sources (the same bytes for several
+        ranks), destinations interleaved between buffers. Runs are grouped into ranged requests
+        (:func:`plan_requests`), fetched concurrently; a response whose bytes each go to one place is written
+        straight into the destinations, one whose bytes several runs share is fetched once and copied out.
         """
         if not isinstance(path, ObjectPath):
             raise CheckpointError("an object-store reader was given a local file", file=str(path))
@@ -78,23 +83,20 @@ class ObjectReader(local.RunReader):
         src_l, len_l, buf_l, dst_l = src.tolist(), length.tolist(), buf.tolist(), dst.tolist()
         requests = plan_requests(src_l, len_l)
 
-        def fetch(request: tuple[int, int, int, int]) -> None:
-            first, last, start, end = request
-            parts: list[memoryview] = []
-            scratch: memoryview | None = None  # one buffer all this request's gaps are read into, then dropped
-            at = start
-            for i in range(first, last):
-                a, k = src_l[i], len_l[i]
-                lo, hi = max(a, at), min(a + k, end)
-                if lo > at:
-                    if scratch is None or len(scratch) < lo - at:
-                        scratch = memoryview(bytearray(max(lo - at, 64 << 10)))
-                    parts.append(scratch[: lo - at])
-                if hi > lo:
-                    off = dst_l[i] + (lo - a)
-                    parts.append(views[buf_l[i]][off : off + hi - lo])
-                    at = hi
-            path.store.read_into(path.key, start, parts)
+        def fetch(request: Request) -> None:
+            lo, hi = request.start, request.end
+            pieces = [
+                Piece(max(src_l[i], lo), min(src_l[i] + len_l[i], hi), buf_l[i], dst_l[i] - src_l[i])
+                for i in request.runs
+            ]
+            if all(b.lo >= a.hi for a, b in itertools.pairwise(pieces)):
+                _stream(path, request, pieces, views)
+            else:  # some bytes go to several places: fetch the range once, then copy each run's part out
+                whole = memoryview(bytearray(request.end - request.start))
+                path.store.read_into(path.key, request.start, [whole])
+                for p in pieces:
+                    at = p.lo + p.shift
+                    views[p.buf][at : at + p.hi - p.lo] = whole[p.lo - request.start : p.hi - request.start]
 
         if len(requests) == 1:
             fetch(requests[0])
@@ -111,41 +113,89 @@ class ObjectReader(local.RunReader):
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-def plan_requests(src: Sequence[int], length: Sequence[int]) -> list[tuple[int, int, int, int]]:
-    """Group sorted byte runs into ranged requests: ``(first run, end run, start byte, end byte)`` each.
+@dataclass(frozen=True)
+class Request:
+    """One ranged GET: object bytes ``[start, end)``, and the runs (indices, by source offset) it carries bytes of."""
 
-    A run longer than ``objects.REQUEST_BYTES`` is split over several requests; neighbours join a request
-    while it stays within ``REQUEST_BYTES``, the gap before them is at most ``MERGE_GAP``, and the gap bytes
-    of the request stay within ``MAX_WASTE`` of its run bytes. Overlapping runs share their bytes.
+    start: int
+    end: int
+    runs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one run a request carries: object bytes ``[lo, hi)``, which land at byte ``lo + shift`` of
+    destination buffer ``buf``."""
+
+    lo: int
+    hi: int
+    buf: int
+    shift: int
+
+
+def _stream(path: ObjectPath, request: Request, pieces: list[Piece], views: list[memoryview]) -> None:
+    """Read ``request`` straight into its pieces' destinations (pieces disjoint and in source order); the gap
+    bytes between them go to one scratch buffer and are dropped."""
+    parts: list[memoryview] = []
+    scratch: memoryview | None = None
+    at = request.start
+    for p in pieces:
+        if p.lo > at:
+            if scratch is None or len(scratch) < p.lo - at:
+                scratch = memoryview(bytearray(max(p.lo - at, 64 << 10)))
+            parts.append(scratch[: p.lo - at])
+        parts.append(views[p.buf][p.lo + p.shift : p.hi + p.shift])
+        at = p.hi
+    path.store.read_into(path.key, request.start, parts)
+
+
+def plan_requests(src: Sequence[int], length: Sequence[int]) -> list[Request]:
+    """Group byte runs (in any order, overlapping or not) into ranged requests that carry every run's bytes.
+
+    The bytes the runs cover are cut into requests: a stretch longer than ``objects.REQUEST_BYTES`` is split
+    over several, and stretches join a request while it stays within ``REQUEST_BYTES``, the gap before them is at
+    most ``MERGE_GAP``, and the gap bytes of the request stay within ``MAX_WASTE`` of the bytes it wants. Each
+    request then lists every run it carries bytes of, so bytes several runs share are fetched once and a run
+    that spans several requests gets its part from each.
     """
     request_bytes, merge_gap, max_waste = objects.REQUEST_BYTES, objects.MERGE_GAP, objects.MAX_WASTE
-    out: list[tuple[int, int, int, int]] = []
-    n = len(src)
+    order = sorted(range(len(src)), key=src.__getitem__)
+    spans: list[list[int]] = []  # the union of the runs' bytes, as sorted, separated [start, end) stretches
+    for i in order:
+        a, e = src[i], src[i] + length[i]
+        if spans and a <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], e)
+        elif e > a:
+            spans.append([a, e])
+    ranges: list[tuple[int, int]] = []
     i = 0
-    while i < n:
-        a, k = src[i], length[i]
-        if k > request_bytes:  # split a long run: whole requests, the tail may join what follows
-            for lo in range(a, a + k - request_bytes + 1, request_bytes):
-                if lo + request_bytes <= a + k:
-                    out.append((i, i + 1, lo, lo + request_bytes))
-            done = (k // request_bytes) * request_bytes
-            if done == k:
-                i += 1
-                continue
-            start, end, wanted, waste = a + done, a + k, k - done, 0
-        else:
-            start, end, wanted, waste = a, a + k, k, 0
+    while i < len(spans):
+        a, e = spans[i]
+        full = (e - a) // request_bytes * request_bytes if e - a > request_bytes else 0
+        ranges.extend((lo, lo + request_bytes) for lo in range(a, a + full, request_bytes))
+        if a + full == e:  # split into whole requests; nothing left over
+            i += 1
+            continue
+        start, end, wanted, waste = a + full, e, e - a - full, 0
         j = i + 1
-        while j < n:
-            b, m = src[j], length[j]
-            gap = max(0, b - end)
-            new_end = max(end, b + m)
-            if new_end - start > request_bytes or gap > merge_gap or waste + gap > max_waste * (wanted + m):
+        while j < len(spans):
+            b, f = spans[j]
+            gap = b - end
+            if f - start > request_bytes or gap > merge_gap or waste + gap > max_waste * (wanted + f - b):
                 break
             waste += gap
-            wanted += m
-            end = new_end
+            wanted += f - b
+            end = f
             j += 1
-        out.append((i, j, start, end))
+        ranges.append((start, end))
         i = j
-    return out
+    starts = [lo for lo, _ in ranges]
+    members: list[list[int]] = [[] for _ in ranges]
+    for i in order:
+        a, e = src[i], src[i] + length[i]
+        k = max(0, bisect.bisect_right(starts, a) - 1)
+        while k < len(ranges) and ranges[k][0] < e:
+            if ranges[k][1] > a:
+                members[k].append(i)
+            k += 1
+    return [Request(lo, hi, tuple(m)) for (lo, hi), m in zip(ranges, members, strict=True)]

@@ -8,7 +8,8 @@ runs coalesced into ranged GETs of at most :data:`REQUEST_BYTES` (runs separated
 :data:`MERGE_GAP` share a request while the bytes fetched for gaps stay under :data:`MAX_WASTE` of the bytes
 wanted), fetched concurrently by :data:`CONCURRENCY` threads, each response read straight into the
 destination tensors. The store itself (S3 through boto3: :mod:`shardload.sources.s3`) is imported only when
-an object-store model is opened.
+an object-store model is opened; every request it makes runs under the deadline and minimum rate of
+:mod:`shardload.sources.deadlines`.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ class ObjectStore:
     """One bucket (or container) of an object store: listing, sizes and ranged reads. Subclasses do the I/O.
 
     ``read_into(key, start, views)`` fills the memoryviews in order from byte ``start`` of the object (one ranged
-    request, response bytes written straight into the views) and retries transient failures itself; permanent
-    ones raise :class:`~shardload.errors.CheckpointError` naming the object, never a credential.
+    request, response bytes written straight into the views), takes only an answer that is the range asked for,
+    and retries transient failures itself; permanent ones raise :class:`~shardload.errors.CheckpointError`
+    naming the object and the range, never a credential.
     """
 
     scheme = "s3"

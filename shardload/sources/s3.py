@@ -8,17 +8,28 @@ retry policy with exponential backoff and jitter for 5xx, throttling and connect
 :data:`ATTEMPTS` attempts), and responses that can be read straight into the destination tensor. A failure in
 the middle of a response body (a connection reset after the headers) is retried here, from the byte reached.
 
-Credentials are never printed: errors name the bucket and key and the store's error code, nothing else.
+A ranged GET is taken only as ``206 Partial Content`` with the ``Content-Range`` and ``Content-Length`` of the
+range asked for: a store, proxy or CDN that ignores ``Range`` (``200`` and the whole object) or answers another
+range would otherwise put bytes from the wrong place into a tensor. Every request runs under the deadline and
+minimum rate of :mod:`shardload.sources.deadlines`; a redirect that names no region is refused (botocore would
+otherwise ask the bucket's region over and over, each answer another such redirect).
+
+Credentials are never printed: errors name the bucket and key and the store's error code, nothing else; an
+endpoint URL is checked before boto3 sees it, and a bad one is named by its variable, never echoed.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from ..errors import CheckpointError, ShardloadError
+from .deadlines import DEADLINE_ENV, DEADLINES, MIN_RATE_ENV, Expired, RequestLimits, request_limits
 from .objects import CONCURRENCY, ObjectStore
 
 ATTEMPTS = 8
@@ -29,7 +40,15 @@ STREAM_ATTEMPTS = 8
 STREAM_BACKOFF = 0.05
 """First backoff in seconds for a broken body; doubled per attempt, capped at 5 s, with full jitter."""
 CONNECT_TIMEOUT = 10
+"""Seconds to open a connection (botocore's ``connect_timeout``)."""
 READ_TIMEOUT = 60
+"""Seconds one socket read may wait (botocore's ``read_timeout``); whole requests are bounded by
+:mod:`shardload.sources.deadlines`."""
+MAX_LIST_PAGES = 10_000
+"""Pages of one listing (1000 objects each) before it is refused as endless."""
+ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+"""Where boto3 finds an S3-compatible endpoint, the first one set winning."""
+_CONTENT_RANGE = re.compile(r"bytes (?P<first>\d+)-(?P<last>\d+)/(?P<size>\d+|\*)")
 
 _PERMANENT = {
     "NoSuchKey": "no such object",
@@ -71,10 +90,20 @@ class S3Store(ObjectStore):
                     self._client = _make_client()
         return self._client
 
+    def _where(self, key: str | None) -> str:
+        return self.uri(key) if key is not None else f"s3://{self.bucket}"
+
     def _fail(self, err: BaseException, key: str | None) -> CheckpointError:
         """The one-line error for a failed request, naming bucket and key (and never a credential)."""
-        where = self.uri(key) if key is not None else f"s3://{self.bucket}"
+        where = self._where(key)
         from botocore.exceptions import ClientError, NoCredentialsError
+
+        if isinstance(err, RegionlessRedirect):
+            return CheckpointError(
+                f"the store redirected the request (HTTP {err.status}{err.name}) without naming the bucket's region: "
+                "set AWS_DEFAULT_REGION to the bucket's region, or AWS_ENDPOINT_URL_S3 to the endpoint it answers at",
+                file=where,
+            )
 
         if isinstance(err, NoCredentialsError):
             return CheckpointError(
@@ -94,77 +123,119 @@ class S3Store(ObjectStore):
             return CheckpointError(reason, file=where)
         return CheckpointError(f"cannot reach the store: {type(err).__name__}", file=where)
 
-    def _list(self, prefix: str) -> dict[str, int]:
+    def _call(self, key: str | None, operation: str, missing_ok: bool = False, **kwargs: Any) -> Any:
+        """One request with a small answer (a listing page, a HEAD) under the deadline and minimum rate; its
+        failures as one line. ``missing_ok``: None for a 404."""
         from botocore.exceptions import BotoCoreError, ClientError
 
+        limits = request_limits()
+        began = time.monotonic()
+        with DEADLINES.attempt(limits.attempt_seconds(None, limits.deadline)) as watch:
+            try:
+                return getattr(self.client, operation)(**kwargs)
+            except CheckpointError as err:  # no client could be made
+                raise CheckpointError(err.reason, file=self._where(key)) from None
+            except (ClientError, BotoCoreError, Expired, RegionlessRedirect) as err:
+                if watch.expired or isinstance(err, Expired):
+                    raise _too_slow(self._where(key), "", limits, began) from None
+                if missing_ok and isinstance(err, ClientError) and _status(err) == 404:
+                    return None
+                raise self._fail(err, key) from None
+
+    def _list(self, prefix: str) -> dict[str, int]:
         found: dict[str, int] = {}
-        try:
-            pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=prefix, Delimiter="/"
-            )
-            for page in pages:
-                for entry in page.get("Contents", ()):
-                    found[entry["Key"]] = int(entry["Size"])
-        except (ClientError, BotoCoreError) as err:
-            raise self._fail(err, prefix.rstrip("/") or None) from None
-        return found
+        key = prefix.rstrip("/") or None
+        token: str | None = None
+        seen: set[str] = set()
+        for _ in range(MAX_LIST_PAGES):
+            more = {"ContinuationToken": token} if token else {}
+            page = self._call(key, "list_objects_v2", Bucket=self.bucket, Prefix=prefix, Delimiter="/", **more)
+            for entry in page.get("Contents", ()):
+                found[entry["Key"]] = int(entry["Size"])
+            if not page.get("IsTruncated"):
+                return found
+            token = page.get("NextContinuationToken")
+            if not token or token in seen:
+                raise CheckpointError(
+                    "the store's listing does not end (a continuation token came again)", file=self._where(key)
+                )
+            seen.add(token)
+        raise CheckpointError(f"the store's listing ran past {MAX_LIST_PAGES} pages", file=self._where(key))
 
     def _head(self, key: str) -> int | None:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            return int(self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"])
-        except ClientError as err:
-            if err.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
-                return None
-            raise self._fail(err, key) from None
-        except BotoCoreError as err:
-            raise self._fail(err, key) from None
+        head = self._call(key, "head_object", missing_ok=True, Bucket=self.bucket, Key=key)
+        return None if head is None else int(head["ContentLength"])
 
     def stamp(self, key: str) -> tuple[object, ...]:
         """Size, ETag and modification time of the object (a HEAD request)."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            head = self.client.head_object(Bucket=self.bucket, Key=key)
-        except (ClientError, BotoCoreError) as err:
-            raise self._fail(err, key) from None
+        head = self._call(key, "head_object", Bucket=self.bucket, Key=key)
         return (int(head["ContentLength"]), head.get("ETag"), str(head.get("LastModified")))
 
     def read_into(self, key: str, start: int, views: Sequence[memoryview]) -> None:
         """Fill ``views`` in order with the object's bytes from ``start`` on: one ranged GET (retried by botocore),
-        resumed from the byte reached when its body breaks off."""
+        taken only as the range asked for, resumed from the byte reached when its body breaks off, all within
+        the request's deadline."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         total = sum(len(v) for v in views)
         if not total:
             return
+        where, span = self.uri(key), f"bytes {start}-{start + total - 1}: "
+        limits = request_limits()
+        began = time.monotonic()
         done = 0
+        problem = ""
         for attempt in range(STREAM_ATTEMPTS):
-            try:
-                response = self.client.get_object(
-                    Bucket=self.bucket, Key=key, Range=f"bytes={start + done}-{start + total - 1}"
-                )
-            except (ClientError, BotoCoreError) as err:
-                raise self._fail(err, key) from None
-            body = response["Body"]
-            try:
-                done = _fill(body, views, done, total)
-                if done == total:
-                    return
-                problem = "the response ended early"
-            except (OSError, BotoCoreError, ValueError) as err:
-                problem = type(err).__name__
-            except Exception as err:  # urllib3's ProtocolError and IncompleteRead are not OSErrors
-                if type(err).__module__.split(".")[0] not in ("urllib3", "http"):
-                    raise
-                problem = type(err).__name__
-            finally:
-                body.close()
-            time.sleep(random.random() * min(5.0, STREAM_BACKOFF * 2**attempt))
-        raise CheckpointError(
-            f"the response kept breaking off ({problem}) after {STREAM_ATTEMPTS} attempts", file=self.uri(key)
-        )
+            left = began + limits.deadline - time.monotonic()
+            if left <= 0:
+                raise _too_slow(where, span, limits, began)
+            with DEADLINES.attempt(limits.attempt_seconds(total - done, left)) as watch:
+                first, end = start + done, start + total
+                try:
+                    response = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={first}-{end - 1}")
+                except CheckpointError as err:  # no client could be made
+                    raise CheckpointError(err.reason, file=where) from None
+                except (ClientError, BotoCoreError, Expired, RegionlessRedirect) as err:
+                    if not (watch.expired or isinstance(err, Expired)):
+                        failed = self._fail(err, key)
+                        if isinstance(err, ClientError) and _status(err) == 416:  # the range is the point
+                            failed = CheckpointError(span + failed.reason, file=where)
+                        raise failed from None
+                    response = None
+                if response is not None:
+                    body = response["Body"]
+                    DEADLINES.attach(getattr(getattr(body, "_raw_stream", None), "connection", None) or watch.conn)
+                    size = _object_size(response)
+                    if size is not None and size < end:
+                        body.close()
+                        raise CheckpointError(
+                            f"{span}the object is {size} bytes, shorter than this range (changed while loading?)",
+                            file=where,
+                        )
+                    try:
+                        wrong = _wrong_answer(response, first, end)
+                        if wrong is None:
+                            done = _fill(body, views, done, total)
+                            if done == total:
+                                return
+                            problem = "the response ended early"
+                        else:
+                            problem = wrong
+                    except (OSError, BotoCoreError, ValueError) as err:
+                        problem = f"the response broke off ({type(err).__name__})"
+                    except Exception as err:  # urllib3's ProtocolError and IncompleteRead are not OSErrors
+                        if type(err).__module__.split(".")[0] not in ("urllib3", "http"):
+                            raise
+                        problem = f"the response broke off ({type(err).__name__})"
+                    finally:
+                        body.close()
+                if watch.expired or response is None:
+                    if time.monotonic() >= began + limits.deadline:
+                        raise _too_slow(where, span, limits, began)
+                    problem = _slow_reason(limits)
+            pause = random.random() * min(5.0, STREAM_BACKOFF * 2**attempt)
+            time.sleep(max(0.0, min(pause, began + limits.deadline - time.monotonic())))
+        raise CheckpointError(f"{span}{problem}, {STREAM_ATTEMPTS} times", file=where)
 
     def close(self) -> None:
         with self._lock:
@@ -198,18 +269,178 @@ def _fill(body: Any, views: Sequence[memoryview], done: int, total: int) -> int:
     return done
 
 
+class RegionlessRedirect(Exception):
+    """The store redirected a request without naming the bucket's region (raised before botocore's redirector
+    would ask for the region, which recurses without end)."""
+
+    def __init__(self, status: int | None, code: str) -> None:
+        super().__init__(status, code)
+        self.status = status
+        self.code = code
+        self.name = f" {code}" if code and code != str(status) else ""
+
+
+def _status(err: Any) -> int | None:
+    return err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+
+
+def _object_size(response: dict[str, Any]) -> int | None:
+    """The object's size as a 206 answer's Content-Range states it (None when it does not)."""
+    match = _CONTENT_RANGE.fullmatch(str(response.get("ContentRange") or "").strip())
+    return int(match["size"]) if match is not None and match["size"] != "*" else None
+
+
+def _wrong_answer(response: dict[str, Any], first: int, end: int) -> str | None:
+    """Why ``response`` is not bytes ``[first, end)`` of the object as asked (None when it is)."""
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if status != 206:
+        return f"the store answered HTTP {status} instead of 206 Partial Content (does it ignore Range?)"
+    content_range = str(response.get("ContentRange") or "")
+    match = _CONTENT_RANGE.fullmatch(content_range.strip())
+    if match is None or (int(match["first"]), int(match["last"])) != (first, end - 1):
+        return f"the store answered Content-Range {content_range[:80]!r}"
+    length = response.get("ContentLength")
+    if length != end - first:
+        return f"the store answered {length} bytes (Content-Length) for a {end - first}-byte range"
+    return None
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if x == int(x) else f"{x:g}"
+
+
+def _slow_reason(limits: RequestLimits) -> str:
+    return f"the store sent under {_number(limits.min_rate)} bytes/s ({MIN_RATE_ENV})"
+
+
+def _too_slow(where: str, span: str, limits: RequestLimits, began: float) -> CheckpointError:
+    """The error for a request its deadline or minimum rate cut off."""
+    if time.monotonic() >= began + limits.deadline:
+        return CheckpointError(
+            f"{span}no complete answer within the {_number(limits.deadline)} s deadline ({DEADLINE_ENV})", file=where
+        )
+    return CheckpointError(f"{span}{_slow_reason(limits)}", file=where)
+
+
+def _fill(body: Any, views: Sequence[memoryview], done: int, total: int) -> int:
+    """Read the response body into ``views`` from overall byte ``done`` on; return the bytes reached."""
+    raw = getattr(body, "_raw_stream", None)
+    readinto = getattr(raw, "readinto", None)
+    skip = done
+    for view in views:
+        if skip >= len(view):
+            skip -= len(view)
+            continue
+        part = view[skip:]
+        skip = 0
+        while len(part):
+            if readinto is not None:
+                got = readinto(part)
+            else:
+                data = body.read(len(part))
+                got = len(data)
+                part[:got] = data
+            if not got:
+                return done
+            done += got
+            part = part[got:]
+    return done
+
+
+def _check_endpoint() -> None:
+    """Refuse the endpoint URL in effect unless it is ``http(s)://host[:port][/path]`` with no user or password,
+    naming only its variable (the URL itself may carry credentials)."""
+    for name in ENDPOINT_VARIABLES:
+        value = os.environ.get(name, "")
+        if not value:
+            continue
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018  (a port out of range raises here)
+            bad = (
+                parts.scheme not in ("http", "https")
+                or not parts.hostname
+                or parts.username is not None
+                or parts.password is not None
+                or not value.isprintable()
+                or any(c.isspace() for c in value)
+            )
+        except ValueError:
+            bad = True
+        if bad:
+            raise CheckpointError(
+                f"{name} is not an endpoint URL (http:// or https://, a host, an optional port below 65536, no user "
+                "name or password)"
+            )
+        return
+
+
+def _refuse_regionless_redirect(response: Any = None, **kwargs: Any) -> None:
+    """``needs-retry`` hook, run before botocore's region redirector: a redirect naming no region is an error."""
+    if response is None:
+        return
+    http, parsed = response
+    status = getattr(http, "status_code", None)
+    error = parsed.get("Error", {}) if isinstance(parsed, dict) else {}
+    code = str(error.get("Code", ""))
+    if status not in (301, 302, 307) and code != "PermanentRedirect":
+        return
+    headers = parsed.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+    if "x-amz-bucket-region" in headers or error.get("Region"):
+        return
+    raise RegionlessRedirect(status, code)
+
+
+def _before_send(**kwargs: Any) -> None:
+    """``before-send`` hook: an attempt past its time limit sends nothing more (botocore would retry)."""
+    DEADLINES.check()
+
+
+def _watched_pools(client: Any) -> None:
+    """Give the client's connection pools connections that report to :data:`DEADLINES` when they send, so the
+    watcher can shut down the socket of a request past its time (botocore keeps its urllib3 pool classes in
+    one table per client, the one place where every connection it makes can be reached)."""
+    session = getattr(getattr(client, "_endpoint", None), "http_session", None)
+    table = getattr(session, "_pool_classes_by_scheme", None)
+    if not isinstance(table, dict):
+        return
+    for scheme, pool_cls in list(table.items()):
+        table[scheme] = _watched_pool(pool_cls)
+
+
+def _watched_pool(pool_cls: type) -> type:
+    base: Any = pool_cls.ConnectionCls  # type: ignore[attr-defined]
+
+    class WatchedConnection(base):
+        def request(self, *args: Any, **kwargs: Any) -> Any:
+            DEADLINES.attach(self)
+            return super().request(*args, **kwargs)
+
+    return type(f"Watched{pool_cls.__name__}", (pool_cls,), {"ConnectionCls": WatchedConnection})
+
+
 def _make_client() -> Any:
+    """A boto3 S3 client: standard retries, a pooled connection per concurrent request, deadlines, redirects
+    refused when they name no region; a bad endpoint or configuration is one line without its value."""
     boto3 = _boto3()
     from botocore import UNSIGNED
     from botocore.config import Config
 
-    session = boto3.session.Session()
+    _check_endpoint()
     options: dict[str, Any] = {
         "retries": {"total_max_attempts": ATTEMPTS, "mode": "standard"},
         "max_pool_connections": CONCURRENCY + 8,
         "connect_timeout": CONNECT_TIMEOUT,
         "read_timeout": READ_TIMEOUT,
     }
-    if session.get_credentials() is None:
-        options["signature_version"] = UNSIGNED  # no credentials anywhere in the chain: a public bucket
-    return session.client("s3", config=Config(**options))
+    try:
+        session = boto3.session.Session()
+        if session.get_credentials() is None:
+            options["signature_version"] = UNSIGNED  # no credentials anywhere in the chain: a public bucket
+        client = session.client("s3", config=Config(**options))
+    except Exception as err:  # botocore's messages can echo the endpoint URL, credentials included
+        raise CheckpointError(f"cannot make an S3 client from this configuration: {type(err).__name__}") from None
+    client.meta.events.register_first("needs-retry.s3", _refuse_regionless_redirect)
+    client.meta.events.register_first("before-send.s3", _before_send)
+    _watched_pools(client)
+    return client
