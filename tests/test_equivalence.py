@@ -28,8 +28,8 @@ Axes:
 - N in 1, 2, 3, 4, 6, 8;
 - threads in 1, 2, 8: reader threads (``transfer.READ_THREADS``; an S3 reader's ``ObjectReader.threads`` and
   its GET pool ``objects.CONCURRENCY``) and writer threads (``writer.WRITE_THREADS``) together. Read jobs and
-  writer chunks are made small (4 KiB jobs, 2-8 KiB chunks), so even these tensors are many jobs for the
-  threads to share.
+  writer chunks are made small (4 KiB jobs and 2-8 KiB chunks; 32 KiB and 16-64 KiB from S3, where each
+  costs requests), so even these tensors are many jobs for the threads to share.
 
 Coverage, and why it is enough:
 
@@ -110,8 +110,15 @@ PACKAGES = {"tvm": "tvm", "gguf": "gguf", "hub": "huggingface_hub", "s3": "moto"
 
 S3_CONVERT_BUG = (
     "bug: convert from S3 writes other tensors' bytes into a rank's replicated tensors (norms, replicated KV "
-    "heads) when one writer thread serves more than one rank (N > writer threads): ObjectReader.read_runs skips "
-    "a run whose bytes overlap the previous run of the same request instead of copying them to its own buffer"
+    "heads) when one writer thread serves more than one rank (N > writer threads): in ObjectReader.read_runs a run "
+    "whose source bytes overlap an earlier run of the same request (the same norm for two ranks) gets only the "
+    "bytes past that run, so its buffer keeps the previous chunk's bytes"
+)
+HUB_FRESH_PROCESS_BUG = (
+    "bug: a Hub id fails in a fresh process (huggingface_hub 2.4): sources/location.py's hub_snapshot reads "
+    "huggingface_hub.constants without importing that submodule, so load_rank('org/name') raises AttributeError "
+    "'No huggingface_hub attribute constants' (not a ShardloadError) unless something imported it before (the test "
+    "process does; a torchrun worker or the CLI does not)"
 )
 
 
@@ -224,15 +231,16 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         yield World(tmp_path_factory.mktemp("matrix"), mp)
 
 
-def use_threads(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
-    """``threads`` reader and writer threads, small read jobs and write chunks (many of them per tensor)."""
+def use_threads(monkeypatch: pytest.MonkeyPatch, threads: int, remote: bool = False) -> None:
+    """``threads`` reader and writer threads, small read jobs and write chunks (many of them per tensor); jobs of
+    32 KiB from object storage, where every job costs the server requests."""
     monkeypatch.setattr(transfer, "READ_THREADS", threads)
     monkeypatch.setattr(ObjectReader, "threads", threads)
     monkeypatch.setattr(objects, "CONCURRENCY", threads)
     monkeypatch.setattr(writer, "WRITE_THREADS", threads)
-    monkeypatch.setattr(transfer, "JOB_BYTES", 4096)
-    monkeypatch.setattr(writer, "STAGE_SET_BYTES", 16 << 10)
-    monkeypatch.setattr(writer, "STAGE_CHUNK_LIMITS", (2 << 10, 8 << 10))
+    monkeypatch.setattr(transfer, "JOB_BYTES", 32 << 10 if remote else 4 << 10)
+    monkeypatch.setattr(writer, "STAGE_SET_BYTES", 128 << 10 if remote else 16 << 10)
+    monkeypatch.setattr(writer, "STAGE_CHUNK_LIMITS", (16 << 10, 64 << 10) if remote else (2 << 10, 8 << 10))
     monkeypatch.setattr(writer, "READ_THROUGH_BYTES", 1 << 10)
 
 
@@ -259,7 +267,7 @@ def test_rank_tensors_equal_reference(
 ) -> None:
     model = world.source(request, source, n)
     want = world.reference(n, "vllm" if path == "vllm" else "plain")
-    use_threads(monkeypatch, threads)
+    use_threads(monkeypatch, threads, remote=source == "s3")
     if path == "load":
         got = shardload.load(model, n, devices=["cpu"] * n)
         assert_ranks(got, want, "load")
@@ -346,7 +354,12 @@ def shared_runs(world: World) -> Any:
 
 def _shared_cells() -> list[Any]:
     return [
-        pytest.param(source, n, id=f"{source}-share_reads-n{n}-t{rotated(source, 'share_reads', n)}")
+        pytest.param(
+            source,
+            n,
+            id=f"{source}-share_reads-n{n}-t{rotated(source, 'share_reads', n)}",
+            marks=[pytest.mark.xfail(strict=True, reason=HUB_FRESH_PROCESS_BUG)] if source == "hub" else [],
+        )
         for source in SOURCES
         for n in SHARED_NS
     ]

@@ -5,7 +5,7 @@
 CASES_JSON is a list of ``{"id": NAME, "model": PATH_OR_URI, "threads": K, "out": DIR}``. For each case every rank
 calls ``load_rank(model, share_reads=True)`` (rank and N from the gloo group) with ``K`` reader threads and writes
 what it got to ``DIR/rank-R.safetensors``, or its error to ``DIR/rank-R.error``; the test compares the files with
-its reference. Exchange chunks are small (4 KiB), so even the tiny models take many exchange rounds.
+its reference. Exchange chunks are small (16 KiB), so even the tiny models take many exchange rounds.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main() -> None:
     cases = json.loads(sys.argv[1])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    exchange.EXCHANGE_BYTES = 4096 * (2 * dist.get_world_size() + 2)
+    exchange.EXCHANGE_BYTES = 16384 * (2 * dist.get_world_size() + 2)
     objects.MAX_WASTE = float("inf")  # as in the main process: column slices merge into few GETs
     for case in cases:
         transfer.READ_THREADS = ObjectReader.threads = objects.CONCURRENCY = case["threads"]
