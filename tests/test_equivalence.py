@@ -111,8 +111,8 @@ PACKAGES = {"tvm": "tvm", "gguf": "gguf", "hub": "huggingface_hub", "s3": "moto"
 S3_CONVERT_BUG = (
     "bug: convert from S3 writes other tensors' bytes into a rank's replicated tensors (norms, replicated KV "
     "heads) when one writer thread serves more than one rank (N > writer threads): in ObjectReader.read_runs a run "
-    "whose source bytes overlap an earlier run of the same request (the same norm for two ranks) gets only the "
-    "bytes past that run, so its buffer keeps the previous chunk's bytes"
+    "whose source bytes overlap an earlier run of the same request (one norm for two ranks of the group) is given "
+    "none of the overlapping bytes, so its buffer keeps the bytes of the previous chunk"
 )
 HUB_FRESH_PROCESS_BUG = (
     "bug: a Hub id fails in a fresh process (huggingface_hub 2.4): sources/location.py's hub_snapshot reads "
@@ -227,8 +227,11 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    from shardload.sources.location import forget_stores
+
     with pytest.MonkeyPatch.context() as mp:  # S3 endpoint and Hub cache settings, for this module only
         yield World(tmp_path_factory.mktemp("matrix"), mp)
+    forget_stores()  # no store of this module's server outlives it
 
 
 def use_threads(monkeypatch: pytest.MonkeyPatch, threads: int, remote: bool = False) -> None:
