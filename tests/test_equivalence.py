@@ -44,7 +44,8 @@ Coverage, and why it is enough:
 - ``share_reads`` costs a torchrun launch (N processes importing torch), so it runs at N = 2 and N = 3 only, one
   launch each, every source in the same launch (one cell per source and N), threads rotated as above;
 - a path that does not apply to a source is a cell asserting its documented one-line refusal, with nothing
-  written: a converted directory is not converted again (``convert``, ``--layout vllm``), ``--layout vllm``
+  written: a converted directory is not converted again (``convert``, ``--layout vllm``) nor loaded at another
+  N (``test_converted_directory_refuses_another_n``), ``--layout vllm``
   converts safetensors sources only (TVM, GGUF), ``mmap=True`` maps local files only (S3). A source whose
   package is missing skips its cells with the reason (never in CI, which installs them all).
 
@@ -312,6 +313,16 @@ def test_path_that_does_not_apply_is_refused(
         assert done.exit_code == 1 and REFUSED[source, path] in done.output, done.output
         assert done.output.count("\n") == 1, done.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_converted_directory_refuses_another_n(world: World, request: pytest.FixtureRequest) -> None:
+    """A converted directory serves its own N only: ``load`` and ``load_rank`` at another N are one-line errors."""
+    model = world.source(request, "converted", 2)
+    message = "directory was converted for num_shards=2, not 4; convert the source checkpoint again"
+    for call in (lambda: shardload.load_rank(model, 0, 4), lambda: shardload.load(model, 4, devices=["cpu"] * 4)):
+        with pytest.raises(ShardloadError, match=message) as err:
+            call()
+        assert "\n" not in str(err.value)
 
 
 def test_model_refuses_n(world: World, request: pytest.FixtureRequest, tmp_path: Path) -> None:
