@@ -45,9 +45,9 @@ Coverage, and why it is enough:
   launch each, every source in the same launch (one cell per source and N), threads rotated as above;
 - a path that does not apply to a source is a cell asserting its documented one-line refusal, with nothing
   written: a converted directory is not converted again (``convert``, ``--layout vllm``) nor loaded at another
-  N (``test_converted_directory_refuses_another_n``), ``--layout vllm``
-  converts safetensors sources only (TVM, GGUF), ``mmap=True`` maps local files only (S3). A source whose
-  package is missing skips its cells with the reason (never in CI, which installs them all).
+  N (``test_converted_directory_refuses_another_n``), ``--layout vllm`` converts safetensors sources only (TVM,
+  GGUF), ``mmap=True`` maps local files only (S3). A source whose package is missing skips its cells with the
+  reason (never in CI, which installs them all).
 
 Known bugs are cells marked ``xfail(strict=True, reason="bug: ...")`` (``S3_CONVERT_BUG``,
 ``HUB_FRESH_PROCESS_BUG``): they fail today, and turn into failures (XPASS) once fixed, until the mark is removed.
@@ -119,8 +119,9 @@ S3_CONVERT_BUG = (
     "none of the overlapping bytes, so its buffer keeps the bytes of the previous chunk"
 )
 HUB_FRESH_PROCESS_BUG = (
-    "bug: a Hub id fails in a fresh process (huggingface_hub 2.4): sources/location.py's hub_snapshot reads "
-    "huggingface_hub.constants without importing that submodule, so load_rank('org/name') raises AttributeError "
+    "bug: a Hub id fails in a fresh process (huggingface_hub 0.36 and 2.4 alike): sources/location.py's "
+    "hub_snapshot reads huggingface_hub.constants without importing that submodule, so load_rank('org/name') raises "
+    "AttributeError "
     "'No huggingface_hub attribute constants' (not a ShardloadError) unless something imported it before (the test "
     "process does; a torchrun worker or the CLI does not)"
 )
