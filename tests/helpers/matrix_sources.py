@@ -1,0 +1,78 @@
+"""One model written as every kind of source shardload reads, each by its format's own writer (safetensors,
+TVM's ``dump_tensor_cache``, gguf's ``GGUFWriter``, huggingface_hub's cache layout), for tests/test_equivalence.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def read_state(model: Path) -> dict[str, torch.Tensor]:
+    """The full tensors of a single-file checkpoint, read by safetensors itself."""
+    return load_file(str(model / "model.safetensors"))
+
+
+def write_index(single: Path, out: Path, files: int = 3) -> Path:
+    """``single``'s tensors spread over ``files`` safetensors files with an HF ``model.safetensors.index.json``."""
+    out.mkdir(parents=True)
+    state = read_state(single)
+    names = sorted(state)
+    weight_map = {}
+    for k in range(files):
+        file = f"model-{k + 1:05d}-of-{files:05d}.safetensors"
+        part = {name: state[name] for name in names[k::files]}
+        save_file(part, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    shutil.copy(single / "config.json", out / "config.json")
+    return out
+
+
+def write_tvm(single: Path, out: Path, shard_info: Path) -> Path:
+    """``single``'s tensors as a TVM tensor cache (raw records, one data file each) with ``shard_info``."""
+    from tvm.contrib import tvmjs
+
+    params = {name: t.numpy() for name, t in read_state(single).items()}
+    tvmjs.dump_tensor_cache(params, str(out), encode_format="raw", shard_cap_mb=0, show_progress=False)
+    shutil.copy(shard_info, out / "shard_info.json")
+    return out
+
+
+def write_gguf(single: Path, out: Path, shard_info: Path) -> Path:
+    """``single``'s tensors (float32, the checkpoint's names) as ``out/model.gguf``, with ``shard_info`` beside it."""
+    import gguf
+
+    out.mkdir(parents=True)
+    writer = gguf.GGUFWriter(str(out / "model.gguf"), "llama")
+    for name, t in read_state(single).items():
+        writer.add_tensor(name, t.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    shutil.copy(shard_info, out / "shard_info.json")
+    return out / "model.gguf"
+
+
+def put_in_hub_cache(cache: Path, repo: str, source: Path, commit: str) -> None:
+    """Put ``source``'s files in a Hub cache as huggingface_hub lays it out: blobs by sha256, symlinks in
+    snapshots/<commit>/, refs/main naming the commit."""
+    from huggingface_hub import file_download
+
+    storage = cache / file_download.repo_folder_name(repo_id=repo, repo_type="model")
+    (storage / "blobs").mkdir(parents=True, exist_ok=True)
+    for f in sorted(source.iterdir()):
+        blob = storage / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        if not blob.exists():
+            shutil.copyfile(f, blob)
+        link = Path(file_download._get_pointer_path(str(storage), commit, f.name))
+        link.parent.mkdir(parents=True, exist_ok=True)
+        file_download._create_symlink(str(blob), str(link), new_blob=False)
+    file_download._cache_commit_hash_for_specific_revision(str(storage), "main", commit)
