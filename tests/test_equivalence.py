@@ -49,8 +49,9 @@ Coverage, and why it is enough:
   GGUF), ``mmap=True`` maps local files only (S3). A source whose package is missing skips its cells with the
   reason (never in CI, which installs them all).
 
-Known bugs are cells marked ``xfail(strict=True, reason="bug: ...")`` (``S3_CONVERT_BUG``,
-``HUB_FRESH_PROCESS_BUG``): they fail today, and turn into failures (XPASS) once fixed, until the mark is removed.
+No cell is marked as a known failure. The matrix found two bugs when it was written (convert from S3 gave a
+rank's replicated tensors other tensors' bytes whenever N > writer threads; a Hub id failed in any fresh process);
+both are fixed, and their cells are ordinary cells now.
 
 S3 uses the test server with request merging through gaps (``objects.MAX_WASTE`` = inf, as in
 test_object_storage.py): exact column-slice fetches cost a GET per row, seconds per cell; exact fetching is
@@ -112,20 +113,6 @@ REFUSED = {  # (source, path) -> the documented refusal
 }
 PACKAGES = {"tvm": "tvm", "gguf": "gguf", "hub": "huggingface_hub", "s3": "moto"}
 
-S3_CONVERT_BUG = (
-    "bug: convert from S3 writes other tensors' bytes into a rank's replicated tensors (norms, replicated KV "
-    "heads) when one writer thread serves more than one rank (N > writer threads): in ObjectReader.read_runs a run "
-    "whose source bytes overlap an earlier run of the same request (one norm for two ranks of the group) is given "
-    "none of the overlapping bytes, so its buffer keeps the bytes of the previous chunk"
-)
-HUB_FRESH_PROCESS_BUG = (
-    "bug: a Hub id fails in a fresh process (huggingface_hub 0.36 and 2.4 alike): sources/location.py's "
-    "hub_snapshot reads huggingface_hub.constants without importing that submodule, so load_rank('org/name') raises "
-    "AttributeError "
-    "'No huggingface_hub attribute constants' (not a ShardloadError) unless something imported it before (the test "
-    "process does; a torchrun worker or the CLI does not)"
-)
-
 
 def rotated(source: str, path: str, n: int) -> int:
     return THREADS[(SOURCES.index(source) + PATHS.index(path) + NS.index(n)) % len(THREADS)]
@@ -139,11 +126,8 @@ def _cells() -> list[Any]:
                 continue
             for n in NS:
                 for threads in THREADS if path in FULL_THREADS else (rotated(source, path, n),):
-                    marks = []
-                    if source == "s3" and path == "convert" and n > threads:
-                        marks.append(pytest.mark.xfail(raises=AssertionError, strict=True, reason=S3_CONVERT_BUG))
                     ident = f"{source}-{path}-n{n}-t{threads}"
-                    cells.append(pytest.param(source, path, n, threads, id=ident, marks=marks))
+                    cells.append(pytest.param(source, path, n, threads, id=ident))
     return cells
 
 
@@ -373,16 +357,12 @@ def shared_runs(world: World) -> Any:
     return run
 
 
-HUB_XFAIL = pytest.mark.xfail(raises=AssertionError, strict=True, reason=HUB_FRESH_PROCESS_BUG)
-
-
 def _shared_cells() -> list[Any]:
     return [
         pytest.param(
             source,
             n,
             id=f"{source}-share_reads-n{n}-t{rotated(source, 'share_reads', n)}",
-            marks=[HUB_XFAIL] if source == "hub" else [],
         )
         for source in SOURCES
         for n in SHARED_NS
