@@ -35,8 +35,12 @@ def plan_shard_info(checkpoint: Checkpoint, shard_info: Any) -> tuple[ShardInfo,
         info = resolve_shard_info(checkpoint, shard_info)
         return info, f"shard_info {info.source}"
     config = checkpoint.files[0] if checkpoint.kind == "gguf" else checkpoint.root / CONFIG_NAME
-    if checkpoint.kind != "gguf" and not (config.exists() or config.is_symlink()):
-        resolve_shard_info(checkpoint, None)  # raises: no shard_info, and no config to plan one from
+    if checkpoint.kind != "gguf" and not (config.exists() or config.is_symlink()):  # `shardload plan` needs it too
+        raise PlanError(
+            f"no shard_info given, no {default.name} beside the weights and no {config.name} to plan one from; "
+            f"write a {default.name} (docs/format.md) or pass one with --shard-info (shard_info= in Python)",
+            file=checkpoint.name,
+        )
     from .presets import generate
 
     try:
