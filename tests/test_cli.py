@@ -303,12 +303,17 @@ def test_readme_first_command_needs_only_the_core_dependencies(tmp_path: Path) -
         "sys.meta_path.insert(0, Block())\n"
         "for m in list(sys.modules):\n"
         "    if m.split('.')[0] in blocked: del sys.modules[m]\n"
+        "import click, jsonschema, jsonschema_rs, numpy, re2, safetensors, torch  # the core dependencies\n"
+        "core = {m.split('.')[0] for m in sys.modules}\n"
         "from shardload.cli.main import main\n"
         "for args in (['example', sys.argv[1]], ['convert', sys.argv[1], '-n', '8', '-o', sys.argv[2]]):\n"
         "    try:\n"
         "        main(args)\n"
         "    except SystemExit as e:\n"
         "        assert not e.code, e.code\n"
+        "more = {m.split('.')[0] for m in sys.modules} - core - set(sys.stdlib_module_names)\n"
+        "more = {m for m in more if not m.startswith(('_cython_', 'cython_runtime'))}  # numpy.random's runtime\n"
+        "assert more <= {'shardload', 'shard_funcs'}, more\n"
     )
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m"), str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
