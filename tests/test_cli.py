@@ -319,3 +319,25 @@ def test_readme_first_command_needs_only_the_core_dependencies(tmp_path: Path) -
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "o" / "rank-00007-of-00008.safetensors").exists()
+
+
+def test_planned_note_names_a_hub_id_as_typed(
+    runner: CliRunner, example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The note names MODEL as the user typed it, not the cache snapshot a Hub id resolved to."""
+    hub = pytest.importorskip("huggingface_hub")
+    from test_hub import _put_revision
+
+    source = tmp_path / "source"
+    shutil.copytree(example_dir, source)
+    (source / "shard_info.json").unlink()
+    cache = tmp_path / "hub"
+    _put_revision(cache, "shardload-test/no-plan", source, "c" * 40, "main")
+    monkeypatch.setattr(hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(main, ["inspect", "shardload-test/no-plan", "-n", "2"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith("note: shardload-test/no-plan: no shard_info.json: planned in memory from ")

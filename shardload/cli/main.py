@@ -251,10 +251,17 @@ def main() -> None:
 
 
 class _NoteHandler(logging.Handler):
-    """Prints a ``shardload.plan`` record (a plan made from config.json) as one ``note:`` line on stderr."""
+    """Prints a ``shardload.plan`` record (a plan made from config.json) as one ``note:`` line on stderr, naming
+    MODEL as typed (a Hub id, not the snapshot directory it resolved to)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        click.echo(printable(f"note: {record.getMessage()}"), err=True)
+        message = record.getMessage()
+        ctx = click.get_current_context(silent=True)
+        typed = ctx.params.get("model") if ctx is not None else None
+        args = record.args if isinstance(record.args, tuple) else ()
+        if typed is not None and len(args) == 2 and str(args[0]) != str(typed):  # plan_source's "%s: %s"
+            message = f"{typed}: {args[1]}"
+        click.echo(printable(f"note: {message}"), err=True)
 
 
 def _show_plan_notes() -> None:

@@ -37,8 +37,8 @@ def plan_shard_info(checkpoint: Checkpoint, shard_info: Any) -> tuple[ShardInfo,
     config = checkpoint.files[0] if checkpoint.kind == "gguf" else checkpoint.root / CONFIG_NAME
     if checkpoint.kind != "gguf" and not (config.exists() or config.is_symlink()):  # `shardload plan` needs it too
         raise PlanError(
-            f"no shard_info given, no {default.name} beside the weights and no {config.name} to plan one from; "
-            f"write a {default.name} (docs/format.md) or pass one with --shard-info (shard_info= in Python)",
+            f"no shard_info given and {default} does not exist; write one (docs/format.md) or pass one with "
+            f"--shard-info (shard_info= in Python): there is no {config.name} to plan one from",
             file=checkpoint.name,
         )
     from .presets import generate
