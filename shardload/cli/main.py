@@ -616,7 +616,7 @@ def _plan_hint(model: Path) -> str:
     try:
         generate(model)  # as `shardload plan` runs it
     except ShardloadError as err:
-        return f"and none can be planned from its config: {err.message}"
+        return f"and none can be planned: {err.message}"
     return f"shardload plan {model} makes one"
 
 
