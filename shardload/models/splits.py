@@ -141,7 +141,7 @@ def count_problems(dims: ModelDims, placements: Mapping[str, Placement], num_sha
         h, k = dims.num_heads, dims.num_kv_heads or dims.num_heads
         if h % n:
             reasons.append(f"num_attention_heads={h} is not divisible by num_shards={n}")
-        if k % n and n % k:
+        if k != h and k % n and n % k:  # without GQA the KV heads are the heads, already named
             reasons.append(
                 f"num_shards={n} neither divides num_key_value_heads={k} nor is a multiple of it "
                 f"(num_attention_heads={h})"
