@@ -305,3 +305,7 @@ def test_a_head_cutting_n_fails_naming_the_heads(neox_10_heads: Path, tmp_path: 
     assert runner.invoke(main, ["plan", str(neox_10_heads), "-o", str(out)]).exit_code == 0
     checked = runner.invoke(main, ["validate", str(out), "--model", str(neox_10_heads), "-n", str(n), "--strict"])
     assert checked.exit_code == 1 and "head" in checked.output, checked.output
+    # planned in memory (no file to validate): the error cuts a head, and points to the command that lists the N
+    converted = runner.invoke(main, ["convert", str(neox_10_heads), "-n", str(n), "-o", str(tmp_path / "out")])
+    assert converted.exit_code == 1 and "so a head would be cut" in converted.stderr, converted.stderr
+    assert f"see `shardload plan {neox_10_heads} -o -`" in converted.stderr and not (tmp_path / "out").exists()

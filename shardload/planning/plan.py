@@ -349,12 +349,12 @@ def _finish(plan: ModelPlan, strict: bool) -> ModelPlan:
 
 def _report_command(plan: ModelPlan) -> str:
     """The command that lists every problem of ``plan``: ``validate`` of its file, or, for a plan made in memory
-    from config.json (no file to validate), ``plan``, which writes it and lists the N it works for."""
+    from config.json (no file to validate), ``plan -o -``, which prints it and the N it works for, writing nothing."""
     from shlex import quote
 
     source, checkpoint = plan.shard_info.source, plan.checkpoint
     if source.startswith("<planned from ") and checkpoint is not None:
-        return f"`shardload plan {quote(checkpoint.name)}`, which writes this plan and lists the N it works for"
+        return f"`shardload plan {quote(checkpoint.name)} -o -`, which prints this plan and the N it works for"
     if source.startswith("<") or checkpoint is None:
         return "`shardload validate`"
     return f"`shardload validate {quote(source)} --model {quote(checkpoint.name)} -n {plan.num_shards}`"
