@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -165,3 +168,176 @@ def test_convert_with_other_shard_info_copies_neither(runner: CliRunner, example
     assert result.exit_code == 0, result.output
     assert not (out / "shard_info.json").exists() and not (out / "other.json").exists()
     assert (out / "config.json").read_text() == (example_dir / "config.json").read_text()
+
+
+# --- what a user meets ------------------------------------------------------------------------------
+
+
+def _failure_doc(result: Any) -> dict[str, Any]:
+    """The JSON document a failed ``--json`` command printed on stdout."""
+    assert result.stdout.strip(), f"empty stdout (stderr: {result.stderr!r})"
+    doc = json.loads(result.stdout)
+    assert doc["ok"] is False and doc["error"]["message"], doc
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["plan", "{missing}", "-o", "{tmp}/p.json"], 1),
+        (["convert", "{missing}", "-n", "2", "-o", "{tmp}/out"], 1),
+        (["validate", "{tmp}/none.json"], 2),
+        (["validate", "{example}/shard_info.json", "--model", "{missing}"], 2),
+        (["inspect", "{missing}"], 1),
+        (["inspect", "{example}", "-n", "3"], 1),
+        (["verify", "{missing}"], 1),
+        (["inspect", "{example}", "-n", "0"], 2),  # refused by click while parsing
+        (["convert", "{example}", "-o", "{tmp}/out"], 2),  # a usage error from the command's body
+        (["--plugin", "no_such_module_xyz", "inspect", "{example}"], 2),  # before the command runs
+        (["inspect", "--plugin", "no_such_module_xyz", "{example}"], 2),
+    ],
+)
+def test_json_failure_is_a_json_document(
+    runner: CliRunner, example_dir: Path, tmp_path: Path, args: list[str], code: int
+) -> None:
+    where = {"missing": str(tmp_path / "nope"), "tmp": str(tmp_path), "example": str(example_dir)}
+    result = runner.invoke(main, [a.format(**where) for a in args] + ["--json"])
+    assert result.exit_code == code, result.output
+    doc = _failure_doc(result)
+    assert doc["exit_code"] == code
+    assert result.stderr.startswith("error: ") or "Error:" in result.stderr, result.stderr
+
+
+def test_validate_missing_model_is_a_usage_error(runner: CliRunner, example_dir: Path, tmp_path: Path) -> None:
+    result = runner.invoke(main, ["validate", str(example_dir / "shard_info.json"), "--model", str(tmp_path / "no")])
+    assert result.exit_code == 2
+    assert result.stdout == "" and result.stderr == f"error: {tmp_path / 'no'}: no such file or directory\n"
+
+
+def test_planned_note_comes_before_the_progress_bar(example_dir: Path, tmp_path: Path) -> None:
+    """On a terminal the note naming MODEL is printed first, then the bar, each on its own line."""
+    pty = pytest.importorskip("pty")
+    model = tmp_path / "model"
+    shutil.copytree(example_dir, model)
+    (model / "shard_info.json").unlink()
+    leader, follower = pty.openpty()
+    done = subprocess.run(
+        [_installed_command(), "convert", str(model), "-n", "2", "-o", str(tmp_path / "out")],
+        stdout=subprocess.PIPE, stderr=follower, text=True, timeout=120,
+    )  # fmt: skip
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal is closed once everything was read
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    err = b"".join(chunks).decode()
+    assert done.returncode == 0, err
+    note = f"note: {model}: no shard_info.json: planned in memory from {model / 'config.json'}"
+    assert err.startswith(note), err
+    assert "converting" in err.split("\n", 1)[1]
+
+
+def test_hint_never_names_a_command_that_fails_the_same_way(
+    runner: CliRunner, example_dir: Path, tmp_path: Path
+) -> None:
+    """Weights with neither shard_info.json nor config.json: `shardload plan` cannot help, so no hint names it."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(example_dir / "model.safetensors", bare)
+    inspected = runner.invoke(main, ["inspect", str(bare), "-n", "2"])
+    assert inspected.exit_code == 1 and "config.json" in inspected.stderr
+    assert "shardload plan" not in inspected.output
+    assert runner.invoke(main, ["plan", str(bare)]).exit_code == 1  # the command the hint would have named
+    quantized = runner.invoke(main, ["quantize", str(bare), "-o", str(tmp_path / "q")])
+    assert quantized.exit_code == 0, quantized.output
+    assert "shardload plan" not in quantized.output
+    assert runner.invoke(main, ["plan", str(tmp_path / "q")]).exit_code == 1
+
+
+def test_plugin_found_in_the_current_directory(example_dir: Path, tmp_path: Path) -> None:
+    """--plugin NAME imports NAME.py from the current directory, as `python -m NAME` would find it."""
+    (tmp_path / "my_steps_here.py").write_text("import sys\nsys.stderr.write('my steps registered\\n')\n")
+    done = subprocess.run(
+        [_installed_command(), "--plugin", "my_steps_here", "validate", str(example_dir / "shard_info.json")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stderr == "my steps registered\n", done.stderr
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [("shard_dim", "shard_funcs.shard_dim"), ("pad_dim", "shard_funcs.pad_dim"),
+     ("shard_segment", "shard_funcs.shard_segments"), ("shard_funcs.shard_dims", "shard_funcs.shard_dim")],
+)  # fmt: skip
+def test_did_you_mean_prefers_the_last_dotted_part(typed: str, meant: str) -> None:
+    from shardload.errors import StepArgumentError
+    from shardload.planning.registry import lookup
+
+    with pytest.raises(StepArgumentError, match=rf"did you mean '{re.escape(meant)}'\?"):
+        lookup(typed)
+
+
+def test_readme_first_command_needs_only_the_core_dependencies(tmp_path: Path) -> None:
+    """README's first command installs shardload without extras; `example` and `convert` then run with every
+    optional and test dependency unimportable."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split("```bash\n", 1)[1].split("```", 1)[0]
+    first, second = [ln for ln in block.splitlines() if ln.startswith("pip install")]
+    assert "pip install -e . &&" in first and "[test]" not in first and "shardload example" in first
+    assert '".[test]"' in second
+    extras = ("transformers", "accelerate", "compressed_tensors", "gguf", "boto3", "huggingface_hub", "tvm",
+              "pytest", "hypothesis", "moto", "importlinter", "mkdocs")  # fmt: skip
+    code = (
+        "import sys\n"
+        f"blocked = {extras!r}\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in blocked:\n"
+        "            raise ImportError(f'{name} is not a core dependency')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "for m in list(sys.modules):\n"
+        "    if m.split('.')[0] in blocked: del sys.modules[m]\n"
+        "import click, jsonschema, jsonschema_rs, numpy, re2, safetensors, torch  # the core dependencies\n"
+        "core = {m.split('.')[0] for m in sys.modules}\n"
+        "from shardload.cli.main import main\n"
+        "for args in (['example', sys.argv[1]], ['convert', sys.argv[1], '-n', '8', '-o', sys.argv[2]]):\n"
+        "    try:\n"
+        "        main(args)\n"
+        "    except SystemExit as e:\n"
+        "        assert not e.code, e.code\n"
+        "more = {m.split('.')[0] for m in sys.modules} - core - set(sys.stdlib_module_names)\n"
+        "more = {m for m in more if not m.startswith(('_cython_', 'cython_runtime'))}  # numpy.random's runtime\n"
+        "assert more <= {'shardload', 'shard_funcs'}, more\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m"), str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "o" / "rank-00007-of-00008.safetensors").exists()
+
+
+def test_planned_note_names_a_hub_id_as_typed(
+    runner: CliRunner, example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The note names MODEL as the user typed it, not the cache snapshot a Hub id resolved to."""
+    hub = pytest.importorskip("huggingface_hub")
+    from test_hub import _put_revision
+
+    source = tmp_path / "source"
+    shutil.copytree(example_dir, source)
+    (source / "shard_info.json").unlink()
+    cache = tmp_path / "hub"
+    _put_revision(cache, "shardload-test/no-plan", source, "c" * 40, "main")
+    monkeypatch.setattr(hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(main, ["inspect", "shardload-test/no-plan", "-n", "2"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith("note: shardload-test/no-plan: no shard_info.json: planned in memory from ")

@@ -258,3 +258,54 @@ def test_fused_checkpoint_follows_the_plan_for_its_parts(tmp_path: Path) -> None
             shards = shardload.load(model_dir, n, devices=["cpu"] * n, shard_info=plan.document)
             got = tp.decoder_logits(config, shards, ids)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+# --- head counts bound N, whatever the plan's source ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def neox_10_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A GPT-NeoX with 10 heads of 8 (query_key_value interleaved per head) and a 128-row vocabulary."""
+    import transformers
+
+    config = transformers.GPTNeoXConfig(
+        vocab_size=128, hidden_size=80, num_attention_heads=10, num_hidden_layers=1, intermediate_size=160,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("neox10")
+    transformers.GPTNeoXForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def test_hf_plan_never_cuts_a_head(neox_10_heads: Path) -> None:
+    """transformers' plan splits query_key_value colwise; the plan lists only N that divide the 10 heads."""
+    generated = presets.generate(neox_10_heads, check_up_to=16)
+    assert generated.style == "hf"
+    assert generated.supported == [1, 2, 5, 10]
+    qkv = generated.placements["gpt_neox.layers.0.attention.query_key_value.weight"]
+    assert (qkv.segments, qkv.unit) == ((10,), 24)  # whole heads of q, k and v (3 x 8) each
+    dense = generated.placements["gpt_neox.layers.0.attention.dense.weight"]
+    assert (dense.dim, dense.segments, dense.unit) == (1, (10,), 8)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_head_cutting_n_fails_naming_the_heads(neox_10_heads: Path, tmp_path: Path, n: int) -> None:
+    """plan -n N fails on the head count first (N=3 would also fail the vocabulary's padding); validate --strict of
+    the written plan fails N=4 too."""
+    from click.testing import CliRunner
+
+    from shardload.cli.main import main
+
+    runner = CliRunner()
+    out = tmp_path / "plan.json"
+    refused = runner.invoke(main, ["plan", str(neox_10_heads), "-o", str(out), "-n", str(n)])
+    assert refused.exit_code == 1 and not out.exists()
+    assert refused.output == f"error: {neox_10_heads}: num_attention_heads=10 is not divisible by num_shards={n}\n"
+    assert runner.invoke(main, ["plan", str(neox_10_heads), "-o", str(out)]).exit_code == 0
+    checked = runner.invoke(main, ["validate", str(out), "--model", str(neox_10_heads), "-n", str(n), "--strict"])
+    assert checked.exit_code == 1 and "head" in checked.output, checked.output
+    # planned in memory (no file to validate): the error cuts a head, and points to the command that lists the N
+    converted = runner.invoke(main, ["convert", str(neox_10_heads), "-n", str(n), "-o", str(tmp_path / "out")])
+    assert converted.exit_code == 1 and "so a head would be cut" in converted.stderr, converted.stderr
+    assert f"see `shardload plan {neox_10_heads} -o -`" in converted.stderr and not (tmp_path / "out").exists()

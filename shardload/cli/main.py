@@ -49,6 +49,55 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
+def _json_requested(args: list[str]) -> bool:
+    """Whether the command line asks for ``--json`` (before any ``--``)."""
+    return "--json" in (args[: args.index("--")] if "--" in args else args)
+
+
+def _echo_failure(error: dict[str, Any], exit_code: int) -> None:
+    """The ``--json`` document of a command that failed: ``{"ok": false, "exit_code": ..., "error": {...}}``."""
+    click.echo(json.dumps({"ok": False, "exit_code": exit_code, "error": error}, indent=2))
+
+
+class BadArgument(click.ClickException):
+    """A usage error shown as one ``error:`` line (a missing file or model), exit 2."""
+
+    exit_code = 2
+
+    def show(self, file: Any = None) -> None:
+        """Print ``error: MESSAGE`` on stderr."""
+        click.echo(printable(f"error: {self.format_message()}"), err=True)
+
+
+class _Group(click.Group):
+    """The command group; with ``--json`` a usage error (from parsing, an option's callback or a command's body)
+    prints its JSON document on stdout too, before click prints the usage message and exits 2."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:  # fmt: skip
+        given = list(args)
+        try:
+            ctx = super().make_context(info_name, args, parent, **extra)
+        except click.ClickException as err:
+            self._report(given, err)
+            raise
+        ctx.meta["shardload.args"] = given
+        return ctx
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as err:
+            self._report(ctx.meta.get("shardload.args", []), err)
+            raise
+
+    @staticmethod
+    def _report(args: list[str], err: click.ClickException) -> None:
+        if _json_requested(args):
+            kind = "UsageError" if err.exit_code == 2 else type(err).__name__
+            _echo_failure({"kind": kind, "message": printable(err.format_message())}, err.exit_code)
+
+
 class _Terminated(BaseException):
     """SIGTERM or SIGHUP arrived: unwinds like Ctrl-C, so every partial output is removed on the way out."""
 
@@ -65,8 +114,9 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn shardload and OS errors into a one-line message and exit 1; SIGINT, SIGTERM and SIGHUP (Kubernetes,
-    Slurm and ``timeout`` stop a job with SIGTERM) clean up and exit 128 + the signal number."""
+    """Turn shardload and OS errors into a one-line message and exit 1 (with ``--json``, a JSON document on stdout
+    too); SIGINT, SIGTERM and SIGHUP (Kubernetes, Slurm and ``timeout`` stop a job with SIGTERM) clean up and
+    exit 128 + the signal number."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -74,16 +124,22 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         if threading.current_thread() is threading.main_thread():
             for signum in _STOP_SIGNALS:
                 previous[signum] = signal.signal(signum, _terminate)
+        as_json = bool(kwargs.get("as_json"))
         try:
             return fn(*args, **kwargs)
         except ShardloadError as err:
+            if as_json:
+                _echo_failure(err.to_dict(), 1)
             _fail(err.message)
         except BrokenPipeError:  # `| head` closed the pipe: stop quietly, as a command killed by SIGPIPE would
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(128 + 13)
         except OSError as err:
             where = f"{err.filename}: " if err.filename else ""
-            _fail(f"{where}{err.strerror or err}")
+            message = printable(f"{where}{err.strerror or err}")
+            if as_json:
+                _echo_failure({"kind": type(err).__name__, "message": message}, 1)
+            _fail(message)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
@@ -95,6 +151,30 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
                 signal.signal(signum, handler)
 
     return wrapper
+
+
+class _ProgressBar:
+    """Bytes done, on stderr; the bar first appears at the first update, after planning, so a note printed while
+    planning (a plan made from config.json) stands on its own line above it."""
+
+    def __init__(self, label: str, total: Callable[[], int]) -> None:
+        self.label, self.total = label, total
+        self.bar: Any = None
+        self.done = 0
+
+    def __call__(self, done: int, name: str) -> None:
+        if self.bar is None:
+            self.bar = click.progressbar(length=self.total(), label=self.label, file=sys.stderr, show_pos=False)
+            self.bar.__enter__()
+        self.bar.update(done - self.done)
+        self.done = done
+
+    def __enter__(self) -> _ProgressBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
 
 
 SUMMARY_AFTER = 3
@@ -162,7 +242,7 @@ def _plugin_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)  # fmt: skip
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="shardload")
 @_plugin_option
 def main() -> None:
@@ -171,10 +251,17 @@ def main() -> None:
 
 
 class _NoteHandler(logging.Handler):
-    """Prints a ``shardload.plan`` record (a plan made from config.json) as one ``note:`` line on stderr."""
+    """Prints a ``shardload.plan`` record (a plan made from config.json) as one ``note:`` line on stderr, naming
+    MODEL as typed (a Hub id, not the snapshot directory it resolved to)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        click.echo(printable(f"note: {record.getMessage()}"), err=True)
+        message = record.getMessage()
+        ctx = click.get_current_context(silent=True)
+        typed = ctx.params.get("model") if ctx is not None else None
+        args = record.args if isinstance(record.args, tuple) else ()
+        if typed is not None and len(args) == 2 and str(args[0]) != str(typed):  # plan_source's "%s: %s"
+            message = f"{typed}: {args[1]}"
+        click.echo(printable(f"note: {message}"), err=True)
 
 
 def _show_plan_notes() -> None:
@@ -253,20 +340,8 @@ def convert(
         raise click.UsageError("give --num-shards (or --mesh)")
     options = {"overwrite": overwrite, "mesh": layout, "fsync": fsync}
 
-    show_bar = not quiet and not as_json and sys.stderr.isatty()
-    state = {"done": 0}
-    bar: Any = None
-
-    def progress(done: int, name: str) -> None:
-        if bar is not None:
-            bar.update(done - state["done"])
-        state["done"] = done
-
-    if show_bar:
-        from ..sources.checkpoint import open_checkpoint
-
-        total = open_checkpoint(model).nbytes
-        with click.progressbar(length=total, label="converting", file=sys.stderr, show_pos=False) as bar:
+    if not quiet and not as_json and sys.stderr.isatty():
+        with _ProgressBar("converting", lambda: _source_bytes(model)) as progress:
             result = run_convert(model, num_shards, out_dir, shard_info, progress=progress, **options)
     else:
         result = run_convert(model, num_shards, out_dir, shard_info, **options)
@@ -293,6 +368,13 @@ def convert(
     click.echo(format_table([*headers, "file", "tensors", "size", "bytes", "sha256"], rows, right=right))
     extra = f" and {len(result.other_files)} copied file(s)" if result.other_files else ""
     click.echo(f"\nwrote {len(result.rank_files)} rank files{extra} to {result.out_dir}")
+
+
+def _source_bytes(model: Path) -> int:
+    """The tensor bytes of MODEL: a progress bar's length."""
+    from ..sources.checkpoint import open_checkpoint
+
+    return open_checkpoint(model).nbytes
 
 
 def _convert_vllm(
@@ -464,8 +546,9 @@ def validate(
     ns = list(num_shards) or (list(range(1, MAX_LISTED_N + 1)) if list_valid_n else None)
     if not (shard_info_path.exists() or shard_info_path.is_symlink()) or shard_info_path.is_dir():
         what = "is a directory: give the shard_info.json file" if shard_info_path.is_dir() else "no such file"
-        click.echo(f"error: {shard_info_path}: {what} (and the model with --model)", err=True)
-        sys.exit(2)
+        raise BadArgument(f"{shard_info_path}: {what} (and the model with --model)")
+    if isinstance(model, Path) and not (model.exists() or model.is_symlink()):
+        raise BadArgument(f"{model}: no such file or directory")
     report = validate_file(shard_info_path, model, ns, mesh=layout)
     ok = bool(report["valid_for"]) if list_valid_n else report["valid"]
     ok = ok and not (strict and report["warnings"])
@@ -511,16 +594,7 @@ def quantize(model: Path, out_dir: Path, scheme: str, shard_info: Path | None, o
 
     options = {"shard_info": shard_info, "overwrite": overwrite}
     if sys.stderr.isatty():
-        from ..sources.checkpoint import open_checkpoint
-
-        total = open_checkpoint(model).nbytes
-        with click.progressbar(length=total, label="quantizing", file=sys.stderr, show_pos=False) as bar:
-            state = {"done": 0}
-
-            def progress(done: int, name: str) -> None:
-                bar.update(done - state["done"])
-                state["done"] = done
-
+        with _ProgressBar("quantizing", lambda: _source_bytes(model)) as progress:
             result = run_quantize(model, out_dir, scheme, progress=progress, **options)
     else:
         result = run_quantize(model, out_dir, scheme, **options)
@@ -529,10 +603,21 @@ def quantize(model: Path, out_dir: Path, scheme: str, shard_info: Path | None, o
     for name, reason in result.skipped.items():
         click.echo(printable(f"  kept {name}: {reason}"))
     if not result.shard_info:
-        click.echo(f"no shard_info.json in the source: wrote none (shardload plan {result.out_dir} makes one)")
+        click.echo(printable(f"no shard_info.json in the source: wrote none ({_plan_hint(result.out_dir)})"))
     else:
         valid = ", ".join(str(n) for n in result.valid_for) or "none"
         click.echo(f"shard_info.json: valid for num_shards {valid} (checked 1..{MAX_LISTED_N})")
+
+
+def _plan_hint(model: Path) -> str:
+    """``shardload plan MODEL makes one`` when it does, else why it cannot (a hint names no command that fails)."""
+    from ..models.presets import generate
+
+    try:
+        generate(model)  # as `shardload plan` runs it
+    except ShardloadError as err:
+        return f"and none can be planned: {err.message}"
+    return f"shardload plan {model} makes one"
 
 
 @main.command()

@@ -15,10 +15,12 @@ class PluginError(Exception):
 def load_plugin(module: str) -> None:
     """Import a module that registers step functions, named by the user (``--plugin``), never by a file.
 
-    ``module`` is a dotted module name on ``sys.path`` or the path of a ``.py`` file.
+    ``module`` is the path of a ``.py`` file, or a dotted module name looked up in the current directory first,
+    then on ``sys.path``, as ``python -m`` finds one; the current directory is on the path only while it imports.
     """
     import importlib
     import importlib.util
+    import os
     import sys
     from pathlib import Path
 
@@ -35,7 +37,13 @@ def load_plugin(module: str) -> None:
             sys.modules[name] = loaded
             spec.loader.exec_module(loaded)
         else:
-            importlib.import_module(module)
+            here = os.getcwd()
+            sys.path.insert(0, here)
+            try:
+                importlib.import_module(module)
+            finally:
+                if here in sys.path:
+                    sys.path.remove(here)
     except PluginError:
         raise
     except Exception as err:

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import PlanError
 from .placement import Placement, TensorHeader
-from .splits import ATTENTION_ROLES, ModelDims, all_replicated, attention_placement, packed_halves
+from .splits import ATTENTION_ROLES, ModelDims, all_replicated, attention_placement, head_units, packed_halves
 
 __all__ = [
     "STYLES",
@@ -326,7 +326,7 @@ def hf_placements(
     full_keys = _checkpoint_keys(plan, tensors, experts)
     full = {p: style for p, (_, style) in full_keys.items()}
     full_keys = {p: key for p, (key, _) in full_keys.items()}
-    dims = _dims(config)
+    dims = ModelDims.lenient(config)
     placements = all_replicated(tensors)
     used: set[str] = set()
     for name, info in tensors.items():
@@ -348,17 +348,14 @@ def hf_placements(
     return placements, notes
 
 
-_DIM_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts",
-             "num_experts", "intermediate_size", "moe_intermediate_size")  # fmt: skip
-
-
-def _dims(config: Mapping[str, Any]) -> ModelDims:
-    """Head and expert counts, leaving out values that are no single positive count (per-layer lists: Gemma 3n's
-    ``intermediate_size``): transformers' plans split by stored shapes, the counts only decide whole heads."""
-    plain = {
-        k: v for k, v in config.items() if k not in _DIM_KEYS or (type(v) is int and v > 0)
-    }  # fmt: skip
-    return ModelDims.from_config(plain)
+_COLUMN_STYLES = ("colwise", "local_colwise")
+_QKV = ("q", "k", "v", "qkv")
+# Where transformers' colwise/rowwise keep heads local, tensors whose split dim is whole heads though config's
+# head_dim does not describe them: per-head interleaved q/k/v (GPT-NeoX), MLA's per-head projections, and the
+# output projections that read them. Only inside an attention module.
+_ATTENTION_MODULES = ("attention", "self_attn", "attn", "self_attention")
+_HEAD_OUTPUTS = ("query_key_value", "q_b_proj", "kv_b_proj")
+_HEAD_INPUTS = ("dense", "proj", "o_proj")
 
 
 def _style_placement(style: str, pattern: str, name: str, shape: tuple[int, ...], dims: ModelDims) -> Placement:
@@ -375,20 +372,26 @@ def _style_placement(style: str, pattern: str, name: str, shape: tuple[int, ...]
     ndim = len(shape)
     bias = ndim == 1
     out_dim = 0 if bias else ndim - 2
-    attention = ATTENTION_ROLES.get(pattern.rsplit(".", 1)[-1])
+    parent, _, last = pattern.rpartition(".")
+    attention = ATTENTION_ROLES.get(last)
+    in_attention = parent.rpartition(".")[2] in _ATTENTION_MODULES
     if rule == "replicated" or ndim == 0:
         return Placement(name, "replicated", rule=why)
     if rule == "column":
-        if style in ("colwise", "local_colwise") and attention in ("q", "k", "v", "qkv") and ndim <= 2:
-            heads = _heads_or_none(attention, name, bias, shape, dims, why)
+        if style in _COLUMN_STYLES and ndim <= 2:
+            heads = _heads_or_none(attention, name, bias, shape, dims, why) if attention in _QKV else None
+            if heads is None and in_attention and (attention == "q" or last in _HEAD_OUTPUTS):
+                heads = head_units(name, "column", out_dim, shape, dims.num_heads, why)
             if heads is not None:
                 return heads
         return Placement(name, "column", out_dim, rule=why)
     if rule == "row":
         if bias:
             return Placement(name, "replicated", rule=why)
-        if style in ("rowwise", "local_rowwise") and attention == "o" and ndim == 2:
-            heads = _heads_or_none("o", name, False, shape, dims, why)
+        if style in ("rowwise", "local_rowwise") and ndim == 2:
+            heads = _heads_or_none("o", name, False, shape, dims, why) if attention == "o" else None
+            if heads is None and in_attention and (attention == "o" or last in _HEAD_INPUTS):
+                heads = head_units(name, "row", 1, shape, dims.num_heads, why)
             if heads is not None:
                 return heads
         return Placement(name, "row", ndim - 1, rule=why)
@@ -405,7 +408,6 @@ def _style_placement(style: str, pattern: str, name: str, shape: tuple[int, ...]
     return Placement(name, "expert", 0, rule=why)  # "expert"
 
 
-_COLUMN_STYLES = ("colwise", "local_colwise")
 # a stored tensor the plan does not name -> the plan entries (siblings) whose split it takes, and how
 _FUSED = {
     "qkv_proj": (("q_proj", "k_proj", "v_proj"), "qkv"),

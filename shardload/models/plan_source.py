@@ -35,8 +35,12 @@ def plan_shard_info(checkpoint: Checkpoint, shard_info: Any) -> tuple[ShardInfo,
         info = resolve_shard_info(checkpoint, shard_info)
         return info, f"shard_info {info.source}"
     config = checkpoint.files[0] if checkpoint.kind == "gguf" else checkpoint.root / CONFIG_NAME
-    if checkpoint.kind != "gguf" and not (config.exists() or config.is_symlink()):
-        resolve_shard_info(checkpoint, None)  # raises: no shard_info, and no config to plan one from
+    if checkpoint.kind != "gguf" and not (config.exists() or config.is_symlink()):  # `shardload plan` needs it too
+        raise PlanError(
+            f"no shard_info given and {default} does not exist; write one (docs/format.md) or pass one with "
+            f"--shard-info (shard_info= in Python): there is no {config.name} to plan one from",
+            file=checkpoint.name,
+        )
     from .presets import generate
 
     try:

@@ -24,7 +24,7 @@ from typing import Any
 from ..errors import PlanError
 from .placement import Placement, TensorHeader
 from .quant_plan import companion_steps, detect_format, logical_tensors
-from .splits import ModelDims, all_replicated, attention_placement, packed_halves, shape_error
+from .splits import ModelDims, all_replicated, attention_placement, count_problems, packed_halves, shape_error
 
 __all__ = [
     "GeneratedPlan",
@@ -384,23 +384,9 @@ def _quantization_config(config: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def config_problems(config: Mapping[str, Any], placements: Mapping[str, Placement], num_shards: int) -> list[str]:
-    """Reasons, in config.json's terms (head and expert counts), that ``num_shards`` cannot work."""
-    dims = ModelDims.from_config(config)
-    n = num_shards
-    reasons = []
-    heads_split = any(p.unit > 1 or p.kv for p in placements.values())
-    if heads_split and dims.num_heads and dims.num_kv_heads:
-        h, k = dims.num_heads, dims.num_kv_heads
-        if h % n:
-            reasons.append(f"num_attention_heads={h} is not divisible by num_shards={n}")
-        if k % n and n % k:
-            reasons.append(
-                f"num_shards={n} neither divides num_key_value_heads={k} nor is a multiple of it "
-                f"(num_attention_heads={h})"
-            )
-    if dims.num_experts and any(p.style == "expert" for p in placements.values()) and dims.num_experts % n:
-        reasons.append(f"{dims.num_experts} experts are not divisible by num_shards={n} (expert parallel)")
-    return reasons
+    """Reasons, in config.json's terms (head and expert counts), that ``num_shards`` cannot work
+    (:func:`shardload.models.splits.count_problems`)."""
+    return count_problems(ModelDims.lenient(config), placements, num_shards)
 
 
 def plan_problems(
@@ -504,7 +490,7 @@ def generate(
             raise PlanError(f"num_shards={n}: {problems[0]}{more}{_padding_hint(problems, vocab_padding)}",
                             file=str(model))  # fmt: skip
     checked = plan_problems(document, tensors, range(1, check_up_to + 1))
-    supported = [n for n, problems in checked.items() if not problems]
+    supported = [n for n, problems in checked.items() if not problems and not config_problems(config, placements, n)]
     if check_up_to > 1 and supported in ([], [1]) and not allow_single:
         n = 2 if supported else 1
         first = (config_problems(config, placements, n) or checked[n])[0]

@@ -1,6 +1,7 @@
 """The splits every model plan shares: head and expert counts from config.json, whole-head attention splits (KV
-heads replicated when N exceeds them), fused gate/up halves. Used by the built-in presets
-(:mod:`shardload.models.presets`) and by transformers' plans (:mod:`shardload.models.hf_plans`). Pure.
+heads replicated when N exceeds them), fused gate/up halves, and the one rule by which head and expert counts
+bound N (:func:`count_problems`). Used by the built-in presets (:mod:`shardload.models.presets`) and by
+transformers' plans (:mod:`shardload.models.hf_plans`). Pure.
 """
 
 from __future__ import annotations
@@ -12,7 +13,16 @@ from typing import Any
 from ..errors import CheckpointError, PlanError
 from .placement import Placement, TensorHeader
 
-__all__ = ["ATTENTION_ROLES", "ModelDims", "all_replicated", "attention_placement", "packed_halves", "shape_error"]
+__all__ = [
+    "ATTENTION_ROLES",
+    "ModelDims",
+    "all_replicated",
+    "attention_placement",
+    "count_problems",
+    "head_units",
+    "packed_halves",
+    "shape_error",
+]
 
 ATTENTION_ROLES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "qkv_proj": "qkv", "o_proj": "o",
                    "query": "q", "key": "k", "value": "v"}  # fmt: skip
@@ -40,6 +50,16 @@ class ModelDims:
         experts = _int_key(config, "num_local_experts") or _int_key(config, "num_experts")
         inter = _int_key(config, "intermediate_size")
         return cls(hidden, heads, kv, head_dim, experts, inter, _int_key(config, "moe_intermediate_size") or inter)
+
+    @classmethod
+    def lenient(cls, config: Mapping[str, Any]) -> ModelDims:
+        """:meth:`from_config` leaving out values that are no single positive count (per-layer lists: Gemma 3n's
+        ``intermediate_size``), for plans that split by stored shapes and only need the counts."""
+        return cls.from_config({k: v for k, v in config.items() if k not in _DIM_KEYS or (type(v) is int and v > 0)})
+
+
+_DIM_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts",
+             "num_experts", "intermediate_size", "moe_intermediate_size")  # fmt: skip
 
 
 def _int_key(config: Mapping[str, Any], key: str) -> int | None:
@@ -95,6 +115,40 @@ def attention_placement(
         counts = f"num_attention_heads={heads}, num_key_value_heads={kv_heads}, head_dim={head_dim}"
         raise shape_error(name, f"output dim {shape[0]} does not match {counts} from config.json")
     return Placement(name, "column", 0, segments, head_dim, kv, rule=rule)
+
+
+def head_units(
+    name: str, style: str, dim: int, shape: tuple[int, ...], heads: int | None, rule: str
+) -> Placement | None:
+    """A split of ``shape[dim]`` by whole heads when it is ``heads`` equal blocks (a per-head interleaved
+    ``query_key_value``, MLA's ``q_b_proj``), else None; for an N dividing ``heads`` its bytes are a plain split's."""
+    if heads is None or not shape or shape[dim] % heads or shape[dim] == heads:
+        return None
+    return Placement(name, style, dim, (heads,), shape[dim] // heads, rule=rule)
+
+
+def count_problems(dims: ModelDims, placements: Mapping[str, Placement], num_shards: int) -> list[str]:
+    """Why ``num_shards`` cannot work, in config.json's terms: the one rule every plan source is bound by.
+
+    A plan that splits heads (a placement counted in units, or with KV flags) needs N to divide
+    num_attention_heads, and to divide num_key_value_heads or be a multiple of it; one that places whole experts
+    needs N to divide the expert count. Empty when N can work as far as the counts go.
+    """
+    n = num_shards
+    reasons = []
+    heads_split = any(p.unit > 1 or any(p.kv) for p in placements.values())
+    if heads_split and dims.num_heads:
+        h, k = dims.num_heads, dims.num_kv_heads or dims.num_heads
+        if h % n:
+            reasons.append(f"num_attention_heads={h} is not divisible by num_shards={n}")
+        if k != h and k % n and n % k:  # without GQA the KV heads are the heads, already named
+            reasons.append(
+                f"num_shards={n} neither divides num_key_value_heads={k} nor is a multiple of it "
+                f"(num_attention_heads={h})"
+            )
+    if dims.num_experts and any(p.style == "expert" for p in placements.values()) and dims.num_experts % n:
+        reasons.append(f"{dims.num_experts} experts are not divisible by num_shards={n} (expert parallel)")
+    return reasons
 
 
 def all_replicated(tensors: Mapping[str, TensorHeader]) -> dict[str, Placement]:

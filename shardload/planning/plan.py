@@ -341,10 +341,23 @@ def _finish(plan: ModelPlan, strict: bool) -> ModelPlan:
         first = plan.problems[0]
         more = len(plan.problems) - 1
         if more:
-            first.reason += f" (and {more} more problem{'s' if more > 1 else ''}; see `shardload validate`)"
+            first.reason += f" (and {more} more problem{'s' if more > 1 else ''}; see {_report_command(plan)})"
             first.args = (first.message,)
         raise first
     return plan
+
+
+def _report_command(plan: ModelPlan) -> str:
+    """The command that lists every problem of ``plan``: ``validate`` of its file, or, for a plan made in memory
+    from config.json (no file to validate), ``plan -o -``, which prints it and the N it works for, writing nothing."""
+    from shlex import quote
+
+    source, checkpoint = plan.shard_info.source, plan.checkpoint
+    if source.startswith("<planned from ") and checkpoint is not None:
+        return f"`shardload plan {quote(checkpoint.name)} -o -`, which prints this plan and the N it works for"
+    if source.startswith("<") or checkpoint is None:
+        return "`shardload validate`"
+    return f"`shardload validate {quote(source)} --model {quote(checkpoint.name)} -n {plan.num_shards}`"
 
 
 def _plan_steps(name: str, specs: list[StepSpec], source: TensorInfo | None, n: int) -> list[PlannedStep]:

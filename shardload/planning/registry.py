@@ -225,10 +225,25 @@ def lookup(name: str) -> StepFunction:
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
-        plain = isinstance(name, str) and len(name) < 200
-        close = difflib.get_close_matches(name, list(_REGISTRY), n=1) if plain else []
-        hint = f"; did you mean {close[0]!r}?" if close else "; --plugin MODULE registers your own"
+        close = closest_name(name) if isinstance(name, str) and len(name) < 200 else None
+        hint = f"; did you mean {close!r}?" if close else "; --plugin MODULE registers your own"
         raise StepArgumentError(f"unknown function {name!r} (not registered{hint})") from None
+
+
+def closest_name(name: str) -> str | None:
+    """The registered name ``name`` was most likely meant as: the closest by last dotted part (``shard_dim`` ->
+    ``shard_funcs.shard_dim``), the whole name breaking ties; None when none is close."""
+    last = name.rpartition(".")[2]
+
+    def score(candidate: str) -> tuple[float, float]:
+        tail = difflib.SequenceMatcher(None, last, candidate.rpartition(".")[2]).ratio()
+        return tail, difflib.SequenceMatcher(None, name, candidate).ratio()
+
+    ranked = sorted(_REGISTRY, key=lambda c: (score(c), c), reverse=True)
+    if ranked and score(ranked[0])[0] >= 0.6:
+        return ranked[0]
+    close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+    return close[0] if close else None
 
 
 def names() -> list[str]:
