@@ -195,6 +195,11 @@ class FaultyProxy:
         if fault == "trickle-all":  # any answer (a listing, a HEAD too): status line, headers and body trickled
             self._trickle_answer(h, resp, data)
             return
+        if h.command != "HEAD" and fault != "cut":
+            # Recorded before the answer goes out (what was answered, whether or not the client reads it all): a
+            # client may act on the headers or the body and look at `served` before this thread runs again.
+            with self.lock:
+                self.served.append(Served(h.command, key, rng, resp.status, len(data) if h.command == "GET" else 0))
         h.send_response(resp.status)
         for k, v in resp.getheaders():
             if k.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date"):
@@ -214,8 +219,6 @@ class FaultyProxy:
         except OSError:  # the client hung up (a ranged GET answered with a whole object it refused)
             h.close_connection = True
             return
-        with self.lock:
-            self.served.append(Served(h.command, key, rng, resp.status, len(data) if h.command == "GET" else 0))
 
     def _hostile_range(
         self, h: BaseHTTPRequestHandler, resp: http.client.HTTPResponse, data: bytes, fault: str

@@ -712,18 +712,22 @@ def verify(out_dir: Path, source: Path | None, shard_info: Path | None, as_json:
 
     if shard_info is not None and source is None:
         raise click.UsageError("--shard-info goes with --source")
+    refused: ShardloadError | None = None
     try:
         report = verify_dir(out_dir, source=source, shard_info=shard_info)
     except ShardloadError as err:
         if not as_json:
             raise
-        report = VerifyReport(out_dir, 0, problems=[err])
+        refused, report = err, VerifyReport(out_dir, 0, problems=[err])
     if as_json:
         doc = {
             "out_dir": str(out_dir), "source": None if source is None else str(source), "ok": report.ok,
             "num_shards": report.num_shards, "files": report.files, "bytes": report.nbytes,
             "problems": [p.to_dict() for p in report.problems],
         }  # fmt: skip
+        if refused is not None:  # the directory could not be checked at all: also the failure document's fields
+            doc |= {"exit_code": 1, "error": refused.to_dict()}
+            click.echo(printable(f"error: {refused.message}"), err=True)
         click.echo(json.dumps(doc, indent=2))
         sys.exit(0 if report.ok else 1)
     for problem in report.problems:

@@ -24,7 +24,7 @@ import os
 import random
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -123,7 +123,9 @@ class S3Store(ObjectStore):
             return CheckpointError(reason, file=where)
         return CheckpointError(f"cannot reach the store: {type(err).__name__}", file=where)
 
-    def _call(self, key: str | None, operation: str, missing_ok: bool = False, **kwargs: Any) -> Any:
+    def _call(
+        self, key: str | None, operation: Callable[[Any], Callable[..., Any]], missing_ok: bool = False, **kwargs: Any
+    ) -> Any:
         """One request with a small answer (a listing page, a HEAD) under the deadline and minimum rate; its
         failures as one line. ``missing_ok``: None for a 404."""
         from botocore.exceptions import BotoCoreError, ClientError
@@ -132,7 +134,7 @@ class S3Store(ObjectStore):
         began = time.monotonic()
         with DEADLINES.attempt(limits.attempt_seconds(None, limits.deadline)) as watch:
             try:
-                return getattr(self.client, operation)(**kwargs)
+                return operation(self.client)(**kwargs)
             except CheckpointError as err:  # no client could be made
                 raise CheckpointError(err.reason, file=self._where(key)) from None
             except (ClientError, BotoCoreError, Expired, RegionlessRedirect) as err:
@@ -149,7 +151,9 @@ class S3Store(ObjectStore):
         seen: set[str] = set()
         for _ in range(MAX_LIST_PAGES):
             more = {"ContinuationToken": token} if token else {}
-            page = self._call(key, "list_objects_v2", Bucket=self.bucket, Prefix=prefix, Delimiter="/", **more)
+            page = self._call(
+                key, lambda c: c.list_objects_v2, Bucket=self.bucket, Prefix=prefix, Delimiter="/", **more
+            )
             for entry in page.get("Contents", ()):
                 found[entry["Key"]] = int(entry["Size"])
             if not page.get("IsTruncated"):
@@ -163,12 +167,12 @@ class S3Store(ObjectStore):
         raise CheckpointError(f"the store's listing ran past {MAX_LIST_PAGES} pages", file=self._where(key))
 
     def _head(self, key: str) -> int | None:
-        head = self._call(key, "head_object", missing_ok=True, Bucket=self.bucket, Key=key)
+        head = self._call(key, lambda c: c.head_object, missing_ok=True, Bucket=self.bucket, Key=key)
         return None if head is None else int(head["ContentLength"])
 
     def stamp(self, key: str) -> tuple[object, ...]:
         """Size, ETag and modification time of the object (a HEAD request)."""
-        head = self._call(key, "head_object", Bucket=self.bucket, Key=key)
+        head = self._call(key, lambda c: c.head_object, Bucket=self.bucket, Key=key)
         return (int(head["ContentLength"]), head.get("ETag"), str(head.get("LastModified")))
 
     def read_into(self, key: str, start: int, views: Sequence[memoryview]) -> None:
