@@ -63,7 +63,7 @@ def load(
     shard_info: Any = None,
     *,
     mesh: Mesh | str | Mapping[str, int] | None = None,
-    verify: bool = False,
+    verify: bool | str = False,
     progress: bool | Callable[[int, int], None] = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Load every rank's shard of ``model``: a list of state dicts, the one for global rank r on ``devices[r]``.
@@ -72,7 +72,9 @@ def load(
     or a directory written by :func:`convert`. Each stored byte is read once. With ``mesh``
     (e.g. ``"pp=2,tp=4"``) rank r holds only its pipeline stage's parameters, tensor shard
     ``tp`` of them; ``num_shards`` may then be left out (it is the mesh's ``tp``). ``verify``
-    checks a converted directory's sha256 sums (sizes are always checked). ``progress=True`` draws a
+    checks a converted directory's sha256 sums (sizes are always checked), and every byte read from a source
+    checkpoint against its integrity record (``verify=True``, or the record's root hash to pin it; see
+    :func:`hash_checkpoint`). ``progress=True`` draws a
     progress line on stderr when it is a terminal; a callable gets ``(read jobs done, total)`` per stage.
 
     Example::
@@ -93,9 +95,10 @@ def load(
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
         return [load_rank(model, r, layout.tp, devices[r], mesh=layout, verify=verify) for r in range(world)]
+    wrap = verifier(checkpoint, verify, str(model))
     if checkpoint.presharded is not None:
         return [
-            _load_presharded_rank(checkpoint, shard_info, layout, layout.coord(r), devices[r], False)
+            _load_presharded_rank(checkpoint, shard_info, layout, layout.coord(r), devices[r], False, wrap)
             for r in range(world)
         ]
     plan = build_plan(shard_info_for(checkpoint, shard_info), checkpoint, layout.tp)
@@ -104,7 +107,8 @@ def load(
         first = [layout.rank(0, pp, tp) for tp in range(layout.tp)]
         report = _progress_line(f"loading stage {pp}" if layout.pp > 1 else "loading") if progress is True else None
         call = report or (progress if callable(progress) else None)
-        for tp, state in enumerate(run_plan(stage, range(layout.tp), [devices[r] for r in first], progress=call)):
+        states = run_plan(stage, range(layout.tp), [devices[r] for r in first], progress=call, wrap=wrap)
+        for tp, state in enumerate(states):
             result[first[tp]] = state
             for dp in range(1, layout.dp):  # data-parallel replicas: the same tensors, copied
                 rank = layout.rank(dp, pp, tp)
@@ -136,12 +140,14 @@ def run_plan(
     staged: bool = False,
     mmap: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    wrap: Callable[[RunReader], RunReader] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Every parameter of ``plan`` for ``ranks`` (rank ``ranks[k]`` on ``devices[k]``): all allocated, then read
     by the thread pool.
 
     ``staged`` sends CPU destinations through the staging buffers too (to test that path on the CPU);
-    ``mmap`` (one CPU rank) maps what it can instead of reading it (see :func:`load_rank`).
+    ``mmap`` (one CPU rank) maps what it can instead of reading it (see :func:`load_rank`); ``wrap`` wraps the
+    reader (a verifying reader, :func:`~shardload.engine.integrity.verified_reader`).
     """
     result: list[dict[str, torch.Tensor]] = [{} for _ in ranks]
     import torch
@@ -151,7 +157,7 @@ def run_plan(
     # rank's tensors are populated by the readers themselves, so its reads start while later parameters are planned
     defer = not (one_rank and torch.device(devices[0]).type == "cpu")
     with (
-        plan_reader(plan.params.values()) as reader,
+        _wrapped(plan_reader(plan.params.values()), wrap) as reader,
         Transfer(reader, staged=staged, defer=defer, mapped=mmap, copy_out=one_rank, progress=progress) as transfer,
     ):
         for param in plan.params.values():
@@ -159,6 +165,30 @@ def run_plan(
                 result[k][param.name] = t
         transfer.wait()
     return result
+
+
+def _wrapped(reader: RunReader, wrap: Callable[[RunReader], RunReader] | None) -> RunReader:
+    """``reader``, wrapped by ``wrap`` when given (closing ``reader`` if wrapping fails)."""
+    if wrap is None:
+        return reader
+    try:
+        return wrap(reader)
+    except BaseException:
+        reader.close()
+        raise
+
+
+def verifier(checkpoint: Checkpoint, verify: bool | str, where: str) -> Callable[[RunReader], RunReader] | None:
+    """For a source checkpoint: None without ``verify``, else a wrapper checking every byte read against its
+    integrity record (``verify`` True, or the pinned root hash). Loads and checks the record now."""
+    if verify is False or verify is None:
+        return None
+    if verify is not True and not isinstance(verify, str):
+        raise ShardloadError(f"verify must be True, False or a root hash string, got {verify!r}", file=where)
+    from .integrity import load_record, verified_reader
+
+    record = load_record(checkpoint, verify)
+    return lambda reader: verified_reader(reader, checkpoint, record)
 
 
 def layout_for(num_shards: int | None, mesh: Any, world_size: int | None) -> Mesh:
@@ -218,7 +248,7 @@ def load_rank(
     shard_info: Any = None,
     *,
     mesh: Any = None,
-    verify: bool = False,
+    verify: bool | str = False,
     mmap: bool = False,
     share_reads: Any = False,
     progress: bool | Callable[[int, int], None] = False,
@@ -228,7 +258,9 @@ def load_rank(
     Under an initialised torch.distributed process group, ``rank`` and ``num_shards`` default
     to the group's rank and world size. With ``mesh`` (a :class:`Mesh`, ``"pp=2,tp=4"``, a
     mapping, or a torch ``DeviceMesh`` with axes named from dp/pp/tp) ``rank`` is the global rank
-    and only its pipeline stage's parameters are read. ``verify`` checks a converted file's sha256.
+    and only its pipeline stage's parameters are read. ``verify`` checks a converted file's sha256; for a source
+    checkpoint, ``verify=True`` (or the root hash printed by ``shardload hash``, which pins the record) reads the
+    record's tiles that cover this rank's bytes and checks each one before any byte is returned.
 
     ``mmap=True`` (CPU only) returns every tensor that is one contiguous stretch of its file (a dim-0
     shard, a replicated tensor, every tensor of a converted directory) as a copy-on-write view of a
@@ -296,8 +328,12 @@ def load_rank(
         if shared:
             return _load_converted_shared(checkpoint, layout, coord, device, verify, group, call)
         return _load_converted_rank(checkpoint, layout, coord, device, verify, mmap)
+    wrap = verifier(checkpoint, verify, str(model))
+    if wrap is not None and mmap:
+        raise ShardloadError("verify and mmap=True exclude each other (a view of the file is not a checked copy)",
+                             file=str(model))  # fmt: skip
     if checkpoint.presharded is not None:
-        return _load_presharded_rank(checkpoint, shard_info, layout, coord, device, mmap)
+        return _load_presharded_rank(checkpoint, shard_info, layout, coord, device, mmap, wrap)
     plan = build_plan(shard_info_for(checkpoint, shard_info), checkpoint, layout.tp)
     stages = stages_of(plan, layout)
     if shared:
@@ -308,9 +344,9 @@ def load_rank(
             return list(stages[key[0]].params.values()), key[1]
 
         digest = plan_digest(plan, stages) + str(layout).encode()
-        with plan_reader(plan.params.values()) as reader:
+        with _wrapped(plan_reader(plan.params.values()), wrap) as reader:
             return load_shared(slot_params, digest, (coord.pp, coord.tp), device, reader, group, call, str(model))
-    return run_plan(stages[coord.pp], [coord.tp], [device], mmap=mmap, progress=call)[0]
+    return run_plan(stages[coord.pp], [coord.tp], [device], mmap=mmap, progress=call, wrap=wrap)[0]
 
 
 def _load_converted_shared(
@@ -399,7 +435,13 @@ def _load_converted_rank(
 
 
 def _load_presharded_rank(
-    checkpoint: Checkpoint, shard_info: Any, layout: Mesh, coord: MeshCoord, device: Any, mmap: bool
+    checkpoint: Checkpoint,
+    shard_info: Any,
+    layout: Mesh,
+    coord: MeshCoord,
+    device: Any,
+    mmap: bool,
+    wrap: Callable[[RunReader], RunReader] | None = None,
 ) -> dict[str, torch.Tensor]:
     """A rank of a source stored already split (a pre-sharded TVM cache): its own part of each split parameter,
     and every tensor stored whole."""
@@ -408,4 +450,4 @@ def _load_presharded_rank(
         raise ShardloadError("pipeline stages of a pre-sharded checkpoint are not supported", file=checkpoint.name)
     view = checkpoint.rank_view(coord.tp)
     plan = build_plan(ShardInfo(source=f"<rank {coord.tp}'s part of {checkpoint.name}>"), view, 1)
-    return run_plan(plan, [0], [device], mmap=mmap)[0]
+    return run_plan(plan, [0], [device], mmap=mmap, wrap=wrap)[0]

@@ -1,0 +1,372 @@
+"""Integrity records of source checkpoints: ``hash_checkpoint`` writes one (every file streamed once, files and
+stretches of files hashed in parallel), ``verified_reader`` wraps a reader so a load checks every byte it returns
+against it (see docs/integrity.md)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ShardloadError
+from ..format.hash_record import (
+    HASH_BYTES,
+    LEAF_BYTES,
+    RECORD_NAME,
+    FileHashes,
+    HashRecord,
+    RecordError,
+    Region,
+    default_hash,
+    hasher,
+    linear_region,
+    parse_record,
+    root_of,
+    tensor_region,
+)
+from ..format.smallfile import read_small
+from ..sources.checkpoint import Checkpoint, TensorInfo, open_checkpoint
+from ..sources.dtypes import itemsize as itemsize_of
+from ..sources.reader import RunReader
+from ..sources.verified import IntegrityError, VerifiedFile, VerifiedReader, region_bases
+
+if TYPE_CHECKING:
+    import numpy as np
+
+WORK_BYTES = 32 << 20
+"""Bytes one hashing job covers (a stretch of one file, whole row blocks)."""
+READ_BYTES = 8 << 20
+"""Bytes read per call while hashing."""
+
+
+@dataclass
+class HashResult:
+    """What :func:`hash_checkpoint` wrote: the record's path, its root hash and size, and the bytes hashed."""
+
+    path: Path
+    root: str
+    record_bytes: int
+    checkpoint_bytes: int
+
+
+def record_path(checkpoint: Checkpoint) -> Path:
+    """Where a checkpoint's record lives: ``shardload.hashes`` in its directory, or ``FILE.hashes`` beside a
+    single file given by path."""
+    path = Path(checkpoint.path)
+    if path.is_file() and path.suffix != ".json":
+        return path.with_name(path.name + ".hashes")
+    return Path(checkpoint.root) / RECORD_NAME
+
+
+def file_name(checkpoint: Checkpoint, path: Path) -> str:
+    """A checkpoint file's name in the record: its path relative to the checkpoint's directory."""
+    return Path(path).relative_to(Path(checkpoint.root)).as_posix()
+
+
+def regions_for(size: int, tensors: Sequence[TensorInfo], leaf: int = LEAF_BYTES) -> list[Region]:
+    """A file's regions: each tensor with a row shape tiled, everything else (header, gaps, tensors stored in
+    blocks) hashed linearly, together covering ``[0, size)`` in order."""
+    regions: list[Region] = []
+    cursor = 0
+    for t in sorted(tensors, key=lambda t: t.offset):
+        if t.offset < cursor or t.nbytes == 0 or t.offset + t.nbytes > size:
+            continue
+        if t.offset > cursor:
+            regions.append(linear_region(cursor, t.offset - cursor, leaf))
+        try:
+            size_of = itemsize_of(t.dtype)
+        except KeyError:  # a block-quantized GGUF type: no row shape in bytes
+            size_of = 0
+        rows = 1
+        for d in t.shape[:-1]:
+            rows *= d
+        last = t.shape[-1] if t.shape else 1
+        if size_of and len(t.shape) >= 2 and rows * last * size_of == t.nbytes:
+            regions.append(tensor_region(t.offset, rows, last * size_of, size_of, leaf))
+        else:
+            regions.append(linear_region(t.offset, t.nbytes, leaf))
+        cursor = t.offset + t.nbytes
+    if cursor < size:
+        regions.append(linear_region(cursor, size - cursor, leaf))
+    return regions
+
+
+@dataclass
+class _Job:
+    """A stretch of one file to hash: region ``region``'s leaves ``[first, last)``."""
+
+    file: int
+    region: Region
+    leaf0: int
+    first: int
+    last: int
+
+
+def _jobs(index: int, regions: Sequence[Region]) -> list[_Job]:
+    jobs = []
+    base = 0
+    for region in regions:
+        if region.bands == 1 or region.rows == 1:
+            per = max(1, WORK_BYTES // max(1, region.tile_rows * region.tile_bytes))
+        else:
+            per = max(1, WORK_BYTES // max(1, region.tile_rows * region.row_bytes)) * region.bands
+        for a in range(0, region.leaves, per):
+            jobs.append(_Job(index, region, base, a, min(region.leaves, a + per)))
+        base += region.leaves
+    return jobs
+
+
+def _hash_job(fd: int, job: _Job, hash_fn: Any, out: bytearray, done: Callable[[int], None]) -> None:
+    """Hash leaves ``[first, last)`` of one region, reading its bytes in order."""
+    import numpy as np
+
+    r = job.region
+    B = r.row_bytes
+    if r.bands == 1 or r.rows == 1:  # consecutive leaves are consecutive bytes
+        step = r.tile_rows * r.tile_bytes
+        start = r.offset + job.first * step
+        end = min(r.end, r.offset + job.last * step)
+        per = max(step, READ_BYTES // step * step)
+        leaf = job.first
+        for at in range(start, end, per):
+            data = _pread(fd, at, min(per, end - at))
+            for k in range(0, len(data), step):
+                pos = (job.leaf0 + leaf) * HASH_BYTES
+                out[pos : pos + HASH_BYTES] = hash_fn(data[k : k + step]).digest()
+                leaf += 1
+            done(len(data))
+        return
+    for blk in range(job.first // r.bands, job.last // r.bands):
+        r0 = blk * r.tile_rows
+        rows = min(r.tile_rows, r.rows - r0)
+        data = np.frombuffer(_pread(fd, r.offset + r0 * B, rows * B), dtype=np.uint8).reshape(rows, B)
+        for band in range(r.bands):
+            c0 = band * r.tile_bytes
+            tile = np.ascontiguousarray(data[:, c0 : c0 + r.tile_bytes])
+            pos = (job.leaf0 + blk * r.bands + band) * HASH_BYTES
+            out[pos : pos + HASH_BYTES] = hash_fn(tile.reshape(-1)).digest()
+        done(rows * B)
+
+
+def _pread(fd: int, offset: int, n: int) -> memoryview:
+    """Exactly ``n`` bytes at ``offset`` (a file that shrinks while hashed is an error)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = os.preadv(fd, [view[got:]], offset + got)
+        if k <= 0:
+            raise IntegrityError(f"file ended at byte {offset + got} while being hashed")
+        got += k
+    return view
+
+
+def hash_checkpoint(
+    model: str | os.PathLike[str],
+    out: str | os.PathLike[str] | None = None,
+    *,
+    threads: int | None = None,
+    progress: bool | Callable[[int, int], None] = False,
+) -> Path:
+    """Write ``model``'s integrity record (beside it, or to ``out``) and return its path; see :func:`hash_model`."""
+    return hash_model(model, out, threads=threads, progress=progress).path
+
+
+def hash_model(
+    model: str | os.PathLike[str],
+    out: str | os.PathLike[str] | None = None,
+    *,
+    threads: int | None = None,
+    progress: bool | Callable[[int, int], None] = False,
+) -> HashResult:
+    """Hash every file of ``model`` once (in parallel) into an integrity record, written atomically; the same
+    checkpoint always gives the same record and root."""
+    checkpoint = open_checkpoint(model)
+    if checkpoint.kind == "converted":
+        raise ShardloadError("a converted directory carries its hashes in its manifest; hash the source checkpoint",
+                             file=str(model))  # fmt: skip
+    tensors_by_file: dict[Path, list[TensorInfo]] = {Path(f): [] for f in checkpoint.files}
+    for t in checkpoint.tensors.values():
+        tensors_by_file.setdefault(Path(t.file), []).append(t)
+    for parts in checkpoint.shards.values():
+        for t in parts:
+            tensors_by_file.setdefault(Path(t.file), []).append(t)
+    files = sorted(tensors_by_file)
+    names = [file_name(checkpoint, f) for f in files]
+    sizes = []
+    fds = []
+    try:
+        for f in files:
+            fd = os.open(f, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fds.append(fd)
+            sizes.append(os.fstat(fd).st_size)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        regions = [regions_for(size, tensors_by_file[f]) for f, size in zip(files, sizes, strict=True)]
+        tables = [bytearray(sum(r.leaves for r in regs) * HASH_BYTES) for regs in regions]
+        jobs = [job for i, regs in enumerate(regions) for job in _jobs(i, regs)]
+        hash_name = default_hash()
+        hash_fn = hasher(hash_name)
+        total = sum(sizes)
+        report = _progress(progress, total)
+        lock = threading.Lock()
+        seen = [0]
+
+        def done(n: int) -> None:
+            if report is not None:
+                with lock:
+                    seen[0] += n
+                    report(seen[0], total)
+
+        count = threads or min(len(jobs), max(2, os.cpu_count() or 2)) or 1
+        with ThreadPoolExecutor(count, thread_name_prefix="shardload-hash") as pool:
+            for future in [pool.submit(_hash_job, fds[j.file], j, hash_fn, tables[j.file], done) for j in jobs]:
+                try:
+                    future.result()
+                except IntegrityError as err:
+                    raise IntegrityError(err.reason, file=str(files[jobs[0].file])) from None
+    except OSError as err:
+        raise ShardloadError(f"cannot hash: {err.strerror or err}", file=str(model)) from None
+    finally:
+        for fd in fds:
+            os.close(fd)
+    record = HashRecord(hash_name, LEAF_BYTES, [
+        FileHashes(n, s, regs, bytes(t)) for n, s, regs, t in zip(names, sizes, regions, tables, strict=True)
+    ])  # fmt: skip
+    data = record.to_bytes()
+    target = Path(out) if out is not None else record_path(checkpoint)
+    if target.is_dir():
+        target = target / RECORD_NAME
+    if not (target.is_file() and target.stat().st_size == len(data) and target.read_bytes() == data):
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, target)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            raise ShardloadError(f"cannot write the record: {err.strerror or err}", file=str(target)) from None
+    return HashResult(target, root_of(data), len(data), total)
+
+
+def _progress(progress: Any, total: int) -> Callable[[int, int], None] | None:
+    if callable(progress):
+        return progress
+    if progress is not True:
+        return None
+    import sys
+
+    if not sys.stderr.isatty():
+        return None
+    last = [-1]
+
+    def draw(done: int, total: int) -> None:
+        pct = 100 * done // max(1, total)
+        if pct != last[0]:
+            last[0] = pct
+            sys.stderr.write(f"\rhashing: {done >> 20}/{total >> 20} MiB ({pct}%)")
+            if done >= total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+    return draw
+
+
+def load_record(checkpoint: Checkpoint, verify: bool | str, record: str | os.PathLike[str] | None = None) -> HashRecord:
+    """The checkpoint's integrity record, checked against the pinned root when ``verify`` is a root hash."""
+    path = Path(record) if record is not None else record_path(checkpoint)
+    if not path.is_file():
+        raise RecordError(
+            f"verify needs an integrity record and there is none at {path}; make one with `shardload hash "
+            f"{checkpoint.path}` (or shardload.hash_checkpoint)",
+            file=str(checkpoint.path),
+        )
+    limit = (64 << 20) + sum(_size(f) for f in checkpoint.files) // 512
+    data = read_small(path, limit, "integrity record", RecordError)
+    if isinstance(verify, str):
+        pin = verify.strip().lower()
+        if len(pin) != 64 or any(c not in "0123456789abcdef" for c in pin):
+            raise RecordError(f"verify={verify!r} is neither True nor a 64-digit root hash from `shardload hash`")
+        if root_of(data) != pin:
+            raise RecordError(f"record's root {root_of(data)} is not the pinned root {pin} (tampered or another "
+                              "checkpoint's record)", file=str(path))  # fmt: skip
+    return parse_record(data, str(path))
+
+
+def _size(path: Any) -> int:
+    try:
+        return os.stat(path).st_size
+    except (OSError, TypeError):
+        return 0
+
+
+def _names_in(tensors: Sequence[TensorInfo]) -> Callable[[int, int], list[str]]:
+    """Names of the tensors overlapping a byte range of one file (``header`` for bytes before the first)."""
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors)
+    first = spans[0][0] if spans else None
+
+    def names(lo: int, hi: int) -> list[str]:
+        out = [name for a, b, name in spans if a < hi and b > lo]
+        if first is not None and lo < first:
+            out.insert(0, "the header")
+        return out
+
+    return names
+
+
+def verified_files(checkpoint: Checkpoint, record: HashRecord) -> dict[Any, VerifiedFile]:
+    """Each checkpoint file with its record entry; a file missing from the record, or of another size, is an error."""
+    import numpy as np
+
+    by_file: dict[Path, list[TensorInfo]] = {}
+    for t in checkpoint.tensors.values():
+        by_file.setdefault(Path(t.file), []).append(t)
+    for parts in checkpoint.shards.values():
+        for t in parts:
+            by_file.setdefault(Path(t.file), []).append(t)
+    out: dict[Any, VerifiedFile] = {}
+    for f in checkpoint.files:
+        name = file_name(checkpoint, Path(f))
+        entry = record.file(name)
+        if entry is None:
+            raise IntegrityError(f"not in the integrity record (which lists {len(record.files)} other files: "
+                                 "a record for another checkpoint?)", file=str(f))  # fmt: skip
+        size = _size(f)
+        if size != entry.size:
+            what = "truncated" if size < entry.size else "extended"
+            raise IntegrityError(f"is {size} bytes, the integrity record says {entry.size} ({what} or replaced)",
+                                 file=str(f))  # fmt: skip
+        starts = np.array([r.offset for r in entry.regions], dtype=np.int64)
+        out[f] = VerifiedFile(entry, starts, region_bases(entry), _names_in(by_file.get(Path(f), [])))
+    return out
+
+
+def verified_reader(inner: RunReader, checkpoint: Checkpoint, record: HashRecord) -> VerifiedReader:
+    """``inner`` wrapped so every byte it returns is checked against ``record``, and every file's header
+    (the bytes before its first tensor) checked now."""
+    import numpy as np
+    import torch
+
+    reader = VerifiedReader(inner, verified_files(checkpoint, record), record.hash)
+    for f, entry in reader.files.items():
+        first = entry.hashes.regions[0]
+        n = first.length if first.rows == 1 else 0
+        if n:
+            out = torch.empty(n, dtype=torch.uint8)
+            z = np.zeros(1, dtype=np.int64)
+            reader.read_runs(f, z, np.array([n], dtype=np.int64), z, z, [out])
+    return reader
+
+
+def leaf_indices(region: Region, lo: int, hi: int) -> np.ndarray:
+    """Leaves of ``region`` a byte range ``[lo, hi)`` touches (for tests and reports)."""
+    import numpy as np
+
+    B, h, w = region.row_bytes, region.tile_rows, region.tile_bytes
+    o, e = lo - region.offset, hi - 1 - region.offset
+    r0, r1 = o // B, e // B
+    b0, b1 = ((o % B) // w, (e % B) // w) if r0 == r1 else (0, region.bands - 1)
+    return np.array([blk * region.bands + b for blk in range(r0 // h, r1 // h + 1) for b in range(b0, b1 + 1)])

@@ -1,0 +1,235 @@
+"""Verified reading: a reader wrapped so that every byte it hands out lies in a tile whose hash matched the
+integrity record. Only the tiles that cover the requested runs are read (into a private buffer laid out like the
+file), hashed, compared, and only then copied to their destinations, so the bytes returned are the bytes checked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CheckpointError
+from ..format.hash_record import FileHashes, hasher
+from .reader import RunReader
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+HOLE = 0
+"""Gaps between the tile bytes to read that are read through rather than skipped (0: only exact tiles are read)."""
+
+
+class IntegrityError(CheckpointError):
+    """Bytes that do not match the checkpoint's integrity record (or a file that differs from it in size)."""
+
+
+@dataclass
+class VerifiedFile:
+    """One file as the verifier knows it: its record entry, region starts, each region's first leaf, and the
+    names of the tensors stored in it (by byte range) for messages."""
+
+    hashes: FileHashes
+    starts: Any
+    bases: list[int]
+    names: Callable[[int, int], list[str]]
+
+
+def region_bases(hashes: FileHashes) -> list[int]:
+    """The index of each region's first leaf in the file's leaf table."""
+    bases, count = [], 0
+    for region in hashes.regions:
+        bases.append(count)
+        count += region.leaves
+    return bases
+
+
+def _progressions(src: np.ndarray, length: np.ndarray, buf: np.ndarray, dst: np.ndarray) -> list[tuple[int, int]]:
+    """Split runs into maximal stretches ``[a, b)`` that are one strided copy: equal lengths and buffers, constant
+    source and destination strides."""
+    import numpy as np
+
+    n = len(src)
+    if n == 1:
+        return [(0, 1)]
+    same = (length[1:] == length[:-1]) & (buf[1:] == buf[:-1])
+    ds, dd = np.diff(src), np.diff(dst)
+    if bool(same.all()) and bool((ds == ds[0]).all()) and bool((dd == dd[0]).all()):
+        return [(0, n)]
+    out = []
+    i = 0
+    while i < n:
+        j = i + 1
+        if j < n and same[i]:
+            s, d = ds[i], dd[i]
+            while j < n and same[j - 1] and ds[j - 1] == s and dd[j - 1] == d:
+                j += 1
+        out.append((i, j))
+        i = j
+    return out
+
+
+class VerifiedReader(RunReader):
+    """Wraps a reader: each ``read_runs`` reads the tiles covering its runs, checks them against the record,
+    and copies the runs out of the checked bytes. ``files`` maps each readable path to its :class:`VerifiedFile`."""
+
+    can_map = False  # nothing may bypass the check by reading the file's pages directly
+
+    def __init__(self, inner: RunReader, files: dict[Any, VerifiedFile], hash_name: str) -> None:
+        self.inner = inner
+        self.files = files
+        self.hash = hasher(hash_name)
+        self.threads = inner.threads
+
+    def no_readahead(self, path: Any) -> None:
+        self.inner.no_readahead(path)  # type: ignore[attr-defined]
+
+    def prefetch(self, path: Any, starts: Sequence[int], ends: Sequence[int]) -> None:
+        pass  # the tiles read are wider than the runs; let the reads themselves fetch them
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def _file(self, path: Any) -> VerifiedFile:
+        entry = self.files.get(path)
+        if entry is None:
+            raise IntegrityError("this file is not in the integrity record", file=str(path))
+        return entry
+
+    def read_runs(self, path: Any, src: Any, length: Any, buf: Any, dst: Any, buffers: Sequence[Any], **_: Any) -> None:
+        """Copy run i: ``length[i]`` bytes at ``src[i]`` of ``path`` to byte ``dst[i]`` of ``buffers[buf[i]]``,
+        after checking every tile they touch."""
+        import numpy as np
+
+        from .reader import check_destinations
+
+        n = len(src)
+        if n == 0:
+            return
+        src = np.asarray(src, dtype=np.int64)
+        length = np.asarray(length, dtype=np.int64)
+        buf = np.asarray(buf, dtype=np.int64)
+        dst = np.asarray(dst, dtype=np.int64)
+        check_destinations(length, buf, dst, buffers)
+        entry = self._file(path)
+        ends = src + length
+        if int(src.min()) < 0 or int(ends.max()) > entry.hashes.size:
+            raise IntegrityError(
+                f"a read of bytes {int(src.min())}-{int(ends.max())} reaches past the {entry.hashes.size} bytes "
+                "the integrity record gives this file",
+                file=str(path),
+            )
+        ridx = np.searchsorted(entry.starts, src, side="right") - 1
+        region_ends = entry.starts[ridx] + np.array([entry.hashes.regions[i].length for i in ridx.tolist()])
+        if bool((ends > region_ends).any()):  # a run across regions: cut it at each region end
+            src, length, buf, dst = _cut(src, length, buf, dst, entry)
+            ridx = np.searchsorted(entry.starts, src, side="right") - 1
+        order = np.argsort(ridx, kind="stable")
+        ridx = ridx[order]
+        cuts = np.flatnonzero(np.diff(ridx)) + 1
+        for first, part in zip(np.concatenate(([0], cuts)).tolist(), np.split(order, cuts), strict=True):
+            self._region(path, entry, int(ridx[first]), src[part], length[part], buf[part], dst[part], buffers)
+
+    def _region(
+        self,
+        path: Any,
+        entry: VerifiedFile,
+        index: int,
+        src: np.ndarray,
+        length: np.ndarray,
+        buf: np.ndarray,
+        dst: np.ndarray,
+        buffers: Sequence[Any],
+    ) -> None:
+        import numpy as np
+        import torch
+
+        region = entry.hashes.regions[index]
+        B, h, w = region.row_bytes, region.tile_rows, region.tile_bytes
+        o = src - region.offset
+        e = o + length - 1
+        r0, r1 = o // B, e // B
+        b0 = np.where(r0 == r1, (o % B) // w, 0)
+        b1 = np.where(r0 == r1, (e % B) // w, region.bands - 1)
+        boxes = np.unique(np.stack([r0 // h, r1 // h, b0, b1], axis=1), axis=0)
+        need = np.zeros((region.row_blocks, region.bands), dtype=bool)
+        for a, b, c, d in boxes.tolist():
+            need[a : b + 1, c : d + 1] = True
+        blocks = np.flatnonzero(need.any(axis=1))
+        first_row = int(blocks[0]) * h
+        last_row = min(region.rows, (int(blocks[-1]) + 1) * h)
+        base = region.offset + first_row * B
+        canvas = torch.empty((last_row - first_row) * B, dtype=torch.uint8)
+        flat = canvas.numpy()
+        # the reads: per row block, each stretch of needed bands, one run per row (adjacent ones merged)
+        rs, rl = [], []
+        for blk in blocks.tolist():
+            row = need[blk]
+            edges = np.flatnonzero(np.diff(np.concatenate(([False], row, [False])).astype(np.int8)))
+            rows = np.arange(blk * h, min(region.rows, (blk + 1) * h), dtype=np.int64)
+            for c, d in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
+                lo, hi = c * w, min(d * w, B)
+                rs.append(rows * B + lo)
+                rl.append(np.full(len(rows), hi - lo, dtype=np.int64))
+        rsrc = np.concatenate(rs)
+        rlen = np.concatenate(rl)
+        rend = rsrc + rlen
+        keep = np.concatenate(([True], rsrc[1:] - rend[:-1] > HOLE))
+        starts = np.flatnonzero(keep)
+        msrc = rsrc[starts]
+        mlen = np.concatenate((rend[starts[1:] - 1], rend[-1:])) - msrc
+        zero = np.zeros(len(msrc), dtype=np.int64)
+        self.inner.read_runs(path, msrc + region.offset, mlen, zero, msrc - first_row * B, [canvas])
+        grid = flat.reshape(last_row - first_row, B)
+        for blk, band in zip(*np.nonzero(need), strict=True):
+            t0, th, c0, tw = region.tile(int(blk) * region.bands + int(band))
+            tile = grid[t0 - first_row : t0 - first_row + th, c0 : c0 + tw]
+            data = tile.reshape(-1) if tw == B else np.ascontiguousarray(tile).reshape(-1)
+            leaf = entry.bases[index] + int(blk) * region.bands + int(band)
+            if self.hash(data).digest() != entry.hashes.leaf(leaf):
+                lo = region.offset + t0 * B + c0
+                hi = region.offset + (t0 + th - 1) * B + c0 + tw
+                span = f"bytes {lo}-{hi}" if tw == B else f"bytes {lo}-{hi} ({th} rows x {tw} of every {B})"
+                names = entry.names(lo, hi)
+                feeds = f", feeding {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}" if names else ""
+                raise IntegrityError(
+                    f"{span}{feeds}: hash mismatch against the integrity record (the file was changed or corrupted)",
+                    file=str(path),
+                )
+        views = [buffer_array(t) for t in buffers]
+        at = src - base
+        for a, b in _progressions(src, length, buf, dst):
+            size = int(length[a])
+            count = b - a
+            out = views[int(buf[a])]
+            if count == 1:
+                out[int(dst[a]) : int(dst[a]) + size] = flat[int(at[a]) : int(at[a]) + size]
+                continue
+            ss = int(at[a + 1] - at[a])
+            sd = int(dst[a + 1] - dst[a])
+            s_view = np.lib.stride_tricks.as_strided(flat[int(at[a]) :], (count, size), (ss, 1), writeable=False)
+            d_view = np.lib.stride_tricks.as_strided(out[int(dst[a]) :], (count, size), (sd, 1))
+            np.copyto(d_view, s_view)
+
+
+def buffer_array(t: Any) -> np.ndarray:
+    """A contiguous CPU tensor's bytes as a flat writable numpy array (its storage, not a copy)."""
+    import torch
+
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _cut(src: np.ndarray, length: np.ndarray, buf: np.ndarray, dst: np.ndarray, entry: VerifiedFile) -> tuple:
+    """Runs cut at every region boundary they cross (rare: reads of header and data in one run)."""
+    import numpy as np
+
+    out: list[tuple[int, int, int, int]] = []
+    bounds = [r.end for r in entry.hashes.regions]
+    for s, n, b, d in zip(src.tolist(), length.tolist(), buf.tolist(), dst.tolist(), strict=True):
+        while n > 0:
+            i = int(np.searchsorted(entry.starts, s, side="right") - 1)
+            take = min(n, bounds[i] - s)
+            out.append((s, take, b, d))
+            s, n, d = s + take, n - take, d + take
+    arr = np.array(out, dtype=np.int64)
+    return arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]

@@ -1,0 +1,223 @@
+"""Verified loading: integrity records (``shardload hash``) and ``verify=True`` / ``verify=<root>``: every byte a
+rank reads is checked, a flipped byte anywhere it reads fails it with one line, and bytes it never reads do not."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import shardload
+from conftest import write_model
+from shardload.engine.integrity import hash_model
+from shardload.errors import ShardloadError
+from shardload.format.hash_record import RECORD_NAME, parse_record, tensor_region
+from shardload.sources.checkpoint import read_header
+from shardload.sources.reader import count_reads
+
+N = 4
+
+
+def shard(shape: list[int], dim: int) -> list:
+    out: list = ["num_shards", *shape]
+    out[dim + 1] = f"{shape[dim]} // num_shards"
+    return ["shard_funcs.shard_dim", [out, "float16"], dim, "num_shards"]
+
+
+@pytest.fixture(scope="module")
+def split_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Row- and column-split tensors wide enough that their tiles fall on the rank boundaries for N=4."""
+    rng = np.random.default_rng(1)
+    tensors = {
+        "row.weight": rng.standard_normal((512, 2048)).astype(np.float16),
+        "col.weight": rng.standard_normal((512, 2048)).astype(np.float16),
+        "norm.weight": rng.standard_normal(2048).astype(np.float16),
+    }
+    info = {
+        "version": 1,
+        "num_shards": None,
+        "params": {"row.weight": [shard([512, 2048], 0)], "col.weight": [shard([512, 2048], 1)]},
+    }
+    model = write_model(tmp_path_factory.mktemp("split") / "model", tensors, info)
+    hash_model(model)
+    return model
+
+
+def tampered(src: Path, dst: Path, offset: int, file: str = "model.safetensors") -> Path:
+    """A copy of model ``src`` (record included) with one byte of ``file`` flipped at ``offset``."""
+    shutil.copytree(src, dst)
+    with open(dst / file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x40]))
+    return dst
+
+
+def offset_of(model: Path, name: str, row: int, col_byte: int, file: str = "model.safetensors") -> int:
+    info = read_header(model / file)[name]
+    return info.offset + row * (info.nbytes // info.shape[0]) + col_byte
+
+
+def one_line_error(excinfo: pytest.ExceptionInfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message
+    return message
+
+
+def test_verified_loads_equal_plain_ones(split_model: Path, example_multi_dir: Path, tmp_path: Path) -> None:
+    multi = shutil.copytree(example_multi_dir, tmp_path / "multi")
+    root = hash_model(multi).root
+    for model, pin in ((split_model, hash_model(split_model).root), (multi, root)):
+        for rank in range(N):
+            plain = shardload.load_rank(model, rank, N)
+            for verify in (True, pin):
+                checked = shardload.load_rank(model, rank, N, verify=verify)
+                assert plain.keys() == checked.keys()
+                for name, t in plain.items():
+                    assert torch.equal(t, checked[name]), name
+    every = shardload.load(multi, N, ["cpu"] * N, verify=root)
+    for rank in range(N):
+        plain = shardload.load_rank(multi, rank, N)
+        assert all(torch.equal(plain[k], every[rank][k]) for k in plain)
+
+
+def test_hash_is_idempotent_and_small(split_model: Path) -> None:
+    first = hash_model(split_model)
+    data = first.path.read_bytes()
+    again = hash_model(split_model)
+    assert again.root == first.root and again.path.read_bytes() == data
+    assert first.record_bytes <= first.checkpoint_bytes // 1000 + (16 << 10)
+    record = parse_record(data, "record")
+    assert [f.name for f in record.files] == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("name,dim", [("row.weight", 0), ("col.weight", 1)])
+def test_flip_caught_by_reader_not_by_others(split_model: Path, tmp_path: Path, name: str, dim: int) -> None:
+    # a byte in rank 2's part of the tensor: rows 256..383 for the row split, bytes 2048..3071 of a row for columns
+    row, col = (300, 10) if dim == 0 else (5, 2048 + 10)
+    model = tampered(split_model, tmp_path / "m", offset_of(split_model, name, row, col))
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(model, 2, N, verify=True)
+    message = one_line_error(excinfo)
+    assert "model.safetensors" in message and name in message and "hash mismatch" in message
+    assert "bytes " in message
+    for rank in (0, 1, 3):  # these ranks never read the tile: they load, exactly
+        state = shardload.load_rank(model, rank, N, verify=True)
+        clean = shardload.load_rank(split_model, rank, N)
+        assert all(torch.equal(state[k], clean[k]) for k in clean)
+    with pytest.raises(ShardloadError):
+        shardload.load(model, N, ["cpu"] * N, verify=True)
+
+
+def test_flip_in_header_caught(split_model: Path, tmp_path: Path) -> None:
+    (n,) = struct.unpack("<Q", (split_model / "model.safetensors").read_bytes()[:8])
+    header = (split_model / "model.safetensors").read_bytes()[8 : 8 + n]
+    # a byte of the header that keeps it valid JSON with the same meaning: "float16"'s '1' -> a harmless key char
+    at = header.index(b'"__metadata__"') + 3 if b"__metadata__" in header else header.rindex(b" ")
+    model = tampered(split_model, tmp_path / "m", 8 + at)
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(model, 0, N, verify=True)
+    assert "the header" in one_line_error(excinfo) or "header" in str(excinfo.value).lower()
+
+
+def test_flip_in_fused_qkv_part_caught(example_dir: Path, tmp_path: Path) -> None:
+    src = shutil.copytree(example_dir, tmp_path / "src")
+    hash_model(src)
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    info = read_header(src / "model.safetensors")[name]
+    row_bytes = info.nbytes // info.shape[0]
+    # the k part starts after the 16 q heads (256 rows); a byte in the last k head
+    model = tampered(src, tmp_path / "m", info.offset + (256 + 120) * row_bytes + 7)
+    failed = []
+    for rank in range(N):
+        try:
+            shardload.load_rank(model, rank, N, verify=True)
+        except ShardloadError as err:
+            assert name in str(err) and "\n" not in str(err)
+            failed.append(rank)
+    assert failed, "no rank noticed the flipped byte"
+
+
+@pytest.mark.parametrize("change", ["truncate", "extend", "swap", "other record"])
+def test_file_level_changes_caught(split_model: Path, example_dir: Path, tmp_path: Path, change: str) -> None:
+    model = shutil.copytree(split_model, tmp_path / "m")
+    data = (model / "model.safetensors").read_bytes()
+    if change == "truncate":
+        (model / "model.safetensors").write_bytes(data[:-100])
+    elif change == "extend":
+        (model / "model.safetensors").write_bytes(data + b"\0")
+    elif change == "swap":  # same size, other bytes: the two tensors' data exchanged
+        row = read_header(model / "model.safetensors")["row.weight"]
+        col = read_header(model / "model.safetensors")["col.weight"]
+        a, b = data[row.offset : row.offset + row.nbytes], data[col.offset : col.offset + col.nbytes]
+        out = bytearray(data)
+        out[row.offset : row.offset + row.nbytes], out[col.offset : col.offset + col.nbytes] = b, a
+        (model / "model.safetensors").write_bytes(bytes(out))
+    else:
+        other = shutil.copytree(example_dir, tmp_path / "other")
+        shutil.copy(hash_model(other).path, model / RECORD_NAME)
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(model, 1, N, verify=True)
+    one_line_error(excinfo)
+
+
+def test_pinned_root_refuses_a_tampered_record(split_model: Path, tmp_path: Path) -> None:
+    root = hash_model(split_model).root
+    model = tampered(split_model, tmp_path / "m", offset_of(split_model, "row.weight", 0, 0))
+    rehashed = hash_model(model)  # an attacker re-hashes the altered file: verify=True now passes...
+    assert rehashed.root != root
+    shardload.load_rank(model, 0, N, verify=True)
+    with pytest.raises(ShardloadError) as excinfo:  # ...but the pinned root does not
+        shardload.load_rank(model, 0, N, verify=root)
+    assert "pinned root" in one_line_error(excinfo)
+    record = bytearray((split_model / RECORD_NAME).read_bytes())
+    record[-1] ^= 1  # a leaf hash altered by hand
+    (model / RECORD_NAME).write_bytes(bytes(record))
+    with pytest.raises(ShardloadError):
+        shardload.load_rank(model, 0, N, verify=root)
+
+
+def test_missing_record_says_how_to_make_one(example_dir: Path, tmp_path: Path) -> None:
+    model = shutil.copytree(example_dir, tmp_path / "m")
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(model, 0, N, verify=True)
+    assert "shardload hash" in one_line_error(excinfo)
+    with pytest.raises(ShardloadError):
+        shardload.load_rank(model, 0, N, verify="not-a-root")
+
+
+def test_rank_reads_only_the_tiles_it_needs(split_model: Path) -> None:
+    for rank in range(N):
+        with count_reads() as plain:
+            shardload.load_rank(split_model, rank, N)
+        with count_reads() as checked:
+            shardload.load_rank(split_model, rank, N, verify=True)
+        header = (split_model / "model.safetensors").stat().st_size - sum(
+            t.nbytes for t in read_header(split_model / "model.safetensors").values()
+        )
+        assert checked.bytes <= plain.bytes + header, (rank, checked.bytes, plain.bytes)
+
+
+@pytest.mark.parametrize("junk", [b"", b"SLHASH1\n", b"SLHASH1\n" + struct.pack("<Q", 1 << 40), b"x" * 64])
+def test_malformed_records_refused(split_model: Path, tmp_path: Path, junk: bytes) -> None:
+    model = shutil.copytree(split_model, tmp_path / "m")
+    (model / RECORD_NAME).write_bytes(junk)
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(model, 0, N, verify=True)
+    one_line_error(excinfo)
+
+
+def test_tiles_fall_on_power_of_two_splits() -> None:
+    for rows, cols in ((2048, 2048), (512, 2048), (2048, 5632), (32000, 2048), (256, 4096)):
+        region = tensor_region(0, rows, cols * 2, 2)
+        assert region.tile_rows * region.tile_bytes <= 64 << 10
+        for n in (2, 4, 8):
+            if rows % (8 * n) == 0 and region.row_blocks >= n:
+                assert (rows // n) % region.tile_rows == 0, (rows, cols, n, region)
+            if region.bands >= n and cols % (n * 8) == 0:
+                assert (cols * 2 // n) % region.tile_bytes == 0, (rows, cols, n, region)
