@@ -1,4 +1,4 @@
-"""The ``shardload`` command line: example, plan, convert, validate, inspect, verify, quantize.
+"""The ``shardload`` command line: example, plan, convert, validate, inspect, verify, quantize, hash.
 
 Bad input prints one line per problem (``file: parameter: step K (function): reason``) and
 exits 1; usage errors exit 2; no tracebacks for anything shardload can name.
@@ -640,3 +640,23 @@ def verify(out_dir: Path, source: Path | None, as_json: bool) -> None:
         f"{out_dir}: {report.files} files ({human_bytes(report.nbytes)}) match shard_manifest.json "
         f"(num_shards={report.num_shards}){against}"
     )
+
+
+@main.command(name="hash")
+@click.argument("model", type=MODEL)
+@click.option("-o", "--out", type=click.Path(path_type=Path), help="Write the record here (default: beside MODEL).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar; print only the root hash.")
+@_guarded
+def hash_command(model: Path, out: Path | None, quiet: bool) -> None:
+    """Write MODEL's integrity record (shardload.hashes) and print its root hash, for load(verify=ROOT)."""
+    from ..engine.integrity import hash_model
+    from .report import human_bytes
+
+    result = hash_model(model, out, progress=not quiet)
+    if quiet:
+        click.echo(result.root)
+        return
+    click.echo(
+        f"{result.path}: {human_bytes(result.checkpoint_bytes)} hashed, record {human_bytes(result.record_bytes)}"
+    )
+    click.echo(f"root {result.root}")
