@@ -15,7 +15,7 @@ import shardload
 from conftest import write_model
 from shardload.engine.integrity import hash_model
 from shardload.errors import ShardloadError
-from shardload.format.hash_record import RECORD_NAME, parse_record, tensor_region
+from shardload.format.hash_record import LEAF_BYTES, RECORD_NAME, parse_record, tensor_region
 from shardload.sources.checkpoint import read_header
 from shardload.sources.reader import count_reads
 
@@ -213,11 +213,16 @@ def test_malformed_records_refused(split_model: Path, tmp_path: Path, junk: byte
 
 
 def test_tiles_fall_on_power_of_two_splits() -> None:
-    for rows, cols in ((2048, 2048), (512, 2048), (2048, 5632), (32000, 2048), (256, 4096)):
+    # the shapes of a Llama-like model's weights (fused qkv and gate_up, GQA, vocabulary 32000)
+    for rows, cols in ((2048, 2048), (3072, 2048), (512, 2048), (11264, 2048), (2048, 5632), (32000, 2048)):
         region = tensor_region(0, rows, cols * 2, 2)
-        assert region.tile_rows * region.tile_bytes <= 64 << 10
+        by_rows = region.tiling(0)
+        assert by_rows.tile_bytes == cols * 2 and by_rows.tile_rows * by_rows.tile_bytes <= LEAF_BYTES
         for n in (2, 4, 8):
-            if rows % (8 * n) == 0 and region.row_blocks >= n:
-                assert (rows // n) % region.tile_rows == 0, (rows, cols, n, region)
-            if region.bands >= n and cols % (n * 8) == 0:
-                assert (cols * 2 // n) % region.tile_bytes == 0, (rows, cols, n, region)
+            for part in (rows, rows // 3, rows // 2):  # fused parts (q of qkv is 2/3, gate and up are halves)
+                if part % (n * 64) == 0:
+                    assert (part // n) % by_rows.tile_rows == 0, (rows, cols, n, region)
+        by_cols = region.tiling(1)
+        assert by_cols.tile_rows * by_cols.tile_bytes <= LEAF_BYTES
+        for n in (2, 4, 8):
+            assert (cols * 2 // n) % by_cols.tile_bytes == 0, (rows, cols, n, region)

@@ -35,7 +35,7 @@ from ..sources.reader import RunReader
 from ..sources.verified import IntegrityError, VerifiedFile, VerifiedReader, region_bases
 
 if TYPE_CHECKING:
-    import numpy as np
+    pass
 
 WORK_BYTES = 32 << 20
 """Bytes one hashing job covers (a stretch of one file, whole row blocks)."""
@@ -97,7 +97,8 @@ def regions_for(size: int, tensors: Sequence[TensorInfo], leaf: int = LEAF_BYTES
 
 @dataclass
 class _Job:
-    """A stretch of one file to hash: region ``region``'s leaves ``[first, last)``."""
+    """A stretch of one region to hash: rows ``[first, last)`` (bytes, for a one-row region), every tiling's tiles
+    in them; ``leaf0`` is the region's first leaf in the file's table."""
 
     file: int
     region: Region
@@ -110,46 +111,50 @@ def _jobs(index: int, regions: Sequence[Region]) -> list[_Job]:
     jobs = []
     base = 0
     for region in regions:
-        if region.bands == 1 or region.rows == 1:
-            per = max(1, WORK_BYTES // max(1, region.tile_rows * region.tile_bytes))
+        if region.rows == 1:
+            step = region.tilings[0][1]
+            per = max(1, WORK_BYTES // step) * step
+            jobs += [_Job(index, region, base, a, min(region.length, a + per)) for a in range(0, region.length, per)]
         else:
-            per = max(1, WORK_BYTES // max(1, region.tile_rows * region.row_bytes)) * region.bands
-        for a in range(0, region.leaves, per):
-            jobs.append(_Job(index, region, base, a, min(region.leaves, a + per)))
+            unit = max(t for t, _ in region.tilings)
+            per = max(1, WORK_BYTES // (unit * region.row_bytes)) * unit
+            jobs += [_Job(index, region, base, a, min(region.rows, a + per)) for a in range(0, region.rows, per)]
         base += region.leaves
     return jobs
 
 
 def _hash_job(fd: int, job: _Job, hash_fn: Any, out: bytearray, done: Callable[[int], None]) -> None:
-    """Hash leaves ``[first, last)`` of one region, reading its bytes in order."""
+    """Hash every tile of one stretch of a region, reading its bytes in order once."""
     import numpy as np
 
     r = job.region
-    B = r.row_bytes
-    if r.bands == 1 or r.rows == 1:  # consecutive leaves are consecutive bytes
-        step = r.tile_rows * r.tile_bytes
-        start = r.offset + job.first * step
-        end = min(r.end, r.offset + job.last * step)
-        per = max(step, READ_BYTES // step * step)
-        leaf = job.first
-        for at in range(start, end, per):
-            data = _pread(fd, at, min(per, end - at))
+    if r.rows == 1:  # a one-row region: consecutive leaves are consecutive bytes
+        step = r.tilings[0][1]
+        for at in range(job.first, job.last, READ_BYTES // step * step or step):
+            data = _pread(fd, r.offset + at, min(READ_BYTES // step * step or step, job.last - at))
             for k in range(0, len(data), step):
-                pos = (job.leaf0 + leaf) * HASH_BYTES
+                pos = (job.leaf0 + (at + k) // step) * HASH_BYTES
                 out[pos : pos + HASH_BYTES] = hash_fn(data[k : k + step]).digest()
-                leaf += 1
             done(len(data))
         return
-    for blk in range(job.first // r.bands, job.last // r.bands):
-        r0 = blk * r.tile_rows
-        rows = min(r.tile_rows, r.rows - r0)
-        data = np.frombuffer(_pread(fd, r.offset + r0 * B, rows * B), dtype=np.uint8).reshape(rows, B)
-        for band in range(r.bands):
-            c0 = band * r.tile_bytes
-            tile = np.ascontiguousarray(data[:, c0 : c0 + r.tile_bytes])
-            pos = (job.leaf0 + blk * r.bands + band) * HASH_BYTES
-            out[pos : pos + HASH_BYTES] = hash_fn(tile.reshape(-1)).digest()
-        done(rows * B)
+    B = r.row_bytes
+    unit = max(t for t, _ in r.tilings)
+    per = max(unit, READ_BYTES // (unit * B) * unit)
+    for a in range(job.first, job.last, per):
+        b = min(job.last, a + per)
+        data = np.frombuffer(_pread(fd, r.offset + a * B, (b - a) * B), dtype=np.uint8).reshape(b - a, B)
+        base = job.leaf0
+        for k in range(len(r.tilings)):
+            t = r.tiling(k)
+            for blk in range(a // t.tile_rows, -(-b // t.tile_rows)):
+                rows = data[blk * t.tile_rows - a : min(b, (blk + 1) * t.tile_rows) - a]
+                for band in range(t.bands):
+                    c0 = band * t.tile_bytes
+                    tile = rows if t.bands == 1 else np.ascontiguousarray(rows[:, c0 : c0 + t.tile_bytes])
+                    pos = (base + blk * t.bands + band) * HASH_BYTES
+                    out[pos : pos + HASH_BYTES] = hash_fn(tile.reshape(-1)).digest()
+            base += t.leaves
+        done((b - a) * B)
 
 
 def _pread(fd: int, offset: int, n: int) -> memoryview:
@@ -359,14 +364,3 @@ def verified_reader(inner: RunReader, checkpoint: Checkpoint, record: HashRecord
             z = np.zeros(1, dtype=np.int64)
             reader.read_runs(f, z, np.array([n], dtype=np.int64), z, z, [out])
     return reader
-
-
-def leaf_indices(region: Region, lo: int, hi: int) -> np.ndarray:
-    """Leaves of ``region`` a byte range ``[lo, hi)`` touches (for tests and reports)."""
-    import numpy as np
-
-    B, h, w = region.row_bytes, region.tile_rows, region.tile_bytes
-    o, e = lo - region.offset, hi - 1 - region.offset
-    r0, r1 = o // B, e // B
-    b0, b1 = ((o % B) // w, (e % B) // w) if r0 == r1 else (0, region.bands - 1)
-    return np.array([blk * region.bands + b for blk in range(r0 // h, r1 // h + 1) for b in range(b0, b1 + 1)])

@@ -17,8 +17,8 @@ RECORD_NAME = "shardload.hashes"
 MAGIC = b"SLHASH1\n"
 VERSION = 1
 HASH_BYTES = 32
-LEAF_BYTES = 64 << 10
-"""The target tile size: every tile holds at most this many bytes (and, in tensors larger than it, more than half)."""
+LEAF_BYTES = 128 << 10
+"""The most bytes a tile holds (a tensor's tiles hold more than half of it, but for its last row block and band)."""
 MIN_BAND = 256
 """The narrowest column band (bytes) a tile is cut into."""
 MAX_HEADER = 64 << 20
@@ -56,19 +56,14 @@ def default_hash() -> str:
 
 
 @dataclass(frozen=True)
-class Region:
-    """A stretch of a file cut into tiles: ``rows`` rows of ``row_bytes`` bytes, tiles of ``tile_rows`` rows by
-    ``tile_bytes`` bytes (the last row block and band may be shorter), hashed row block by row block, band by band."""
+class Tiling:
+    """One way of cutting a region into tiles: ``tile_rows`` rows by ``tile_bytes`` bytes (the last row block and
+    band may be shorter), numbered row block by row block, band by band."""
 
-    offset: int
-    length: int
+    rows: int
     row_bytes: int
     tile_rows: int
     tile_bytes: int
-
-    @property
-    def rows(self) -> int:
-        return self.length // self.row_bytes
 
     @property
     def row_blocks(self) -> int:
@@ -82,10 +77,6 @@ class Region:
     def leaves(self) -> int:
         return self.row_blocks * self.bands
 
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
-
     def tile(self, index: int) -> tuple[int, int, int, int]:
         """Tile ``index``'s first row, row count, first byte within a row and byte width."""
         block, band = divmod(index, self.bands)
@@ -94,29 +85,72 @@ class Region:
         return r0, min(self.tile_rows, self.rows - r0), c0, min(self.tile_bytes, self.row_bytes - c0)
 
 
+@dataclass(frozen=True)
+class Region:
+    """A stretch of a file seen as ``length // row_bytes`` rows of ``row_bytes`` bytes, hashed once per tiling
+    (a tensor has a row-block tiling and a column-band tiling, so a split along either dim reads only its tiles)."""
+
+    offset: int
+    length: int
+    row_bytes: int
+    tilings: tuple[tuple[int, int], ...]
+
+    @property
+    def rows(self) -> int:
+        return self.length // self.row_bytes
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def tiling(self, k: int) -> Tiling:
+        tile_rows, tile_bytes = self.tilings[k]
+        return Tiling(self.rows, self.row_bytes, tile_rows, tile_bytes)
+
+    @property
+    def leaves(self) -> int:
+        return sum(self.tiling(k).leaves for k in range(len(self.tilings)))
+
+
 def linear_region(offset: int, length: int, leaf: int = LEAF_BYTES) -> Region:
     """Bytes hashed in consecutive leaves of ``leaf`` bytes (headers, gaps, tensors without a row shape)."""
-    return Region(offset, length, length, 1, min(leaf, length))
+    return Region(offset, length, length, ((1, min(leaf, length)),))
+
+
+def _ceil_to(n: int, parts: int, unit: int) -> int:
+    """``n / parts`` rounded up to a multiple of ``unit``."""
+    piece = -(-n // parts)
+    return -(-piece // unit) * unit
+
+
+def _pow2_below(n: int) -> int:
+    """The largest power of two at most ``n`` (1 for n < 2)."""
+    return 1 << max(0, n.bit_length() - 1)
 
 
 def tensor_region(offset: int, rows: int, row_bytes: int, itemsize: int, leaf: int = LEAF_BYTES) -> Region:
-    """A tensor viewed as ``rows`` x ``row_bytes`` cut into tiles of at most ``leaf`` bytes: row blocks first until
-    there are 8 of them, then alternately halving the band width and the row block, so that a split of either dim
-    into a power-of-two count up to the block and band counts falls on tile edges."""
-    h, w = rows, row_bytes
-    while h * w > leaf:
-        blocks, bands = -(-rows // h), -(-row_bytes // w)
-        narrower = -(-w // 2 // itemsize) * itemsize if itemsize else w
-        can_band = narrower >= MIN_BAND and narrower < w
-        if h > 1 and (blocks < 8 or blocks <= bands or not can_band):
-            h = -(-h // 2)
-        elif can_band:
-            w = narrower
-        else:
-            break
-    if h * w > leaf:  # rows wider than a leaf that cannot be banded further: hash them linearly
-        return linear_region(offset, rows * row_bytes, leaf)
-    return Region(offset, rows * row_bytes, row_bytes, h, w)
+    """A tensor of ``rows`` rows of ``row_bytes`` bytes with two tilings of at most ``leaf`` bytes per tile: row
+    blocks of a power-of-two row count (whole rows where a row fits), so splits of dim 0 fall on block edges; and
+    column bands of ``row_bytes / 2**k`` bytes (at least :data:`MIN_BAND`, up to 64 bands) a power-of-two count of
+    rows tall, so splits of the last dim fall on band edges."""
+    length = rows * row_bytes
+    if length <= leaf:
+        return Region(offset, length, row_bytes, ((rows, row_bytes),))
+    if row_bytes <= leaf:
+        by_rows = (min(rows, _pow2_below(leaf // row_bytes)), row_bytes)
+    else:
+        parts = 2
+        while -(-row_bytes // parts) > leaf:
+            parts *= 2
+        by_rows = (1, _ceil_to(row_bytes, parts, itemsize))
+    bands = 1
+    while bands < 64 and row_bytes // (bands * 2) >= MIN_BAND:
+        bands *= 2
+    width = _ceil_to(row_bytes, bands, itemsize)
+    if bands == 1 or width >= by_rows[1]:
+        return Region(offset, length, row_bytes, (by_rows,))
+    by_cols = (min(rows, _pow2_below(leaf // width)), width)
+    return Region(offset, length, row_bytes, (by_rows, by_cols))
 
 
 @dataclass
@@ -151,7 +185,7 @@ class HashRecord:
                 {
                     "name": f.name,
                     "size": f.size,
-                    "regions": [[r.offset, r.length, r.row_bytes, r.tile_rows, r.tile_bytes] for r in f.regions],
+                    "regions": [[r.offset, r.length, r.row_bytes, [list(t) for t in r.tilings]] for r in f.regions],
                 }
                 for f in self.files
             ],
@@ -221,18 +255,23 @@ def parse_record(data: bytes, where: str) -> HashRecord:
         cursor = 0
         count = 0
         for r in raw:
-            if not isinstance(r, list) or len(r) != 5:
-                raise RecordError(f"{name}: a region must be [offset, length, row_bytes, tile_rows, tile_bytes]",
-                                  file=where)  # fmt: skip
-            off, length, row_bytes, tile_rows, tile_bytes = (_int(v, f"{name}: region", where) for v in r)
-            if off != cursor or length == 0 or row_bytes == 0 or length % row_bytes or tile_rows == 0:
+            if not isinstance(r, list) or len(r) != 4 or not isinstance(r[3], list) or not 1 <= len(r[3]) <= 2:
+                raise RecordError(f"{name}: a region must be [offset, length, row_bytes, [[tile_rows, tile_bytes], "
+                                  "...]] with one or two tilings", file=where)  # fmt: skip
+            off, length, row_bytes = (_int(v, f"{name}: region", where) for v in r[:3])
+            if off != cursor or length == 0 or row_bytes == 0 or length % row_bytes:
                 raise RecordError(f"{name}: regions must tile the file in order without gaps (at byte {cursor})",
                                   file=where)  # fmt: skip
-            if not 0 < tile_bytes <= row_bytes or tile_rows * tile_bytes > leaf:
-                raise RecordError(f"{name}: a tile at byte {off} is larger than leaf_bytes", file=where)
-            region = Region(off, length, row_bytes, tile_rows, tile_bytes)
-            if tile_rows > region.rows:
-                raise RecordError(f"{name}: a tile at byte {off} has more rows than its region", file=where)
+            tilings = []
+            for t in r[3]:
+                if not isinstance(t, list) or len(t) != 2:
+                    raise RecordError(f"{name}: a tiling must be [tile_rows, tile_bytes]", file=where)
+                tile_rows = _int(t[0], f"{name}: tile_rows", where, 1, length // row_bytes)
+                tile_bytes = _int(t[1], f"{name}: tile_bytes", where, 1, row_bytes)
+                if tile_rows * tile_bytes > leaf:
+                    raise RecordError(f"{name}: a tile at byte {off} is larger than leaf_bytes", file=where)
+                tilings.append((tile_rows, tile_bytes))
+            region = Region(off, length, row_bytes, tuple(tilings))
             regions.append(region)
             cursor += length
             count += region.leaves

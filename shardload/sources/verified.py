@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
-from ..format.hash_record import FileHashes, hasher
-from .reader import RunReader
+from ..format.hash_record import FileHashes, Tiling, hasher
+from .reader import PAGE, FileMaps, RunReader, count_mapped
 
 if TYPE_CHECKING:
     import numpy as np
@@ -80,6 +80,7 @@ class VerifiedReader(RunReader):
         self.files = files
         self.hash = hasher(hash_name)
         self.threads = inner.threads
+        self.maps = FileMaps() if inner.can_map else None
 
     def no_readahead(self, path: Any) -> None:
         self.inner.no_readahead(path)  # type: ignore[attr-defined]
@@ -88,6 +89,8 @@ class VerifiedReader(RunReader):
         pass  # the tiles read are wider than the runs; let the reads themselves fetch them
 
     def close(self) -> None:
+        if self.maps is not None:
+            self.maps.close()
         self.inner.close()
 
     def _file(self, path: Any) -> VerifiedFile:
@@ -95,6 +98,38 @@ class VerifiedReader(RunReader):
         if entry is None:
             raise IntegrityError("this file is not in the integrity record", file=str(path))
         return entry
+
+    def _fill(
+        self, path: Any, region: Any, first_row: int, boxes: list[tuple[int, int, int, int]], flat: Any, canvas: Any
+    ) -> None:
+        """Fill the canvas (the region's rows from ``first_row``, laid out as in the file) with ``boxes`` (rows
+        ``[a, b)``, bytes ``[lo, hi)`` of each row): strided copies out of a mapping when the file is in the page
+        cache, else the inner reader's runs (one per row and box, adjacent ones merged)."""
+        import numpy as np
+
+        B = region.row_bytes
+        mapped = self.maps.array(path) if self.maps is not None and self.maps.warm(path) else None
+        if mapped is not None:
+            grid = flat.reshape(-1, B)
+            rows = mapped[region.offset : region.end].reshape(-1, B)
+            total = 0
+            for a, b, lo, hi in boxes:
+                np.copyto(grid[a - first_row : b - first_row, lo:hi], rows[a:b, lo:hi])
+                total += (b - a) * (hi - lo)
+            count_mapped(path, total)
+            return
+        rs = [np.arange(a, b, dtype=np.int64) * B + lo for a, b, lo, _ in boxes]
+        rl = [np.full(b - a, hi - lo, dtype=np.int64) for a, b, lo, hi in boxes]
+        rsrc = np.concatenate(rs)
+        rend = rsrc + np.concatenate(rl)
+        starts = np.flatnonzero(np.concatenate(([True], rsrc[1:] - rend[:-1] > HOLE)))
+        src = rsrc[starts]
+        length = np.concatenate((rend[starts[1:] - 1], rend[-1:])) - src
+        zero = np.zeros(len(src), dtype=np.int64)
+        if self.maps is not None:  # a local file not in the page cache: exactly these pages, fetched together
+            self.inner.no_readahead(path)  # type: ignore[attr-defined]
+            self.inner.prefetch(path, *_pages(src + region.offset, src + length + region.offset))  # type: ignore[attr-defined]
+        self.inner.read_runs(path, src + region.offset, length, zero, src - first_row * B, [canvas])
 
     def read_runs(self, path: Any, src: Any, length: Any, buf: Any, dst: Any, buffers: Sequence[Any], **_: Any) -> None:
         """Copy run i: ``length[i]`` bytes at ``src[i]`` of ``path`` to byte ``dst[i]`` of ``buffers[buf[i]]``,
@@ -145,47 +180,41 @@ class VerifiedReader(RunReader):
         import torch
 
         region = entry.hashes.regions[index]
-        B, h, w = region.row_bytes, region.tile_rows, region.tile_bytes
+        B = region.row_bytes
         o = src - region.offset
         e = o + length - 1
-        r0, r1 = o // B, e // B
-        b0 = np.where(r0 == r1, (o % B) // w, 0)
-        b1 = np.where(r0 == r1, (e % B) // w, region.bands - 1)
-        boxes = np.unique(np.stack([r0 // h, r1 // h, b0, b1], axis=1), axis=0)
-        need = np.zeros((region.row_blocks, region.bands), dtype=bool)
-        for a, b, c, d in boxes.tolist():
-            need[a : b + 1, c : d + 1] = True
+        # the tiling that needs the fewest bytes read for these runs (row blocks for a dim-0 split, bands for columns)
+        best = None
+        base = entry.bases[index]
+        for k in range(len(region.tilings)):
+            tiling = region.tiling(k)
+            need = _needed(tiling, o, e)
+            nbytes = int((need * np.outer(_sizes(tiling.rows, tiling.tile_rows), _sizes(B, tiling.tile_bytes))).sum())
+            if best is None or nbytes < best[0]:
+                best = (nbytes, tiling, need, base)
+            base += tiling.leaves
+        assert best is not None
+        _, tiling, need, leaf0 = best
+        h, w = tiling.tile_rows, tiling.tile_bytes
         blocks = np.flatnonzero(need.any(axis=1))
         first_row = int(blocks[0]) * h
         last_row = min(region.rows, (int(blocks[-1]) + 1) * h)
         base = region.offset + first_row * B
         canvas = torch.empty((last_row - first_row) * B, dtype=torch.uint8)
         flat = canvas.numpy()
-        # the reads: per row block, each stretch of needed bands, one run per row (adjacent ones merged)
-        rs, rl = [], []
+        # per row block, each stretch of needed bands: a box of rows x bytes to fill the canvas with
+        boxes = []
         for blk in blocks.tolist():
-            row = need[blk]
-            edges = np.flatnonzero(np.diff(np.concatenate(([False], row, [False])).astype(np.int8)))
-            rows = np.arange(blk * h, min(region.rows, (blk + 1) * h), dtype=np.int64)
+            edges = np.flatnonzero(np.diff(np.concatenate(([False], need[blk], [False])).astype(np.int8)))
             for c, d in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
-                lo, hi = c * w, min(d * w, B)
-                rs.append(rows * B + lo)
-                rl.append(np.full(len(rows), hi - lo, dtype=np.int64))
-        rsrc = np.concatenate(rs)
-        rlen = np.concatenate(rl)
-        rend = rsrc + rlen
-        keep = np.concatenate(([True], rsrc[1:] - rend[:-1] > HOLE))
-        starts = np.flatnonzero(keep)
-        msrc = rsrc[starts]
-        mlen = np.concatenate((rend[starts[1:] - 1], rend[-1:])) - msrc
-        zero = np.zeros(len(msrc), dtype=np.int64)
-        self.inner.read_runs(path, msrc + region.offset, mlen, zero, msrc - first_row * B, [canvas])
+                boxes.append((blk * h, min(region.rows, (blk + 1) * h), c * w, min(d * w, B)))
+        self._fill(path, region, first_row, boxes, flat, canvas)
         grid = flat.reshape(last_row - first_row, B)
         for blk, band in zip(*np.nonzero(need), strict=True):
-            t0, th, c0, tw = region.tile(int(blk) * region.bands + int(band))
+            t0, th, c0, tw = tiling.tile(int(blk) * tiling.bands + int(band))
             tile = grid[t0 - first_row : t0 - first_row + th, c0 : c0 + tw]
             data = tile.reshape(-1) if tw == B else np.ascontiguousarray(tile).reshape(-1)
-            leaf = entry.bases[index] + int(blk) * region.bands + int(band)
+            leaf = leaf0 + int(blk) * tiling.bands + int(band)
             if self.hash(data).digest() != entry.hashes.leaf(leaf):
                 lo = region.offset + t0 * B + c0
                 hi = region.offset + (t0 + th - 1) * B + c0 + tw
@@ -210,6 +239,44 @@ class VerifiedReader(RunReader):
             s_view = np.lib.stride_tricks.as_strided(flat[int(at[a]) :], (count, size), (ss, 1), writeable=False)
             d_view = np.lib.stride_tricks.as_strided(out[int(dst[a]) :], (count, size), (sd, 1))
             np.copyto(d_view, s_view)
+
+
+def _needed(tiling: Tiling, o: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """Which tiles of ``tiling`` (row blocks x bands, booleans) hold a byte of the runs ``[o, e]`` (inclusive,
+    offsets within the region)."""
+    import numpy as np
+
+    B, h, w = tiling.row_bytes, tiling.tile_rows, tiling.tile_bytes
+    r0, r1 = o // B, e // B
+    b0 = np.where(r0 == r1, (o % B) // w, 0)
+    b1 = np.where(r0 == r1, (e % B) // w, tiling.bands - 1)
+    boxes = np.unique(np.stack([r0 // h, r1 // h, b0, b1], axis=1), axis=0)
+    need = np.zeros((tiling.row_blocks, tiling.bands), dtype=bool)
+    for a, b, c, d in boxes.tolist():
+        need[a : b + 1, c : d + 1] = True
+    return need
+
+
+def _pages(starts: np.ndarray, ends: np.ndarray) -> tuple[list[int], list[int]]:
+    """The whole-page byte ranges that sorted runs ``[starts[i], ends[i])`` touch, touching pages merged."""
+    import numpy as np
+
+    first = starts // PAGE
+    last = (ends - 1) // PAGE + 1
+    top = np.maximum.accumulate(last)
+    new = np.concatenate(([True], first[1:] > top[:-1]))
+    heads = np.flatnonzero(new)
+    tails = np.concatenate((heads[1:] - 1, [len(first) - 1]))
+    return (first[heads] * PAGE).tolist(), (top[tails] * PAGE).tolist()
+
+
+def _sizes(total: int, step: int) -> np.ndarray:
+    """The lengths of ``total`` cut into pieces of ``step`` (the last one shorter)."""
+    import numpy as np
+
+    out = np.full(-(-total // step), step, dtype=np.int64)
+    out[-1] = total - step * (len(out) - 1)
+    return out
 
 
 def buffer_array(t: Any) -> np.ndarray:
