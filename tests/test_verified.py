@@ -3,6 +3,7 @@ rank reads is checked, a flipped byte anywhere it reads fails it with one line, 
 
 from __future__ import annotations
 
+import json
 import shutil
 import struct
 from pathlib import Path
@@ -15,7 +16,7 @@ import shardload
 from conftest import write_model
 from shardload.engine.integrity import hash_model
 from shardload.errors import ShardloadError
-from shardload.format.hash_record import LEAF_BYTES, RECORD_NAME, parse_record, tensor_region
+from shardload.format.hash_record import LEAF_BYTES, RECORD_NAME, parse_record, root_of, tensor_region
 from shardload.sources.checkpoint import read_header
 from shardload.sources.reader import count_reads
 
@@ -226,3 +227,52 @@ def test_tiles_fall_on_power_of_two_splits() -> None:
         assert by_cols.tile_rows * by_cols.tile_bytes <= LEAF_BYTES
         for n in (2, 4, 8):
             assert (cols * 2 // n) % by_cols.tile_bytes == 0, (rows, cols, n, region)
+
+
+def test_convert_verify_refuses_a_flipped_source_and_writes_nothing(split_model: Path, tmp_path: Path) -> None:
+    model = tampered(split_model, tmp_path / "m", offset_of(split_model, "col.weight", 7, 3000))
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.convert(model, N, tmp_path / "out", verify=True)
+    assert "col.weight" in one_line_error(excinfo)
+    assert not (tmp_path / "out").exists()
+    shardload.convert(split_model, N, tmp_path / "ok", verify=hash_model(split_model).root)
+
+
+def test_converted_output_carries_a_record(split_model: Path, tmp_path: Path) -> None:
+    out = shardload.convert(split_model, N, tmp_path / "out").out_dir
+    manifest = json.loads((out / "shard_manifest.json").read_text())
+    root = manifest["integrity"]["root"]
+    assert root == root_of((out / RECORD_NAME).read_bytes())
+    assert any(f["path"] == RECORD_NAME and f["sha256"] == root for f in manifest["files"])
+    assert shardload.verify_dir(out).ok
+    for rank in range(N):
+        checked = shardload.load_rank(out, rank, N, verify=root)
+        plain = shardload.load_rank(split_model, rank, N)
+        assert all(torch.equal(checked[k], plain[k]) for k in plain)
+    rank_file = out / "rank-00002-of-00004.safetensors"
+    data = bytearray(rank_file.read_bytes())
+    data[-5] ^= 1
+    rank_file.write_bytes(bytes(data))
+    shardload.load_rank(out, 1, N, verify=True)  # another rank's file
+    for verify in (True, root):
+        with pytest.raises(ShardloadError) as excinfo:
+            shardload.load_rank(out, 2, N, verify=verify)
+        assert "rank-00002-of-00004.safetensors" in one_line_error(excinfo)
+
+
+def test_cli_hash_and_convert_verify(split_model: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from shardload.cli.main import main
+
+    model = shutil.copytree(split_model, tmp_path / "m")
+    (model / RECORD_NAME).unlink()
+    result = CliRunner().invoke(main, ["hash", "-q", str(model)])
+    assert result.exit_code == 0, result.output
+    root = result.output.strip()
+    assert root == root_of((model / RECORD_NAME).read_bytes())
+    result = CliRunner().invoke(main, ["convert", str(model), "-n", "2", "-o", str(tmp_path / "o"), "--verify", root])
+    assert result.exit_code == 0, result.output
+    other = "0" * 64
+    result = CliRunner().invoke(main, ["convert", str(model), "-n", "2", "-o", str(tmp_path / "x"), "--verify", other])
+    assert result.exit_code == 1 and "pinned root" in result.output and "Traceback" not in result.output

@@ -221,6 +221,10 @@ def example(out_dir: Path, overwrite: bool, multi_file: bool) -> None:
     help="shardload: rank files + manifest (load_rank, load_format='shardload'); vllm: vLLM's sharded_state "
     "files, served by stock vLLM with load_format='sharded_state'.",
 )
+@click.option(
+    "--verify", "verify", is_flag=False, flag_value="record", default=None, metavar="[ROOT]",
+    help="Check every byte read against MODEL's integrity record (shardload hash); with ROOT, pin the record too.",
+)  # fmt: skip
 @_mesh_options
 @_guarded
 def convert(
@@ -233,6 +237,7 @@ def convert(
     quiet: bool,
     as_json: bool,
     layout_name: str,
+    verify: str | None,
     mesh: str | None,
     world_size: int | None,
     pp_layers: str | None,
@@ -246,12 +251,14 @@ def convert(
     from .report import format_table, human_bytes
 
     if layout_name == "vllm":
+        if verify is not None:
+            raise click.UsageError("--verify is not supported with --layout vllm yet")
         _convert_vllm(model, num_shards, out_dir, shard_info, overwrite, fsync, quiet, as_json, mesh)
         return
     layout = _mesh_arg(mesh, world_size, pp_layers)
     if layout is None and num_shards is None:
         raise click.UsageError("give --num-shards (or --mesh)")
-    options = {"overwrite": overwrite, "mesh": layout, "fsync": fsync}
+    options = {"overwrite": overwrite, "mesh": layout, "fsync": fsync, "verify": verify == "record" or verify or False}
 
     show_bar = not quiet and not as_json and sys.stderr.isatty()
     state = {"done": 0}

@@ -192,18 +192,55 @@ def hash_model(
     checkpoint always gives the same record and root."""
     checkpoint = open_checkpoint(model)
     if checkpoint.kind == "converted":
-        raise ShardloadError("a converted directory carries its hashes in its manifest; hash the source checkpoint",
-                             file=str(model))  # fmt: skip
-    tensors_by_file: dict[Path, list[TensorInfo]] = {Path(f): [] for f in checkpoint.files}
+        raise ShardloadError("a converted directory carries its record already (convert writes it); hash the "
+                             "source checkpoint", file=str(model))  # fmt: skip
+    tensors_by_file = _tensors_by_file(checkpoint)
+    files = sorted(set(tensors_by_file) | {Path(f) for f in checkpoint.files})
+    record = hash_files(Path(checkpoint.root), files, tensors_by_file, threads=threads, progress=progress)
+    data = record.to_bytes()
+    target = Path(out) if out is not None else record_path(checkpoint)
+    if target.is_dir():
+        target = target / RECORD_NAME
+    write_record(target, data)
+    return HashResult(target, root_of(data), len(data), sum(f.size for f in record.files))
+
+
+def write_record(target: Path, data: bytes) -> None:
+    """Write a record's bytes to ``target`` atomically (nothing is rewritten when it already holds them)."""
+    if target.is_file() and target.stat().st_size == len(data) and target.read_bytes() == data:
+        return
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise ShardloadError(f"cannot write the record: {err.strerror or err}", file=str(target)) from None
+
+
+def _tensors_by_file(checkpoint: Checkpoint) -> dict[Path, list[TensorInfo]]:
+    out: dict[Path, list[TensorInfo]] = {}
     for t in checkpoint.tensors.values():
-        tensors_by_file.setdefault(Path(t.file), []).append(t)
+        out.setdefault(Path(t.file), []).append(t)
     for parts in checkpoint.shards.values():
         for t in parts:
-            tensors_by_file.setdefault(Path(t.file), []).append(t)
-    files = sorted(tensors_by_file)
-    names = [file_name(checkpoint, f) for f in files]
-    sizes = []
-    fds = []
+            out.setdefault(Path(t.file), []).append(t)
+    return out
+
+
+def hash_files(
+    root: Path,
+    files: Sequence[Path],
+    tensors_by_file: dict[Path, list[TensorInfo]],
+    *,
+    threads: int | None = None,
+    progress: bool | Callable[[int, int], None] = False,
+) -> HashRecord:
+    """The integrity record of ``files`` (named relative to ``root``), each streamed once, stretches of files
+    hashed in parallel; ``tensors_by_file`` gives each file's tensors (their shapes choose the tilings)."""
+    names = [Path(f).relative_to(root).as_posix() for f in files]
+    sizes: list[int] = []
+    fds: list[int] = []
     try:
         for f in files:
             fd = os.open(f, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -211,7 +248,7 @@ def hash_model(
             sizes.append(os.fstat(fd).st_size)
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        regions = [regions_for(size, tensors_by_file[f]) for f, size in zip(files, sizes, strict=True)]
+        regions = [regions_for(size, tensors_by_file.get(Path(f), [])) for f, size in zip(files, sizes, strict=True)]
         tables = [bytearray(sum(r.leaves for r in regs) * HASH_BYTES) for regs in regions]
         jobs = [job for i, regs in enumerate(regions) for job in _jobs(i, regs)]
         hash_name = default_hash()
@@ -229,32 +266,20 @@ def hash_model(
 
         count = threads or min(len(jobs), max(2, os.cpu_count() or 2)) or 1
         with ThreadPoolExecutor(count, thread_name_prefix="shardload-hash") as pool:
-            for future in [pool.submit(_hash_job, fds[j.file], j, hash_fn, tables[j.file], done) for j in jobs]:
+            futures = [pool.submit(_hash_job, fds[j.file], j, hash_fn, tables[j.file], done) for j in jobs]
+            for job, future in zip(jobs, futures, strict=True):
                 try:
                     future.result()
                 except IntegrityError as err:
-                    raise IntegrityError(err.reason, file=str(files[jobs[0].file])) from None
+                    raise IntegrityError(err.reason, file=str(files[job.file])) from None
     except OSError as err:
-        raise ShardloadError(f"cannot hash: {err.strerror or err}", file=str(model)) from None
+        raise ShardloadError(f"cannot hash: {err.strerror or err}", file=str(root)) from None
     finally:
         for fd in fds:
             os.close(fd)
-    record = HashRecord(hash_name, LEAF_BYTES, [
+    return HashRecord(hash_name, LEAF_BYTES, [
         FileHashes(n, s, regs, bytes(t)) for n, s, regs, t in zip(names, sizes, regions, tables, strict=True)
     ])  # fmt: skip
-    data = record.to_bytes()
-    target = Path(out) if out is not None else record_path(checkpoint)
-    if target.is_dir():
-        target = target / RECORD_NAME
-    if not (target.is_file() and target.stat().st_size == len(data) and target.read_bytes() == data):
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_bytes(data)
-            os.replace(tmp, target)
-        except OSError as err:
-            tmp.unlink(missing_ok=True)
-            raise ShardloadError(f"cannot write the record: {err.strerror or err}", file=str(target)) from None
-    return HashResult(target, root_of(data), len(data), total)
 
 
 def _progress(progress: Any, total: int) -> Callable[[int, int], None] | None:
@@ -326,12 +351,7 @@ def verified_files(checkpoint: Checkpoint, record: HashRecord) -> dict[Any, Veri
     """Each checkpoint file with its record entry; a file missing from the record, or of another size, is an error."""
     import numpy as np
 
-    by_file: dict[Path, list[TensorInfo]] = {}
-    for t in checkpoint.tensors.values():
-        by_file.setdefault(Path(t.file), []).append(t)
-    for parts in checkpoint.shards.values():
-        for t in parts:
-            by_file.setdefault(Path(t.file), []).append(t)
+    by_file = _tensors_by_file(checkpoint)
     out: dict[Any, VerifiedFile] = {}
     for f in checkpoint.files:
         name = file_name(checkpoint, Path(f))
@@ -364,3 +384,73 @@ def verified_reader(inner: RunReader, checkpoint: Checkpoint, record: HashRecord
             z = np.zeros(1, dtype=np.int64)
             reader.read_runs(f, z, np.array([n], dtype=np.int64), z, z, [out])
     return reader
+
+
+def wrapped(reader: RunReader, wrap: Callable[[RunReader], RunReader] | None) -> RunReader:
+    """``reader``, wrapped by ``wrap`` when given (closing ``reader`` if wrapping fails)."""
+    if wrap is None:
+        return reader
+    try:
+        return wrap(reader)
+    except BaseException:
+        reader.close()
+        raise
+
+
+def verifier(checkpoint: Checkpoint, verify: bool | str, where: str) -> Callable[[RunReader], RunReader] | None:
+    """For a source checkpoint: None without ``verify``, else a wrapper checking every byte read against its
+    integrity record (``verify`` True, or the pinned root hash). Loads and checks the record now."""
+    if verify is False or verify is None:
+        return None
+    if verify is not True and not isinstance(verify, str):
+        raise ShardloadError(f"verify must be True, False or a root hash string, got {verify!r}", file=where)
+    record = load_record(checkpoint, verify)
+    return lambda reader: verified_reader(reader, checkpoint, record)
+
+
+def output_record(directory: Path, names: Sequence[str], durable: bool) -> Any:
+    """Write the integrity record of a converted output's rank files ``names`` into ``directory``; returns it as
+    the manifest lists files (its sha256 is its root)."""
+    from ..sources.checkpoint import read_header
+    from .writer import OutFile, OutputFile
+
+    files = [directory / name for name in names]
+    tensors = {f: list(read_header(f).values()) for f in files}
+    data = hash_files(directory, files, tensors).to_bytes()
+    out = OutFile(directory / RECORD_NAME, durable=durable)
+    try:
+        out.write(data)
+        out.finish()
+    finally:
+        out.close()
+    return OutputFile(RECORD_NAME, len(data), root_of(data))
+
+
+def converted_verifier(checkpoint: Checkpoint, verify: bool | str) -> Callable[..., RunReader] | None:
+    """For a converted directory whose manifest names an integrity record: None without ``verify``, else a
+    wrapper ``(reader, rank file, its tensors)`` checking every byte read. None too when the manifest names no
+    record and ``verify`` is True (the rank file's sha256 is checked instead); a root then is an error."""
+    if verify is False or verify is None:
+        return None
+    manifest = checkpoint.manifest or {}
+    integrity = manifest.get("integrity")
+    where = str(Path(checkpoint.root) / "shard_manifest.json")
+    if integrity is None:
+        if isinstance(verify, str):
+            raise RecordError("this converted directory's manifest names no integrity record (converted by an older "
+                              "shardload): convert again to pin it, or load with verify=True", file=where)  # fmt: skip
+        return None
+    if (
+        not isinstance(integrity, dict)
+        or integrity.get("record") != RECORD_NAME
+        or not isinstance(integrity.get("root"), str)
+    ):
+        raise RecordError(f"manifest's 'integrity' must be {{'record': {RECORD_NAME!r}, 'root': ...}}", file=where)
+    pin = verify if isinstance(verify, str) else integrity["root"]
+    record = load_record(checkpoint, pin, Path(checkpoint.root) / RECORD_NAME)
+
+    def wrap(reader: RunReader, path: Path, tensors: Sequence[TensorInfo]) -> RunReader:
+        view = Checkpoint(checkpoint.path, checkpoint.root, "safetensors", {t.name: t for t in tensors}, [path])
+        return verified_reader(reader, view, record)
+
+    return wrap

@@ -21,6 +21,7 @@ from ..sources.object_reader import reader_for
 from ..sources.objects import ObjectPath
 from ..sources.reader import RunReader
 from .devices import resolve_device
+from .integrity import converted_verifier, verifier, wrapped
 from .transfer import Transfer, plan_reader
 from .verify import rank_file
 
@@ -157,7 +158,7 @@ def run_plan(
     # rank's tensors are populated by the readers themselves, so its reads start while later parameters are planned
     defer = not (one_rank and torch.device(devices[0]).type == "cpu")
     with (
-        _wrapped(plan_reader(plan.params.values()), wrap) as reader,
+        wrapped(plan_reader(plan.params.values()), wrap) as reader,
         Transfer(reader, staged=staged, defer=defer, mapped=mmap, copy_out=one_rank, progress=progress) as transfer,
     ):
         for param in plan.params.values():
@@ -165,30 +166,6 @@ def run_plan(
                 result[k][param.name] = t
         transfer.wait()
     return result
-
-
-def _wrapped(reader: RunReader, wrap: Callable[[RunReader], RunReader] | None) -> RunReader:
-    """``reader``, wrapped by ``wrap`` when given (closing ``reader`` if wrapping fails)."""
-    if wrap is None:
-        return reader
-    try:
-        return wrap(reader)
-    except BaseException:
-        reader.close()
-        raise
-
-
-def verifier(checkpoint: Checkpoint, verify: bool | str, where: str) -> Callable[[RunReader], RunReader] | None:
-    """For a source checkpoint: None without ``verify``, else a wrapper checking every byte read against its
-    integrity record (``verify`` True, or the pinned root hash). Loads and checks the record now."""
-    if verify is False or verify is None:
-        return None
-    if verify is not True and not isinstance(verify, str):
-        raise ShardloadError(f"verify must be True, False or a root hash string, got {verify!r}", file=where)
-    from .integrity import load_record, verified_reader
-
-    record = load_record(checkpoint, verify)
-    return lambda reader: verified_reader(reader, checkpoint, record)
 
 
 def layout_for(num_shards: int | None, mesh: Any, world_size: int | None) -> Mesh:
@@ -344,7 +321,7 @@ def load_rank(
             return list(stages[key[0]].params.values()), key[1]
 
         digest = plan_digest(plan, stages) + str(layout).encode()
-        with _wrapped(plan_reader(plan.params.values()), wrap) as reader:
+        with wrapped(plan_reader(plan.params.values()), wrap) as reader:
             return load_shared(slot_params, digest, (coord.pp, coord.tp), device, reader, group, call, str(model))
     return run_plan(stages[coord.pp], [coord.tp], [device], mmap=mmap, progress=call, wrap=wrap)[0]
 
@@ -426,9 +403,16 @@ def _device_type(device: Any) -> str:
 def _load_converted_rank(
     checkpoint: Checkpoint, layout: Mesh, coord: MeshCoord, device: Any, verify: bool, mmap: bool
 ) -> dict[str, torch.Tensor]:
-    path = rank_file(checkpoint, coord.tp, layout, stage=coord.pp, checksum=verify)
+    wrap = converted_verifier(checkpoint, verify)
+    if wrap is not None and mmap:
+        raise ShardloadError("verify and mmap=True exclude each other (a view of the file is not a checked copy)",
+                             file=str(checkpoint.path))  # fmt: skip
+    path = rank_file(checkpoint, coord.tp, layout, stage=coord.pp, checksum=verify is True and wrap is None)
     infos = list(read_header(path).values())
-    with reader_for(path) as reader, Transfer(reader, mapped=mmap) as transfer:
+    with (
+        wrapped(reader_for(path), wrap and (lambda r: wrap(r, path, infos))) as reader,
+        Transfer(reader, mapped=mmap) as transfer,
+    ):
         tensors = transfer.tensors(infos, device)
         transfer.wait()
     return {info.name: t for info, t in zip(infos, tensors, strict=True)}
