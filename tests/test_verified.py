@@ -254,10 +254,10 @@ def test_converted_output_carries_a_record(split_model: Path, tmp_path: Path) ->
     data[-5] ^= 1
     rank_file.write_bytes(bytes(data))
     shardload.load_rank(out, 1, N, verify=True)  # another rank's file
-    for verify in (True, root):
+    for verify, reason in ((True, "sha256"), (root, "hash mismatch")):
         with pytest.raises(ShardloadError) as excinfo:
             shardload.load_rank(out, 2, N, verify=verify)
-        assert "rank-00002-of-00004.safetensors" in one_line_error(excinfo)
+        assert "rank-00002-of-00004.safetensors" in one_line_error(excinfo) and reason in str(excinfo.value)
 
 
 def test_cli_hash_and_convert_verify(split_model: Path, tmp_path: Path) -> None:

@@ -427,27 +427,19 @@ def output_record(directory: Path, names: Sequence[str], durable: bool) -> Any:
 
 
 def converted_verifier(checkpoint: Checkpoint, verify: bool | str) -> Callable[..., RunReader] | None:
-    """For a converted directory whose manifest names an integrity record: None without ``verify``, else a
-    wrapper ``(reader, rank file, its tensors)`` checking every byte read. None too when the manifest names no
-    record and ``verify`` is True (the rank file's sha256 is checked instead); a root then is an error."""
-    if verify is False or verify is None:
+    """For a converted directory loaded with a pinned root: a wrapper ``(reader, rank file, its tensors)`` checking
+    every byte read against the output's record. None for ``verify`` False or True (True checks the rank file's
+    sha256 from the manifest: a rank reads its whole file, so the whole-file hash is the same check)."""
+    if not isinstance(verify, str):
         return None
-    manifest = checkpoint.manifest or {}
-    integrity = manifest.get("integrity")
+    integrity = (checkpoint.manifest or {}).get("integrity")
     where = str(Path(checkpoint.root) / "shard_manifest.json")
     if integrity is None:
-        if isinstance(verify, str):
-            raise RecordError("this converted directory's manifest names no integrity record (converted by an older "
-                              "shardload): convert again to pin it, or load with verify=True", file=where)  # fmt: skip
-        return None
-    if (
-        not isinstance(integrity, dict)
-        or integrity.get("record") != RECORD_NAME
-        or not isinstance(integrity.get("root"), str)
-    ):
-        raise RecordError(f"manifest's 'integrity' must be {{'record': {RECORD_NAME!r}, 'root': ...}}", file=where)
-    pin = verify if isinstance(verify, str) else integrity["root"]
-    record = load_record(checkpoint, pin, Path(checkpoint.root) / RECORD_NAME)
+        raise RecordError("this converted directory's manifest names no integrity record (converted by an older "
+                          "shardload): convert again to pin it, or load with verify=True", file=where)  # fmt: skip
+    if not isinstance(integrity, dict) or integrity.get("record") != RECORD_NAME:
+        raise RecordError(f"manifest's 'integrity' must name the record {RECORD_NAME!r}", file=where)
+    record = load_record(checkpoint, verify, Path(checkpoint.root) / RECORD_NAME)
 
     def wrap(reader: RunReader, path: Path, tensors: Sequence[TensorInfo]) -> RunReader:
         view = Checkpoint(checkpoint.path, checkpoint.root, "safetensors", {t.name: t for t in tensors}, [path])
