@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from checkpoints import MODEL_FILE, ensure_checkpoint  # noqa: E402
+from checkpoints import MODEL_FILE, ensure_checkpoint
 
 RANK, N = 3, 8
 
@@ -47,7 +47,7 @@ def read_io() -> int:
 def child(model: str, verify: str, cold: str) -> None:
     """One load of rank 3 of 8 in this fresh process: seconds, bytes read from storage, bytes copied."""
     import shardload
-    import shardload.planning.runs  # noqa: F401  (imported lazily by a load: not timed)
+    import shardload.planning.runs
     from shardload.sources.reader import count_reads
 
     shardload.plan_model(model, N)  # not timed: planning is the same either way

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ShardloadError
+from ..format.hash_record import RECORD_NAME, root_of
 from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh
 from ..planning.plan import ModelPlan, build_plan
@@ -39,7 +40,7 @@ from .output import (
     stamp_sources,
     write_error,
 )
-from .writer import OutputFile, write_rank_files
+from .writer import OutFile, OutputFile, write_rank_files
 
 Progress = Callable[[int, str], None]
 """``progress(source_bytes_done, param_name)``, called after each parameter."""
@@ -119,7 +120,7 @@ def convert(
     try:
         with Staging(out, fsync, synced=durable, overwrite=overwrite) as staging:
             rank_files = _write_ranks(stages, staging.dir, progress, durable, wrap)
-            record = output_record(staging.dir, [f.path for f in rank_files], durable)
+            record = _write_record(staging.dir, output_record(staging.dir, [f.path for f in rank_files]), durable)
             manifest = {
                 "format": MANIFEST_FORMAT,
                 "version": MANIFEST_VERSION,
@@ -134,6 +135,17 @@ def convert(
     except OSError as err:
         raise write_error(err, out) from None
     return ConvertResult(out, plan, rank_files, others, layout)
+
+
+def _write_record(directory: Path, data: bytes, durable: bool) -> OutputFile:
+    """Write an output's integrity record; returned as the manifest lists it (its sha256 is its root)."""
+    out = OutFile(directory / RECORD_NAME, durable=durable)
+    try:
+        out.write(data)
+        out.finish()
+    finally:
+        out.close()
+    return OutputFile(RECORD_NAME, len(data), root_of(data))
 
 
 def _mesh_record(layout: Mesh, stages: list[ModelPlan]) -> dict[str, Any] | None:

@@ -408,22 +408,13 @@ def verifier(checkpoint: Checkpoint, verify: bool | str, where: str) -> Callable
     return lambda reader: verified_reader(reader, checkpoint, record)
 
 
-def output_record(directory: Path, names: Sequence[str], durable: bool) -> Any:
-    """Write the integrity record of a converted output's rank files ``names`` into ``directory``; returns it as
-    the manifest lists files (its sha256 is its root)."""
+def output_record(directory: Path, names: Sequence[str]) -> bytes:
+    """The integrity record of a converted output's rank files ``names`` in ``directory`` (its bytes)."""
     from ..sources.checkpoint import read_header
-    from .writer import OutFile, OutputFile
 
     files = [directory / name for name in names]
     tensors = {f: list(read_header(f).values()) for f in files}
-    data = hash_files(directory, files, tensors).to_bytes()
-    out = OutFile(directory / RECORD_NAME, durable=durable)
-    try:
-        out.write(data)
-        out.finish()
-    finally:
-        out.close()
-    return OutputFile(RECORD_NAME, len(data), root_of(data))
+    return hash_files(directory, files, tensors).to_bytes()
 
 
 def converted_verifier(checkpoint: Checkpoint, verify: bool | str) -> Callable[..., RunReader] | None:
