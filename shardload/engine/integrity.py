@@ -31,6 +31,7 @@ from ..format.hash_record import (
 from ..format.smallfile import read_small
 from ..sources.checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from ..sources.dtypes import itemsize as itemsize_of
+from ..sources.objects import ObjectPath
 from ..sources.reader import RunReader
 from ..sources.verified import IntegrityError, VerifiedFile, VerifiedReader, region_bases
 
@@ -53,18 +54,20 @@ class HashResult:
     checkpoint_bytes: int
 
 
-def record_path(checkpoint: Checkpoint) -> Path:
-    """Where a checkpoint's record lives: ``shardload.hashes`` in its directory, or ``FILE.hashes`` beside a
-    single file given by path."""
-    path = Path(checkpoint.path)
+def record_path(checkpoint: Checkpoint) -> Any:
+    """Where a checkpoint's record lives: ``shardload.hashes`` in its directory (or prefix), or ``FILE.hashes``
+    beside a single file given by path."""
+    path = checkpoint.path
     if path.is_file() and path.suffix != ".json":
-        return path.with_name(path.name + ".hashes")
-    return Path(checkpoint.root) / RECORD_NAME
+        return path.parent / (path.name + ".hashes")
+    return checkpoint.root / RECORD_NAME
 
 
-def file_name(checkpoint: Checkpoint, path: Path) -> str:
-    """A checkpoint file's name in the record: its path relative to the checkpoint's directory."""
-    return Path(path).relative_to(Path(checkpoint.root)).as_posix()
+def file_name(root: Any, path: Any) -> str:
+    """A checkpoint file's name in the record: its path relative to the checkpoint's directory (or prefix)."""
+    if isinstance(path, ObjectPath):
+        return path.key[len(root.key) :].lstrip("/")
+    return Path(path).relative_to(Path(root)).as_posix()
 
 
 def regions_for(size: int, tensors: Sequence[TensorInfo], leaf: int = LEAF_BYTES) -> list[Region]:
@@ -157,10 +160,14 @@ def _hash_job(fd: int, job: _Job, hash_fn: Any, out: bytearray, done: Callable[[
         done((b - a) * B)
 
 
-def _pread(fd: int, offset: int, n: int) -> memoryview:
-    """Exactly ``n`` bytes at ``offset`` (a file that shrinks while hashed is an error)."""
+def _pread(fd: Any, offset: int, n: int) -> memoryview:
+    """Exactly ``n`` bytes at ``offset`` of a local file (an fd) or an object (a file that shrinks while hashed is
+    an error)."""
     buf = bytearray(n)
     view = memoryview(buf)
+    if isinstance(fd, ObjectPath):
+        fd.store.read_into(fd.key, offset, [view])
+        return view
     got = 0
     while got < n:
         k = os.preadv(fd, [view[got:]], offset + got)
@@ -195,10 +202,13 @@ def hash_model(
         raise ShardloadError("a converted directory carries its record already (convert writes it); hash the "
                              "source checkpoint", file=str(model))  # fmt: skip
     tensors_by_file = _tensors_by_file(checkpoint)
-    files = sorted(set(tensors_by_file) | {Path(f) for f in checkpoint.files})
-    record = hash_files(Path(checkpoint.root), files, tensors_by_file, threads=threads, progress=progress)
+    files = sorted(set(tensors_by_file) | set(checkpoint.files), key=str)
+    record = hash_files(checkpoint.root, files, tensors_by_file, threads=threads, progress=progress)
     data = record.to_bytes()
     target = Path(out) if out is not None else record_path(checkpoint)
+    if isinstance(target, ObjectPath):
+        raise ShardloadError(f"shardload writes nothing into object storage: give -o FILE (then upload it as "
+                             f"{target})", file=str(model))  # fmt: skip
     if target.is_dir():
         target = target / RECORD_NAME
     write_record(target, data)
@@ -218,18 +228,18 @@ def write_record(target: Path, data: bytes) -> None:
         raise ShardloadError(f"cannot write the record: {err.strerror or err}", file=str(target)) from None
 
 
-def _tensors_by_file(checkpoint: Checkpoint) -> dict[Path, list[TensorInfo]]:
-    out: dict[Path, list[TensorInfo]] = {}
+def _tensors_by_file(checkpoint: Checkpoint) -> dict[Any, list[TensorInfo]]:
+    out: dict[Any, list[TensorInfo]] = {}
     for t in checkpoint.tensors.values():
-        out.setdefault(Path(t.file), []).append(t)
+        out.setdefault(t.file, []).append(t)
     for parts in checkpoint.shards.values():
         for t in parts:
-            out.setdefault(Path(t.file), []).append(t)
+            out.setdefault(t.file, []).append(t)
     return out
 
 
 def hash_files(
-    root: Path,
+    root: Any,
     files: Sequence[Path],
     tensors_by_file: dict[Path, list[TensorInfo]],
     *,
@@ -238,17 +248,23 @@ def hash_files(
 ) -> HashRecord:
     """The integrity record of ``files`` (named relative to ``root``), each streamed once, stretches of files
     hashed in parallel; ``tensors_by_file`` gives each file's tensors (their shapes choose the tilings)."""
-    names = [Path(f).relative_to(root).as_posix() for f in files]
+    names = [file_name(root, f) for f in files]
     sizes: list[int] = []
-    fds: list[int] = []
+    fds: list[Any] = []
+    opened: list[int] = []
     try:
         for f in files:
+            if isinstance(f, ObjectPath):
+                fds.append(f)
+                sizes.append(_size(f))
+                continue
             fd = os.open(f, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            opened.append(fd)
             fds.append(fd)
             sizes.append(os.fstat(fd).st_size)
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        regions = [regions_for(size, tensors_by_file.get(Path(f), [])) for f, size in zip(files, sizes, strict=True)]
+        regions = [regions_for(size, tensors_by_file.get(f, [])) for f, size in zip(files, sizes, strict=True)]
         tables = [bytearray(sum(r.leaves for r in regs) * HASH_BYTES) for regs in regions]
         jobs = [job for i, regs in enumerate(regions) for job in _jobs(i, regs)]
         hash_name = default_hash()
@@ -275,7 +291,7 @@ def hash_files(
     except OSError as err:
         raise ShardloadError(f"cannot hash: {err.strerror or err}", file=str(root)) from None
     finally:
-        for fd in fds:
+        for fd in opened:
             os.close(fd)
     return HashRecord(hash_name, LEAF_BYTES, [
         FileHashes(n, s, regs, bytes(t)) for n, s, regs, t in zip(names, sizes, regions, tables, strict=True)
@@ -309,13 +325,25 @@ def load_record(checkpoint: Checkpoint, verify: bool | str, record: str | os.Pat
     """The checkpoint's integrity record, checked against the pinned root when ``verify`` is a root hash."""
     path = Path(record) if record is not None else record_path(checkpoint)
     if not path.is_file():
+        if isinstance(path, ObjectPath):
+            raise RecordError(
+                f"verify needs an integrity record and there is none at {path}; make one with `shardload hash "
+                f"{checkpoint.path} -o FILE` and upload it there",
+                file=str(checkpoint.path),
+            )
         raise RecordError(
             f"verify needs an integrity record and there is none at {path}; make one with `shardload hash "
             f"{checkpoint.path}` (or shardload.hash_checkpoint)",
             file=str(checkpoint.path),
         )
     limit = (64 << 20) + sum(_size(f) for f in checkpoint.files) // 512
-    data = read_small(path, limit, "integrity record", RecordError)
+    if isinstance(path, ObjectPath):
+        try:
+            data = path.read_small(limit, "integrity record")
+        except ShardloadError as err:
+            raise RecordError(err.reason, file=str(path)) from None
+    else:
+        data = read_small(path, limit, "integrity record", RecordError)
     if isinstance(verify, str):
         pin = verify.strip().lower()
         if len(pin) != 64 or any(c not in "0123456789abcdef" for c in pin):
@@ -327,6 +355,8 @@ def load_record(checkpoint: Checkpoint, verify: bool | str, record: str | os.Pat
 
 
 def _size(path: Any) -> int:
+    if isinstance(path, ObjectPath):
+        return path.size() or 0
     try:
         return os.stat(path).st_size
     except (OSError, TypeError):
@@ -354,7 +384,7 @@ def verified_files(checkpoint: Checkpoint, record: HashRecord) -> dict[Any, Veri
     by_file = _tensors_by_file(checkpoint)
     out: dict[Any, VerifiedFile] = {}
     for f in checkpoint.files:
-        name = file_name(checkpoint, Path(f))
+        name = file_name(checkpoint.root, f)
         entry = record.file(name)
         if entry is None:
             raise IntegrityError(f"not in the integrity record (which lists {len(record.files)} other files: "
@@ -365,7 +395,7 @@ def verified_files(checkpoint: Checkpoint, record: HashRecord) -> dict[Any, Veri
             raise IntegrityError(f"is {size} bytes, the integrity record says {entry.size} ({what} or replaced)",
                                  file=str(f))  # fmt: skip
         starts = np.array([r.offset for r in entry.regions], dtype=np.int64)
-        out[f] = VerifiedFile(entry, starts, region_bases(entry), _names_in(by_file.get(Path(f), [])))
+        out[f] = VerifiedFile(entry, starts, region_bases(entry), _names_in(by_file.get(f, [])))
     return out
 
 
