@@ -17,7 +17,7 @@ from conftest import write_model
 from shardload.engine.integrity import hash_model
 from shardload.errors import ShardloadError
 from shardload.format.hash_record import LEAF_BYTES, RECORD_NAME, parse_record, root_of, tensor_region
-from shardload.sources.checkpoint import read_header
+from shardload.sources.checkpoint import open_checkpoint, read_header
 from shardload.sources.reader import count_reads
 
 N = 4
@@ -276,3 +276,66 @@ def test_cli_hash_and_convert_verify(split_model: Path, tmp_path: Path) -> None:
     other = "0" * 64
     result = CliRunner().invoke(main, ["convert", str(model), "-n", "2", "-o", str(tmp_path / "x"), "--verify", other])
     assert result.exit_code == 1 and "pinned root" in result.output and "Traceback" not in result.output
+
+
+def _dim0(shape: list[int], dtype: str) -> list:
+    out: list = ["num_shards", *shape]
+    out[1] = f"{shape[0]} // num_shards"
+    return ["shard_funcs.shard_dim", [out, dtype], 0, "num_shards"]
+
+
+def test_gguf_block_flip_caught(tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    from shardload.sources.checkpoint import open_checkpoint
+    from test_quant_formats import save_gguf
+
+    rng = np.random.default_rng(3)
+    qtype = gguf.GGMLQuantizationType.Q8_0
+    blocks = gguf.quants.quantize(rng.standard_normal((256, 1024)).astype(np.float32), qtype)
+    directory = tmp_path / "g"
+    directory.mkdir()
+    save_gguf(
+        directory / "model.gguf",
+        {"q.weight": (blocks, qtype), "w.weight": (rng.standard_normal((256, 512)).astype(np.float16), None)},
+    )
+    ckpt = open_checkpoint(directory / "model.gguf")
+    q, w = ckpt.tensors["q.weight"], ckpt.tensors["w.weight"]
+    info = {"version": 1, "num_shards": None, "params": {
+        "q.weight": [_dim0(list(q.shape), q.dtype)], "w.weight": [_dim0(list(w.shape), w.dtype)]}}  # fmt: skip
+    (directory / "shard_info.json").write_text(json.dumps(info))
+    hash_model(directory / "model.gguf")
+    assert (directory / "model.gguf.hashes").is_file()
+    clean = [shardload.load_rank(directory / "model.gguf", r, N) for r in range(N)]
+    assert all(
+        torch.equal(clean[1][k], t) for k, t in shardload.load_rank(directory / "model.gguf", 1, N, verify=True).items()
+    )
+    row_bytes = q.nbytes // q.shape[0]
+    data = bytearray((directory / "model.gguf").read_bytes())
+    data[q.offset + 200 * row_bytes + 5] ^= 0x10  # a block of row 200: rank 3's rows (192..255)
+    (directory / "model.gguf").write_bytes(bytes(data))
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(directory / "model.gguf", 3, N, verify=True)
+    assert "q.weight" in one_line_error(excinfo)
+    state = shardload.load_rank(directory / "model.gguf", 0, N, verify=True)
+    assert all(torch.equal(clean[0][k], t) for k, t in state.items())
+
+
+def test_tvm_record_flip_caught(tmp_path: Path) -> None:
+    from test_tvm_cache import dump
+
+    rng = np.random.default_rng(4)
+    params = {"param_0": rng.standard_normal((512, 256)).astype("float16"), "norm": np.ones(256, dtype="float16")}
+    path = dump(params, tmp_path / "cache")
+    info = {"version": 1, "num_shards": None, "params": {"param_0": [_dim0([512, 256], "float16")]}}
+    hash_model(path)
+    clean = [shardload.load_rank(path, r, N, shard_info=info) for r in range(N)]
+    ckpt = open_checkpoint(path)
+    t = ckpt.tensors["param_0"]
+    data = bytearray(Path(t.file).read_bytes())
+    data[t.offset + 500 * 512 + 3] ^= 1  # row 500: rank 3's rows
+    Path(t.file).write_bytes(bytes(data))
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(path, 3, N, shard_info=info, verify=True)
+    assert "param_0" in one_line_error(excinfo)
+    state = shardload.load_rank(path, 1, N, shard_info=info, verify=True)
+    assert all(torch.equal(clean[1][k], v) for k, v in state.items())
