@@ -339,3 +339,23 @@ def test_tvm_record_flip_caught(tmp_path: Path) -> None:
     assert "param_0" in one_line_error(excinfo)
     state = shardload.load_rank(path, 1, N, shard_info=info, verify=True)
     assert all(torch.equal(clean[1][k], v) for k, v in state.items())
+
+
+def test_quantized_scale_flip_caught(example_dir: Path, tmp_path: Path) -> None:
+    quantized = shardload.quantize(example_dir, tmp_path / "q", "int4-g32").out_dir
+    hash_model(quantized)
+    clean = [shardload.load_rank(quantized, r, N) for r in range(N)]
+    name = "model.layers.1.mlp.gate_up_proj.weight_scale"
+    info = read_header(quantized / "model.safetensors")[name]
+    assert info.nbytes <= LEAF_BYTES  # one tile: every rank that reads a scale of it checks all of it
+    model = tampered(quantized, tmp_path / "m", info.offset + info.nbytes - 3)
+    failed = []
+    for rank in range(N):
+        try:
+            state = shardload.load_rank(model, rank, N, verify=True)
+        except ShardloadError as err:
+            assert name in str(err) and "\n" not in str(err)
+            failed.append(rank)
+            continue
+        assert all(torch.equal(clean[rank][k], t) for k, t in state.items())
+    assert failed == list(range(N)), failed
