@@ -359,3 +359,48 @@ def test_quantized_scale_flip_caught(example_dir: Path, tmp_path: Path) -> None:
             continue
         assert all(torch.equal(clean[rank][k], t) for k, t in state.items())
     assert failed == list(range(N)), failed
+
+
+def test_received_bytes_are_checked(split_model: Path) -> None:
+    """What share_reads does after the exchange, without the exchange: a rank's tensors as a peer sent them."""
+    from shardload.engine.integrity import load_record, verified_reader
+    from shardload.engine.load import check_received
+    from shardload.sources.reader import Reader
+
+    ckpt = open_checkpoint(split_model)
+    record = load_record(ckpt, True)
+    plan = shardload.plan_model(split_model, N)
+    for rank in range(N):
+        state = shardload.load_rank(split_model, rank, N)
+        with verified_reader(Reader(), ckpt, record) as reader, count_reads() as seen:
+            check_received(plan.params.values(), rank, state, reader)
+        assert seen.bytes <= 8 << 10, seen.bytes  # tiles aligned with the rank's runs: only headers from storage
+        for name in ("row.weight", "col.weight", "norm.weight"):
+            altered = dict(state)
+            altered[name] = state[name].clone()
+            altered[name].view(-1)[7] += 1
+            with verified_reader(Reader(), ckpt, record) as reader, pytest.raises(ShardloadError) as excinfo:
+                check_received(plan.params.values(), rank, altered, reader)
+            message = one_line_error(excinfo)
+            assert name in message and "peer" in message
+
+
+@pytest.mark.parametrize("evil", [-1, 0])
+def test_share_reads_receivers_check_what_peers_send(split_model: Path, evil: int) -> None:
+    import os
+    import subprocess
+    import sys
+
+    worker = Path(__file__).parent / "verified_shared_worker.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
+               str(split_model), str(evil)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("OK ", "FAILED ", "WRONG "))]
+    if evil < 0:
+        assert sorted(lines) == ["OK 0", "OK 1"], done.stdout[-3000:] + done.stderr[-3000:]
+        return
+    failed = [line for line in lines if line.startswith("FAILED 1:")]
+    assert failed, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "a peer of the share_reads group sent bytes" in failed[0]
+    assert not any(line.startswith("WRONG") for line in lines)

@@ -8,7 +8,7 @@ parameters with a compute step are read whole, run through their step functions,
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardloadError
@@ -322,8 +322,41 @@ def load_rank(
 
         digest = plan_digest(plan, stages) + str(layout).encode()
         with wrapped(plan_reader(plan.params.values()), wrap) as reader:
-            return load_shared(slot_params, digest, (coord.pp, coord.tp), device, reader, group, call, str(model))
+            state = load_shared(slot_params, digest, (coord.pp, coord.tp), device, reader, group, call, str(model))
+            if wrap is not None:  # what the peers sent is checked too: a broken or hostile peer cannot inject bytes
+                check_received(stages[coord.pp].params.values(), coord.tp, state, reader)
+            return state
     return run_plan(stages[coord.pp], [coord.tp], [device], mmap=mmap, progress=call, wrap=wrap)[0]
+
+
+def check_received(params: Iterable[ParamPlan], rank: int, state: Mapping[str, torch.Tensor], reader: Any) -> None:
+    """Check a rank's tensors, received from its ``share_reads`` group, against the integrity record ``reader`` (a
+    :class:`~shardload.sources.verified.VerifiedReader`) checks with: each tile covering the rank's runs is hashed
+    from the received bytes (completed from storage where a tile reaches past them); a tensor read whole (a
+    compute step) is read again, checked, and compared."""
+    import numpy as np
+    import torch
+
+    from ..planning.runs import param_runs
+    from ..sources.verified import IntegrityError, ReceivedBytes, VerifiedReader, buffer_array
+
+    culprit = "a peer of the share_reads group sent bytes that differ from the checkpoint"
+    for p in params:
+        got = state[p.name]
+        runs = param_runs(p, [rank])
+        if runs is not None and not len(runs.src):
+            continue
+        if runs is None:
+            expected = materialize(p, reader, [rank])[0]
+            if not torch.equal(expected, got.cpu()):
+                raise IntegrityError(f"bytes received for this parameter: {culprit}", file=str(p.source.file),
+                                     param=p.name)  # fmt: skip
+            continue
+        cpu = got.detach().cpu().contiguous()
+        inner = ReceivedBytes(runs.src, runs.length, runs.dst, buffer_array(cpu), reader.inner)
+        check = VerifiedReader(inner, reader.files, reader.hash_name)
+        check.culprit = culprit
+        check.read_runs(p.source.file, runs.src, runs.length, np.zeros(len(runs.src), dtype=np.int64), runs.dst, [cpu])
 
 
 def _load_converted_shared(

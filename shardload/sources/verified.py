@@ -79,8 +79,11 @@ class VerifiedReader(RunReader):
         self.inner = inner
         self.files = files
         self.hash = hasher(hash_name)
+        self.hash_name = hash_name
         self.threads = inner.threads
         self.maps = FileMaps() if inner.can_map else None
+        self.culprit = "the file was changed or corrupted"
+        """What a mismatch says went wrong."""
 
     def no_readahead(self, path: Any) -> None:
         self.inner.no_readahead(path)  # type: ignore[attr-defined]
@@ -254,25 +257,33 @@ class VerifiedReader(RunReader):
                 names = entry.names(lo, hi)
                 feeds = f", feeding {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}" if names else ""
                 raise IntegrityError(
-                    f"{span}{feeds}: hash mismatch against the integrity record (the file was changed or corrupted)",
+                    f"{span}{feeds}: hash mismatch against the integrity record ({self.culprit})",
                     file=str(path),
                 )
         if direct:
             return
-        views = [buffer_array(t) for t in buffers]
-        at = src - base
-        for a, b in _progressions(src, length, buf, dst):
-            size = int(length[a])
-            count = b - a
-            out = views[int(buf[a])]
-            if count == 1:
-                out[int(dst[a]) : int(dst[a]) + size] = flat[int(at[a]) : int(at[a]) + size]
-                continue
-            ss = int(at[a + 1] - at[a])
-            sd = int(dst[a + 1] - dst[a])
-            s_view = np.lib.stride_tricks.as_strided(flat[int(at[a]) :], (count, size), (ss, 1), writeable=False)
-            d_view = np.lib.stride_tricks.as_strided(out[int(dst[a]) :], (count, size), (sd, 1))
-            np.copyto(d_view, s_view)
+        copy_runs(flat, src - base, [buffer_array(t) for t in buffers], buf, dst, length)
+
+
+def copy_runs(
+    source: np.ndarray, at: np.ndarray, outs: Sequence[np.ndarray], buf: np.ndarray, dst: np.ndarray, length: np.ndarray
+) -> None:
+    """Copy run i: ``length[i]`` bytes at ``at[i]`` of the byte array ``source`` to ``dst[i]`` of ``outs[buf[i]]``,
+    each stretch of equally long, equally spaced runs as one strided copy."""
+    import numpy as np
+
+    for a, b in _progressions(at, length, buf, dst):
+        size = int(length[a])
+        count = b - a
+        out = outs[int(buf[a])]
+        if count == 1:
+            out[int(dst[a]) : int(dst[a]) + size] = source[int(at[a]) : int(at[a]) + size]
+            continue
+        ss = int(at[a + 1] - at[a])
+        sd = int(dst[a + 1] - dst[a])
+        s_view = np.lib.stride_tricks.as_strided(source[int(at[a]) :], (count, size), (ss, 1), writeable=False)
+        d_view = np.lib.stride_tricks.as_strided(out[int(dst[a]) :], (count, size), (sd, 1))
+        np.copyto(d_view, s_view)
 
 
 def _needed(tiling: Tiling, o: np.ndarray, e: np.ndarray) -> np.ndarray:
@@ -336,3 +347,47 @@ def _cut(src: np.ndarray, length: np.ndarray, buf: np.ndarray, dst: np.ndarray, 
             s, n, d = s + take, n - take, d + take
     arr = np.array(out, dtype=np.int64)
     return arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]
+
+
+class ReceivedBytes(RunReader):
+    """Bytes of one stored tensor as a rank received them from its group (``share_reads``): runs inside the rank's
+    own runs are copied out of its tensor, the rest of a tile is read by ``storage``. Wrapped in a
+    :class:`VerifiedReader`, it checks the received bytes against the record."""
+
+    def __init__(self, own_src: np.ndarray, own_len: np.ndarray, own_dst: np.ndarray, tensor: np.ndarray,
+                 storage: RunReader) -> None:  # fmt: skip
+        self.src, self.len, self.dst = own_src, own_len, own_dst
+        self.tensor = tensor
+        self.storage = storage
+
+    def read_runs(self, path: Any, src: Any, length: Any, buf: Any, dst: Any, buffers: Sequence[Any], **_: Any) -> None:
+        """Copy run i from the rank's tensor where its own runs hold it, from storage elsewhere."""
+        import numpy as np
+
+        ends = src + length
+        points = np.unique(np.concatenate((self.src, self.src + self.len)))
+        lo = np.searchsorted(points, src, side="right")
+        hi = np.searchsorted(points, ends, side="left")
+        cuts = hi - lo  # inner boundaries of the rank's runs each requested run crosses
+        counts = cuts + 1
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        k = np.arange(int(counts.sum())) - first  # piece k of its run
+        owner = np.repeat(np.arange(len(src)), counts)
+        inner = points[np.minimum(np.repeat(lo, counts) + k - 1, len(points) - 1)]
+        starts = np.where(k == 0, src[owner], inner)
+        nxt = points[np.minimum(np.repeat(lo, counts) + k, len(points) - 1)]
+        stops = np.where(k == cuts[owner], ends[owner], nxt)
+        keep = stops > starts
+        starts, stops, owner = starts[keep], stops[keep], owner[keep]
+        at = dst[owner] + (starts - src[owner])
+        j = np.searchsorted(self.src, starts, side="right") - 1
+        jj = np.maximum(j, 0)
+        covered = (j >= 0) & (stops <= self.src[jj] + self.len[jj])
+        outs = [buffer_array(t) for t in buffers]
+        if bool(covered.any()):
+            c = np.flatnonzero(covered)
+            copy_runs(self.tensor, self.dst[jj[c]] + (starts[c] - self.src[jj[c]]), outs, buf[owner[c]], at[c],
+                      stops[c] - starts[c])  # fmt: skip
+        if not bool(covered.all()):
+            u = np.flatnonzero(~covered)
+            self.storage.read_runs(path, starts[u], stops[u] - starts[u], buf[owner[u]], at[u], buffers)
