@@ -131,7 +131,8 @@ def convert(
                 "source": {"files": [{"path": f.name, "size": st[2]} for f, st in stamps]},
                 "integrity": {"record": record.path, "root": record.sha256},
             }
-            others = publish_with_manifest(staging, checkpoint.root, stamps, [*rank_files, record], manifest, durable)
+            others = [record, *publish_with_manifest(staging, checkpoint.root, stamps, [*rank_files, record], manifest,
+                                                     durable)]  # fmt: skip
     except OSError as err:
         raise write_error(err, out) from None
     return ConvertResult(out, plan, rank_files, others, layout)

@@ -364,7 +364,7 @@ def _load_converted_shared(
     layout: Mesh,
     coord: MeshCoord,
     device: Any,
-    verify: bool,
+    verify: bool | str,
     group: Any,
     progress: Callable[[int, int], None] | None,
 ) -> dict[str, torch.Tensor]:
@@ -377,9 +377,12 @@ def _load_converted_shared(
     from .exchange import load_shared
 
     own = (coord.pp, coord.tp)
+    if isinstance(verify, str):
+        raise ShardloadError("share_reads on a converted directory checks each rank file's sha256 (verify=True); a "
+                             "pinned root is not supported there yet", file=str(checkpoint.path))  # fmt: skip
 
     def slot_params(key: tuple[int, int]) -> tuple[list[ParamPlan], int]:
-        path = rank_file(checkpoint, key[1], layout, stage=key[0], checksum=verify and key == own)
+        path = rank_file(checkpoint, key[1], layout, stage=key[0], checksum=bool(verify) and key == own)
         return whole_tensors(read_header(path).values()), 0
 
     manifest = json.dumps(checkpoint.manifest, sort_keys=True, default=str).encode()
@@ -434,7 +437,7 @@ def _device_type(device: Any) -> str:
 
 
 def _load_converted_rank(
-    checkpoint: Checkpoint, layout: Mesh, coord: MeshCoord, device: Any, verify: bool, mmap: bool
+    checkpoint: Checkpoint, layout: Mesh, coord: MeshCoord, device: Any, verify: bool | str, mmap: bool
 ) -> dict[str, torch.Tensor]:
     wrap = converted_verifier(checkpoint, verify)
     if wrap is not None and mmap:
