@@ -4,6 +4,7 @@ file), hashed, compared, and only then copied to their destinations, so the byte
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 
+CANVAS_BYTES = 8 << 20
+"""The least a reader thread's reusable buffer for checked tiles holds."""
 HOLE = 0
 """Gaps between the tile bytes to read that are read through rather than skipped (0: only exact tiles are read)."""
 
@@ -82,6 +85,7 @@ class VerifiedReader(RunReader):
         self.hash_name = hash_name
         self.threads = inner.threads
         self.maps = FileMaps() if inner.can_map else None
+        self._scratch = threading.local()
         self.culprit = "the file was changed or corrupted"
         """What a mismatch says went wrong."""
 
@@ -91,9 +95,18 @@ class VerifiedReader(RunReader):
     def prefetch(self, path: Any, starts: Sequence[int], ends: Sequence[int]) -> None:
         pass  # the tiles read are wider than the runs; let the reads themselves fetch them
 
+    def _canvas(self, nbytes: int) -> Any:
+        """A byte tensor of ``nbytes`` for this thread, reused between calls (fresh pages cost a fault each)."""
+        import torch
+
+        held = getattr(self._scratch, "buf", None)
+        if held is None or held.numel() < nbytes:
+            held = self._scratch.buf = torch.empty(max(nbytes, CANVAS_BYTES), dtype=torch.uint8)
+        return held[:nbytes]
+
     def close(self) -> None:
-        if self.maps is not None:
-            self.maps.close()
+        if self.maps is not None:  # unmapping hundreds of MiB takes tens of ms: done in the background, as loads do
+            threading.Thread(target=self.maps.release, name="shardload-unmap", daemon=True).start()
         self.inner.close()
 
     def _file(self, path: Any) -> VerifiedFile:
@@ -201,7 +214,6 @@ class VerifiedReader(RunReader):
         buffers: Sequence[Any],
     ) -> None:
         import numpy as np
-        import torch
 
         region = entry.hashes.regions[index]
         B = region.row_bytes
@@ -235,7 +247,7 @@ class VerifiedReader(RunReader):
             canvas, at = buffers[int(buf[0])], int(dst[0])
             flat = buffer_array(canvas)[at : at + int(length[0])]
         else:
-            canvas, at = torch.empty((last_row - first_row) * B, dtype=torch.uint8), 0
+            canvas, at = self._canvas((last_row - first_row) * B), 0
             flat = canvas.numpy()
         # per row block, each stretch of needed bands: a box of rows x bytes to fill the canvas with
         boxes = []
