@@ -95,6 +95,57 @@ class VerifiedReader(RunReader):
     def prefetch(self, path: Any, starts: Sequence[int], ends: Sequence[int]) -> None:
         pass  # the tiles read are wider than the runs; let the reads themselves fetch them
 
+    def _mismatch(self, path: Any, entry: VerifiedFile, region: Any, tiling: Tiling, index: int) -> IntegrityError:
+        """The one-line error for tile ``index`` of ``tiling``: file, byte range, the tensors it feeds, why."""
+        t0, th, c0, tw = tiling.tile(index)
+        B = region.row_bytes
+        lo = region.offset + t0 * B + c0
+        hi = region.offset + (t0 + th - 1) * B + c0 + tw
+        span = f"bytes {lo}-{hi}" if tw == B else f"bytes {lo}-{hi} ({th} rows x {tw} of every {B})"
+        names = entry.names(lo, hi)
+        feeds = f", feeding {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}" if names else ""
+        return IntegrityError(f"{span}{feeds}: hash mismatch against the integrity record ({self.culprit})",
+                              file=str(path))  # fmt: skip
+
+    def _whole_tiles(
+        self,
+        path: Any,
+        entry: VerifiedFile,
+        region: Any,
+        tiling: Tiling,
+        leaf0: int,
+        src: np.ndarray,
+        length: np.ndarray,
+        buf: np.ndarray,
+        dst: np.ndarray,
+        buffers: Sequence[Any],
+    ) -> None:
+        """Runs that are each whole row blocks (dim-0 shards, fused parts): read straight into their destinations
+        and each tile hashed there, so no byte is copied twice."""
+        import numpy as np
+
+        B = region.row_bytes
+        outs = [buffer_array(t) for t in buffers]
+        o = src - region.offset
+        boxes = [(a, b, 0, B) for a, b in zip((o // B).tolist(), (-(-(o + length) // B)).tolist(), strict=True)]
+        mapped = self.maps.array(path) if self.maps is not None and self._cached(path, region, boxes) else None
+        if mapped is not None:
+            copy_runs(mapped, src, outs, buf, dst, length)
+            count_mapped(path, int(length.sum()))
+        else:
+            order = np.argsort(src, kind="stable")
+            if self.maps is not None:
+                self.inner.no_readahead(path)  # type: ignore[attr-defined]
+                self.inner.prefetch(path, *_pages(src[order], src[order] + length[order]))  # type: ignore[attr-defined]
+            self.inner.read_runs(path, src[order], length[order], buf[order], dst[order], buffers)
+        span = tiling.tile_rows * B
+        for at, n, b, d in zip(o.tolist(), length.tolist(), buf.tolist(), dst.tolist(), strict=True):
+            for k in range(at // span, -(-(at + n) // span)):
+                lo = d + k * span - at
+                hi = d + min((k + 1) * span, region.length) - at
+                if self.hash(outs[b][lo:hi]).digest() != entry.hashes.leaf(leaf0 + k):
+                    raise self._mismatch(path, entry, region, tiling, k)
+
     def _canvas(self, nbytes: int) -> Any:
         """A byte tensor of ``nbytes`` for this thread, reused between calls (fresh pages cost a fault each)."""
         import torch
@@ -236,19 +287,13 @@ class VerifiedReader(RunReader):
         first_row = int(blocks[0]) * h
         last_row = min(region.rows, (int(blocks[-1]) + 1) * h)
         base = region.offset + first_row * B
-        direct = (
-            len(src) == 1
-            and int(o[0]) == first_row * B
-            and int(o[0] + length[0]) == last_row * B
-            and len(blocks) == int(blocks[-1]) - int(blocks[0]) + 1
-            and bool(need[blocks].all())
-        )
-        if direct:  # one run that is exactly whole tiles (a dim-0 shard): read and check it in its destination
-            canvas, at = buffers[int(buf[0])], int(dst[0])
-            flat = buffer_array(canvas)[at : at + int(length[0])]
-        else:
-            canvas, at = self._canvas((last_row - first_row) * B), 0
-            flat = canvas.numpy()
+        span = h * B
+        ends = o + length
+        if tiling.bands == 1 and bool(((o % span == 0) & ((ends % span == 0) | (ends == region.length))).all()):
+            self._whole_tiles(path, entry, region, tiling, leaf0, src, length, buf, dst, buffers)
+            return
+        canvas, at = self._canvas((last_row - first_row) * B), 0
+        flat = canvas.numpy()
         # per row block, each stretch of needed bands: a box of rows x bytes to fill the canvas with
         boxes = []
         for blk in blocks.tolist():
@@ -263,17 +308,7 @@ class VerifiedReader(RunReader):
             data = tile.reshape(-1) if tw == B else np.ascontiguousarray(tile).reshape(-1)
             leaf = leaf0 + int(blk) * tiling.bands + int(band)
             if self.hash(data).digest() != entry.hashes.leaf(leaf):
-                lo = region.offset + t0 * B + c0
-                hi = region.offset + (t0 + th - 1) * B + c0 + tw
-                span = f"bytes {lo}-{hi}" if tw == B else f"bytes {lo}-{hi} ({th} rows x {tw} of every {B})"
-                names = entry.names(lo, hi)
-                feeds = f", feeding {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}" if names else ""
-                raise IntegrityError(
-                    f"{span}{feeds}: hash mismatch against the integrity record ({self.culprit})",
-                    file=str(path),
-                )
-        if direct:
-            return
+                raise self._mismatch(path, entry, region, tiling, int(blk) * tiling.bands + int(band))
         copy_runs(flat, src - base, [buffer_array(t) for t in buffers], buf, dst, length)
 
 
