@@ -94,7 +94,7 @@ def test_hash_is_idempotent_and_small(split_model: Path) -> None:
     assert again.root == first.root and again.path.read_bytes() == data
     assert first.record_bytes <= first.checkpoint_bytes // 1000 + (16 << 10)
     record = parse_record(data, "record")
-    assert [f.name for f in record.files] == ["model.safetensors"]
+    assert [f.name for f in record.files] == ["model.safetensors", "shard_info.json"]
 
 
 @pytest.mark.parametrize("name,dim", [("row.weight", 0), ("col.weight", 1)])
@@ -181,6 +181,17 @@ def test_pinned_root_refuses_a_tampered_record(split_model: Path, tmp_path: Path
     (model / RECORD_NAME).write_bytes(bytes(record))
     with pytest.raises(ShardloadError):
         shardload.load_rank(model, 0, N, verify=root)
+
+
+def test_metadata_beside_the_weights_is_checked(split_model: Path, tmp_path: Path) -> None:
+    model = shutil.copytree(split_model, tmp_path / "m")
+    info = json.loads((model / "shard_info.json").read_text())
+    info["params"]["col.weight"] = info["params"]["row.weight"]  # a plan that splits the other dim: still valid
+    (model / "shard_info.json").write_text(json.dumps(info))
+    shardload.load_rank(model, 0, N)
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(model, 0, N, verify=True)
+    assert "shard_info.json" in one_line_error(excinfo) and "differs from the integrity record" in str(excinfo.value)
 
 
 def test_missing_record_says_how_to_make_one(example_dir: Path, tmp_path: Path) -> None:

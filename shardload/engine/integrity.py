@@ -29,10 +29,11 @@ from ..format.hash_record import (
     tensor_region,
 )
 from ..format.smallfile import read_small
-from ..sources.checkpoint import Checkpoint, TensorInfo, open_checkpoint
+from ..sources.checkpoint import CONFIG_NAME, INDEX_NAME, SHARD_INFO_NAME, Checkpoint, TensorInfo, open_checkpoint
 from ..sources.dtypes import itemsize as itemsize_of
 from ..sources.objects import ObjectPath
 from ..sources.reader import RunReader
+from ..sources.tvm_cache import CACHE_NAMES
 from ..sources.verified import IntegrityError, VerifiedFile, VerifiedReader, region_bases
 
 if TYPE_CHECKING:
@@ -202,7 +203,7 @@ def hash_model(
         raise ShardloadError("a converted directory carries its record already (convert writes it); hash the "
                              "source checkpoint", file=str(model))  # fmt: skip
     tensors_by_file = _tensors_by_file(checkpoint)
-    files = sorted(set(tensors_by_file) | set(checkpoint.files), key=str)
+    files = sorted(set(tensors_by_file) | set(checkpoint.files) | set(metadata_files(checkpoint)), key=str)
     record = hash_files(checkpoint.root, files, tensors_by_file, threads=threads, progress=progress)
     data = record.to_bytes()
     target = Path(out) if out is not None else record_path(checkpoint)
@@ -226,6 +227,43 @@ def write_record(target: Path, data: bytes) -> None:
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise ShardloadError(f"cannot write the record: {err.strerror or err}", file=str(target)) from None
+
+
+METADATA_NAMES = (INDEX_NAME, *CACHE_NAMES, CONFIG_NAME, SHARD_INFO_NAME)
+"""Small files beside the weights that say where tensors are or how they are split: hashed into the record too, and
+checked whole at every verified load (a tampered TVM table or shard_info could point a rank at other bytes)."""
+
+
+def metadata_files(checkpoint: Checkpoint) -> list[Any]:
+    """The checkpoint's :data:`METADATA_NAMES` files that exist (for a directory or prefix model)."""
+    root = checkpoint.root
+    return [root / name for name in METADATA_NAMES if (root / name).is_file()]
+
+
+def check_metadata(checkpoint: Checkpoint, record: HashRecord) -> None:
+    """Check every metadata file the record lists, read whole: present, same size, same leaves."""
+    hash_fn = hasher(record.hash)
+    listed = {f.name: f for f in record.files}
+    for name in METADATA_NAMES:
+        entry = listed.get(name)
+        if entry is None:
+            continue
+        path = checkpoint.root / name
+        if not path.is_file():
+            raise IntegrityError("is listed in the integrity record but missing", file=str(path))
+        try:
+            data = (
+                path.read_small(entry.size + 1, name)
+                if isinstance(path, ObjectPath)
+                else read_small(path, entry.size + 1, name, IntegrityError)
+            )
+        except ShardloadError as err:
+            raise IntegrityError(err.reason, file=str(path)) from None
+        leaves = b"".join(
+            hash_fn(data[k : k + record.leaf_bytes]).digest() for k in range(0, len(data), record.leaf_bytes)
+        )
+        if len(data) != entry.size or leaves != entry.leaves:
+            raise IntegrityError("differs from the integrity record (changed or replaced)", file=str(path))
 
 
 def _tensors_by_file(checkpoint: Checkpoint) -> dict[Any, list[TensorInfo]]:
@@ -406,6 +444,7 @@ def verified_reader(inner: RunReader, checkpoint: Checkpoint, record: HashRecord
     import torch
 
     reader = VerifiedReader(inner, verified_files(checkpoint, record), record.hash)
+    check_metadata(checkpoint, record)
     for f, entry in reader.files.items():
         first = entry.hashes.regions[0]
         n = first.length if first.rows == 1 else 0
