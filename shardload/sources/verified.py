@@ -157,7 +157,7 @@ class VerifiedReader(RunReader):
 
     def close(self) -> None:
         if self.maps is not None:  # unmapping hundreds of MiB takes tens of ms: done in the background, as loads do
-            threading.Thread(target=self.maps.release, name="shardload-unmap", daemon=True).start()
+            threading.Thread(target=self.maps.release, name="shardload-unmap").start()  # joined at exit
         self.inner.close()
 
     def _file(self, path: Any) -> VerifiedFile:
