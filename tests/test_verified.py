@@ -415,3 +415,23 @@ def test_share_reads_receivers_check_what_peers_send(split_model: Path, evil: in
     assert failed, done.stdout[-3000:] + done.stderr[-3000:]
     assert "a peer of the share_reads group sent bytes" in failed[0]
     assert not any(line.startswith("WRONG") for line in lines)
+
+
+def test_record_parser_never_fails_other_than_one_line(split_model: Path) -> None:
+    """Every truncation of a record, and single-byte changes all over its JSON part, are RecordErrors or parse."""
+    from shardload.format.hash_record import RecordError
+
+    data = (split_model / RECORD_NAME).read_bytes()
+    (n,) = struct.unpack("<Q", data[8:16])
+    for cut in range(0, 16 + n + 64):
+        with pytest.raises(RecordError):
+            parse_record(data[:cut], "record")
+    rng = np.random.default_rng(0)
+    for at in rng.integers(0, 16 + n, size=400).tolist():
+        for value in (0, 0x22, 0x31, 0x5D, 0xFF):
+            changed = bytearray(data)
+            changed[at] = value
+            try:
+                parse_record(bytes(changed), "record")
+            except RecordError as err:
+                assert "\n" not in str(err)
