@@ -435,3 +435,20 @@ def test_record_parser_never_fails_other_than_one_line(split_model: Path) -> Non
                 parse_record(bytes(changed), "record")
             except RecordError as err:
                 assert "\n" not in str(err)
+
+
+def test_swapped_files_of_an_index_caught(example_multi_dir: Path, tmp_path: Path) -> None:
+    model = shutil.copytree(example_multi_dir, tmp_path / "m")
+    hash_model(model)
+    first, second = sorted(model.glob("*.safetensors"))
+    first.rename(tmp_path / "tmp")
+    second.rename(first)
+    (tmp_path / "tmp").rename(second)
+    index = json.loads((model / "model.safetensors.index.json").read_text())  # rewritten to match: loads plainly
+    swap = {first.name: second.name, second.name: first.name}
+    index["weight_map"] = {k: swap[v] for k, v in index["weight_map"].items()}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    shardload.load_rank(model, 0, N)
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(model, 0, N, verify=True)
+    one_line_error(excinfo)
