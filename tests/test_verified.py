@@ -452,3 +452,18 @@ def test_swapped_files_of_an_index_caught(example_multi_dir: Path, tmp_path: Pat
     with pytest.raises(ShardloadError) as excinfo:
         shardload.load_rank(model, 0, N, verify=True)
     one_line_error(excinfo)
+
+
+def test_vllm_layout_carries_a_record_and_verifies_its_source(split_model: Path, tmp_path: Path) -> None:
+    from shardload.engine.vllm_layout import convert_vllm
+
+    root = hash_model(split_model).root
+    out = tmp_path / "vllm"
+    convert_vllm(split_model, 2, out, verify=root)
+    manifest = json.loads((out / "shard_manifest.json").read_text())
+    assert manifest["integrity"]["root"] == root_of((out / RECORD_NAME).read_bytes())
+    assert shardload.verify_dir(out).ok
+    model = tampered(split_model, tmp_path / "m", offset_of(split_model, "row.weight", 3, 3))
+    with pytest.raises(ShardloadError) as excinfo:
+        convert_vllm(model, 2, tmp_path / "bad", verify=True)
+    assert "row.weight" in one_line_error(excinfo) and not (tmp_path / "bad").exists()

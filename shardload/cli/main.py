@@ -251,9 +251,8 @@ def convert(
     from .report import format_table, human_bytes
 
     if layout_name == "vllm":
-        if verify is not None:
-            raise click.UsageError("--verify is not supported with --layout vllm yet")
-        _convert_vllm(model, num_shards, out_dir, shard_info, overwrite, fsync, quiet, as_json, mesh)
+        checked = verify == "record" or verify or False
+        _convert_vllm(model, num_shards, out_dir, shard_info, overwrite, fsync, quiet, as_json, mesh, checked)
         return
     layout = _mesh_arg(mesh, world_size, pp_layers)
     if layout is None and num_shards is None:
@@ -312,6 +311,7 @@ def _convert_vllm(
     quiet: bool,
     as_json: bool,
     mesh: str | None,
+    verify: bool | str = False,
 ) -> None:
     """``convert --layout vllm``: vLLM's sharded_state files for ``num_shards`` tensor-parallel ranks."""
     from ..engine.vllm_layout import convert_vllm
@@ -319,7 +319,7 @@ def _convert_vllm(
 
     if mesh is not None or num_shards is None:
         raise click.UsageError("--layout vllm takes --num-shards (vLLM's tensor-parallel size) and no --mesh")
-    files = convert_vllm(model, num_shards, out_dir, shard_info, overwrite=overwrite, fsync=fsync)
+    files = convert_vllm(model, num_shards, out_dir, shard_info, overwrite=overwrite, fsync=fsync, verify=verify)
     if as_json:
         click.echo(json.dumps({"out_dir": str(out_dir), "num_shards": num_shards, "layout": "vllm",
                                "rank_files": [f.__dict__ for f in files]}, indent=2))  # fmt: skip

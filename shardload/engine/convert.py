@@ -120,7 +120,7 @@ def convert(
     try:
         with Staging(out, fsync, synced=durable, overwrite=overwrite) as staging:
             rank_files = _write_ranks(stages, staging.dir, progress, durable, wrap)
-            record = _write_record(staging.dir, output_record(staging.dir, [f.path for f in rank_files]), durable)
+            record = write_record(staging.dir, output_record(staging.dir, [f.path for f in rank_files]), durable)
             manifest = {
                 "format": MANIFEST_FORMAT,
                 "version": MANIFEST_VERSION,
@@ -138,7 +138,7 @@ def convert(
     return ConvertResult(out, plan, rank_files, others, layout)
 
 
-def _write_record(directory: Path, data: bytes, durable: bool) -> OutputFile:
+def write_record(directory: Path, data: bytes, durable: bool) -> OutputFile:
     """Write an output's integrity record; returned as the manifest lists it (its sha256 is its root)."""
     out = OutFile(directory / RECORD_NAME, durable=durable)
     try:

@@ -39,9 +39,12 @@ def materialize(plan: ParamPlan, files: RunReader, ranks: Sequence[int]) -> list
     return shards
 
 
-def iter_shards(plan: ModelPlan, ranks: Sequence[int]) -> Iterator[tuple[ParamPlan, list[torch.Tensor]]]:
-    """Stream ``(param plan, shards for ranks)`` one parameter at a time, in checkpoint order, on the CPU."""
-    with plan_reader(plan.params.values()) as reader, Transfer(reader) as transfer:
+def iter_shards(
+    plan: ModelPlan, ranks: Sequence[int], wrap: Callable[[RunReader], RunReader] | None = None
+) -> Iterator[tuple[ParamPlan, list[torch.Tensor]]]:
+    """Stream ``(param plan, shards for ranks)`` one parameter at a time, in checkpoint order, on the CPU
+    (``wrap``: a verifying reader)."""
+    with wrapped(plan_reader(plan.params.values()), wrap) as reader, Transfer(reader) as transfer:
         for param in plan.params.values():
             shards = transfer.param(param, ranks)
             transfer.wait()
