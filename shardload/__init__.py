@@ -10,6 +10,7 @@ The public surface::
     problems = shardload.validate(info, model="model-dir", num_shards=8)  # [] when every parameter plans
     p = shardload.plan_model("model-dir", 8)                        # the pure plan: shapes, read boxes
     shardload.verify_dir("model-tp8").problems                      # sha256 of every converted file
+    shardload.hash_checkpoint("model-dir")                          # integrity record, for load(verify=True)
     state = shardload.load_rank("model-dir", rank=5, mesh="pp=2,tp=4")  # a pipeline stage's tensor shard
 
     @shardload.register("myorg.step", shape=rule)                    # add a step function
@@ -29,6 +30,7 @@ import shard_funcs as _builtin_steps  # noqa: F401  (registers the built-in step
 
 from .engine.audit import verify_dir
 from .engine.convert import ConvertResult, convert
+from .engine.integrity import hash_checkpoint
 from .engine.load import load, load_rank
 from .engine.quantize import quantize
 from .engine.verify import VerifyReport
@@ -55,6 +57,7 @@ __all__ = [
     "VerifyReport",
     "__version__",
     "convert",
+    "hash_checkpoint",
     "load",
     "load_rank",
     "plan_model",

@@ -1,4 +1,4 @@
-"""The ``shardload`` command line: example, plan, convert, validate, inspect, verify, quantize.
+"""The ``shardload`` command line: example, plan, convert, validate, inspect, verify, quantize, hash.
 
 Bad input prints one line per problem (``file: parameter: step K (function): reason``) and
 exits 1; usage errors exit 2; no tracebacks for anything shardload can name.
@@ -308,6 +308,10 @@ def example(out_dir: Path, overwrite: bool, multi_file: bool) -> None:
     help="shardload: rank files + manifest (load_rank, load_format='shardload'); vllm: vLLM's sharded_state "
     "files, served by stock vLLM with load_format='sharded_state'.",
 )
+@click.option(
+    "--verify", "verify", is_flag=False, flag_value="record", default=None, metavar="[ROOT]",
+    help="Check every byte read against MODEL's integrity record (shardload hash); with ROOT, pin the record too.",
+)  # fmt: skip
 @_mesh_options
 @_guarded
 def convert(
@@ -320,6 +324,7 @@ def convert(
     quiet: bool,
     as_json: bool,
     layout_name: str,
+    verify: str | None,
     mesh: str | None,
     world_size: int | None,
     pp_layers: str | None,
@@ -333,12 +338,13 @@ def convert(
     from .report import format_table, human_bytes
 
     if layout_name == "vllm":
-        _convert_vllm(model, num_shards, out_dir, shard_info, overwrite, fsync, quiet, as_json, mesh)
+        checked = verify == "record" or verify or False
+        _convert_vllm(model, num_shards, out_dir, shard_info, overwrite, fsync, quiet, as_json, mesh, checked)
         return
     layout = _mesh_arg(mesh, world_size, pp_layers)
     if layout is None and num_shards is None:
         raise click.UsageError("give --num-shards (or --mesh)")
-    options = {"overwrite": overwrite, "mesh": layout, "fsync": fsync}
+    options = {"overwrite": overwrite, "mesh": layout, "fsync": fsync, "verify": verify == "record" or verify or False}
 
     if not quiet and not as_json and sys.stderr.isatty():
         with _ProgressBar("converting", lambda: _source_bytes(model)) as progress:
@@ -387,6 +393,7 @@ def _convert_vllm(
     quiet: bool,
     as_json: bool,
     mesh: str | None,
+    verify: bool | str = False,
 ) -> None:
     """``convert --layout vllm``: vLLM's sharded_state files for ``num_shards`` tensor-parallel ranks."""
     from ..engine.vllm_layout import convert_vllm
@@ -394,7 +401,7 @@ def _convert_vllm(
 
     if mesh is not None or num_shards is None:
         raise click.UsageError("--layout vllm takes --num-shards (vLLM's tensor-parallel size) and no --mesh")
-    files = convert_vllm(model, num_shards, out_dir, shard_info, overwrite=overwrite, fsync=fsync)
+    files = convert_vllm(model, num_shards, out_dir, shard_info, overwrite=overwrite, fsync=fsync, verify=verify)
     if as_json:
         click.echo(json.dumps({"out_dir": str(out_dir), "num_shards": num_shards, "layout": "vllm",
                                "rank_files": [f.__dict__ for f in files]}, indent=2))  # fmt: skip
@@ -740,3 +747,23 @@ def verify(out_dir: Path, source: Path | None, shard_info: Path | None, as_json:
         f"{out_dir}: {report.files} files ({human_bytes(report.nbytes)}) match shard_manifest.json "
         f"(num_shards={report.num_shards}){against}"
     )
+
+
+@main.command(name="hash")
+@click.argument("model", type=MODEL)
+@click.option("-o", "--out", type=click.Path(path_type=Path), help="Write the record here (default: beside MODEL).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar; print only the root hash.")
+@_guarded
+def hash_command(model: Path, out: Path | None, quiet: bool) -> None:
+    """Write MODEL's integrity record (shardload.hashes) and print its root hash, for load(verify=ROOT)."""
+    from ..engine.integrity import hash_model
+    from .report import human_bytes
+
+    result = hash_model(model, out, progress=not quiet)
+    if quiet:
+        click.echo(result.root)
+        return
+    click.echo(
+        f"{result.path}: {human_bytes(result.checkpoint_bytes)} hashed, record {human_bytes(result.record_bytes)}"
+    )
+    click.echo(f"root {result.root}")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ShardloadError
+from ..format.hash_record import RECORD_NAME, root_of
 from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh
 from ..planning.plan import ModelPlan, build_plan
@@ -29,6 +30,7 @@ from ..sources.checkpoint import (
     rank_file_name,
 )
 from ..version import __version__
+from .integrity import output_record, verifier
 from .load import layout_for, stages_of
 from .output import (
     Staging,
@@ -38,7 +40,7 @@ from .output import (
     stamp_sources,
     write_error,
 )
-from .writer import OutputFile, write_rank_files
+from .writer import OutFile, OutputFile, write_rank_files
 
 Progress = Callable[[int, str], None]
 """``progress(source_bytes_done, param_name)``, called after each parameter."""
@@ -66,6 +68,7 @@ def convert(
     overwrite: bool = False,
     fsync: bool | None = None,
     progress: Progress | None = None,
+    verify: bool | str = False,
 ) -> ConvertResult:
     """Write ``model`` pre-sharded for ``num_shards`` ranks into ``out_dir``.
 
@@ -83,6 +86,11 @@ def convert(
     every load makes, and ``verify_dir`` (or ``verify=True``) finds any damage. ``fsync=True`` always
     flushes, ``False`` never does.
 
+    ``verify`` (True, or the source's root hash from ``shardload hash``) checks every byte read from the source
+    against its integrity record; nothing is published when one differs. Every output gets its own record
+    (``shardload.hashes`` over the rank files, its root in the manifest's ``integrity``), so a converted directory
+    is loaded with ``verify`` the same way.
+
     Example::
 
         shardload.convert("llama-dir", 8, "llama-tp8")
@@ -94,6 +102,7 @@ def convert(
     if checkpoint.kind == "converted":
         raise ShardloadError("already a converted directory; convert the source checkpoint", file=checkpoint.name)
     info = shard_info_for(checkpoint, shard_info)
+    wrap = verifier(checkpoint, verify, checkpoint.name)
     layout = layout_for(num_shards, mesh, None)
     plan = build_plan(info, checkpoint, layout.tp)
     if checkpoint.presharded is not None:
@@ -110,7 +119,8 @@ def convert(
     durable = exists if fsync is None else fsync
     try:
         with Staging(out, fsync, synced=durable, overwrite=overwrite) as staging:
-            rank_files = _write_ranks(stages, staging.dir, progress, durable)
+            rank_files = _write_ranks(stages, staging.dir, progress, durable, wrap)
+            record = write_record(staging.dir, output_record(staging.dir, [f.path for f in rank_files]), durable)
             manifest = {
                 "format": MANIFEST_FORMAT,
                 "version": MANIFEST_VERSION,
@@ -119,11 +129,24 @@ def convert(
                 "mesh": _mesh_record(layout, stages),
                 "shard_info": plan.resolved_shard_info(),
                 "source": {"files": [{"path": f.name, "size": st[2]} for f, st in stamps]},
+                "integrity": {"record": record.path, "root": record.sha256},
             }
-            others = publish_with_manifest(staging, checkpoint.root, stamps, rank_files, manifest, durable)
+            others = [record, *publish_with_manifest(staging, checkpoint.root, stamps, [*rank_files, record], manifest,
+                                                     durable)]  # fmt: skip
     except OSError as err:
         raise write_error(err, out) from None
     return ConvertResult(out, plan, rank_files, others, layout)
+
+
+def write_record(directory: Path, data: bytes, durable: bool) -> OutputFile:
+    """Write an output's integrity record; returned as the manifest lists it (its sha256 is its root)."""
+    out = OutFile(directory / RECORD_NAME, durable=durable)
+    try:
+        out.write(data)
+        out.finish()
+    finally:
+        out.close()
+    return OutputFile(RECORD_NAME, len(data), root_of(data))
 
 
 def _mesh_record(layout: Mesh, stages: list[ModelPlan]) -> dict[str, Any] | None:
@@ -134,7 +157,9 @@ def _mesh_record(layout: Mesh, stages: list[ModelPlan]) -> dict[str, Any] | None
     return {"pp": layout.pp, "tp": layout.tp, "pp_layers": counts}
 
 
-def _write_ranks(stages: list[ModelPlan], tmp: Path, progress: Progress | None, durable: bool) -> list[OutputFile]:
+def _write_ranks(
+    stages: list[ModelPlan], tmp: Path, progress: Progress | None, durable: bool, wrap: Any = None
+) -> list[OutputFile]:
     """Write every (pipeline stage, tensor rank) file; each stage's parameters are read once."""
     files: list[OutputFile] = []
     done = 0
@@ -146,6 +171,6 @@ def _write_ranks(stages: list[ModelPlan], tmp: Path, progress: Progress | None, 
             if progress is not None:
                 progress(base + source_done, name)
 
-        files.extend(write_rank_files(plan, names, report, stage=pp, stages=len(stages), durable=durable))
+        files.extend(write_rank_files(plan, names, report, stage=pp, stages=len(stages), durable=durable, wrap=wrap))
         done += sum(p.source.nbytes for p in plan.params.values())
     return files

@@ -8,7 +8,7 @@ parameters with a compute step are read whole, run through their step functions,
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardloadError
@@ -21,6 +21,7 @@ from ..sources.object_reader import reader_for
 from ..sources.objects import ObjectPath
 from ..sources.reader import RunReader
 from .devices import resolve_device
+from .integrity import converted_verifier, verifier, wrapped
 from .transfer import Transfer, plan_reader
 from .verify import rank_file
 
@@ -38,9 +39,12 @@ def materialize(plan: ParamPlan, files: RunReader, ranks: Sequence[int]) -> list
     return shards
 
 
-def iter_shards(plan: ModelPlan, ranks: Sequence[int]) -> Iterator[tuple[ParamPlan, list[torch.Tensor]]]:
-    """Stream ``(param plan, shards for ranks)`` one parameter at a time, in checkpoint order, on the CPU."""
-    with plan_reader(plan.params.values()) as reader, Transfer(reader) as transfer:
+def iter_shards(
+    plan: ModelPlan, ranks: Sequence[int], wrap: Callable[[RunReader], RunReader] | None = None
+) -> Iterator[tuple[ParamPlan, list[torch.Tensor]]]:
+    """Stream ``(param plan, shards for ranks)`` one parameter at a time, in checkpoint order, on the CPU
+    (``wrap``: a verifying reader)."""
+    with wrapped(plan_reader(plan.params.values()), wrap) as reader, Transfer(reader) as transfer:
         for param in plan.params.values():
             shards = transfer.param(param, ranks)
             transfer.wait()
@@ -63,7 +67,7 @@ def load(
     shard_info: Any = None,
     *,
     mesh: Mesh | str | Mapping[str, int] | None = None,
-    verify: bool = False,
+    verify: bool | str = False,
     progress: bool | Callable[[int, int], None] = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Load every rank's shard of ``model``: a list of state dicts, the one for global rank r on ``devices[r]``.
@@ -72,7 +76,9 @@ def load(
     or a directory written by :func:`convert`. Each stored byte is read once. With ``mesh``
     (e.g. ``"pp=2,tp=4"``) rank r holds only its pipeline stage's parameters, tensor shard
     ``tp`` of them; ``num_shards`` may then be left out (it is the mesh's ``tp``). ``verify``
-    checks a converted directory's sha256 sums (sizes are always checked). ``progress=True`` draws a
+    checks a converted directory's sha256 sums (sizes are always checked), and every byte read from a source
+    checkpoint against its integrity record (``verify=True``, or the record's root hash to pin it; see
+    :func:`hash_checkpoint`). ``progress=True`` draws a
     progress line on stderr when it is a terminal; a callable gets ``(read jobs done, total)`` per stage.
 
     Example::
@@ -93,9 +99,10 @@ def load(
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
         return [load_rank(model, r, layout.tp, devices[r], mesh=layout, verify=verify) for r in range(world)]
+    wrap = verifier(checkpoint, verify, str(model))
     if checkpoint.presharded is not None:
         return [
-            _load_presharded_rank(checkpoint, shard_info, layout, layout.coord(r), devices[r], False)
+            _load_presharded_rank(checkpoint, shard_info, layout, layout.coord(r), devices[r], False, wrap)
             for r in range(world)
         ]
     plan = build_plan(shard_info_for(checkpoint, shard_info), checkpoint, layout.tp)
@@ -104,7 +111,8 @@ def load(
         first = [layout.rank(0, pp, tp) for tp in range(layout.tp)]
         report = _progress_line(f"loading stage {pp}" if layout.pp > 1 else "loading") if progress is True else None
         call = report or (progress if callable(progress) else None)
-        for tp, state in enumerate(run_plan(stage, range(layout.tp), [devices[r] for r in first], progress=call)):
+        states = run_plan(stage, range(layout.tp), [devices[r] for r in first], progress=call, wrap=wrap)
+        for tp, state in enumerate(states):
             result[first[tp]] = state
             for dp in range(1, layout.dp):  # data-parallel replicas: the same tensors, copied
                 rank = layout.rank(dp, pp, tp)
@@ -136,12 +144,14 @@ def run_plan(
     staged: bool = False,
     mmap: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    wrap: Callable[[RunReader], RunReader] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Every parameter of ``plan`` for ``ranks`` (rank ``ranks[k]`` on ``devices[k]``): all allocated, then read
     by the thread pool.
 
     ``staged`` sends CPU destinations through the staging buffers too (to test that path on the CPU);
-    ``mmap`` (one CPU rank) maps what it can instead of reading it (see :func:`load_rank`).
+    ``mmap`` (one CPU rank) maps what it can instead of reading it (see :func:`load_rank`); ``wrap`` wraps the
+    reader (a verifying reader, :func:`~shardload.engine.integrity.verified_reader`).
     """
     result: list[dict[str, torch.Tensor]] = [{} for _ in ranks]
     import torch
@@ -151,7 +161,7 @@ def run_plan(
     # rank's tensors are populated by the readers themselves, so its reads start while later parameters are planned
     defer = not (one_rank and torch.device(devices[0]).type == "cpu")
     with (
-        plan_reader(plan.params.values()) as reader,
+        wrapped(plan_reader(plan.params.values()), wrap) as reader,
         Transfer(reader, staged=staged, defer=defer, mapped=mmap, copy_out=one_rank, progress=progress) as transfer,
     ):
         for param in plan.params.values():
@@ -218,7 +228,7 @@ def load_rank(
     shard_info: Any = None,
     *,
     mesh: Any = None,
-    verify: bool = False,
+    verify: bool | str = False,
     mmap: bool = False,
     share_reads: Any = False,
     progress: bool | Callable[[int, int], None] = False,
@@ -228,7 +238,9 @@ def load_rank(
     Under an initialised torch.distributed process group, ``rank`` and ``num_shards`` default
     to the group's rank and world size. With ``mesh`` (a :class:`Mesh`, ``"pp=2,tp=4"``, a
     mapping, or a torch ``DeviceMesh`` with axes named from dp/pp/tp) ``rank`` is the global rank
-    and only its pipeline stage's parameters are read. ``verify`` checks a converted file's sha256.
+    and only its pipeline stage's parameters are read. ``verify`` checks a converted file's sha256; for a source
+    checkpoint, ``verify=True`` (or the root hash printed by ``shardload hash``, which pins the record) reads the
+    record's tiles that cover this rank's bytes and checks each one before any byte is returned.
 
     ``mmap=True`` (CPU only) returns every tensor that is one contiguous stretch of its file (a dim-0
     shard, a replicated tensor, every tensor of a converted directory) as a copy-on-write view of a
@@ -297,8 +309,12 @@ def load_rank(
         if shared:
             return _load_converted_shared(checkpoint, layout, coord, device, verify, group, call)
         return _load_converted_rank(checkpoint, layout, coord, device, verify, mmap)
+    wrap = verifier(checkpoint, verify, str(model))
+    if wrap is not None and mmap:
+        raise ShardloadError("verify and mmap=True exclude each other (a view of the file is not a checked copy)",
+                             file=str(model))  # fmt: skip
     if checkpoint.presharded is not None:
-        return _load_presharded_rank(checkpoint, shard_info, layout, coord, device, mmap)
+        return _load_presharded_rank(checkpoint, shard_info, layout, coord, device, mmap, wrap)
     plan = build_plan(shard_info_for(checkpoint, shard_info), checkpoint, layout.tp)
     stages = stages_of(plan, layout)
     if shared:
@@ -309,9 +325,42 @@ def load_rank(
             return list(stages[key[0]].params.values()), key[1]
 
         digest = plan_digest(plan, stages) + str(layout).encode()
-        with plan_reader(plan.params.values()) as reader:
-            return load_shared(slot_params, digest, (coord.pp, coord.tp), device, reader, group, call, str(model))
-    return run_plan(stages[coord.pp], [coord.tp], [device], mmap=mmap, progress=call)[0]
+        with wrapped(plan_reader(plan.params.values()), wrap) as reader:
+            state = load_shared(slot_params, digest, (coord.pp, coord.tp), device, reader, group, call, str(model))
+            if wrap is not None:  # what the peers sent is checked too: a broken or hostile peer cannot inject bytes
+                check_received(stages[coord.pp].params.values(), coord.tp, state, reader)
+            return state
+    return run_plan(stages[coord.pp], [coord.tp], [device], mmap=mmap, progress=call, wrap=wrap)[0]
+
+
+def check_received(params: Iterable[ParamPlan], rank: int, state: Mapping[str, torch.Tensor], reader: Any) -> None:
+    """Check a rank's tensors, received from its ``share_reads`` group, against the integrity record ``reader`` (a
+    :class:`~shardload.sources.verified.VerifiedReader`) checks with: each tile covering the rank's runs is hashed
+    from the received bytes (completed from storage where a tile reaches past them); a tensor read whole (a
+    compute step) is read again, checked, and compared."""
+    import numpy as np
+    import torch
+
+    from ..planning.runs import param_runs
+    from ..sources.verified import IntegrityError, ReceivedBytes, VerifiedReader, buffer_array
+
+    culprit = "a peer of the share_reads group sent bytes that differ from the checkpoint"
+    for p in params:
+        got = state[p.name]
+        runs = param_runs(p, [rank])
+        if runs is not None and not len(runs.src):
+            continue
+        if runs is None:
+            expected = materialize(p, reader, [rank])[0]
+            if not torch.equal(expected, got.cpu()):
+                raise IntegrityError(f"bytes received for this parameter: {culprit}", file=str(p.source.file),
+                                     param=p.name)  # fmt: skip
+            continue
+        cpu = got.detach().cpu().contiguous()
+        inner = ReceivedBytes(runs.src, runs.length, runs.dst, buffer_array(cpu), reader.inner)
+        check = VerifiedReader(inner, reader.files, reader.hash_name)
+        check.culprit = culprit
+        check.read_runs(p.source.file, runs.src, runs.length, np.zeros(len(runs.src), dtype=np.int64), runs.dst, [cpu])
 
 
 def _load_converted_shared(
@@ -319,7 +368,7 @@ def _load_converted_shared(
     layout: Mesh,
     coord: MeshCoord,
     device: Any,
-    verify: bool,
+    verify: bool | str,
     group: Any,
     progress: Callable[[int, int], None] | None,
 ) -> dict[str, torch.Tensor]:
@@ -332,9 +381,12 @@ def _load_converted_shared(
     from .exchange import load_shared
 
     own = (coord.pp, coord.tp)
+    if isinstance(verify, str):
+        raise ShardloadError("share_reads on a converted directory checks each rank file's sha256 (verify=True); a "
+                             "pinned root is not supported there yet", file=str(checkpoint.path))  # fmt: skip
 
     def slot_params(key: tuple[int, int]) -> tuple[list[ParamPlan], int]:
-        path = rank_file(checkpoint, key[1], layout, stage=key[0], checksum=verify and key == own)
+        path = rank_file(checkpoint, key[1], layout, stage=key[0], checksum=bool(verify) and key == own)
         return whole_tensors(read_header(path).values()), 0
 
     manifest = json.dumps(checkpoint.manifest, sort_keys=True, default=str).encode()
@@ -389,18 +441,31 @@ def _device_type(device: Any) -> str:
 
 
 def _load_converted_rank(
-    checkpoint: Checkpoint, layout: Mesh, coord: MeshCoord, device: Any, verify: bool, mmap: bool
+    checkpoint: Checkpoint, layout: Mesh, coord: MeshCoord, device: Any, verify: bool | str, mmap: bool
 ) -> dict[str, torch.Tensor]:
-    path = rank_file(checkpoint, coord.tp, layout, stage=coord.pp, checksum=verify)
+    wrap = converted_verifier(checkpoint, verify)
+    if wrap is not None and mmap:
+        raise ShardloadError("verify and mmap=True exclude each other (a view of the file is not a checked copy)",
+                             file=str(checkpoint.path))  # fmt: skip
+    path = rank_file(checkpoint, coord.tp, layout, stage=coord.pp, checksum=verify is True and wrap is None)
     infos = list(read_header(path).values())
-    with reader_for(path) as reader, Transfer(reader, mapped=mmap) as transfer:
+    with (
+        wrapped(reader_for(path), wrap and (lambda r: wrap(r, path, infos))) as reader,
+        Transfer(reader, mapped=mmap) as transfer,
+    ):
         tensors = transfer.tensors(infos, device)
         transfer.wait()
     return {info.name: t for info, t in zip(infos, tensors, strict=True)}
 
 
 def _load_presharded_rank(
-    checkpoint: Checkpoint, shard_info: Any, layout: Mesh, coord: MeshCoord, device: Any, mmap: bool
+    checkpoint: Checkpoint,
+    shard_info: Any,
+    layout: Mesh,
+    coord: MeshCoord,
+    device: Any,
+    mmap: bool,
+    wrap: Callable[[RunReader], RunReader] | None = None,
 ) -> dict[str, torch.Tensor]:
     """A rank of a source stored already split (a pre-sharded TVM cache): its own part of each split parameter,
     and every tensor stored whole."""
@@ -409,4 +474,4 @@ def _load_presharded_rank(
         raise ShardloadError("pipeline stages of a pre-sharded checkpoint are not supported", file=checkpoint.name)
     view = checkpoint.rank_view(coord.tp)
     plan = build_plan(ShardInfo(source=f"<rank {coord.tp}'s part of {checkpoint.name}>"), view, 1)
-    return run_plan(plan, [0], [device], mmap=mmap)[0]
+    return run_plan(plan, [0], [device], mmap=mmap, wrap=wrap)[0]

@@ -16,7 +16,7 @@ import json
 import os
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +36,8 @@ from ..sources.checkpoint import (
 )
 from ..sources.dtypes import DTYPES, itemsize
 from ..version import __version__
+from .convert import write_record
+from .integrity import output_record, verifier, wrapped
 from .load import iter_shards, materialize
 from .output import (
     Staging,
@@ -219,11 +221,14 @@ def _only(checkpoint: Checkpoint, tensors: dict[str, Any]) -> Checkpoint:
     return Checkpoint(checkpoint.path, checkpoint.root, checkpoint.kind, tensors, checkpoint.files)
 
 
-def rank_tensors(layout: VllmLayout, num_shards: int) -> Iterator[tuple[VllmTensor, list[torch.Tensor]]]:
-    """Each output tensor of ``layout`` for every rank, in file order, one parameter's worth in memory at a time."""
+def rank_tensors(
+    layout: VllmLayout, num_shards: int, wrap: Callable[[Any], Any] | None = None
+) -> Iterator[tuple[VllmTensor, list[torch.Tensor]]]:
+    """Each output tensor of ``layout`` for every rank, in file order, one parameter's worth in memory at a time
+    (``wrap``: a verifying reader)."""
     import torch
 
-    with plan_reader(layout.plan.params.values()) as reader:
+    with wrapped(plan_reader(layout.plan.params.values()), wrap) as reader:
         for t in layout.tensors:
             if not t.vocab:
                 break
@@ -238,7 +243,7 @@ def rank_tensors(layout: VllmLayout, num_shards: int) -> Iterator[tuple[VllmTens
     pending: dict[str, list[torch.Tensor]] = {}
     order = iter(t for t in layout.tensors if not t.vocab and t.constant is None)
     want = next(order, None)
-    for param, shards in iter_shards(layout.plan, range(num_shards)):
+    for param, shards in iter_shards(layout.plan, range(num_shards), wrap):
         pending[param.name] = shards
         while want is not None and all(p in pending for p in want.parts):
             pieces = [pending.pop(p) for p in want.parts]
@@ -263,8 +268,11 @@ def convert_vllm(
     *,
     overwrite: bool = False,
     fsync: bool | None = None,
+    verify: bool | str = False,
 ) -> list[OutputFile]:
     """Write ``model`` in vLLM's ``sharded_state`` layout for ``num_shards`` ranks into ``out_dir``; return the files.
+    ``verify`` checks every source byte against its integrity record, as :func:`shardload.convert` does; the
+    output gets its own record (``shardload.hashes``, its root in the manifest's ``integrity``).
 
     Example::
 
@@ -277,6 +285,7 @@ def convert_vllm(
     checkpoint = open_checkpoint(model)
     stamps = stamp_sources(checkpoint.files)
     layout = plan_layout(checkpoint, num_shards, shard_info)
+    wrap = verifier(checkpoint, verify, checkpoint.name)
     sources = source_paths(checkpoint.root, checkpoint.files)
     if Path(layout.plan.shard_info.source).exists():  # a shard_info file named outside the model, as convert does
         sources.append(Path(layout.plan.shard_info.source))
@@ -289,7 +298,7 @@ def convert_vllm(
             try:
                 for f in files:
                     f.write(header)
-                for _, shards in rank_tensors(layout, num_shards):
+                for _, shards in rank_tensors(layout, num_shards, wrap):
                     for f, shard in zip(files, shards, strict=True):
                         f.write(memoryview(shard.contiguous().reshape(-1).view(_u8()).numpy()))
                 written = [f.finish() for f in files]
@@ -305,7 +314,9 @@ def convert_vllm(
                 "shard_info": layout.plan.resolved_shard_info(),
                 "source": {"files": [{"path": f.name, "size": st[2]} for f, st in stamps]},
             }
-            publish_with_manifest(staging, checkpoint.root, stamps, written, manifest, durable)
+            record = write_record(staging.dir, output_record(staging.dir, [f.path for f in written]), durable)
+            manifest["integrity"] = {"record": record.path, "root": record.sha256}
+            publish_with_manifest(staging, checkpoint.root, stamps, [*written, record], manifest, durable)
     except OSError as err:
         raise write_error(err, out) from None
     return written

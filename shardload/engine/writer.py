@@ -28,6 +28,7 @@ from ..errors import PlanError
 from ..sources.checkpoint import MAX_HEADER_BYTES
 from ..sources.dtypes import DTYPES, itemsize, to_torch
 from ..sources.reader import RunReader, buffer_view, libc_function
+from .integrity import wrapped
 from .transfer import plan_reader
 
 if TYPE_CHECKING:
@@ -215,13 +216,14 @@ def write_rank_files(
     stage: int = 0,
     stages: int = 1,
     durable: bool = True,
+    wrap: Callable[[Any], Any] | None = None,
 ) -> list[OutputFile]:
     """Write rank r's safetensors file to ``names[r]`` for every rank of ``plan``; new files only.
 
     The ranks are split into one group per worker thread; each worker streams its ranks' bytes through
     its own small buffers: read (through small holes, so a column slice costs one call per chunk, not
     per row), write, hash. ``progress(source_bytes_done, param_name)`` is called after each parameter.
-    ``durable`` fsyncs every file before returning.
+    ``durable`` fsyncs every file before returning; ``wrap`` wraps the reader (a verifying one).
     """
     n = plan.num_shards
     workers = max(1, min(threads or WRITE_THREADS, n))
@@ -236,7 +238,7 @@ def write_rank_files(
             files.append(OutFile(path, durable=durable))
         for r, f in enumerate(files):
             f.write(rank_header(plan, r, stage, stages))
-        with plan_reader(params) as reader:
+        with wrapped(plan_reader(params), wrap) as reader:
             shared = _Shared(workers)
 
             def work(w: int) -> None:

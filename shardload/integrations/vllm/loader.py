@@ -68,7 +68,8 @@ def register_loader() -> None:
                     f"accepted: {list(EXTRA_KEYS)}"
                 )
             self.shard_info = extra.get("shard_info")
-            self.verify = bool(extra.get("verify", False))
+            verify = extra.get("verify", False)
+            self.verify = verify if isinstance(verify, str) else bool(verify)  # True, or a pinned root hash
 
         def download_model(self, model_config: Any) -> None:
             _model_dir(model_config)
@@ -123,7 +124,7 @@ def fill_model(
     num_shards: int,
     *,
     shard_info: Any = None,
-    verify: bool = False,
+    verify: bool | str = False,
     tied: bool = False,
 ) -> FillReport:
     """Fill every parameter of vLLM's ``model`` with rank ``rank`` of ``num_shards``, read through shardload."""
@@ -164,7 +165,7 @@ def fill_model(
         from ...engine.load import load_rank
 
         report.source = f"converted directory, rank file {rank}"
-        stored = load_rank(model_dir, rank, num_shards, verify=verify, mmap=True)
+        stored = load_rank(model_dir, rank, num_shards, verify=verify, mmap=not isinstance(verify, str))
         routes = {name: route(name) for name in stored}
         narrow = _converted_vocab(stored, routes, vocab, rank, where)
         tensors: Mapping[str, torch.Tensor] = stored
@@ -172,7 +173,7 @@ def fill_model(
     else:
         info, report.source = plan_shard_info(checkpoint, shard_info)
         tensors, direct, narrow, routes = _read_planned(checkpoint, info, rank, num_shards, route, targets, vocab,
-                                                        report)  # fmt: skip
+                                                        report, verify)  # fmt: skip
     for note in report.notes:
         log.warning("shardload: %s", note)
     report.tensors = len(tensors)
@@ -227,6 +228,7 @@ def _read_planned(
     targets: Mapping[str, Any],
     vocab: Mapping[str, tuple[int, int, int, int]],
     report: FillReport,
+    verify: bool | str = False,
 ) -> tuple[dict[str, torch.Tensor], set[str], set[str], dict[str, Target | None]]:
     """Plan ``checkpoint`` with ``info`` and read rank ``rank``'s tensors (in place where they fit). A vocabulary
     whose planned split is not vLLM's is read whole instead (noted in ``report``). Returns the tensors, the names
@@ -245,7 +247,10 @@ def _read_planned(
     narrow = {n for n, p in plan.params.items() if (t := routes[n]) and t.name in vocab and p.replicated}
     needed = ModelPlan(plan.num_shards, plan.shard_info, plan.checkpoint,
                        {n: p for n, p in plan.params.items() if routes[n] is not None})  # fmt: skip
-    tensors, direct = _read_in_place(needed, rank, targets, routes, vocab, narrow)
+    from ...engine.integrity import verifier
+
+    wrap = verifier(checkpoint, verify, checkpoint.name)  # every byte checked against the integrity record
+    tensors, direct = _read_in_place(needed, rank, targets, routes, vocab, narrow, wrap)
     return tensors, direct, narrow, routes
 
 
@@ -256,16 +261,18 @@ def _read_in_place(
     routes: Mapping[str, Target | None],
     vocab: Mapping[str, tuple[int, int, int, int]],
     narrow: set[str],
+    wrap: Callable[[Any], Any] | None = None,
 ) -> tuple[dict[str, torch.Tensor], set[str]]:
     """Read rank ``rank`` of ``plan``: straight into vLLM's parameter memory where its slot is one contiguous
     stretch of the plan's shape (no second copy, no extra memory), into fresh tensors otherwise. Returns every
     stored tensor (the slot itself when read in place) and the names read in place."""
+    from ...engine.integrity import wrapped
     from ...engine.transfer import Transfer
     from ...sources.reader import Reader
 
     slots = _slots(plan, targets, routes, vocab, narrow)
     tensors: dict[str, torch.Tensor] = {}
-    with Reader() as reader, Transfer(reader, defer=True, copy_out=True) as transfer:
+    with wrapped(Reader(), wrap) as reader, Transfer(reader, defer=True, copy_out=True) as transfer:
         for name, param in plan.params.items():
             slot = slots.get(name)
             tensors[name] = transfer.param(param, [rank], out=None if slot is None else [slot])[0]

@@ -1,0 +1,166 @@
+"""Verified loading against plain loading, side by side in one run (issue 27's targets): a ~1 GiB Llama-shaped
+float16 checkpoint, rank 3 of 8, each figure from fresh processes (median of ``--repeats``), warm and cold.
+
+- bytes: warm, the tensor bytes the readers copy (``count_reads``); cold, ``/proc/self/io`` read_bytes after the
+  file's pages were dropped (``POSIX_FADV_DONTNEED``). Target: verify <= 1.10x plain.
+- seconds: the load itself (imports and planning excluded, as in run.py's row 6). Target: verify <= 1.15x plain.
+  CPU seconds of all threads beside it: steadier than wall time on a shared machine.
+- ``shardload hash`` throughput against ``cat FILE > /dev/null``, both cold. Target: >= 0.8x.
+- record size against 0.1% of the checkpoint + 16 KiB.
+- what file-linear 64 KiB leaves would read for the same rank (computed from the rank's byte runs), the layout the
+  tiled record replaces.
+
+Run: ``PYTHONPATH=$PWD python benchmarks/verified.py [--work DIR] [--repeats 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from checkpoints import MODEL_FILE, ensure_checkpoint
+
+RANK, N = 3, 8
+
+
+def drop(path: Path) -> None:
+    """Evict ``path`` from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def read_io() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+
+
+def child(model: str, verify: str, cold: str) -> None:
+    """One load of rank 3 of 8 in this fresh process: seconds, bytes read from storage, bytes copied."""
+    import shardload
+    import shardload.planning.runs
+    from shardload.sources.reader import count_reads
+
+    shardload.plan_model(model, N)  # not timed: planning is the same either way
+    path = Path(model) / MODEL_FILE
+    if cold == "cold":
+        drop(path)
+    else:
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+    before = read_io()
+    c0, t0 = time.process_time(), time.perf_counter()
+    with count_reads() as seen:
+        state = shardload.load_rank(model, RANK, N, verify=verify == "verify")
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    held = sum(t.numel() * t.element_size() for t in state.values())
+    print(json.dumps({"seconds": elapsed, "cpu": cpu, "read_bytes": read_io() - before, "counted": seen.bytes,
+                      "held": held}))  # fmt: skip
+
+
+def measure(model: Path, verify: bool, cold: bool, repeats: int) -> dict[str, float]:
+    runs = []
+    for _ in range(repeats):
+        cmd = [sys.executable, __file__, "--child", str(model), "verify" if verify else "plain",
+               "cold" if cold else "warm"]  # fmt: skip
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        runs.append(json.loads(out.strip().splitlines()[-1]))
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
+def linear_leaf_bytes(model: Path, leaf: int = 64 << 10) -> tuple[int, int]:
+    """Bytes rank 3 of 8 needs, and the bytes of the file-linear ``leaf``-byte chunks covering them."""
+    import numpy as np
+
+    import shardload
+    from shardload.planning.runs import param_runs
+
+    plan = shardload.plan_model(model, N)
+    own = 0
+    chunks: set[int] = set()
+    for p in plan.params.values():
+        runs = param_runs(p, [RANK])
+        if runs is None:
+            first, last = np.array([p.source.offset]), np.array([p.source.offset + p.source.nbytes - 1])
+            own += p.source.nbytes
+        else:
+            first, last = runs.src, runs.src + runs.length - 1
+            own += int(runs.length.sum())
+        for a, b in zip((first // leaf).tolist(), (last // leaf).tolist(), strict=True):
+            chunks.update(range(a, b + 1))
+    return own, len(chunks) * leaf
+
+
+def hash_vs_cat(model: Path) -> tuple[float, float]:
+    """Seconds of ``cat FILE > /dev/null`` and of ``shardload hash``, each from a cold cache."""
+    path = model / MODEL_FILE
+    drop(path)
+    t0 = time.perf_counter()
+    subprocess.run(f"cat {path} > /dev/null", shell=True, check=True)
+    cat = time.perf_counter() - t0
+    drop(path)
+    code = "import sys, time; from shardload.engine.integrity import hash_model; t = time.perf_counter(); " \
+           "hash_model(sys.argv[1]); print(time.perf_counter() - t)"  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, str(model)], check=True, capture_output=True, text=True)
+    return cat, float(out.stdout.strip())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=Path("/tmp/shardload-bench"))
+    parser.add_argument("--size-gib", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--child", nargs=3)
+    args = parser.parse_args()
+    if args.child:
+        child(*args.child)
+        return 0
+    model = args.work / "llama"
+    ensure_checkpoint(model, args.size_gib, N)
+    from shardload.engine.integrity import hash_model
+
+    result = hash_model(model)
+    size = (model / MODEL_FILE).stat().st_size
+    cat, hashed = hash_vs_cat(model)
+    own, linear = linear_leaf_bytes(model)
+    print(f"checkpoint {size / 2**30:.2f} GiB, rank {RANK} of {N} needs {own / 2**20:.1f} MiB; "
+          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")  # fmt: skip
+    print(f"{'figure':<34}{'plain':>12}{'verify':>12}{'ratio':>8}{'target':>9}")
+    for cold in (False, True):
+        plain = measure(model, False, cold, args.repeats)
+        checked = measure(model, True, cold, args.repeats)
+        state = "cold" if cold else "warm"
+        key = "read_bytes" if cold else "counted"
+        what = "bytes from storage" if cold else "bytes copied by readers"
+        ratio = checked[key] / max(1, plain[key])
+        print(f"{f'{what} ({state}), MiB':<34}{plain[key] / 2**20:>12.1f}{checked[key] / 2**20:>12.1f}"
+              f"{ratio:>8.2f}{'<=1.10':>9}")  # fmt: skip
+        ratio = checked["seconds"] / plain["seconds"]
+        print(f"{f'seconds ({state})':<34}{plain['seconds']:>12.3f}{checked['seconds']:>12.3f}{ratio:>8.2f}"
+              f"{'<=1.15':>9}")  # fmt: skip
+        ratio = checked["cpu"] / plain["cpu"]
+        print(f"{f'CPU seconds, all threads ({state})':<34}{plain['cpu']:>12.3f}{checked['cpu']:>12.3f}{ratio:>8.2f}"
+              f"{'(info)':>9}")  # fmt: skip
+    print(f"{'hash vs cat (cold), GB/s':<34}{size / cat / 1e9:>12.2f}{size / hashed / 1e9:>12.2f}"
+          f"{cat / hashed:>8.2f}{'>=0.80':>9}")  # fmt: skip
+    limit = size // 1000 + (16 << 10)
+    print(f"{'record bytes vs 0.1% + 16 KiB':<34}{limit:>12}{result.record_bytes:>12}"
+          f"{result.record_bytes / limit:>8.2f}{'<=1.00':>9}")  # fmt: skip
+    print(f"{'file-linear 64 KiB leaves, MiB':<34}{own / 2**20:>12.1f}{linear / 2**20:>12.1f}{linear / own:>8.2f}"
+          f"{'(info)':>9}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

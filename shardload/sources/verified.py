@@ -1,0 +1,440 @@
+"""Verified reading: a reader wrapped so that every byte it hands out lies in a tile whose hash matched the
+integrity record. Only the tiles that cover the requested runs are read (into a private buffer laid out like the
+file), hashed, compared, and only then copied to their destinations, so the bytes returned are the bytes checked."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CheckpointError
+from ..format.hash_record import FileHashes, Tiling, hasher
+from .reader import PAGE, FileMaps, RunReader, count_mapped
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+CANVAS_BYTES = 8 << 20
+"""The least a reader thread's reusable buffer for checked tiles holds."""
+HOLE = 0
+"""Gaps between the tile bytes to read that are read through rather than skipped (0: only exact tiles are read)."""
+
+
+class IntegrityError(CheckpointError):
+    """Bytes that do not match the checkpoint's integrity record (or a file that differs from it in size)."""
+
+
+@dataclass
+class VerifiedFile:
+    """One file as the verifier knows it: its record entry, region starts, each region's first leaf, and the
+    names of the tensors stored in it (by byte range) for messages."""
+
+    hashes: FileHashes
+    starts: Any
+    bases: list[int]
+    names: Callable[[int, int], list[str]]
+
+
+def region_bases(hashes: FileHashes) -> list[int]:
+    """The index of each region's first leaf in the file's leaf table."""
+    bases, count = [], 0
+    for region in hashes.regions:
+        bases.append(count)
+        count += region.leaves
+    return bases
+
+
+def _progressions(src: np.ndarray, length: np.ndarray, buf: np.ndarray, dst: np.ndarray) -> list[tuple[int, int]]:
+    """Split runs into maximal stretches ``[a, b)`` that are one strided copy: equal lengths and buffers, constant
+    source and destination strides."""
+    import numpy as np
+
+    n = len(src)
+    if n == 1:
+        return [(0, 1)]
+    same = (length[1:] == length[:-1]) & (buf[1:] == buf[:-1])
+    ds, dd = np.diff(src), np.diff(dst)
+    if bool(same.all()) and bool((ds == ds[0]).all()) and bool((dd == dd[0]).all()):
+        return [(0, n)]
+    out = []
+    i = 0
+    while i < n:
+        j = i + 1
+        if j < n and same[i]:
+            s, d = ds[i], dd[i]
+            while j < n and same[j - 1] and ds[j - 1] == s and dd[j - 1] == d:
+                j += 1
+        out.append((i, j))
+        i = j
+    return out
+
+
+class VerifiedReader(RunReader):
+    """Wraps a reader: each ``read_runs`` reads the tiles covering its runs, checks them against the record,
+    and copies the runs out of the checked bytes. ``files`` maps each readable path to its :class:`VerifiedFile`."""
+
+    can_map = False  # nothing may bypass the check by reading the file's pages directly
+
+    def __init__(self, inner: RunReader, files: dict[Any, VerifiedFile], hash_name: str) -> None:
+        self.inner = inner
+        self.files = files
+        self.hash = hasher(hash_name)
+        self.hash_name = hash_name
+        self.threads = inner.threads
+        self.maps = FileMaps() if inner.can_map else None
+        self._scratch = threading.local()
+        self.culprit = "the file was changed or corrupted"
+        """What a mismatch says went wrong."""
+
+    def no_readahead(self, path: Any) -> None:
+        self.inner.no_readahead(path)  # type: ignore[attr-defined]
+
+    def prefetch(self, path: Any, starts: Sequence[int], ends: Sequence[int]) -> None:
+        pass  # the tiles read are wider than the runs; let the reads themselves fetch them
+
+    def _mismatch(self, path: Any, entry: VerifiedFile, region: Any, tiling: Tiling, index: int) -> IntegrityError:
+        """The one-line error for tile ``index`` of ``tiling``: file, byte range, the tensors it feeds, why."""
+        t0, th, c0, tw = tiling.tile(index)
+        B = region.row_bytes
+        lo = region.offset + t0 * B + c0
+        hi = region.offset + (t0 + th - 1) * B + c0 + tw
+        span = f"bytes {lo}-{hi}" if tw == B else f"bytes {lo}-{hi} ({th} rows x {tw} of every {B})"
+        names = entry.names(lo, hi)
+        feeds = f", feeding {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}" if names else ""
+        return IntegrityError(f"{span}{feeds}: hash mismatch against the integrity record ({self.culprit})",
+                              file=str(path))  # fmt: skip
+
+    def _whole_tiles(
+        self,
+        path: Any,
+        entry: VerifiedFile,
+        region: Any,
+        tiling: Tiling,
+        leaf0: int,
+        src: np.ndarray,
+        length: np.ndarray,
+        buf: np.ndarray,
+        dst: np.ndarray,
+        buffers: Sequence[Any],
+    ) -> None:
+        """Runs that are each whole row blocks (dim-0 shards, fused parts): read straight into their destinations
+        and each tile hashed there, so no byte is copied twice."""
+        import numpy as np
+
+        B = region.row_bytes
+        outs = [buffer_array(t) for t in buffers]
+        o = src - region.offset
+        boxes = [(a, b, 0, B) for a, b in zip((o // B).tolist(), (-(-(o + length) // B)).tolist(), strict=True)]
+        mapped = self.maps.array(path) if self.maps is not None and self._cached(path, region, boxes) else None
+        if mapped is not None:
+            copy_runs(mapped, src, outs, buf, dst, length)
+            count_mapped(path, int(length.sum()))
+        else:
+            order = np.argsort(src, kind="stable")
+            if self.maps is not None:
+                self.inner.no_readahead(path)  # type: ignore[attr-defined]
+                self.inner.prefetch(path, *_pages(src[order], src[order] + length[order]))  # type: ignore[attr-defined]
+            self.inner.read_runs(path, src[order], length[order], buf[order], dst[order], buffers)
+        span = tiling.tile_rows * B
+        for at, n, b, d in zip(o.tolist(), length.tolist(), buf.tolist(), dst.tolist(), strict=True):
+            for k in range(at // span, -(-(at + n) // span)):
+                lo = d + k * span - at
+                hi = d + min((k + 1) * span, region.length) - at
+                if self.hash(outs[b][lo:hi]).digest() != entry.hashes.leaf(leaf0 + k):
+                    raise self._mismatch(path, entry, region, tiling, k)
+
+    def _canvas(self, nbytes: int) -> Any:
+        """A byte tensor of ``nbytes`` for this thread, reused between calls (fresh pages cost a fault each)."""
+        import torch
+
+        held = getattr(self._scratch, "buf", None)
+        if held is None or held.numel() < nbytes:
+            held = self._scratch.buf = torch.empty(max(nbytes, CANVAS_BYTES), dtype=torch.uint8)
+        return held[:nbytes]
+
+    def close(self) -> None:
+        if self.maps is not None:  # unmapping hundreds of MiB takes tens of ms: done in the background, as loads do
+            threading.Thread(target=self.maps.release, name="shardload-unmap").start()  # joined at exit
+        self.inner.close()
+
+    def _file(self, path: Any) -> VerifiedFile:
+        entry = self.files.get(path)
+        if entry is None:
+            raise IntegrityError("this file is not in the integrity record", file=str(path))
+        return entry
+
+    def _cached(self, path: Any, region: Any, boxes: list[tuple[int, int, int, int]]) -> bool:
+        """Whether the boxes' pages look cached: the whole file, else 90% of pages sampled over the boxes."""
+        import numpy as np
+
+        assert self.maps is not None
+        if self.maps.warm(path):
+            return True
+        B = region.row_bytes
+        starts = np.array([region.offset + a * B + lo for a, _, lo, _ in boxes], dtype=np.int64)
+        ends = np.array([region.offset + (b - 1) * B + hi for _, b, _, hi in boxes], dtype=np.int64)
+        resident = self.maps.resident(path, starts, ends)
+        return resident is not None and resident >= 0.9
+
+    def _fill(
+        self,
+        path: Any,
+        region: Any,
+        first_row: int,
+        boxes: list[tuple[int, int, int, int]],
+        flat: Any,
+        canvas: Any,
+        at: int,
+    ) -> None:
+        """Fill the canvas (``flat``: bytes ``at`` on of tensor ``canvas``, laid out as the region's rows from
+        ``first_row`` are in the file) with ``boxes`` (rows
+        ``[a, b)``, bytes ``[lo, hi)`` of each row): strided copies out of a mapping when the file is in the page
+        cache, else the inner reader's runs (one per row and box, adjacent ones merged)."""
+        import numpy as np
+
+        B = region.row_bytes
+        mapped = self.maps.array(path) if self.maps is not None and self._cached(path, region, boxes) else None
+        if mapped is not None:
+            grid = flat.reshape(-1, B)
+            rows = mapped[region.offset : region.end].reshape(-1, B)
+            total = 0
+            for a, b, lo, hi in boxes:
+                np.copyto(grid[a - first_row : b - first_row, lo:hi], rows[a:b, lo:hi])
+                total += (b - a) * (hi - lo)
+            count_mapped(path, total)
+            return
+        rs = [np.arange(a, b, dtype=np.int64) * B + lo for a, b, lo, _ in boxes]
+        rl = [np.full(b - a, hi - lo, dtype=np.int64) for a, b, lo, hi in boxes]
+        rsrc = np.concatenate(rs)
+        rend = rsrc + np.concatenate(rl)
+        starts = np.flatnonzero(np.concatenate(([True], rsrc[1:] - rend[:-1] > HOLE)))
+        src = rsrc[starts]
+        length = np.concatenate((rend[starts[1:] - 1], rend[-1:])) - src
+        zero = np.zeros(len(src), dtype=np.int64)
+        if self.maps is not None:  # a local file not in the page cache: exactly these pages, fetched together
+            self.inner.no_readahead(path)  # type: ignore[attr-defined]
+            self.inner.prefetch(path, *_pages(src + region.offset, src + length + region.offset))  # type: ignore[attr-defined]
+        self.inner.read_runs(path, src + region.offset, length, zero, src - first_row * B + at, [canvas])
+
+    def read_runs(self, path: Any, src: Any, length: Any, buf: Any, dst: Any, buffers: Sequence[Any], **_: Any) -> None:
+        """Copy run i: ``length[i]`` bytes at ``src[i]`` of ``path`` to byte ``dst[i]`` of ``buffers[buf[i]]``,
+        after checking every tile they touch."""
+        import numpy as np
+
+        from .reader import check_destinations
+
+        n = len(src)
+        if n == 0:
+            return
+        src = np.asarray(src, dtype=np.int64)
+        length = np.asarray(length, dtype=np.int64)
+        buf = np.asarray(buf, dtype=np.int64)
+        dst = np.asarray(dst, dtype=np.int64)
+        check_destinations(length, buf, dst, buffers)
+        entry = self._file(path)
+        ends = src + length
+        if int(src.min()) < 0 or int(ends.max()) > entry.hashes.size:
+            raise IntegrityError(
+                f"a read of bytes {int(src.min())}-{int(ends.max())} reaches past the {entry.hashes.size} bytes "
+                "the integrity record gives this file",
+                file=str(path),
+            )
+        ridx = np.searchsorted(entry.starts, src, side="right") - 1
+        region_ends = entry.starts[ridx] + np.array([entry.hashes.regions[i].length for i in ridx.tolist()])
+        if bool((ends > region_ends).any()):  # a run across regions: cut it at each region end
+            src, length, buf, dst = _cut(src, length, buf, dst, entry)
+            ridx = np.searchsorted(entry.starts, src, side="right") - 1
+        order = np.argsort(ridx, kind="stable")
+        ridx = ridx[order]
+        cuts = np.flatnonzero(np.diff(ridx)) + 1
+        for first, part in zip(np.concatenate(([0], cuts)).tolist(), np.split(order, cuts), strict=True):
+            self._region(path, entry, int(ridx[first]), src[part], length[part], buf[part], dst[part], buffers)
+
+    def _region(
+        self,
+        path: Any,
+        entry: VerifiedFile,
+        index: int,
+        src: np.ndarray,
+        length: np.ndarray,
+        buf: np.ndarray,
+        dst: np.ndarray,
+        buffers: Sequence[Any],
+    ) -> None:
+        import numpy as np
+
+        region = entry.hashes.regions[index]
+        B = region.row_bytes
+        o = src - region.offset
+        e = o + length - 1
+        # the tiling that needs the fewest bytes read for these runs (row blocks for a dim-0 split, bands for columns)
+        best = None
+        base = entry.bases[index]
+        for k in range(len(region.tilings)):
+            tiling = region.tiling(k)
+            need = _needed(tiling, o, e)
+            nbytes = int((need * np.outer(_sizes(tiling.rows, tiling.tile_rows), _sizes(B, tiling.tile_bytes))).sum())
+            if best is None or nbytes < best[0]:
+                best = (nbytes, tiling, need, base)
+            base += tiling.leaves
+        assert best is not None
+        _, tiling, need, leaf0 = best
+        h, w = tiling.tile_rows, tiling.tile_bytes
+        blocks = np.flatnonzero(need.any(axis=1))
+        first_row = int(blocks[0]) * h
+        last_row = min(region.rows, (int(blocks[-1]) + 1) * h)
+        base = region.offset + first_row * B
+        span = h * B
+        ends = o + length
+        if tiling.bands == 1 and bool(((o % span == 0) & ((ends % span == 0) | (ends == region.length))).all()):
+            self._whole_tiles(path, entry, region, tiling, leaf0, src, length, buf, dst, buffers)
+            return
+        canvas, at = self._canvas((last_row - first_row) * B), 0
+        flat = canvas.numpy()
+        # per row block, each stretch of needed bands: a box of rows x bytes to fill the canvas with
+        boxes = []
+        for blk in blocks.tolist():
+            edges = np.flatnonzero(np.diff(np.concatenate(([False], need[blk], [False])).astype(np.int8)))
+            for c, d in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
+                boxes.append((blk * h, min(region.rows, (blk + 1) * h), c * w, min(d * w, B)))
+        self._fill(path, region, first_row, boxes, flat, canvas, at)
+        grid = flat.reshape(last_row - first_row, B)
+        for blk, band in zip(*np.nonzero(need), strict=True):
+            t0, th, c0, tw = tiling.tile(int(blk) * tiling.bands + int(band))
+            tile = grid[t0 - first_row : t0 - first_row + th, c0 : c0 + tw]
+            data = tile.reshape(-1) if tw == B else np.ascontiguousarray(tile).reshape(-1)
+            leaf = leaf0 + int(blk) * tiling.bands + int(band)
+            if self.hash(data).digest() != entry.hashes.leaf(leaf):
+                raise self._mismatch(path, entry, region, tiling, int(blk) * tiling.bands + int(band))
+        copy_runs(flat, src - base, [buffer_array(t) for t in buffers], buf, dst, length)
+
+
+def copy_runs(
+    source: np.ndarray, at: np.ndarray, outs: Sequence[np.ndarray], buf: np.ndarray, dst: np.ndarray, length: np.ndarray
+) -> None:
+    """Copy run i: ``length[i]`` bytes at ``at[i]`` of the byte array ``source`` to ``dst[i]`` of ``outs[buf[i]]``,
+    each stretch of equally long, equally spaced runs as one strided copy."""
+    import numpy as np
+
+    for a, b in _progressions(at, length, buf, dst):
+        size = int(length[a])
+        count = b - a
+        out = outs[int(buf[a])]
+        if count == 1:
+            out[int(dst[a]) : int(dst[a]) + size] = source[int(at[a]) : int(at[a]) + size]
+            continue
+        ss = int(at[a + 1] - at[a])
+        sd = int(dst[a + 1] - dst[a])
+        s_view = np.lib.stride_tricks.as_strided(source[int(at[a]) :], (count, size), (ss, 1), writeable=False)
+        d_view = np.lib.stride_tricks.as_strided(out[int(dst[a]) :], (count, size), (sd, 1))
+        np.copyto(d_view, s_view)
+
+
+def _needed(tiling: Tiling, o: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """Which tiles of ``tiling`` (row blocks x bands, booleans) hold a byte of the runs ``[o, e]`` (inclusive,
+    offsets within the region)."""
+    import numpy as np
+
+    B, h, w = tiling.row_bytes, tiling.tile_rows, tiling.tile_bytes
+    r0, r1 = o // B, e // B
+    b0 = np.where(r0 == r1, (o % B) // w, 0)
+    b1 = np.where(r0 == r1, (e % B) // w, tiling.bands - 1)
+    boxes = np.stack([r0 // h, r1 // h, b0, b1], axis=1)
+    if len(boxes) > 1:  # runs come sorted: drop each box equal to the one before it
+        boxes = boxes[np.concatenate(([True], (boxes[1:] != boxes[:-1]).any(axis=1)))]
+    need = np.zeros((tiling.row_blocks, tiling.bands), dtype=bool)
+    for a, b, c, d in boxes.tolist():
+        need[a : b + 1, c : d + 1] = True
+    return need
+
+
+def _pages(starts: np.ndarray, ends: np.ndarray) -> tuple[list[int], list[int]]:
+    """The whole-page byte ranges that sorted runs ``[starts[i], ends[i])`` touch, touching pages merged."""
+    import numpy as np
+
+    first = starts // PAGE
+    last = (ends - 1) // PAGE + 1
+    top = np.maximum.accumulate(last)
+    new = np.concatenate(([True], first[1:] > top[:-1]))
+    heads = np.flatnonzero(new)
+    tails = np.concatenate((heads[1:] - 1, [len(first) - 1]))
+    return (first[heads] * PAGE).tolist(), (top[tails] * PAGE).tolist()
+
+
+def _sizes(total: int, step: int) -> np.ndarray:
+    """The lengths of ``total`` cut into pieces of ``step`` (the last one shorter)."""
+    import numpy as np
+
+    out = np.full(-(-total // step), step, dtype=np.int64)
+    out[-1] = total - step * (len(out) - 1)
+    return out
+
+
+def buffer_array(t: Any) -> np.ndarray:
+    """A contiguous CPU tensor's bytes as a flat writable numpy array (its storage, not a copy)."""
+    import torch
+
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _cut(src: np.ndarray, length: np.ndarray, buf: np.ndarray, dst: np.ndarray, entry: VerifiedFile) -> tuple:
+    """Runs cut at every region boundary they cross (rare: reads of header and data in one run)."""
+    import numpy as np
+
+    out: list[tuple[int, int, int, int]] = []
+    bounds = [r.end for r in entry.hashes.regions]
+    for s, n, b, d in zip(src.tolist(), length.tolist(), buf.tolist(), dst.tolist(), strict=True):
+        while n > 0:
+            i = int(np.searchsorted(entry.starts, s, side="right") - 1)
+            take = min(n, bounds[i] - s)
+            out.append((s, take, b, d))
+            s, n, d = s + take, n - take, d + take
+    arr = np.array(out, dtype=np.int64)
+    return arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]
+
+
+class ReceivedBytes(RunReader):
+    """Bytes of one stored tensor as a rank received them from its group (``share_reads``): runs inside the rank's
+    own runs are copied out of its tensor, the rest of a tile is read by ``storage``. Wrapped in a
+    :class:`VerifiedReader`, it checks the received bytes against the record."""
+
+    def __init__(self, own_src: np.ndarray, own_len: np.ndarray, own_dst: np.ndarray, tensor: np.ndarray,
+                 storage: RunReader) -> None:  # fmt: skip
+        self.src, self.len, self.dst = own_src, own_len, own_dst
+        self.tensor = tensor
+        self.storage = storage
+
+    def read_runs(self, path: Any, src: Any, length: Any, buf: Any, dst: Any, buffers: Sequence[Any], **_: Any) -> None:
+        """Copy run i from the rank's tensor where its own runs hold it, from storage elsewhere."""
+        import numpy as np
+
+        ends = src + length
+        points = np.unique(np.concatenate((self.src, self.src + self.len)))
+        lo = np.searchsorted(points, src, side="right")
+        hi = np.searchsorted(points, ends, side="left")
+        cuts = hi - lo  # inner boundaries of the rank's runs each requested run crosses
+        counts = cuts + 1
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        k = np.arange(int(counts.sum())) - first  # piece k of its run
+        owner = np.repeat(np.arange(len(src)), counts)
+        inner = points[np.minimum(np.repeat(lo, counts) + k - 1, len(points) - 1)]
+        starts = np.where(k == 0, src[owner], inner)
+        nxt = points[np.minimum(np.repeat(lo, counts) + k, len(points) - 1)]
+        stops = np.where(k == cuts[owner], ends[owner], nxt)
+        keep = stops > starts
+        starts, stops, owner = starts[keep], stops[keep], owner[keep]
+        at = dst[owner] + (starts - src[owner])
+        j = np.searchsorted(self.src, starts, side="right") - 1
+        jj = np.maximum(j, 0)
+        covered = (j >= 0) & (stops <= self.src[jj] + self.len[jj])
+        outs = [buffer_array(t) for t in buffers]
+        if bool(covered.any()):
+            c = np.flatnonzero(covered)
+            copy_runs(self.tensor, self.dst[jj[c]] + (starts[c] - self.src[jj[c]]), outs, buf[owner[c]], at[c],
+                      stops[c] - starts[c])  # fmt: skip
+        if not bool(covered.all()):
+            u = np.flatnonzero(~covered)
+            self.storage.read_runs(path, starts[u], stops[u] - starts[u], buf[owner[u]], at[u], buffers)

@@ -1,0 +1,469 @@
+"""Verified loading: integrity records (``shardload hash``) and ``verify=True`` / ``verify=<root>``: every byte a
+rank reads is checked, a flipped byte anywhere it reads fails it with one line, and bytes it never reads do not."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import shardload
+from conftest import write_model
+from shardload.engine.integrity import hash_model
+from shardload.errors import ShardloadError
+from shardload.format.hash_record import LEAF_BYTES, RECORD_NAME, parse_record, root_of, tensor_region
+from shardload.sources.checkpoint import open_checkpoint, read_header
+from shardload.sources.reader import count_reads
+
+N = 4
+
+
+def shard(shape: list[int], dim: int) -> list:
+    out: list = ["num_shards", *shape]
+    out[dim + 1] = f"{shape[dim]} // num_shards"
+    return ["shard_funcs.shard_dim", [out, "float16"], dim, "num_shards"]
+
+
+@pytest.fixture(scope="module")
+def split_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Row- and column-split tensors wide enough that their tiles fall on the rank boundaries for N=4."""
+    rng = np.random.default_rng(1)
+    tensors = {
+        "row.weight": rng.standard_normal((512, 2048)).astype(np.float16),
+        "col.weight": rng.standard_normal((512, 2048)).astype(np.float16),
+        "norm.weight": rng.standard_normal(2048).astype(np.float16),
+    }
+    info = {
+        "version": 1,
+        "num_shards": None,
+        "params": {"row.weight": [shard([512, 2048], 0)], "col.weight": [shard([512, 2048], 1)]},
+    }
+    model = write_model(tmp_path_factory.mktemp("split") / "model", tensors, info)
+    hash_model(model)
+    return model
+
+
+def tampered(src: Path, dst: Path, offset: int, file: str = "model.safetensors") -> Path:
+    """A copy of model ``src`` (record included) with one byte of ``file`` flipped at ``offset``."""
+    shutil.copytree(src, dst)
+    with open(dst / file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x40]))
+    return dst
+
+
+def offset_of(model: Path, name: str, row: int, col_byte: int, file: str = "model.safetensors") -> int:
+    info = read_header(model / file)[name]
+    return info.offset + row * (info.nbytes // info.shape[0]) + col_byte
+
+
+def one_line_error(excinfo: pytest.ExceptionInfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message
+    return message
+
+
+def test_verified_loads_equal_plain_ones(split_model: Path, example_multi_dir: Path, tmp_path: Path) -> None:
+    multi = shutil.copytree(example_multi_dir, tmp_path / "multi")
+    root = hash_model(multi).root
+    for model, pin in ((split_model, hash_model(split_model).root), (multi, root)):
+        for rank in range(N):
+            plain = shardload.load_rank(model, rank, N)
+            for verify in (True, pin):
+                checked = shardload.load_rank(model, rank, N, verify=verify)
+                assert plain.keys() == checked.keys()
+                for name, t in plain.items():
+                    assert torch.equal(t, checked[name]), name
+    every = shardload.load(multi, N, ["cpu"] * N, verify=root)
+    for rank in range(N):
+        plain = shardload.load_rank(multi, rank, N)
+        assert all(torch.equal(plain[k], every[rank][k]) for k in plain)
+
+
+def test_hash_is_idempotent_and_small(split_model: Path) -> None:
+    first = hash_model(split_model)
+    data = first.path.read_bytes()
+    again = hash_model(split_model)
+    assert again.root == first.root and again.path.read_bytes() == data
+    assert first.record_bytes <= first.checkpoint_bytes // 1000 + (16 << 10)
+    record = parse_record(data, "record")
+    assert [f.name for f in record.files] == ["model.safetensors", "shard_info.json"]
+
+
+@pytest.mark.parametrize("name,dim", [("row.weight", 0), ("col.weight", 1)])
+def test_flip_caught_by_reader_not_by_others(split_model: Path, tmp_path: Path, name: str, dim: int) -> None:
+    # a byte in rank 2's part of the tensor: rows 256..383 for the row split, bytes 2048..3071 of a row for columns
+    row, col = (300, 10) if dim == 0 else (5, 2048 + 10)
+    model = tampered(split_model, tmp_path / "m", offset_of(split_model, name, row, col))
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(model, 2, N, verify=True)
+    message = one_line_error(excinfo)
+    assert "model.safetensors" in message and name in message and "hash mismatch" in message
+    assert "bytes " in message
+    for rank in (0, 1, 3):  # these ranks never read the tile: they load, exactly
+        state = shardload.load_rank(model, rank, N, verify=True)
+        clean = shardload.load_rank(split_model, rank, N)
+        assert all(torch.equal(state[k], clean[k]) for k in clean)
+    with pytest.raises(ShardloadError):
+        shardload.load(model, N, ["cpu"] * N, verify=True)
+
+
+def test_flip_in_header_caught(split_model: Path, tmp_path: Path) -> None:
+    (n,) = struct.unpack("<Q", (split_model / "model.safetensors").read_bytes()[:8])
+    header = (split_model / "model.safetensors").read_bytes()[8 : 8 + n]
+    # a byte of the header that keeps it valid JSON with the same meaning: "float16"'s '1' -> a harmless key char
+    at = header.index(b'"__metadata__"') + 3 if b"__metadata__" in header else header.rindex(b" ")
+    model = tampered(split_model, tmp_path / "m", 8 + at)
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(model, 0, N, verify=True)
+    assert "the header" in one_line_error(excinfo) or "header" in str(excinfo.value).lower()
+
+
+def test_flip_in_fused_qkv_part_caught(example_dir: Path, tmp_path: Path) -> None:
+    src = shutil.copytree(example_dir, tmp_path / "src")
+    hash_model(src)
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    info = read_header(src / "model.safetensors")[name]
+    row_bytes = info.nbytes // info.shape[0]
+    # the k part starts after the 16 q heads (256 rows); a byte in the last k head
+    model = tampered(src, tmp_path / "m", info.offset + (256 + 120) * row_bytes + 7)
+    failed = []
+    for rank in range(N):
+        try:
+            shardload.load_rank(model, rank, N, verify=True)
+        except ShardloadError as err:
+            assert name in str(err) and "\n" not in str(err)
+            failed.append(rank)
+    assert failed, "no rank noticed the flipped byte"
+
+
+@pytest.mark.parametrize("change", ["truncate", "extend", "swap", "other record"])
+def test_file_level_changes_caught(split_model: Path, example_dir: Path, tmp_path: Path, change: str) -> None:
+    model = shutil.copytree(split_model, tmp_path / "m")
+    data = (model / "model.safetensors").read_bytes()
+    if change == "truncate":
+        (model / "model.safetensors").write_bytes(data[:-100])
+    elif change == "extend":
+        (model / "model.safetensors").write_bytes(data + b"\0")
+    elif change == "swap":  # same size, other bytes: the two tensors' data exchanged
+        row = read_header(model / "model.safetensors")["row.weight"]
+        col = read_header(model / "model.safetensors")["col.weight"]
+        a, b = data[row.offset : row.offset + row.nbytes], data[col.offset : col.offset + col.nbytes]
+        out = bytearray(data)
+        out[row.offset : row.offset + row.nbytes], out[col.offset : col.offset + col.nbytes] = b, a
+        (model / "model.safetensors").write_bytes(bytes(out))
+    else:
+        other = shutil.copytree(example_dir, tmp_path / "other")
+        shutil.copy(hash_model(other).path, model / RECORD_NAME)
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(model, 1, N, verify=True)
+    one_line_error(excinfo)
+
+
+def test_pinned_root_refuses_a_tampered_record(split_model: Path, tmp_path: Path) -> None:
+    root = hash_model(split_model).root
+    model = tampered(split_model, tmp_path / "m", offset_of(split_model, "row.weight", 0, 0))
+    rehashed = hash_model(model)  # an attacker re-hashes the altered file: verify=True now passes...
+    assert rehashed.root != root
+    shardload.load_rank(model, 0, N, verify=True)
+    with pytest.raises(ShardloadError) as excinfo:  # ...but the pinned root does not
+        shardload.load_rank(model, 0, N, verify=root)
+    assert "pinned root" in one_line_error(excinfo)
+    record = bytearray((split_model / RECORD_NAME).read_bytes())
+    record[-1] ^= 1  # a leaf hash altered by hand
+    (model / RECORD_NAME).write_bytes(bytes(record))
+    with pytest.raises(ShardloadError):
+        shardload.load_rank(model, 0, N, verify=root)
+
+
+def test_metadata_beside_the_weights_is_checked(split_model: Path, tmp_path: Path) -> None:
+    model = shutil.copytree(split_model, tmp_path / "m")
+    info = json.loads((model / "shard_info.json").read_text())
+    info["params"]["col.weight"] = info["params"]["row.weight"]  # a plan that splits the other dim: still valid
+    (model / "shard_info.json").write_text(json.dumps(info))
+    shardload.load_rank(model, 0, N)
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(model, 0, N, verify=True)
+    assert "shard_info.json" in one_line_error(excinfo) and "differs from the integrity record" in str(excinfo.value)
+
+
+def test_missing_record_says_how_to_make_one(example_dir: Path, tmp_path: Path) -> None:
+    model = shutil.copytree(example_dir, tmp_path / "m")
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(model, 0, N, verify=True)
+    assert "shardload hash" in one_line_error(excinfo)
+    with pytest.raises(ShardloadError):
+        shardload.load_rank(model, 0, N, verify="not-a-root")
+
+
+def test_rank_reads_only_the_tiles_it_needs(split_model: Path) -> None:
+    for rank in range(N):
+        with count_reads() as plain:
+            shardload.load_rank(split_model, rank, N)
+        with count_reads() as checked:
+            shardload.load_rank(split_model, rank, N, verify=True)
+        header = (split_model / "model.safetensors").stat().st_size - sum(
+            t.nbytes for t in read_header(split_model / "model.safetensors").values()
+        )
+        assert checked.bytes <= plain.bytes + header, (rank, checked.bytes, plain.bytes)
+
+
+@pytest.mark.parametrize("junk", [b"", b"SLHASH1\n", b"SLHASH1\n" + struct.pack("<Q", 1 << 40), b"x" * 64])
+def test_malformed_records_refused(split_model: Path, tmp_path: Path, junk: bytes) -> None:
+    model = shutil.copytree(split_model, tmp_path / "m")
+    (model / RECORD_NAME).write_bytes(junk)
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(model, 0, N, verify=True)
+    one_line_error(excinfo)
+
+
+def test_tiles_fall_on_power_of_two_splits() -> None:
+    # the shapes of a Llama-like model's weights (fused qkv and gate_up, GQA, vocabulary 32000)
+    for rows, cols in ((2048, 2048), (3072, 2048), (512, 2048), (11264, 2048), (2048, 5632), (32000, 2048)):
+        region = tensor_region(0, rows, cols * 2, 2)
+        by_rows = region.tiling(0)
+        assert by_rows.tile_bytes == cols * 2 and by_rows.tile_rows * by_rows.tile_bytes <= LEAF_BYTES
+        for n in (2, 4, 8):
+            for part in (rows, rows // 3, rows // 2):  # fused parts (q of qkv is 2/3, gate and up are halves)
+                if part % (n * 64) == 0:
+                    assert (part // n) % by_rows.tile_rows == 0, (rows, cols, n, region)
+        by_cols = region.tiling(1)
+        assert by_cols.tile_rows * by_cols.tile_bytes <= LEAF_BYTES
+        for n in (2, 4, 8):
+            assert (cols * 2 // n) % by_cols.tile_bytes == 0, (rows, cols, n, region)
+
+
+def test_convert_verify_refuses_a_flipped_source_and_writes_nothing(split_model: Path, tmp_path: Path) -> None:
+    model = tampered(split_model, tmp_path / "m", offset_of(split_model, "col.weight", 7, 3000))
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.convert(model, N, tmp_path / "out", verify=True)
+    assert "col.weight" in one_line_error(excinfo)
+    assert not (tmp_path / "out").exists()
+    shardload.convert(split_model, N, tmp_path / "ok", verify=hash_model(split_model).root)
+
+
+def test_converted_output_carries_a_record(split_model: Path, tmp_path: Path) -> None:
+    out = shardload.convert(split_model, N, tmp_path / "out").out_dir
+    manifest = json.loads((out / "shard_manifest.json").read_text())
+    root = manifest["integrity"]["root"]
+    assert root == root_of((out / RECORD_NAME).read_bytes())
+    assert any(f["path"] == RECORD_NAME and f["sha256"] == root for f in manifest["files"])
+    assert shardload.verify_dir(out).ok
+    for rank in range(N):
+        checked = shardload.load_rank(out, rank, N, verify=root)
+        plain = shardload.load_rank(split_model, rank, N)
+        assert all(torch.equal(checked[k], plain[k]) for k in plain)
+    rank_file = out / "rank-00002-of-00004.safetensors"
+    data = bytearray(rank_file.read_bytes())
+    data[-5] ^= 1
+    rank_file.write_bytes(bytes(data))
+    shardload.load_rank(out, 1, N, verify=True)  # another rank's file
+    for verify, reason in ((True, "sha256"), (root, "hash mismatch")):
+        with pytest.raises(ShardloadError) as excinfo:
+            shardload.load_rank(out, 2, N, verify=verify)
+        assert "rank-00002-of-00004.safetensors" in one_line_error(excinfo) and reason in str(excinfo.value)
+
+
+def test_cli_hash_and_convert_verify(split_model: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from shardload.cli.main import main
+
+    model = shutil.copytree(split_model, tmp_path / "m")
+    (model / RECORD_NAME).unlink()
+    result = CliRunner().invoke(main, ["hash", "-q", str(model)])
+    assert result.exit_code == 0, result.output
+    root = result.output.strip()
+    assert root == root_of((model / RECORD_NAME).read_bytes())
+    result = CliRunner().invoke(main, ["convert", str(model), "-n", "2", "-o", str(tmp_path / "o"), "--verify", root])
+    assert result.exit_code == 0, result.output
+    other = "0" * 64
+    result = CliRunner().invoke(main, ["convert", str(model), "-n", "2", "-o", str(tmp_path / "x"), "--verify", other])
+    assert result.exit_code == 1 and "pinned root" in result.output and "Traceback" not in result.output
+
+
+def _dim0(shape: list[int], dtype: str) -> list:
+    out: list = ["num_shards", *shape]
+    out[1] = f"{shape[0]} // num_shards"
+    return ["shard_funcs.shard_dim", [out, dtype], 0, "num_shards"]
+
+
+def test_gguf_block_flip_caught(tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    from shardload.sources.checkpoint import open_checkpoint
+    from test_quant_formats import save_gguf
+
+    rng = np.random.default_rng(3)
+    qtype = gguf.GGMLQuantizationType.Q8_0
+    blocks = gguf.quants.quantize(rng.standard_normal((256, 1024)).astype(np.float32), qtype)
+    directory = tmp_path / "g"
+    directory.mkdir()
+    save_gguf(
+        directory / "model.gguf",
+        {"q.weight": (blocks, qtype), "w.weight": (rng.standard_normal((256, 512)).astype(np.float16), None)},
+    )
+    ckpt = open_checkpoint(directory / "model.gguf")
+    q, w = ckpt.tensors["q.weight"], ckpt.tensors["w.weight"]
+    info = {"version": 1, "num_shards": None, "params": {
+        "q.weight": [_dim0(list(q.shape), q.dtype)], "w.weight": [_dim0(list(w.shape), w.dtype)]}}  # fmt: skip
+    (directory / "shard_info.json").write_text(json.dumps(info))
+    hash_model(directory / "model.gguf")
+    assert (directory / "model.gguf.hashes").is_file()
+    clean = [shardload.load_rank(directory / "model.gguf", r, N) for r in range(N)]
+    assert all(
+        torch.equal(clean[1][k], t) for k, t in shardload.load_rank(directory / "model.gguf", 1, N, verify=True).items()
+    )
+    row_bytes = q.nbytes // q.shape[0]
+    data = bytearray((directory / "model.gguf").read_bytes())
+    data[q.offset + 200 * row_bytes + 5] ^= 0x10  # a block of row 200: rank 3's rows (192..255)
+    (directory / "model.gguf").write_bytes(bytes(data))
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(directory / "model.gguf", 3, N, verify=True)
+    assert "q.weight" in one_line_error(excinfo)
+    state = shardload.load_rank(directory / "model.gguf", 0, N, verify=True)
+    assert all(torch.equal(clean[0][k], t) for k, t in state.items())
+
+
+def test_tvm_record_flip_caught(tmp_path: Path) -> None:
+    from test_tvm_cache import dump
+
+    rng = np.random.default_rng(4)
+    params = {"param_0": rng.standard_normal((512, 256)).astype("float16"), "norm": np.ones(256, dtype="float16")}
+    path = dump(params, tmp_path / "cache")
+    info = {"version": 1, "num_shards": None, "params": {"param_0": [_dim0([512, 256], "float16")]}}
+    hash_model(path)
+    clean = [shardload.load_rank(path, r, N, shard_info=info) for r in range(N)]
+    ckpt = open_checkpoint(path)
+    t = ckpt.tensors["param_0"]
+    data = bytearray(Path(t.file).read_bytes())
+    data[t.offset + 500 * 512 + 3] ^= 1  # row 500: rank 3's rows
+    Path(t.file).write_bytes(bytes(data))
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(path, 3, N, shard_info=info, verify=True)
+    assert "param_0" in one_line_error(excinfo)
+    state = shardload.load_rank(path, 1, N, shard_info=info, verify=True)
+    assert all(torch.equal(clean[1][k], v) for k, v in state.items())
+
+
+def test_quantized_scale_flip_caught(example_dir: Path, tmp_path: Path) -> None:
+    quantized = shardload.quantize(example_dir, tmp_path / "q", "int4-g32").out_dir
+    hash_model(quantized)
+    clean = [shardload.load_rank(quantized, r, N) for r in range(N)]
+    name = "model.layers.1.mlp.gate_up_proj.weight_scale"
+    info = read_header(quantized / "model.safetensors")[name]
+    assert info.nbytes <= LEAF_BYTES  # one tile: every rank that reads a scale of it checks all of it
+    model = tampered(quantized, tmp_path / "m", info.offset + info.nbytes - 3)
+    failed = []
+    for rank in range(N):
+        try:
+            state = shardload.load_rank(model, rank, N, verify=True)
+        except ShardloadError as err:
+            assert name in str(err) and "\n" not in str(err)
+            failed.append(rank)
+            continue
+        assert all(torch.equal(clean[rank][k], t) for k, t in state.items())
+    assert failed == list(range(N)), failed
+
+
+def test_received_bytes_are_checked(split_model: Path) -> None:
+    """What share_reads does after the exchange, without the exchange: a rank's tensors as a peer sent them."""
+    from shardload.engine.integrity import load_record, verified_reader
+    from shardload.engine.load import check_received
+    from shardload.sources.reader import Reader
+
+    ckpt = open_checkpoint(split_model)
+    record = load_record(ckpt, True)
+    plan = shardload.plan_model(split_model, N)
+    for rank in range(N):
+        state = shardload.load_rank(split_model, rank, N)
+        with verified_reader(Reader(), ckpt, record) as reader, count_reads() as seen:
+            check_received(plan.params.values(), rank, state, reader)
+        assert seen.bytes <= 8 << 10, seen.bytes  # tiles aligned with the rank's runs: only headers from storage
+        for name in ("row.weight", "col.weight", "norm.weight"):
+            altered = dict(state)
+            altered[name] = state[name].clone()
+            altered[name].view(-1)[7] += 1
+            with verified_reader(Reader(), ckpt, record) as reader, pytest.raises(ShardloadError) as excinfo:
+                check_received(plan.params.values(), rank, altered, reader)
+            message = one_line_error(excinfo)
+            assert name in message and "peer" in message
+
+
+@pytest.mark.parametrize("evil", [-1, 0])
+def test_share_reads_receivers_check_what_peers_send(split_model: Path, evil: int) -> None:
+    import os
+    import subprocess
+    import sys
+
+    worker = Path(__file__).parent / "verified_shared_worker.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
+               str(split_model), str(evil)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("OK ", "FAILED ", "WRONG "))]
+    if evil < 0:
+        assert sorted(lines) == ["OK 0", "OK 1"], done.stdout[-3000:] + done.stderr[-3000:]
+        return
+    failed = [line for line in lines if line.startswith("FAILED 1:")]
+    assert failed, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "a peer of the share_reads group sent bytes" in failed[0]
+    assert not any(line.startswith("WRONG") for line in lines)
+
+
+def test_record_parser_never_fails_other_than_one_line(split_model: Path) -> None:
+    """Every truncation of a record, and single-byte changes all over its JSON part, are RecordErrors or parse."""
+    from shardload.format.hash_record import RecordError
+
+    data = (split_model / RECORD_NAME).read_bytes()
+    (n,) = struct.unpack("<Q", data[8:16])
+    for cut in range(0, 16 + n + 64):
+        with pytest.raises(RecordError):
+            parse_record(data[:cut], "record")
+    rng = np.random.default_rng(0)
+    for at in rng.integers(0, 16 + n, size=400).tolist():
+        for value in (0, 0x22, 0x31, 0x5D, 0xFF):
+            changed = bytearray(data)
+            changed[at] = value
+            try:
+                parse_record(bytes(changed), "record")
+            except RecordError as err:
+                assert "\n" not in str(err)
+
+
+def test_swapped_files_of_an_index_caught(example_multi_dir: Path, tmp_path: Path) -> None:
+    model = shutil.copytree(example_multi_dir, tmp_path / "m")
+    hash_model(model)
+    first, second = sorted(model.glob("*.safetensors"))
+    first.rename(tmp_path / "tmp")
+    second.rename(first)
+    (tmp_path / "tmp").rename(second)
+    index = json.loads((model / "model.safetensors.index.json").read_text())  # rewritten to match: loads plainly
+    swap = {first.name: second.name, second.name: first.name}
+    index["weight_map"] = {k: swap[v] for k, v in index["weight_map"].items()}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    shardload.load_rank(model, 0, N)
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(model, 0, N, verify=True)
+    one_line_error(excinfo)
+
+
+def test_vllm_layout_carries_a_record_and_verifies_its_source(split_model: Path, tmp_path: Path) -> None:
+    from shardload.engine.vllm_layout import convert_vllm
+
+    root = hash_model(split_model).root
+    out = tmp_path / "vllm"
+    convert_vllm(split_model, 2, out, verify=root)
+    manifest = json.loads((out / "shard_manifest.json").read_text())
+    assert manifest["integrity"]["root"] == root_of((out / RECORD_NAME).read_bytes())
+    assert shardload.verify_dir(out).ok
+    model = tampered(split_model, tmp_path / "m", offset_of(split_model, "row.weight", 3, 3))
+    with pytest.raises(ShardloadError) as excinfo:
+        convert_vllm(model, 2, tmp_path / "bad", verify=True)
+    assert "row.weight" in one_line_error(excinfo) and not (tmp_path / "bad").exists()

@@ -1,0 +1,48 @@
+"""One rank of a group loading with ``load_rank(share_reads=True, verify=True)`` (run under torch.distributed by
+tests/test_verified.py; not a test itself).
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 verified_shared_worker.py MODEL EVIL
+
+Rank ``EVIL`` (-1: none) alters every 4096th byte of what it sends. Each rank prints ``OK R`` when its tensors
+equal a plain load's, or ``FAILED R: MESSAGE`` when the load fails, and leaves through ``os._exit``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import shardload
+import shardload.engine.exchange as exchange
+
+
+def main() -> None:
+    model, evil = sys.argv[1], int(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if rank == evil:
+        copy = exchange._copy
+
+        def altered(src, copies, dests):  # type: ignore[no-untyped-def]
+            copy(src, copies, dests)
+            if len(dests) == 1:  # packing the send buffer (unpacking fills every parameter's tensor)
+                dests[0].view(-1)[::4096] ^= 1
+
+        exchange._copy = altered
+    plain = shardload.load_rank(model, rank, size)
+    try:
+        state = shardload.load_rank(model, rank, size, share_reads=True, verify=True)
+    except shardload.ShardloadError as err:
+        os.write(1, f"FAILED {rank}: {err}\n".encode())  # one write: the ranks share the pipe
+        os._exit(1)
+    same = state.keys() == plain.keys() and all(torch.equal(state[k], plain[k]) for k in plain)
+    os.write(1, f"{'OK' if same else 'WRONG'} {rank}\n".encode())
+    dist.barrier()
+    os._exit(0 if same else 2)
+
+
+if __name__ == "__main__":
+    main()
