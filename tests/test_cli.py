@@ -303,7 +303,7 @@ def test_readme_first_command_needs_only_the_core_dependencies(tmp_path: Path) -
         "sys.meta_path.insert(0, Block())\n"
         "for m in list(sys.modules):\n"
         "    if m.split('.')[0] in blocked: del sys.modules[m]\n"
-        "import click, jsonschema, jsonschema_rs, numpy, re2, safetensors, torch  # the core dependencies\n"
+        "import blake3, click, jsonschema, jsonschema_rs, numpy, re2, safetensors, torch  # the core dependencies\n"
         "core = {m.split('.')[0] for m in sys.modules}\n"
         "from shardload.cli.main import main\n"
         "for args in (['example', sys.argv[1]], ['convert', sys.argv[1], '-n', '8', '-o', sys.argv[2]]):\n"
