@@ -235,3 +235,20 @@ def test_converted_quantized_ranks_map_whole(quantized: dict[str, Path], tmp_pat
         plain = shardload.load_rank(out, r, 2)
         assert seen.bytes == 0 and mapped.keys() == plain.keys()
         assert all(torch.equal(mapped[k], plain[k]) for k in plain)
+
+
+def test_quantize_and_plan_model_refuse_the_same_outside_shard_info(example_dir: Path, tmp_path: Path) -> None:
+    """A shard_info.json symlinked outside the model directory is refused alike by plan_model and quantize: both
+    find the file beside the weights by one rule."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in example_dir.iterdir():
+        if f.name != "shard_info.json":
+            (model / f.name).write_bytes(f.read_bytes())
+    outside = tmp_path / "elsewhere.json"
+    outside.write_bytes((example_dir / "shard_info.json").read_bytes())
+    (model / "shard_info.json").symlink_to(outside)
+    for call in (lambda: shardload.plan_model(model, 2), lambda: shardload.quantize(model, tmp_path / "q", "int8")):
+        with pytest.raises(shardload.ShardloadError, match="outside the model directory"):
+            call()
+    assert not (tmp_path / "q").exists()
