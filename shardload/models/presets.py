@@ -14,7 +14,6 @@ Everything here is pure: config and tensor headers only, no tensor data.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PlanError
+from ..format.strictjson import write_atomic
 from .placement import Placement, TensorHeader
 from .quant_plan import companion_steps, detect_format, logical_tensors
 from .splits import ModelDims, all_replicated, attention_placement, count_problems, packed_halves, shape_error
@@ -430,13 +430,7 @@ class GeneratedPlan:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the document to ``path`` atomically (temporary file beside it, then rename)."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            tmp.write_text(json.dumps(self.document, indent=2) + "\n", encoding="utf-8")
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomic(path, self.document)
 
 
 def generate(
