@@ -175,7 +175,7 @@ def compare_rank(model_dir: Path, rank: int, entry: dict[str, Any], swap: bool =
     import torch
 
     import shardload
-    from shardload.models.presets import generate
+    from shardload.models.generated import generate
 
     try:
         model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
@@ -366,7 +366,7 @@ def gqa_proof(work: Path) -> dict[str, Any]:
     import transformers
 
     import shardload
-    from shardload.models.presets import generate
+    from shardload.models.generated import generate
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     import tp_reference

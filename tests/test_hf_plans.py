@@ -23,7 +23,8 @@ import torch
 import shardload
 import tiny_models
 import tp_reference as tp
-from shardload.models import hf_plans, presets
+from shardload.models import hf_plans
+from shardload.models.generated import generate
 
 pytest.importorskip("transformers")
 
@@ -90,8 +91,8 @@ def test_sources_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_import_shardload_does_not_import_transformers() -> None:
     code = (
-        "import sys, shardload; from shardload.models import presets, hf_plans; "
-        "presets.model_placements({'model_type': 'llama', 'hidden_size': 8, 'num_attention_heads': 2}, {}); "
+        "import sys, shardload; from shardload.models.generated import model_placements; "
+        "model_placements({'model_type': 'llama', 'hidden_size': 8, 'num_attention_heads': 2}, {}); "
         "assert 'transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -106,7 +107,7 @@ def test_auto_style_uses_transformers_plan_where_no_preset(tmp_path: Path) -> No
     )
     torch.manual_seed(0)
     transformers.GemmaForCausalLM(config).save_pretrained(tmp_path)
-    result = presets.generate(tmp_path, num_shards=[2])
+    result = generate(tmp_path, num_shards=[2])
     assert result.style == "hf" and "GemmaConfig.base_model_tp_plan" in result.document["description"]
     params = result.document["params"]
     assert "model.embed_tokens.weight" in params and "model.layers.0.self_attn.q_proj.weight" in params
@@ -246,7 +247,7 @@ def test_fused_checkpoint_follows_the_plan_for_its_parts(tmp_path: Path) -> None
     model_dir.mkdir()
     save_file(fused, model_dir / "model.safetensors")
     (model_dir / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
-    plan = presets.generate(model_dir, style="hf", num_shards=[2, 4, 8])
+    plan = generate(model_dir, style="hf", num_shards=[2, 4, 8])
     qkv = plan.placements["model.layers.0.self_attn.qkv_proj.weight"]
     assert (qkv.segments, qkv.kv) == ((8, 2, 2), (False, True, True))
     assert plan.placements["model.layers.0.mlp.gate_up_proj.weight"].segments == (128, 128)
@@ -280,7 +281,7 @@ def neox_10_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_hf_plan_never_cuts_a_head(neox_10_heads: Path) -> None:
     """transformers' plan splits query_key_value colwise; the plan lists only N that divide the 10 heads."""
-    generated = presets.generate(neox_10_heads, check_up_to=16)
+    generated = generate(neox_10_heads, check_up_to=16)
     assert generated.style == "hf"
     assert generated.supported == [1, 2, 5, 10]
     qkv = generated.placements["gpt_neox.layers.0.attention.query_key_value.weight"]

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 import shardload
 from shardload.cli.main import main
 from shardload.format.shard_info import ShardInfo
-from shardload.models import presets
+from shardload.models.generated import generate
 from shardload.models.placement import placement_from_steps
 from shardload.planning.validate import validate_file
 from test_quant_formats import rank_reference
@@ -126,8 +126,8 @@ def test_plan_describes_the_quantized_checkpoint(
     ns = ", ".join(map(str, PLANNED_N[scheme]))
     assert f"num_shards {ns}\n" in done.output and "note: 8 quantized weight(s) (" in done.output
     assert validate_file(out, model, PLANNED_N[scheme])["valid"]
-    planned = presets.generate(model)
-    dense = presets.generate(example_dir)
+    planned = generate(model)
+    dense = generate(example_dir)
     assert planned.supported == PLANNED_N[scheme] and set(planned.supported) <= set(dense.supported)
     decompress = _decompressor(model)
     stored = load_file(str(model / "model.safetensors"))

@@ -21,6 +21,7 @@ import click
 
 from ..engine.quantize import SCHEMES as QUANT_SCHEMES
 from ..errors import ShardloadError, printable
+from ..models.choices import DEFAULT_VOCAB_PADDING, EXPERT_MODES, STYLES, VOCAB_PADDING
 from ..version import __version__
 
 
@@ -420,7 +421,7 @@ def _convert_vllm(
 )
 @click.option(
     "--style",
-    type=click.Choice(["auto", "megatron", "hf"]),
+    type=click.Choice(STYLES),
     default="auto",
     show_default=True,
     help="hf: transformers' TP plan (config.json's, else the installed transformers', else shardload's table); "
@@ -428,7 +429,7 @@ def _convert_vllm(
 )
 @click.option(
     "--experts",
-    type=click.Choice(["tp", "parallel"]),
+    type=click.Choice(EXPERT_MODES),
     default="tp",
     show_default=True,
     help="MoE experts: tp splits inside each expert; parallel puts whole experts on ranks.",
@@ -443,8 +444,8 @@ def _convert_vllm(
 )
 @click.option(
     "--vocab-padding",
-    type=click.Choice(["vllm", "plain", "none"]),
-    default="vllm",
+    type=click.Choice(list(VOCAB_PADDING)),
+    default=DEFAULT_VOCAB_PADDING,
     show_default=True,
     help="A vocabulary N does not divide gets zero rows: vllm to a multiple of 64 (vLLM's rows per rank), "
     "plain to a multiple of N, none not at all (such an N fails).",
@@ -469,7 +470,7 @@ def plan(
     as_json: bool,
 ) -> None:
     """Write an N-agnostic shard_info.json for MODEL (dense, quantized or GGUF) from its config and tensor names."""
-    from ..models.presets import generate
+    from ..models.generated import generate
     from ..sources.location import hub_cache_dir, model_kind
 
     kind = model_kind(model)
@@ -611,7 +612,7 @@ def quantize(model: Path, out_dir: Path, scheme: str, shard_info: Path | None, o
 
 def _plan_hint(model: Path) -> str:
     """``shardload plan MODEL makes one`` when it does, else why it cannot (a hint names no command that fails)."""
-    from ..models.presets import generate
+    from ..models.generated import generate
 
     try:
         generate(model)  # as `shardload plan` runs it
