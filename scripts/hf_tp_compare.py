@@ -457,7 +457,7 @@ def run(types: list[str] | None, work: Path, log: Any = sys.stderr, swap: bool =
     from transformers import CONFIG_MAPPING
     from transformers import logging as hf_logging
 
-    from shardload.models.hf_plans import installed_entry
+    from shardload.models.hf_tp_tables import installed_entry
 
     hf_logging.set_verbosity_error()
     wanted = types or [t for t in sorted(CONFIG_MAPPING.keys()) if installed_entry(t) is not None]

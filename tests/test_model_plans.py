@@ -347,7 +347,7 @@ def test_placements_see_quantized_modules_as_their_logical_weight() -> None:
     """A module stored quantized (packed values, scales) is placed as its logical weight, with the logical shape;
     its stored companions get their steps from that placement."""
     from shardload.models.placement import Header
-    from shardload.models.quant_plan import logical_tensors
+    from shardload.models.stored_layouts import logical_tensors
 
     config = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
               "intermediate_size": 96}  # fmt: skip

@@ -23,7 +23,7 @@ import tp_reference as tp
 from shardload.cli.main import main
 from shardload.models.generated import generate
 from shardload.models.placement import Placement, placement_from_steps
-from shardload.models.quant_plan import companion_steps
+from shardload.models.stored_layouts import companion_steps
 
 pytest.importorskip("transformers")
 

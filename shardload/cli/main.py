@@ -707,8 +707,8 @@ def _inspect_n(info: Any, checkpoint: Any) -> int:
 @_guarded
 def verify(out_dir: Path, source: Path | None, shard_info: Path | None, as_json: bool) -> None:
     """Recompute every file's sha256 in converted directory OUT against its manifest; list each mismatch."""
-    from ..engine.audit import verify_dir
     from ..engine.verify import VerifyReport
+    from ..engine.verify_dir import verify_dir
     from .report import human_bytes
 
     if shard_info is not None and source is None:

@@ -38,7 +38,7 @@ from .output import (
     stamp_sources,
     write_error,
 )
-from .writer import OutputFile, write_rank_files
+from .writer import WrittenFile, write_rank_files
 
 Progress = Callable[[int, str], None]
 """``progress(source_bytes_done, param_name)``, called after each parameter."""
@@ -50,8 +50,8 @@ class ConvertResult:
 
     out_dir: Path
     plan: ModelPlan
-    rank_files: list[OutputFile]
-    other_files: list[OutputFile]
+    rank_files: list[WrittenFile]
+    other_files: list[WrittenFile]
     layout: Mesh
     """The mesh written for (``tp`` = num_shards; one stage unless converted with a pipeline mesh)."""
 
@@ -134,9 +134,9 @@ def _mesh_record(layout: Mesh, stages: list[ModelPlan]) -> dict[str, Any] | None
     return {"pp": layout.pp, "tp": layout.tp, "pp_layers": counts}
 
 
-def _write_ranks(stages: list[ModelPlan], tmp: Path, progress: Progress | None, durable: bool) -> list[OutputFile]:
+def _write_ranks(stages: list[ModelPlan], tmp: Path, progress: Progress | None, durable: bool) -> list[WrittenFile]:
     """Write every (pipeline stage, tensor rank) file; each stage's parameters are read once."""
-    files: list[OutputFile] = []
+    files: list[WrittenFile] = []
     done = 0
     for pp, plan in enumerate(stages):
         n = plan.num_shards

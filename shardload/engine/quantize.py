@@ -5,7 +5,7 @@ The output is what vLLM and transformers read as compressed-tensors: ``int4-g*``
 per group of the input dim or per output channel, and ``weight_shape``), ``fp8`` is
 ``float-quantized`` (``float8_e4m3fn`` weights with one scale per output channel). The
 ``quantization_config`` goes into config.json, and the source shard_info is carried over to the
-quantized tensors (:func:`shardload.models.quant_plan.quantized_shard_info`), so the same files serve
+quantized tensors (:func:`shardload.models.stored_layouts.quantized_shard_info`), so the same files serve
 any N the group sizes allow.
 """
 
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardloadError
 from ..models.placement import Header
-from ..models.quant_plan import quantized_shard_info
+from ..models.stored_layouts import quantized_shard_info
 from ..planning.plan import given_shard_info, shard_info_beside
 from ..sources.checkpoint import SHARD_INFO_NAME, as_path, open_checkpoint, read_config
 from ..sources.objects import ObjectPath

@@ -47,7 +47,7 @@ from .output import (
     write_error,
 )
 from .transfer import plan_reader
-from .writer import OutFile, OutputFile
+from .writer import FileWriter, WrittenFile
 
 if TYPE_CHECKING:
     import torch
@@ -265,7 +265,7 @@ def convert_vllm(
     *,
     overwrite: bool = False,
     fsync: bool | None = None,
-) -> list[OutputFile]:
+) -> list[WrittenFile]:
     """Write ``model`` in vLLM's ``sharded_state`` layout for ``num_shards`` ranks into ``out_dir``; return the files.
 
     Example::
@@ -287,7 +287,7 @@ def convert_vllm(
     header = layout.header()
     try:
         with Staging(out, fsync, synced=durable, overwrite=overwrite) as staging:
-            files = [OutFile(staging.dir / FILE_PATTERN.format(rank=r), durable=durable) for r in range(num_shards)]
+            files = [FileWriter(staging.dir / FILE_PATTERN.format(rank=r), durable=durable) for r in range(num_shards)]
             try:
                 for f in files:
                     f.write(header)

@@ -2,9 +2,9 @@
 
 Placements come from the family presets (:mod:`shardload.models.presets`) or from transformers' TP tables
 (:mod:`shardload.models.hf_tp_tables`), made on the model's *logical* tensors (a quantized module is seen as its
-logical weight, :func:`shardload.models.quant_plan.logical_tensors`); vocabulary splits are padded
+logical weight, :func:`shardload.models.stored_layouts.logical_tensors`); vocabulary splits are padded
 (:mod:`shardload.models.vocab_padding`); :func:`shard_info_document` writes steps for every stored tensor through
-:func:`shardload.models.quant_plan.companion_steps`. :func:`generate` does all of it for a model directory and
+:func:`shardload.models.stored_layouts.companion_steps`. :func:`generate` does all of it for a model directory and
 checks which N the result serves.
 """
 
@@ -22,8 +22,8 @@ from .choices import DEFAULT_VOCAB_PADDING, EXPERT_MODES, STYLES
 from .families import family_for
 from .placement import Placement, TensorHeader
 from .presets import gguf_names, preset_placements
-from .quant_plan import companion_steps, detect_format, logical_tensors
 from .splits import ModelDims, count_problems
+from .stored_layouts import companion_steps, detect_format, logical_tensors
 from .vocab_padding import pad_vocab, padding_hint, padding_note
 
 __all__ = [
@@ -51,7 +51,7 @@ def shard_info_document(
     """The N-agnostic document-form shard_info: steps for every stored tensor in ``tensors`` that ``placements`` split.
 
     ``placements`` are keyed by logical tensor (a quantized module's ``P.weight``); each one's steps
-    come from :func:`shardload.models.quant_plan.companion_steps`, for the tensor itself or for every
+    come from :func:`shardload.models.stored_layouts.companion_steps`, for the tensor itself or for every
     stored tensor of its module.
     """
     params: dict[str, Any] = {}
@@ -82,9 +82,9 @@ def model_placements(
     if experts not in EXPERT_MODES:
         raise PlanError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {experts!r}")
     if resolved_style(config, style, tensors) == "hf":
-        from . import hf_plans
+        from . import hf_tp_tables
 
-        return hf_plans.hf_placements(config, tensors, experts=experts)
+        return hf_tp_tables.hf_placements(config, tensors, experts=experts)
     return preset_placements(config, tensors, experts=experts), []
 
 
@@ -96,10 +96,10 @@ def resolved_style(config: Mapping[str, Any], style: str, tensors: Mapping[str, 
     """
     if style == "megatron":
         return style
-    from . import hf_plans
+    from . import hf_tp_tables
 
     if style == "hf":
-        if hf_plans.plan_for(config) is None:
+        if hf_tp_tables.tp_table_for(config) is None:
             raise PlanError(
                 "--style hf needs a base_model_tp_plan in config.json or a transformers TP plan for model_type "
                 f"{config.get('model_type')!r} (or use --style megatron)",
@@ -111,7 +111,7 @@ def resolved_style(config: Mapping[str, Any], style: str, tensors: Mapping[str, 
     model_type = config.get("model_type")
     if family_for(model_type) is not None or (tensors is not None and gguf_names(tensors)):
         return "megatron"
-    return "hf" if hf_plans.plan_for(config) is not None else "megatron"
+    return "hf" if hf_tp_tables.tp_table_for(config) is not None else "megatron"
 
 
 def build_shard_info(
@@ -243,7 +243,7 @@ def generate(
             f"{hint}; pass --allow-single (allow_single=True) to write it anyway",
             file=str(model),
         )
-    source = _plan_source(config, config_path) if chosen == "hf" else f"the {config.get('model_type')} preset"
+    source = _tp_table_source(config, config_path) if chosen == "hf" else f"the {config.get('model_type')} preset"
     quantized = [f for n in logical if n.endswith(".weight") and (f := detect_format(n, tensors, qconfig)) != "dense"]
     if quantized:
         formats = ", ".join(sorted(set(quantized)))
@@ -269,11 +269,11 @@ def generate(
     return GeneratedShardInfo(document, placements, supported, chosen, notes, len(tensors), source)
 
 
-def _plan_source(config: Mapping[str, Any], config_path: str) -> str:
+def _tp_table_source(config: Mapping[str, Any], config_path: str) -> str:
     """Where the hf style's plan came from, for the description."""
-    from .hf_plans import plan_for
+    from .hf_tp_tables import tp_table_for
 
-    plan = plan_for(config)
+    plan = tp_table_for(config)
     if plan is None or plan.source == "base_model_tp_plan of config.json":
         return f"base_model_tp_plan of {config_path}"
     return f"the TP plan of {plan.source}"

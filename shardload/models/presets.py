@@ -37,7 +37,7 @@ def _targets(tensors: Mapping[str, TensorHeader], patterns: Iterable[str]) -> It
 
     A pattern names a whole tensor (parameter None: stacked experts, ``cls.predictions.bias``) or
     a module, whose ``weight`` and ``bias`` it covers (a quantized module's logical ``weight`` too,
-    in :func:`shardload.models.quant_plan.logical_tensors`).
+    in :func:`shardload.models.stored_layouts.logical_tensors`).
     """
     patterns = list(patterns)
     for name in tensors:

@@ -186,7 +186,7 @@ def quantization_config(path: str | Path) -> dict[str, Any]:
     """A quantization_config for a GGUF source: ``{"quant_method": "gguf", "tensor_types": {name: {...}}}``.
 
     Each entry gives the GGML type name, ``block_size`` (elements per block), ``type_size`` (bytes
-    per block) and the logical ``shape`` (numpy order); :mod:`shardload.quant_plan` reads it.
+    per block) and the logical ``shape`` (numpy order); :mod:`shardload.models.stored_layouts` reads it.
     """
     _, kinds = _read(gguf_files(Path(path)))
     return {"quant_method": "gguf", "tensor_types": kinds}

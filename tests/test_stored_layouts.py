@@ -1,5 +1,5 @@
-"""The companion API (shardload.models.quant_plan): format detection, the steps it writes, and its errors; GGUF sources,
-also through ``shardload plan``."""
+"""The companion API (shardload.models.stored_layouts): format detection, the steps it writes, and its errors;
+GGUF sources, also through ``shardload plan``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,12 @@ from shardload.errors import CheckpointError, PlanError
 from shardload.format.shard_info import ShardInfo
 from shardload.models.generated import generate
 from shardload.models.placement import Header, Placement, placement_from_steps
-from shardload.models.quant_plan import companion_steps, detect_format, quantized_shard_info, read_quantization_config
+from shardload.models.stored_layouts import (
+    companion_steps,
+    detect_format,
+    quantized_shard_info,
+    read_quantization_config,
+)
 from test_quant_formats import rank_reference, save_gguf
 
 

@@ -23,7 +23,7 @@ import torch
 import shardload
 import tiny_models
 import tp_reference as tp
-from shardload.models import hf_plans
+from shardload.models import hf_tp_tables
 from shardload.models.generated import generate
 
 pytest.importorskip("transformers")
@@ -49,12 +49,12 @@ class T:
 
 def test_shipped_table_is_what_the_installed_transformers_declares() -> None:
     """scripts/gen_hf_tp_plans.py run now writes exactly the shipped table."""
-    shipped = hf_plans.shipped_table()
+    shipped = hf_tp_tables.shipped_table()
     installed = version("transformers")
     if shipped["transformers"] != installed:
         pytest.skip(f"table from transformers {shipped['transformers']}, installed {installed}: regenerate it")
     gen = _script("gen_hf_tp_plans")
-    assert gen.render(gen.build_table()) == (ROOT / "shardload" / "models" / hf_plans.TABLE_FILE).read_text()
+    assert gen.render(gen.build_table()) == (ROOT / "shardload" / "models" / hf_tp_tables.TABLE_FILE).read_text()
     assert len(shipped["models"]) >= 100 and "gemma" in shipped["models"]
 
 
@@ -62,31 +62,31 @@ def test_every_style_transformers_knows_is_translated() -> None:
     import transformers.distributed.expert_parallel  # noqa: F401  (registers the expert-parallel styles)
     from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
-    assert set(ALL_PARALLEL_STYLES.keys()) <= set(hf_plans.STYLES)
+    assert set(ALL_PARALLEL_STYLES.keys()) <= set(hf_tp_tables.STYLES)
     used = {
         style
-        for entry in hf_plans.shipped_table()["models"].values()
+        for entry in hf_tp_tables.shipped_table()["models"].values()
         for key in ("tp_plan", "ep_plan", "head_plan")
         for style in entry.get(key, {}).values()
     }
-    assert used <= set(hf_plans.STYLES)
+    assert used <= set(hf_tp_tables.STYLES)
 
 
 def test_sources_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """config.json's own plan wins, then the installed transformers, then the shipped table."""
     config = {"model_type": "gemma", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
-    installed = hf_plans.plan_for(config)
+    installed = hf_tp_tables.tp_table_for(config)
     assert installed.source.startswith(f"transformers {version('transformers')} (GemmaConfig.base_model_tp_plan")
     assert installed.head_plan == {"lm_head": "colwise_gather_output"} and installed.prefix == "model"
-    own = hf_plans.plan_for({**config, "base_model_tp_plan": {"layers.*.mlp.up_proj": "colwise"}})
+    own = hf_tp_tables.tp_table_for({**config, "base_model_tp_plan": {"layers.*.mlp.up_proj": "colwise"}})
     assert own.source == "base_model_tp_plan of config.json" and own.tp_plan == {"layers.*.mlp.up_proj": "colwise"}
-    monkeypatch.setattr(hf_plans, "_transformers_installed", lambda: False)
-    table = hf_plans.plan_for(config)
+    monkeypatch.setattr(hf_tp_tables, "_transformers_installed", lambda: False)
+    table = hf_tp_tables.tp_table_for(config)
     assert table.source.startswith("shardload's table of transformers")
     assert (table.tp_plan, table.head_plan, table.prefix, table.tied) == (
         installed.tp_plan, installed.head_plan, installed.prefix, installed.tied,
     )  # fmt: skip
-    assert hf_plans.plan_for({"model_type": "no-such-type"}) is None
+    assert hf_tp_tables.tp_table_for({"model_type": "no-such-type"}) is None
 
 
 def test_import_shardload_does_not_import_transformers() -> None:
@@ -119,7 +119,7 @@ def test_auto_style_uses_transformers_plan_where_no_preset(tmp_path: Path) -> No
 
 def test_names_match_as_transformers_matches_them() -> None:
     """Exact generic names, else the parameter's module; prefix of the base model; lm_head from the model class."""
-    plan = hf_plans.HfPlan(
+    plan = hf_tp_tables.HfTpTable(
         "x",
         {"layers.*.mlp.experts.gate_up_proj": "packed_colwise", "layers.*.mlp.experts": "moe_tp_experts",
          "layers.*.mlp.experts.down_proj": "rowwise", "layers.*.mlp.fc1": "colwise"},
@@ -135,7 +135,7 @@ def test_names_match_as_transformers_matches_them() -> None:
         "model.layers.0.other.mlp.fc1.weight": T(128, 64),  # a suffix is not a match
         "lm_head.weight": T(256, 64),
     }
-    placements, notes = hf_plans.hf_placements({"model_type": "x"}, tensors, plan=plan)
+    placements, notes = hf_tp_tables.hf_placements({"model_type": "x"}, tensors, plan=plan)
     got = {n: (p.style, p.dim, p.segments) for n, p in placements.items()}
     assert got == {
         "model.embed_tokens.weight": ("vocab", 0, ()),
@@ -150,16 +150,16 @@ def test_names_match_as_transformers_matches_them() -> None:
     assert notes == []
     # a base-model checkpoint (no prefix) gets no lm_head entry and still the base plan
     base = {k.removeprefix("model."): v for k, v in tensors.items() if k != "lm_head.weight"}
-    placements, _ = hf_plans.hf_placements({"model_type": "x"}, base, plan=plan)
+    placements, _ = hf_tp_tables.hf_placements({"model_type": "x"}, base, plan=plan)
     assert placements["layers.0.mlp.fc1.weight"].style == "column" and placements["embed_tokens.weight"].dim == 0
 
 
 def test_runtime_only_styles_leave_weights_whole() -> None:
-    runtime = [s for s, (rule, _) in hf_plans.STYLES.items() if rule == "replicated"]
+    runtime = [s for s, (rule, _) in hf_tp_tables.STYLES.items() if rule == "replicated"]
     assert {"moe_tp_experts", "mla_kv_a_proj", "replicated_with_grad_allreduce", "sequence_parallel"} <= set(runtime)
-    plan = hf_plans.HfPlan("x", {f"m{i}": s for i, s in enumerate(runtime)}, "test")
+    plan = hf_tp_tables.HfTpTable("x", {f"m{i}": s for i, s in enumerate(runtime)}, "test")
     tensors = {f"model.m{i}.weight": T(8, 8) for i in range(len(runtime))}
-    placements, _ = hf_plans.hf_placements({"model_type": "x"}, tensors, plan=plan)
+    placements, _ = hf_tp_tables.hf_placements({"model_type": "x"}, tensors, plan=plan)
     assert {p.style for p in placements.values()} == {"replicated"}
 
 
