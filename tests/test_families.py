@@ -109,3 +109,12 @@ def test_vllm_packing_comes_from_the_family(registry: list[Family]) -> None:
     register_family(Family("fused", ("fused_lm",), TOY_ROLES, vllm_packed={"wqkv": ("wq", "wk", "wv")}))
     assert vllm_packing("fused_lm") == {"wqkv": ("wq", "wk", "wv")}
     assert vllm_packing("unknown_lm") == vllm_packing("llama")
+
+
+def test_gguf_architectures_map_to_their_family_model_type() -> None:
+    from shardload.models.families import gguf_model_type
+
+    assert gguf_model_type("qwen3moe") == "qwen3_moe" and family_for(gguf_model_type("qwen3moe")).name == "qwen_moe"
+    assert gguf_model_type("llama") == "llama" and gguf_model_type("no_such_arch") == "no_such_arch"
+    with pytest.raises(PlanError, match="GGUF architectures name model types it lacks"):
+        Family("odd", ("odd_lm",), TOY_ROLES, gguf_architectures={"oddlm": "other_lm"})

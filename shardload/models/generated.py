@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import PlanError
 from ..format.strictjson import write_atomic
 from .choices import DEFAULT_VOCAB_PADDING, EXPERT_MODES, STYLES
-from .families import family_for
+from .families import family_for, gguf_model_type
 from .placement import Placement, TensorHeader
 from .presets import gguf_names, preset_placements
 from .splits import ModelDims, count_problems
@@ -213,6 +213,8 @@ def generate(
     gguf = checkpoint.kind == "gguf"
     config_path = str(checkpoint.files[0]) if gguf else str(checkpoint.root / "config.json")
     config = model_config(checkpoint.path) if gguf else read_config(checkpoint.root)
+    if gguf:
+        config["model_type"] = gguf_model_type(str(config["model_type"]))
     qconfig = _quantization_config(config)
     tensors = checkpoint.tensors
     try:

@@ -15,7 +15,17 @@ from .bert import BERT
 from .family import ROLES, Family
 from .llama import llama_named
 
-__all__ = ["FAMILIES", "ROLES", "Family", "family_for", "llama_named", "model_types", "register_family", "vllm_packing"]
+__all__ = [
+    "FAMILIES",
+    "ROLES",
+    "Family",
+    "family_for",
+    "gguf_model_type",
+    "llama_named",
+    "model_types",
+    "register_family",
+    "vllm_packing",
+]
 
 FAMILIES: list[Family] = [
     llama_named("llama", "llama"),
@@ -24,7 +34,9 @@ FAMILIES: list[Family] = [
     llama_named("qwen3", "qwen3"),
     llama_named("phi3", "phi3", gguf_overrides={"ffn_up": "gate_up"}),  # Phi-3 stores gate and up fused
     llama_named("mixtral", "mixtral"),
-    llama_named("qwen_moe", "qwen2_moe", "qwen3_moe"),
+    llama_named(
+        "qwen_moe", "qwen2_moe", "qwen3_moe", gguf_architectures={"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+    ),
     BERT,
 ]
 """Every known family, in the order error messages list their model types."""
@@ -33,6 +45,12 @@ FAMILIES: list[Family] = [
 def family_for(model_type: object) -> Family | None:
     """The family whose entry names config.json's ``model_type`` (None: no family does)."""
     return next((f for f in FAMILIES if model_type in f.model_types), None)
+
+
+def gguf_model_type(architecture: str) -> str:
+    """The model type of a GGUF file's ``general.architecture`` (itself unless a family names it otherwise)."""
+    return next((f.gguf_architectures[architecture] for f in FAMILIES if architecture in f.gguf_architectures),
+                architecture)  # fmt: skip
 
 
 def model_types() -> tuple[str, ...]:

@@ -19,17 +19,22 @@ ROLES = (
 class Family:
     """A family of architectures that share tensor names: the model types (config.json's ``model_type``) it
     covers, its module-path suffixes -> roles (``*`` matches a layer or expert index), llama.cpp's GGUF names ->
-    roles (None: not read from GGUF), and vLLM's ``packed_modules_mapping`` for it."""
+    roles (None: not read from GGUF), GGUF ``general.architecture`` names -> model type where they differ, and vLLM's
+    ``packed_modules_mapping`` for it."""
 
     name: str
     model_types: tuple[str, ...]
     roles: Mapping[str, str]
     gguf_roles: Mapping[str, str] | None = None
+    gguf_architectures: Mapping[str, str] = field(default_factory=dict)
     vllm_packed: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: DEFAULT_PACKED)
 
     def __post_init__(self) -> None:
         if not self.model_types:
             raise PlanError(f"model family {self.name!r} names no model type")
+        stray = sorted(set(self.gguf_architectures.values()) - set(self.model_types))
+        if stray:
+            raise PlanError(f"model family {self.name!r}: GGUF architectures name model types it lacks: {stray}")
         for table in (self.roles, self.gguf_roles or {}):
             unknown = sorted({role for role in table.values() if role not in ROLES})
             if unknown:

@@ -56,6 +56,12 @@ GGUF_ROLES: dict[str, str] = {
 """llama.cpp's GGUF tensor names -> role, for every decoder that keeps Llama's names."""
 
 
-def llama_named(name: str, *model_types: str, gguf_overrides: Mapping[str, str] | None = None) -> Family:
-    """A family that keeps Llama's tensor names (``gguf_overrides``: the GGUF names whose role differs)."""
-    return Family(name, model_types, ROLES, {**GGUF_ROLES, **(gguf_overrides or {})})
+def llama_named(
+    name: str,
+    *model_types: str,
+    gguf_overrides: Mapping[str, str] | None = None,
+    gguf_architectures: Mapping[str, str] | None = None,
+) -> Family:
+    """A family that keeps Llama's tensor names (``gguf_overrides``: the GGUF names whose role differs;
+    ``gguf_architectures``: GGUF architecture names -> model type where they differ)."""
+    return Family(name, model_types, ROLES, {**GGUF_ROLES, **(gguf_overrides or {})}, dict(gguf_architectures or {}))
