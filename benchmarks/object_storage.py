@@ -89,7 +89,7 @@ def make_model(directory: Path, size_mib: int, files: int) -> Path:
         "num_hidden_layers": layers, "vocab_size": vocab, "tie_word_embeddings": False, "torch_dtype": "float16",
     }  # fmt: skip
     (directory / "config.json").write_text(json.dumps(config))
-    from shardload.models.presets import generate
+    from shardload.models.generated import generate
 
     generate(directory).save(directory / "shard_info.json")
     return directory

@@ -3,7 +3,7 @@
 For each model type whose config class has a ``base_model_tp_plan``: that plan, its
 ``base_model_ep_plan``, and what the model class ``from_pretrained`` builds adds (``_tp_plan``:
 ``lm_head``; ``base_model_prefix``; ``_tied_weights_keys``). shardload reads the table when
-transformers is not installed; tests/test_hf_plans.py checks it against the installed transformers.
+transformers is not installed; tests/test_hf_tp_tables.py checks it against the installed transformers.
 
     python scripts/gen_hf_tp_plans.py            # rewrite the table
     python scripts/gen_hf_tp_plans.py --check    # exit 1 if the table is out of date
@@ -19,7 +19,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from shardload.models.hf_plans import TABLE_FILE, model_class_entry, transformers_entry
+from shardload.models.hf_tp_tables import TABLE_FILE, model_class_entry, transformers_entry
 
 TABLE = Path(__file__).resolve().parent.parent / "shardload" / "models" / TABLE_FILE
 

@@ -175,7 +175,7 @@ def compare_rank(model_dir: Path, rank: int, entry: dict[str, Any], swap: bool =
     import torch
 
     import shardload
-    from shardload.models.presets import generate
+    from shardload.models.generated import generate
 
     try:
         model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
@@ -366,7 +366,7 @@ def gqa_proof(work: Path) -> dict[str, Any]:
     import transformers
 
     import shardload
-    from shardload.models.presets import generate
+    from shardload.models.generated import generate
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     import tp_reference
@@ -457,7 +457,7 @@ def run(types: list[str] | None, work: Path, log: Any = sys.stderr, swap: bool =
     from transformers import CONFIG_MAPPING
     from transformers import logging as hf_logging
 
-    from shardload.models.hf_plans import installed_entry
+    from shardload.models.hf_tp_tables import installed_entry
 
     hf_logging.set_verbosity_error()
     wanted = types or [t for t in sorted(CONFIG_MAPPING.keys()) if installed_entry(t) is not None]

@@ -23,12 +23,14 @@ __all__ = ["pad_dim", "replicate", "reorder_segments", "shard_dim", "shard_segme
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
+    """``dim`` as a non-negative index into an ``ndim``-d input; out of range is a step argument error."""
     if not -ndim <= dim < ndim:
         raise StepArgumentError(f"dim {dim} is out of range for a {ndim}-d input")
     return dim % ndim
 
 
 def _check_n(num_shards: int) -> None:
+    """Refuse a ``num_shards`` below 1 (every built-in step checks it the same way)."""
     if num_shards < 1:
         raise StepArgumentError(f"num_shards must be >= 1, got {num_shards}")
 

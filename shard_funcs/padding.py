@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from shard_funcs import _check_n, _norm_dim
 from shardload.errors import StepArgumentError
 from shardload.planning.registry import Box, Shape, register
 
@@ -22,8 +23,7 @@ __all__ = ["pad_dim", "padded_size"]
 def padded_size(size: int, multiple: int, num_shards: int) -> int:
     """The size ``pad_dim`` gives a dim of ``size``: kept when ``num_shards`` divides it, else rounded up to a
     multiple of ``multiple``, which ``num_shards`` must then divide."""
-    if num_shards < 1:
-        raise StepArgumentError(f"num_shards must be >= 1, got {num_shards}")
+    _check_n(num_shards)
     if multiple < 1:
         raise StepArgumentError(f"multiple must be >= 1, got {multiple}")
     if size % num_shards == 0:
@@ -34,12 +34,6 @@ def padded_size(size: int, multiple: int, num_shards: int) -> int:
             f"size {size} padded to {padded} (a multiple of {multiple}) is not divisible by num_shards={num_shards}"
         )
     return padded
-
-
-def _norm_dim(dim: int, ndim: int) -> int:
-    if not -ndim <= dim < ndim:
-        raise StepArgumentError(f"dim {dim} is out of range for a {ndim}-d input")
-    return dim % ndim
 
 
 def _pad_shape(in_shape: Shape, dtype: str, dim: int, multiple: int, num_shards: int) -> tuple[Shape, str]:

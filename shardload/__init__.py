@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import shard_funcs as _builtin_steps  # noqa: F401  (registers the built-in steps: the one place that does)
 
-from .engine.audit import verify_dir
 from .engine.convert import ConvertResult, convert
 from .engine.integrity import hash_checkpoint
 from .engine.load import load, load_rank
 from .engine.quantize import quantize
 from .engine.verify import VerifyReport
+from .engine.verify_dir import verify_dir
 from .errors import CheckpointError, FormatError, PlanError, ShardloadError
 from .format.shard_info import ShardInfo, StepSpec
 from .models.plan_source import plan_model

@@ -256,7 +256,7 @@ CONFIG_KEYS = st.sampled_from([
 def test_plan_from_odd_configs_raises_only_shardload_errors(changes: dict[str, Any]) -> None:
     """`shardload plan` on the example model with config.json values of any type and size."""
     from shardload.cli.example import EXAMPLE_CONFIG, write_example
-    from shardload.models.presets import generate
+    from shardload.models.generated import generate
 
     with tempfile.TemporaryDirectory() as tmp:
         model = write_example(Path(tmp) / "m")

@@ -241,7 +241,7 @@ CASES: dict[str, Case] = {
         "linear work",
         lambda d: [
             "-c",
-            "from shardload.models.quant_plan import _target_matches as m; "
+            "from shardload.models.stored_layouts import _target_matches as m; "
             "assert not m('a' * 100_000 + 'b', 're:(a+)+$')",
         ],
         code=0,

@@ -22,7 +22,7 @@ import tiny_models
 import tp_reference as tp
 from shardload.cli.main import main
 from shardload.errors import CheckpointError, ShardloadError
-from shardload.models import presets
+from shardload.models.generated import generate
 from shardload.planning.mesh import Mesh
 
 pytest.importorskip("transformers")
@@ -38,7 +38,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, to
     out = {}
     for kind in ("llama", "qwen2"):
         model = tiny_models.build(kind, root / kind, num_hidden_layers=4)
-        presets.generate(root / kind).save(root / kind / "shard_info.json")
+        generate(root / kind).save(root / kind / "shard_info.json")
         with torch.no_grad():
             out[kind] = (root / kind, model(input_ids=IDS).logits)
     return out

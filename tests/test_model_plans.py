@@ -19,7 +19,7 @@ import shardload
 import tiny_models
 import tp_reference as tp
 from shardload.cli.main import main
-from shardload.models import presets
+from shardload.models.generated import generate, model_placements, shard_info_document
 from shardload.planning.validate import validate_file
 
 pytest.importorskip("transformers")
@@ -211,7 +211,7 @@ def test_hf_styles_translate_literally() -> None:
         "model.norm.weight": T(64),
         "lm_head.weight": T(256, 64),
     }
-    placements, notes = presets.model_placements(config, tensors)
+    placements, notes = model_placements(config, tensors)
     short = {n: n.removeprefix("model.layers.0.").removeprefix("model.") for n in tensors}
     got = {short[n]: (p.style, p.dim, p.segments, p.unit, p.kv) for n, p in placements.items()}
     assert got == {
@@ -228,7 +228,7 @@ def test_hf_styles_translate_literally() -> None:
         "lm_head.weight": ("column", 0, (), 1, ()),
     }
     assert notes == ["tp_plan entry 'layers.*.unused' (colwise) matched no tensor"]
-    doc = presets.shard_info_document(placements, tensors)
+    doc = shard_info_document(placements, tensors)
     assert doc["params"]["model.layers.0.self_attn.qkv_proj.weight"] == [
         ["shard_funcs.shard_dim", [["num_shards", "128 // num_shards", 64], "float32"], 0, "num_shards"]
     ]
@@ -257,7 +257,7 @@ def test_plan_matches_the_example_shard_info(example_dir: Path, tmp_path: Path) 
 
 def test_plan_writes_a_file_valid_for_every_n_it_claims(models: dict) -> None:
     model_dir, _ = models["llama_gqa"]
-    generated = presets.generate(model_dir)
+    generated = generate(model_dir)
     assert generated.supported == [1, 2, 4, 8]
     assert "plans for num_shards 1, 2, 4, 8 (checked 1..64)" in generated.document["description"]
     path = _plan(model_dir)
@@ -347,7 +347,7 @@ def test_placements_see_quantized_modules_as_their_logical_weight() -> None:
     """A module stored quantized (packed values, scales) is placed as its logical weight, with the logical shape;
     its stored companions get their steps from that placement."""
     from shardload.models.placement import Header
-    from shardload.models.quant_plan import logical_tensors
+    from shardload.models.stored_layouts import logical_tensors
 
     config = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
               "intermediate_size": 96}  # fmt: skip
@@ -363,12 +363,12 @@ def test_placements_see_quantized_modules_as_their_logical_weight() -> None:
         "model.layers.0.mlp.gate_up_proj.weight": Header((192, 64), "int32"),
         "model.layers.0.self_attn.rotary_emb.inv_freq": stored["model.layers.0.self_attn.rotary_emb.inv_freq"],
     }
-    placements, _ = presets.model_placements(config, logical)
+    placements, _ = model_placements(config, logical)
     k = placements["model.layers.0.self_attn.k_proj.weight"]
     assert (k.style, k.dim, k.segments, k.unit, k.kv) == ("column", 0, (2,), 16, (True,))
     assert placements["model.layers.0.mlp.gate_up_proj.weight"].segments == (96, 96)
     assert placements["model.layers.0.self_attn.rotary_emb.inv_freq"].style == "replicated"
-    params = presets.shard_info_document(placements, stored)["params"]
+    params = shard_info_document(placements, stored)["params"]
     assert params == {
         "model.layers.0.self_attn.k_proj.weight_packed": [
             ["shard_funcs.shard_segments", [None, "int32"], 0, [2], [1], "num_shards", 16]

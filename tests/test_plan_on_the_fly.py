@@ -21,7 +21,7 @@ import tiny_models
 import tp_reference as tp
 from shardload.cli.main import main
 from shardload.errors import PlanError
-from shardload.models import presets
+from shardload.models import choices
 
 pytest.importorskip("transformers")
 
@@ -151,4 +151,4 @@ def test_no_plan_source_is_one_line_saying_how_to_proceed(tmp_path: Path) -> Non
     (model_dir / "config.json").unlink()  # nothing to plan from: the hint to write one
     with pytest.raises(PlanError, match=r"no shard_info given and .*shard_info.json does not exist; write one"):
         shardload.load_rank(model_dir, 0, 2)
-    assert presets.VOCAB_PADDING["vllm"] == 64
+    assert choices.VOCAB_PADDING["vllm"] == 64

@@ -2,7 +2,7 @@
 
 Each format gets a model with three quantized modules, one per kind of split: column-parallel with
 fused segments (gate_up-like), column-parallel with GQA (KV heads replicated once N exceeds them)
-and row-parallel. Their steps come from :func:`shardload.models.quant_plan.companion_steps`, the data is
+and row-parallel. Their steps come from :func:`shardload.models.stored_layouts.companion_steps`, the data is
 random, and each rank's tensors are dequantized with the format's own reference
 (compressed_tensors, gguf) or the one in ``quant_reference.py``, element for element, N = 1, 2,
 3 (where the heads allow it), 4, 8. The module builders here also make the synthetic quantized
@@ -25,7 +25,7 @@ import quant_reference as qref
 import reference as ref
 import shardload
 from shardload.models.placement import Placement
-from shardload.models.quant_plan import companion_steps
+from shardload.models.stored_layouts import companion_steps
 from shardload.sources.checkpoint import open_checkpoint
 
 ALL_N = (1, 2, 3, 4, 8)

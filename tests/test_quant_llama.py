@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 import shardload
 import tiny_models
 import tp_reference as tp
-from shardload.models import presets
+from shardload.models.generated import generate
 from shardload.planning.validate import validate_file
 from test_quant_formats import (
     Builder,
@@ -67,7 +67,7 @@ def dequantized(state: Tensors, dequants: dict[str, Dequant]) -> Tensors:
 
 def check_quantized_plan(model: Path, dequants: dict[str, Dequant], ns: list[int] = NS) -> None:
     """``plan`` MODEL, then check each claimed N: every stored tensor of every rank, and the tensor-parallel logits."""
-    generated = presets.generate(model)
+    generated = generate(model)
     assert generated.supported == ns, generated.supported
     assert f"plans for num_shards {', '.join(map(str, ns))} (checked" in generated.document["description"]
     generated.save(model / "planned.json")
@@ -229,9 +229,9 @@ def test_plan_refuses_n_that_cuts_a_group(tmp_path: Path) -> None:
     build: Callable[..., Any] = lambda rng, p, out, inp: gptq_module(rng, p, out, inp, group=32)  # noqa: E731
     model = tmp_path / "g32"
     write_llama(model, build, {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False})
-    assert presets.generate(model).supported == [1, 2]
+    assert generate(model).supported == [1, 2]
     with pytest.raises(shardload.PlanError) as err:
-        presets.generate(model, num_shards=[4])
+        generate(model, num_shards=[4])
     assert str(err.value).endswith(
         "g32: num_shards=4: model.layers.0.self_attn.o_proj.g_idx: step 1 (shard_funcs.shard_group_index): "
         "2 groups cannot be split across 4 ranks (and 5 more)"

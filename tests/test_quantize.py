@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 import shardload
 from shardload.cli.main import main
 from shardload.format.shard_info import ShardInfo
-from shardload.models import presets
+from shardload.models.generated import generate
 from shardload.models.placement import placement_from_steps
 from shardload.planning.validate import validate_file
 from test_quant_formats import rank_reference
@@ -126,8 +126,8 @@ def test_plan_describes_the_quantized_checkpoint(
     ns = ", ".join(map(str, PLANNED_N[scheme]))
     assert f"num_shards {ns}\n" in done.output and "note: 8 quantized weight(s) (" in done.output
     assert validate_file(out, model, PLANNED_N[scheme])["valid"]
-    planned = presets.generate(model)
-    dense = presets.generate(example_dir)
+    planned = generate(model)
+    dense = generate(example_dir)
     assert planned.supported == PLANNED_N[scheme] and set(planned.supported) <= set(dense.supported)
     decompress = _decompressor(model)
     stored = load_file(str(model / "model.safetensors"))
@@ -235,3 +235,20 @@ def test_converted_quantized_ranks_map_whole(quantized: dict[str, Path], tmp_pat
         plain = shardload.load_rank(out, r, 2)
         assert seen.bytes == 0 and mapped.keys() == plain.keys()
         assert all(torch.equal(mapped[k], plain[k]) for k in plain)
+
+
+def test_quantize_and_plan_model_refuse_the_same_outside_shard_info(example_dir: Path, tmp_path: Path) -> None:
+    """A shard_info.json symlinked outside the model directory is refused alike by plan_model and quantize: both
+    find the file beside the weights by one rule."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in example_dir.iterdir():
+        if f.name != "shard_info.json":
+            (model / f.name).write_bytes(f.read_bytes())
+    outside = tmp_path / "elsewhere.json"
+    outside.write_bytes((example_dir / "shard_info.json").read_bytes())
+    (model / "shard_info.json").symlink_to(outside)
+    for call in (lambda: shardload.plan_model(model, 2), lambda: shardload.quantize(model, tmp_path / "q", "int8")):
+        with pytest.raises(shardload.ShardloadError, match="outside the model directory"):
+            call()
+    assert not (tmp_path / "q").exists()

@@ -306,7 +306,7 @@ def test_failed_write_stops_every_worker_and_leaves_nothing(
     monkeypatch.setattr(shardload.engine.writer, "WRITE_THREADS", threads)
     monkeypatch.setattr(shardload.engine.writer, "STAGE_SET_BYTES", 4096)
     calls = []
-    write = shardload.engine.writer.OutFile.write
+    write = shardload.engine.writer.FileWriter.write
 
     def failing(self: Any, data: memoryview) -> None:
         calls.append(1)
@@ -314,7 +314,7 @@ def test_failed_write_stops_every_worker_and_leaves_nothing(
             raise OSError(28, "No space left on device", str(self.path))
         write(self, data)
 
-    monkeypatch.setattr(shardload.engine.writer.OutFile, "write", failing)
+    monkeypatch.setattr(shardload.engine.writer.FileWriter, "write", failing)
     with pytest.raises((OSError, shardload.ShardloadError), match="No space left"):
         shardload.convert(example_dir, 4, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []

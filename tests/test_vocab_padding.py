@@ -21,9 +21,9 @@ import shardload
 import tiny_models
 import tp_reference as tp
 from shardload.cli.main import main
-from shardload.models import presets
+from shardload.models.generated import generate
 from shardload.models.placement import Placement, placement_from_steps
-from shardload.models.quant_plan import companion_steps
+from shardload.models.stored_layouts import companion_steps
 
 pytest.importorskip("transformers")
 
@@ -103,7 +103,7 @@ def test_lm_head_bias_is_padded_like_its_weight(tmp_path: Path) -> None:
         "model.embed_tokens.weight": (301, 8), "lm_head.weight": (301, 8), "lm_head.bias": (301,),
         "model.norm.weight": (8,),
     })  # fmt: skip
-    generated = presets.generate(model_dir, vocab_padding="plain")
+    generated = generate(model_dir, vocab_padding="plain")
     for name in ("model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"):
         assert generated.document["params"][name][0][:1] == ["shard_funcs.pad_dim"], name
     assert "model.norm.weight" not in generated.document["params"]

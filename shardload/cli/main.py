@@ -21,6 +21,7 @@ import click
 
 from ..engine.quantize import SCHEMES as QUANT_SCHEMES
 from ..errors import ShardloadError, printable
+from ..models.choices import DEFAULT_VOCAB_PADDING, EXPERT_MODES, STYLES, VOCAB_PADDING
 from ..version import __version__
 
 
@@ -427,7 +428,7 @@ def _convert_vllm(
 )
 @click.option(
     "--style",
-    type=click.Choice(["auto", "megatron", "hf"]),
+    type=click.Choice(STYLES),
     default="auto",
     show_default=True,
     help="hf: transformers' TP plan (config.json's, else the installed transformers', else shardload's table); "
@@ -435,7 +436,7 @@ def _convert_vllm(
 )
 @click.option(
     "--experts",
-    type=click.Choice(["tp", "parallel"]),
+    type=click.Choice(EXPERT_MODES),
     default="tp",
     show_default=True,
     help="MoE experts: tp splits inside each expert; parallel puts whole experts on ranks.",
@@ -450,8 +451,8 @@ def _convert_vllm(
 )
 @click.option(
     "--vocab-padding",
-    type=click.Choice(["vllm", "plain", "none"]),
-    default="vllm",
+    type=click.Choice(list(VOCAB_PADDING)),
+    default=DEFAULT_VOCAB_PADDING,
     show_default=True,
     help="A vocabulary N does not divide gets zero rows: vllm to a multiple of 64 (vLLM's rows per rank), "
     "plain to a multiple of N, none not at all (such an N fails).",
@@ -476,7 +477,7 @@ def plan(
     as_json: bool,
 ) -> None:
     """Write an N-agnostic shard_info.json for MODEL (dense, quantized or GGUF) from its config and tensor names."""
-    from ..models.presets import generate
+    from ..models.generated import generate
     from ..sources.location import hub_cache_dir, model_kind
 
     kind = model_kind(model)
@@ -618,7 +619,7 @@ def quantize(model: Path, out_dir: Path, scheme: str, shard_info: Path | None, o
 
 def _plan_hint(model: Path) -> str:
     """``shardload plan MODEL makes one`` when it does, else why it cannot (a hint names no command that fails)."""
-    from ..models.presets import generate
+    from ..models.generated import generate
 
     try:
         generate(model)  # as `shardload plan` runs it
@@ -713,8 +714,8 @@ def _inspect_n(info: Any, checkpoint: Any) -> int:
 @_guarded
 def verify(out_dir: Path, source: Path | None, shard_info: Path | None, as_json: bool) -> None:
     """Recompute every file's sha256 in converted directory OUT against its manifest; list each mismatch."""
-    from ..engine.audit import verify_dir
     from ..engine.verify import VerifyReport
+    from ..engine.verify_dir import verify_dir
     from .report import human_bytes
 
     if shard_info is not None and source is None:

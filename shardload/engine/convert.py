@@ -40,7 +40,7 @@ from .output import (
     stamp_sources,
     write_error,
 )
-from .writer import OutFile, OutputFile, write_rank_files
+from .writer import FileWriter, WrittenFile, write_rank_files
 
 Progress = Callable[[int, str], None]
 """``progress(source_bytes_done, param_name)``, called after each parameter."""
@@ -52,8 +52,8 @@ class ConvertResult:
 
     out_dir: Path
     plan: ModelPlan
-    rank_files: list[OutputFile]
-    other_files: list[OutputFile]
+    rank_files: list[WrittenFile]
+    other_files: list[WrittenFile]
     layout: Mesh
     """The mesh written for (``tp`` = num_shards; one stage unless converted with a pipeline mesh)."""
 
@@ -138,15 +138,15 @@ def convert(
     return ConvertResult(out, plan, rank_files, others, layout)
 
 
-def write_record(directory: Path, data: bytes, durable: bool) -> OutputFile:
+def write_record(directory: Path, data: bytes, durable: bool) -> WrittenFile:
     """Write an output's integrity record; returned as the manifest lists it (its sha256 is its root)."""
-    out = OutFile(directory / RECORD_NAME, durable=durable)
+    out = FileWriter(directory / RECORD_NAME, durable=durable)
     try:
         out.write(data)
         out.finish()
     finally:
         out.close()
-    return OutputFile(RECORD_NAME, len(data), root_of(data))
+    return WrittenFile(RECORD_NAME, len(data), root_of(data))
 
 
 def _mesh_record(layout: Mesh, stages: list[ModelPlan]) -> dict[str, Any] | None:
@@ -159,9 +159,9 @@ def _mesh_record(layout: Mesh, stages: list[ModelPlan]) -> dict[str, Any] | None
 
 def _write_ranks(
     stages: list[ModelPlan], tmp: Path, progress: Progress | None, durable: bool, wrap: Any = None
-) -> list[OutputFile]:
+) -> list[WrittenFile]:
     """Write every (pipeline stage, tensor rank) file; each stage's parameters are read once."""
-    files: list[OutputFile] = []
+    files: list[WrittenFile] = []
     done = 0
     for pp, plan in enumerate(stages):
         n = plan.num_shards

@@ -28,7 +28,7 @@ from ..errors import CheckpointError, ShardloadError
 from ..sources.checkpoint import MANIFEST_NAME, SHARD_INFO_NAME, TMP_MARKER, read_small_file
 from ..sources.companions import companion_files
 from ..sources.objects import ObjectPath
-from .writer import OutFile, OutputFile, fsync_dir, fsync_tree
+from .writer import FileWriter, WrittenFile, fsync_dir, fsync_tree
 
 MARKER = ".shardload-output"
 """The file that marks a directory as written by shardload (so ``--overwrite`` may replace it)."""
@@ -99,9 +99,9 @@ def _check_replaceable(out: Path) -> None:
         )
 
 
-def mark(directory: Path, *, durable: bool = False) -> OutputFile:
+def mark(directory: Path, *, durable: bool = False) -> WrittenFile:
     """Mark a directory being written as an output of shardload (fsynced with the rest when ``durable``)."""
-    marker = OutFile(directory / MARKER, durable=durable)
+    marker = FileWriter(directory / MARKER, durable=durable)
     try:
         marker.write(MARKER_TEXT.encode())
         return marker.finish()
@@ -109,13 +109,13 @@ def mark(directory: Path, *, durable: bool = False) -> OutputFile:
         marker.close()
 
 
-def copy_companions(root: Path, dst: Path, skip: set[str], durable: bool) -> list[OutputFile]:
+def copy_companions(root: Path, dst: Path, skip: set[str], durable: bool) -> list[WrittenFile]:
     """Copy the model directory's companion files (:mod:`shardload.sources.companions`) into ``dst``; each is
     opened without following a FIFO or a device and read to its size at opening."""
     copied = []
     for source in companion_files(root, skip):
         data = read_small_file(source, MAX_COMPANION_BYTES, "companion file")
-        out = OutFile(dst / source.name, durable=durable)
+        out = FileWriter(dst / source.name, durable=durable)
         try:
             out.write(data)
             copied.append(out.finish())
@@ -209,7 +209,7 @@ class Staging:
         self.dir = out.parent / f"{self.prefix}{self.token}"
         self.lock = out.parent / f"{self.prefix}{self.token}.lock"
         self.lock_fd = -1
-        self.marker: OutputFile | None = None
+        self.marker: WrittenFile | None = None
 
     def __enter__(self) -> Staging:
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -298,10 +298,10 @@ def publish_with_manifest(
     staging: Staging,
     model_root: Path,
     stamps: list[Stamp],
-    written: list[OutputFile],
+    written: list[WrittenFile],
     manifest: dict[str, Any],
     durable: bool,
-) -> list[OutputFile]:
+) -> list[WrittenFile]:
     """Finish a converted output: copy the model's companion files (never its shard_info.json: the manifest says
     how the output was planned), add the output marker, write ``manifest`` with ``files`` listing every file, and
     publish once the sources are checked unchanged. Returns the companion files and the marker."""
@@ -309,7 +309,7 @@ def publish_with_manifest(
     assert staging.marker is not None
     others.append(staging.marker)
     record = {**manifest, "files": [f.__dict__ for f in written + others]}
-    out_file = OutFile(staging.dir / MANIFEST_NAME, durable=durable)
+    out_file = FileWriter(staging.dir / MANIFEST_NAME, durable=durable)
     try:
         out_file.write((json.dumps(record, indent=2) + "\n").encode())
         out_file.finish()

@@ -5,7 +5,7 @@ The output is what vLLM and transformers read as compressed-tensors: ``int4-g*``
 per group of the input dim or per output channel, and ``weight_shape``), ``fp8`` is
 ``float-quantized`` (``float8_e4m3fn`` weights with one scale per output channel). The
 ``quantization_config`` goes into config.json, and the source shard_info is carried over to the
-quantized tensors (:func:`shardload.models.quant_plan.quantized_shard_info`), so the same files serve
+quantized tensors (:func:`shardload.models.stored_layouts.quantized_shard_info`), so the same files serve
 any N the group sizes allow.
 """
 
@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardloadError
-from ..format.shard_info import ShardInfo
 from ..models.placement import Header
-from ..models.quant_plan import quantized_shard_info
+from ..models.stored_layouts import quantized_shard_info
+from ..planning.plan import given_shard_info, shard_info_beside
 from ..sources.checkpoint import SHARD_INFO_NAME, as_path, open_checkpoint, read_config
 from ..sources.objects import ObjectPath
 from ..sources.reader import Reader
@@ -126,7 +126,7 @@ def quantize(
                 param=name,
             )
     stamps = stamp_sources(checkpoint.files)
-    info = _source_shard_info(checkpoint.root, shard_info)
+    info = given_shard_info(shard_info) if shard_info is not None else shard_info_beside(checkpoint)
     sources = source_paths(checkpoint.root, checkpoint.files)
     if info is not None and Path(info.source).exists():
         sources.append(Path(info.source))
@@ -261,17 +261,6 @@ def _skip_reason(name: str, shape: tuple[int, ...], dtype: str, scheme: Scheme, 
     if cols % need:
         return f"input dim {cols} is not a multiple of {need}"
     return None
-
-
-def _source_shard_info(root: Path, shard_info: Any) -> ShardInfo | None:
-    if isinstance(shard_info, ShardInfo):
-        return shard_info
-    if isinstance(shard_info, dict):
-        return ShardInfo.from_dict(shard_info, source="<shard_info dict>")
-    path = Path(shard_info) if shard_info is not None else root / SHARD_INFO_NAME
-    if shard_info is None and not path.is_file():
-        return None
-    return ShardInfo.load(path)
 
 
 def _read_config(root: Path) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Integrity of converted directories: each file's size and sha256 against ``shard_manifest.json``.
 
 ``rank_file`` is the per-rank check ``load_rank`` runs before it reads a rank file; ``check_entry`` checks one
-listed file. :mod:`shardload.engine.audit` checks a whole directory with them (``shardload verify OUT``).
+listed file. :mod:`shardload.engine.verify_dir` checks a whole directory with them (``shardload verify OUT``).
 """
 
 from __future__ import annotations

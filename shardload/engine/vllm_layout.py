@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardloadError, printable
 from ..format.shard_info import MAX_RANKS, ShardInfo
+from ..models.families import vllm_packing
 from ..models.plan_source import plan_shard_info
-from ..models.vllm_names import DEFAULT_PACKED, SKIPPED_SUFFIXES, is_vocab, vllm_target, vocab_range
+from ..models.vllm_names import SKIPPED_SUFFIXES, is_vocab, vllm_target, vocab_range
 from ..planning.plan import ModelPlan, build_plan
 from ..sources.checkpoint import (
     VLLM_MANIFEST_FORMAT,
@@ -48,7 +49,7 @@ from .output import (
     write_error,
 )
 from .transfer import plan_reader
-from .writer import OutFile, OutputFile
+from .writer import FileWriter, WrittenFile
 
 if TYPE_CHECKING:
     import torch
@@ -134,7 +135,8 @@ def plan_layout(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None)
         tensors.append(VllmTensor(out_name, (name,), (per_rank, *info_t.shape[1:]), info_t.dtype, vocab=True))
     groups: dict[str, list[str | None]] = {}
     stacks: dict[str, dict[tuple[int, int], str]] = {}
-    targets = {name: vllm_target(name, DEFAULT_PACKED) for name in plan.params}
+    packed = vllm_packing(config.get("model_type"))
+    targets = {name: vllm_target(name, packed) for name in plan.params}
     experts: dict[str, int] = {}  # stacked parameter -> experts in it (the highest stored index + 1)
     for t in targets.values():
         if t.expert is not None:
@@ -171,7 +173,7 @@ def plan_layout(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None)
             tensors.append(VllmTensor(target.name, tuple(p for p in parts if p), (rows, *shapes[0][1:]), dtypes.pop()))
             del groups[target.name]
     for vname, parts in groups.items():
-        missing = [DEFAULT_PACKED[vname.split(".")[-2]][i] for i, p in enumerate(parts) if p is None]
+        missing = [packed[vname.split(".")[-2]][i] for i, p in enumerate(parts) if p is None]
         raise ShardloadError(f"vLLM fuses it, but {missing} are not in the checkpoint", file=where, param=vname)
     for vname in stacks:
         raise ShardloadError(f"vLLM stacks {experts[vname]} experts into it, but not all of their projections are "
@@ -269,7 +271,7 @@ def convert_vllm(
     overwrite: bool = False,
     fsync: bool | None = None,
     verify: bool | str = False,
-) -> list[OutputFile]:
+) -> list[WrittenFile]:
     """Write ``model`` in vLLM's ``sharded_state`` layout for ``num_shards`` ranks into ``out_dir``; return the files.
     ``verify`` checks every source byte against its integrity record, as :func:`shardload.convert` does; the
     output gets its own record (``shardload.hashes``, its root in the manifest's ``integrity``).
@@ -294,7 +296,7 @@ def convert_vllm(
     header = layout.header()
     try:
         with Staging(out, fsync, synced=durable, overwrite=overwrite) as staging:
-            files = [OutFile(staging.dir / FILE_PATTERN.format(rank=r), durable=durable) for r in range(num_shards)]
+            files = [FileWriter(staging.dir / FILE_PATTERN.format(rank=r), durable=durable) for r in range(num_shards)]
             try:
                 for f in files:
                     f.write(header)

@@ -49,7 +49,7 @@ SYNC_FILE_RANGE_WRITE = 2
 
 
 @dataclass(frozen=True)
-class OutputFile:
+class WrittenFile:
     """A finished output file, as the manifest records it: name in the directory, size and sha256."""
 
     path: str
@@ -121,7 +121,7 @@ def _create(path: Path) -> BinaryIO:
     return open(path, "xb", buffering=0)
 
 
-class OutFile:
+class FileWriter:
     """One output file: appended to by one task at a time, hashed as written; ``durable`` ones are fsynced on
     finish."""
 
@@ -152,7 +152,7 @@ class OutFile:
             _SYNC_FILE_RANGE(self.fh.fileno(), self.flushed, self.size - self.flushed, SYNC_FILE_RANGE_WRITE)
             self.flushed = self.size
 
-    def finish(self) -> OutputFile:
+    def finish(self) -> WrittenFile:
         """Close the file (flushed to stable storage first when ``durable``)."""
         assert self.fh is not None
         try:
@@ -162,7 +162,7 @@ class OutFile:
         except OSError as err:
             raise OSError(err.errno, err.strerror, str(self.path)) from None
         self.close()
-        return OutputFile(self.path.name, self.size, self.hash.hexdigest())
+        return WrittenFile(self.path.name, self.size, self.hash.hexdigest())
 
     def close(self) -> None:
         """Close without raising (after an error the file is removed with its directory)."""
@@ -217,7 +217,7 @@ def write_rank_files(
     stages: int = 1,
     durable: bool = True,
     wrap: Callable[[Any], Any] | None = None,
-) -> list[OutputFile]:
+) -> list[WrittenFile]:
     """Write rank r's safetensors file to ``names[r]`` for every rank of ``plan``; new files only.
 
     The ranks are split into one group per worker thread; each worker streams its ranks' bytes through
@@ -228,14 +228,14 @@ def write_rank_files(
     n = plan.num_shards
     workers = max(1, min(threads or WRITE_THREADS, n))
     groups = [list(range(n))[w * n // workers : (w + 1) * n // workers] for w in range(workers)]
-    files: list[OutFile] = []
-    results: list[OutputFile | None] = [None] * n
+    files: list[FileWriter] = []
+    results: list[WrittenFile | None] = [None] * n
     events: queue.SimpleQueue[tuple[int, int | BaseException | None]] = queue.SimpleQueue()
     stop = threading.Event()
     params = file_order(plan)
     try:
         for path in names:
-            files.append(OutFile(path, durable=durable))
+            files.append(FileWriter(path, durable=durable))
         for r, f in enumerate(files):
             f.write(rank_header(plan, r, stage, stages))
         with wrapped(plan_reader(params), wrap) as reader:
@@ -312,8 +312,8 @@ def _padding_by_chunk(param: ParamPlan, ranks: list[int], chunk: int) -> dict[in
 def _write_group(
     params: list[ParamPlan],
     ranks: list[int],
-    files: list[OutFile],
-    results: list[OutputFile | None],
+    files: list[FileWriter],
+    results: list[WrittenFile | None],
     reader: RunReader,
     shared: _Shared,
     stop: threading.Event,

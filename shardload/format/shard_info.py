@@ -137,13 +137,7 @@ class ShardInfo:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the document form to ``path`` (atomically: temporary file, then rename)."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        strictjson.write_atomic(path, self.to_dict())
 
     # -- checking --------------------------------------------------------------------------
 

@@ -1,9 +1,11 @@
-"""Strict JSON decoding for files that come from strangers: a key twice in one object, or the
-non-standard constants NaN/Infinity, are errors instead of being silently accepted."""
+"""Strict JSON: decoding files that come from strangers (a key twice in one object, or the non-standard
+constants NaN/Infinity, are errors instead of being silently accepted), and writing a document atomically."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 
@@ -31,3 +33,14 @@ def _no_constants(name: str) -> Any:
 def loads(text: str) -> Any:
     """Decode ``text`` like ``json.loads``, raising DuplicateKeyError or ValueError for what JSON forbids."""
     return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constants)
+
+
+def write_atomic(path: str | os.PathLike[str], document: Any) -> None:
+    """Write ``document`` as indented JSON to ``path`` atomically: a temporary file beside it, then a rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

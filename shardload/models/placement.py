@@ -1,10 +1,10 @@
 """Placement: how one weight is split across ranks, the record between deciding a split and writing its steps.
 
-Model plans (:mod:`shardload.presets`) decide a :class:`Placement` for every tensor a model
-holds, or for the logical weight of a quantized module; :func:`shardload.models.quant_plan.companion_steps`
-writes the shard_info steps for every stored tensor a placement covers; :func:`placement_from_steps`
-reads a dense tensor's steps back into one (to carry a hand-written shard_info over to a quantized
-checkpoint). Pure data: no tensor is read here.
+The family presets (:mod:`shardload.models.presets`) and transformers' TP tables
+(:mod:`shardload.models.hf_tp_tables`) decide a :class:`Placement` for every tensor a model holds, or for the
+logical weight of a quantized module; :func:`shardload.models.stored_layouts.companion_steps` writes the shard_info
+steps for every stored tensor a placement covers; :func:`placement_from_steps` reads a dense tensor's steps back
+into one (to carry a hand-written shard_info over to a quantized checkpoint). Pure data: no tensor is read here.
 """
 
 from __future__ import annotations

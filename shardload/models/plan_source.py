@@ -41,7 +41,7 @@ def plan_shard_info(checkpoint: Checkpoint, shard_info: Any) -> tuple[ShardInfo,
             f"--shard-info (shard_info= in Python): there is no {config.name} to plan one from",
             file=checkpoint.name,
         )
-    from .presets import generate
+    from .generated import generate
 
     try:
         generated = generate(checkpoint.path, check_up_to=0)  # the caller plans for its own N next

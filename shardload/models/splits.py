@@ -1,7 +1,7 @@
 """The splits every model plan shares: head and expert counts from config.json, whole-head attention splits (KV
 heads replicated when N exceeds them), fused gate/up halves, and the one rule by which head and expert counts
 bound N (:func:`count_problems`). Used by the built-in presets (:mod:`shardload.models.presets`) and by
-transformers' plans (:mod:`shardload.models.hf_plans`). Pure.
+transformers' plans (:mod:`shardload.models.hf_tp_tables`). Pure.
 """
 
 from __future__ import annotations

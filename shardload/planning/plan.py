@@ -432,22 +432,34 @@ def _eval_shape(shape: tuple[int | str, ...] | None, n: int) -> Shape | None:
 
 def resolve_shard_info(checkpoint: Checkpoint, shard_info: ShardInfo | dict[str, Any] | str | Any | None) -> ShardInfo:
     """Turn the ``shard_info`` argument of the API (object, dict, path or None) into a ShardInfo."""
+    if shard_info is not None:
+        return given_shard_info(shard_info)
+    info = shard_info_beside(checkpoint)
+    if info is not None:
+        return info
+    if checkpoint.presharded is not None:
+        return ShardInfo(source="<pre-sharded: no steps>")  # already split: nothing to run
+    raise PlanError(
+        f"no shard_info given and {checkpoint.default_shard_info()} does not exist; write one from config.json with "
+        f"`shardload plan {checkpoint.root}` (or pass --shard-info / shard_info=)",
+        file=checkpoint.name,
+    )
+
+
+def given_shard_info(shard_info: ShardInfo | dict[str, Any] | str | Any) -> ShardInfo:
+    """The ShardInfo a caller passed: itself, a dict, or a path read and checked."""
     if isinstance(shard_info, ShardInfo):
         return shard_info
     if isinstance(shard_info, dict):
         return ShardInfo.from_dict(shard_info, source="<shard_info dict>")
-    if shard_info is not None:
-        return ShardInfo.load(as_path(shard_info, "shard_info (a path, a dict or a ShardInfo)"))
+    return ShardInfo.load(as_path(shard_info, "shard_info (a path, a dict or a ShardInfo)"))
+
+
+def shard_info_beside(checkpoint: Checkpoint) -> ShardInfo | None:
+    """The shard_info.json beside the weights (None when there is none), resolved inside the model directory."""
     default = checkpoint.default_shard_info()
-    present = default.exists() or default.is_symlink()  # a FIFO or a device is present, and refused when read
-    if not present and checkpoint.presharded is not None:
-        return ShardInfo(source="<pre-sharded: no steps>")  # already split: nothing to run
-    if not present:
-        raise PlanError(
-            f"no shard_info given and {default} does not exist; write one from config.json with "
-            f"`shardload plan {checkpoint.root}` (or pass --shard-info / shard_info=)",
-            file=checkpoint.name,
-        )
+    if not (default.exists() or default.is_symlink()):  # a FIFO or a device is present, and refused when read
+        return None
     found = resolve_inside(checkpoint.root, default.name, default)
     if isinstance(found, ObjectPath):  # in object storage: read whole, then parsed as a local file would be
         return shard_info_object(found)

@@ -15,7 +15,7 @@ from ..format.shard_info import ShardInfo
 from ..sources.checkpoint import Checkpoint, open_checkpoint
 from .consistency import placement_warnings
 from .mesh import Mesh, stage_plans
-from .plan import build_plan
+from .plan import build_plan, given_shard_info
 
 DEFAULT_NS = (1, 2, 4, 8)
 
@@ -78,7 +78,7 @@ def validate_file(
 
 
 def validate(
-    shard_info: ShardInfo | str | os.PathLike[str],
+    shard_info: ShardInfo | dict[str, Any] | str | os.PathLike[str],
     model: str | os.PathLike[str] | None = None,
     num_shards: int | None = None,
 ) -> list[ShardloadError]:
@@ -88,7 +88,7 @@ def validate(
 
         problems = shardload.validate("shard_info.json", model="llama-dir", num_shards=8)  # [] when valid
     """
-    info = shard_info if isinstance(shard_info, ShardInfo) else ShardInfo.load(shard_info)
+    info = given_shard_info(shard_info)
     checkpoint = open_checkpoint(model) if model is not None else None
     n = num_shards if num_shards is not None else (info.num_shards or 1)
     return build_plan(info, checkpoint, n, strict=False).problems

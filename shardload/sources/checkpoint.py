@@ -342,7 +342,7 @@ def _open_converted(root: Path) -> Checkpoint:
 
 
 def check_manifest(manifest: Any, where: Path) -> None:
-    """Check a converted directory's manifest for consistency (not the files: see ``shardload.verify``)."""
+    """Check a converted directory's manifest for consistency (not the files: see :func:`shardload.verify_dir`)."""
 
     def bad(reason: str) -> CheckpointError:
         return CheckpointError(f"inconsistent manifest: {reason}", file=str(where))

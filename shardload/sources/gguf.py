@@ -40,7 +40,6 @@ _CONFIG_KEYS = {
     "moe_intermediate_size": "expert_feed_forward_length",
     "vocab_size": "vocab_size",
 }
-_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # GGUF architecture -> transformers model_type
 
 
 # GGUF value types: fixed sizes by type id (uint8 .. float64, bool), 8 = string, 9 = array
@@ -186,7 +185,7 @@ def quantization_config(path: str | Path) -> dict[str, Any]:
     """A quantization_config for a GGUF source: ``{"quant_method": "gguf", "tensor_types": {name: {...}}}``.
 
     Each entry gives the GGML type name, ``block_size`` (elements per block), ``type_size`` (bytes
-    per block) and the logical ``shape`` (numpy order); :mod:`shardload.quant_plan` reads it.
+    per block) and the logical ``shape`` (numpy order); :mod:`shardload.models.stored_layouts` reads it.
     """
     _, kinds = _read(gguf_files(Path(path)))
     return {"quant_method": "gguf", "tensor_types": kinds}
@@ -195,7 +194,8 @@ def quantization_config(path: str | Path) -> dict[str, Any]:
 def model_config(path: str | Path) -> dict[str, Any]:
     """The model's config from GGUF metadata, in config.json's terms, with its ``quantization_config``.
 
-    ``model_type`` is the file's ``general.architecture``; head counts and sizes come from the
+    ``model_type`` is the file's ``general.architecture`` (a family entry maps those that differ from
+    transformers', :func:`shardload.models.families.gguf_model_type`); head counts and sizes come from the
     ``{architecture}.*`` keys (absent keys are left out).
     """
     files = gguf_files(Path(path))
@@ -205,7 +205,7 @@ def model_config(path: str | Path) -> dict[str, Any]:
     arch = _metadata(reader, "general.architecture")
     if not isinstance(arch, str) or not arch:
         raise CheckpointError("GGUF metadata has no general.architecture", file=str(files[0]))
-    config: dict[str, Any] = {"model_type": _MODEL_TYPES.get(arch, arch)}
+    config: dict[str, Any] = {"model_type": arch}
     for key, suffix in _CONFIG_KEYS.items():
         value = _metadata(reader, f"{arch}.{suffix}")
         if value is not None:

@@ -1,5 +1,5 @@
-"""The companion API (shardload.models.quant_plan): format detection, the steps it writes, and its errors; GGUF sources,
-also through ``shardload plan``."""
+"""The companion API (shardload.models.stored_layouts): format detection, the steps it writes, and its errors;
+GGUF sources, also through ``shardload plan``."""
 
 from __future__ import annotations
 
@@ -17,9 +17,14 @@ import shardload
 from shardload.cli.main import main
 from shardload.errors import CheckpointError, PlanError
 from shardload.format.shard_info import ShardInfo
-from shardload.models import presets
+from shardload.models.generated import generate
 from shardload.models.placement import Header, Placement, placement_from_steps
-from shardload.models.quant_plan import companion_steps, detect_format, quantized_shard_info, read_quantization_config
+from shardload.models.stored_layouts import (
+    companion_steps,
+    detect_format,
+    quantized_shard_info,
+    read_quantization_config,
+)
 from test_quant_formats import rank_reference, save_gguf
 
 
@@ -271,7 +276,7 @@ def test_plan_on_a_gguf_file(tmp_path: Path) -> None:
     done = CliRunner().invoke(main, ["plan", str(path)])
     assert done.exit_code == 0, done.output
     assert "num_shards 1, 2, 4\n" in done.output and "note: 8 quantized weight(s) (gguf)" in done.output
-    generated = presets.generate(path)
+    generated = generate(path)
     want = {
         "blk.0.attn_q.weight": ("column", 0, (4,), 32, (False,)),
         "blk.0.attn_k.weight": ("column", 0, (2,), 32, (True,)),

@@ -23,7 +23,8 @@ import torch
 import shardload
 import tiny_models
 import tp_reference as tp
-from shardload.models import hf_plans, presets
+from shardload.models import hf_tp_tables
+from shardload.models.generated import generate
 
 pytest.importorskip("transformers")
 
@@ -48,12 +49,12 @@ class T:
 
 def test_shipped_table_is_what_the_installed_transformers_declares() -> None:
     """scripts/gen_hf_tp_plans.py run now writes exactly the shipped table."""
-    shipped = hf_plans.shipped_table()
+    shipped = hf_tp_tables.shipped_table()
     installed = version("transformers")
     if shipped["transformers"] != installed:
         pytest.skip(f"table from transformers {shipped['transformers']}, installed {installed}: regenerate it")
     gen = _script("gen_hf_tp_plans")
-    assert gen.render(gen.build_table()) == (ROOT / "shardload" / "models" / hf_plans.TABLE_FILE).read_text()
+    assert gen.render(gen.build_table()) == (ROOT / "shardload" / "models" / hf_tp_tables.TABLE_FILE).read_text()
     assert len(shipped["models"]) >= 100 and "gemma" in shipped["models"]
 
 
@@ -61,37 +62,37 @@ def test_every_style_transformers_knows_is_translated() -> None:
     import transformers.distributed.expert_parallel  # noqa: F401  (registers the expert-parallel styles)
     from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
-    assert set(ALL_PARALLEL_STYLES.keys()) <= set(hf_plans.STYLES)
+    assert set(ALL_PARALLEL_STYLES.keys()) <= set(hf_tp_tables.STYLES)
     used = {
         style
-        for entry in hf_plans.shipped_table()["models"].values()
+        for entry in hf_tp_tables.shipped_table()["models"].values()
         for key in ("tp_plan", "ep_plan", "head_plan")
         for style in entry.get(key, {}).values()
     }
-    assert used <= set(hf_plans.STYLES)
+    assert used <= set(hf_tp_tables.STYLES)
 
 
 def test_sources_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """config.json's own plan wins, then the installed transformers, then the shipped table."""
     config = {"model_type": "gemma", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
-    installed = hf_plans.plan_for(config)
+    installed = hf_tp_tables.tp_table_for(config)
     assert installed.source.startswith(f"transformers {version('transformers')} (GemmaConfig.base_model_tp_plan")
     assert installed.head_plan == {"lm_head": "colwise_gather_output"} and installed.prefix == "model"
-    own = hf_plans.plan_for({**config, "base_model_tp_plan": {"layers.*.mlp.up_proj": "colwise"}})
+    own = hf_tp_tables.tp_table_for({**config, "base_model_tp_plan": {"layers.*.mlp.up_proj": "colwise"}})
     assert own.source == "base_model_tp_plan of config.json" and own.tp_plan == {"layers.*.mlp.up_proj": "colwise"}
-    monkeypatch.setattr(hf_plans, "_transformers_installed", lambda: False)
-    table = hf_plans.plan_for(config)
+    monkeypatch.setattr(hf_tp_tables, "_transformers_installed", lambda: False)
+    table = hf_tp_tables.tp_table_for(config)
     assert table.source.startswith("shardload's table of transformers")
     assert (table.tp_plan, table.head_plan, table.prefix, table.tied) == (
         installed.tp_plan, installed.head_plan, installed.prefix, installed.tied,
     )  # fmt: skip
-    assert hf_plans.plan_for({"model_type": "no-such-type"}) is None
+    assert hf_tp_tables.tp_table_for({"model_type": "no-such-type"}) is None
 
 
 def test_import_shardload_does_not_import_transformers() -> None:
     code = (
-        "import sys, shardload; from shardload.models import presets, hf_plans; "
-        "presets.model_placements({'model_type': 'llama', 'hidden_size': 8, 'num_attention_heads': 2}, {}); "
+        "import sys, shardload; from shardload.models.generated import model_placements; "
+        "model_placements({'model_type': 'llama', 'hidden_size': 8, 'num_attention_heads': 2}, {}); "
         "assert 'transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -106,7 +107,7 @@ def test_auto_style_uses_transformers_plan_where_no_preset(tmp_path: Path) -> No
     )
     torch.manual_seed(0)
     transformers.GemmaForCausalLM(config).save_pretrained(tmp_path)
-    result = presets.generate(tmp_path, num_shards=[2])
+    result = generate(tmp_path, num_shards=[2])
     assert result.style == "hf" and "GemmaConfig.base_model_tp_plan" in result.document["description"]
     params = result.document["params"]
     assert "model.embed_tokens.weight" in params and "model.layers.0.self_attn.q_proj.weight" in params
@@ -118,7 +119,7 @@ def test_auto_style_uses_transformers_plan_where_no_preset(tmp_path: Path) -> No
 
 def test_names_match_as_transformers_matches_them() -> None:
     """Exact generic names, else the parameter's module; prefix of the base model; lm_head from the model class."""
-    plan = hf_plans.HfPlan(
+    plan = hf_tp_tables.HfTpTable(
         "x",
         {"layers.*.mlp.experts.gate_up_proj": "packed_colwise", "layers.*.mlp.experts": "moe_tp_experts",
          "layers.*.mlp.experts.down_proj": "rowwise", "layers.*.mlp.fc1": "colwise"},
@@ -134,7 +135,7 @@ def test_names_match_as_transformers_matches_them() -> None:
         "model.layers.0.other.mlp.fc1.weight": T(128, 64),  # a suffix is not a match
         "lm_head.weight": T(256, 64),
     }
-    placements, notes = hf_plans.hf_placements({"model_type": "x"}, tensors, plan=plan)
+    placements, notes = hf_tp_tables.hf_placements({"model_type": "x"}, tensors, plan=plan)
     got = {n: (p.style, p.dim, p.segments) for n, p in placements.items()}
     assert got == {
         "model.embed_tokens.weight": ("vocab", 0, ()),
@@ -149,16 +150,16 @@ def test_names_match_as_transformers_matches_them() -> None:
     assert notes == []
     # a base-model checkpoint (no prefix) gets no lm_head entry and still the base plan
     base = {k.removeprefix("model."): v for k, v in tensors.items() if k != "lm_head.weight"}
-    placements, _ = hf_plans.hf_placements({"model_type": "x"}, base, plan=plan)
+    placements, _ = hf_tp_tables.hf_placements({"model_type": "x"}, base, plan=plan)
     assert placements["layers.0.mlp.fc1.weight"].style == "column" and placements["embed_tokens.weight"].dim == 0
 
 
 def test_runtime_only_styles_leave_weights_whole() -> None:
-    runtime = [s for s, (rule, _) in hf_plans.STYLES.items() if rule == "replicated"]
+    runtime = [s for s, (rule, _) in hf_tp_tables.STYLES.items() if rule == "replicated"]
     assert {"moe_tp_experts", "mla_kv_a_proj", "replicated_with_grad_allreduce", "sequence_parallel"} <= set(runtime)
-    plan = hf_plans.HfPlan("x", {f"m{i}": s for i, s in enumerate(runtime)}, "test")
+    plan = hf_tp_tables.HfTpTable("x", {f"m{i}": s for i, s in enumerate(runtime)}, "test")
     tensors = {f"model.m{i}.weight": T(8, 8) for i in range(len(runtime))}
-    placements, _ = hf_plans.hf_placements({"model_type": "x"}, tensors, plan=plan)
+    placements, _ = hf_tp_tables.hf_placements({"model_type": "x"}, tensors, plan=plan)
     assert {p.style for p in placements.values()} == {"replicated"}
 
 
@@ -246,7 +247,7 @@ def test_fused_checkpoint_follows_the_plan_for_its_parts(tmp_path: Path) -> None
     model_dir.mkdir()
     save_file(fused, model_dir / "model.safetensors")
     (model_dir / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
-    plan = presets.generate(model_dir, style="hf", num_shards=[2, 4, 8])
+    plan = generate(model_dir, style="hf", num_shards=[2, 4, 8])
     qkv = plan.placements["model.layers.0.self_attn.qkv_proj.weight"]
     assert (qkv.segments, qkv.kv) == ((8, 2, 2), (False, True, True))
     assert plan.placements["model.layers.0.mlp.gate_up_proj.weight"].segments == (128, 128)
@@ -280,7 +281,7 @@ def neox_10_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_hf_plan_never_cuts_a_head(neox_10_heads: Path) -> None:
     """transformers' plan splits query_key_value colwise; the plan lists only N that divide the 10 heads."""
-    generated = presets.generate(neox_10_heads, check_up_to=16)
+    generated = generate(neox_10_heads, check_up_to=16)
     assert generated.style == "hf"
     assert generated.supported == [1, 2, 5, 10]
     qkv = generated.placements["gpt_neox.layers.0.attention.query_key_value.weight"]

@@ -21,7 +21,7 @@ Formats (:func:`detect_format`), with the tensors each stores next to the module
   ``P.qzeros``, ``P.scales`` as GPTQ;
 - ``scaled``: a full-size ``P.weight`` (FP8 ``float8_e4m3fn``, int8) with ``P.weight_scale`` or
   ``P.weight_scale_inv`` per tensor, per channel or per 128x128 block (ceil division);
-- ``gguf``: ``P.weight`` uint8 ``[rows, blocks, bytes per block]`` (see :mod:`shardload.gguf_source`);
+- ``gguf``: ``P.weight`` uint8 ``[rows, blocks, bytes per block]`` (see :mod:`shardload.sources.gguf`);
 - ``dense``: a plain ``P.weight``.
 
 Scalars (per-tensor scales, ``input_scale``) are replicated. With act-order (GPTQ ``desc_act``,

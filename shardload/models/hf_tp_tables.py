@@ -1,4 +1,5 @@
-"""Hugging Face transformers' own tensor-parallel plans, read and translated into placements.
+"""transformers' TP tables (its ``tp_plan`` attributes: module pattern -> parallel style), read and translated into
+placements.
 
 transformers keeps a model's TP plan on its config class (``LlamaConfig.base_model_tp_plan``,
 patterns relative to the base model) and on its model class (``LlamaForCausalLM._tp_plan``:
@@ -30,13 +31,13 @@ from .splits import ATTENTION_ROLES, ModelDims, all_replicated, attention_placem
 __all__ = [
     "STYLES",
     "TABLE_FILE",
-    "HfPlan",
-    "checkpoint_plan",
+    "HfTpTable",
+    "checkpoint_tp_table",
     "generic_name",
     "hf_placements",
     "installed_entry",
     "model_class_entry",
-    "plan_for",
+    "tp_table_for",
     "shipped_table",
     "transformers_entry",
 ]
@@ -81,7 +82,7 @@ _DEFAULT_HEAD = {"lm_head": "colwise_gather_output"}  # what transformers' causa
 
 
 @dataclass(frozen=True)
-class HfPlan:
+class HfTpTable:
     """One model type's TP plan: the base model's (``tp_plan``, ``ep_plan``), the model class's own
     (``head_plan``: ``lm_head``), the base model's attribute name (``prefix``), tied weights, and a phrase
     saying where it came from."""
@@ -96,8 +97,8 @@ class HfPlan:
     model_class: str = ""
 
     @classmethod
-    def from_entry(cls, model_type: str, entry: Mapping[str, Any], source: str) -> HfPlan:
-        """An HfPlan from one entry of the shipped table (or of :func:`transformers_entry`)."""
+    def from_entry(cls, model_type: str, entry: Mapping[str, Any], source: str) -> HfTpTable:
+        """An HfTpTable from one entry of the shipped table (or of :func:`transformers_entry`)."""
         return cls(
             model_type,
             dict(entry["tp_plan"]),
@@ -194,7 +195,7 @@ def _installed_version() -> str:
     return version("transformers")
 
 
-def plan_for(config: Mapping[str, Any]) -> HfPlan | None:
+def tp_table_for(config: Mapping[str, Any]) -> HfTpTable | None:
     """The TP plan for a config.json: its own ``base_model_tp_plan``, else the installed transformers', else the
     shipped table's (None: none of them has one). The model class's parts come from transformers or the table."""
     model_type = str(config.get("model_type") or "")
@@ -219,13 +220,13 @@ def plan_for(config: Mapping[str, Any]) -> HfPlan | None:
         plan = _plan_dict(config, "base_model_tp_plan")
         ep = _plan_dict(config, "base_model_ep_plan") if config.get("base_model_ep_plan") else {}
         if known is None:
-            return HfPlan(model_type, plan, "base_model_tp_plan of config.json", ep)
-        cls = HfPlan.from_entry(model_type, known, "")
+            return HfTpTable(model_type, plan, "base_model_tp_plan of config.json", ep)
+        cls = HfTpTable.from_entry(model_type, known, "")
         source = "base_model_tp_plan of config.json"
-        return HfPlan(model_type, plan, source, ep, cls.head_plan, cls.prefix, cls.tied, cls.model_class)
+        return HfTpTable(model_type, plan, source, ep, cls.head_plan, cls.prefix, cls.tied, cls.model_class)
     if known is None:
         return None
-    return HfPlan.from_entry(model_type, known, source)
+    return HfTpTable.from_entry(model_type, known, source)
 
 
 def _plan_dict(config: Mapping[str, Any], key: str) -> dict[str, str]:
@@ -247,12 +248,12 @@ def generic_name(name: str) -> str:
     return _LAYER_NUMBER.sub(lambda m: ".*" + m.group(1), name)
 
 
-def checkpoint_plan(plan: HfPlan, tensors: Mapping[str, TensorHeader], *, experts: str = "tp") -> dict[str, str]:
+def checkpoint_tp_table(plan: HfTpTable, tensors: Mapping[str, TensorHeader], *, experts: str = "tp") -> dict[str, str]:
     """The plan keyed by stored names (``model.layers.*.mlp.up_proj``), as ``from_pretrained`` assembles it."""
     return {name: style for name, (_, style) in _checkpoint_keys(plan, tensors, experts).items()}
 
 
-def _checkpoint_keys(plan: HfPlan, tensors: Mapping[str, TensorHeader], experts: str) -> dict[str, tuple[str, str]]:
+def _checkpoint_keys(plan: HfTpTable, tensors: Mapping[str, TensorHeader], experts: str) -> dict[str, tuple[str, str]]:
     """The plan keyed by stored names (``model.layers.*.mlp.up_proj``), as ``from_pretrained`` assembles it.
 
     The model class's own entries (``lm_head``) apply when the checkpoint holds the base model under its
@@ -279,7 +280,7 @@ def _checkpoint_keys(plan: HfPlan, tensors: Mapping[str, TensorHeader], experts:
     return full
 
 
-def _base_prefix(plan: HfPlan, base: Mapping[str, str], tensors: Mapping[str, TensorHeader]) -> str:
+def _base_prefix(plan: HfTpTable, base: Mapping[str, str], tensors: Mapping[str, TensorHeader]) -> str:
     """Where the base model sits in the checkpoint: the leading name under which most tensors match its plan
     (``model``; transformers' ``base_model_prefix`` can differ from the attribute, as Llama 4's
     ``language_model`` does), or "" for a checkpoint of the base model itself."""
@@ -310,13 +311,13 @@ def hf_placements(
     tensors: Mapping[str, TensorHeader],
     *,
     experts: str = "tp",
-    plan: HfPlan | None = None,
+    plan: HfTpTable | None = None,
 ) -> tuple[dict[str, Placement], list[str]]:
-    """Placements from transformers' TP plan for ``config`` (:func:`plan_for`), and notes.
+    """Placements from transformers' TP plan for ``config`` (:func:`tp_table_for`), and notes.
 
     Notes name plan entries that matched no tensor. Tensors no entry matches are replicated.
     """
-    plan = plan or plan_for(config)
+    plan = plan or tp_table_for(config)
     if plan is None:
         raise PlanError(
             f"--style hf: config.json has no base_model_tp_plan and transformers has no TP plan for model_type "
