@@ -28,6 +28,7 @@ from ..sources.checkpoint import (
     open_checkpoint,
     rank_file_name,
 )
+from ..sources.object_reader import reader_for
 from ..version import __version__
 from .load import layout_for, stages_of
 from .output import (
@@ -38,6 +39,7 @@ from .output import (
     stamp_sources,
     write_error,
 )
+from .reshard import RECORD_KEY, source_record, write_shards
 from .writer import OutputFile, write_rank_files
 
 Progress = Callable[[int, str], None]
@@ -91,10 +93,15 @@ def convert(
     out = as_path(out_dir, "out_dir")
     checkpoint = open_checkpoint(model)
     stamps = stamp_sources(checkpoint.files)
-    if checkpoint.kind == "converted":
-        raise ShardloadError("already a converted directory; convert the source checkpoint", file=checkpoint.name)
-    info = shard_info_for(checkpoint, shard_info)
     layout = layout_for(num_shards, mesh, None)
+    if checkpoint.kind == "converted":  # another N (or the same): read out of its rank files
+        if shard_info is not None:
+            raise ShardloadError(
+                "a converted directory carries its own shard_info; do not pass one", file=checkpoint.name
+            )
+        done = write_shards(checkpoint, layout, out, overwrite=overwrite, fsync=fsync, progress=progress)
+        return ConvertResult(out, done.plan, done.rank_files, done.other_files, layout)
+    info = shard_info_for(checkpoint, shard_info)
     plan = build_plan(info, checkpoint, layout.tp)
     if checkpoint.presharded is not None:
         raise ShardloadError(
@@ -120,6 +127,8 @@ def convert(
                 "shard_info": plan.resolved_shard_info(),
                 "source": {"files": [{"path": f.name, "size": st[2]} for f, st in stamps]},
             }
+            with reader_for(checkpoint.path) as reader:
+                manifest[RECORD_KEY] = source_record(plan, info, reader)
             others = publish_with_manifest(staging, checkpoint.root, stamps, rank_files, manifest, durable)
     except OSError as err:
         raise write_error(err, out) from None

@@ -21,6 +21,7 @@ from ..sources.object_reader import reader_for
 from ..sources.objects import ObjectPath
 from ..sources.reader import RunReader
 from .devices import resolve_device
+from .reshard import load_ranks, needs_reshard
 from .transfer import Transfer, plan_reader
 from .verify import rank_file
 
@@ -92,6 +93,8 @@ def load(
     if checkpoint.kind == "converted":
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
+        if needs_reshard(checkpoint, layout):  # converted for another N: each rank reads its boxes of the old files
+            return load_ranks(checkpoint, layout, range(world), devices, verify=verify)
         return [load_rank(model, r, layout.tp, devices[r], mesh=layout, verify=verify) for r in range(world)]
     if checkpoint.presharded is not None:
         return [
@@ -294,6 +297,14 @@ def load_rank(
     if checkpoint.kind == "converted":
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
+        if needs_reshard(checkpoint, layout):  # converted for another N: this rank reads its boxes of the old files
+            if shared or mmap:
+                raise ShardloadError(
+                    f"was converted for num_shards={checkpoint.manifest['num_shards']}: loading it for {layout} reads "
+                    "boxes of several rank files, without share_reads or mmap",
+                    file=str(model),
+                )
+            return load_ranks(checkpoint, layout, [rank], [device], verify=verify)[0]
         if shared:
             return _load_converted_shared(checkpoint, layout, coord, device, verify, group, call)
         return _load_converted_rank(checkpoint, layout, coord, device, verify, mmap)

@@ -1,0 +1,368 @@
+"""Converted directories as a source for any N: each new rank reads only its boxes, out of the old rank files.
+
+``convert`` records in the manifest how the directory was planned (:func:`source_record`: the shard_info as given,
+every stored tensor's shape and dtype, and the values of the few small tensors a compute step rewrites). From it
+the old plan (N_old) and the new plan (any N the shard_info allows) are rebuilt over the same stored tensors, and
+:mod:`shardload.planning.reshard` intersects their boxes. Every old rank file is checked (present, its size, the
+rank its header names, each tensor's shape and dtype against the old plan) before a byte of data is read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from math import prod
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import CheckpointError, PlanError, ShardloadError
+from ..format.shard_info import ShardInfo
+from ..planning.mesh import Mesh, stage_plans
+from ..planning.plan import ModelPlan, ParamPlan, build_plan
+from ..planning.reshard import OldPart, boxes_copyable, old_parts, whole
+from ..planning.runs import box_runs
+from ..sources.checkpoint import (
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    Checkpoint,
+    TensorInfo,
+    manifest_stages,
+    rank_file_name,
+    read_header,
+)
+from ..sources.dtypes import DTYPES, itemsize, to_torch
+from ..sources.object_reader import reader_for
+from .verify import check_entry
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..sources.reader import RunReader
+    from .writer import OutputFile
+
+RECORD_KEY = "source_plan"
+"""The manifest key of a converted directory's source record."""
+VALUE_BYTES = 4096
+"""A stored tensor a compute step rewrites is recorded whole in the manifest up to this size (a ``weight_shape``)."""
+
+
+def source_record(plan: ModelPlan, shard_info: ShardInfo, reader: RunReader) -> dict[str, Any] | None:
+    """What a converted directory needs to be planned again for another N: the shard_info as given, each stored
+    tensor's dtype and shape, and the bytes of small tensors a compute step rewrites. None when the shard_info
+    cannot be written as JSON (a step given as a Python object)."""
+    try:
+        doc = json.loads(json.dumps(shard_info.to_dict()))
+    except (TypeError, ValueError):
+        return None
+    tensors = {name: [p.source.logical_dtype, list(p.source.shape)] for name, p in plan.params.items()}
+    values: dict[str, str] = {}
+    for name, p in plan.params.items():
+        if not boxes_copyable(p) and p.source.nbytes <= VALUE_BYTES and p.source.decode is None:
+            values[name] = bytes(reader.tensor(p.source).view(-1).view(_u8()).numpy()).hex()
+    return {"shard_info": doc, "tensors": tensors, "values": values}
+
+
+def _u8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def needs_reshard(checkpoint: Checkpoint, layout: Mesh) -> bool:
+    """Whether a converted directory was written for another layout than ``layout`` (tp, pp, layers per stage)."""
+    manifest = checkpoint.manifest or {}
+    stored_layers = (manifest.get("mesh") or {}).get("pp_layers")
+    same_layers = layout.pp_layers is None or list(layout.pp_layers) == stored_layers
+    return manifest.get("num_shards") != layout.tp or manifest_stages(manifest) != layout.pp or not same_layers
+
+
+@dataclass
+class ShardsSource:
+    """A converted directory opened as a source: its old plan, every old rank file's header, checked."""
+
+    checkpoint: Checkpoint
+    shard_info: ShardInfo
+    stored: Checkpoint
+    """The stored tensors the directory was planned from (shapes and dtypes only: no file is behind them)."""
+    old: ModelPlan
+    old_layout: Mesh
+    files: dict[tuple[int, int], Path]
+    headers: dict[tuple[int, int], dict[str, TensorInfo]]
+    holder: dict[str, int]
+    """Parameter name -> the old pipeline stage whose files it is read from."""
+    values: dict[str, bytes]
+    _parts: dict[Any, list[OldPart]] = field(default_factory=dict, repr=False)
+
+    @property
+    def name(self) -> str:
+        return str(self.checkpoint.root)
+
+    def plan(self, layout: Mesh) -> list[ModelPlan]:
+        """The new plan for ``layout``, one per pipeline stage (refused in one line when the shard_info does not
+        allow its tp)."""
+        if layout.pp_layers is not None or layout.pp > 1:
+            plan = build_plan(self.shard_info, self.stored, layout.tp)
+            return stage_plans(plan, layout)
+        return [build_plan(self.shard_info, self.stored, layout.tp)]
+
+    def parts(self, new: ParamPlan, rank: int) -> list[OldPart]:
+        """The boxes of old rank tensors that make ``rank``'s tensor of ``new`` (shared by equal structures)."""
+        old = self.old.params[new.name]
+        key = (_steps_key(old), _steps_key(new), new.source.shape, rank)
+        if key not in self._parts:
+            self._parts[key] = old_parts(old, [p for p in new.pieces(rank) or () if all(b > a for a, b in p.src)])
+        return self._parts[key]
+
+    def tensor(self, new: ParamPlan, rank: int, reader: RunReader) -> torch.Tensor:
+        """``rank``'s tensor of ``new`` on the CPU, read out of the old rank files (padding written as zeros)."""
+        import torch
+
+        from .steps import run_steps
+
+        old = self.old.params[new.name]
+        if boxes_copyable(new) and boxes_copyable(old):
+            dest = torch.empty(new.shape, dtype=to_torch(new.dtype))
+            for box in new.zeros(rank):
+                dest[tuple(slice(a, b) for a, b in box)] = 0
+            self._read(new.name, self.parts(new, rank), dest, reader)
+            return dest
+        return run_steps(new, self._stored_tensor(old, reader))[rank].contiguous()
+
+    def _stored_tensor(self, old: ParamPlan, reader: RunReader) -> torch.Tensor:
+        """The whole stored tensor of ``old``: rebuilt from the old ranks' boxes, or from the manifest's record."""
+        import torch
+
+        info = old.source
+        if boxes_copyable(old):
+            dest = torch.empty(info.shape, dtype=to_torch(info.dtype))
+            self._read(old.name, old_parts(old, whole(old)), dest, reader)
+            return dest
+        raw = self.values.get(old.name)
+        if raw is None or len(raw) != info.nbytes:
+            funcs = ", ".join(s.name for s in old.steps if not s.func.remap) or "a dtype change"
+            raise PlanError(
+                f"its num_shards={old.num_shards} files hold the result of a compute step ({funcs}), which cannot be "
+                "undone, and the manifest does not record the stored tensor; convert the source checkpoint",
+                file=self.name, param=old.name,
+            )  # fmt: skip
+        return torch.frombuffer(bytearray(raw), dtype=to_torch(info.dtype)).reshape(info.shape).clone()
+
+    def _read(self, name: str, parts: Sequence[OldPart], dest: torch.Tensor, reader: RunReader) -> None:
+        """Read ``parts`` of the old rank files into ``dest`` (a contiguous CPU tensor), one run list per file."""
+        size = dest.element_size()
+        stage = self.holder[name]
+        by_rank: dict[int, list[OldPart]] = {}
+        for part in parts:
+            by_rank.setdefault(part.rank, []).append(part)
+        for rank, group in sorted(by_rank.items()):
+            info = self.headers[(stage, rank)][name]
+            srcs, dsts, lengths = [], [], []
+            for part in group:
+                src, dst, run = box_runs(info.shape, part.src, tuple(dest.shape), part.dst)
+                srcs.append(src * size + info.offset)
+                dsts.append(dst * size)
+                lengths.append(np.full(len(src), run * size, dtype=np.int64))
+            src, dst, length = (np.concatenate(x) for x in (srcs, dsts, lengths))
+            order = np.argsort(src, kind="stable")
+            buf = np.zeros(len(src), dtype=np.int64)
+            reader.read_runs(info.file, src[order], length[order], buf, dst[order], [dest])
+
+
+def _steps_key(plan: ParamPlan) -> tuple[object, ...]:
+    return tuple((s.name, repr(s.args), s.in_shape, s.in_dtype) for s in plan.steps)
+
+
+def open_shards(checkpoint: Checkpoint, *, verify: bool = False) -> ShardsSource:
+    """Open converted directory ``checkpoint`` as a source for another N: its record, its old plan, and every rank
+    file checked against the manifest (present, size, the rank its header names, and with ``verify`` its sha256)
+    and against the old plan (each tensor's shape and dtype), before any tensor byte is read."""
+    manifest = checkpoint.manifest or {}
+    where = str(checkpoint.root / MANIFEST_NAME)
+    n_old = manifest["num_shards"]
+    record = manifest.get(RECORD_KEY)
+    if not isinstance(record, dict):
+        raise CheckpointError(
+            f"was converted for num_shards={n_old} without a source record (an older shardload, or a shard_info "
+            "that is not JSON); load it with that N, or convert the source checkpoint",
+            file=where,
+        )
+    info, stored, values = _read_record(record, checkpoint, where)
+    try:
+        old = build_plan(info, stored, n_old)
+    except ShardloadError as err:
+        raise CheckpointError(f"its source record does not plan for its own num_shards={n_old}: {err}",
+                              file=where) from None  # fmt: skip
+    if old.resolved_shard_info()["params"] != manifest["shard_info"].get("params"):
+        raise CheckpointError("its source record disagrees with its shard_info", file=where)
+    mesh = manifest.get("mesh")
+    old_layout = Mesh(pp=mesh["pp"], tp=n_old, pp_layers=tuple(mesh["pp_layers"])) if mesh else Mesh(tp=n_old)
+    stages = manifest_stages(manifest)
+    entries = {e["path"]: e for e in manifest["files"]}
+    files: dict[tuple[int, int], Path] = {}
+    headers: dict[tuple[int, int], dict[str, TensorInfo]] = {}
+    for s in range(stages):
+        for r in range(n_old):
+            path, problem = check_entry(checkpoint.root, entries[rank_file_name(r, n_old, s, stages)], verify)
+            if problem is not None:
+                raise problem
+            files[(s, r)] = path
+            headers[(s, r)] = read_header(path)
+    holder = _check_headers(old, headers, stages, n_old)
+    return ShardsSource(checkpoint, info, stored, old, old_layout, files, headers, holder, values)
+
+
+def _read_record(
+    record: dict[str, Any], checkpoint: Checkpoint, where: str
+) -> tuple[ShardInfo, Checkpoint, dict[str, bytes]]:
+    """The shard_info, the stored tensors (as a header-only checkpoint) and the recorded values of a source record."""
+
+    def bad(reason: str) -> CheckpointError:
+        return CheckpointError(f"inconsistent manifest: '{RECORD_KEY}' {reason}", file=where)
+
+    tensors, values = record.get("tensors"), record.get("values", {})
+    if not isinstance(tensors, dict) or not isinstance(values, dict):
+        raise bad("needs a 'tensors' object and a 'values' object")
+    info = ShardInfo.from_dict(record.get("shard_info"), source=f"{where}: {RECORD_KEY}")
+    stored: dict[str, TensorInfo] = {}
+    nowhere = checkpoint.root / "<stored tensors>"
+    for name, entry in tensors.items():
+        ok = isinstance(entry, list) and len(entry) == 2 and entry[0] in DTYPES and isinstance(entry[1], list)
+        if not ok or not all(type(d) is int and d >= 0 for d in entry[1]):
+            raise CheckpointError(f"inconsistent manifest: bad stored tensor entry {entry!r}", file=where, param=name)
+        shape = tuple(entry[1])
+        stored[name] = TensorInfo(name, entry[0], shape, nowhere, 0, prod(shape) * itemsize(entry[0]))
+    raw: dict[str, bytes] = {}
+    for name, text in values.items():
+        try:
+            raw[name] = bytes.fromhex(text)
+        except (TypeError, ValueError):
+            raise CheckpointError(
+                "inconsistent manifest: a recorded value is not hex", file=where, param=name
+            ) from None
+    return info, Checkpoint(checkpoint.root, checkpoint.root, "safetensors", stored), raw
+
+
+def _check_headers(
+    old: ModelPlan, headers: dict[tuple[int, int], dict[str, TensorInfo]], stages: int, n_old: int
+) -> dict[str, int]:
+    """Every old rank file must hold its stage's tensors, each of the old plan's shape and dtype; returns the
+    stage each parameter is read from."""
+    holder: dict[str, int] = {}
+    for s in range(stages):
+        names = set(headers[(s, 0)])
+        for r in range(n_old):
+            found = headers[(s, r)]
+            for name, info in found.items():
+                want = old.params.get(name)
+                if want is None:
+                    raise CheckpointError("is no parameter of the directory's plan", file=str(info.file), param=name)
+                if (info.shape, info.dtype) != (tuple(want.shape), want.dtype):
+                    raise CheckpointError(
+                        f"is {info.dtype} {list(info.shape)}, but the manifest's plan gives rank {r} "
+                        f"{want.dtype} {list(want.shape)}",
+                        file=str(info.file), param=name,
+                    )  # fmt: skip
+            if set(found) != names:
+                other = sorted(names ^ set(found))[0]
+                raise CheckpointError(
+                    f"rank files of one stage hold different tensors ({other!r} is in one, not the other)",
+                    file=str(next(iter(found.values())).file if found else rank_file_name(r, n_old, s, stages)),
+                )
+            for name in found:
+                holder.setdefault(name, s)
+    missing = [name for name in old.params if name not in holder]
+    if missing:
+        raise CheckpointError("is held by no rank file", file=str(old.checkpoint.root if old.checkpoint else ""),
+                              param=missing[0])  # fmt: skip
+    return holder
+
+
+def load_ranks(
+    checkpoint: Checkpoint, layout: Mesh, ranks: Sequence[int], devices: Sequence[Any], *, verify: bool = False
+) -> list[dict[str, torch.Tensor]]:
+    """Global ranks ``ranks`` of ``layout`` (rank ``ranks[k]`` on ``devices[k]``), read out of a directory converted
+    for another layout; each rank reads only the boxes it needs."""
+    source = open_shards(checkpoint, verify=verify)
+    stages = source.plan(layout)
+    out: list[dict[str, torch.Tensor]] = []
+    with reader_for(checkpoint.path) as reader:
+        for rank, device in zip(ranks, devices, strict=True):
+            coord = layout.coord(rank)
+            state = {}
+            for param in stages[coord.pp].params.values():
+                state[param.name] = source.tensor(param, coord.tp, reader).to(device)
+            out.append(state)
+    return out
+
+
+@dataclass(frozen=True)
+class Written:
+    """What :func:`write_shards` wrote: the new plan, the rank files, the other files."""
+
+    plan: ModelPlan
+    rank_files: list[OutputFile]
+    other_files: list[OutputFile]
+
+
+def write_shards(
+    checkpoint: Checkpoint,
+    layout: Mesh,
+    out: Path,
+    *,
+    overwrite: bool,
+    fsync: bool | None,
+    progress: Any = None,
+) -> Written:
+    """Write a directory converted for another layout as one converted for ``layout``, streamed one tensor at a
+    time; everything is planned and every old file checked before the output is created."""
+    from ..version import __version__
+    from .output import Staging, check_output, publish_with_manifest, stamp_sources, write_error
+    from .writer import OutFile, file_order, rank_header
+
+    source = open_shards(checkpoint)
+    stages = source.plan(layout)
+    files = sorted(set(source.files.values()))
+    stamps = stamp_sources(files)
+    exists = check_output(out, [*files, checkpoint.root / MANIFEST_NAME], overwrite=overwrite)
+    durable = exists if fsync is None else fsync
+    record = dict((checkpoint.manifest or {})[RECORD_KEY])
+    written: list[OutputFile] = []
+    try:
+        with Staging(out, fsync, synced=durable, overwrite=overwrite) as staging, reader_for(checkpoint.path) as reader:
+            for pp, plan in enumerate(stages):
+                for r in range(layout.tp):
+                    handle = OutFile(staging.dir / rank_file_name(r, layout.tp, pp, len(stages)), durable=durable)
+                    try:
+                        handle.write(rank_header(plan, r, pp, len(stages)))
+                        for param in file_order(plan):
+                            t = source.tensor(param, r, reader)
+                            if t.numel():
+                                handle.write(t.view(-1).view(_u8()).numpy().data)
+                            if progress is not None:
+                                progress(0, param.name)
+                        written.append(handle.finish())
+                    finally:
+                        handle.close()
+            mesh = None
+            if layout.pp > 1:
+                counts = [len(s.layers) if s.layers is not None else 0 for s in stages]
+                mesh = {"pp": layout.pp, "tp": layout.tp, "pp_layers": counts}
+            manifest = {
+                "format": MANIFEST_FORMAT,
+                "version": MANIFEST_VERSION,
+                "shardload_version": __version__,
+                "num_shards": layout.tp,
+                "mesh": mesh,
+                "shard_info": build_plan(source.shard_info, source.stored, layout.tp).resolved_shard_info(),
+                "source": {"files": [{"path": f.name, "size": f.stat().st_size} for f in files]},
+                RECORD_KEY: record,
+            }
+            others = publish_with_manifest(staging, checkpoint.root, stamps, written, manifest, durable)
+    except OSError as err:
+        raise write_error(err, out) from None
+    whole_plan = build_plan(source.shard_info, source.stored, layout.tp)
+    return Written(whole_plan, written, others)
