@@ -140,7 +140,7 @@ def test_replicated_kv_heads_are_read_once(models: dict[str, Model]) -> None:
     assert seen.bytes == own_bytes(got)
 
 
-def test_convert_and_inspect_from_shards(models: dict[str, Model], tmp_path: Path) -> None:
+def test_convert_from_shards(models: dict[str, Model], tmp_path: Path) -> None:
     """``convert OUT4 -n 2`` writes what converting the original for 2 writes; the result reshards again."""
     model = models["qwen2"]
     out4 = model.converted(4)
@@ -157,6 +157,20 @@ def test_convert_and_inspect_from_shards(models: dict[str, Model], tmp_path: Pat
     assert not isinstance(want, ShardloadError)
     for r in range(4):
         assert_equal(shardload.load_rank(tmp_path / "o2", r, 4), want[r], f"4 -> 2 -> 4 rank {r}")
+
+
+def test_inspect_shards_as_the_original(models: dict[str, Model]) -> None:
+    """``inspect OUT8 -n 2`` reports the plan ``inspect MODEL -n 2`` does; an N the model refuses is one line."""
+    model = models["mixtral"]
+    out = model.converted(4)
+    assert out is not None
+    runner = CliRunner()
+    direct = runner.invoke(main, ["inspect", str(model.path), "-n", "2", "--json"])
+    shards = runner.invoke(main, ["inspect", str(out), "-n", "2", "--json"])
+    assert shards.exit_code == 0 and direct.exit_code == 0, shards.output
+    assert json.loads(shards.stdout) == json.loads(direct.stdout)
+    refused = runner.invoke(main, ["inspect", str(out), "-n", "3"])
+    assert refused.exit_code == 1 and refused.stderr.count("\n") == 2, refused.stderr  # the note, the error
 
 
 def test_mesh_stages_to_any_mesh(models: dict[str, Model], tmp_path: Path) -> None:

@@ -226,7 +226,7 @@ def _read_record(
     tensors, values = record.get("tensors"), record.get("values", {})
     if not isinstance(tensors, dict) or not isinstance(values, dict):
         raise bad("needs a 'tensors' object and a 'values' object")
-    info = ShardInfo.from_dict(record.get("shard_info"), source=f"{where}: {RECORD_KEY}")
+    info = ShardInfo.from_dict(record.get("shard_info"), source=f"<{RECORD_KEY} of {where}>")
     stored: dict[str, TensorInfo] = {}
     nowhere = checkpoint.root / "<stored tensors>"
     for name, entry in tensors.items():
