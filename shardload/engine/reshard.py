@@ -36,6 +36,7 @@ from ..sources.checkpoint import (
 )
 from ..sources.dtypes import DTYPES, itemsize, to_torch
 from ..sources.object_reader import reader_for
+from ..sources.reader import Reader
 from .verify import check_entry
 
 if TYPE_CHECKING:
@@ -155,6 +156,7 @@ class ShardsSource:
         """Read ``parts`` of the old rank files into ``dest`` (a contiguous CPU tensor), one run list per file."""
         size = dest.element_size()
         stage = self.holder[name]
+        populate = {"populate": True} if isinstance(reader, Reader) else {}  # map dest's pages in one call
         by_rank: dict[int, list[OldPart]] = {}
         for part in parts:
             by_rank.setdefault(part.rank, []).append(part)
@@ -169,7 +171,7 @@ class ShardsSource:
             src, dst, length = (np.concatenate(x) for x in (srcs, dsts, lengths))
             order = np.argsort(src, kind="stable")
             buf = np.zeros(len(src), dtype=np.int64)
-            reader.read_runs(info.file, src[order], length[order], buf, dst[order], [dest])
+            reader.read_runs(info.file, src[order], length[order], buf, dst[order], [dest], **populate)
 
 
 def _steps_key(plan: ParamPlan) -> tuple[object, ...]:
