@@ -10,7 +10,7 @@ rank its header names, each tensor's shape and dtype against the old plan) befor
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
@@ -36,7 +36,7 @@ from ..sources.checkpoint import (
 )
 from ..sources.dtypes import DTYPES, itemsize, to_torch
 from ..sources.object_reader import reader_for
-from ..sources.reader import Reader
+from ..sources.reader import FileMaps, Reader, count_mapped
 from .verify import check_entry
 
 if TYPE_CHECKING:
@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 
 RECORD_KEY = "source_plan"
 """The manifest key of a converted directory's source record."""
+SHORT_RUN = 16 << 10
+"""Parts whose rows average less than this are copied out of a mapping of the old file, not read row by row."""
 VALUE_BYTES = 4096
 """A stored tensor a compute step rewrites is recorded whole in the manifest up to this size (a ``weight_shape``)."""
 
@@ -97,6 +99,7 @@ class ShardsSource:
     """Parameter name -> the old pipeline stage whose files it is read from."""
     values: dict[str, bytes]
     _parts: dict[Any, list[OldPart]] = field(default_factory=dict, repr=False)
+    _maps: FileMaps = field(default_factory=FileMaps, repr=False)
 
     @property
     def name(self) -> str:
@@ -157,21 +160,112 @@ class ShardsSource:
         size = dest.element_size()
         stage = self.holder[name]
         populate = {"populate": True} if isinstance(reader, Reader) else {}  # map dest's pages in one call
+        maps = self._maps if isinstance(reader, Reader) and reader.can_map else None
         by_rank: dict[int, list[OldPart]] = {}
         for part in parts:
             by_rank.setdefault(part.rank, []).append(part)
         for rank, group in sorted(by_rank.items()):
             info = self.headers[(stage, rank)][name]
+            if maps is not None and _copy_mapped(maps, info, group, dest):  # many short runs: copies from a map
+                continue
             srcs, dsts, lengths = [], [], []
             for part in group:
                 src, dst, run = box_runs(info.shape, part.src, tuple(dest.shape), part.dst)
+                if len(src) > 1 and _contiguous(info.shape, part.src):  # one run in the file, many in dest
+                    _gather(reader, info, part, dest, **populate)
+                    continue
                 srcs.append(src * size + info.offset)
                 dsts.append(dst * size)
                 lengths.append(np.full(len(src), run * size, dtype=np.int64))
+            if not srcs:
+                continue
             src, dst, length = (np.concatenate(x) for x in (srcs, dsts, lengths))
             order = np.argsort(src, kind="stable")
             buf = np.zeros(len(src), dtype=np.int64)
             reader.read_runs(info.file, src[order], length[order], buf, dst[order], [dest], **populate)
+
+
+def _copy_mapped(maps: FileMaps, info: TensorInfo, parts: Sequence[OldPart], dest: torch.Tensor) -> bool:
+    """Copy ``parts`` of old tensor ``info`` into ``dest`` out of a read-only mapping of its file, counted as read,
+    when they are many short rows (a column slice: one ``preadv`` iovec per row costs more); False otherwise, or
+    when the file cannot be mapped."""
+    size = dest.element_size()
+    rows = sum(prod(b - a for a, b in p.src) // max(1, _row(info.shape, p.src)) for p in parts)
+    nbytes = sum(prod(b - a for a, b in p.src) for p in parts) * size
+    if rows < 2 or nbytes >= SHORT_RUN * rows:
+        return False
+    raw = maps.array(info.file)
+    if raw is None or info.offset % size or info.offset + info.nbytes > len(raw):
+        return False
+    old = raw[info.offset : info.offset + info.nbytes].view(_words(dest).dtype).reshape(info.shape)
+    out = _words(dest)
+    for part in parts:
+        target = out[tuple(slice(a, b) for a, b in part.dst)]
+        np.copyto(target, old[tuple(slice(a, b) for a, b in part.src)].reshape(target.shape))
+    count_mapped(info.file, nbytes)
+    return True
+
+
+def _row(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> int:
+    """Elements per contiguous run of ``box`` in a row-major tensor of ``shape``."""
+    run = 1
+    for (a, b), n in zip(reversed(box), reversed(shape), strict=True):
+        run *= b - a
+        if b - a != n:
+            break
+    return run
+
+
+def _contiguous(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> bool:
+    """Whether ``box`` is one contiguous stretch of a row-major tensor of ``shape``."""
+    inner = False  # once a dim is cut, every dim before it must have extent 1
+    for (a, b), n in zip(reversed(box), reversed(shape), strict=True):
+        if inner and b - a != 1:
+            return False
+        if b - a != n:
+            inner = True
+    return True
+
+
+def _gather(reader: RunReader, info: TensorInfo, part: OldPart, dest: torch.Tensor, populate: bool = False) -> None:
+    """Read ``part`` (one contiguous stretch of old tensor ``info``) with one read, then copy it into its strided
+    place in ``dest`` (one system call instead of one per row)."""
+    import torch
+
+    target = dest[tuple(slice(a, b) for a, b in part.dst)]
+    scratch = torch.empty(target.numel(), dtype=dest.dtype)
+    start = (
+        info.offset
+        + sum(a * st for (a, _), st in zip(part.src, _strides(info.shape), strict=True)) * dest.element_size()
+    )
+    reader.read_tensor(info.file, start, scratch)
+    np.copyto(_words(target), _words(scratch).reshape(target.shape))
+
+
+def _words(t: torch.Tensor) -> np.ndarray:
+    """``t``'s elements as a numpy array of same-size integers (no copy; numpy has no bfloat16): numpy's strided
+    copies beat torch's here, whose intra-op threads contend with the readers."""
+    return t.view(_INT[t.element_size()]()).numpy()
+
+
+def _int(bits: int) -> Callable[[], Any]:
+    def pick() -> Any:
+        import torch
+
+        return getattr(torch, f"int{bits}")
+
+    return pick
+
+
+_INT = {1: _int(8), 2: _int(16), 4: _int(32), 8: _int(64)}
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return out[::-1]
 
 
 def _steps_key(plan: ParamPlan) -> tuple[object, ...]:
