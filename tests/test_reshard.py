@@ -270,3 +270,58 @@ def test_refusals_are_checkpoint_errors(models: dict[str, Model]) -> None:
     assert out is not None
     with pytest.raises(CheckpointError, match="rank 3 is out of range for num_shards=3"):
         shardload.load_rank(out, 3, 3)
+
+
+# --- a TVM/MLC cache pre-sharded for one N ------------------------------------------------------------
+
+TVM_PLAN = {
+    "version": 1,
+    "num_shards": None,
+    "params": {
+        "param_0": [["shard_funcs.shard_dim", [None, "float16"], 0, "num_shards"]],
+        "param_1": [["shard_funcs.shard_dim", [None, "float32"], 1, "num_shards"]],
+    },
+}
+
+
+def test_presharded_cache_to_any_n(tmp_path: Path) -> None:
+    """A cache cut 2 ways (records ``NAME_shard-K-of-2``) and the shard_info saying how: any N, each rank its own
+    bytes, equal to splitting the whole parameters; then converted for 4 and loaded for 8 from that."""
+    pytest.importorskip("tvm")
+    import numpy as np
+    from test_tvm_cache import _presharded
+
+    path, split = _presharded(tmp_path, 2)
+    whole = {"param_0": np.concatenate(split["param_0"], 0), "param_1": np.concatenate(split["param_1"], 1)}
+
+    def want(n: int, r: int) -> dict[str, np.ndarray]:
+        return {"param_0": np.split(whole["param_0"], n, 0)[r], "param_1": np.split(whole["param_1"], n, 1)[r]}
+
+    for n in (1, 4, 8):
+        for r in range(n):
+            with count_reads() as seen:
+                got = shardload.load_rank(path, r, n, shard_info=TVM_PLAN)
+            for name, array in want(n, r).items():
+                assert np.array_equal(got[name].numpy(), array), (n, r, name)
+            assert got["norm"].numel() == 16 and seen.bytes == own_bytes(got)
+    shardload.convert(path, 4, tmp_path / "tp4", shard_info=TVM_PLAN)
+    assert shardload.verify_dir(tmp_path / "tp4").ok
+    got = shardload.load(tmp_path / "tp4", 8, devices=["cpu"] * 8)
+    for r in range(8):
+        for name, array in want(8, r).items():
+            assert np.array_equal(got[r][name].numpy(), array), (r, name)
+
+
+def test_presharded_cache_needs_its_plan(tmp_path: Path) -> None:
+    """Without a shard_info (how was it cut?), or with one that two whole shapes satisfy, one line."""
+    pytest.importorskip("tvm")
+    from test_tvm_cache import _presharded
+
+    path, _ = _presharded(tmp_path, 2)
+    with pytest.raises(ShardloadError, match="param_0: is pre-sharded for num_shards=2; loading it for another N"):
+        shardload.load_rank(path, 0, 4)
+    replicate = {"version": 1, "num_shards": None, "params": {
+        **TVM_PLAN["params"], "param_0": [["shard_funcs.replicate", [None, "float16"], "num_shards"]]}}  # fmt: skip
+    with pytest.raises(ShardloadError, match="param_0: cannot tell the whole shape") as err:
+        shardload.convert(path, 4, tmp_path / "out", shard_info=replicate)
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()

@@ -39,7 +39,7 @@ from .output import (
     stamp_sources,
     write_error,
 )
-from .reshard import RECORD_KEY, source_record, write_shards
+from .reshard import RECORD_KEY, open_presharded, open_shards, source_record, write_shards
 from .writer import OutputFile, write_rank_files
 
 Progress = Callable[[int, str], None]
@@ -99,9 +99,13 @@ def convert(
             raise ShardloadError(
                 "a converted directory carries its own shard_info; do not pass one", file=checkpoint.name
             )
-        done = write_shards(checkpoint, layout, out, overwrite=overwrite, fsync=fsync, progress=progress)
+        done = write_shards(open_shards(checkpoint), layout, out, overwrite=overwrite, fsync=fsync, progress=progress)
         return ConvertResult(out, done.plan, done.rank_files, done.other_files, layout)
     info = shard_info_for(checkpoint, shard_info)
+    if checkpoint.presharded is not None and checkpoint.presharded != layout.tp:  # cut for another N: reshard
+        source = open_presharded(checkpoint, info)
+        done = write_shards(source, layout, out, overwrite=overwrite, fsync=fsync, progress=progress)
+        return ConvertResult(out, done.plan, done.rank_files, done.other_files, layout)
     plan = build_plan(info, checkpoint, layout.tp)
     if checkpoint.presharded is not None:
         raise ShardloadError(

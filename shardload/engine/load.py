@@ -21,7 +21,7 @@ from ..sources.object_reader import reader_for
 from ..sources.objects import ObjectPath
 from ..sources.reader import RunReader
 from .devices import resolve_device
-from .reshard import load_ranks, needs_reshard
+from .reshard import load_ranks, needs_reshard, open_presharded, open_shards
 from .transfer import Transfer, plan_reader
 from .verify import rank_file
 
@@ -94,8 +94,11 @@ def load(
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
         if needs_reshard(checkpoint, layout):  # converted for another N: each rank reads its boxes of the old files
-            return load_ranks(checkpoint, layout, range(world), devices, verify=verify)
+            return load_ranks(open_shards(checkpoint, verify=verify), layout, range(world), devices)
         return [load_rank(model, r, layout.tp, devices[r], mesh=layout, verify=verify) for r in range(world)]
+    if checkpoint.presharded is not None and checkpoint.presharded != layout.tp:  # cut for another N: reshard
+        return load_ranks(open_presharded(checkpoint, shard_info_for(checkpoint, shard_info)), layout, range(world),
+                          devices)  # fmt: skip
     if checkpoint.presharded is not None:
         return [
             _load_presharded_rank(checkpoint, shard_info, layout, layout.coord(r), devices[r], False)
@@ -304,7 +307,7 @@ def load_rank(
                     "boxes of several rank files, without share_reads or mmap",
                     file=str(model),
                 )
-            return load_ranks(checkpoint, layout, [rank], [device], verify=verify)[0]
+            return load_ranks(open_shards(checkpoint, verify=verify), layout, [rank], [device])[0]
         if shared:
             return _load_converted_shared(checkpoint, layout, coord, device, verify, group, call)
         return _load_converted_rank(checkpoint, layout, coord, device, verify, mmap)
@@ -415,6 +418,15 @@ def _load_presharded_rank(
 ) -> dict[str, torch.Tensor]:
     """A rank of a source stored already split (a pre-sharded TVM cache): its own part of each split parameter,
     and every tensor stored whole."""
+    if checkpoint.presharded != layout.tp:  # cut for another N: this rank's boxes of the records
+        if mmap:
+            raise ShardloadError(
+                f"is pre-sharded for num_shards={checkpoint.presharded}: loading it for {layout} reads boxes of "
+                "several records, without mmap",
+                file=checkpoint.name,
+            )
+        source = open_presharded(checkpoint, shard_info_for(checkpoint, shard_info))
+        return load_ranks(source, layout, [layout.rank(coord.dp, coord.pp, coord.tp)], [device])[0]
     build_plan(shard_info_for(checkpoint, shard_info), checkpoint, layout.tp)  # checks N and the steps
     if layout.pp != 1:
         raise ShardloadError("pipeline stages of a pre-sharded checkpoint are not supported", file=checkpoint.name)

@@ -10,7 +10,7 @@ rank its header names, each tensor's shape and dtype against the old plan) befor
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from .writer import OutputFile
 
 RECORD_KEY = "source_plan"
+STORED = "<stored tensors>"
+"""The file name of a stored tensor known by its shape and dtype only (no file is behind it)."""
 """The manifest key of a converted directory's source record."""
 SHORT_RUN = 16 << 10
 """Parts whose rows average less than this are copied out of a mapping of the old file, not read row by row."""
@@ -94,10 +96,13 @@ class ShardsSource:
     old: ModelPlan
     old_layout: Mesh
     files: dict[tuple[int, int], Path]
+    """The old rank files by (stage, rank) (empty for a pre-sharded cache, whose records share files)."""
     headers: dict[tuple[int, int], dict[str, TensorInfo]]
     holder: dict[str, int]
     """Parameter name -> the old pipeline stage whose files it is read from."""
     values: dict[str, bytes]
+    extra_files: list[Path] = field(default_factory=list)
+    """Files of the source besides ``files`` that an output may not overwrite (its manifest, its cache table)."""
     _parts: dict[Any, list[OldPart]] = field(default_factory=dict, repr=False)
     _maps: FileMaps = field(default_factory=FileMaps, repr=False)
 
@@ -141,6 +146,8 @@ class ShardsSource:
         import torch
 
         info = old.source
+        if old.replicated and info.file.name != STORED:  # stored whole in the source itself (a TVM cache's norm)
+            return reader.tensor(info)
         if boxes_copyable(old):
             dest = torch.empty(info.shape, dtype=to_torch(info.dtype))
             self._read(old.name, old_parts(old, whole(old)), dest, reader)
@@ -245,19 +252,14 @@ def _gather(reader: RunReader, info: TensorInfo, part: OldPart, dest: torch.Tens
 def _words(t: torch.Tensor) -> np.ndarray:
     """``t``'s elements as a numpy array of same-size integers (no copy; numpy has no bfloat16): numpy's strided
     copies beat torch's here, whose intra-op threads contend with the readers."""
-    return t.view(_INT[t.element_size()]()).numpy()
+    return t.view(_int_dtype(t.element_size())).numpy()
 
 
-def _int(bits: int) -> Callable[[], Any]:
-    def pick() -> Any:
-        import torch
+def _int_dtype(size: int) -> Any:
+    """The torch integer dtype of ``size`` bytes."""
+    import torch
 
-        return getattr(torch, f"int{bits}")
-
-    return pick
-
-
-_INT = {1: _int(8), 2: _int(16), 4: _int(32), 8: _int(64)}
+    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:
@@ -266,6 +268,13 @@ def _strides(shape: tuple[int, ...]) -> list[int]:
         out.append(acc)
         acc *= n
     return out[::-1]
+
+
+def record_of(source: ShardsSource) -> dict[str, Any]:
+    """The ``source_plan`` record of a directory written from ``source`` (so it serves any N in turn)."""
+    tensors = {name: [t.logical_dtype, list(t.shape)] for name, t in source.stored.tensors.items()}
+    values = {name: raw.hex() for name, raw in source.values.items()}
+    return {"shard_info": json.loads(json.dumps(source.shard_info.to_dict())), "tensors": tensors, "values": values}
 
 
 def _steps_key(plan: ParamPlan) -> tuple[object, ...]:
@@ -308,7 +317,8 @@ def open_shards(checkpoint: Checkpoint, *, verify: bool = False) -> ShardsSource
             files[(s, r)] = path
             headers[(s, r)] = read_header(path)
     holder = _check_headers(old, headers, stages, n_old)
-    return ShardsSource(checkpoint, info, stored, old, old_layout, files, headers, holder, values)
+    extra = [checkpoint.root / MANIFEST_NAME]
+    return ShardsSource(checkpoint, info, stored, old, old_layout, files, headers, holder, values, extra)
 
 
 def _read_record(
@@ -324,7 +334,7 @@ def _read_record(
         raise bad("needs a 'tensors' object and a 'values' object")
     info = ShardInfo.from_dict(record.get("shard_info"), source=f"<{RECORD_KEY} of {where}>")
     stored: dict[str, TensorInfo] = {}
-    nowhere = checkpoint.root / "<stored tensors>"
+    nowhere = checkpoint.root / STORED
     for name, entry in tensors.items():
         ok = isinstance(entry, list) and len(entry) == 2 and entry[0] in DTYPES and isinstance(entry[1], list)
         if not ok or not all(type(d) is int and d >= 0 for d in entry[1]):
@@ -378,14 +388,13 @@ def _check_headers(
 
 
 def load_ranks(
-    checkpoint: Checkpoint, layout: Mesh, ranks: Sequence[int], devices: Sequence[Any], *, verify: bool = False
+    source: ShardsSource, layout: Mesh, ranks: Sequence[int], devices: Sequence[Any]
 ) -> list[dict[str, torch.Tensor]]:
-    """Global ranks ``ranks`` of ``layout`` (rank ``ranks[k]`` on ``devices[k]``), read out of a directory converted
-    for another layout; each rank reads only the boxes it needs."""
-    source = open_shards(checkpoint, verify=verify)
+    """Global ranks ``ranks`` of ``layout`` (rank ``ranks[k]`` on ``devices[k]``), read out of ``source`` (a
+    directory converted for another layout, a pre-sharded cache); each rank reads only the boxes it needs."""
     stages = source.plan(layout)
     out: list[dict[str, torch.Tensor]] = []
-    with reader_for(checkpoint.path) as reader:
+    with reader_for(source.checkpoint.path) as reader:
         for rank, device in zip(ranks, devices, strict=True):
             coord = layout.coord(rank)
             state = {}
@@ -405,7 +414,7 @@ class Written:
 
 
 def write_shards(
-    checkpoint: Checkpoint,
+    source: ShardsSource,
     layout: Mesh,
     out: Path,
     *,
@@ -413,19 +422,19 @@ def write_shards(
     fsync: bool | None,
     progress: Any = None,
 ) -> Written:
-    """Write a directory converted for another layout as one converted for ``layout``, streamed one tensor at a
-    time; everything is planned and every old file checked before the output is created."""
+    """Write ``source`` (a directory converted for another layout, a pre-sharded cache) as a directory converted for
+    ``layout``, streamed one tensor at a time; everything is planned and checked before the output is created."""
     from ..version import __version__
     from .output import Staging, check_output, publish_with_manifest, stamp_sources, write_error
     from .writer import OutFile, file_order, rank_header
 
-    source = open_shards(checkpoint)
+    checkpoint = source.checkpoint
     stages = source.plan(layout)
-    files = sorted(set(source.files.values()))
+    files = sorted(set(source.files.values()) | {f for f in source.extra_files if f.name != MANIFEST_NAME})
     stamps = stamp_sources(files)
-    exists = check_output(out, [*files, checkpoint.root / MANIFEST_NAME], overwrite=overwrite)
+    exists = check_output(out, [*files, *source.extra_files], overwrite=overwrite)
     durable = exists if fsync is None else fsync
-    record = dict((checkpoint.manifest or {})[RECORD_KEY])
+    record = record_of(source)
     written: list[OutputFile] = []
     try:
         with Staging(out, fsync, synced=durable, overwrite=overwrite) as staging, reader_for(checkpoint.path) as reader:
@@ -462,3 +471,67 @@ def write_shards(
         raise write_error(err, out) from None
     whole_plan = build_plan(source.shard_info, source.stored, layout.tp)
     return Written(whole_plan, written, others)
+
+
+def open_presharded(checkpoint: Checkpoint, shard_info: ShardInfo) -> ShardsSource:
+    """A TVM/MLC cache pre-sharded for N_old (``NAME_shard-K-of-N`` records) as a source for another N:
+    ``shard_info`` says how each whole parameter splits (its form for any N); each pre-sharded parameter's whole
+    shape is the one whose plan for N_old gives exactly its records' shape."""
+    n_old = checkpoint.presharded
+    assert n_old is not None
+    where = shard_info.source
+    stored: dict[str, TensorInfo] = {}
+    for name, info in checkpoint.tensors.items():
+        if name not in checkpoint.shards:
+            stored[name] = info
+    for name, parts in checkpoint.shards.items():
+        part = parts[0]
+        if part.decode is not None:
+            raise PlanError(
+                f"its num_shards={n_old} records are stored {part.dtype} for {part.decode} ranks: resharding copies "
+                "boxes of the records as stored, so it needs records stored as the ranks hold them",
+                file=checkpoint.name, param=name,
+            )  # fmt: skip
+        stored[name] = _whole(name, shard_info, part, n_old, checkpoint)
+    virtual = Checkpoint(checkpoint.root, checkpoint.root, "safetensors", stored)
+    old_info = ShardInfo({k: v for k, v in shard_info.params.items() if k in checkpoint.shards}, source=where)
+    old = build_plan(old_info, virtual, n_old)
+    headers = {
+        (0, r): {**{n: t for n, t in checkpoint.tensors.items() if n not in checkpoint.shards},
+                 **{n: parts[r] for n, parts in checkpoint.shards.items()}}
+        for r in range(n_old)
+    }  # fmt: skip
+    holder = dict.fromkeys(stored, 0)
+    extra = sorted({t.file for t in checkpoint.tensors.values()} | set(checkpoint.files))
+    return ShardsSource(checkpoint, shard_info, virtual, old, Mesh(tp=n_old), {}, headers, holder, {}, extra)
+
+
+def _whole(name: str, shard_info: ShardInfo, part: TensorInfo, n_old: int, checkpoint: Checkpoint) -> TensorInfo:
+    """The whole stored tensor a pre-sharded parameter was cut from: the one shape (a dim of its records times
+    N_old) whose steps give each of N_old ranks exactly the records' shape and dtype."""
+    specs = shard_info.params.get(name)
+    if not specs:
+        raise PlanError(
+            f"is pre-sharded for num_shards={n_old}; loading it for another N needs a shard_info that says how the "
+            "whole parameter splits (shard_info=, or shard_info.json beside the cache)",
+            file=checkpoint.name, param=name,
+        )  # fmt: skip
+    one = ShardInfo({name: specs}, source=shard_info.source)
+    found: list[TensorInfo] = []
+    for d in range(len(part.shape)):
+        shape = tuple(n * n_old if i == d else n for i, n in enumerate(part.shape))
+        info = TensorInfo(name, part.dtype, shape, checkpoint.root / STORED, 0, prod(shape) * itemsize(part.dtype))
+        plan = build_plan(one, Checkpoint(checkpoint.root, checkpoint.root, "safetensors", {name: info}), n_old,
+                          strict=False)  # fmt: skip
+        got = plan.params.get(name)
+        if not plan.problems and got is not None and (tuple(got.shape), got.dtype) == (part.shape, part.dtype):
+            if all(f.shape != shape for f in found):
+                found.append(info)
+    if len(found) != 1:
+        shapes = " or ".join(str(list(f.shape)) for f in found) or "none"
+        raise PlanError(
+            f"cannot tell the whole shape its num_shards={n_old} records of {list(part.shape)} were cut from "
+            f"(shapes whose steps give them: {shapes})",
+            file=shard_info.source, param=name,
+        )  # fmt: skip
+    return found[0]
