@@ -46,7 +46,7 @@ Coverage, and why it is enough:
 - ``share_reads`` costs a torchrun launch (N processes importing torch), so it runs at N = 2 and N = 3 only, one
   launch each, every source in the same launch (one cell per source and N), threads rotated as above;
 - a path that does not apply to a source is a cell asserting its documented one-line refusal, with nothing
-  written: ``--layout vllm`` converts safetensors sources only (a converted directory, TVM, GGUF),
+  written: ``--layout vllm`` converts safetensors sources and converted directories only (not TVM, GGUF),
   ``mmap=True`` maps local files only (S3). A source whose package is missing skips its cells with the
   reason (never in CI, which installs them all).
 
@@ -106,7 +106,6 @@ MODELS = {
 MODEL_OF_N = {1: "phi3", 2: "phi3", 3: "llama", 4: "phi3", 6: "phi3", 8: "phi3"}
 
 REFUSED = {  # (source, path) -> the documented refusal
-    ("converted", "vllm"): "--layout vllm converts a safetensors source checkpoint",
     ("tvm", "vllm"): "--layout vllm converts a safetensors source checkpoint",
     ("gguf", "vllm"): "--layout vllm converts a safetensors source checkpoint",
     ("s3", "mmap"): "mmap=True maps local files; this model is in object storage",

@@ -325,3 +325,18 @@ def test_presharded_cache_needs_its_plan(tmp_path: Path) -> None:
     with pytest.raises(ShardloadError, match="param_0: cannot tell the whole shape") as err:
         shardload.convert(path, 4, tmp_path / "out", shard_info=replicate)
     assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
+
+
+def test_vllm_layout_from_shards(models: dict[str, Model], tmp_path: Path) -> None:
+    """``convert OUT4 --layout vllm -n 2`` writes the rank files ``convert MODEL --layout vllm -n 2`` writes (Qwen2:
+    fused qkv with biases, the vocabulary padded to vLLM's multiple of 64, a tied head)."""
+    model = models["qwen2"]
+    out4 = model.converted(4)
+    assert out4 is not None
+    runner = CliRunner()
+    for source, out in ((out4, tmp_path / "from-shards"), (model.path, tmp_path / "direct")):
+        result = runner.invoke(main, ["convert", str(source), "-n", "2", "-o", str(out), "--layout", "vllm"])
+        assert result.exit_code == 0, result.output
+    for r in range(2):
+        name = f"model-rank-{r}-part-0.safetensors"
+        assert (tmp_path / "from-shards" / name).read_bytes() == (tmp_path / "direct" / name).read_bytes(), name

@@ -25,7 +25,7 @@ from ..errors import CheckpointError, ShardloadError, printable
 from ..format.shard_info import MAX_RANKS, ShardInfo
 from ..models.plan_source import plan_shard_info
 from ..models.vllm_names import DEFAULT_PACKED, SKIPPED_SUFFIXES, is_vocab, vllm_target, vocab_range
-from ..planning.plan import ModelPlan, build_plan
+from ..planning.plan import ModelPlan, ParamPlan, build_plan
 from ..sources.checkpoint import (
     VLLM_MANIFEST_FORMAT,
     Checkpoint,
@@ -35,6 +35,7 @@ from ..sources.checkpoint import (
     short_repr,
 )
 from ..sources.dtypes import DTYPES, itemsize
+from ..sources.object_reader import reader_for
 from ..version import __version__
 from .load import iter_shards, materialize
 from .output import (
@@ -45,6 +46,7 @@ from .output import (
     stamp_sources,
     write_error,
 )
+from .reshard import ShardsSource, open_shards
 from .transfer import plan_reader
 from .writer import OutFile, OutputFile
 
@@ -219,27 +221,31 @@ def _only(checkpoint: Checkpoint, tensors: dict[str, Any]) -> Checkpoint:
     return Checkpoint(checkpoint.path, checkpoint.root, checkpoint.kind, tensors, checkpoint.files)
 
 
-def rank_tensors(layout: VllmLayout, num_shards: int) -> Iterator[tuple[VllmTensor, list[torch.Tensor]]]:
-    """Each output tensor of ``layout`` for every rank, in file order, one parameter's worth in memory at a time."""
+def rank_tensors(
+    layout: VllmLayout, num_shards: int, shards: ShardsSource | None = None
+) -> Iterator[tuple[VllmTensor, list[torch.Tensor]]]:
+    """Each output tensor of ``layout`` for every rank, in file order, one parameter's worth in memory at a time;
+    with ``shards`` (a converted directory planned over its recorded stored tensors) read out of its rank files."""
     import torch
 
-    with plan_reader(layout.plan.params.values()) as reader:
+    with plan_reader(layout.plan.params.values()) if shards is None else reader_for(shards.checkpoint.path) as reader:
         for t in layout.tensors:
             if not t.vocab:
                 break
-            whole = materialize(layout.vocab_plan.params[t.parts[0]], reader, [0])[0]
-            shards = []
+            vocab = layout.vocab_plan.params[t.parts[0]]
+            whole = materialize(vocab, reader, [0])[0] if shards is None else shards.tensor(vocab, 0, reader)
+            rows = []
             for r in range(num_shards):
                 start, stop, per_rank = vocab_range(whole.shape[0], r, num_shards)
                 shard = torch.zeros((per_rank, *whole.shape[1:]), dtype=whole.dtype)
                 shard[: stop - start].copy_(whole[start:stop])
-                shards.append(shard)
-            yield t, shards
+                rows.append(shard)
+            yield t, rows
     pending: dict[str, list[torch.Tensor]] = {}
     order = iter(t for t in layout.tensors if not t.vocab and t.constant is None)
     want = next(order, None)
-    for param, shards in iter_shards(layout.plan, range(num_shards)):
-        pending[param.name] = shards
+    for param, per_rank in _body(layout, num_shards, shards):
+        pending[param.name] = per_rank
         while want is not None and all(p in pending for p in want.parts):
             pieces = [pending.pop(p) for p in want.parts]
             if want.experts:
@@ -253,6 +259,18 @@ def rank_tensors(layout: VllmLayout, num_shards: int) -> Iterator[tuple[VllmTens
     for t in layout.tensors:
         if t.constant is not None:
             yield t, [torch.full(t.shape, t.constant, dtype=torch.float32) for _ in range(num_shards)]
+
+
+def _body(
+    layout: VllmLayout, num_shards: int, shards: ShardsSource | None
+) -> Iterator[tuple[ParamPlan, list[torch.Tensor]]]:
+    """Every body parameter's tensors for all ranks, from the source checkpoint or out of ``shards``."""
+    if shards is None:
+        yield from iter_shards(layout.plan, range(num_shards))
+        return
+    with reader_for(shards.checkpoint.path) as reader:
+        for param in layout.plan.params.values():
+            yield param, [shards.tensor(param, r, reader) for r in range(num_shards)]
 
 
 def convert_vllm(
@@ -275,6 +293,13 @@ def convert_vllm(
     if type(num_shards) is not int or num_shards < 1:
         raise ShardloadError(f"num_shards must be a positive integer, got {num_shards!r}", file=str(model))
     checkpoint = open_checkpoint(model)
+    shards = None
+    if checkpoint.kind == "converted":  # a directory converted for some N: each rank read out of its rank files
+        if shard_info is not None:
+            raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
+        shards = open_shards(checkpoint)
+        checkpoint, shard_info = shards.stored, shards.shard_info
+        checkpoint.files = sorted(set(shards.files.values()))
     stamps = stamp_sources(checkpoint.files)
     layout = plan_layout(checkpoint, num_shards, shard_info)
     sources = source_paths(checkpoint.root, checkpoint.files)
@@ -289,8 +314,8 @@ def convert_vllm(
             try:
                 for f in files:
                     f.write(header)
-                for _, shards in rank_tensors(layout, num_shards):
-                    for f, shard in zip(files, shards, strict=True):
+                for _, tensors in rank_tensors(layout, num_shards, shards):
+                    for f, shard in zip(files, tensors, strict=True):
                         f.write(memoryview(shard.contiguous().reshape(-1).view(_u8()).numpy()))
                 written = [f.finish() for f in files]
             finally:
