@@ -340,3 +340,24 @@ def test_vllm_layout_from_shards(models: dict[str, Model], tmp_path: Path) -> No
     for r in range(2):
         name = f"model-rank-{r}-part-0.safetensors"
         assert (tmp_path / "from-shards" / name).read_bytes() == (tmp_path / "direct" / name).read_bytes(), name
+
+
+def test_own_n_keeps_the_fast_path(models: dict[str, Model], monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the N it was converted for, a directory is read file by file as before: the resharding source is never
+    opened, and share_reads or mmap at another N is one line."""
+    import shardload.engine.load as load_module
+
+    out = models["llama_gqa"].converted(2)
+    assert out is not None
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the resharding path was taken")
+
+    monkeypatch.setattr(load_module, "open_shards", refuse)
+    want = models["llama_gqa"].direct(2)
+    assert not isinstance(want, ShardloadError)
+    assert_equal(shardload.load_rank(out, 1, 2, mmap=True), want[1], "own N, mmap")
+    monkeypatch.undo()
+    with pytest.raises(ShardloadError, match="without share_reads or mmap") as err:
+        shardload.load_rank(out, 0, 4, mmap=True)
+    assert "\n" not in str(err.value)
