@@ -361,3 +361,47 @@ def test_own_n_keeps_the_fast_path(models: dict[str, Model], monkeypatch: pytest
     with pytest.raises(ShardloadError, match="without share_reads or mmap") as err:
         shardload.load_rank(out, 0, 4, mmap=True)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mixtral"])
+def test_vllm_sharded_state_as_a_source(models: dict[str, Model], kind: str, tmp_path: Path) -> None:
+    """A directory ``convert --layout vllm -n 2`` wrote (vLLM's names, fused qkv and gate_up, stacked experts, the
+    vocabulary padded to a multiple of 64) converts to the plain layout and to vLLM's at N = 1, 2, 4: the same
+    ranks (plain) and the same files (vLLM) as converting the original."""
+    model = models[kind]
+    runner = CliRunner()
+    vllm2 = tmp_path / "vllm2"
+    result = runner.invoke(main, ["convert", str(model.path), "-n", "2", "-o", str(vllm2), "--layout", "vllm"])
+    assert result.exit_code == 0, result.output
+    for n in (1, 2, 4):
+        want = model.direct(n)
+        assert not isinstance(want, ShardloadError)
+        plain = tmp_path / f"plain{n}"
+        shardload.convert(vllm2, n, plain)
+        for r in range(n):
+            assert_equal(shardload.load_rank(plain, r, n), want[r], f"{kind} vllm 2 -> plain {n} rank {r}")
+        for source, out in ((vllm2, tmp_path / f"v{n}"), (model.path, tmp_path / f"direct{n}")):
+            result = runner.invoke(main, ["convert", str(source), "-n", str(n), "-o", str(out), "--layout", "vllm"])
+            assert result.exit_code == 0, result.output
+        for r in range(n):
+            name = f"model-rank-{r}-part-0.safetensors"
+            assert (tmp_path / f"v{n}" / name).read_bytes() == (tmp_path / f"direct{n}" / name).read_bytes()
+
+
+def test_vllm_sharded_state_bad_input(models: dict[str, Model], tmp_path: Path) -> None:
+    """A missing rank file, or one without a source record (as vLLM's own save_model writes): one line, nothing
+    written."""
+    model = models["qwen2"]
+    vllm2 = tmp_path / "vllm2"
+    result = CliRunner().invoke(main, ["convert", str(model.path), "-n", "2", "-o", str(vllm2), "--layout", "vllm"])
+    assert result.exit_code == 0, result.output
+    (vllm2 / "model-rank-1-part-0.safetensors").unlink()
+    with pytest.raises(ShardloadError, match=r"model-rank-1-part-0\.safetensors: is missing") as err:
+        shardload.convert(vllm2, 4, tmp_path / "out")
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
+    manifest = _manifest(vllm2)
+    del manifest["source_plan"]
+    (vllm2 / "shard_manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ShardloadError, match="without a source record") as err:
+        shardload.convert(vllm2, 4, tmp_path / "out")
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()

@@ -40,6 +40,7 @@ from .output import (
     write_error,
 )
 from .reshard import RECORD_KEY, open_presharded, open_shards, source_record, write_shards
+from .vllm_layout import open_vllm_shards
 from .writer import OutputFile, write_rank_files
 
 Progress = Callable[[int, str], None]
@@ -91,6 +92,14 @@ def convert(
         state = shardload.load_rank("llama-tp8", rank=0, num_shards=8)
     """
     out = as_path(out_dir, "out_dir")
+    vllm = open_vllm_shards(model)  # vLLM's sharded_state layout, written by convert --layout vllm
+    if vllm is not None:
+        if shard_info is not None:
+            raise ShardloadError("a sharded_state directory carries its own shard_info; do not pass one",
+                                 file=str(model))  # fmt: skip
+        layout = layout_for(num_shards, mesh, None)
+        done = write_shards(vllm, layout, out, overwrite=overwrite, fsync=fsync, progress=progress)
+        return ConvertResult(out, done.plan, done.rank_files, done.other_files, layout)
     checkpoint = open_checkpoint(model)
     stamps = stamp_sources(checkpoint.files)
     layout = layout_for(num_shards, mesh, None)

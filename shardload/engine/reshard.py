@@ -295,7 +295,7 @@ def open_shards(checkpoint: Checkpoint, *, verify: bool = False) -> ShardsSource
             "that is not JSON); load it with that N, or convert the source checkpoint",
             file=where,
         )
-    info, stored, values = _read_record(record, checkpoint, where)
+    info, stored, values = read_record(record, checkpoint, where)
     try:
         old = build_plan(info, stored, n_old)
     except ShardloadError as err:
@@ -321,7 +321,7 @@ def open_shards(checkpoint: Checkpoint, *, verify: bool = False) -> ShardsSource
     return ShardsSource(checkpoint, info, stored, old, old_layout, files, headers, holder, values, extra)
 
 
-def _read_record(
+def read_record(
     record: dict[str, Any], checkpoint: Checkpoint, where: str
 ) -> tuple[ShardInfo, Checkpoint, dict[str, bytes]]:
     """The shard_info, the stored tensors (as a header-only checkpoint) and the recorded values of a source record."""

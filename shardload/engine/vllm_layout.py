@@ -29,6 +29,7 @@ from ..planning.plan import ModelPlan, ParamPlan, build_plan
 from ..sources.checkpoint import (
     VLLM_MANIFEST_FORMAT,
     Checkpoint,
+    TensorInfo,
     as_path,
     open_checkpoint,
     read_config,
@@ -46,7 +47,7 @@ from .output import (
     stamp_sources,
     write_error,
 )
-from .reshard import ShardsSource, open_shards
+from .reshard import RECORD_KEY, ShardsSource, open_shards, read_record, record_of, source_record
 from .transfer import plan_reader
 from .writer import OutFile, OutputFile
 
@@ -85,6 +86,8 @@ class VllmLayout:
     plan: ModelPlan
     vocab_plan: ModelPlan
     source: str
+    shard_info: ShardInfo | None = None
+    """The shard_info the layout was planned from (vocabulary steps included), for the manifest's record."""
 
     def header(self) -> bytes:
         """The safetensors header every rank file shares (all ranks hold the same shapes)."""
@@ -184,7 +187,7 @@ def plan_layout(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None)
             for kind in ("k", "v", "q"):
                 tensors.append(VllmTensor(f"{prefix}.attn.{kind}_scale", (), (1,), "float32", constant=1.0))
                 tensors.append(VllmTensor(f"{prefix}.attn.{kind}_zero_point", (), (1,), "float32", constant=0.0))
-    return VllmLayout(tensors, plan, vocab_plan, source)
+    return VllmLayout(tensors, plan, vocab_plan, source, info)
 
 
 def _quantization(config: dict[str, Any], where: str) -> bool:
@@ -292,9 +295,15 @@ def convert_vllm(
     out = as_path(out_dir, "out_dir")
     if type(num_shards) is not int or num_shards < 1:
         raise ShardloadError(f"num_shards must be a positive integer, got {num_shards!r}", file=str(model))
-    checkpoint = open_checkpoint(model)
-    shards = None
-    if checkpoint.kind == "converted":  # a directory converted for some N: each rank read out of its rank files
+    shards = open_vllm_shards(model)
+    checkpoint = shards.stored if shards is not None else open_checkpoint(model)
+    if shards is not None:
+        if shard_info is not None:
+            raise ShardloadError("a sharded_state directory carries its own shard_info; do not pass one",
+                                 file=str(model))  # fmt: skip
+        shard_info = shards.shard_info
+        checkpoint.files = sorted(set(shards.files.values()))
+    elif checkpoint.kind == "converted":  # a directory converted for some N: each rank read out of its rank files
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
         shards = open_shards(checkpoint)
@@ -329,6 +338,7 @@ def convert_vllm(
                 "plan": plan_origin(layout, checkpoint.root),
                 "shard_info": layout.plan.resolved_shard_info(),
                 "source": {"files": [{"path": f.name, "size": st[2]} for f, st in stamps]},
+                RECORD_KEY: _record(layout, shards),
             }
             publish_with_manifest(staging, checkpoint.root, stamps, written, manifest, durable)
     except OSError as err:
@@ -397,3 +407,95 @@ def _u8() -> Any:
 def rank_path(out_dir: str | os.PathLike[str], rank: int) -> Path:
     """The file vLLM reads for tensor-parallel rank ``rank`` of a ``sharded_state`` directory."""
     return Path(out_dir) / FILE_PATTERN.format(rank=rank)
+
+
+def _record(layout: VllmLayout, shards: ShardsSource | None) -> dict[str, Any] | None:
+    """The manifest's ``source_plan``: how the layout was planned, so the directory serves another N later."""
+    if shards is not None:
+        return record_of(shards)
+    if layout.shard_info is None or layout.plan.checkpoint is None or layout.vocab_plan.checkpoint is None:
+        return None
+    with plan_reader(layout.plan.params.values()) as reader:
+        record = source_record(layout.plan, layout.shard_info, reader)
+    if record is not None:
+        for name, p in layout.vocab_plan.params.items():
+            record["tensors"][name] = [p.source.logical_dtype, list(p.source.shape)]
+    return record
+
+
+def open_vllm_shards(model: Any) -> ShardsSource | None:
+    """A ``sharded_state`` directory ``convert --layout vllm`` wrote, as a source for any N (None when ``model`` is
+    no such directory): its record planned again for its own N says which rows of which vLLM rank tensor hold each
+    plain rank tensor (fused parts and stacked experts are row blocks; the vocabulary is padded per vLLM's rule).
+    Every rank file is checked (listed, size, each tensor's shape and dtype) before any tensor byte is read."""
+    from ..planning.mesh import Mesh
+    from ..planning.plan import ModelPlan, Piece
+    from ..planning.registry import Box
+    from ..planning.reshard import FixedPlan
+    from ..sources.checkpoint import MANIFEST_NAME, read_header, read_json
+    from .verify import check_entry
+
+    if not isinstance(model, (str, os.PathLike)) or not Path(model).is_dir():
+        return None
+    root = Path(model)
+    where = root / MANIFEST_NAME
+    if not where.is_file():
+        return None
+    manifest = read_json(where, "manifest")
+    if not isinstance(manifest, dict) or manifest.get("format") != VLLM_MANIFEST_FORMAT:
+        return None
+    check_vllm_manifest(manifest, where)
+    n_old = manifest["num_shards"]
+    record = manifest.get(RECORD_KEY)
+    if not isinstance(record, dict):
+        raise CheckpointError(
+            f"is vLLM's sharded_state layout for num_shards={n_old} without a source record (written by vLLM itself "
+            "or an older shardload): serve it with load_format='sharded_state' at that N, or convert the source "
+            "checkpoint",
+            file=str(where),
+        )
+    shell = Checkpoint(root, root, "converted", {}, [], manifest)
+    info, stored, values = read_record(record, shell, str(where))
+    layout = plan_layout(stored, n_old, info)
+    entries = {e["path"]: e for e in manifest["files"]}
+    files: dict[tuple[int, int], Path] = {}
+    headers: dict[tuple[int, int], dict[str, TensorInfo]] = {}
+    for r in range(n_old):
+        path, problem = check_entry(root, entries[FILE_PATTERN.format(rank=r)], False)
+        if problem is not None:
+            raise problem
+        found = read_header(path)
+        own: dict[str, TensorInfo] = {}
+        for t in layout.tensors:
+            got = found.get(t.name)
+            if got is None or (got.shape, got.dtype) != (tuple(t.shape), t.dtype):
+                said = "missing" if got is None else f"{got.dtype} {list(got.shape)}"
+                raise CheckpointError(f"is {said}, but the manifest's plan gives {t.dtype} {list(t.shape)}",
+                                      file=str(path), param=t.name)  # fmt: skip
+            if t.vocab:
+                own[t.parts[0]] = got
+                continue
+            offset = got.offset
+            per = len(t.parts) // max(1, t.experts)
+            for k, name in enumerate(t.parts):
+                part = layout.plan.params[name]
+                nbytes = part.rank_nbytes
+                own[name] = TensorInfo(name, part.dtype, tuple(part.shape), path, offset, nbytes)
+                offset += nbytes
+                if t.experts and (k + 1) % per == 0:
+                    offset = got.offset + (k + 1) // per * (got.nbytes // t.experts)
+        files[(0, r)] = path
+        headers[(0, r)] = own
+    old_params: dict[str, Any] = dict(layout.plan.params)
+    for name, whole_info in layout.vocab_plan.params.items():
+        rows = whole_info.source.shape[0]
+        rest: Box = tuple((0, n) for n in whole_info.source.shape[1:])
+        boxes = []
+        for r in range(n_old):
+            start, stop, _ = vocab_range(rows, r, n_old)
+            boxes.append([Piece(((start, stop), *rest), ((0, stop - start), *rest))] if stop > start else [])
+        shape = (vocab_range(rows, 0, n_old)[2], *whole_info.source.shape[1:])
+        old_params[name] = FixedPlan(name, whole_info.source, n_old, shape, whole_info.dtype, boxes)
+    old = ModelPlan(n_old, info, stored, old_params)
+    holder = dict.fromkeys(old_params, 0)
+    return ShardsSource(shell, info, stored, old, Mesh(tp=n_old), files, headers, holder, values, [where])

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import PlanError
+from ..sources.checkpoint import TensorInfo
 from .plan import ParamPlan, Piece
-from .registry import Box
+from .registry import Box, Shape
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def translate(src: Box, dst: Box, sub: Box) -> Box:
     return tuple(out)
 
 
-def old_parts(old: ParamPlan, wanted: list[Piece]) -> list[OldPart]:
+def old_parts(old: ParamPlan | FixedPlan, wanted: list[Piece]) -> list[OldPart]:
     """The boxes of ``old``'s rank tensors that fill ``wanted`` (stored box -> destination box), each stored element
     taken once, from the lowest old rank holding it. Raises a PlanError when no old rank holds some element."""
     held = [(r, p) for r in range(old.num_shards) for p in _pieces(old, r)]
@@ -83,7 +84,7 @@ def old_parts(old: ParamPlan, wanted: list[Piece]) -> list[OldPart]:
     return parts
 
 
-def _pieces(plan: ParamPlan, rank: int) -> list[Piece]:
+def _pieces(plan: ParamPlan | FixedPlan, rank: int) -> list[Piece]:
     pieces = plan.pieces(rank)
     if pieces is None:
         raise PlanError("its old plan has a compute step: its rank files are not boxes of the stored tensor",
@@ -91,13 +92,33 @@ def _pieces(plan: ParamPlan, rank: int) -> list[Piece]:
     return [p for p in pieces if all(b > a for a, b in p.src)]
 
 
-def whole(plan: ParamPlan) -> list[Piece]:
+def whole(plan: ParamPlan | FixedPlan) -> list[Piece]:
     """The whole stored tensor of ``plan`` as one wanted piece (to rebuild it for a compute step)."""
     full = tuple((0, n) for n in plan.source.shape)
     return [Piece(full, full)] if all(n > 0 for n in plan.source.shape) else []
 
 
-def boxes_copyable(plan: ParamPlan) -> bool:
+def boxes_copyable(plan: ParamPlan | FixedPlan) -> bool:
     """Whether ``plan``'s rank tensors are boxes of its stored tensor, element for element (every step a remap
     that keeps the dtype)."""
     return plan.remap and plan.source.dtype == plan.dtype
+
+
+@dataclass
+class FixedPlan:
+    """An old plan given by its boxes rather than by steps: rank r holds ``boxes[r]`` (stored box -> rank box),
+    for a layout no shard_info describes (vLLM's vocabulary, padded to a multiple of 64 whatever N divides)."""
+
+    name: str
+    source: TensorInfo
+    num_shards: int
+    shape: Shape
+    dtype: str
+    boxes: list[list[Piece]]
+    steps: tuple[()] = ()
+    remap: bool = True
+    replicated: bool = False
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The stored boxes rank ``rank`` holds and where."""
+        return self.boxes[rank]
