@@ -121,7 +121,7 @@ class ShardsSource:
     def parts(self, new: ParamPlan, rank: int) -> list[OldPart]:
         """The boxes of old rank tensors that make ``rank``'s tensor of ``new`` (shared by equal structures)."""
         old = self.old.params[new.name]
-        key = (_steps_key(old), _steps_key(new), new.source.shape, rank)
+        key = (type(old).__name__, _steps_key(old), _steps_key(new), new.source.shape, rank)
         if key not in self._parts:
             self._parts[key] = old_parts(old, [p for p in new.pieces(rank) or () if all(b > a for a, b in p.src)])
         return self._parts[key]
