@@ -41,12 +41,13 @@ Coverage, and why it is enough:
 - on ``load_rank`` and ``mmap`` (one rank per call: threads only share that rank's jobs) the thread count is
   covered pairwise: cell (source, path, N) gets ``THREADS[(source + path + N) % 3]`` (indices in the axis
   tuples), so every (source, threads), (path, threads) and (N, threads) pair occurs;
+- a converted directory is also loaded at another N (``test_converted_directory_serves_another_n``; the
+  full N_old x N_new matrix is ``tests/test_reshard.py``);
 - ``share_reads`` costs a torchrun launch (N processes importing torch), so it runs at N = 2 and N = 3 only, one
   launch each, every source in the same launch (one cell per source and N), threads rotated as above;
 - a path that does not apply to a source is a cell asserting its documented one-line refusal, with nothing
-  written: a converted directory is not converted again (``convert``, ``--layout vllm``) nor loaded at another
-  N (``test_converted_directory_refuses_another_n``), ``--layout vllm`` converts safetensors sources only (TVM,
-  GGUF), ``mmap=True`` maps local files only (S3). A source whose package is missing skips its cells with the
+  written: ``--layout vllm`` converts safetensors sources and converted directories only (not TVM, GGUF),
+  ``mmap=True`` maps local files only (S3). A source whose package is missing skips its cells with the
   reason (never in CI, which installs them all).
 
 No cell is marked as a known failure. The matrix found two bugs when it was written (convert from S3 gave a
@@ -105,8 +106,6 @@ MODELS = {
 MODEL_OF_N = {1: "phi3", 2: "phi3", 3: "llama", 4: "phi3", 6: "phi3", 8: "phi3"}
 
 REFUSED = {  # (source, path) -> the documented refusal
-    ("converted", "convert"): "already a converted directory; convert the source checkpoint",
-    ("converted", "vllm"): "--layout vllm converts a safetensors source checkpoint",
     ("tvm", "vllm"): "--layout vllm converts a safetensors source checkpoint",
     ("gguf", "vllm"): "--layout vllm converts a safetensors source checkpoint",
     ("s3", "mmap"): "mmap=True maps local files; this model is in object storage",
@@ -300,14 +299,12 @@ def test_path_that_does_not_apply_is_refused(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_converted_directory_refuses_another_n(world: World, request: pytest.FixtureRequest) -> None:
-    """A converted directory serves its own N only: ``load`` and ``load_rank`` at another N are one-line errors."""
+def test_converted_directory_serves_another_n(world: World, request: pytest.FixtureRequest) -> None:
+    """A converted directory serves another N (docs/reshard.md): ``load`` and ``load_rank`` equal the reference."""
     model = world.source(request, "converted", 2)
-    message = "directory was converted for num_shards=2, not 4; convert the source checkpoint again"
-    for call in (lambda: shardload.load_rank(model, 0, 4), lambda: shardload.load(model, 4, devices=["cpu"] * 4)):
-        with pytest.raises(ShardloadError, match=message) as err:
-            call()
-        assert "\n" not in str(err.value)
+    want = world.reference(4)
+    assert_ranks([shardload.load_rank(model, r, 4) for r in range(4)], want, "converted 2 -> 4: load_rank")
+    assert_ranks(shardload.load(model, 4, devices=["cpu"] * 4), want, "converted 2 -> 4: load")
 
 
 def test_model_refuses_n(world: World, request: pytest.FixtureRequest, tmp_path: Path) -> None:

@@ -664,9 +664,17 @@ def inspect(
         num_shards = layout.tp
 
     checkpoint = open_checkpoint(model)
-    if checkpoint.kind == "converted":
-        raise ShardloadError("this is a converted directory; inspect the source checkpoint", file=str(model))
-    info = shard_info_for(checkpoint, shard_info)
+    if checkpoint.kind == "converted":  # planned again over the stored tensors its manifest records
+        from ..engine.reshard import open_shards
+
+        if shard_info is not None:
+            raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
+        shards = open_shards(checkpoint)
+        click.echo(f"note: a directory converted for num_shards={shards.old.num_shards}: each rank reads its "
+                   "boxes out of those rank files", err=True)  # fmt: skip
+        checkpoint, info = shards.stored, shards.shard_info
+    else:
+        info = shard_info_for(checkpoint, shard_info)
     n = num_shards or info.num_shards or _inspect_n(info, checkpoint)
     plan = build_plan(info, checkpoint, n)
     if as_json:

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ShardloadError
-from ..format.hash_record import RECORD_NAME, root_of
 from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh
 from ..planning.plan import ModelPlan, build_plan
@@ -29,8 +28,9 @@ from ..sources.checkpoint import (
     open_checkpoint,
     rank_file_name,
 )
+from ..sources.object_reader import reader_for
 from ..version import __version__
-from .integrity import output_record, verifier
+from .integrity import output_record, verifier, wrapped
 from .load import layout_for, stages_of
 from .output import (
     Staging,
@@ -40,7 +40,17 @@ from .output import (
     stamp_sources,
     write_error,
 )
-from .writer import FileWriter, WrittenFile, write_rank_files
+from .reshard import (
+    RECORD_KEY,
+    open_presharded,
+    open_shards,
+    presharded_verify,
+    shards_verify,
+    source_record,
+    write_shards,
+)
+from .vllm_layout import open_vllm_shards
+from .writer import WrittenFile, write_output_record, write_rank_files
 
 Progress = Callable[[int, str], None]
 """``progress(source_bytes_done, param_name)``, called after each parameter."""
@@ -97,13 +107,33 @@ def convert(
         state = shardload.load_rank("llama-tp8", rank=0, num_shards=8)
     """
     out = as_path(out_dir, "out_dir")
+    vllm = open_vllm_shards(model, verify=verify is True)  # vLLM's sharded_state layout (convert --layout vllm)
+    if vllm is not None:
+        shards_verify(verify, str(model))  # a pinned root cannot be checked here: refused, not skipped
+        if shard_info is not None:
+            raise ShardloadError("a sharded_state directory carries its own shard_info; do not pass one",
+                                 file=str(model))  # fmt: skip
+        layout = layout_for(num_shards, mesh, None)
+        done = write_shards(vllm, layout, out, overwrite=overwrite, fsync=fsync, progress=progress)
+        return ConvertResult(out, done.plan, done.rank_files, done.other_files, layout)
     checkpoint = open_checkpoint(model)
     stamps = stamp_sources(checkpoint.files)
-    if checkpoint.kind == "converted":
-        raise ShardloadError("already a converted directory; convert the source checkpoint", file=checkpoint.name)
-    info = shard_info_for(checkpoint, shard_info)
-    wrap = verifier(checkpoint, verify, checkpoint.name)
     layout = layout_for(num_shards, mesh, None)
+    if checkpoint.kind == "converted":  # another N (or the same): read out of its rank files
+        if shard_info is not None:
+            raise ShardloadError(
+                "a converted directory carries its own shard_info; do not pass one", file=checkpoint.name
+            )
+        shards = open_shards(checkpoint, verify=shards_verify(verify, checkpoint.name))
+        done = write_shards(shards, layout, out, overwrite=overwrite, fsync=fsync, progress=progress)
+        return ConvertResult(out, done.plan, done.rank_files, done.other_files, layout)
+    info = shard_info_for(checkpoint, shard_info)
+    if checkpoint.presharded is not None and checkpoint.presharded != layout.tp:  # cut for another N: reshard
+        presharded_verify(verify, checkpoint.name)
+        source = open_presharded(checkpoint, info)
+        done = write_shards(source, layout, out, overwrite=overwrite, fsync=fsync, progress=progress)
+        return ConvertResult(out, done.plan, done.rank_files, done.other_files, layout)
+    wrap = verifier(checkpoint, verify, checkpoint.name)
     plan = build_plan(info, checkpoint, layout.tp)
     if checkpoint.presharded is not None:
         raise ShardloadError(
@@ -120,7 +150,7 @@ def convert(
     try:
         with Staging(out, fsync, synced=durable, overwrite=overwrite) as staging:
             rank_files = _write_ranks(stages, staging.dir, progress, durable, wrap)
-            record = write_record(staging.dir, output_record(staging.dir, [f.path for f in rank_files]), durable)
+            record = write_output_record(staging.dir, output_record(staging.dir, [f.path for f in rank_files]), durable)
             manifest = {
                 "format": MANIFEST_FORMAT,
                 "version": MANIFEST_VERSION,
@@ -131,22 +161,13 @@ def convert(
                 "source": {"files": [{"path": f.name, "size": st[2]} for f, st in stamps]},
                 "integrity": {"record": record.path, "root": record.sha256},
             }
+            with wrapped(reader_for(checkpoint.path), wrap) as reader:
+                manifest[RECORD_KEY] = source_record(plan, info, reader)
             others = [record, *publish_with_manifest(staging, checkpoint.root, stamps, [*rank_files, record], manifest,
                                                      durable)]  # fmt: skip
     except OSError as err:
         raise write_error(err, out) from None
     return ConvertResult(out, plan, rank_files, others, layout)
-
-
-def write_record(directory: Path, data: bytes, durable: bool) -> WrittenFile:
-    """Write an output's integrity record; returned as the manifest lists it (its sha256 is its root)."""
-    out = FileWriter(directory / RECORD_NAME, durable=durable)
-    try:
-        out.write(data)
-        out.finish()
-    finally:
-        out.close()
-    return WrittenFile(RECORD_NAME, len(data), root_of(data))
 
 
 def _mesh_record(layout: Mesh, stages: list[ModelPlan]) -> dict[str, Any] | None:

@@ -22,6 +22,7 @@ from ..sources.objects import ObjectPath
 from ..sources.reader import RunReader
 from .devices import resolve_device
 from .integrity import converted_verifier, verifier, wrapped
+from .reshard import load_ranks, needs_reshard, open_presharded, open_shards, presharded_verify, shards_verify
 from .transfer import Transfer, plan_reader
 from .verify import rank_file
 
@@ -98,7 +99,14 @@ def load(
     if checkpoint.kind == "converted":
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
+        if needs_reshard(checkpoint, layout):  # converted for another N: each rank reads its boxes of the old files
+            shards = open_shards(checkpoint, verify=shards_verify(verify, checkpoint.name))
+            return load_ranks(shards, layout, range(world), devices)
         return [load_rank(model, r, layout.tp, devices[r], mesh=layout, verify=verify) for r in range(world)]
+    if checkpoint.presharded is not None and checkpoint.presharded != layout.tp:  # cut for another N: reshard
+        presharded_verify(verify, checkpoint.name)
+        return load_ranks(open_presharded(checkpoint, shard_info_for(checkpoint, shard_info)), layout, range(world),
+                          devices)  # fmt: skip
     wrap = verifier(checkpoint, verify, str(model))
     if checkpoint.presharded is not None:
         return [
@@ -306,6 +314,15 @@ def load_rank(
     if checkpoint.kind == "converted":
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
+        if needs_reshard(checkpoint, layout):  # converted for another N: this rank reads its boxes of the old files
+            if shared or mmap:
+                raise ShardloadError(
+                    f"was converted for num_shards={checkpoint.manifest['num_shards']}: loading it for {layout} reads "
+                    "boxes of several rank files, without share_reads or mmap",
+                    file=str(model),
+                )
+            shards = open_shards(checkpoint, verify=shards_verify(verify, checkpoint.name))
+            return load_ranks(shards, layout, [rank], [device])[0]
         if shared:
             return _load_converted_shared(checkpoint, layout, coord, device, verify, group, call)
         return _load_converted_rank(checkpoint, layout, coord, device, verify, mmap)
@@ -469,6 +486,17 @@ def _load_presharded_rank(
 ) -> dict[str, torch.Tensor]:
     """A rank of a source stored already split (a pre-sharded TVM cache): its own part of each split parameter,
     and every tensor stored whole."""
+    if checkpoint.presharded != layout.tp:  # cut for another N: this rank's boxes of the records
+        if mmap:
+            raise ShardloadError(
+                f"is pre-sharded for num_shards={checkpoint.presharded}: loading it for {layout} reads boxes of "
+                "several records, without mmap",
+                file=checkpoint.name,
+            )
+        if wrap is not None:
+            presharded_verify(True, checkpoint.name)
+        source = open_presharded(checkpoint, shard_info_for(checkpoint, shard_info))
+        return load_ranks(source, layout, [layout.rank(coord.dp, coord.pp, coord.tp)], [device])[0]
     build_plan(shard_info_for(checkpoint, shard_info), checkpoint, layout.tp)  # checks N and the steps
     if layout.pp != 1:
         raise ShardloadError("pipeline stages of a pre-sharded checkpoint are not supported", file=checkpoint.name)

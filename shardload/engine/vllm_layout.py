@@ -26,18 +26,19 @@ from ..format.shard_info import MAX_RANKS, ShardInfo
 from ..models.families import vllm_packing
 from ..models.plan_source import plan_shard_info
 from ..models.vllm_names import SKIPPED_SUFFIXES, is_vocab, vllm_target, vocab_range
-from ..planning.plan import ModelPlan, build_plan
+from ..planning.plan import ModelPlan, ParamPlan, build_plan
 from ..sources.checkpoint import (
     VLLM_MANIFEST_FORMAT,
     Checkpoint,
+    TensorInfo,
     as_path,
     open_checkpoint,
     read_config,
     short_repr,
 )
 from ..sources.dtypes import DTYPES, itemsize
+from ..sources.object_reader import reader_for
 from ..version import __version__
-from .convert import write_record
 from .integrity import output_record, verifier, wrapped
 from .load import iter_shards, materialize
 from .output import (
@@ -48,8 +49,9 @@ from .output import (
     stamp_sources,
     write_error,
 )
+from .reshard import RECORD_KEY, ShardsSource, open_shards, read_record, record_of, shards_verify, source_record
 from .transfer import plan_reader
-from .writer import FileWriter, WrittenFile
+from .writer import FileWriter, WrittenFile, write_output_record
 
 if TYPE_CHECKING:
     import torch
@@ -86,6 +88,8 @@ class VllmLayout:
     plan: ModelPlan
     vocab_plan: ModelPlan
     source: str
+    shard_info: ShardInfo | None = None
+    """The shard_info the layout was planned from (vocabulary steps included), for the manifest's record."""
 
     def header(self) -> bytes:
         """The safetensors header every rank file shares (all ranks hold the same shapes)."""
@@ -186,7 +190,7 @@ def plan_layout(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None)
             for kind in ("k", "v", "q"):
                 tensors.append(VllmTensor(f"{prefix}.attn.{kind}_scale", (), (1,), "float32", constant=1.0))
                 tensors.append(VllmTensor(f"{prefix}.attn.{kind}_zero_point", (), (1,), "float32", constant=0.0))
-    return VllmLayout(tensors, plan, vocab_plan, source)
+    return VllmLayout(tensors, plan, vocab_plan, source, info)
 
 
 def _quantization(config: dict[str, Any], where: str) -> bool:
@@ -224,29 +228,35 @@ def _only(checkpoint: Checkpoint, tensors: dict[str, Any]) -> Checkpoint:
 
 
 def rank_tensors(
-    layout: VllmLayout, num_shards: int, wrap: Callable[[Any], Any] | None = None
+    layout: VllmLayout,
+    num_shards: int,
+    shards: ShardsSource | None = None,
+    wrap: Callable[[Any], Any] | None = None,
 ) -> Iterator[tuple[VllmTensor, list[torch.Tensor]]]:
-    """Each output tensor of ``layout`` for every rank, in file order, one parameter's worth in memory at a time
-    (``wrap``: a verifying reader)."""
+    """Each output tensor of ``layout`` for every rank, in file order, one parameter's worth in memory at a time;
+    with ``shards`` (a converted directory planned over its recorded stored tensors) read out of its rank files;
+    ``wrap``: a verifying reader of the source checkpoint."""
     import torch
 
-    with wrapped(plan_reader(layout.plan.params.values()), wrap) as reader:
+    raw = plan_reader(layout.plan.params.values()) if shards is None else reader_for(shards.checkpoint.path)
+    with wrapped(raw, wrap) as reader:
         for t in layout.tensors:
             if not t.vocab:
                 break
-            whole = materialize(layout.vocab_plan.params[t.parts[0]], reader, [0])[0]
-            shards = []
+            vocab = layout.vocab_plan.params[t.parts[0]]
+            whole = materialize(vocab, reader, [0])[0] if shards is None else shards.tensor(vocab, 0, reader)
+            rows = []
             for r in range(num_shards):
                 start, stop, per_rank = vocab_range(whole.shape[0], r, num_shards)
                 shard = torch.zeros((per_rank, *whole.shape[1:]), dtype=whole.dtype)
                 shard[: stop - start].copy_(whole[start:stop])
-                shards.append(shard)
-            yield t, shards
+                rows.append(shard)
+            yield t, rows
     pending: dict[str, list[torch.Tensor]] = {}
     order = iter(t for t in layout.tensors if not t.vocab and t.constant is None)
     want = next(order, None)
-    for param, shards in iter_shards(layout.plan, range(num_shards), wrap):
-        pending[param.name] = shards
+    for param, per_rank in _body(layout, num_shards, shards, wrap):
+        pending[param.name] = per_rank
         while want is not None and all(p in pending for p in want.parts):
             pieces = [pending.pop(p) for p in want.parts]
             if want.experts:
@@ -260,6 +270,19 @@ def rank_tensors(
     for t in layout.tensors:
         if t.constant is not None:
             yield t, [torch.full(t.shape, t.constant, dtype=torch.float32) for _ in range(num_shards)]
+
+
+def _body(
+    layout: VllmLayout, num_shards: int, shards: ShardsSource | None, wrap: Callable[[Any], Any] | None = None
+) -> Iterator[tuple[ParamPlan, list[torch.Tensor]]]:
+    """Every body parameter's tensors for all ranks, from the source checkpoint (``wrap``: a verifying reader) or
+    out of ``shards``."""
+    if shards is None:
+        yield from iter_shards(layout.plan, range(num_shards), wrap)
+        return
+    with reader_for(shards.checkpoint.path) as reader:
+        for param in layout.plan.params.values():
+            yield param, [shards.tensor(param, r, reader) for r in range(num_shards)]
 
 
 def convert_vllm(
@@ -284,10 +307,24 @@ def convert_vllm(
     out = as_path(out_dir, "out_dir")
     if type(num_shards) is not int or num_shards < 1:
         raise ShardloadError(f"num_shards must be a positive integer, got {num_shards!r}", file=str(model))
-    checkpoint = open_checkpoint(model)
+    shards = open_vllm_shards(model, verify=verify is True)
+    checkpoint = shards.stored if shards is not None else open_checkpoint(model)
+    if shards is not None:
+        shards_verify(verify, str(model))  # a pinned root cannot be checked here: refused, not skipped
+        if shard_info is not None:
+            raise ShardloadError("a sharded_state directory carries its own shard_info; do not pass one",
+                                 file=str(model))  # fmt: skip
+        shard_info = shards.shard_info
+        checkpoint.files = sorted(set(shards.files.values()))
+    elif checkpoint.kind == "converted":  # a directory converted for some N: each rank read out of its rank files
+        if shard_info is not None:
+            raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
+        shards = open_shards(checkpoint, verify=shards_verify(verify, checkpoint.name))
+        checkpoint, shard_info = shards.stored, shards.shard_info
+        checkpoint.files = sorted(set(shards.files.values()))
     stamps = stamp_sources(checkpoint.files)
     layout = plan_layout(checkpoint, num_shards, shard_info)
-    wrap = verifier(checkpoint, verify, checkpoint.name)
+    wrap = verifier(checkpoint, verify, checkpoint.name) if shards is None else None  # shards: checked when opened
     sources = source_paths(checkpoint.root, checkpoint.files)
     if Path(layout.plan.shard_info.source).exists():  # a shard_info file named outside the model, as convert does
         sources.append(Path(layout.plan.shard_info.source))
@@ -300,8 +337,8 @@ def convert_vllm(
             try:
                 for f in files:
                     f.write(header)
-                for _, shards in rank_tensors(layout, num_shards, wrap):
-                    for f, shard in zip(files, shards, strict=True):
+                for _, tensors in rank_tensors(layout, num_shards, shards, wrap):
+                    for f, shard in zip(files, tensors, strict=True):
                         f.write(memoryview(shard.contiguous().reshape(-1).view(_u8()).numpy()))
                 written = [f.finish() for f in files]
             finally:
@@ -315,8 +352,9 @@ def convert_vllm(
                 "plan": plan_origin(layout, checkpoint.root),
                 "shard_info": layout.plan.resolved_shard_info(),
                 "source": {"files": [{"path": f.name, "size": st[2]} for f, st in stamps]},
+                RECORD_KEY: _record(layout, shards),
             }
-            record = write_record(staging.dir, output_record(staging.dir, [f.path for f in written]), durable)
+            record = write_output_record(staging.dir, output_record(staging.dir, [f.path for f in written]), durable)
             manifest["integrity"] = {"record": record.path, "root": record.sha256}
             publish_with_manifest(staging, checkpoint.root, stamps, [*written, record], manifest, durable)
     except OSError as err:
@@ -385,3 +423,96 @@ def _u8() -> Any:
 def rank_path(out_dir: str | os.PathLike[str], rank: int) -> Path:
     """The file vLLM reads for tensor-parallel rank ``rank`` of a ``sharded_state`` directory."""
     return Path(out_dir) / FILE_PATTERN.format(rank=rank)
+
+
+def _record(layout: VllmLayout, shards: ShardsSource | None) -> dict[str, Any] | None:
+    """The manifest's ``source_plan``: how the layout was planned, so the directory serves another N later."""
+    if shards is not None:
+        return record_of(shards)
+    if layout.shard_info is None or layout.plan.checkpoint is None or layout.vocab_plan.checkpoint is None:
+        return None
+    with plan_reader(layout.plan.params.values()) as reader:
+        record = source_record(layout.plan, layout.shard_info, reader)
+    if record is not None:
+        for name, p in layout.vocab_plan.params.items():
+            record["tensors"][name] = [p.source.logical_dtype, list(p.source.shape)]
+    return record
+
+
+def open_vllm_shards(model: Any, verify: bool = False) -> ShardsSource | None:
+    """A ``sharded_state`` directory ``convert --layout vllm`` wrote, as a source for any N (None when ``model`` is
+    no such directory): its record planned again for its own N says which rows of which vLLM rank tensor hold each
+    plain rank tensor (fused parts and stacked experts are row blocks; the vocabulary is padded per vLLM's rule).
+    Every rank file is checked (listed, size, each tensor's shape and dtype; with ``verify`` its sha256) before any
+    tensor byte is read."""
+    from ..planning.mesh import Mesh
+    from ..planning.plan import ModelPlan, Piece
+    from ..planning.registry import Box
+    from ..planning.reshard import FixedPlan
+    from ..sources.checkpoint import MANIFEST_NAME, read_header, read_json
+    from .verify import check_entry
+
+    if not isinstance(model, (str, os.PathLike)) or not Path(model).is_dir():
+        return None
+    root = Path(model)
+    where = root / MANIFEST_NAME
+    if not where.is_file():
+        return None
+    manifest = read_json(where, "manifest")
+    if not isinstance(manifest, dict) or manifest.get("format") != VLLM_MANIFEST_FORMAT:
+        return None
+    check_vllm_manifest(manifest, where)
+    n_old = manifest["num_shards"]
+    record = manifest.get(RECORD_KEY)
+    if not isinstance(record, dict):
+        raise CheckpointError(
+            f"is vLLM's sharded_state layout for num_shards={n_old} without a source record (written by vLLM itself "
+            "or an older shardload): serve it with load_format='sharded_state' at that N, or convert the source "
+            "checkpoint",
+            file=str(where),
+        )
+    shell = Checkpoint(root, root, "converted", {}, [], manifest)
+    info, stored, values = read_record(record, shell, str(where))
+    layout = plan_layout(stored, n_old, info)
+    entries = {e["path"]: e for e in manifest["files"]}
+    files: dict[tuple[int, int], Path] = {}
+    headers: dict[tuple[int, int], dict[str, TensorInfo]] = {}
+    for r in range(n_old):
+        path, problem = check_entry(root, entries[FILE_PATTERN.format(rank=r)], verify)
+        if problem is not None:
+            raise problem
+        found = read_header(path)
+        own: dict[str, TensorInfo] = {}
+        for t in layout.tensors:
+            got = found.get(t.name)
+            if got is None or (got.shape, got.dtype) != (tuple(t.shape), t.dtype):
+                said = "missing" if got is None else f"{got.dtype} {list(got.shape)}"
+                raise CheckpointError(f"is {said}, but the manifest's plan gives {t.dtype} {list(t.shape)}",
+                                      file=str(path), param=t.name)  # fmt: skip
+            if t.vocab:
+                own[t.parts[0]] = got
+                continue
+            offset = got.offset
+            per = len(t.parts) // max(1, t.experts)
+            for k, name in enumerate(t.parts):
+                part = layout.plan.params[name]
+                nbytes = part.rank_nbytes
+                own[name] = TensorInfo(name, part.dtype, tuple(part.shape), path, offset, nbytes)
+                offset += nbytes
+                if t.experts and (k + 1) % per == 0:
+                    offset = got.offset + (k + 1) // per * (got.nbytes // t.experts)
+        files[(0, r)] = path
+        headers[(0, r)] = own
+    old_params: dict[str, Any] = dict(layout.plan.params)
+    for name, whole_info in layout.vocab_plan.params.items():
+        rows = whole_info.source.shape[0]
+        rest: Box = tuple((0, n) for n in whole_info.source.shape[1:])
+        boxes = []
+        for r in range(n_old):
+            start, stop, _ = vocab_range(rows, r, n_old)
+            boxes.append([Piece(((start, stop), *rest), ((0, stop - start), *rest))] if stop > start else [])
+        shape = (vocab_range(rows, 0, n_old)[2], *whole_info.source.shape[1:])
+        old_params[name] = FixedPlan(name, whole_info.source, n_old, shape, whole_info.dtype, boxes)
+    old = ModelPlan(n_old, info, stored, old_params)
+    holder = dict.fromkeys(old_params, 0)
+    return ShardsSource(shell, info, stored, old, Mesh(tp=n_old), files, headers, holder, values, [where])

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..errors import PlanError
+from ..format.hash_record import RECORD_NAME, root_of
 from ..sources.checkpoint import MAX_HEADER_BYTES
 from ..sources.dtypes import DTYPES, itemsize, to_torch
 from ..sources.reader import RunReader, buffer_view, libc_function
@@ -367,3 +368,14 @@ def _write_group(
         passed(i)
     for r in ranks:
         results[r] = files[r].finish()
+
+
+def write_output_record(directory: Path, data: bytes, durable: bool) -> WrittenFile:
+    """Write an output's integrity record; returned as the manifest lists it (its sha256 is its root)."""
+    out = FileWriter(directory / RECORD_NAME, durable=durable)
+    try:
+        out.write(data)
+        out.finish()
+    finally:
+        out.close()
+    return WrittenFile(RECORD_NAME, len(data), root_of(data))

@@ -1,0 +1,562 @@
+"""Converted directories as a source for any N: each new rank reads only its boxes, out of the old rank files.
+
+``convert`` records in the manifest how the directory was planned (:func:`source_record`: the shard_info as given,
+every stored tensor's shape and dtype, and the values of the few small tensors a compute step rewrites). From it
+the old plan (N_old) and the new plan (any N the shard_info allows) are rebuilt over the same stored tensors, and
+:mod:`shardload.planning.reshard` intersects their boxes. Every old rank file is checked (present, its size, the
+rank its header names, each tensor's shape and dtype against the old plan) before a byte of data is read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from math import prod
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import CheckpointError, PlanError, ShardloadError
+from ..format.shard_info import ShardInfo
+from ..planning.mesh import Mesh, stage_plans
+from ..planning.plan import ModelPlan, ParamPlan, build_plan
+from ..planning.reshard import OldPart, boxes_copyable, old_parts, whole
+from ..planning.runs import box_runs
+from ..sources.checkpoint import (
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    Checkpoint,
+    TensorInfo,
+    manifest_stages,
+    rank_file_name,
+    read_header,
+)
+from ..sources.dtypes import DTYPES, itemsize, to_torch
+from ..sources.object_reader import reader_for
+from ..sources.reader import FileMaps, Reader, count_mapped
+from .verify import check_entry
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..sources.reader import RunReader
+    from .writer import WrittenFile
+
+RECORD_KEY = "source_plan"
+STORED = "<stored tensors>"
+"""The file name of a stored tensor known by its shape and dtype only (no file is behind it)."""
+"""The manifest key of a converted directory's source record."""
+SHORT_RUN = 16 << 10
+"""Parts whose rows average less than this are copied out of a mapping of the old file, not read row by row."""
+VALUE_BYTES = 4096
+"""A stored tensor a compute step rewrites is recorded whole in the manifest up to this size (a ``weight_shape``)."""
+
+
+def source_record(plan: ModelPlan, shard_info: ShardInfo, reader: RunReader) -> dict[str, Any] | None:
+    """What a converted directory needs to be planned again for another N: the shard_info as given, each stored
+    tensor's dtype and shape, and the bytes of small tensors a compute step rewrites. None when the shard_info
+    cannot be written as JSON (a step given as a Python object)."""
+    try:
+        doc = json.loads(json.dumps(shard_info.to_dict()))
+    except (TypeError, ValueError):
+        return None
+    tensors = {name: [p.source.logical_dtype, list(p.source.shape)] for name, p in plan.params.items()}
+    values: dict[str, str] = {}
+    for name, p in plan.params.items():
+        if not boxes_copyable(p) and p.source.nbytes <= VALUE_BYTES and p.source.decode is None:
+            values[name] = bytes(reader.tensor(p.source).view(-1).view(_u8()).numpy()).hex()
+    return {"shard_info": doc, "tensors": tensors, "values": values}
+
+
+def _u8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def needs_reshard(checkpoint: Checkpoint, layout: Mesh) -> bool:
+    """Whether a converted directory was written for another layout than ``layout`` (tp, pp, layers per stage)."""
+    manifest = checkpoint.manifest or {}
+    stored_layers = (manifest.get("mesh") or {}).get("pp_layers")
+    same_layers = layout.pp_layers is None or list(layout.pp_layers) == stored_layers
+    return manifest.get("num_shards") != layout.tp or manifest_stages(manifest) != layout.pp or not same_layers
+
+
+@dataclass
+class ShardsSource:
+    """A converted directory opened as a source: its old plan, every old rank file's header, checked."""
+
+    checkpoint: Checkpoint
+    shard_info: ShardInfo
+    stored: Checkpoint
+    """The stored tensors the directory was planned from (shapes and dtypes only: no file is behind them)."""
+    old: ModelPlan
+    old_layout: Mesh
+    files: dict[tuple[int, int], Path]
+    """The old rank files by (stage, rank) (empty for a pre-sharded cache, whose records share files)."""
+    headers: dict[tuple[int, int], dict[str, TensorInfo]]
+    holder: dict[str, int]
+    """Parameter name -> the old pipeline stage whose files it is read from."""
+    values: dict[str, bytes]
+    extra_files: list[Path] = field(default_factory=list)
+    """Files of the source besides ``files`` that an output may not overwrite (its manifest, its cache table)."""
+    _parts: dict[Any, list[OldPart]] = field(default_factory=dict, repr=False)
+    _maps: FileMaps = field(default_factory=FileMaps, repr=False)
+
+    @property
+    def name(self) -> str:
+        return str(self.checkpoint.root)
+
+    def plan(self, layout: Mesh) -> list[ModelPlan]:
+        """The new plan for ``layout``, one per pipeline stage (refused in one line when the shard_info does not
+        allow its tp)."""
+        if layout.pp_layers is not None or layout.pp > 1:
+            plan = build_plan(self.shard_info, self.stored, layout.tp)
+            return stage_plans(plan, layout)
+        return [build_plan(self.shard_info, self.stored, layout.tp)]
+
+    def parts(self, new: ParamPlan, rank: int) -> list[OldPart]:
+        """The boxes of old rank tensors that make ``rank``'s tensor of ``new`` (shared by equal structures)."""
+        old = self.old.params[new.name]
+        key = (type(old).__name__, _steps_key(old), _steps_key(new), new.source.shape, rank)
+        if key not in self._parts:
+            self._parts[key] = old_parts(old, [p for p in new.pieces(rank) or () if all(b > a for a, b in p.src)])
+        return self._parts[key]
+
+    def tensor(self, new: ParamPlan, rank: int, reader: RunReader) -> torch.Tensor:
+        """``rank``'s tensor of ``new`` on the CPU, read out of the old rank files (padding written as zeros)."""
+        import torch
+
+        from .steps import run_steps
+
+        old = self.old.params[new.name]
+        if boxes_copyable(new) and boxes_copyable(old):
+            dest = torch.empty(new.shape, dtype=to_torch(new.dtype))
+            for box in new.zeros(rank):
+                dest[tuple(slice(a, b) for a, b in box)] = 0
+            self._read(new.name, self.parts(new, rank), dest, reader)
+            return dest
+        return run_steps(new, self._stored_tensor(old, reader))[rank].contiguous()
+
+    def _stored_tensor(self, old: ParamPlan, reader: RunReader) -> torch.Tensor:
+        """The whole stored tensor of ``old``: rebuilt from the old ranks' boxes, or from the manifest's record."""
+        import torch
+
+        info = old.source
+        if old.replicated and info.file.name != STORED:  # stored whole in the source itself (a TVM cache's norm)
+            return reader.tensor(info)
+        if boxes_copyable(old):
+            dest = torch.empty(info.shape, dtype=to_torch(info.dtype))
+            self._read(old.name, old_parts(old, whole(old)), dest, reader)
+            return dest
+        raw = self.values.get(old.name)
+        if raw is None or len(raw) != info.nbytes:
+            funcs = ", ".join(s.name for s in old.steps if not s.func.remap) or "a dtype change"
+            raise PlanError(
+                f"its num_shards={old.num_shards} files hold the result of a compute step ({funcs}), which cannot be "
+                "undone, and the manifest does not record the stored tensor; convert the source checkpoint",
+                file=self.name, param=old.name,
+            )  # fmt: skip
+        return torch.frombuffer(bytearray(raw), dtype=to_torch(info.dtype)).reshape(info.shape).clone()
+
+    def _read(self, name: str, parts: Sequence[OldPart], dest: torch.Tensor, reader: RunReader) -> None:
+        """Read ``parts`` of the old rank files into ``dest`` (a contiguous CPU tensor), one run list per file."""
+        size = dest.element_size()
+        stage = self.holder[name]
+        populate = {"populate": True} if isinstance(reader, Reader) else {}  # map dest's pages in one call
+        maps = self._maps if isinstance(reader, Reader) and reader.can_map else None
+        by_rank: dict[int, list[OldPart]] = {}
+        for part in parts:
+            by_rank.setdefault(part.rank, []).append(part)
+        for rank, group in sorted(by_rank.items()):
+            info = self.headers[(stage, rank)][name]
+            if maps is not None and _copy_mapped(maps, info, group, dest):  # many short runs: copies from a map
+                continue
+            srcs, dsts, lengths = [], [], []
+            for part in group:
+                src, dst, run = box_runs(info.shape, part.src, tuple(dest.shape), part.dst)
+                if len(src) > 1 and _contiguous(info.shape, part.src):  # one run in the file, many in dest
+                    _gather(reader, info, part, dest, **populate)
+                    continue
+                srcs.append(src * size + info.offset)
+                dsts.append(dst * size)
+                lengths.append(np.full(len(src), run * size, dtype=np.int64))
+            if not srcs:
+                continue
+            src, dst, length = (np.concatenate(x) for x in (srcs, dsts, lengths))
+            order = np.argsort(src, kind="stable")
+            buf = np.zeros(len(src), dtype=np.int64)
+            reader.read_runs(info.file, src[order], length[order], buf, dst[order], [dest], **populate)
+
+
+def _copy_mapped(maps: FileMaps, info: TensorInfo, parts: Sequence[OldPart], dest: torch.Tensor) -> bool:
+    """Copy ``parts`` of old tensor ``info`` into ``dest`` out of a read-only mapping of its file, counted as read,
+    when they are many short rows (a column slice: one ``preadv`` iovec per row costs more); False otherwise, or
+    when the file cannot be mapped."""
+    size = dest.element_size()
+    rows = sum(prod(b - a for a, b in p.src) // max(1, _row(info.shape, p.src)) for p in parts)
+    nbytes = sum(prod(b - a for a, b in p.src) for p in parts) * size
+    if rows < 2 or nbytes >= SHORT_RUN * rows:
+        return False
+    raw = maps.array(info.file)
+    if raw is None or info.offset % size or info.offset + info.nbytes > len(raw):
+        return False
+    old = raw[info.offset : info.offset + info.nbytes].view(_words(dest).dtype).reshape(info.shape)
+    out = _words(dest)
+    for part in parts:
+        target = out[tuple(slice(a, b) for a, b in part.dst)]
+        np.copyto(target, old[tuple(slice(a, b) for a, b in part.src)].reshape(target.shape))
+    count_mapped(info.file, nbytes)
+    return True
+
+
+def _row(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> int:
+    """Elements per contiguous run of ``box`` in a row-major tensor of ``shape``."""
+    run = 1
+    for (a, b), n in zip(reversed(box), reversed(shape), strict=True):
+        run *= b - a
+        if b - a != n:
+            break
+    return run
+
+
+def _contiguous(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> bool:
+    """Whether ``box`` is one contiguous stretch of a row-major tensor of ``shape``."""
+    inner = False  # once a dim is cut, every dim before it must have extent 1
+    for (a, b), n in zip(reversed(box), reversed(shape), strict=True):
+        if inner and b - a != 1:
+            return False
+        if b - a != n:
+            inner = True
+    return True
+
+
+def _gather(reader: RunReader, info: TensorInfo, part: OldPart, dest: torch.Tensor, populate: bool = False) -> None:
+    """Read ``part`` (one contiguous stretch of old tensor ``info``) with one read, then copy it into its strided
+    place in ``dest`` (one system call instead of one per row)."""
+    import torch
+
+    target = dest[tuple(slice(a, b) for a, b in part.dst)]
+    scratch = torch.empty(target.numel(), dtype=dest.dtype)
+    start = (
+        info.offset
+        + sum(a * st for (a, _), st in zip(part.src, _strides(info.shape), strict=True)) * dest.element_size()
+    )
+    reader.read_tensor(info.file, start, scratch)
+    np.copyto(_words(target), _words(scratch).reshape(target.shape))
+
+
+def _words(t: torch.Tensor) -> np.ndarray:
+    """``t``'s elements as a numpy array of same-size integers (no copy; numpy has no bfloat16): numpy's strided
+    copies beat torch's here, whose intra-op threads contend with the readers."""
+    return t.view(_int_dtype(t.element_size())).numpy()
+
+
+def _int_dtype(size: int) -> Any:
+    """The torch integer dtype of ``size`` bytes."""
+    import torch
+
+    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return out[::-1]
+
+
+def record_of(source: ShardsSource) -> dict[str, Any]:
+    """The ``source_plan`` record of a directory written from ``source`` (so it serves any N in turn)."""
+    tensors = {name: [t.logical_dtype, list(t.shape)] for name, t in source.stored.tensors.items()}
+    values = {name: raw.hex() for name, raw in source.values.items()}
+    return {"shard_info": json.loads(json.dumps(source.shard_info.to_dict())), "tensors": tensors, "values": values}
+
+
+def _steps_key(plan: ParamPlan) -> tuple[object, ...]:
+    return tuple((s.name, repr(s.args), s.in_shape, s.in_dtype) for s in plan.steps)
+
+
+def shards_verify(verify: bool | str | None, where: str) -> bool:
+    """What ``verify`` asks of a read out of another conversion's rank files: True checks each rank file whole against
+    its manifest's sha256; a pinned root (a string) is refused here rather than checked less than it asks."""
+    if verify is None or verify is False:
+        return False
+    if verify is True:
+        return True
+    raise ShardloadError(
+        "verify=<root hash> is not supported when a converted or sharded_state directory is read for another N: "
+        "load it with verify=True (every rank file's sha256 against its manifest), or at its own N",
+        file=where,
+    )
+
+
+def presharded_verify(verify: bool | str | None, where: str) -> None:
+    """Refuse ``verify`` for a pre-sharded cache read for another N (its records are not read through the verifying
+    reader there), rather than load it unchecked."""
+    if verify is not None and verify is not False:
+        raise ShardloadError(
+            "verify is not supported when a pre-sharded cache is read for another N: load it at its own N with "
+            "verify, or convert the whole checkpoint",
+            file=where,
+        )
+
+
+def open_shards(checkpoint: Checkpoint, *, verify: bool = False) -> ShardsSource:
+    """Open converted directory ``checkpoint`` as a source for another N: its record, its old plan, and every rank
+    file checked against the manifest (present, size, the rank its header names, and with ``verify`` its sha256)
+    and against the old plan (each tensor's shape and dtype), before any tensor byte is read."""
+    manifest = checkpoint.manifest or {}
+    where = str(checkpoint.root / MANIFEST_NAME)
+    n_old = manifest["num_shards"]
+    record = manifest.get(RECORD_KEY)
+    if not isinstance(record, dict):
+        raise CheckpointError(
+            f"was converted for num_shards={n_old} without a source record (an older shardload, or a shard_info "
+            "that is not JSON); load it with that N, or convert the source checkpoint",
+            file=where,
+        )
+    info, stored, values = read_record(record, checkpoint, where)
+    try:
+        old = build_plan(info, stored, n_old)
+    except ShardloadError as err:
+        raise CheckpointError(f"its source record does not plan for its own num_shards={n_old}: {err}",
+                              file=where) from None  # fmt: skip
+    if old.resolved_shard_info()["params"] != manifest["shard_info"].get("params"):
+        raise CheckpointError("its source record disagrees with its shard_info", file=where)
+    mesh = manifest.get("mesh")
+    old_layout = Mesh(pp=mesh["pp"], tp=n_old, pp_layers=tuple(mesh["pp_layers"])) if mesh else Mesh(tp=n_old)
+    stages = manifest_stages(manifest)
+    entries = {e["path"]: e for e in manifest["files"]}
+    files: dict[tuple[int, int], Path] = {}
+    headers: dict[tuple[int, int], dict[str, TensorInfo]] = {}
+    for s in range(stages):
+        for r in range(n_old):
+            path, problem = check_entry(checkpoint.root, entries[rank_file_name(r, n_old, s, stages)], verify)
+            if problem is not None:
+                raise problem
+            files[(s, r)] = path
+            headers[(s, r)] = read_header(path)
+    holder = _check_headers(old, headers, stages, n_old)
+    extra = [checkpoint.root / MANIFEST_NAME]
+    return ShardsSource(checkpoint, info, stored, old, old_layout, files, headers, holder, values, extra)
+
+
+def read_record(
+    record: dict[str, Any], checkpoint: Checkpoint, where: str
+) -> tuple[ShardInfo, Checkpoint, dict[str, bytes]]:
+    """The shard_info, the stored tensors (as a header-only checkpoint) and the recorded values of a source record."""
+
+    def bad(reason: str) -> CheckpointError:
+        return CheckpointError(f"inconsistent manifest: '{RECORD_KEY}' {reason}", file=where)
+
+    tensors, values = record.get("tensors"), record.get("values", {})
+    if not isinstance(tensors, dict) or not isinstance(values, dict):
+        raise bad("needs a 'tensors' object and a 'values' object")
+    info = ShardInfo.from_dict(record.get("shard_info"), source=f"<{RECORD_KEY} of {where}>")
+    stored: dict[str, TensorInfo] = {}
+    nowhere = checkpoint.root / STORED
+    for name, entry in tensors.items():
+        ok = isinstance(entry, list) and len(entry) == 2 and entry[0] in DTYPES and isinstance(entry[1], list)
+        if not ok or not all(type(d) is int and d >= 0 for d in entry[1]):
+            raise CheckpointError(f"inconsistent manifest: bad stored tensor entry {entry!r}", file=where, param=name)
+        shape = tuple(entry[1])
+        stored[name] = TensorInfo(name, entry[0], shape, nowhere, 0, prod(shape) * itemsize(entry[0]))
+    raw: dict[str, bytes] = {}
+    for name, text in values.items():
+        try:
+            raw[name] = bytes.fromhex(text)
+        except (TypeError, ValueError):
+            raise CheckpointError(
+                "inconsistent manifest: a recorded value is not hex", file=where, param=name
+            ) from None
+    return info, Checkpoint(checkpoint.root, checkpoint.root, "safetensors", stored), raw
+
+
+def _check_headers(
+    old: ModelPlan, headers: dict[tuple[int, int], dict[str, TensorInfo]], stages: int, n_old: int
+) -> dict[str, int]:
+    """Every old rank file must hold its stage's tensors, each of the old plan's shape and dtype; returns the
+    stage each parameter is read from."""
+    holder: dict[str, int] = {}
+    for s in range(stages):
+        names = set(headers[(s, 0)])
+        for r in range(n_old):
+            found = headers[(s, r)]
+            for name, info in found.items():
+                want = old.params.get(name)
+                if want is None:
+                    raise CheckpointError("is no parameter of the directory's plan", file=str(info.file), param=name)
+                if (info.shape, info.dtype) != (tuple(want.shape), want.dtype):
+                    raise CheckpointError(
+                        f"is {info.dtype} {list(info.shape)}, but the manifest's plan gives rank {r} "
+                        f"{want.dtype} {list(want.shape)}",
+                        file=str(info.file), param=name,
+                    )  # fmt: skip
+            if set(found) != names:
+                other = sorted(names ^ set(found))[0]
+                raise CheckpointError(
+                    f"rank files of one stage hold different tensors ({other!r} is in one, not the other)",
+                    file=str(next(iter(found.values())).file if found else rank_file_name(r, n_old, s, stages)),
+                )
+            for name in found:
+                holder.setdefault(name, s)
+    missing = [name for name in old.params if name not in holder]
+    if missing:
+        raise CheckpointError("is held by no rank file", file=str(old.checkpoint.root if old.checkpoint else ""),
+                              param=missing[0])  # fmt: skip
+    return holder
+
+
+def load_ranks(
+    source: ShardsSource, layout: Mesh, ranks: Sequence[int], devices: Sequence[Any]
+) -> list[dict[str, torch.Tensor]]:
+    """Global ranks ``ranks`` of ``layout`` (rank ``ranks[k]`` on ``devices[k]``), read out of ``source`` (a
+    directory converted for another layout, a pre-sharded cache); each rank reads only the boxes it needs."""
+    stages = source.plan(layout)
+    out: list[dict[str, torch.Tensor]] = []
+    with reader_for(source.checkpoint.path) as reader:
+        for rank, device in zip(ranks, devices, strict=True):
+            coord = layout.coord(rank)
+            state = {}
+            for param in stages[coord.pp].params.values():
+                state[param.name] = source.tensor(param, coord.tp, reader).to(device)
+            out.append(state)
+    return out
+
+
+@dataclass(frozen=True)
+class Written:
+    """What :func:`write_shards` wrote: the new plan, the rank files, the other files."""
+
+    plan: ModelPlan
+    rank_files: list[WrittenFile]
+    other_files: list[WrittenFile]
+
+
+def write_shards(
+    source: ShardsSource,
+    layout: Mesh,
+    out: Path,
+    *,
+    overwrite: bool,
+    fsync: bool | None,
+    progress: Any = None,
+) -> Written:
+    """Write ``source`` (a directory converted for another layout, a pre-sharded cache) as a directory converted for
+    ``layout``, streamed one tensor at a time; everything is planned and checked before the output is created."""
+    from ..version import __version__
+    from .output import Staging, check_output, publish_with_manifest, stamp_sources, write_error
+    from .writer import FileWriter, file_order, rank_header
+
+    checkpoint = source.checkpoint
+    stages = source.plan(layout)
+    files = sorted(set(source.files.values()) | {f for f in source.extra_files if f.name != MANIFEST_NAME})
+    stamps = stamp_sources(files)
+    exists = check_output(out, [*files, *source.extra_files], overwrite=overwrite)
+    durable = exists if fsync is None else fsync
+    record = record_of(source)
+    written: list[WrittenFile] = []
+    try:
+        with Staging(out, fsync, synced=durable, overwrite=overwrite) as staging, reader_for(checkpoint.path) as reader:
+            for pp, plan in enumerate(stages):
+                for r in range(layout.tp):
+                    handle = FileWriter(staging.dir / rank_file_name(r, layout.tp, pp, len(stages)), durable=durable)
+                    try:
+                        handle.write(rank_header(plan, r, pp, len(stages)))
+                        for param in file_order(plan):
+                            t = source.tensor(param, r, reader)
+                            if t.numel():
+                                handle.write(t.view(-1).view(_u8()).numpy().data)
+                            if progress is not None:
+                                progress(0, param.name)
+                        written.append(handle.finish())
+                    finally:
+                        handle.close()
+            mesh = None
+            if layout.pp > 1:
+                counts = [len(s.layers) if s.layers is not None else 0 for s in stages]
+                mesh = {"pp": layout.pp, "tp": layout.tp, "pp_layers": counts}
+            manifest = {
+                "format": MANIFEST_FORMAT,
+                "version": MANIFEST_VERSION,
+                "shardload_version": __version__,
+                "num_shards": layout.tp,
+                "mesh": mesh,
+                "shard_info": build_plan(source.shard_info, source.stored, layout.tp).resolved_shard_info(),
+                "source": {"files": [{"path": f.name, "size": f.stat().st_size} for f in files]},
+                RECORD_KEY: record,
+            }
+            others = publish_with_manifest(staging, checkpoint.root, stamps, written, manifest, durable)
+    except OSError as err:
+        raise write_error(err, out) from None
+    whole_plan = build_plan(source.shard_info, source.stored, layout.tp)
+    return Written(whole_plan, written, others)
+
+
+def open_presharded(checkpoint: Checkpoint, shard_info: ShardInfo) -> ShardsSource:
+    """A TVM/MLC cache pre-sharded for N_old (``NAME_shard-K-of-N`` records) as a source for another N:
+    ``shard_info`` says how each whole parameter splits (its form for any N); each pre-sharded parameter's whole
+    shape is the one whose plan for N_old gives exactly its records' shape."""
+    n_old = checkpoint.presharded
+    assert n_old is not None
+    where = shard_info.source
+    stored: dict[str, TensorInfo] = {}
+    for name, info in checkpoint.tensors.items():
+        if name not in checkpoint.shards:
+            stored[name] = info
+    for name, parts in checkpoint.shards.items():
+        part = parts[0]
+        if part.decode is not None:
+            raise PlanError(
+                f"its num_shards={n_old} records are stored {part.dtype} for {part.decode} ranks: resharding copies "
+                "boxes of the records as stored, so it needs records stored as the ranks hold them",
+                file=checkpoint.name, param=name,
+            )  # fmt: skip
+        stored[name] = _whole(name, shard_info, part, n_old, checkpoint)
+    virtual = Checkpoint(checkpoint.root, checkpoint.root, "safetensors", stored)
+    old_info = ShardInfo({k: v for k, v in shard_info.params.items() if k in checkpoint.shards}, source=where)
+    old = build_plan(old_info, virtual, n_old)
+    headers = {
+        (0, r): {**{n: t for n, t in checkpoint.tensors.items() if n not in checkpoint.shards},
+                 **{n: parts[r] for n, parts in checkpoint.shards.items()}}
+        for r in range(n_old)
+    }  # fmt: skip
+    holder = dict.fromkeys(stored, 0)
+    extra = sorted({t.file for t in checkpoint.tensors.values()} | set(checkpoint.files))
+    return ShardsSource(checkpoint, shard_info, virtual, old, Mesh(tp=n_old), {}, headers, holder, {}, extra)
+
+
+def _whole(name: str, shard_info: ShardInfo, part: TensorInfo, n_old: int, checkpoint: Checkpoint) -> TensorInfo:
+    """The whole stored tensor a pre-sharded parameter was cut from: the one shape (a dim of its records times
+    N_old) whose steps give each of N_old ranks exactly the records' shape and dtype."""
+    specs = shard_info.params.get(name)
+    if not specs:
+        raise PlanError(
+            f"is pre-sharded for num_shards={n_old}; loading it for another N needs a shard_info that says how the "
+            "whole parameter splits (shard_info=, or shard_info.json beside the cache)",
+            file=checkpoint.name, param=name,
+        )  # fmt: skip
+    one = ShardInfo({name: specs}, source=shard_info.source)
+    found: list[TensorInfo] = []
+    for d in range(len(part.shape)):
+        shape = tuple(n * n_old if i == d else n for i, n in enumerate(part.shape))
+        info = TensorInfo(name, part.dtype, shape, checkpoint.root / STORED, 0, prod(shape) * itemsize(part.dtype))
+        plan = build_plan(one, Checkpoint(checkpoint.root, checkpoint.root, "safetensors", {name: info}), n_old,
+                          strict=False)  # fmt: skip
+        got = plan.params.get(name)
+        if not plan.problems and got is not None and (tuple(got.shape), got.dtype) == (part.shape, part.dtype):
+            if all(f.shape != shape for f in found):
+                found.append(info)
+    if len(found) != 1:
+        shapes = " or ".join(str(list(f.shape)) for f in found) or "none"
+        raise PlanError(
+            f"cannot tell the whole shape its num_shards={n_old} records of {list(part.shape)} were cut from "
+            f"(shapes whose steps give them: {shapes})",
+            file=shard_info.source, param=name,
+        )  # fmt: skip
+    return found[0]

@@ -1,0 +1,443 @@
+"""A converted directory as a source for any N (docs/reshard.md).
+
+For each tiny model (a GQA Llama whose KV heads replicate at N > 2, a Qwen2 with biases, tied embeddings and a
+vocabulary of 250 that N = 4 pads, a Mixtral, a GPTQ int4 Llama whose ``g_idx`` a compute step rewrites, a
+compressed-tensors int4 Llama whose ``weight_shape`` one rewrites, a pp x tp mesh), converted for N_old in
+{2, 4, 8} where the model allows, every rank at N_new in {1, 2, 3, 4, 8} must equal the rank made straight from
+the original checkpoint, element for element, and read at most 1.05x its own bytes; an N the model refuses is
+refused from the shards too, in one line. The GQA Llama's ranks also equal an independent reference
+(tests/helpers/tp_split.py). Bad directories are one located line, nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import shardload
+from shardload.cli.main import main
+from shardload.errors import CheckpointError, ShardloadError
+from shardload.sources.reader import count_reads
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+import tp_split
+from test_quant_llama import tiny_llama  # noqa: F401  (a fixture)
+
+OLD_N = (2, 4, 8)
+NEW_N = (1, 2, 3, 4, 8)
+SLACK = 1.05
+State = dict[str, torch.Tensor]
+
+
+class Model:
+    """A source model, its converted directories (made once per N_old) and its direct ranks (once per N_new)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._direct: dict[int, list[State] | ShardloadError] = {}
+        self._converted: dict[int, Path | None] = {}
+
+    def direct(self, n: int) -> list[State] | ShardloadError:
+        if n not in self._direct:
+            try:
+                self._direct[n] = shardload.load(self.path, n, devices=["cpu"] * n)
+            except ShardloadError as err:
+                self._direct[n] = err
+        return self._direct[n]
+
+    def converted(self, n: int) -> Path | None:
+        """The model converted for ``n`` (None when the model does not allow ``n``)."""
+        if n not in self._converted:
+            out = self.path.parent / f"{self.path.name}-tp{n}"
+            self._converted[n] = None if isinstance(self.direct(n), ShardloadError) else out
+            if self._converted[n] is not None:
+                shardload.convert(self.path, n, out)
+        return self._converted[n]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Model]:
+    pytest.importorskip("transformers")
+    from test_quant_llama import SYNTHETIC, write_llama
+
+    import tiny_models
+
+    root = tmp_path_factory.mktemp("reshard")
+    tiny_models.build("llama_gqa", root / "llama_gqa")
+    tiny_models.build("qwen2", root / "qwen2", vocab_size=250)
+    tiny_models.build("mixtral", root / "mixtral")
+    write_llama(root / "gptq", *SYNTHETIC["gptq"])
+    return {name: Model(root / name) for name in ("llama_gqa", "qwen2", "mixtral", "gptq")}
+
+
+def own_bytes(state: State) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def assert_equal(got: State, want: State, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), f"{what}: {name}"
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2", "mixtral", "gptq", "compressed"])
+def test_any_n_from_any_n(models: dict[str, Model], kind: str, request: pytest.FixtureRequest) -> None:
+    if kind == "compressed":  # the compressed-tensors int4 Llama of test_quant_llama.py (weight_shape: computed)
+        models.setdefault(kind, Model(request.getfixturevalue("tiny_llama")))
+    model = models[kind]
+    cells = 0
+    for n_old in OLD_N:
+        out = model.converted(n_old)
+        if out is None:
+            continue
+        for n_new in NEW_N:
+            want = model.direct(n_new)
+            if isinstance(want, ShardloadError):  # the model refuses this N: so do its shards, in one line
+                with pytest.raises(ShardloadError) as err:
+                    shardload.load_rank(out, 0, n_new)
+                assert "\n" not in str(err.value)
+                continue
+            for rank in range(n_new):
+                with count_reads() as seen:
+                    got = shardload.load_rank(out, rank, n_new)
+                what = f"{kind} {n_old} -> {n_new} rank {rank}"
+                assert_equal(got, want[rank], what)
+                assert seen.bytes <= SLACK * own_bytes(got), f"{what}: read {seen.bytes} for {own_bytes(got)}"
+                cells += 1
+    assert cells >= 10
+
+
+def test_gqa_ranks_equal_an_independent_split(models: dict[str, Model]) -> None:
+    """The 8-head, 2-KV-head Llama from its 2-way shards at N = 8 (each KV head on four ranks) against plain
+    torch slicing of the original tensors."""
+    from safetensors.torch import load_file
+
+    model = models["llama_gqa"]
+    config = json.loads((model.path / "config.json").read_text())
+    state = load_file(str(model.path / "model.safetensors"))
+    out = model.converted(2)
+    assert out is not None
+    got = shardload.load(out, 8, devices=["cpu"] * 8)
+    for rank in range(8):
+        want = tp_split.plain_rank(state, config, 8, rank)
+        assert tp_split.mismatches(got[rank], want) == [], rank
+
+
+def test_replicated_kv_heads_are_read_once(models: dict[str, Model]) -> None:
+    """From 8-way shards (each of the 2 KV heads on four ranks) to N = 1: every stored byte is read once."""
+    model = models["llama_gqa"]
+    out = model.converted(8)
+    assert out is not None
+    with count_reads() as seen:
+        got = shardload.load_rank(out, 0, 1)
+    assert seen.bytes == own_bytes(got)
+
+
+def test_convert_from_shards(models: dict[str, Model], tmp_path: Path) -> None:
+    """``convert OUT4 -n 2`` writes what converting the original for 2 writes; the result reshards again."""
+    model = models["qwen2"]
+    out4 = model.converted(4)
+    assert out4 is not None
+    result = CliRunner().invoke(main, ["convert", str(out4), "-n", "2", "-o", str(tmp_path / "o2")])
+    assert result.exit_code == 0, result.output
+    direct = model.converted(2)
+    assert direct is not None
+    for r in range(2):
+        name = f"rank-{r:05d}-of-00002.safetensors"
+        assert (tmp_path / "o2" / name).read_bytes() == (direct / name).read_bytes()
+    assert shardload.verify_dir(tmp_path / "o2").ok
+    want = model.direct(4)
+    assert not isinstance(want, ShardloadError)
+    for r in range(4):
+        assert_equal(shardload.load_rank(tmp_path / "o2", r, 4), want[r], f"4 -> 2 -> 4 rank {r}")
+
+
+def test_inspect_shards_as_the_original(models: dict[str, Model]) -> None:
+    """``inspect OUT8 -n 2`` reports the plan ``inspect MODEL -n 2`` does; an N the model refuses is one line."""
+    model = models["mixtral"]
+    out = model.converted(4)
+    assert out is not None
+    runner = CliRunner()
+    direct = runner.invoke(main, ["inspect", str(model.path), "-n", "2", "--json"])
+    shards = runner.invoke(main, ["inspect", str(out), "-n", "2", "--json"])
+    assert shards.exit_code == 0 and direct.exit_code == 0, shards.output
+    assert json.loads(shards.stdout) == json.loads(direct.stdout)
+    refused = runner.invoke(main, ["inspect", str(out), "-n", "3"])
+    assert refused.exit_code == 1 and refused.stderr.count("\n") == 2, refused.stderr  # the note, the error
+
+
+def test_mesh_stages_to_any_mesh(models: dict[str, Model], tmp_path: Path) -> None:
+    """A pp=2 x tp=2 directory loads as tp=4, tp=1 and pp=2 x tp=4, each rank equal to the original's."""
+    model = models["llama_gqa"]
+    out = tmp_path / "mesh"
+    shardload.convert(model.path, None, out, mesh="pp=2,tp=2")
+    for mesh in ("pp=1,tp=4", "pp=1,tp=1", "pp=2,tp=4", "pp=2,tp=1"):
+        layout = shardload.Mesh.parse(mesh)
+        want = shardload.load(model.path, mesh=mesh, devices=["cpu"] * layout.world_size)
+        for rank in range(layout.world_size):
+            with count_reads() as seen:
+                got = shardload.load_rank(out, rank, mesh=mesh)
+            assert_equal(got, want[rank], f"pp=2,tp=2 -> {mesh} rank {rank}")
+            assert seen.bytes <= SLACK * own_bytes(got)
+
+
+# --- bad directories: one located line, nothing written ------------------------------------------
+
+
+def _copy(models: dict[str, Model], tmp_path: Path) -> Path:
+    out = models["llama_gqa"].converted(2)
+    assert out is not None
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    return bad
+
+
+def _manifest(path: Path) -> dict[str, Any]:
+    return json.loads((path / "shard_manifest.json").read_text())
+
+
+def _refused(source: Path, tmp_path: Path, reason: str) -> None:
+    """Loading ``source`` for 4 and converting it for 4 both fail with one line holding ``reason``; no output."""
+    with pytest.raises(ShardloadError) as err:
+        shardload.load_rank(source, 0, 4)
+    assert reason in str(err.value) and "\n" not in str(err.value), str(err.value)
+    result = CliRunner().invoke(main, ["convert", str(source), "-n", "4", "-o", str(tmp_path / "new")])
+    assert result.exit_code == 1 and reason in result.output and result.output.count("\n") == 1, result.output
+    assert not (tmp_path / "new").exists()
+    assert [p.name for p in tmp_path.iterdir()] == [source.name]
+
+
+def test_missing_rank_file(models: dict[str, Model], tmp_path: Path) -> None:
+    bad = _copy(models, tmp_path)
+    (bad / "rank-00001-of-00002.safetensors").unlink()
+    _refused(bad, tmp_path, "rank-00001-of-00002.safetensors: is missing (listed in the manifest)")
+
+
+def test_duplicated_rank_file(models: dict[str, Model], tmp_path: Path) -> None:
+    bad = _copy(models, tmp_path)
+    shutil.copy(bad / "rank-00000-of-00002.safetensors", bad / "rank-00001-of-00002.safetensors")
+    _refused(bad, tmp_path, "its header says rank 0 of 2, not rank 1 of 2")
+
+
+def test_rank_file_of_another_conversion(models: dict[str, Model], tmp_path: Path) -> None:
+    """Rank 1 from the Qwen2 conversion: its size disagrees with the manifest; with the size fixed up too, its
+    tensors disagree with the manifest's plan."""
+    bad = _copy(models, tmp_path)
+    other = models["qwen2"].converted(2)
+    assert other is not None
+    shutil.copy(other / "rank-00001-of-00002.safetensors", bad / "rank-00001-of-00002.safetensors")
+    _refused(bad, tmp_path, "rank-00001-of-00002.safetensors: is ")
+    manifest = _manifest(bad)
+    for entry in manifest["files"]:
+        if entry["path"] == "rank-00001-of-00002.safetensors":
+            entry["size"] = (bad / entry["path"]).stat().st_size
+    (bad / "shard_manifest.json").write_text(json.dumps(manifest))
+    _refused(
+        bad,
+        tmp_path,
+        "rank-00001-of-00002.safetensors: model.embed_tokens.weight: is float32 [125, 64], but the manifest's plan",
+    )
+
+
+def test_shapes_disagree_with_the_plan(models: dict[str, Model], tmp_path: Path) -> None:
+    bad = _copy(models, tmp_path)
+    manifest = _manifest(bad)
+    manifest["source_plan"]["tensors"]["model.norm.weight"][1] = [32]
+    (bad / "shard_manifest.json").write_text(json.dumps(manifest))
+    _refused(
+        bad, tmp_path, "rank-00000-of-00002.safetensors: model.norm.weight: is float32 [64], but the manifest's plan"
+    )
+
+
+def test_without_a_source_record(models: dict[str, Model], tmp_path: Path) -> None:
+    bad = _copy(models, tmp_path)
+    manifest = _manifest(bad)
+    del manifest["source_plan"]
+    (bad / "shard_manifest.json").write_text(json.dumps(manifest))
+    _refused(bad, tmp_path, "without a source record")
+    assert shardload.load_rank(bad, 1, 2).keys()  # its own N still loads
+
+
+def test_refusals_are_checkpoint_errors(models: dict[str, Model]) -> None:
+    out = models["llama_gqa"].converted(2)
+    assert out is not None
+    with pytest.raises(CheckpointError, match="rank 3 is out of range for num_shards=3"):
+        shardload.load_rank(out, 3, 3)
+
+
+# --- a TVM/MLC cache pre-sharded for one N ------------------------------------------------------------
+
+TVM_PLAN = {
+    "version": 1,
+    "num_shards": None,
+    "params": {
+        "param_0": [["shard_funcs.shard_dim", [None, "float16"], 0, "num_shards"]],
+        "param_1": [["shard_funcs.shard_dim", [None, "float32"], 1, "num_shards"]],
+    },
+}
+
+
+def test_presharded_cache_to_any_n(tmp_path: Path) -> None:
+    """A cache cut 2 ways (records ``NAME_shard-K-of-2``) and the shard_info saying how: any N, each rank its own
+    bytes, equal to splitting the whole parameters; then converted for 4 and loaded for 8 from that."""
+    pytest.importorskip("tvm")
+    import numpy as np
+    from test_tvm_cache import _presharded
+
+    path, split = _presharded(tmp_path, 2)
+    whole = {"param_0": np.concatenate(split["param_0"], 0), "param_1": np.concatenate(split["param_1"], 1)}
+
+    def want(n: int, r: int) -> dict[str, np.ndarray]:
+        return {"param_0": np.split(whole["param_0"], n, 0)[r], "param_1": np.split(whole["param_1"], n, 1)[r]}
+
+    for n in (1, 4, 8):
+        for r in range(n):
+            with count_reads() as seen:
+                got = shardload.load_rank(path, r, n, shard_info=TVM_PLAN)
+            for name, array in want(n, r).items():
+                assert np.array_equal(got[name].numpy(), array), (n, r, name)
+            assert got["norm"].numel() == 16 and seen.bytes == own_bytes(got)
+    shardload.convert(path, 4, tmp_path / "tp4", shard_info=TVM_PLAN)
+    assert shardload.verify_dir(tmp_path / "tp4").ok
+    got = shardload.load(tmp_path / "tp4", 8, devices=["cpu"] * 8)
+    for r in range(8):
+        for name, array in want(8, r).items():
+            assert np.array_equal(got[r][name].numpy(), array), (r, name)
+
+
+def test_presharded_cache_needs_its_plan(tmp_path: Path) -> None:
+    """Without a shard_info (how was it cut?), or with one that two whole shapes satisfy, one line."""
+    pytest.importorskip("tvm")
+    from test_tvm_cache import _presharded
+
+    path, _ = _presharded(tmp_path, 2)
+    with pytest.raises(ShardloadError, match="param_0: is pre-sharded for num_shards=2; loading it for another N"):
+        shardload.load_rank(path, 0, 4)
+    replicate = {"version": 1, "num_shards": None, "params": {
+        **TVM_PLAN["params"], "param_0": [["shard_funcs.replicate", [None, "float16"], "num_shards"]]}}  # fmt: skip
+    with pytest.raises(ShardloadError, match="param_0: cannot tell the whole shape") as err:
+        shardload.convert(path, 4, tmp_path / "out", shard_info=replicate)
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
+
+
+def test_vllm_layout_from_shards(models: dict[str, Model], tmp_path: Path) -> None:
+    """``convert OUT4 --layout vllm -n 2`` writes the rank files ``convert MODEL --layout vllm -n 2`` writes (Qwen2:
+    fused qkv with biases, the vocabulary padded to vLLM's multiple of 64, a tied head)."""
+    model = models["qwen2"]
+    out4 = model.converted(4)
+    assert out4 is not None
+    runner = CliRunner()
+    for source, out in ((out4, tmp_path / "from-shards"), (model.path, tmp_path / "direct")):
+        result = runner.invoke(main, ["convert", str(source), "-n", "2", "-o", str(out), "--layout", "vllm"])
+        assert result.exit_code == 0, result.output
+    for r in range(2):
+        name = f"model-rank-{r}-part-0.safetensors"
+        assert (tmp_path / "from-shards" / name).read_bytes() == (tmp_path / "direct" / name).read_bytes(), name
+
+
+def test_own_n_keeps_the_fast_path(models: dict[str, Model], monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the N it was converted for, a directory is read file by file as before: the resharding source is never
+    opened, and share_reads or mmap at another N is one line."""
+    import shardload.engine.load as load_module
+
+    out = models["llama_gqa"].converted(2)
+    assert out is not None
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the resharding path was taken")
+
+    monkeypatch.setattr(load_module, "open_shards", refuse)
+    want = models["llama_gqa"].direct(2)
+    assert not isinstance(want, ShardloadError)
+    assert_equal(shardload.load_rank(out, 1, 2, mmap=True), want[1], "own N, mmap")
+    monkeypatch.undo()
+    with pytest.raises(ShardloadError, match="without share_reads or mmap") as err:
+        shardload.load_rank(out, 0, 4, mmap=True)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mixtral"])
+def test_vllm_sharded_state_as_a_source(models: dict[str, Model], kind: str, tmp_path: Path) -> None:
+    """A directory ``convert --layout vllm -n 2`` wrote (vLLM's names, fused qkv and gate_up, stacked experts, the
+    vocabulary padded to a multiple of 64) converts to the plain layout and to vLLM's at N = 1, 2, 4: the same
+    ranks (plain) and the same files (vLLM) as converting the original."""
+    model = models[kind]
+    runner = CliRunner()
+    vllm2 = tmp_path / "vllm2"
+    result = runner.invoke(main, ["convert", str(model.path), "-n", "2", "-o", str(vllm2), "--layout", "vllm"])
+    assert result.exit_code == 0, result.output
+    for n in (1, 2, 4):
+        want = model.direct(n)
+        assert not isinstance(want, ShardloadError)
+        plain = tmp_path / f"plain{n}"
+        shardload.convert(vllm2, n, plain)
+        for r in range(n):
+            assert_equal(shardload.load_rank(plain, r, n), want[r], f"{kind} vllm 2 -> plain {n} rank {r}")
+        for source, out in ((vllm2, tmp_path / f"v{n}"), (model.path, tmp_path / f"direct{n}")):
+            result = runner.invoke(main, ["convert", str(source), "-n", str(n), "-o", str(out), "--layout", "vllm"])
+            assert result.exit_code == 0, result.output
+        for r in range(n):
+            name = f"model-rank-{r}-part-0.safetensors"
+            assert (tmp_path / f"v{n}" / name).read_bytes() == (tmp_path / f"direct{n}" / name).read_bytes()
+
+
+def test_vllm_sharded_state_bad_input(models: dict[str, Model], tmp_path: Path) -> None:
+    """A missing rank file, or one without a source record (as vLLM's own save_model writes): one line, nothing
+    written."""
+    model = models["qwen2"]
+    vllm2 = tmp_path / "vllm2"
+    result = CliRunner().invoke(main, ["convert", str(model.path), "-n", "2", "-o", str(vllm2), "--layout", "vllm"])
+    assert result.exit_code == 0, result.output
+    (vllm2 / "model-rank-1-part-0.safetensors").unlink()
+    with pytest.raises(ShardloadError, match=r"model-rank-1-part-0\.safetensors: is missing") as err:
+        shardload.convert(vllm2, 4, tmp_path / "out")
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
+    manifest = _manifest(vllm2)
+    del manifest["source_plan"]
+    (vllm2 / "shard_manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ShardloadError, match="without a source record") as err:
+        shardload.convert(vllm2, 4, tmp_path / "out")
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
+
+
+def test_verify_when_resharding(models: dict[str, Model], tmp_path: Path) -> None:
+    """verify=True reads another conversion's rank files checked against the manifest's sha256 (a flipped byte fails
+    in one line); a pinned root cannot be checked there and is refused, never loaded unchecked."""
+    bad = _copy(models, tmp_path)
+    want = models["llama_gqa"].direct(4)
+    assert not isinstance(want, ShardloadError)
+    assert_equal(shardload.load_rank(bad, 1, 4, verify=True), want[1], "verify=True, 2 -> 4")
+    with pytest.raises(ShardloadError) as err:
+        shardload.load_rank(bad, 1, 4, verify="0" * 64)
+    assert "verify=<root hash> is not supported" in str(err.value)
+    result = CliRunner().invoke(
+        main, ["convert", str(bad), "-n", "4", "-o", str(tmp_path / "new"), "--verify", "0" * 64]
+    )
+    assert result.exit_code == 1 and "verify=<root hash> is not supported" in result.output, result.output
+    assert not (tmp_path / "new").exists()
+    rank = bad / "rank-00001-of-00002.safetensors"
+    data = bytearray(rank.read_bytes())
+    data[-1] ^= 0xFF
+    rank.write_bytes(bytes(data))
+    with pytest.raises(ShardloadError) as err:
+        shardload.load_rank(bad, 1, 4, verify=True)
+    assert "sha256" in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_verify_refused_for_a_presharded_cache_read_for_another_n(tmp_path: Path) -> None:
+    pytest.importorskip("tvm")
+    from test_tvm_cache import _presharded
+
+    path, _ = _presharded(tmp_path, 2)
+    shardload.hash_checkpoint(path)  # a record, so only the read for another N is left to refuse
+    for call in (lambda: shardload.load_rank(path, 0, 4, verify=True), lambda: shardload.load(path, 4, verify=True)):
+        with pytest.raises(ShardloadError) as err:
+            call()
+        assert "verify is not supported when a pre-sharded cache is read for another N" in str(err.value)
