@@ -31,6 +31,7 @@ from .engine.audit import verify_dir
 from .engine.convert import ConvertResult, convert
 from .engine.load import load, load_rank
 from .engine.quantize import quantize
+from .engine.read_strategy import ReadOptions
 from .engine.verify import VerifyReport
 from .errors import CheckpointError, FormatError, PlanError, ShardloadError
 from .format.shard_info import ShardInfo, StepSpec
@@ -49,6 +50,7 @@ __all__ = [
     "ModelPlan",
     "ParamPlan",
     "PlanError",
+    "ReadOptions",
     "ShardInfo",
     "ShardloadError",
     "StepSpec",

@@ -21,7 +21,8 @@ from ..sources.object_reader import reader_for
 from ..sources.objects import ObjectPath
 from ..sources.reader import RunReader
 from .devices import resolve_device
-from .transfer import Transfer, plan_reader
+from .read_strategy import ReadOptions
+from .transfer import Transfer, reader_for_plan
 from .verify import rank_file
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 def materialize(plan: ParamPlan, files: RunReader, ranks: Sequence[int]) -> list[torch.Tensor]:
     """Build this parameter's shards for ``ranks`` on the CPU (fresh, contiguous tensors), reading synchronously."""
-    with Transfer(files, threads=0) as transfer:
+    with Transfer(files, read_options=ReadOptions(threads=0)) as transfer:
         shards = transfer.param(plan, ranks)
         transfer.wait()
     return shards
@@ -40,7 +41,7 @@ def materialize(plan: ParamPlan, files: RunReader, ranks: Sequence[int]) -> list
 
 def iter_shards(plan: ModelPlan, ranks: Sequence[int]) -> Iterator[tuple[ParamPlan, list[torch.Tensor]]]:
     """Stream ``(param plan, shards for ranks)`` one parameter at a time, in checkpoint order, on the CPU."""
-    with plan_reader(plan.params.values()) as reader, Transfer(reader) as transfer:
+    with reader_for_plan(plan.params.values()) as reader, Transfer(reader) as transfer:
         for param in plan.params.values():
             shards = transfer.param(param, ranks)
             transfer.wait()
@@ -65,6 +66,7 @@ def load(
     mesh: Mesh | str | Mapping[str, int] | None = None,
     verify: bool = False,
     progress: bool | Callable[[int, int], None] = False,
+    read_options: ReadOptions | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Load every rank's shard of ``model``: a list of state dicts, the one for global rank r on ``devices[r]``.
 
@@ -74,6 +76,7 @@ def load(
     ``tp`` of them; ``num_shards`` may then be left out (it is the mesh's ``tp``). ``verify``
     checks a converted directory's sha256 sums (sizes are always checked). ``progress=True`` draws a
     progress line on stderr when it is a terminal; a callable gets ``(read jobs done, total)`` per stage.
+    ``read_options`` (:class:`ReadOptions`) sets the reader threads.
 
     Example::
 
@@ -92,10 +95,11 @@ def load(
     if checkpoint.kind == "converted":
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
-        return [load_rank(model, r, layout.tp, devices[r], mesh=layout, verify=verify) for r in range(world)]
+        return [load_rank(model, r, layout.tp, devices[r], mesh=layout, verify=verify, read_options=read_options)
+                for r in range(world)]  # fmt: skip
     if checkpoint.presharded is not None:
         return [
-            _load_presharded_rank(checkpoint, shard_info, layout, layout.coord(r), devices[r], False)
+            _load_presharded_rank(checkpoint, shard_info, layout, layout.coord(r), devices[r], False, read_options)
             for r in range(world)
         ]
     plan = build_plan(shard_info_for(checkpoint, shard_info), checkpoint, layout.tp)
@@ -104,7 +108,8 @@ def load(
         first = [layout.rank(0, pp, tp) for tp in range(layout.tp)]
         report = _progress_line(f"loading stage {pp}" if layout.pp > 1 else "loading") if progress is True else None
         call = report or (progress if callable(progress) else None)
-        for tp, state in enumerate(run_plan(stage, range(layout.tp), [devices[r] for r in first], progress=call)):
+        devs = [devices[r] for r in first]
+        for tp, state in enumerate(run_plan(stage, range(layout.tp), devs, progress=call, read_options=read_options)):
             result[first[tp]] = state
             for dp in range(1, layout.dp):  # data-parallel replicas: the same tensors, copied
                 rank = layout.rank(dp, pp, tp)
@@ -136,12 +141,14 @@ def run_plan(
     staged: bool = False,
     mmap: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    read_options: ReadOptions | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Every parameter of ``plan`` for ``ranks`` (rank ``ranks[k]`` on ``devices[k]``): all allocated, then read
     by the thread pool.
 
     ``staged`` sends CPU destinations through the staging buffers too (to test that path on the CPU);
-    ``mmap`` (one CPU rank) maps what it can instead of reading it (see :func:`load_rank`).
+    ``mmap`` (one CPU rank) maps what it can instead of reading it (see :func:`load_rank`); ``read_options``
+    sets the reader threads and a single rank's read strategy.
     """
     result: list[dict[str, torch.Tensor]] = [{} for _ in ranks]
     import torch
@@ -151,8 +158,16 @@ def run_plan(
     # rank's tensors are populated by the readers themselves, so its reads start while later parameters are planned
     defer = not (one_rank and torch.device(devices[0]).type == "cpu")
     with (
-        plan_reader(plan.params.values()) as reader,
-        Transfer(reader, staged=staged, defer=defer, mapped=mmap, copy_out=one_rank, progress=progress) as transfer,
+        reader_for_plan(plan.params.values()) as reader,
+        Transfer(
+            reader,
+            read_options=read_options,
+            staged=staged,
+            defer=defer,
+            mapped=mmap,
+            copy_out=one_rank,
+            progress=progress,
+        ) as transfer,
     ):
         for param in plan.params.values():
             for k, t in enumerate(transfer.param(param, ranks, devices)):
@@ -222,6 +237,7 @@ def load_rank(
     mmap: bool = False,
     share_reads: Any = False,
     progress: bool | Callable[[int, int], None] = False,
+    read_options: ReadOptions | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load only rank ``rank``'s shard of ``model`` onto ``device``, reading only the bytes it needs.
 
@@ -250,6 +266,10 @@ def load_rank(
 
     ``progress=True`` draws a progress line on stderr when it is a terminal (under torch.distributed only on
     the first rank of each node); a callable gets ``(done, total)`` (read jobs, or exchange rounds).
+
+    ``read_options`` (:class:`ReadOptions`) forces how the rank gets its bytes (``strategy="map"``: copies out of a
+    mapping, ``"read"``: ``preadv`` of the exact runs; default ``"auto"``) and sets the reader threads. It does
+    not apply to ``share_reads``, whose chunks are always read as exact runs.
 
     Example::
 
@@ -290,15 +310,21 @@ def load_rank(
         raise ShardloadError(
             f"mmap=True maps files into host memory; it needs device='cpu', not {device!r}", file=str(model)
         )
+    if shared and read_options is not None:
+        raise ShardloadError(
+            "read_options applies to a rank reading for itself; share_reads reads each chunk as exact runs (leave "
+            "read_options out)",
+            file=str(model),
+        )
     call = _rank_progress(progress, f"loading rank {rank}", "exchange rounds" if shared else "read jobs")
     if checkpoint.kind == "converted":
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
         if shared:
             return _load_converted_shared(checkpoint, layout, coord, device, verify, group, call)
-        return _load_converted_rank(checkpoint, layout, coord, device, verify, mmap)
+        return _load_converted_rank(checkpoint, layout, coord, device, verify, mmap, read_options)
     if checkpoint.presharded is not None:
-        return _load_presharded_rank(checkpoint, shard_info, layout, coord, device, mmap)
+        return _load_presharded_rank(checkpoint, shard_info, layout, coord, device, mmap, read_options)
     plan = build_plan(shard_info_for(checkpoint, shard_info), checkpoint, layout.tp)
     stages = stages_of(plan, layout)
     if shared:
@@ -309,9 +335,9 @@ def load_rank(
             return list(stages[key[0]].params.values()), key[1]
 
         digest = plan_digest(plan, stages) + str(layout).encode()
-        with plan_reader(plan.params.values()) as reader:
+        with reader_for_plan(plan.params.values()) as reader:
             return load_shared(slot_params, digest, (coord.pp, coord.tp), device, reader, group, call, str(model))
-    return run_plan(stages[coord.pp], [coord.tp], [device], mmap=mmap, progress=call)[0]
+    return run_plan(stages[coord.pp], [coord.tp], [device], mmap=mmap, progress=call, read_options=read_options)[0]
 
 
 def _load_converted_shared(
@@ -389,18 +415,30 @@ def _device_type(device: Any) -> str:
 
 
 def _load_converted_rank(
-    checkpoint: Checkpoint, layout: Mesh, coord: MeshCoord, device: Any, verify: bool, mmap: bool
+    checkpoint: Checkpoint,
+    layout: Mesh,
+    coord: MeshCoord,
+    device: Any,
+    verify: bool,
+    mmap: bool,
+    read_options: ReadOptions | None = None,
 ) -> dict[str, torch.Tensor]:
     path = rank_file(checkpoint, coord.tp, layout, stage=coord.pp, checksum=verify)
     infos = list(read_header(path).values())
-    with reader_for(path) as reader, Transfer(reader, mapped=mmap) as transfer:
+    with reader_for(path) as reader, Transfer(reader, read_options=read_options, mapped=mmap) as transfer:
         tensors = transfer.tensors(infos, device)
         transfer.wait()
     return {info.name: t for info, t in zip(infos, tensors, strict=True)}
 
 
 def _load_presharded_rank(
-    checkpoint: Checkpoint, shard_info: Any, layout: Mesh, coord: MeshCoord, device: Any, mmap: bool
+    checkpoint: Checkpoint,
+    shard_info: Any,
+    layout: Mesh,
+    coord: MeshCoord,
+    device: Any,
+    mmap: bool,
+    read_options: ReadOptions | None = None,
 ) -> dict[str, torch.Tensor]:
     """A rank of a source stored already split (a pre-sharded TVM cache): its own part of each split parameter,
     and every tensor stored whole."""
@@ -409,4 +447,4 @@ def _load_presharded_rank(
         raise ShardloadError("pipeline stages of a pre-sharded checkpoint are not supported", file=checkpoint.name)
     view = checkpoint.rank_view(coord.tp)
     plan = build_plan(ShardInfo(source=f"<rank {coord.tp}'s part of {checkpoint.name}>"), view, 1)
-    return run_plan(plan, [0], [device], mmap=mmap)[0]
+    return run_plan(plan, [0], [device], mmap=mmap, read_options=read_options)[0]

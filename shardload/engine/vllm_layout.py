@@ -45,7 +45,7 @@ from .output import (
     stamp_sources,
     write_error,
 )
-from .transfer import plan_reader
+from .transfer import reader_for_plan
 from .writer import OutFile, OutputFile
 
 if TYPE_CHECKING:
@@ -223,7 +223,7 @@ def rank_tensors(layout: VllmLayout, num_shards: int) -> Iterator[tuple[VllmTens
     """Each output tensor of ``layout`` for every rank, in file order, one parameter's worth in memory at a time."""
     import torch
 
-    with plan_reader(layout.plan.params.values()) as reader:
+    with reader_for_plan(layout.plan.params.values()) as reader:
         for t in layout.tensors:
             if not t.vocab:
                 break

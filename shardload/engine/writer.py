@@ -28,7 +28,7 @@ from ..errors import PlanError
 from ..sources.checkpoint import MAX_HEADER_BYTES
 from ..sources.dtypes import DTYPES, itemsize, to_torch
 from ..sources.reader import RunReader, buffer_view, libc_function
-from .transfer import plan_reader
+from .transfer import reader_for_plan
 
 if TYPE_CHECKING:
     import torch
@@ -236,7 +236,7 @@ def write_rank_files(
             files.append(OutFile(path, durable=durable))
         for r, f in enumerate(files):
             f.write(rank_header(plan, r, stage, stages))
-        with plan_reader(params) as reader:
+        with reader_for_plan(params) as reader:
             shared = _Shared(workers)
 
             def work(w: int) -> None:
