@@ -31,7 +31,7 @@ from ..sources.checkpoint import (
 from ..version import __version__
 from .load import layout_for, stages_of
 from .output import (
-    Staging,
+    StagingDir,
     check_output,
     publish_with_manifest,
     source_paths,
@@ -109,7 +109,7 @@ def convert(
     exists = check_output(out, sources, overwrite=overwrite)
     durable = exists if fsync is None else fsync
     try:
-        with Staging(out, fsync, synced=durable, overwrite=overwrite) as staging:
+        with StagingDir(out, fsync, synced=durable, overwrite=overwrite) as staging:
             rank_files = _write_ranks(stages, staging.dir, progress, durable)
             manifest = {
                 "format": MANIFEST_FORMAT,

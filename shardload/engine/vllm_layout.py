@@ -38,7 +38,7 @@ from ..sources.dtypes import DTYPES, itemsize
 from ..version import __version__
 from .load import iter_shards, materialize
 from .output import (
-    Staging,
+    StagingDir,
     check_output,
     publish_with_manifest,
     source_paths,
@@ -284,7 +284,7 @@ def convert_vllm(
     durable = exists if fsync is None else fsync
     header = layout.header()
     try:
-        with Staging(out, fsync, synced=durable, overwrite=overwrite) as staging:
+        with StagingDir(out, fsync, synced=durable, overwrite=overwrite) as staging:
             files = [OutFile(staging.dir / FILE_PATTERN.format(rank=r), durable=durable) for r in range(num_shards)]
             try:
                 for f in files:
