@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 STAGE_MIN_SLICE = 64 << 10
 """Rank tensors share a staging buffer in slices of at least this many bytes each."""
 
+StructureKey = tuple[Any, ...]
+"""A parameter's structure (:func:`~shardload.planning.runs.structure`) and its destinations' devices: what
+parameters that share runs, read schedules and copy programs have in common."""
+
 
 @dataclass(frozen=True)
 class Upload:
@@ -52,9 +56,9 @@ class StructureRuns:
     parameter of that structure."""
 
     def __init__(self) -> None:
-        self.relative: dict[Any, Runs | None] = {}
+        self.relative: dict[StructureKey, Runs | None] = {}
 
-    def get(self, plan: ParamPlan, ranks: Sequence[int], key: Any) -> Runs | None:
+    def get(self, plan: ParamPlan, ranks: Sequence[int], key: StructureKey) -> Runs | None:
         """``plan``'s runs for ``ranks`` (None: the tensor is read whole), ``key`` naming its structure."""
         from ..planning.runs import param_runs, shifted
 

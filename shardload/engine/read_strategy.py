@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..errors import ShardloadError
 from ..sources.reader import PAGE, probes
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ..planning.plan import ParamPlan
     from ..planning.runs import Runs
     from ..sources.reader import FileMaps, RunReader
-    from .read_schedule import StructureRuns
+    from .read_schedule import StructureKey, StructureRuns
 
 READ_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 """Reader threads by default: page-cache copies scale with cores until memory bandwidth is the bound (the cores this
@@ -101,10 +101,10 @@ class ReadStrategy:
         self.reader = reader
         self.filemaps = filemaps
         self.runs = runs
-        self.known: dict[Any, Way | RunSpans] = {}
+        self.known: dict[StructureKey, Way | RunSpans] = {}
         """Per structure: its way, or (``auto``) the spans to decide each parameter by."""
 
-    def way(self, plan: ParamPlan, rank: int, key: Any, *, direct: bool) -> Way:
+    def way(self, plan: ParamPlan, rank: int, key: StructureKey, *, direct: bool) -> Way:
         """How ``rank`` gets ``plan``'s bytes (``key``: the plan's structure; ``direct``: into a CPU tensor, not
         through staging buffers)."""
         if not plan.remap or plan.rank_nbytes == 0 or plan.source.dtype != plan.dtype:
@@ -116,7 +116,7 @@ class ReadStrategy:
             return known
         return self._by_page_cache(plan, known, direct)
 
-    def _by_structure(self, plan: ParamPlan, rank: int, key: Any) -> Way | RunSpans:
+    def _by_structure(self, plan: ParamPlan, rank: int, key: StructureKey) -> Way | RunSpans:
         """The way every parameter of ``plan``'s structure takes, or (``auto``) the spans to ask about."""
         from ..planning.runs import MANY_RUNS, run_count
 
@@ -165,7 +165,7 @@ class ReadStrategy:
         return Way.MAP
 
 
-def page_ranges(starts: Any, ends: Any) -> tuple[list[int], list[int]]:
+def page_ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[list[int], list[int]]:
     """The byte ranges of whole pages that runs ``[starts[i], ends[i])`` (sorted) touch, adjacent pages merged."""
     first = (starts // PAGE).tolist()
     last = ((ends - 1) // PAGE).tolist()

@@ -22,7 +22,7 @@ from ..sources.dtypes import to_torch
 from ..sources.object_reader import reader_for
 from ..sources.reader import FileMaps, Mappings, RunReader
 from .copy_jobs import CopyJob, copy_program, mapped_copy_jobs, rows_fit, staged_copy_jobs
-from .read_schedule import ReadSchedule, StagedBatch, StructureRuns, build_schedule
+from .read_schedule import ReadSchedule, StagedBatch, StructureKey, StructureRuns, build_schedule
 from .read_strategy import ReadOptions, ReadStrategy, Way
 from .staging import StagingBuffers
 
@@ -87,9 +87,9 @@ class Transfer:
         self.futures: list[Future[None]] = []
         self.copies: list[ReplicaCopies] = []
         self.staging: StagingBuffers | None = None
-        self.whole: dict[Any, int | None] = {}
-        self.schedules: dict[Any, ReadSchedule | None] = {}
-        self.programs: dict[Any, list[CopyJob]] = {}
+        self.whole: dict[StructureKey, int | None] = {}
+        self.schedules: dict[StructureKey, ReadSchedule | None] = {}
+        self.programs: dict[StructureKey, list[CopyJob]] = {}
         self.held: list[Callable[[], None]] | None = [] if defer else None
 
     def _submit(self, fn: Callable[[], None]) -> None:
@@ -133,7 +133,7 @@ class Transfer:
                 raise ValueError(f"{plan.name}: out must be {len(ranks)} contiguous {want[1]} tensor(s) of {want[0]}")
             devices = [t.device for t in out]
         devs = [torch.device("cpu")] * len(ranks) if devices is None else [torch.device(d) for d in devices]
-        key = (structure(plan, ranks), tuple(devs))
+        key: StructureKey = (structure(plan, ranks), tuple(devs))
         if out is None and self.mappings is not None and len(ranks) == 1 and devs[0].type == "cpu":
             view = self._view(plan, ranks, key)
             if view is not None:
@@ -170,7 +170,7 @@ class Transfer:
         return dests
 
     def _copy_out(
-        self, plan: ParamPlan, rank: int, key: Any, device: torch.device, out: torch.Tensor | None = None
+        self, plan: ParamPlan, rank: int, key: StructureKey, device: torch.device, out: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """The rank's tensor, being filled by strided copies out of a read-only mapping of its file, when the read
         strategy says so (None: read it with ``preadv`` instead). On a GPU (or with ``staged``) the copies gather
@@ -210,7 +210,7 @@ class Transfer:
             self._submit(job)
         return dest
 
-    def _view(self, plan: ParamPlan, ranks: Sequence[int], key: Any) -> torch.Tensor | None:
+    def _view(self, plan: ParamPlan, ranks: Sequence[int], key: StructureKey) -> torch.Tensor | None:
         """The rank's tensor as a view of the file mapping, where it is one contiguous stretch of the file."""
         if key not in self.whole:
             runs = self.runs.get(plan, ranks, key)
