@@ -42,7 +42,7 @@ def child(model: str, rank: int, num_shards: int, mmap: bool) -> None:
     import shardload.engine.steps
     import shardload.planning.runs  # noqa: F401
     from shardload.engine.load import Mesh, shard_info_for, stages_of
-    from shardload.engine.transfer import Transfer, plan_reader
+    from shardload.engine.transfer import Transfer, reader_for_plan
     from shardload.planning.plan import build_plan
     from shardload.sources.checkpoint import open_checkpoint
 
@@ -58,7 +58,7 @@ def child(model: str, rank: int, num_shards: int, mmap: bool) -> None:
     stage = stages_of(plan, Mesh(tp=num_shards))[0]
     marks.append(time.thread_time())
     out = {}
-    with plan_reader(stage.params.values()) as reader:
+    with reader_for_plan(stage.params.values()) as reader:
         transfer = Transfer(reader, defer=True, mapped=mmap, copy_out=True)
         for param in stage.params.values():
             out[param.name] = transfer.param(param, [rank], ["cpu"])[0]

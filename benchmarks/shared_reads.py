@@ -12,8 +12,8 @@ plugged in where the engine picks readers: ``reader_for`` in ``shardload.engine.
 a read of ``n`` bytes a process books the next
 ``n / bandwidth`` seconds of the shared link and sleeps until its booking ends, then reads (from the page cache).
 So the four processes together never read faster than ``--mb-per-s``, as through a throttling proxy in front of
-an object store. Both ways read exact runs with ``preadv`` (``READ_STRATEGY = "read"``), so every byte passes
-the throttle.
+an object store. Both ways read exact runs with ``preadv`` (share_reads always does; each rank for itself with
+``ReadOptions(strategy="read")``), so every byte passes the throttle.
 
 Measured: time until every rank holds its shard (the slowest rank, from a common start after a barrier), and the
 bytes the group read from the store (``count_reads`` summed over the ranks). Targets: time ratio <= 0.6x; shared
@@ -93,7 +93,7 @@ def worker(model: str, bucket: str, rate: float, repeats: int, warmup: int) -> N
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    transfer.READ_STRATEGY = "read"  # every byte through the (throttled) reader, never copied out of a mapping
+    exact = shardload.ReadOptions(strategy="read")  # every byte through the (throttled) reader, never a mapping
     if rate > 0:
         throttled = lambda path=None: ThrottledReader(bucket, rate)  # noqa: E731
         load.reader_for = transfer.reader_for = throttled  # type: ignore[assignment]  (paths, and plans' files)
@@ -109,7 +109,10 @@ def worker(model: str, bucket: str, rate: float, repeats: int, warmup: int) -> N
             dist.barrier()
             start = time.monotonic()
             with count_reads() as seen:
-                state = shardload.load_rank(model, mesh=MESH, share_reads=mode == "shared")
+                if mode == "shared":
+                    state = shardload.load_rank(model, mesh=MESH, share_reads=True)
+                else:
+                    state = shardload.load_rank(model, mesh=MESH, read_options=exact)
             took = torch.tensor([time.monotonic() - start], dtype=torch.float64)
             read = torch.tensor([seen.bytes], dtype=torch.int64)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)

@@ -32,6 +32,7 @@ from .engine.convert import ConvertResult, convert
 from .engine.integrity import hash_checkpoint
 from .engine.load import load, load_rank
 from .engine.quantize import quantize
+from .engine.read_strategy import ReadOptions
 from .engine.verify import VerifyReport
 from .engine.verify_dir import verify_dir
 from .errors import CheckpointError, FormatError, PlanError, ShardloadError
@@ -51,6 +52,7 @@ __all__ = [
     "ModelPlan",
     "ParamPlan",
     "PlanError",
+    "ReadOptions",
     "ShardInfo",
     "ShardloadError",
     "StepSpec",

@@ -32,6 +32,14 @@ from shardload.errors import ShardloadError
         (lambda m: shardload.convert(m, 2, None), "out_dir must be a path"),
         (lambda m: shardload.load(m, 10**9), "over the limit of 65536"),
         (lambda m: shardload.load_rank(m, 0, mesh="pp=2,tp=100000"), "over the limit of 65536"),
+        (
+            lambda m: shardload.load_rank(m, 0, 2, read_options=shardload.ReadOptions(strategy="fast")),
+            "read strategy must be one of auto, map, read, got 'fast'",
+        ),
+        (
+            lambda m: shardload.load(m, 2, read_options=shardload.ReadOptions(threads=-1)),
+            "reader threads must be None or an int >= 0, got -1",
+        ),
     ],
 )
 def test_bad_api_arguments_are_one_line_errors(example_dir: Path, call: Any, says: str) -> None:

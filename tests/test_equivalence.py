@@ -26,8 +26,10 @@ Axes:
   files read back, ``convert --layout vllm`` (the CLI) against vLLM's per-rank layout, and
   ``load_rank(share_reads=True)`` under torchrun (gloo);
 - N in 1, 2, 3, 4, 6, 8;
-- threads in 1, 2, 8: reader threads (``transfer.READ_THREADS``; an S3 reader's ``ObjectReader.threads`` and
-  its GET pool ``objects.CONCURRENCY``) and writer threads (``writer.WRITE_THREADS``) together. Read jobs and
+- threads in 1, 2, 8: reader threads (``ReadOptions(threads=)`` of ``load`` and ``load_rank``; for the CLI's
+  ``convert``, which takes no read options, the defaults ``read_strategy.READ_THREADS`` and an S3 reader's
+  ``ObjectReader.threads``), an S3 reader's GET pool ``objects.CONCURRENCY`` and writer threads
+  (``writer.WRITE_THREADS``) together. Read jobs and
   writer chunks are made small (4 KiB jobs and 2-8 KiB chunks; 32 KiB and 16-64 KiB from S3, where each
   costs requests), so even these tensors are many jobs for the threads to share.
 
@@ -75,6 +77,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 import shardload
+import shardload.engine.read_strategy as read_strategy
 import shardload.engine.transfer as transfer
 import shardload.engine.writer as writer
 from helpers import matrix_sources, tp_split
@@ -222,17 +225,22 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     forget_stores()  # no store of this module's server outlives it
 
 
-def use_threads(monkeypatch: pytest.MonkeyPatch, threads: int, remote: bool = False) -> None:
+def use_threads(
+    monkeypatch: pytest.MonkeyPatch, threads: int, remote: bool = False, *, cli: bool = False
+) -> shardload.ReadOptions:
     """``threads`` reader and writer threads, small read jobs and write chunks (many of them per tensor); jobs of
-    32 KiB from object storage, where every job costs the server requests."""
-    monkeypatch.setattr(transfer, "READ_THREADS", threads)
-    monkeypatch.setattr(ObjectReader, "threads", threads)
+    32 KiB from object storage, where every job costs the server requests. Returns the read options of ``load`` and
+    ``load_rank``; ``cli`` sets the reader threads the CLI reads with (it takes no read options) as defaults."""
+    if cli:
+        monkeypatch.setattr(read_strategy, "READ_THREADS", threads)
+        monkeypatch.setattr(ObjectReader, "threads", threads)
     monkeypatch.setattr(objects, "CONCURRENCY", threads)
     monkeypatch.setattr(writer, "WRITE_THREADS", threads)
     monkeypatch.setattr(transfer, "JOB_BYTES", 32 << 10 if remote else 4 << 10)
     monkeypatch.setattr(writer, "STAGE_SET_BYTES", 128 << 10 if remote else 16 << 10)
     monkeypatch.setattr(writer, "STAGE_CHUNK_LIMITS", (16 << 10, 64 << 10) if remote else (2 << 10, 8 << 10))
     monkeypatch.setattr(writer, "READ_THROUGH_BYTES", 1 << 10)
+    return shardload.ReadOptions(threads=threads)
 
 
 def assert_ranks(got: list[tp_split.State], want: list[tp_split.State], what: str) -> None:
@@ -260,12 +268,12 @@ def test_rank_tensors_equal_reference(
 ) -> None:
     model = world.source(request, source, n)
     want = world.reference(n, "vllm" if path == "vllm" else "plain")
-    use_threads(monkeypatch, threads, remote=source == "s3")
+    options = use_threads(monkeypatch, threads, remote=source == "s3", cli=path in ("convert", "vllm"))
     if path == "load":
-        got = shardload.load(model, n, devices=["cpu"] * n)
+        got = shardload.load(model, n, devices=["cpu"] * n, read_options=options)
         assert_ranks(got, want, "load")
     elif path in ("load_rank", "mmap"):
-        got = [shardload.load_rank(model, r, n, mmap=path == "mmap") for r in range(n)]
+        got = [shardload.load_rank(model, r, n, mmap=path == "mmap", read_options=options) for r in range(n)]
         assert_ranks(got, want, path)
     else:
         out = tmp_path / "out"
@@ -276,7 +284,8 @@ def test_rank_tensors_equal_reference(
         files = [load_file(str(out / name.format(r=r, n=n))) for r in range(n)]  # read by safetensors itself
         assert_ranks(files, want, f"{path}: the rank files")
         if path == "convert":  # and as a load of the output reads them, checksums verified
-            assert_ranks([shardload.load_rank(out, r, n, verify=True) for r in range(n)], want, "convert: load_rank")
+            back = [shardload.load_rank(out, r, n, verify=True, read_options=options) for r in range(n)]
+            assert_ranks(back, want, "convert: load_rank")
 
 
 @pytest.mark.parametrize(("source", "path"), sorted(REFUSED), ids=[f"{s}-{p}-refused" for s, p in sorted(REFUSED)])

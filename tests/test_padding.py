@@ -16,6 +16,7 @@ import torch
 
 import reference as ref
 import shardload
+import shardload.engine.read_schedule as read_schedule
 import shardload.engine.transfer as transfer
 import shardload.engine.writer as writer
 from conftest import random_array, write_model
@@ -97,30 +98,29 @@ def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(transfer, "STAGE_BYTES", 256)
-    monkeypatch.setattr(transfer, "STAGE_MIN_SLICE", 16)
+    monkeypatch.setattr(read_schedule, "STAGE_MIN_SLICE", 16)
     monkeypatch.setattr(transfer, "JOB_BYTES", 160)
     monkeypatch.setattr(writer, "STAGE_SET_BYTES", 192)
     monkeypatch.setattr(writer, "STAGE_CHUNK_LIMITS", (48, 400))
     monkeypatch.setattr(writer, "READ_THROUGH_BYTES", 32)
 
 
-def _load(path: str, model: Path, n: int, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+def _load(path: str, model: Path, n: int, tmp: Path) -> list[dict[str, Any]]:
     plan = shardload.plan_model(model, n)
-    strategy = "map" if path in ("map", "staged_map") else "read"
-    monkeypatch.setattr(transfer, "READ_STRATEGY", strategy)
+    options = shardload.ReadOptions(strategy="map" if path in ("map", "staged_map") else "read")
     if path in ("read", "map"):
-        return [shardload.load_rank(model, r, n) for r in range(n)]
+        return [shardload.load_rank(model, r, n, read_options=options) for r in range(n)]
     if path in ("staged_read", "staged_map"):
-        return [run_plan(plan, [r], ["cpu"], staged=True)[0] for r in range(n)]
+        return [run_plan(plan, [r], ["cpu"], staged=True, read_options=options)[0] for r in range(n)]
     if path == "all":
-        return shardload.load(model, n, devices=["cpu"] * n)
+        return shardload.load(model, n, devices=["cpu"] * n, read_options=options)
     if path == "staged_all":
-        return run_plan(plan, range(n), ["cpu"] * n, staged=True)
+        return run_plan(plan, range(n), ["cpu"] * n, staged=True, read_options=options)
     if path == "mmap":
-        return [shardload.load_rank(model, r, n, mmap=True) for r in range(n)]
+        return [shardload.load_rank(model, r, n, mmap=True, read_options=options) for r in range(n)]
     if path == "out":  # a server's own (dirty) parameter memory
         result: list[dict[str, Any]] = [{} for _ in range(n)]
-        with Reader() as reader, Transfer(reader) as t:
+        with Reader() as reader, Transfer(reader, read_options=options) as t:
             for param in plan.params.values():
                 dirty = [torch.full(param.shape, 3, dtype=getattr(torch, param.dtype)) for _ in range(n)]
                 for r, got in enumerate(t.param(param, range(n), out=dirty)):
@@ -134,7 +134,8 @@ def _load(path: str, model: Path, n: int, tmp: Path, monkeypatch: pytest.MonkeyP
         return [{name: run_steps(param, stored[name])[r] for name, param in plan.params.items()} for r in range(n)]
     assert path in ("convert", "convert_mmap")
     shardload.convert(model, n, tmp)
-    return [shardload.load_rank(tmp, r, n, verify=True, mmap=path == "convert_mmap") for r in range(n)]
+    return [shardload.load_rank(tmp, r, n, verify=True, mmap=path == "convert_mmap", read_options=options)
+            for r in range(n)]  # fmt: skip
 
 
 PATHS = ("read", "map", "staged_read", "staged_map", "all", "staged_all", "mmap", "out", "compute", "convert",
@@ -153,7 +154,7 @@ def test_padding_is_zero_on_every_path(
             shardload.plan_model(padded_model, 3)
         return
     want = _reference(padded_model, n)
-    got = _load(path, padded_model, n, tmp_path / "out", monkeypatch)
+    got = _load(path, padded_model, n, tmp_path / "out")
     for r in range(n):
         assert got[r].keys() == want[r].keys()
         for name, t in got[r].items():
@@ -179,16 +180,14 @@ def _own_bytes(name: str, n: int, r: int) -> int:
 
 @pytest.mark.parametrize("strategy", ["read", "map"])
 @pytest.mark.parametrize("n", [4, 8])
-def test_a_rank_reads_its_own_rows_and_nothing_for_padding(
-    padded_model: Path, monkeypatch: pytest.MonkeyPatch, strategy: str, n: int
-) -> None:
-    monkeypatch.setattr(transfer, "READ_STRATEGY", strategy)
+def test_a_rank_reads_its_own_rows_and_nothing_for_padding(padded_model: Path, strategy: str, n: int) -> None:
+    options = shardload.ReadOptions(strategy=strategy)
     plan = shardload.plan_model(padded_model, n)
     for r in range(n):
         own = {name: _own_bytes(name, n, r) for name in REF_STEPS}
         assert {name: plan.params[name].read_nbytes(r) for name in REF_STEPS} == own
         with count_reads() as seen:
-            state = shardload.load_rank(padded_model, r, n)
+            state = shardload.load_rank(padded_model, r, n, read_options=options)
         assert seen.bytes == sum(own.values()) + state["norm"].numel() * 4
 
 
@@ -229,15 +228,15 @@ def test_a_box_rule_without_a_source_needs_pads(tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.usefixtures("poisoned")
 @pytest.mark.parametrize("strategy", ["read", "map"])
-def test_padding_is_zero_on_the_gpu(padded_model: Path, monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
+def test_padding_is_zero_on_the_gpu(padded_model: Path, strategy: str) -> None:
     """Pinned staging and side-stream uploads onto a GPU: the padding (zeroed on the default stream) survives the
     uploads of the stored rows, whether read with preadv or copied out of a mapping."""
-    monkeypatch.setattr(transfer, "READ_STRATEGY", strategy)
+    options = shardload.ReadOptions(strategy=strategy)
     n = 4
     want = _reference(padded_model, n)
-    every = shardload.load(padded_model, n, devices=["cuda:0"] * n)
+    every = shardload.load(padded_model, n, devices=["cuda:0"] * n, read_options=options)
     for r in range(n):
-        for got in (every[r], shardload.load_rank(padded_model, r, n, device="cuda:0")):
+        for got in (every[r], shardload.load_rank(padded_model, r, n, device="cuda:0", read_options=options)):
             for name, t in got.items():
                 assert t.device.type == "cuda"
                 np.testing.assert_array_equal(t.cpu().numpy(), want[r][name], err_msg=f"{strategy} rank {r} {name}")

@@ -17,18 +17,19 @@ from test_load import reference_shards
 import shardload
 import shardload.engine.transfer as transfer
 from conftest import write_model
+from shardload.engine.read_strategy import SMALL_RUN
 from shardload.sources.reader import PAGE, FileMaps, count_reads
 
 
 @pytest.mark.parametrize("strategy", ["map", "read", "auto"])
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
-def test_strategies_match_reference(example_dir: Path, strategy: str, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transfer, "READ_STRATEGY", strategy)
+def test_strategies_match_reference(example_dir: Path, strategy: str, n: int) -> None:
+    options = shardload.ReadOptions(strategy=strategy)
     want = reference_shards(example_dir, n)
     plan = shardload.plan_model(example_dir, n)
     for r in range(n):
         with count_reads() as seen:
-            got = shardload.load_rank(example_dir, r, n)
+            got = shardload.load_rank(example_dir, r, n, read_options=options)
         assert got.keys() == want[r].keys()
         for name, t in got.items():
             np.testing.assert_array_equal(t.numpy(), want[r][name], err_msg=f"{strategy} rank {r} {name}")
@@ -45,13 +46,12 @@ def test_staged_copy_out_matches_reference(example_dir: Path, n: int, monkeypatc
     buffers (cycled many times per tensor), each then copied to the rank's tensor."""
     from shardload.engine.load import run_plan
 
-    monkeypatch.setattr(transfer, "READ_STRATEGY", "map")
     monkeypatch.setattr(transfer, "STAGE_BYTES", 4096)
     want = reference_shards(example_dir, n)
     plan = shardload.plan_model(example_dir, n)
     for r in range(n):
         with count_reads() as seen:
-            got = run_plan(plan, [r], ["cpu"], staged=True)[0]
+            got = run_plan(plan, [r], ["cpu"], staged=True, read_options=shardload.ReadOptions(strategy="map"))[0]
         assert got.keys() == want[r].keys()
         for name, t in got.items():
             np.testing.assert_array_equal(t.numpy(), want[r][name], err_msg=f"rank {r} {name}")
@@ -150,8 +150,6 @@ def test_auto_warm_copies_every_piece_out_of_the_mapping(tmp_path: Path, monkeyp
 def test_auto_cold_fetches_only_the_rank_pages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Page cache cold: the dim-0 shard's run is requested up front and read exactly, the column slice's pages are
     requested as merged page ranges and copied as they arrive; storage is asked for no other page."""
-    from shardload.engine.transfer import SMALL_RUN
-
     model, rows, cols = _two_kinds(tmp_path / "m")
     path = model / "model.safetensors"
     plan = shardload.plan_model(model, 4)
@@ -180,16 +178,15 @@ def test_auto_cold_fetches_only_the_rank_pages(tmp_path: Path, monkeypatch: pyte
 
 @pytest.mark.parametrize("cold", [False, True])
 @pytest.mark.parametrize("strategy", ["map", "read"])
-def test_forced_strategies_warm_and_cold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str,
-                                         cold: bool) -> None:  # fmt: skip
+def test_forced_strategies_warm_and_cold(tmp_path: Path, strategy: str, cold: bool) -> None:
     """Either way forced, from a warm or a cold page cache: the reference's slices, exactly the rank's bytes."""
-    monkeypatch.setattr(transfer, "READ_STRATEGY", strategy)
+    options = shardload.ReadOptions(strategy=strategy)
     model, rows, cols = _two_kinds(tmp_path / "m")
     for r in range(4):
         if cold:
             _drop_cache(model / "model.safetensors")
         with count_reads() as seen:
-            got = shardload.load_rank(model, r, 4)
+            got = shardload.load_rank(model, r, 4, read_options=options)
         np.testing.assert_array_equal(got["rows"].numpy(), rows[128 * r : 128 * (r + 1)])
         np.testing.assert_array_equal(got["cols"].numpy(), cols[:, 256 * r : 256 * (r + 1)])
         assert seen.bytes == (rows.nbytes + cols.nbytes) // 4
@@ -223,10 +220,25 @@ def test_unmappable_reader_is_only_read(tmp_path: Path, monkeypatch: pytest.Monk
         assert seen.bytes == (rows.nbytes + cols.nbytes) // 4 and seen.calls >= 512  # one preadv per row
 
 
+def test_read_options_set_the_reader_threads() -> None:
+    """``threads`` overrides the default and an object store's own number (0: no pool, reads in the calling thread);
+    None keeps them."""
+    from shardload.engine.read_strategy import READ_THREADS
+    from shardload.engine.transfer import Transfer
+    from shardload.sources.object_reader import ObjectReader
+    from shardload.sources.reader import Reader
+
+    assert shardload.ReadOptions().threads_for(Reader()) == READ_THREADS
+    assert shardload.ReadOptions().threads_for(ObjectReader()) == ObjectReader.threads
+    assert shardload.ReadOptions(threads=3).threads_for(ObjectReader()) == 3
+    with Reader() as files, Transfer(files, read_options=shardload.ReadOptions(threads=0)) as t:
+        assert t.threads == 0 and t.pool is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.bool])
 def test_copy_bytes_equals_torch_copy(dtype: torch.dtype) -> None:
     """The numpy copy used in reader threads gives what ``copy_`` gives, strided or not, any dtype and rank."""
-    from shardload.engine.transfer import copy_bytes
+    from shardload.engine.copy_jobs import copy_bytes
 
     g = torch.Generator().manual_seed(0)
     whole = torch.randint(0, 100, (64, 48), generator=g).to(dtype)
@@ -261,8 +273,7 @@ def test_release_keeps_the_page_cache(tmp_path: Path) -> None:
     np.testing.assert_array_equal(shardload.load_rank(model, 0, 4)["rows"].numpy(), rows[:128])
 
 
-def test_file_cut_short_is_an_error_not_sigbus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transfer, "READ_STRATEGY", "map")
+def test_file_cut_short_is_an_error_not_sigbus(tmp_path: Path) -> None:
     w = np.arange(4096, dtype=np.float32).reshape(64, 64)
     model = write_model(tmp_path / "m", {"w": w}, {"w": [["shard_funcs.shard_dim", [[2, 64, 32], "float32"], 1, 2]]})
     plan = shardload.plan_model(model, 2)
@@ -270,7 +281,7 @@ def test_file_cut_short_is_an_error_not_sigbus(tmp_path: Path, monkeypatch: pyte
     with open(path, "r+b") as fh:
         fh.truncate(path.stat().st_size - 1024)
     with pytest.raises(shardload.CheckpointError, match="shorter than its header says"):
-        shardload.engine.load.run_plan(plan, [0], ["cpu"])
+        shardload.engine.load.run_plan(plan, [0], ["cpu"], read_options=shardload.ReadOptions(strategy="map"))
 
 
 def test_warm_file_is_probed_once_a_partly_cached_one_per_parameter(

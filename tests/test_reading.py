@@ -19,6 +19,7 @@ from test_shard_funcs import CASES, _valid
 
 import reference as ref
 import shardload
+import shardload.engine.read_schedule
 import shardload.engine.transfer
 import shardload.engine.writer
 import shardload.sources.reader
@@ -36,7 +37,7 @@ PATHS = ("direct", "portable", "staged", "staged_flat", "convert")
 
 def _chunk_sizes(monkeypatch: pytest.MonkeyPatch, scale: int) -> None:
     monkeypatch.setattr(shardload.engine.transfer, "STAGE_BYTES", 96 * scale)
-    monkeypatch.setattr(shardload.engine.transfer, "STAGE_MIN_SLICE", 8 * scale)
+    monkeypatch.setattr(shardload.engine.read_schedule, "STAGE_MIN_SLICE", 8 * scale)
     monkeypatch.setattr(shardload.engine.transfer, "JOB_BYTES", 72 * scale)
     monkeypatch.setattr(shardload.engine.writer, "STAGE_SET_BYTES", 96 * scale)
     monkeypatch.setattr(shardload.engine.writer, "STAGE_CHUNK_LIMITS", (24 * scale, 200 * scale))
@@ -60,7 +61,7 @@ def _shards(path: str, model: Path, n: int, tmp: Path, monkeypatch: pytest.Monke
     if path == "portable":
         monkeypatch.setattr(shardload.sources.reader, "_PREADV", None)
     if path == "staged_flat":  # rank tensors laid end to end in the staging buffers, not side by side
-        monkeypatch.setattr(shardload.engine.transfer, "STAGE_MIN_SLICE", 1 << 40)
+        monkeypatch.setattr(shardload.engine.read_schedule, "STAGE_MIN_SLICE", 1 << 40)
     if path == "convert":
         shardload.convert(model, n, tmp)
         return [shardload.load_rank(tmp, r, n) for r in range(n)]
@@ -137,24 +138,24 @@ def _rchar() -> int | None:
 
 @pytest.mark.parametrize("strategy", ("read", "map"))
 @pytest.mark.parametrize("n", (2, 4))
-def test_load_rank_reads_only_its_bytes(tmp_path: Path, n: int, strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(shardload.engine.transfer, "READ_STRATEGY", strategy)
+def test_load_rank_reads_only_its_bytes(tmp_path: Path, n: int, strategy: str) -> None:
+    options = shardload.ReadOptions(strategy=strategy)
     model = parallel_model(tmp_path / "m")
     plan = shardload.plan_model(model, n)
-    shardload.load_rank(model, 0, n)  # warm up lazy imports before counting
+    shardload.load_rank(model, 0, n, read_options=options)  # warm up lazy imports before counting
     for rank in range(n):
         for name, param in plan.params.items():
             single = {name: [[s.name, [None, None], *s.args] for s in param.steps]} if param.steps else {}
             own = param.rank_nbytes  # its shard, or the whole tensor when replicated
             info = {"version": 1, "params": single}
             with count_reads() as seen:
-                shardload.load_rank(model, rank, n, shard_info=info)
+                shardload.load_rank(model, rank, n, shard_info=info, read_options=options)
             # every other tensor is replicated under this one-entry shard_info: count them too
             others = sum(p.source.nbytes for k, p in plan.params.items() if k != name)
             assert own + others <= seen.bytes <= 1.05 * (own + others), (name, rank)
         before = _rchar()
         with count_reads() as seen:
-            shardload.load_rank(model, rank, n)
+            shardload.load_rank(model, rank, n, read_options=options)
         after = _rchar()
         assert seen.bytes == plan.rank_nbytes(rank)
         assert seen.bytes < sum(p.source.nbytes for p in plan.params.values())
@@ -320,13 +321,14 @@ def test_failed_write_stops_every_worker_and_leaves_nothing(
     assert list(tmp_path.iterdir()) == []
 
 
-def check_reads_into_slots(model: Path, device: str, copy_out: bool) -> None:
+def check_reads_into_slots(model: Path, device: str, copy_out: bool, strategy: str = "auto") -> None:
     """``Transfer.param(out=...)`` onto ``device`` (a server's own parameter memory: views into a larger buffer)
     holds exactly what fresh tensors would, and writes nothing around the views."""
     plan = shardload.plan_model(model, 4)
     want = run_plan(plan, [2], ["cpu"])[0]
     slots = {}
-    with Reader() as reader, Transfer(reader, defer=True, copy_out=copy_out) as transfer:
+    options = shardload.ReadOptions(strategy=strategy)
+    with Reader() as reader, Transfer(reader, read_options=options, defer=True, copy_out=copy_out) as transfer:
         for name, param in plan.params.items():
             backing = torch.full((param.rank_nbytes + 16,), 7, dtype=torch.uint8, device=device)
             slot = backing[8 : 8 + param.rank_nbytes].view(want[name].dtype).view(want[name].shape)
@@ -344,13 +346,11 @@ def check_reads_into_slots(model: Path, device: str, copy_out: bool) -> None:
 
 @pytest.mark.parametrize("strategy", ("auto", "read", "map"))
 @pytest.mark.parametrize("copy_out", (False, True))
-def test_reading_into_callers_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str,
-                                      copy_out: bool) -> None:  # fmt: skip
-    monkeypatch.setattr(shardload.engine.transfer, "READ_STRATEGY", strategy)
+def test_reading_into_callers_tensors(tmp_path: Path, strategy: str, copy_out: bool) -> None:
     model = parallel_model(tmp_path / "model")
-    check_reads_into_slots(model, "cpu", copy_out)
+    check_reads_into_slots(model, "cpu", copy_out, strategy)
     plan = shardload.plan_model(model, 4)
-    with Reader() as reader, Transfer(reader) as transfer:
+    with Reader() as reader, Transfer(reader, read_options=shardload.ReadOptions(strategy=strategy)) as transfer:
         param = plan.params["col"]
         with pytest.raises(ValueError, match="col: out must be 1 contiguous"):
             transfer.param(param, [0], out=[torch.empty((1, *param.shape), dtype=torch.float16)])

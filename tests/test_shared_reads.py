@@ -198,6 +198,13 @@ def group_of_one() -> Any:
         dist.destroy_process_group()
 
 
+def test_read_options_are_refused_with_share_reads(example_dir: Path, group_of_one: Any) -> None:
+    """share_reads reads the group's chunks as exact runs: read options of a rank reading for itself are refused."""
+    with pytest.raises(shardload.ShardloadError, match="read_options applies to a rank reading for itself") as err:
+        shardload.load_rank(example_dir, share_reads=group_of_one, read_options=shardload.ReadOptions(strategy="read"))
+    assert "\n" not in str(err.value)
+
+
 def test_a_group_of_one_reads_and_draws_progress(
     example_dir: Path, group_of_one: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

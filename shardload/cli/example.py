@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..engine.output import Staging, check_output, write_error
+from ..engine.output import StagingDir, check_output, write_error
 from ..sources.checkpoint import as_path
 
 EXAMPLE_CONFIG: dict[str, Any] = {
@@ -110,7 +110,7 @@ def write_example(
     check_output(out, [], overwrite=overwrite)
     tensors = example_tensors(seed=seed)
     try:
-        with Staging(out, None, synced=False, overwrite=overwrite) as staging:
+        with StagingDir(out, None, synced=False, overwrite=overwrite) as staging:
             _write_files(staging.dir, tensors, multi_file)
             staging.publish()
     except OSError as err:

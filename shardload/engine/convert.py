@@ -33,7 +33,7 @@ from ..version import __version__
 from .integrity import output_record, verifier, wrapped
 from .load import layout_for, stages_of
 from .output import (
-    Staging,
+    StagingDir,
     check_output,
     publish_with_manifest,
     source_paths,
@@ -148,7 +148,7 @@ def convert(
     exists = check_output(out, sources, overwrite=overwrite)
     durable = exists if fsync is None else fsync
     try:
-        with Staging(out, fsync, synced=durable, overwrite=overwrite) as staging:
+        with StagingDir(out, fsync, synced=durable, overwrite=overwrite) as staging:
             rank_files = _write_ranks(stages, staging.dir, progress, durable, wrap)
             record = write_output_record(staging.dir, output_record(staging.dir, [f.path for f in rank_files]), durable)
             manifest = {

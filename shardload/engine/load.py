@@ -22,8 +22,9 @@ from ..sources.objects import ObjectPath
 from ..sources.reader import RunReader
 from .devices import resolve_device
 from .integrity import converted_verifier, verifier, wrapped
+from .read_strategy import ReadOptions
 from .reshard import load_ranks, needs_reshard, open_presharded, open_shards, presharded_verify, shards_verify
-from .transfer import Transfer, plan_reader
+from .transfer import Transfer, reader_for_plan
 from .verify import rank_file
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 def materialize(plan: ParamPlan, files: RunReader, ranks: Sequence[int]) -> list[torch.Tensor]:
     """Build this parameter's shards for ``ranks`` on the CPU (fresh, contiguous tensors), reading synchronously."""
-    with Transfer(files, threads=0) as transfer:
+    with Transfer(files, read_options=ReadOptions(threads=0)) as transfer:
         shards = transfer.param(plan, ranks)
         transfer.wait()
     return shards
@@ -45,7 +46,7 @@ def iter_shards(
 ) -> Iterator[tuple[ParamPlan, list[torch.Tensor]]]:
     """Stream ``(param plan, shards for ranks)`` one parameter at a time, in checkpoint order, on the CPU
     (``wrap``: a verifying reader)."""
-    with wrapped(plan_reader(plan.params.values()), wrap) as reader, Transfer(reader) as transfer:
+    with wrapped(reader_for_plan(plan.params.values()), wrap) as reader, Transfer(reader) as transfer:
         for param in plan.params.values():
             shards = transfer.param(param, ranks)
             transfer.wait()
@@ -70,6 +71,7 @@ def load(
     mesh: Mesh | str | Mapping[str, int] | None = None,
     verify: bool | str = False,
     progress: bool | Callable[[int, int], None] = False,
+    read_options: ReadOptions | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Load every rank's shard of ``model``: a list of state dicts, the one for global rank r on ``devices[r]``.
 
@@ -81,6 +83,7 @@ def load(
     checkpoint against its integrity record (``verify=True``, or the record's root hash to pin it; see
     :func:`hash_checkpoint`). ``progress=True`` draws a
     progress line on stderr when it is a terminal; a callable gets ``(read jobs done, total)`` per stage.
+    ``read_options`` (:class:`ReadOptions`) sets the reader threads.
 
     Example::
 
@@ -102,7 +105,8 @@ def load(
         if needs_reshard(checkpoint, layout):  # converted for another N: each rank reads its boxes of the old files
             shards = open_shards(checkpoint, verify=shards_verify(verify, checkpoint.name))
             return load_ranks(shards, layout, range(world), devices)
-        return [load_rank(model, r, layout.tp, devices[r], mesh=layout, verify=verify) for r in range(world)]
+        return [load_rank(model, r, layout.tp, devices[r], mesh=layout, verify=verify, read_options=read_options)
+                for r in range(world)]  # fmt: skip
     if checkpoint.presharded is not None and checkpoint.presharded != layout.tp:  # cut for another N: reshard
         presharded_verify(verify, checkpoint.name)
         return load_ranks(open_presharded(checkpoint, shard_info_for(checkpoint, shard_info)), layout, range(world),
@@ -110,7 +114,9 @@ def load(
     wrap = verifier(checkpoint, verify, str(model))
     if checkpoint.presharded is not None:
         return [
-            _load_presharded_rank(checkpoint, shard_info, layout, layout.coord(r), devices[r], False, wrap)
+            _load_presharded_rank(
+                checkpoint, shard_info, layout, layout.coord(r), devices[r], False, wrap, read_options
+            )
             for r in range(world)
         ]
     plan = build_plan(shard_info_for(checkpoint, shard_info), checkpoint, layout.tp)
@@ -119,7 +125,8 @@ def load(
         first = [layout.rank(0, pp, tp) for tp in range(layout.tp)]
         report = _progress_line(f"loading stage {pp}" if layout.pp > 1 else "loading") if progress is True else None
         call = report or (progress if callable(progress) else None)
-        states = run_plan(stage, range(layout.tp), [devices[r] for r in first], progress=call, wrap=wrap)
+        devs = [devices[r] for r in first]
+        states = run_plan(stage, range(layout.tp), devs, progress=call, wrap=wrap, read_options=read_options)
         for tp, state in enumerate(states):
             result[first[tp]] = state
             for dp in range(1, layout.dp):  # data-parallel replicas: the same tensors, copied
@@ -153,13 +160,15 @@ def run_plan(
     mmap: bool = False,
     progress: Callable[[int, int], None] | None = None,
     wrap: Callable[[RunReader], RunReader] | None = None,
+    read_options: ReadOptions | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Every parameter of ``plan`` for ``ranks`` (rank ``ranks[k]`` on ``devices[k]``): all allocated, then read
     by the thread pool.
 
     ``staged`` sends CPU destinations through the staging buffers too (to test that path on the CPU);
     ``mmap`` (one CPU rank) maps what it can instead of reading it (see :func:`load_rank`); ``wrap`` wraps the
-    reader (a verifying reader, :func:`~shardload.engine.integrity.verified_reader`).
+    reader (a verifying reader, :func:`~shardload.engine.integrity.verified_reader`); ``read_options`` sets the
+    reader threads and a single rank's read strategy.
     """
     result: list[dict[str, torch.Tensor]] = [{} for _ in ranks]
     import torch
@@ -169,8 +178,16 @@ def run_plan(
     # rank's tensors are populated by the readers themselves, so its reads start while later parameters are planned
     defer = not (one_rank and torch.device(devices[0]).type == "cpu")
     with (
-        wrapped(plan_reader(plan.params.values()), wrap) as reader,
-        Transfer(reader, staged=staged, defer=defer, mapped=mmap, copy_out=one_rank, progress=progress) as transfer,
+        wrapped(reader_for_plan(plan.params.values()), wrap) as reader,
+        Transfer(
+            reader,
+            read_options=read_options,
+            staged=staged,
+            defer=defer,
+            mapped=mmap,
+            copy_out=one_rank,
+            progress=progress,
+        ) as transfer,
     ):
         for param in plan.params.values():
             for k, t in enumerate(transfer.param(param, ranks, devices)):
@@ -240,6 +257,7 @@ def load_rank(
     mmap: bool = False,
     share_reads: Any = False,
     progress: bool | Callable[[int, int], None] = False,
+    read_options: ReadOptions | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load only rank ``rank``'s shard of ``model`` onto ``device``, reading only the bytes it needs.
 
@@ -270,6 +288,10 @@ def load_rank(
 
     ``progress=True`` draws a progress line on stderr when it is a terminal (under torch.distributed only on
     the first rank of each node); a callable gets ``(done, total)`` (read jobs, or exchange rounds).
+
+    ``read_options`` (:class:`ReadOptions`) forces how the rank gets its bytes (``strategy="map"``: copies out of a
+    mapping, ``"read"``: ``preadv`` of the exact runs; default ``"auto"``) and sets the reader threads. It does
+    not apply to ``share_reads``, whose chunks are always read as exact runs.
 
     Example::
 
@@ -310,6 +332,12 @@ def load_rank(
         raise ShardloadError(
             f"mmap=True maps files into host memory; it needs device='cpu', not {device!r}", file=str(model)
         )
+    if shared and read_options is not None:
+        raise ShardloadError(
+            "read_options applies to a rank reading for itself; share_reads reads each chunk as exact runs (leave "
+            "read_options out)",
+            file=str(model),
+        )
     call = _rank_progress(progress, f"loading rank {rank}", "exchange rounds" if shared else "read jobs")
     if checkpoint.kind == "converted":
         if shard_info is not None:
@@ -325,13 +353,13 @@ def load_rank(
             return load_ranks(shards, layout, [rank], [device])[0]
         if shared:
             return _load_converted_shared(checkpoint, layout, coord, device, verify, group, call)
-        return _load_converted_rank(checkpoint, layout, coord, device, verify, mmap)
+        return _load_converted_rank(checkpoint, layout, coord, device, verify, mmap, read_options)
     wrap = verifier(checkpoint, verify, str(model))
     if wrap is not None and mmap:
         raise ShardloadError("verify and mmap=True exclude each other (a view of the file is not a checked copy)",
                              file=str(model))  # fmt: skip
     if checkpoint.presharded is not None:
-        return _load_presharded_rank(checkpoint, shard_info, layout, coord, device, mmap, wrap)
+        return _load_presharded_rank(checkpoint, shard_info, layout, coord, device, mmap, wrap, read_options)
     plan = build_plan(shard_info_for(checkpoint, shard_info), checkpoint, layout.tp)
     stages = stages_of(plan, layout)
     if shared:
@@ -342,12 +370,14 @@ def load_rank(
             return list(stages[key[0]].params.values()), key[1]
 
         digest = plan_digest(plan, stages) + str(layout).encode()
-        with wrapped(plan_reader(plan.params.values()), wrap) as reader:
+        with wrapped(reader_for_plan(plan.params.values()), wrap) as reader:
             state = load_shared(slot_params, digest, (coord.pp, coord.tp), device, reader, group, call, str(model))
             if wrap is not None:  # what the peers sent is checked too: a broken or hostile peer cannot inject bytes
                 check_received(stages[coord.pp].params.values(), coord.tp, state, reader)
             return state
-    return run_plan(stages[coord.pp], [coord.tp], [device], mmap=mmap, progress=call, wrap=wrap)[0]
+    return run_plan(
+        stages[coord.pp], [coord.tp], [device], mmap=mmap, progress=call, wrap=wrap, read_options=read_options
+    )[0]
 
 
 def check_received(params: Iterable[ParamPlan], rank: int, state: Mapping[str, torch.Tensor], reader: Any) -> None:
@@ -458,7 +488,13 @@ def _device_type(device: Any) -> str:
 
 
 def _load_converted_rank(
-    checkpoint: Checkpoint, layout: Mesh, coord: MeshCoord, device: Any, verify: bool | str, mmap: bool
+    checkpoint: Checkpoint,
+    layout: Mesh,
+    coord: MeshCoord,
+    device: Any,
+    verify: bool | str,
+    mmap: bool,
+    read_options: ReadOptions | None = None,
 ) -> dict[str, torch.Tensor]:
     wrap = converted_verifier(checkpoint, verify)
     if wrap is not None and mmap:
@@ -468,7 +504,7 @@ def _load_converted_rank(
     infos = list(read_header(path).values())
     with (
         wrapped(reader_for(path), wrap and (lambda r: wrap(r, path, infos))) as reader,
-        Transfer(reader, mapped=mmap) as transfer,
+        Transfer(reader, read_options=read_options, mapped=mmap) as transfer,
     ):
         tensors = transfer.tensors(infos, device)
         transfer.wait()
@@ -483,6 +519,7 @@ def _load_presharded_rank(
     device: Any,
     mmap: bool,
     wrap: Callable[[RunReader], RunReader] | None = None,
+    read_options: ReadOptions | None = None,
 ) -> dict[str, torch.Tensor]:
     """A rank of a source stored already split (a pre-sharded TVM cache): its own part of each split parameter,
     and every tensor stored whole."""
@@ -502,4 +539,4 @@ def _load_presharded_rank(
         raise ShardloadError("pipeline stages of a pre-sharded checkpoint are not supported", file=checkpoint.name)
     view = checkpoint.rank_view(coord.tp)
     plan = build_plan(ShardInfo(source=f"<rank {coord.tp}'s part of {checkpoint.name}>"), view, 1)
-    return run_plan(plan, [0], [device], mmap=mmap, wrap=wrap)[0]
+    return run_plan(plan, [0], [device], mmap=mmap, wrap=wrap, read_options=read_options)[0]

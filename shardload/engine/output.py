@@ -6,7 +6,7 @@
   earlier output of shardload: one holding :data:`MARKER` (every output shardload writes gets one) or a
   ``shard_manifest.json`` (converted outputs written before the marker existed). Anything else, a user's
   directory or a file, is refused: nothing of the user's is ever deleted.
-- :class:`Staging`: the temporary directory beside OUT that ``convert``, ``quantize`` and ``example`` write
+- :class:`StagingDir`: the temporary directory beside OUT that ``convert``, ``quantize`` and ``example`` write
   into, locked while in use, renamed into place when complete (an old OUT moved aside first and flushed
   over when it is replaced), removed when the command fails or is interrupted. Each command removes what a
   killed run of any of them left for the same OUT, and refuses while one is still running.
@@ -185,7 +185,7 @@ def _lock(fd: int, wait: bool) -> bool:
     return True
 
 
-class Staging:
+class StagingDir:
     """The temporary directory beside ``out`` that a command writes into, and its lock.
 
     Every entry is named ``.OUT.shardload-tmp-TOKEN[.lock|.old]``. The ``.lock`` file is flock-ed for the
@@ -211,7 +211,7 @@ class Staging:
         self.lock_fd = -1
         self.marker: WrittenFile | None = None
 
-    def __enter__(self) -> Staging:
+    def __enter__(self) -> StagingDir:
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.lock_fd = os.open(self.lock, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
         try:
@@ -295,7 +295,7 @@ class Staging:
 
 
 def publish_with_manifest(
-    staging: Staging,
+    staging: StagingDir,
     model_root: Path,
     stamps: list[Stamp],
     written: list[WrittenFile],

@@ -26,7 +26,7 @@ from ..sources.checkpoint import SHARD_INFO_NAME, as_path, open_checkpoint, read
 from ..sources.objects import ObjectPath
 from ..sources.reader import Reader
 from .output import (
-    Staging,
+    StagingDir,
     check_output,
     check_sources_unchanged,
     copy_companions,
@@ -134,7 +134,7 @@ def quantize(
     config = _read_config(checkpoint.root)
     result = QuantizeResult(out, spec)
     try:
-        with Staging(out, None, synced=False, overwrite=overwrite) as staging, Reader() as files:
+        with StagingDir(out, None, synced=False, overwrite=overwrite) as staging, Reader() as files:
             tmp = staging.dir
             tensors: dict[str, torch.Tensor] = {}
             done = 0

@@ -450,7 +450,7 @@ def write_shards(
     """Write ``source`` (a directory converted for another layout, a pre-sharded cache) as a directory converted for
     ``layout``, streamed one tensor at a time; everything is planned and checked before the output is created."""
     from ..version import __version__
-    from .output import Staging, check_output, publish_with_manifest, stamp_sources, write_error
+    from .output import StagingDir, check_output, publish_with_manifest, stamp_sources, write_error
     from .writer import FileWriter, file_order, rank_header
 
     checkpoint = source.checkpoint
@@ -462,7 +462,10 @@ def write_shards(
     record = record_of(source)
     written: list[WrittenFile] = []
     try:
-        with Staging(out, fsync, synced=durable, overwrite=overwrite) as staging, reader_for(checkpoint.path) as reader:
+        with (
+            StagingDir(out, fsync, synced=durable, overwrite=overwrite) as staging,
+            reader_for(checkpoint.path) as reader,
+        ):
             for pp, plan in enumerate(stages):
                 for r in range(layout.tp):
                     handle = FileWriter(staging.dir / rank_file_name(r, layout.tp, pp, len(stages)), durable=durable)

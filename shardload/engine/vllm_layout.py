@@ -42,7 +42,7 @@ from ..version import __version__
 from .integrity import output_record, verifier, wrapped
 from .load import iter_shards, materialize
 from .output import (
-    Staging,
+    StagingDir,
     check_output,
     publish_with_manifest,
     source_paths,
@@ -50,7 +50,7 @@ from .output import (
     write_error,
 )
 from .reshard import RECORD_KEY, ShardsSource, open_shards, read_record, record_of, shards_verify, source_record
-from .transfer import plan_reader
+from .transfer import reader_for_plan
 from .writer import FileWriter, WrittenFile, write_output_record
 
 if TYPE_CHECKING:
@@ -238,7 +238,7 @@ def rank_tensors(
     ``wrap``: a verifying reader of the source checkpoint."""
     import torch
 
-    raw = plan_reader(layout.plan.params.values()) if shards is None else reader_for(shards.checkpoint.path)
+    raw = reader_for_plan(layout.plan.params.values()) if shards is None else reader_for(shards.checkpoint.path)
     with wrapped(raw, wrap) as reader:
         for t in layout.tensors:
             if not t.vocab:
@@ -332,7 +332,7 @@ def convert_vllm(
     durable = exists if fsync is None else fsync
     header = layout.header()
     try:
-        with Staging(out, fsync, synced=durable, overwrite=overwrite) as staging:
+        with StagingDir(out, fsync, synced=durable, overwrite=overwrite) as staging:
             files = [FileWriter(staging.dir / FILE_PATTERN.format(rank=r), durable=durable) for r in range(num_shards)]
             try:
                 for f in files:
@@ -431,7 +431,7 @@ def _record(layout: VllmLayout, shards: ShardsSource | None) -> dict[str, Any] |
         return record_of(shards)
     if layout.shard_info is None or layout.plan.checkpoint is None or layout.vocab_plan.checkpoint is None:
         return None
-    with plan_reader(layout.plan.params.values()) as reader:
+    with reader_for_plan(layout.plan.params.values()) as reader:
         record = source_record(layout.plan, layout.shard_info, reader)
     if record is not None:
         for name, p in layout.vocab_plan.params.items():

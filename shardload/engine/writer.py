@@ -30,7 +30,7 @@ from ..sources.checkpoint import MAX_HEADER_BYTES
 from ..sources.dtypes import DTYPES, itemsize, to_torch
 from ..sources.reader import RunReader, buffer_view, libc_function
 from .integrity import wrapped
-from .transfer import plan_reader
+from .transfer import reader_for_plan
 
 if TYPE_CHECKING:
     import torch
@@ -239,7 +239,7 @@ def write_rank_files(
             files.append(FileWriter(path, durable=durable))
         for r, f in enumerate(files):
             f.write(rank_header(plan, r, stage, stages))
-        with wrapped(plan_reader(params), wrap) as reader:
+        with wrapped(reader_for_plan(params), wrap) as reader:
             shared = _Shared(workers)
 
             def work(w: int) -> None:

@@ -3,7 +3,8 @@
     python -m torch.distributed.run --standalone --nproc_per_node N matrix_worker.py CASES_JSON
 
 CASES_JSON is a list of ``{"id": NAME, "model": PATH_OR_URI, "threads": K, "out": DIR}``. For each case every rank
-calls ``load_rank(model, share_reads=True)`` (rank and N from the gloo group) with ``K`` reader threads and writes
+calls ``load_rank(model, share_reads=True)`` (rank and N from the gloo group) with ``K`` concurrent object-store
+requests (``objects.CONCURRENCY``: share_reads reads its chunks in one thread, whatever the reader threads) and writes
 what it got to ``DIR/rank-R.safetensors``, or its error to ``DIR/rank-R.error``; the test compares the files with
 its reference. Exchange chunks are small (16 KiB), so even the tiny models take many exchange rounds.
 """
@@ -20,9 +21,7 @@ from safetensors.torch import save_file
 
 import shardload
 import shardload.engine.exchange as exchange
-import shardload.engine.transfer as transfer
 from shardload.sources import objects
-from shardload.sources.object_reader import ObjectReader
 
 
 def main() -> None:
@@ -32,7 +31,7 @@ def main() -> None:
     exchange.EXCHANGE_BYTES = 16384 * (2 * dist.get_world_size() + 2)
     objects.MAX_WASTE = float("inf")  # as in the main process: column slices merge into few GETs
     for case in cases:
-        transfer.READ_THREADS = ObjectReader.threads = objects.CONCURRENCY = case["threads"]
+        objects.CONCURRENCY = case["threads"]
         out = Path(case["out"])
         out.mkdir(parents=True, exist_ok=True)
         try:

@@ -1,0 +1,180 @@
+"""How one rank decides, per file and parameter, which way it gets its bytes: strided copies out of a read-only
+mapping, or ``preadv`` of its exact runs (docs/reading.md), with the cold-storage hints that make either way fetch
+only the rank's pages. :class:`ReadOptions` is the caller's say in it: a forced way, and how many reader threads.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from ..errors import ShardloadError
+from ..sources.reader import PAGE, probes
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..planning.plan import ParamPlan
+    from ..planning.runs import Runs
+    from ..sources.reader import FileMaps, RunReader
+    from .read_schedule import StructureKey, StructureRuns
+
+READ_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+"""Reader threads by default: page-cache copies scale with cores until memory bandwidth is the bound (the cores this
+process may run on: a container or ``taskset`` may allow fewer than the machine has)."""
+RESIDENT_ENOUGH = 0.9
+"""``auto`` treats a parameter's bytes as cached when at least this fraction of the pages holding them is (sampled
+with ``mincore``); otherwise it fetches exactly those pages from storage."""
+SMALL_RUN = PAGE // 2
+"""On cold storage, ``auto`` copies runs averaging under this many bytes (a column slice) out of a mapping, their pages
+requested up front: ``preadv`` would pay one call per run, and the kernel reads whole pages either way."""
+STAGED_MAP_RUN = 256 << 10
+"""A GPU rank copies out of a mapping (when cached) only if its runs average under this many bytes; longer runs
+are read with ``preadv`` into the pinned buffers (measured on an H100 host: whole tensors 0.053 s by ``preadv``
+against 0.079 s through the mapping, column slices 0.050 s against 0.305 s)."""
+
+Strategy = Literal["auto", "map", "read"]
+STRATEGIES: tuple[Strategy, ...] = ("auto", "map", "read")
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How a load reads: ``strategy`` picks a single rank's way (``"auto"``: per parameter, from its runs and the
+    page cache; ``"map"``: always copy out of a mapping; ``"read"``: always ``preadv`` the exact runs), ``threads``
+    the reader threads (None: the reader's own number, else :data:`READ_THREADS`; 0: read in the calling thread)."""
+
+    strategy: Strategy = "auto"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ShardloadError(f"read strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.threads is not None and (type(self.threads) is not int or self.threads < 0):
+            raise ShardloadError(f"reader threads must be None or an int >= 0, got {self.threads!r}")
+
+    def threads_for(self, reader: RunReader) -> int:
+        """The reader threads of a load through ``reader`` (an object store asks for its own number)."""
+        return (reader.threads or READ_THREADS) if self.threads is None else self.threads
+
+
+class Way(enum.Enum):
+    """How one rank gets one parameter's bytes."""
+
+    MAP = "map"
+    """Strided copies out of a read-only mapping of the file."""
+    READ = "read"
+    """``preadv`` of the exact runs (through the read schedule)."""
+
+
+@dataclass(frozen=True)
+class RunSpans:
+    """Where one rank's bytes of a parameter structure lie, offsets relative to the stored tensor: what ``auto``
+    asks the page cache about, and the ranges its cold-storage hints name."""
+
+    starts: np.ndarray
+    """Run starts, sorted."""
+    ends: np.ndarray
+    """Run ends (exclusive), in the same order."""
+    mean_run: float
+    """Average run length in bytes: long runs are read, short ones copied out of the mapping."""
+    probes: list[int]
+    """Offsets of the pages to ask ``mincore`` about."""
+    end: int
+    """End of the last run."""
+
+    @classmethod
+    def of(cls, runs: Runs) -> RunSpans:
+        """The spans of ``runs`` (at least one, sorted by file offset)."""
+        starts, ends = runs.src, runs.src + runs.length
+        return cls(starts, ends, float(runs.length.mean()), probes(starts, ends), int(ends.max()))
+
+
+class ReadStrategy:
+    """A single rank's choice of :class:`Way` per parameter, under ``options.strategy``. What a parameter structure
+    alone decides is kept per structure; ``auto`` then asks the page cache about each parameter whose runs it
+    could read either way, and gives the reader the cold-storage hints for the way it chose."""
+
+    def __init__(self, options: ReadOptions, reader: RunReader, filemaps: FileMaps, runs: StructureRuns) -> None:
+        self.strategy = options.strategy
+        self.reader = reader
+        self.filemaps = filemaps
+        self.runs = runs
+        self.known: dict[StructureKey, Way | RunSpans] = {}
+        """Per structure: its way, or (``auto``) the spans to decide each parameter by."""
+
+    def way(self, plan: ParamPlan, rank: int, key: StructureKey, *, direct: bool) -> Way:
+        """How ``rank`` gets ``plan``'s bytes (``key``: the plan's structure; ``direct``: into a CPU tensor, not
+        through staging buffers)."""
+        if not plan.remap or plan.rank_nbytes == 0 or plan.source.dtype != plan.dtype:
+            return Way.READ
+        known = self.known.get(key)
+        if known is None:
+            known = self.known[key] = self._by_structure(plan, rank, key)
+        if isinstance(known, Way):
+            return known
+        return self._by_page_cache(plan, known, direct)
+
+    def _by_structure(self, plan: ParamPlan, rank: int, key: StructureKey) -> Way | RunSpans:
+        """The way every parameter of ``plan``'s structure takes, or (``auto``) the spans to ask about."""
+        from ..planning.runs import MANY_RUNS, run_count
+
+        if run_count(plan, [rank]) > MANY_RUNS:
+            return Way.MAP  # too many runs to list: always copied out of the mapping, whatever the strategy
+        if self.strategy == "read":
+            return Way.READ
+        runs = self.runs.get(plan, [rank], key)
+        if runs is None or not len(runs):
+            return Way.READ
+        if self.strategy == "map":
+            return Way.MAP
+        return RunSpans.of(runs)
+
+    def _by_page_cache(self, plan: ParamPlan, spans: RunSpans, direct: bool) -> Way:
+        """``auto`` for one parameter: copy out of the mapping what is cached (and short runs from cold storage,
+        their pages requested first); read long runs from cold storage, and on a GPU long runs whatever the cache.
+
+        Copies out of a mapping beat the kernel's copy out of the page cache even for long runs on a CPU rank, page
+        faults included (0.056 s against 0.059 s for ``load_rank(mmap=True)``, rank 3 of 8, medians of 10 in
+        ``benchmarks/run.py``'s setting); on cold storage ``preadv`` of the exact runs reads no byte the rank does
+        not need.
+        """
+        file, at = plan.source.file, plan.source.offset
+        if self.filemaps.warm(file):  # the whole file is cached: no probe per parameter
+            resident: float | None = 1.0
+        else:
+            resident = self.filemaps.cached(file, [at + x for x in spans.probes], at + spans.end)
+        if not direct and spans.mean_run >= STAGED_MAP_RUN:
+            # long runs reach the pinned buffers faster by preadv than through a mapping
+            if resident is not None and resident < RESIDENT_ENOUGH:
+                self.reader.no_readahead(file)  # cold: exactly the runs, their pages requested now
+                self.reader.prefetch(file, (at + spans.starts).tolist(), (at + spans.ends).tolist())
+            return Way.READ
+        if resident is None:
+            return Way.READ
+        if resident < RESIDENT_ENOUGH:  # cold: fetch the pages holding the rank's bytes, and nothing else
+            starts, ends = at + spans.starts, at + spans.ends
+            if spans.mean_run >= SMALL_RUN:  # few long runs: read exactly them, their pages requested up front
+                self.reader.no_readahead(file)
+                self.reader.prefetch(file, starts.tolist(), ends.tolist())
+                return Way.READ
+            # many short runs: request the pages they touch (merged into ranges), copy as the pages arrive
+            self.filemaps.no_readahead(file, int(starts.min()), int(ends.max()))
+            self.reader.prefetch(file, *page_ranges(starts, ends))
+        return Way.MAP
+
+
+def page_ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[list[int], list[int]]:
+    """The byte ranges of whole pages that runs ``[starts[i], ends[i])`` (sorted) touch, adjacent pages merged."""
+    first = (starts // PAGE).tolist()
+    last = ((ends - 1) // PAGE).tolist()
+    lo: list[int] = []
+    hi: list[int] = []
+    for a, b in zip(first, last, strict=True):
+        if hi and a <= hi[-1]:
+            hi[-1] = max(hi[-1], b + 1)
+        else:
+            lo.append(a)
+            hi.append(b + 1)
+    return [x * PAGE for x in lo], [x * PAGE for x in hi]
