@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -487,9 +487,9 @@ def output_record(directory: Path, names: Sequence[str]) -> bytes:
 
 
 def converted_verifier(checkpoint: Checkpoint, verify: bool | str) -> Callable[..., RunReader] | None:
-    """For a converted directory loaded with a pinned root: a wrapper ``(reader, rank file, its tensors)`` checking
-    every byte read against the output's record. None for ``verify`` False or True (True checks the rank file's
-    sha256 from the manifest: a rank reads its whole file, so the whole-file hash is the same check)."""
+    """For a converted directory loaded with a pinned root: a wrapper ``(reader, {rank file: its tensors})``
+    checking every byte read from those files against the output's record. None for ``verify`` False or True
+    (True checks the rank file's sha256 from the manifest: a rank reads its whole file, the same check)."""
     if not isinstance(verify, str):
         return None
     integrity = (checkpoint.manifest or {}).get("integrity")
@@ -501,8 +501,9 @@ def converted_verifier(checkpoint: Checkpoint, verify: bool | str) -> Callable[.
         raise RecordError(f"manifest's 'integrity' must name the record {RECORD_NAME!r}", file=where)
     record = load_record(checkpoint, verify, Path(checkpoint.root) / RECORD_NAME)
 
-    def wrap(reader: RunReader, path: Path, tensors: Sequence[TensorInfo]) -> RunReader:
-        view = Checkpoint(checkpoint.path, checkpoint.root, "safetensors", {t.name: t for t in tensors}, [path])
+    def wrap(reader: RunReader, files: Mapping[Path, Sequence[TensorInfo]]) -> RunReader:
+        tensors = {f"{path.name}/{t.name}": t for path, infos in files.items() for t in infos}  # names repeat per file
+        view = Checkpoint(checkpoint.path, checkpoint.root, "safetensors", tensors, list(files))
         return verified_reader(reader, view, record)
 
     return wrap
