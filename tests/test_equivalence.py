@@ -53,8 +53,8 @@ Coverage, and why it is enough:
 - a path that does not apply to a source is a cell asserting its documented one-line refusal, with nothing
   written: a converted directory is not converted again (``convert``, ``--layout vllm``) nor loaded at another
   N (``test_converted_directory_refuses_another_n``), ``--layout vllm`` converts safetensors sources only (TVM,
-  GGUF), ``mmap=True`` maps local files only (S3) and is no checked copy (``verify`` with ``mmap``). A source whose package is missing skips its cells with the
-  reason (never in CI, which installs them all).
+  GGUF), ``mmap=True`` maps local files only (S3) and is no checked copy (``verify`` with ``mmap``). A source
+  whose package is missing skips its cells with the reason (never in CI, which installs them all).
 
 No cell is marked as a known failure. The matrix found two bugs when it was written (convert from S3 gave a
 rank's replicated tensors other tensors' bytes whenever N > writer threads; a Hub id failed in any fresh process);
