@@ -49,7 +49,7 @@ READ_BYTES = 8 << 20
 class HashResult:
     """What :func:`hash_checkpoint` wrote: the record's path, its root hash and size, and the bytes hashed."""
 
-    path: Path
+    path: Path | ObjectPath
     root: str
     record_bytes: int
     checkpoint_bytes: int
@@ -184,7 +184,7 @@ def hash_checkpoint(
     *,
     threads: int | None = None,
     progress: bool | Callable[[int, int], None] = False,
-) -> Path:
+) -> Path | ObjectPath:
     """Write ``model``'s integrity record (beside it, or to ``out``) and return its path; see :func:`hash_model`."""
     return hash_model(model, out, threads=threads, progress=progress).path
 
@@ -208,12 +208,24 @@ def hash_model(
     data = record.to_bytes()
     target = Path(out) if out is not None else record_path(checkpoint)
     if isinstance(target, ObjectPath):
-        raise ShardloadError(f"shardload writes nothing into object storage: give -o FILE (then upload it as "
-                             f"{target})", file=str(model))  # fmt: skip
+        write_object_record(target, data)
+        return HashResult(target, root_of(data), len(data), sum(f.size for f in record.files))
     if target.is_dir():
         target = target / RECORD_NAME
     write_record(target, data)
     return HashResult(target, root_of(data), len(data), sum(f.size for f in record.files))
+
+
+def write_object_record(target: ObjectPath, data: bytes) -> None:
+    """Put a record's bytes beside the objects (nothing is rewritten when it holds them already); a store that
+    refuses the write is one line pointing to ``-o FILE``."""
+    try:
+        if target.size() == len(data) and target.read_small(len(data), "integrity record") == data:
+            return
+        target.write_bytes(data)
+    except ShardloadError as err:
+        raise ShardloadError(f"cannot write the record beside the objects ({err.reason}); give -o FILE and upload "
+                             f"it as {target}", file=str(target)) from None  # fmt: skip
 
 
 def write_record(target: Path, data: bytes) -> None:
@@ -366,7 +378,7 @@ def load_record(checkpoint: Checkpoint, verify: bool | str, record: str | os.Pat
         if isinstance(path, ObjectPath):
             raise RecordError(
                 f"verify needs an integrity record and there is none at {path}; make one with `shardload hash "
-                f"{checkpoint.path} -o FILE` and upload it there",
+                f"{checkpoint.path}` (or with -o FILE, then upload it there)",
                 file=str(checkpoint.path),
             )
         raise RecordError(
