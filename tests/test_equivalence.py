@@ -26,8 +26,8 @@ Axes:
   files read back, ``convert --layout vllm`` (the CLI) against vLLM's per-rank layout,
   ``load_rank(share_reads=True)`` under torchrun (gloo), and ``verify``: ``load_rank(verify=...)`` through the
   checking reader against the source's integrity record (``shardload hash``, made once per source and session;
-  an S3 model's record is hashed from the objects and put beside them; a converted directory checks the record
-  convert wrote, or its rank files' sha256 for True);
+  an S3 model's is hashed from the objects and put beside them by ``hash`` itself; a converted directory checks
+  the record convert wrote, or its rank files' sha256 for True);
 - N in 1, 2, 3, 4, 6, 8;
 - threads in 1, 2, 8: reader threads (``transfer.READ_THREADS``; an S3 reader's ``ObjectReader.threads`` and
   its GET pool ``objects.CONCURRENCY``) and writer threads (``writer.WRITE_THREADS``) together. Read jobs and
@@ -87,9 +87,7 @@ from helpers import matrix_sources, tp_split
 from shardload.cli.main import main
 from shardload.engine.integrity import hash_model
 from shardload.errors import ShardloadError
-from shardload.format.hash_record import RECORD_NAME
 from shardload.sources import objects
-from shardload.sources.location import forget_stores
 from shardload.sources.object_reader import ObjectReader
 
 try:  # the suite's moto server on loopback (module-scoped), requested by the S3 cells only
@@ -217,20 +215,13 @@ class World:
 
     def record_root(self, request: pytest.FixtureRequest, name: str, n: int) -> str:
         """The root hash of the cell's source's integrity record, hashed once per session (a converted directory
-        carries the record convert wrote; an S3 model's record is made from the objects and put beside them)."""
+        carries the record convert wrote; an S3 model's is hashed from the objects and put beside them)."""
         model = self.source(request, name, n)
         key = (str(model), name)
         if key not in self.roots:
             if name == "converted":
                 self.roots[key] = json.loads((model / "shard_manifest.json").read_text())["integrity"]["root"]
-            elif name == "s3":
-                done = hash_model(model, self.root / f"s3-{MODEL_OF_N[n]}.hashes")
-                bucket, prefix = model.removeprefix("s3://").split("/", 1)
-                put = request.getfixturevalue("s3").client().put_object
-                put(Bucket=bucket, Key=f"{prefix}/{RECORD_NAME}", Body=done.path.read_bytes())
-                forget_stores()  # a store lists a prefix once: the next one sees the record
-                self.roots[key] = done.root
-            else:
+            else:  # an S3 model's record is put beside its objects
                 self.roots[key] = hash_model(model).root
         return self.roots[key]
 
@@ -246,6 +237,8 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    from shardload.sources.location import forget_stores
+
     with pytest.MonkeyPatch.context() as mp:  # S3 endpoint and Hub cache settings, for this module only
         yield World(tmp_path_factory.mktemp("matrix"), mp)
     forget_stores()  # no store of this module's server outlives it
