@@ -1,5 +1,6 @@
 """Verified loading against plain loading, side by side in one run (issue 27's targets): a ~1 GiB Llama-shaped
-float16 checkpoint, rank 3 of 8, each figure from fresh processes (median of ``--repeats``), warm and cold.
+float16 checkpoint, rank 3 of 8, each figure from fresh processes (median of ``--repeats``, plain and verify
+alternating), warm and cold.
 
 - bytes: warm, the tensor bytes the readers copy (``count_reads``); cold, ``/proc/self/io`` read_bytes after the
   file's pages were dropped (``POSIX_FADV_DONTNEED``). Target: verify <= 1.10x plain.
@@ -69,14 +70,16 @@ def child(model: str, verify: str, cold: str) -> None:
                       "held": held}))  # fmt: skip
 
 
-def measure(model: Path, verify: bool, cold: bool, repeats: int) -> dict[str, float]:
-    runs = []
+def measure(model: Path, cold: bool, repeats: int) -> dict[str, dict[str, float]]:
+    """Medians of ``repeats`` fresh processes per mode, plain and verify alternating (a load change on a shared
+    machine then hits both alike)."""
+    runs: dict[str, list[dict[str, float]]] = {"plain": [], "verify": []}
     for _ in range(repeats):
-        cmd = [sys.executable, __file__, "--child", str(model), "verify" if verify else "plain",
-               "cold" if cold else "warm"]  # fmt: skip
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        runs.append(json.loads(out.strip().splitlines()[-1]))
-    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        for mode, out in runs.items():
+            cmd = [sys.executable, __file__, "--child", str(model), mode, "cold" if cold else "warm"]
+            done = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            out.append(json.loads(done.strip().splitlines()[-1]))
+    return {mode: {key: statistics.median(r[key] for r in out) for key in out[0]} for mode, out in runs.items()}
 
 
 def linear_leaf_bytes(model: Path, leaf: int = 64 << 10) -> tuple[int, int]:
@@ -138,8 +141,8 @@ def main() -> int:
           f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")  # fmt: skip
     print(f"{'figure':<34}{'plain':>12}{'verify':>12}{'ratio':>8}{'target':>9}")
     for cold in (False, True):
-        plain = measure(model, False, cold, args.repeats)
-        checked = measure(model, True, cold, args.repeats)
+        both = measure(model, cold, args.repeats)
+        plain, checked = both["plain"], both["verify"]
         state = "cold" if cold else "warm"
         key = "read_bytes" if cold else "counted"
         what = "bytes from storage" if cold else "bytes copied by readers"
@@ -159,6 +162,7 @@ def main() -> int:
           f"{result.record_bytes / limit:>8.2f}{'<=1.00':>9}")  # fmt: skip
     print(f"{'file-linear 64 KiB leaves, MiB':<34}{own / 2**20:>12.1f}{linear / 2**20:>12.1f}{linear / own:>8.2f}"
           f"{'(info)':>9}")  # fmt: skip
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
     return 0
 
 

@@ -23,8 +23,11 @@ Axes:
   fixture), a Hugging Face Hub id (an offline cache laid out as huggingface_hub does). Safetensors sources are
   planned in memory from config.json; TVM and GGUF carry the shard_info.json ``shardload plan`` wrote;
 - path: ``load`` (all ranks), ``load_rank``, ``load_rank(mmap=True)``, ``convert`` (the CLI) then the rank
-  files read back, ``convert --layout vllm`` (the CLI) against vLLM's per-rank layout, and
-  ``load_rank(share_reads=True)`` under torchrun (gloo);
+  files read back, ``convert --layout vllm`` (the CLI) against vLLM's per-rank layout,
+  ``load_rank(share_reads=True)`` under torchrun (gloo), and ``verify``: ``load_rank(verify=...)`` through the
+  checking reader against the source's integrity record (``shardload hash``, made once per source and session;
+  an S3 model's is hashed from the objects and put beside them by ``hash`` itself; a converted directory checks
+  the record convert wrote, or its rank files' sha256 for True);
 - N in 1, 2, 3, 4, 6, 8;
 - threads in 1, 2, 8: reader threads (``ReadOptions(threads=)`` of ``load`` and ``load_rank``; for the CLI's
   ``convert``, which takes no read options, the defaults ``read_strategy.READ_THREADS`` and an S3 reader's
@@ -45,12 +48,16 @@ Coverage, and why it is enough:
   tuples), so every (source, threads), (path, threads) and (N, threads) pair occurs;
 - a converted directory is also loaded at another N (``test_converted_directory_serves_another_n``; the
   full N_old x N_new matrix is ``tests/test_reshard.py``);
+- ``verify`` runs for every source and N, threads rotated as on ``load_rank``; a third of its cells pin the
+  record's root (``verify="<root>"``, cell ids ``-pinned``: every source and every N has some), the rest pass
+  True. The share_reads launches load every source a second time with ``verify`` (pinned by the same rule), so
+  the receivers' checks of what peers sent run on every source too;
 - ``share_reads`` costs a torchrun launch (N processes importing torch), so it runs at N = 2 and N = 3 only, one
   launch each, every source in the same launch (one cell per source and N), threads rotated as above;
 - a path that does not apply to a source is a cell asserting its documented one-line refusal, with nothing
   written: ``--layout vllm`` converts safetensors sources and converted directories only (not TVM, GGUF),
-  ``mmap=True`` maps local files only (S3). A source whose package is missing skips its cells with the
-  reason (never in CI, which installs them all).
+  ``mmap=True`` maps local files only (S3) and is no checked copy (``verify`` with ``mmap``). A source whose
+  package is missing skips its cells with the reason (never in CI, which installs them all).
 
 No cell is marked as a known failure. The matrix found two bugs when it was written (convert from S3 gave a
 rank's replicated tensors other tensors' bytes whenever N > writer threads; a Hub id failed in any fresh process);
@@ -82,6 +89,7 @@ import shardload.engine.transfer as transfer
 import shardload.engine.writer as writer
 from helpers import matrix_sources, tp_split
 from shardload.cli.main import main
+from shardload.engine.integrity import hash_model
 from shardload.errors import ShardloadError
 from shardload.sources import objects
 from shardload.sources.object_reader import ObjectReader
@@ -95,7 +103,7 @@ pytest.importorskip("transformers")
 import tiny_models
 
 SOURCES = ("single", "index", "converted", "tvm", "gguf", "s3", "hub")
-PATHS = ("load", "load_rank", "mmap", "convert", "vllm", "share_reads")
+PATHS = ("load", "load_rank", "mmap", "convert", "vllm", "share_reads", "verify")
 NS = (1, 2, 3, 4, 6, 8)
 THREADS = (1, 2, 8)
 FULL_THREADS = ("load", "convert", "vllm")
@@ -123,8 +131,8 @@ def rotated(source: str, path: str, n: int) -> int:
 def _cells() -> list[Any]:
     cells = []
     for source in SOURCES:
-        for path in PATHS[:-1]:
-            if (source, path) in REFUSED:
+        for path in PATHS:
+            if (source, path) in REFUSED or path in ("share_reads", "verify"):
                 continue
             for n in NS:
                 for threads in THREADS if path in FULL_THREADS else (rotated(source, path, n),):
@@ -143,6 +151,7 @@ class World:
         self.refs: dict[tuple[str, int, str], list[tp_split.State]] = {}
         self.s3_ready = False
         self.hub_ready = False
+        self.roots: dict[tuple[str, str], str] = {}
 
     def model(self, name: str) -> dict[str, Any]:
         if name not in self.built:
@@ -205,6 +214,18 @@ class World:
             matrix_sources.put_in_hub_cache(self.root / "hub", value, single, "c" * 40)
         built[key] = value
         return value
+
+    def record_root(self, request: pytest.FixtureRequest, name: str, n: int) -> str:
+        """The root hash of the cell's source's integrity record, hashed once per session (a converted directory
+        carries the record convert wrote; an S3 model's is hashed from the objects and put beside them)."""
+        model = self.source(request, name, n)
+        key = (str(model), name)
+        if key not in self.roots:
+            if name == "converted":
+                self.roots[key] = json.loads((model / "shard_manifest.json").read_text())["integrity"]["root"]
+            else:  # an S3 model's record is put beside its objects
+                self.roots[key] = hash_model(model).root
+        return self.roots[key]
 
     def reference(self, n: int, layout: str = "plain") -> list[tp_split.State]:
         model = MODEL_OF_N[n]
@@ -308,6 +329,56 @@ def test_path_that_does_not_apply_is_refused(
     assert list(tmp_path.iterdir()) == []
 
 
+def pinned(source: str, n: int) -> bool:
+    """Whether a verify cell pins the record's root (a third of them: every source and every N has some)."""
+    return (SOURCES.index(source) + NS.index(n)) % 3 == 0
+
+
+def _verify_cells() -> list[Any]:
+    cells = []
+    for source in SOURCES:
+        for n in NS:
+            threads = rotated(source, "verify", n)
+            ident = f"{source}-verify{'-pinned' if pinned(source, n) else ''}-n{n}-t{threads}"
+            cells.append(pytest.param(source, n, threads, id=ident))
+    return cells
+
+
+@pytest.mark.parametrize(("source", "n", "threads"), _verify_cells())
+def test_verified_rank_tensors_equal_reference(
+    world: World, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, source: str, n: int, threads: int
+) -> None:
+    """Every rank loaded with ``verify`` (True, or the pinned root) through the checking reader equals the
+    reference; each source is hashed once (a converted directory checks its own record, or its rank files'
+    sha256 for True)."""
+    model = world.source(request, source, n)
+    root = world.record_root(request, source, n)
+    options = use_threads(monkeypatch, threads, remote=source == "s3")
+    verify: bool | str = root if pinned(source, n) else True
+    got = [shardload.load_rank(model, r, n, verify=verify, read_options=options) for r in range(n)]
+    assert_ranks(got, world.reference(n), f"verify={verify!r}")
+
+
+VERIFY_REFUSED = {  # (source, verify) -> the documented refusal of a verified path that does not apply
+    ("single", "mmap"): "verify and mmap=True exclude each other",
+    ("converted", "mmap"): "verify and mmap=True exclude each other",
+}
+
+
+@pytest.mark.parametrize(("source", "path"), sorted(VERIFY_REFUSED),
+                         ids=[f"{s}-verify-{p}-refused" for s, p in sorted(VERIFY_REFUSED)])  # fmt: skip
+def test_verified_path_that_does_not_apply_is_refused(
+    world: World, request: pytest.FixtureRequest, source: str, path: str
+) -> None:
+    """``verify`` (the pinned root) with ``mmap=True``: one line, nothing returned."""
+    n = 2
+    model = world.source(request, source, n)
+    root = world.record_root(request, source, n)
+    with pytest.raises(ShardloadError, match=VERIFY_REFUSED[source, path]) as err:
+        shardload.load_rank(model, 0, n, verify=root, mmap=True)
+    assert "\n" not in str(err.value)
+
+
 def test_converted_directory_serves_another_n(world: World, request: pytest.FixtureRequest) -> None:
     """A converted directory serves another N (docs/reshard.md): ``load`` and ``load_rank`` equal the reference."""
     model = world.source(request, "converted", 2)
@@ -351,6 +422,10 @@ def shared_runs(world: World) -> Any:
                     continue
                 threads = rotated(source, "share_reads", n)
                 cases.append({"id": source, "model": str(model), "threads": threads, "out": str(out / source)})
+                root = world.record_root(request, source, n)  # hashed once, whether pinned or not
+                verify = root if pinned(source, n) else True
+                cases.append({"id": f"{source}-verify", "model": str(model), "threads": threads, "verify": verify,
+                              "out": str(out / f"{source}-verify")})  # fmt: skip
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
                        str(WORKER), json.dumps(cases)]  # fmt: skip
             env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # with the S3 and Hub settings
@@ -364,23 +439,24 @@ def shared_runs(world: World) -> Any:
 
 
 def _shared_cells() -> list[Any]:
-    return [
-        pytest.param(
-            source,
-            n,
-            id=f"{source}-share_reads-n{n}-t{rotated(source, 'share_reads', n)}",
-        )
-        for source in SOURCES
-        for n in SHARED_NS
-    ]
+    cells = []
+    for source in SOURCES:
+        for n in SHARED_NS:
+            threads = rotated(source, "share_reads", n)
+            cells.append(pytest.param(source, n, False, id=f"{source}-share_reads-n{n}-t{threads}"))
+            how = "verify-pinned" if pinned(source, n) else "verify"
+            cells.append(pytest.param(source, n, True, id=f"{source}-share_reads-{how}-n{n}-t{threads}"))
+    return cells
 
 
-@pytest.mark.parametrize(("source", "n"), _shared_cells())
+@pytest.mark.parametrize(("source", "n", "verify"), _shared_cells())
 def test_share_reads_equals_reference(
-    world: World, request: pytest.FixtureRequest, shared_runs: Any, source: str, n: int
+    world: World, request: pytest.FixtureRequest, shared_runs: Any, source: str, n: int, verify: bool
 ) -> None:
+    """Each rank's share_reads load (with ``verify``: True or the pinned root, peers' bytes checked) equals the
+    reference."""
     world.source(request, source, n)  # skips where the source's package is missing
-    out = shared_runs(n, request) / source
+    out = shared_runs(n, request) / (f"{source}-verify" if verify else source)
     errors = sorted(out.glob("rank-*.error"))
     assert not errors, "\n".join(f.read_text() for f in errors)
     got = [load_file(str(out / f"rank-{r}.safetensors")) for r in range(n)]

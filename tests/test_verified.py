@@ -396,15 +396,23 @@ def test_received_bytes_are_checked(split_model: Path) -> None:
             assert name in message and "peer" in message
 
 
-@pytest.mark.parametrize("evil", [-1, 0])
-def test_share_reads_receivers_check_what_peers_send(split_model: Path, evil: int) -> None:
+@pytest.mark.parametrize(("evil", "converted"), [(-1, False), (0, False), (0, True)])
+def test_share_reads_receivers_check_what_peers_send(
+    split_model: Path, tmp_path: Path, evil: int, converted: bool
+) -> None:
+    """A peer that alters what it sends fails the receiver; on a converted directory with the pinned root too."""
     import os
     import subprocess
     import sys
 
+    model, pin = split_model, []
+    if converted:
+        model = tmp_path / "tp2"
+        shardload.convert(split_model, 2, model)
+        pin = [json.loads((model / "shard_manifest.json").read_text())["integrity"]["root"]]
     worker = Path(__file__).parent / "verified_shared_worker.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
-               str(split_model), str(evil)]  # fmt: skip
+               str(model), str(evil), *pin]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith(("OK ", "FAILED ", "WRONG "))]

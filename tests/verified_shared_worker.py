@@ -1,9 +1,10 @@
 """One rank of a group loading with ``load_rank(share_reads=True, verify=True)`` (run under torch.distributed by
 tests/test_verified.py; not a test itself).
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 verified_shared_worker.py MODEL EVIL
+    python -m torch.distributed.run --standalone --nproc_per_node 2 verified_shared_worker.py MODEL EVIL [ROOT]
 
-Rank ``EVIL`` (-1: none) alters every 4096th byte of what it sends. Each rank prints ``OK R`` when its tensors
+Rank ``EVIL`` (-1: none) alters every 4096th byte of what it sends; the load passes ``verify=ROOT`` (a pinned root)
+when given, else ``verify=True``. Each rank prints ``OK R`` when its tensors
 equal a plain load's, or ``FAILED R: MESSAGE`` when the load fails, and leaves through ``os._exit``.
 """
 
@@ -21,6 +22,7 @@ import shardload.engine.exchange as exchange
 
 def main() -> None:
     model, evil = sys.argv[1], int(sys.argv[2])
+    verify: bool | str = sys.argv[3] if len(sys.argv) > 3 else True
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     if rank == evil:
@@ -34,7 +36,7 @@ def main() -> None:
         exchange._copy = altered
     plain = shardload.load_rank(model, rank, size)
     try:
-        state = shardload.load_rank(model, rank, size, share_reads=True, verify=True)
+        state = shardload.load_rank(model, rank, size, share_reads=True, verify=verify)
     except shardload.ShardloadError as err:
         os.write(1, f"FAILED {rank}: {err}\n".encode())  # one write: the ranks share the pipe
         os._exit(1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +49,7 @@ READ_BYTES = 8 << 20
 class HashResult:
     """What :func:`hash_checkpoint` wrote: the record's path, its root hash and size, and the bytes hashed."""
 
-    path: Path
+    path: Path | ObjectPath
     root: str
     record_bytes: int
     checkpoint_bytes: int
@@ -184,7 +184,7 @@ def hash_checkpoint(
     *,
     threads: int | None = None,
     progress: bool | Callable[[int, int], None] = False,
-) -> Path:
+) -> Path | ObjectPath:
     """Write ``model``'s integrity record (beside it, or to ``out``) and return its path; see :func:`hash_model`."""
     return hash_model(model, out, threads=threads, progress=progress).path
 
@@ -208,12 +208,24 @@ def hash_model(
     data = record.to_bytes()
     target = Path(out) if out is not None else record_path(checkpoint)
     if isinstance(target, ObjectPath):
-        raise ShardloadError(f"shardload writes nothing into object storage: give -o FILE (then upload it as "
-                             f"{target})", file=str(model))  # fmt: skip
+        write_object_record(target, data)
+        return HashResult(target, root_of(data), len(data), sum(f.size for f in record.files))
     if target.is_dir():
         target = target / RECORD_NAME
     write_record(target, data)
     return HashResult(target, root_of(data), len(data), sum(f.size for f in record.files))
+
+
+def write_object_record(target: ObjectPath, data: bytes) -> None:
+    """Put a record's bytes beside the objects (nothing is rewritten when it holds them already); a store that
+    refuses the write is one line pointing to ``-o FILE``."""
+    try:
+        if target.size() == len(data) and target.read_small(len(data), "integrity record") == data:
+            return
+        target.write_bytes(data)
+    except ShardloadError as err:
+        raise ShardloadError(f"cannot write the record beside the objects ({err.reason}); give -o FILE and upload "
+                             f"it as {target}", file=str(target)) from None  # fmt: skip
 
 
 def write_record(target: Path, data: bytes) -> None:
@@ -366,7 +378,7 @@ def load_record(checkpoint: Checkpoint, verify: bool | str, record: str | os.Pat
         if isinstance(path, ObjectPath):
             raise RecordError(
                 f"verify needs an integrity record and there is none at {path}; make one with `shardload hash "
-                f"{checkpoint.path} -o FILE` and upload it there",
+                f"{checkpoint.path}` (or with -o FILE, then upload it there)",
                 file=str(checkpoint.path),
             )
         raise RecordError(
@@ -487,9 +499,9 @@ def output_record(directory: Path, names: Sequence[str]) -> bytes:
 
 
 def converted_verifier(checkpoint: Checkpoint, verify: bool | str) -> Callable[..., RunReader] | None:
-    """For a converted directory loaded with a pinned root: a wrapper ``(reader, rank file, its tensors)`` checking
-    every byte read against the output's record. None for ``verify`` False or True (True checks the rank file's
-    sha256 from the manifest: a rank reads its whole file, so the whole-file hash is the same check)."""
+    """For a converted directory loaded with a pinned root: a wrapper ``(reader, {rank file: its tensors})``
+    checking every byte read from those files against the output's record. None for ``verify`` False or True
+    (True checks the rank file's sha256 from the manifest: a rank reads its whole file, the same check)."""
     if not isinstance(verify, str):
         return None
     integrity = (checkpoint.manifest or {}).get("integrity")
@@ -501,8 +513,9 @@ def converted_verifier(checkpoint: Checkpoint, verify: bool | str) -> Callable[.
         raise RecordError(f"manifest's 'integrity' must name the record {RECORD_NAME!r}", file=where)
     record = load_record(checkpoint, verify, Path(checkpoint.root) / RECORD_NAME)
 
-    def wrap(reader: RunReader, path: Path, tensors: Sequence[TensorInfo]) -> RunReader:
-        view = Checkpoint(checkpoint.path, checkpoint.root, "safetensors", {t.name: t for t in tensors}, [path])
+    def wrap(reader: RunReader, files: Mapping[Path, Sequence[TensorInfo]]) -> RunReader:
+        tensors = {f"{path.name}/{t.name}": t for path, infos in files.items() for t in infos}  # names repeat per file
+        view = Checkpoint(checkpoint.path, checkpoint.root, "safetensors", tensors, list(files))
         return verified_reader(reader, view, record)
 
     return wrap

@@ -420,7 +420,8 @@ def _load_converted_shared(
     progress: Callable[[int, int], None] | None,
 ) -> dict[str, torch.Tensor]:
     """A rank of a converted directory, the reading of the group's rank files shared (dp replicas read each once).
-    ``verify`` checks this rank's own file's sha256 (reading it once more); every file's size is checked."""
+    ``verify=True`` checks this rank's own file's sha256 (reading it once more); a pinned root checks every byte
+    read through the output's record, and what peers sent too. Every file's size is checked."""
     import hashlib
     import json
 
@@ -428,18 +429,24 @@ def _load_converted_shared(
     from .exchange import load_shared
 
     own = (coord.pp, coord.tp)
-    if isinstance(verify, str):
-        raise ShardloadError("share_reads on a converted directory checks each rank file's sha256 (verify=True); a "
-                             "pinned root is not supported there yet", file=str(checkpoint.path))  # fmt: skip
+    wrap = converted_verifier(checkpoint, verify)
 
     def slot_params(key: tuple[int, int]) -> tuple[list[ParamPlan], int]:
-        path = rank_file(checkpoint, key[1], layout, stage=key[0], checksum=bool(verify) and key == own)
+        path = rank_file(checkpoint, key[1], layout, stage=key[0], checksum=verify is True and key == own)
         return whole_tensors(read_header(path).values()), 0
 
     manifest = json.dumps(checkpoint.manifest, sort_keys=True, default=str).encode()
     digest = hashlib.sha256(manifest + str(layout).encode()).digest()
-    with reader_for(checkpoint.path) as reader:
-        return load_shared(slot_params, digest, own, device, reader, group, progress, str(checkpoint.path))
+    files: dict[Any, list[Any]] = {}
+    if wrap is not None:  # every rank file a peer may read for this rank (headers only: a few KiB each)
+        keys = [(pp, tp) for pp in range(layout.pp) for tp in range(layout.tp)]
+        files = {path: list(read_header(path).values()) for path in (rank_file(checkpoint, tp, layout, stage=pp)
+                                                                     for pp, tp in keys)}  # fmt: skip
+    with wrapped(reader_for(checkpoint.path), wrap and (lambda r: wrap(r, files))) as reader:
+        state = load_shared(slot_params, digest, own, device, reader, group, progress, str(checkpoint.path))
+        if wrap is not None:  # the bytes peers sent for this rank's file are checked against the record too
+            check_received(slot_params(own)[0], 0, state, reader)
+        return state
 
 
 def _share_group(share_reads: Any, where: str, mmap: bool) -> Any:
@@ -503,7 +510,7 @@ def _load_converted_rank(
     path = rank_file(checkpoint, coord.tp, layout, stage=coord.pp, checksum=verify is True and wrap is None)
     infos = list(read_header(path).values())
     with (
-        wrapped(reader_for(path), wrap and (lambda r: wrap(r, path, infos))) as reader,
+        wrapped(reader_for(path), wrap and (lambda r: wrap(r, {path: infos}))) as reader,
         Transfer(reader, read_options=read_options, mapped=mmap) as transfer,
     ):
         tensors = transfer.tensors(infos, device)

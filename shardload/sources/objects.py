@@ -93,6 +93,18 @@ class ObjectStore:
     def read_into(self, key: str, start: int, views: Sequence[memoryview]) -> None:
         raise NotImplementedError
 
+    def put(self, key: str, data: bytes) -> None:
+        """Write one small object whole (an integrity record), then keep the cached listing of its prefix true."""
+        self._put(key, data)
+        parent = key.rsplit("/", 1)[0] + "/" if "/" in key else ""
+        with self._lock:
+            for prefix, listed in self._listed.items():
+                if key.startswith(prefix) and (prefix == parent or "/" not in key[len(prefix) :]):
+                    listed[key] = len(data)
+
+    def _put(self, key: str, data: bytes) -> None:
+        raise CheckpointError("this store cannot write objects", file=self.uri(key))
+
     def close(self) -> None:
         """Release connections (the store may be used again afterwards)."""
 
@@ -168,3 +180,7 @@ class ObjectPath:
         if size > limit:
             raise CheckpointError(f"{what} is {size} bytes, over the {limit} byte limit", file=str(self))
         return self.store.read(self.key, 0, size)
+
+    def write_bytes(self, data: bytes) -> None:
+        """Put ``data`` as this object (one request; a failure is one line naming the object)."""
+        self.store.put(self.key, data)

@@ -124,15 +124,20 @@ class S3Store(ObjectStore):
         return CheckpointError(f"cannot reach the store: {type(err).__name__}", file=where)
 
     def _call(
-        self, key: str | None, operation: Callable[[Any], Callable[..., Any]], missing_ok: bool = False, **kwargs: Any
+        self,
+        key: str | None,
+        operation: Callable[[Any], Callable[..., Any]],
+        missing_ok: bool = False,
+        nbytes: int | None = None,
+        **kwargs: Any,
     ) -> Any:
-        """One request with a small answer (a listing page, a HEAD) under the deadline and minimum rate; its
-        failures as one line. ``missing_ok``: None for a 404."""
+        """One request with a small answer (a listing page, a HEAD, a PUT of ``nbytes``) under the deadline and
+        minimum rate; its failures as one line. ``missing_ok``: None for a 404."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         limits = request_limits()
         began = time.monotonic()
-        with DEADLINES.attempt(limits.attempt_seconds(None, limits.deadline)) as watch:
+        with DEADLINES.attempt(limits.attempt_seconds(nbytes, limits.deadline)) as watch:
             try:
                 return operation(self.client)(**kwargs)
             except CheckpointError as err:  # no client could be made
@@ -169,6 +174,9 @@ class S3Store(ObjectStore):
     def _head(self, key: str) -> int | None:
         head = self._call(key, lambda c: c.head_object, missing_ok=True, Bucket=self.bucket, Key=key)
         return None if head is None else int(head["ContentLength"])
+
+    def _put(self, key: str, data: bytes) -> None:
+        self._call(key, lambda c: c.put_object, nbytes=len(data), Bucket=self.bucket, Key=key, Body=data)
 
     def stamp(self, key: str) -> tuple[object, ...]:
         """Size, ETag and modification time of the object (a HEAD request)."""
