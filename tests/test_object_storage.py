@@ -499,8 +499,10 @@ def test_a_trickling_store_fails_within_the_deadline(
     endpoint.proxy.faults.trickle_s = 1.0
     err = _fails_alone(lambda: open_checkpoint(uri), limit_s=30)
     assert isinstance(err, CheckpointError), err
+    # the trickled ranged GET ends at the deadline; on a machine loaded enough that the (untrickled) listing before
+    # it takes 3 s, the listing does: the same bounded failure, naming the prefix instead of a byte range
     assert re.fullmatch(
-        rf"{uri}/[\w.-]+: bytes \d+-\d+: no complete answer within the 3 s deadline \(SHARDLOAD_S3_DEADLINE\)",
+        rf"{uri}(/[\w.-]+: bytes \d+-\d+)?: no complete answer within the 3 s deadline \(SHARDLOAD_S3_DEADLINE\)",
         err.message,
     ), err.message
 
@@ -544,6 +546,7 @@ def test_a_slow_store_is_cut_off_by_the_minimum_rate(endpoint: S3, uris: dict, m
     from shardload.sources import s3 as s3_store
 
     monkeypatch.setattr(deadlines, "RATE_GRACE", 0.5)
+    monkeypatch.setattr(deadlines, "UNKNOWN_SIZE", 1 << 30)  # the listing and HEADs (untrickled) are never cut off
     monkeypatch.setattr(s3_store, "STREAM_ATTEMPTS", 2)
     monkeypatch.setenv("SHARDLOAD_S3_DEADLINE", "600")
     monkeypatch.setenv("SHARDLOAD_S3_MIN_RATE", "1000000")
