@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointError, ShardloadError, printable
+from ..errors import CheckpointError, ShardloadError
 from ..format.shard_info import MAX_RANKS, ShardInfo
 from ..models.families import vllm_packing
 from ..models.plan_source import plan_shard_info
@@ -32,6 +32,7 @@ from ..sources.checkpoint import (
     Checkpoint,
     TensorInfo,
     as_path,
+    manifest_file_entry,
     open_checkpoint,
     read_config,
     short_repr,
@@ -60,7 +61,6 @@ FILE_PATTERN = "model-rank-{rank}-part-0.safetensors"
 """vLLM's ``ShardedStateLoader`` file name for tensor-parallel rank ``rank`` (one part per rank)."""
 _RANK_FILE_RE = re.compile(r"model-rank-(0|[1-9][0-9]{0,8})-part-(0|[1-9][0-9]{0,8})\.safetensors")
 """A file vLLM's ``ShardedStateLoader`` reads: rank, part (shardload writes part 0 only)."""
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 """Float32 scalars (1.0 unless a checkpoint quantizes the KV cache) each vLLM attention layer keeps in its state."""
 
@@ -394,15 +394,7 @@ def check_vllm_manifest(manifest: Any, where: Path) -> None:
     seen: set[str] = set()
     ranks: set[int] = set()
     for entry in files:
-        ok = isinstance(entry, dict) and isinstance(entry.get("path"), str) and type(entry.get("size")) is int
-        if not ok or entry["size"] < 0 or not _SHA256_RE.fullmatch(str(entry.get("sha256"))):
-            raise bad(f"bad 'files' entry {short_repr(entry)} (needs path, size >= 0 and a hex sha256)")
-        path = entry["path"]
-        if path in seen:
-            raise bad(f"file {printable(path)!r} is listed twice")
-        if not path or "/" in path or "\\" in path or path in (".", "..") or "\0" in path:
-            raise bad(f"file {printable(path)!r} is not a plain file name in the directory")
-        seen.add(path)
+        path = manifest_file_entry(entry, seen, where)
         match = _RANK_FILE_RE.fullmatch(path)
         if match:
             if match[2] != "0" or int(match[1]) >= n:

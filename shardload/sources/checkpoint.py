@@ -379,15 +379,7 @@ def check_manifest(manifest: Any, where: Path) -> None:
     seen: set[str] = set()
     ranks: set[tuple[int, int]] = set()
     for entry in files:
-        ok = isinstance(entry, dict) and isinstance(entry.get("path"), str) and type(entry.get("size")) is int
-        if not ok or entry["size"] < 0 or not _SHA256_RE.fullmatch(str(entry.get("sha256"))):
-            raise bad(f"bad 'files' entry {short_repr(entry)} (needs path, size >= 0 and a hex sha256)")
-        path = entry["path"]
-        if path in seen:
-            raise bad(f"file {path!r} is listed twice")
-        if not path or "/" in path or "\\" in path or path in (".", "..") or "\0" in path:
-            raise bad(f"file {path!r} is not a plain file name in the directory")
-        seen.add(path)
+        path = manifest_file_entry(entry, seen, where)
         rank_match = RANK_FILE_RE.fullmatch(path)
         if rank_match:
             s, s_of = int(rank_match[1] or 0), int(rank_match[2] or 1)
@@ -400,6 +392,27 @@ def check_manifest(manifest: Any, where: Path) -> None:
         total = n * stages
         name = rank_file_name(missing[0][1], n, missing[0][0], stages)
         raise bad(f"lists no file {name} ({len(missing)} of {total} rank files unlisted)")
+
+
+def manifest_file_entry(entry: Any, seen: set[str], where: Path) -> str:
+    """Check one ``files`` entry of a manifest (either layout): path, size and sha256 present, a plain file name,
+    listed once (``seen`` collects the names); return its path."""
+    ok = isinstance(entry, dict) and isinstance(entry.get("path"), str) and type(entry.get("size")) is int
+    if not ok or entry["size"] < 0 or not _SHA256_RE.fullmatch(str(entry.get("sha256"))):
+        raise CheckpointError(
+            f"inconsistent manifest: bad 'files' entry {short_repr(entry)} (needs path, size >= 0 and a hex sha256)",
+            file=str(where),
+        )
+    path = entry["path"]
+    if path in seen:
+        raise CheckpointError(f"inconsistent manifest: file {printable(path)!r} is listed twice", file=str(where))
+    if not path or "/" in path or "\\" in path or path in (".", "..") or "\0" in path:
+        raise CheckpointError(
+            f"inconsistent manifest: file {printable(path)!r} is not a plain file name in the directory",
+            file=str(where),
+        )
+    seen.add(path)
+    return path
 
 
 def check_disjoint(tensors: Iterable[TensorInfo], where: str | None = None) -> None:

@@ -256,31 +256,6 @@ class S3Store(ObjectStore):
             client.close()
 
 
-def _fill(body: Any, views: Sequence[memoryview], done: int, total: int) -> int:
-    """Read the response body into ``views`` from overall byte ``done`` on; return the bytes reached."""
-    raw = getattr(body, "_raw_stream", None)
-    readinto = getattr(raw, "readinto", None)
-    skip = done
-    for view in views:
-        if skip >= len(view):
-            skip -= len(view)
-            continue
-        part = view[skip:]
-        skip = 0
-        while len(part):
-            if readinto is not None:
-                got = readinto(part)
-            else:
-                data = body.read(len(part))
-                got = len(data)
-                part[:got] = data
-            if not got:
-                return done
-            done += got
-            part = part[got:]
-    return done
-
-
 class RegionlessRedirect(Exception):
     """The store redirected a request without naming the bucket's region (raised before botocore's redirector
     would ask for the region, which recurses without end)."""
