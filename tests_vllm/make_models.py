@@ -90,13 +90,81 @@ def w8a8(out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
+MOE = dict(moe_intermediate_size=128, num_experts_per_tok=2)
+"""Four experts of 128 rows (TP=4 splits each into 32; EP=4 gives each rank one)."""
+
+
+def _causal(config_cls: str, model_cls: str, out: Path, **kwargs: object) -> None:
+    import transformers
+
+    config = getattr(transformers, config_cls)(**{**COMMON, **kwargs})
+    _save(getattr(transformers, model_cls)(config), out)
+
+
+def deepseek_v2(out: Path) -> None:
+    """DeepSeek-V2-Lite-style: MLA without a q LoRA, two shared experts, the first layer dense."""
+    _causal("DeepseekV2Config", "DeepseekV2ForCausalLM", out, num_key_value_heads=4, q_lora_rank=None,
+            kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=4,
+            n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy", **MOE)  # fmt: skip
+
+
+def deepseek_v3(out: Path) -> None:
+    """DeepSeek-V3-style: MLA with a q LoRA, one shared expert, grouped routing (vLLM's loader wants noaux_tc)."""
+    _causal("DeepseekV3Config", "DeepseekV3ForCausalLM", out, num_key_value_heads=4, q_lora_rank=96,
+            kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=4,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, topk_method="noaux_tc",
+            **MOE)  # fmt: skip
+
+
+def qwen3_moe(out: Path) -> None:
+    """Qwen3-MoE: q/k norms, four experts, no shared expert."""
+    _causal("Qwen3MoeConfig", "Qwen3MoeForCausalLM", out, num_key_value_heads=2, head_dim=64, num_experts=4, **MOE)
+
+
+def qwen2_moe(out: Path) -> None:
+    """Qwen2-MoE: qkv biases, four experts and a gated shared expert."""
+    _causal("Qwen2MoeConfig", "Qwen2MoeForCausalLM", out, num_key_value_heads=2, num_experts=4,
+            shared_expert_intermediate_size=256, **MOE)  # fmt: skip
+
+
+def olmoe(out: Path) -> None:
+    """OLMoE: q/k norms over the whole projection, four experts."""
+    _causal("OlmoeConfig", "OlmoeForCausalLM", out, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+            intermediate_size=128)  # fmt: skip
+
+
+def gemma2(out: Path) -> None:
+    """Gemma 2: tied embeddings, sliding and global layers, soft-capped logits."""
+    _causal("Gemma2Config", "Gemma2ForCausalLM", out, num_key_value_heads=2, head_dim=64, sliding_window=16)
+
+
+def gemma3(out: Path) -> None:
+    """Gemma 3 (text): tied embeddings, q/k norms, sliding and global layers."""
+    _causal("Gemma3TextConfig", "Gemma3ForCausalLM", out, num_key_value_heads=2, head_dim=64, sliding_window=16)
+
+
+def phi3(out: Path) -> None:
+    """Phi-3: q, k and v stored fused (qkv_proj), gate and up fused (gate_up_proj)."""
+    _causal("Phi3Config", "Phi3ForCausalLM", out, num_key_value_heads=2, pad_token_id=0)
+
+
+def gpt_oss(out: Path) -> None:
+    """GPT-OSS-style: attention sinks, biased experts stored stacked and interleaved."""
+    _causal("GptOssConfig", "GptOssForCausalLM", out, num_key_value_heads=2, head_dim=64, num_local_experts=4,
+            num_experts_per_tok=2, intermediate_size=128, sliding_window=16)  # fmt: skip
+
+
 MODELS = {"llama": llama, "llama_kv1": llama_kv1, "qwen2": qwen2, "mixtral": mixtral, "w8a8": w8a8}
+FAMILIES = {"llama": llama, "llama_kv1": llama_kv1, "mixtral": mixtral, "deepseek_v2": deepseek_v2,
+            "deepseek_v3": deepseek_v3, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "olmoe": olmoe,
+            "gemma2": gemma2, "gemma3": gemma3, "phi3": phi3, "gpt_oss": gpt_oss}  # fmt: skip
+"""The families the parameter comparison covers (test_vllm_params.py)."""
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     for name in sys.argv[2:] or list(MODELS):
-        MODELS[name](out / name)
+        {**MODELS, **FAMILIES}[name](out / name)
         print(f"make_models: {out / name}", flush=True)
 
 
