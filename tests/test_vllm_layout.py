@@ -223,3 +223,56 @@ def test_output_may_not_replace_the_shard_info_it_reads(tmp_path: Path) -> None:
     with pytest.raises(ShardloadError):
         convert_vllm(tmp_path / "model", 2, out, out / "plan.json", overwrite=True)
     assert (out / "plan.json").is_file()
+
+
+def _tiny(config_cls: str, model_cls: str, out: Path, **kwargs: object) -> None:
+    import transformers
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    config = getattr(transformers, config_cls)(**{**common, **kwargs})
+    getattr(transformers, model_cls)(config).save_pretrained(out)
+
+
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
+           n_routed_experts=4, moe_intermediate_size=32, num_experts_per_tok=2, first_k_dense_replace=1)  # fmt: skip
+
+
+@pytest.mark.parametrize("q_lora", [None, 24])
+def test_deepseek_rank_files_use_the_names_vllm_keeps(tmp_path: Path, q_lora: int | None) -> None:
+    """MLA: vLLM's fusion only with a q LoRA, heads split by rank, and the aliases its sharded_state keeps."""
+    _tiny("DeepseekV3Config", "DeepseekV3ForCausalLM", tmp_path / "m", q_lora_rank=q_lora, n_shared_experts=1,
+          n_group=2, topk_group=1, **MLA)  # fmt: skip
+    convert_vllm(tmp_path / "m", 2, tmp_path / "out")
+    state = load_file(rank_path(tmp_path / "out", 1))
+    source = load_file(tmp_path / "m" / "model.safetensors")
+    p = "model.layers.1"
+    fused = f"{p}.self_attn.fused_qkv_a_proj.weight"
+    if q_lora:
+        a, kv = source[f"{p}.self_attn.q_a_proj.weight"], source[f"{p}.self_attn.kv_a_proj_with_mqa.weight"]
+        assert torch.equal(state[fused], torch.cat([a, kv]))
+        assert torch.equal(
+            state[f"{p}.self_attn.mla_attn.q_b_proj.weight"], _split(source[f"{p}.self_attn.q_b_proj.weight"], 2, 1)
+        )
+    else:
+        assert fused not in state and f"{p}.self_attn.kv_a_proj_with_mqa.weight" in state
+        assert torch.equal(
+            state[f"{p}.self_attn.mla_attn.q_proj.weight"], _split(source[f"{p}.self_attn.q_proj.weight"], 2, 1)
+        )
+    assert torch.equal(
+        state[f"{p}.self_attn.kv_b_proj.weight"], _split(source[f"{p}.self_attn.kv_b_proj.weight"], 2, 1)
+    )
+    assert torch.equal(
+        state[f"{p}.self_attn.mla_attn.o_proj.weight"], _split(source[f"{p}.self_attn.o_proj.weight"], 2, 1, 1)
+    )
+    assert torch.equal(state[f"{p}.mlp.experts.gate.weight"], source[f"{p}.mlp.gate.weight"])
+    assert f"{p}.mlp.experts._shared_experts._layer.gate_up_proj.weight" in state
+    assert state[f"{p}.self_attn.mla_attn.mla_attn._k_scale"].item() == 1.0
+    assert not any(k.startswith(f"{p}.mlp.gate.") or ".mlp.shared_experts." in k for k in state)
+
+
+def test_gemma2_tied_embeddings_keep_their_name(tmp_path: Path) -> None:
+    """vLLM's Gemma 2 has no lm_head: its tied embeddings stay model.embed_tokens.weight."""
+    _tiny("Gemma2Config", "Gemma2ForCausalLM", tmp_path / "m", num_key_value_heads=2, head_dim=16)
+    convert_vllm(tmp_path / "m", 2, tmp_path / "out")
+    state = load_file(rank_path(tmp_path / "out", 0))
+    assert "lm_head.weight" not in state and state["model.embed_tokens.weight"].shape == (64, 64)

@@ -16,16 +16,16 @@ import json
 import os
 import re
 import struct
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardloadError, printable
 from ..format.shard_info import MAX_RANKS, ShardInfo
-from ..models.families import vllm_packing
+from ..models.families import VllmNames, vllm_names, vllm_packing
 from ..models.plan_source import plan_shard_info
-from ..models.vllm_names import SKIPPED_SUFFIXES, is_vocab, vllm_target, vocab_range
+from ..models.vllm_names import SKIPPED_SUFFIXES, Target, is_vocab, vllm_target, vocab_range
 from ..planning.plan import ModelPlan, build_plan
 from ..sources.checkpoint import (
     VLLM_MANIFEST_FORMAT,
@@ -61,6 +61,8 @@ _RANK_FILE_RE = re.compile(r"model-rank-(0|[1-9][0-9]{0,8})-part-(0|[1-9][0-9]{0
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 """Float32 scalars (1.0 unless a checkpoint quantizes the KV cache) each vLLM attention layer keeps in its state."""
+ATTENTION_WEIGHTS = (".qkv_proj.weight", ".kv_b_proj.weight")
+"""A vLLM parameter that marks an attention layer (multi-head, and DeepSeek's latent attention)."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ def plan_layout(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None)
     config = read_config(checkpoint.root, missing_ok=True)
     quantized = _quantization(config, where)
     tied = config.get("tie_word_embeddings") is True
+    names = vllm_names(config.get("model_type"))
     info, source = plan_shard_info(checkpoint, shard_info)
     stored = [n for n in checkpoint.tensors if not n.endswith(SKIPPED_SUFFIXES)]
     vocab_names = [n for n in stored if is_vocab(n) and not (tied and n.endswith("lm_head.weight"))]
@@ -131,12 +134,13 @@ def plan_layout(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None)
                 file=where,
                 param=name,
             )
-        out_name = "lm_head.weight" if tied and name.endswith("embed_tokens.weight") else name
+        head = tied and names.tied_head and name.endswith("embed_tokens.weight")  # the alias vLLM's state keeps
+        out_name = "lm_head.weight" if head else name
         tensors.append(VllmTensor(out_name, (name,), (per_rank, *info_t.shape[1:]), info_t.dtype, vocab=True))
     groups: dict[str, list[str | None]] = {}
     stacks: dict[str, dict[tuple[int, int], str]] = {}
-    packed = vllm_packing(config.get("model_type"))
-    targets = {name: vllm_target(name, packed) for name in plan.params}
+    packed = _packing(vllm_packing(config.get("model_type")), names, stored)
+    targets = {name: _state_name(vllm_target(name, packed), names) for name in plan.params}
     experts: dict[str, int] = {}  # stacked parameter -> experts in it (the highest stored index + 1)
     for t in targets.values():
         if t.expert is not None:
@@ -178,15 +182,31 @@ def plan_layout(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None)
     for vname in stacks:
         raise ShardloadError(f"vLLM stacks {experts[vname]} experts into it, but not all of their projections are "
                              "in the checkpoint", file=where, param=vname)  # fmt: skip
-    attention = sorted({t.name.rsplit(".", 2)[0] for t in tensors if t.name.endswith(".qkv_proj.weight")})
+    attention = sorted({t.name.rsplit(".", 2)[0] for t in tensors if t.name.endswith(ATTENTION_WEIGHTS)})
     for prefix in attention:  # vLLM's Attention registers these persistent buffers; sharded_state needs every key
+        module = f"{prefix}.{names.attention}"
         for scale in ATTENTION_SCALES:
-            tensors.append(VllmTensor(f"{prefix}.attn.{scale}", (), (), "float32", constant=1.0))
+            tensors.append(VllmTensor(f"{module}.{scale}", (), (), "float32", constant=1.0))
         if quantized:  # compressed-tensors' KV-cache placeholders, at the values vLLM gives a checkpoint without them
             for kind in ("k", "v", "q"):
-                tensors.append(VllmTensor(f"{prefix}.attn.{kind}_scale", (), (1,), "float32", constant=1.0))
-                tensors.append(VllmTensor(f"{prefix}.attn.{kind}_zero_point", (), (1,), "float32", constant=0.0))
+                tensors.append(VllmTensor(f"{module}.{kind}_scale", (), (1,), "float32", constant=1.0))
+                tensors.append(VllmTensor(f"{module}.{kind}_zero_point", (), (1,), "float32", constant=0.0))
     return VllmLayout(tensors, plan, vocab_plan, source)
+
+
+def _packing(packed: Mapping[str, tuple[str, ...]], names: VllmNames, stored: list[str]) -> dict[str, tuple[str, ...]]:
+    """vLLM's fusion for this checkpoint: a fusion vLLM makes only when every part is stored is dropped otherwise."""
+    present = {piece for name in stored for piece in name.split(".")}
+    return {k: v for k, v in packed.items() if k not in names.optional_packed or set(v) <= present}
+
+
+def _state_name(target: Target, names: VllmNames) -> Target:
+    """``target`` under the alias vLLM's ``sharded_state`` keeps for it (its state dict keeps a tensor's smallest
+    name)."""
+    for piece, alias in names.state_names.items():
+        if piece in target.name:
+            return replace(target, name=target.name.replace(piece, alias, 1))
+    return target
 
 
 def _quantization(config: dict[str, Any], where: str) -> bool:
