@@ -167,6 +167,8 @@ def test_quantized_compressed_tensors_keeps_int8_and_fuses_scales(tmp_path: Path
         ("model.layers.1.mlp.shared_expert.gate_proj.weight",
          Target("model.layers.1.mlp.shared_expert.gate_up_proj.weight", 0, 2)),
         ("model.norm.weight", Target("model.norm.weight")),
+        ("model.layers.1.mlp.experts.gate_up_proj", Target("model.layers.1.mlp.experts.routed_experts.w13_weight")),
+        ("model.layers.1.mlp.experts.down_proj", Target("model.layers.1.mlp.experts.routed_experts.w2_weight")),
     ],
 )  # fmt: skip
 def test_vllm_target(name: str, target: Target) -> None:
@@ -181,8 +183,8 @@ def test_refusals_name_the_reason(tmp_path: Path) -> None:
     assert not (tmp_path / "out3").exists()
     build("llama_gqa", tmp_path / "model")
     build("mixtral_stacked", tmp_path / "stacked")
-    with pytest.raises(ShardloadError, match="stores them stacked"):
-        convert_vllm(tmp_path / "stacked", 2, tmp_path / "out")
+    with pytest.raises(ShardloadError, match="stacked experts without --expert-parallel"):
+        convert_vllm(tmp_path / "stacked", 2, tmp_path / "out", expert_parallel=True)
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (tmp_path / "model" / "config.json").write_text(json.dumps(config))
@@ -276,3 +278,41 @@ def test_gemma2_tied_embeddings_keep_their_name(tmp_path: Path) -> None:
     convert_vllm(tmp_path / "m", 2, tmp_path / "out")
     state = load_file(rank_path(tmp_path / "out", 0))
     assert "lm_head.weight" not in state and state["model.embed_tokens.weight"].shape == (64, 64)
+
+
+def test_expert_parallel_rank_files_hold_whole_experts(tmp_path: Path) -> None:
+    """--expert-parallel: rank r holds experts r*E/N .. (r+1)*E/N - 1 whole ([gate; up] and down), as vLLM places
+    them; attention stays split by tensor parallelism."""
+    build("mixtral", tmp_path / "m")
+    source = load_file(tmp_path / "m" / "model.safetensors")
+    experts = json.loads((tmp_path / "m" / "config.json").read_text())["num_local_experts"]
+    convert_vllm(tmp_path / "m", 2, tmp_path / "out", expert_parallel=True)
+    assert json.loads((tmp_path / "out" / "shard_manifest.json").read_text())["expert_parallel"] is True
+    local = experts // 2
+    for r in range(2):
+        state = load_file(rank_path(tmp_path / "out", r))
+        p = "model.layers.0.block_sparse_moe.experts"
+        w13, w2 = state[f"{p}.routed_experts.w13_weight"], state[f"{p}.routed_experts.w2_weight"]
+        assert w13.shape[0] == w2.shape[0] == local
+        for i in range(local):
+            e = r * local + i
+            gate, up = source[f"{p}.{e}.w1.weight"], source[f"{p}.{e}.w3.weight"]
+            assert torch.equal(w13[i], torch.cat([gate, up])) and torch.equal(w2[i], source[f"{p}.{e}.w2.weight"])
+        rows = sum(source[f"model.layers.0.self_attn.{x}_proj.weight"].shape[0] for x in "qkv")
+        assert state["model.layers.0.self_attn.qkv_proj.weight"].shape[0] == rows // 2
+    assert not shardload.verify_dir(tmp_path / "out", source=tmp_path / "m").problems
+
+
+def test_stacked_experts_become_vllms_stacked_parameters(tmp_path: Path) -> None:
+    """Experts stored stacked: [experts, gate + up rows, hidden] split as vLLM splits w13 (each half by rank)."""
+    build("mixtral_stacked", tmp_path / "m")
+    source = load_file(tmp_path / "m" / "model.safetensors")
+    convert_vllm(tmp_path / "m", 2, tmp_path / "out")
+    p = "model.layers.0.mlp.experts"
+    gate_up, down = source[f"{p}.gate_up_proj"], source[f"{p}.down_proj"]
+    half = gate_up.shape[1] // 2
+    for r in range(2):
+        state = load_file(rank_path(tmp_path / "out", r))
+        gate, up = gate_up[:, :half].chunk(2, 1)[r], gate_up[:, half:].chunk(2, 1)[r]
+        assert torch.equal(state[f"{p}.routed_experts.w13_weight"], torch.cat([gate, up], 1))
+        assert torch.equal(state[f"{p}.routed_experts.w2_weight"], down.chunk(2, 2)[r])

@@ -94,11 +94,20 @@ MOE = dict(moe_intermediate_size=128, num_experts_per_tok=2)
 """Four experts of 128 rows (TP=4 splits each into 32; EP=4 gives each rank one)."""
 
 
-def _causal(config_cls: str, model_cls: str, out: Path, **kwargs: object) -> None:
+def _causal(config_cls: str, model_cls: str, out: Path, stacked: bool = False, **kwargs: object) -> None:
+    import torch
     import transformers
 
     config = getattr(transformers, config_cls)(**{**COMMON, **kwargs})
-    _save(getattr(transformers, model_cls)(config), out)
+    model = getattr(transformers, model_cls)(config)
+    if not stacked:
+        _save(model, out)
+        return
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(out, save_original_format=False)
 
 
 def deepseek_v2(out: Path) -> None:
@@ -125,6 +134,12 @@ def qwen2_moe(out: Path) -> None:
     """Qwen2-MoE: qkv biases, four experts and a gated shared expert."""
     _causal("Qwen2MoeConfig", "Qwen2MoeForCausalLM", out, num_key_value_heads=2, num_experts=4,
             shared_expert_intermediate_size=256, **MOE)  # fmt: skip
+
+
+def qwen3_moe_stacked(out: Path) -> None:
+    """The Qwen3-MoE above with its experts stored stacked (transformers' ``save_original_format=False``)."""
+    _causal("Qwen3MoeConfig", "Qwen3MoeForCausalLM", out, stacked=True,
+            num_key_value_heads=2, head_dim=64, num_experts=4, **MOE)  # fmt: skip
 
 
 def olmoe(out: Path) -> None:
@@ -157,7 +172,8 @@ def gpt_oss(out: Path) -> None:
 MODELS = {"llama": llama, "llama_kv1": llama_kv1, "qwen2": qwen2, "mixtral": mixtral, "w8a8": w8a8}
 FAMILIES = {"llama": llama, "llama_kv1": llama_kv1, "mixtral": mixtral, "deepseek_v2": deepseek_v2,
             "deepseek_v3": deepseek_v3, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "olmoe": olmoe,
-            "gemma2": gemma2, "gemma3": gemma3, "phi3": phi3, "gpt_oss": gpt_oss}  # fmt: skip
+            "gemma2": gemma2, "gemma3": gemma3, "phi3": phi3, "gpt_oss": gpt_oss,
+            "qwen3_moe_stacked": qwen3_moe_stacked}  # fmt: skip
 """The families the parameter comparison covers (test_vllm_params.py)."""
 
 

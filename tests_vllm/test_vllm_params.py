@@ -34,8 +34,11 @@ REFUSED: dict[tuple[str, str], str] = {
     ("gpt_oss", "shardload"): "model_type 'gpt_oss': no plan source knows this architecture",
     ("gpt_oss", "sharded_state"): "model_type 'gpt_oss': no plan source knows this architecture",
 }
+STACKED_EP = "experts stored stacked (experts.gate_up_proj, experts.down_proj) under expert parallelism"
+REFUSED |= {("qwen3_moe_stacked+ep", "shardload"): STACKED_EP,
+            ("qwen3_moe_stacked+ep", "sharded_state"): "stacked experts without --expert-parallel"}  # fmt: skip
 """(family, format) -> what the one-line refusal says, on every rank."""
-MOE = ["mixtral", "deepseek_v2", "deepseek_v3", "qwen3_moe", "qwen2_moe", "olmoe"]
+MOE = ["mixtral", "deepseek_v2", "deepseek_v3", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_moe_stacked"]
 """Families run with expert parallelism too (``enable_expert_parallel=True``: each rank holds whole experts)."""
 ONE_LINE_ERRORS = ("ShardloadError", "PlanError", "CheckpointError", "FormatError")
 
@@ -45,20 +48,27 @@ def compared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every (family, format, TP, rank)'s comparison, from one subprocess; conversion failures as errors."""
     root = tmp_path_factory.mktemp("params")
     jobs, refused = [], {}
+
+    def convert(name: str, tp: int, ep: bool, formats: dict[str, str]) -> None:
+        case = f"{name}+ep" if ep else name
+        try:
+            convert_vllm(root / name, tp, root / f"{case}-vllm{tp}", expert_parallel=ep)
+            formats["sharded_state"] = str(root / f"{case}-vllm{tp}")
+        except ShardloadError as exc:
+            refused[(case, tp)] = f"{type(exc).__name__}: {exc}"
+
     for name in FAMILIES:
         make_models.FAMILIES[name](root / name)
         for tp in TPS[name]:
             formats = {"shardload": str(root / name)}
-            try:
-                convert_vllm(root / name, tp, root / f"{name}-vllm{tp}")
-                formats["sharded_state"] = str(root / f"{name}-vllm{tp}")
-            except ShardloadError as exc:
-                refused[(name, tp)] = f"{type(exc).__name__}: {exc}"
+            convert(name, tp, False, formats)
             jobs.append({"case": name, "model": str(root / name), "tp": tp, "formats": formats,
                          "controls": name == "llama"})  # fmt: skip
             if name in MOE and tp > 1:
+                formats = {"shardload": str(root / name)}
+                convert(name, tp, True, formats)
                 jobs.append({"case": f"{name}+ep", "model": str(root / name), "tp": tp, "ep": True,
-                             "formats": {"shardload": str(root / name)}})  # fmt: skip
+                             "formats": formats})  # fmt: skip
     spec, out, log = root / "jobs.json", root / "out.json", root / "compare.log"
     spec.write_text(json.dumps(jobs))
     with open(log, "w") as f:
@@ -86,9 +96,14 @@ def test_every_parameter_equals_the_default_loaders(
         if refusal is None:
             assert (result["status"], result["detail"]) == ("equal", ""), f"rank {rank}: {result}"
             continue
-        detail = result["detail"]
-        assert result["status"] == "error" and detail.startswith(ONE_LINE_ERRORS), f"rank {rank}: {result}"
-        assert refusal in detail and "\n" not in detail.strip(), f"rank {rank}: {detail}"
+        _check_refusal(result, refusal, rank)
+
+
+def _check_refusal(result: dict[str, Any], refusal: str, rank: int) -> None:
+    """A located one-line error of shardload's family that says ``refusal``."""
+    detail = result["detail"]
+    assert result["status"] == "error" and detail.startswith(ONE_LINE_ERRORS), f"rank {rank}: {result}"
+    assert refusal in detail and "\n" not in detail.strip(), f"rank {rank}: {detail}"
 
 
 @pytest.mark.parametrize("control", ["unfilled", "swapped"])
@@ -103,11 +118,20 @@ def test_controls_differ(compared: dict[str, Any], load_format: str, control: st
 EP_CASES = [(name, tp) for name in MOE for tp in TPS[name] if tp > 1]
 
 
+@pytest.mark.parametrize("load_format", FORMATS)
 @pytest.mark.parametrize(("family", "tp"), EP_CASES, ids=[f"{m}-ep-tp{t}" for m, t in EP_CASES])
-def test_expert_parallel_reads_only_its_experts(compared: dict[str, Any], family: str, tp: int) -> None:
-    """With ``enable_expert_parallel``, each rank's parameters equal the default loader's, and it reads at most
-    1.05x its own parameters' bytes (its attention slice, its whole experts, the replicated tensors)."""
+def test_expert_parallel_reads_only_its_experts(
+    compared: dict[str, Any], family: str, tp: int, load_format: str
+) -> None:
+    """With ``enable_expert_parallel``, each rank's parameters equal the default loader's (``sharded_state``: on
+    ``convert --layout vllm --expert-parallel`` output), and a ``shardload`` rank reads at most 1.05x its own
+    parameters' bytes (its attention slice, its whole experts, the replicated tensors)."""
+    refusal = REFUSED.get((f"{family}+ep", load_format))
     for rank in range(tp):
-        result = compared[f"{family}+ep/shardload/{tp}/{rank}"]
+        result = compared[f"{family}+ep/{load_format}/{tp}/{rank}"]
+        if refusal is not None:
+            _check_refusal(result, refusal, rank)
+            continue
         assert (result["status"], result["detail"]) == ("equal", ""), f"rank {rank}: {result}"
-        assert result["read"] <= 1.05 * result["own"], f"rank {rank} read {result['read']} of {result['own']}"
+        if load_format == "shardload":
+            assert result["read"] <= 1.05 * result["own"], f"rank {rank} read {result['read']} of {result['own']}"

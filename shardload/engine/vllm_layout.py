@@ -76,6 +76,8 @@ class VllmTensor:
     vocab: bool = False
     experts: int = 0
     """For a stacked MoE parameter: the number of experts; ``parts`` is expert-major (e0's parts, e1's, ...)."""
+    local: int = 0
+    """Under expert parallelism: the experts each rank holds whole (rank r: experts r*local .. (r+1)*local - 1)."""
     constant: float | None = None
     """A float32 value vLLM's model keeps in its state (its attention's default quantization scales)."""
 
@@ -105,8 +107,12 @@ class VllmLayout:
         return struct.pack("<Q", len(text)) + text
 
 
-def plan_layout(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None) -> VllmLayout:
-    """Plan vLLM's per-rank tensors of ``checkpoint`` for ``num_shards`` ranks (headers only, no tensor data)."""
+def plan_layout(
+    checkpoint: Checkpoint, num_shards: int, shard_info: Any = None, *, expert_parallel: bool = False
+) -> VllmLayout:
+    """Plan vLLM's per-rank tensors of ``checkpoint`` for ``num_shards`` ranks (headers only, no tensor data);
+    ``expert_parallel``: as vLLM lays out a model started with ``enable_expert_parallel=True`` (whole experts,
+    an equal run of them per rank)."""
     where = checkpoint.name
     if checkpoint.kind != "safetensors" or checkpoint.presharded is not None:
         raise ShardloadError("--layout vllm converts a safetensors source checkpoint", file=where)
@@ -117,7 +123,8 @@ def plan_layout(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None)
     info, source = plan_shard_info(checkpoint, shard_info)
     stored = [n for n in checkpoint.tensors if not n.endswith(SKIPPED_SUFFIXES)]
     vocab_names = [n for n in stored if is_vocab(n) and not (tied and n.endswith("lm_head.weight"))]
-    kept = {k: v for k, v in info.params.items() if k not in vocab_names and k in stored}
+    whole_experts = {n for n in stored if expert_parallel and vllm_target(n, {}).expert is not None}
+    kept = {k: v for k, v in info.params.items() if k not in vocab_names and k in stored and k not in whole_experts}
     body = {n: checkpoint.tensors[n] for n in stored if n not in vocab_names}
     plan = build_plan(ShardInfo(kept, info.num_shards, source=info.source), _only(checkpoint, body), num_shards)
     whole = {n: checkpoint.tensors[n] for n in vocab_names}
@@ -147,11 +154,12 @@ def plan_layout(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None)
             experts[t.name] = max(experts.get(t.name, 0), t.expert + 1)
     for name, param in plan.params.items():
         target = targets[name]
-        if target.expert is None and ".experts." in name:
+        stacked = target.expert is None and ".experts." in name
+        if stacked and (target.name == name or expert_parallel):
             raise ShardloadError(
-                "--layout vllm writes experts stored one by one (experts.E.w1 or experts.E.gate_proj); this "
-                "checkpoint stores them stacked (transformers' save_original_format=False): serve it with "
-                "load_format='shardload' or save it in the original format",
+                "--layout vllm writes experts stored one by one (experts.E.w1 or experts.E.gate_proj) or stacked as "
+                "transformers stacks them (experts.gate_up_proj, experts.down_proj), and stacked experts without "
+                "--expert-parallel: serve this one with load_format='shardload'",
                 file=where,
                 param=name,
             )
@@ -159,7 +167,8 @@ def plan_layout(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None)
             stack = stacks.setdefault(target.name, {})
             stack[(target.expert, target.part)] = name
             if len(stack) == experts[target.name] * target.parts:
-                tensors.append(_stacked(target.name, stack, experts[target.name], target.parts, plan, where))
+                stacked = _stacked(target.name, stack, experts[target.name], target.parts, plan, where)
+                tensors.append(_expert_parallel(stacked, num_shards, where) if expert_parallel else stacked)
                 del stacks[target.name]
             continue
         if not target.fused:
@@ -239,6 +248,19 @@ def _stacked(
     return VllmTensor(vname, names, (experts, shape[0] * parts, *shape[1:]), dtypes.pop(), experts=experts)
 
 
+def _expert_parallel(stacked: VllmTensor, num_shards: int, where: str) -> VllmTensor:
+    """``stacked`` as each rank holds it under vLLM's expert parallelism: a run of whole experts (linear placement)."""
+    if stacked.experts % num_shards:
+        raise ShardloadError(
+            f"vLLM places {stacked.experts} experts on {num_shards} ranks unevenly; sharded_state rank files with "
+            "expert parallelism need a rank count that divides the experts (or use load_format='shardload')",
+            file=where,
+            param=stacked.name,
+        )
+    local = stacked.experts // num_shards
+    return replace(stacked, shape=(local, *stacked.shape[1:]), local=local)
+
+
 def _only(checkpoint: Checkpoint, tensors: dict[str, Any]) -> Checkpoint:
     return Checkpoint(checkpoint.path, checkpoint.root, checkpoint.kind, tensors, checkpoint.files)
 
@@ -272,7 +294,10 @@ def rank_tensors(
             if want.experts:
                 per = len(pieces) // want.experts
                 groups = [pieces[e * per : (e + 1) * per] for e in range(want.experts)]
-                yield want, [torch.stack([torch.cat([p[r] for p in g]) for g in groups]) for r in range(num_shards)]
+                mine = [
+                    groups[r * want.local : (r + 1) * want.local] if want.local else groups for r in range(num_shards)
+                ]
+                yield want, [torch.stack([torch.cat([p[r] for p in g]) for g in mine[r]]) for r in range(num_shards)]
             else:
                 fused = len(pieces) > 1
                 yield want, [torch.cat([p[r] for p in pieces]) if fused else pieces[0][r] for r in range(num_shards)]
@@ -291,10 +316,12 @@ def convert_vllm(
     overwrite: bool = False,
     fsync: bool | None = None,
     verify: bool | str = False,
+    expert_parallel: bool = False,
 ) -> list[WrittenFile]:
     """Write ``model`` in vLLM's ``sharded_state`` layout for ``num_shards`` ranks into ``out_dir``; return the files.
     ``verify`` checks every source byte against its integrity record, as :func:`shardload.convert` does; the
     output gets its own record (``shardload.hashes``, its root in the manifest's ``integrity``).
+    ``expert_parallel`` writes each rank's experts whole, for vLLM started with ``enable_expert_parallel=True``.
 
     Example::
 
@@ -306,7 +333,7 @@ def convert_vllm(
         raise ShardloadError(f"num_shards must be a positive integer, got {num_shards!r}", file=str(model))
     checkpoint = open_checkpoint(model)
     stamps = stamp_sources(checkpoint.files)
-    layout = plan_layout(checkpoint, num_shards, shard_info)
+    layout = plan_layout(checkpoint, num_shards, shard_info, expert_parallel=expert_parallel)
     wrap = verifier(checkpoint, verify, checkpoint.name)
     sources = source_paths(checkpoint.root, checkpoint.files)
     if Path(layout.plan.shard_info.source).exists():  # a shard_info file named outside the model, as convert does
@@ -334,6 +361,7 @@ def convert_vllm(
                 "num_shards": num_shards,
                 "plan": plan_origin(layout, checkpoint.root),
                 "shard_info": layout.plan.resolved_shard_info(),
+                **({"expert_parallel": True} if expert_parallel else {}),
                 "source": {"files": [{"path": f.name, "size": st[2]} for f, st in stamps]},
             }
             record = write_record(staging.dir, output_record(staging.dir, [f.path for f in written]), durable)

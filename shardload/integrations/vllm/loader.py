@@ -147,6 +147,14 @@ def fill_model(
         if target.fused and target.name not in targets:  # a fusion vLLM makes only when every part is stored
             plain = vllm_target(mapped, {})
             target = plain if plain.name in targets else target
+        if target.expert is None and target.name in experts:
+            raise ShardloadError(
+                "experts stored stacked (experts.gate_up_proj, experts.down_proj) under expert parallelism: "
+                "load_format='shardload' reads them under tensor parallelism only; store them one by one "
+                "(transformers' default save_pretrained) or start vLLM without enable_expert_parallel",
+                file=where,
+                param=name,
+            )
         if target.expert is not None and target.name in experts:
             local = experts[target.name][target.expert] if target.expert < len(experts[target.name]) else -1
             return replace(target, expert=local) if local >= 0 else None  # another rank's expert: not read
