@@ -111,9 +111,10 @@ def _causal(config_cls: str, model_cls: str, out: Path, stacked: bool = False, *
 
 
 def deepseek_v2(out: Path) -> None:
-    """DeepSeek-V2-Lite-style: MLA without a q LoRA, two shared experts, the first layer dense."""
+    """DeepSeek-V2-Lite-style: MLA without a q LoRA, two shared experts, the first layer dense. Latent 512 + rope 64:
+    the one size vLLM's CPU MLA kernel runs."""
     _causal("DeepseekV2Config", "DeepseekV2ForCausalLM", out, num_key_value_heads=4, q_lora_rank=None,
-            kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=4,
+            kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=4,
             n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy", **MOE)  # fmt: skip
 
 
