@@ -115,7 +115,8 @@ def deepseek_v2(out: Path) -> None:
     the one size vLLM's CPU MLA kernel runs."""
     _causal("DeepseekV2Config", "DeepseekV2ForCausalLM", out, num_key_value_heads=4, q_lora_rank=None,
             kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=4,
-            n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy", **MOE)  # fmt: skip
+            n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1,
+            **MOE)  # fmt: skip
 
 
 def deepseek_v3(out: Path) -> None:
@@ -168,6 +169,38 @@ def gpt_oss(out: Path) -> None:
     """GPT-OSS-style: attention sinks, biased experts stored stacked and interleaved."""
     _causal("GptOssConfig", "GptOssForCausalLM", out, num_key_value_heads=2, head_dim=64, num_local_experts=4,
             num_experts_per_tok=2, intermediate_size=128, sliding_window=16)  # fmt: skip
+
+
+def w4a16(out: Path) -> None:
+    """The GQA Llama with every linear layer quantized to compressed-tensors W4A16 (int4 packed 8 to an int32,
+    symmetric, groups of 32 columns), the format vLLM's CPU build serves through its WNA16 kernels."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+    args = QuantizationArgs(**weights)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    llama(out)
+    tensors = load_file(out / "model.safetensors")
+    quantized = {}
+    for name, t in tensors.items():
+        if not name.endswith("proj.weight"):
+            quantized[name] = t
+            continue
+        prefix = name.removesuffix(".weight")
+        g = t.reshape(t.shape[0], t.shape[1] // 32, 32)
+        scale, _ = calculate_qparams(g.amin(-1), g.amax(-1), args)
+        packed = compressor.compress({"weight": t, "weight_scale": scale}, scheme)
+        quantized |= {f"{prefix}.{k}": v.contiguous() for k, v in packed.items()}
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    groups = {"group_0": {"targets": ["Linear"], "weights": weights}}
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                     "ignore": ["lm_head"], "config_groups": groups}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
 MODELS = {"llama": llama, "llama_kv1": llama_kv1, "qwen2": qwen2, "mixtral": mixtral, "w8a8": w8a8}

@@ -25,7 +25,7 @@ from ..errors import CheckpointError, ShardloadError, printable
 from ..format.shard_info import MAX_RANKS, ShardInfo
 from ..models.families import VllmNames, vllm_names, vllm_packing
 from ..models.plan_source import plan_shard_info
-from ..models.vllm_names import SKIPPED_SUFFIXES, Target, is_vocab, vllm_target, vocab_range
+from ..models.vllm_names import SHAPE_SUFFIX, SKIPPED_SUFFIXES, Target, is_vocab, vllm_target, vocab_range
 from ..planning.plan import ModelPlan, build_plan
 from ..sources.checkpoint import (
     VLLM_MANIFEST_FORMAT,
@@ -61,7 +61,7 @@ _RANK_FILE_RE = re.compile(r"model-rank-(0|[1-9][0-9]{0,8})-part-(0|[1-9][0-9]{0
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 """Float32 scalars (1.0 unless a checkpoint quantizes the KV cache) each vLLM attention layer keeps in its state."""
-ATTENTION_WEIGHTS = (".qkv_proj.weight", ".kv_b_proj.weight")
+ATTENTION_WEIGHTS = tuple(f".{m}.{w}" for m in ("qkv_proj", "kv_b_proj") for w in ("weight", "weight_packed"))
 """A vLLM parameter that marks an attention layer (multi-head, and DeepSeek's latent attention)."""
 
 
@@ -124,6 +124,7 @@ def plan_layout(
     stored = [n for n in checkpoint.tensors if not n.endswith(SKIPPED_SUFFIXES)]
     vocab_names = [n for n in stored if is_vocab(n) and not (tied and n.endswith("lm_head.weight"))]
     whole_experts = {n for n in stored if expert_parallel and vllm_target(n, {}).expert is not None}
+    whole_experts |= {n for n in stored if n.endswith(SHAPE_SUFFIX)}  # vLLM keeps a packed weight's stored shape
     kept = {k: v for k, v in info.params.items() if k not in vocab_names and k in stored and k not in whole_experts}
     body = {n: checkpoint.tensors[n] for n in stored if n not in vocab_names}
     plan = build_plan(ShardInfo(kept, info.num_shards, source=info.source), _only(checkpoint, body), num_shards)
@@ -176,7 +177,11 @@ def plan_layout(
             continue
         parts = groups.setdefault(target.name, [None] * target.parts)
         parts[target.part] = name
-        if all(p is not None for p in parts):
+        if all(p is not None for p in parts) and target.name.endswith(SHAPE_SUFFIX):  # one vector: the last part's
+            last = plan.params[parts[-1]]  # type: ignore[index]
+            tensors.append(VllmTensor(target.name, (parts[-1],), last.shape, last.dtype))  # type: ignore[arg-type]
+            del groups[target.name]
+        elif all(p is not None for p in parts):
             shapes = [plan.params[p].shape for p in parts if p is not None]
             dtypes = {plan.params[p].dtype for p in parts if p is not None}
             if len(dtypes) > 1 or any(s[1:] != shapes[0][1:] for s in shapes):

@@ -37,6 +37,10 @@ STACKED_EXPERTS: dict[str, str] = {"gate_up_proj": "w13_weight", "down_proj": "w
 EXPERTS_MODULE = "routed_experts"
 """The submodule of a vLLM MoE layer's ``experts`` that holds the stacked parameters (vLLM 0.32; older: none)."""
 
+SHAPE_SUFFIX = ".weight_shape"
+"""compressed-tensors' packed weights' logical shape: vLLM keeps the stored (unsplit) value, and for a fused
+parameter one vector, its last part's (what its own loader leaves there)."""
+
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 """Buffers some checkpoints store that vLLM recomputes; its own loader skips them too."""
 

@@ -27,6 +27,7 @@ from ...models.vllm_names import (
     DEFAULT_PACKED,
     EXPERTS_MODULE,
     OPTIONAL_SUFFIXES,
+    SHAPE_SUFFIX,
     SKIPPED_SUFFIXES,
     Target,
     vllm_target,
@@ -258,10 +259,12 @@ def _read_planned(
     place, the names read whole (to narrow) and each stored name's vLLM target."""
     plan = build_plan(info, checkpoint, num_shards)
     routes = {name: route(name) for name in plan.params}
+    unsplit = {n for n in plan.params if n.endswith(SHAPE_SUFFIX)}  # vLLM keeps the stored value
     if whole:
-        experts = {n for n in plan.params if (t := vllm_target(n)).expert is not None and t.name in whole}
-        experts |= {n for n, t in routes.items() if t is not None and t.name in whole}
-        kept = {k: v for k, v in info.params.items() if k not in experts}
+        unsplit |= {n for n in plan.params if (t := vllm_target(n)).expert is not None and t.name in whole}
+        unsplit |= {n for n, t in routes.items() if t is not None and t.name in whole}
+    if unsplit & set(info.params):
+        kept = {k: v for k, v in info.params.items() if k not in unsplit}
         info = ShardInfo(kept, info.num_shards, info.version, info.form, info.source)
         plan = build_plan(info, checkpoint, num_shards)
     mismatched = _vocab_mismatches(plan, routes, vocab, rank)
@@ -489,7 +492,8 @@ def _copy_into(
         elif all(p is not None for p in group.parts):
             dim = getattr(param, "output_dim", None)
             dim = 0 if dim is None else dim
-            whole = torch.cat([p for p in group.parts if p is not None], dim=dim)
+            parts = [p for p in group.parts if p is not None]
+            whole = parts[-1] if target.name.endswith(SHAPE_SUFFIX) else torch.cat(parts, dim=dim)
             _check_shape(param, whole.shape, where, " + ".join(n for n in group.names if n), target.name)
             param.data.copy_(whole)
             del fused[target.name]
