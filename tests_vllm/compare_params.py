@@ -1,13 +1,13 @@
 """Compare vLLM's parameters after a load format's load with its default loader's, bit for bit (a test subprocess).
 
 Usage: python compare_params.py JOBS.json OUT.json
-JOBS.json is a list of {"case", "model", "tp", "ep"?, "formats": {format: model dir}, "controls"?: bool}. Every
-rank of a TP group is built in this one process, one after another: vLLM's tensor-parallel group is replaced by one
-of the job's size and rank (no collectives run while a model is built and loaded), so no worker is started and no
-token is generated. Each model's parameters are filled with a marker (NaN, or 0x5A bytes) before its load, so a
-parameter a loader skips cannot compare equal. OUT.json maps "case/format/tp/rank" to {"status": "equal" |
-"differs" | "error", "detail"}; with "controls", two loads that must differ are recorded too: rank r loaded with the
-next rank's shard ("swapped"), and one loaded parameter set back to the marker ("unfilled").
+JOBS.json is a list of {"case", "model", "tp", "ep"?, "dtype"?, "formats": {format: model dir}, "controls"?:
+bool}. Every rank of a TP group is built in this one process, one after another: vLLM's tensor-parallel group is
+replaced by one of the job's size and rank (no collectives run while a model is built and loaded), so no worker is
+started and no token is generated. Each model's parameters are filled with a marker (NaN, or 0x5A bytes) before
+its load, so a parameter a loader skips cannot compare equal. OUT.json maps "case/format/tp/rank" to {"status":
+"equal" | "differs" | "error", "detail"}; with "controls", two loads that must differ are recorded too: rank r
+loaded with the next rank's shard ("swapped"), and one loaded parameter set back to the marker ("unfilled").
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def as_rank(tp: int, rank: int) -> Iterator[None]:
         parallel_state._TP = real
 
 
-def build(model_dir: str, load_format: str, tp: int, ep: bool) -> Built:
+def build(model_dir: str, load_format: str, tp: int, ep: bool, dtype: str = "float32") -> Built:
     """vLLM's model for the current (faked) rank, every parameter holding the marker."""
     import torch
     from vllm.config import set_current_vllm_config
@@ -74,7 +74,7 @@ def build(model_dir: str, load_format: str, tp: int, ep: bool) -> Built:
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     args = EngineArgs(model=model_dir, load_format=load_format, tensor_parallel_size=tp, enable_expert_parallel=ep,
-                      dtype="float32", enforce_eager=True, max_model_len=64, skip_tokenizer_init=True,
+                      dtype=dtype, enforce_eager=True, max_model_len=64, skip_tokenizer_init=True,
                       distributed_executor_backend="mp")  # fmt: skip
     config = args.create_engine_config()
     with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
@@ -145,13 +145,13 @@ def run_job(job: dict[str, Any], results: dict[str, Any]) -> None:
 
     from shardload.sources.reader import count_reads
 
-    tp, ep = job["tp"], bool(job.get("ep"))
+    tp, ep, dtype = job["tp"], bool(job.get("ep")), job.get("dtype", "float32")
     for rank in range(tp):
         with as_rank(tp, rank):
             assert get_tensor_model_parallel_rank() == rank
             key = f"{job['case']}/%s/{tp}/{rank}"
             try:
-                base = build(job["model"], "auto", tp, ep)
+                base = build(job["model"], "auto", tp, ep, dtype)
                 load(base, "auto")
                 expected = state(base.model)
                 from shardload.models.vllm_names import OPTIONAL_SUFFIXES
@@ -167,7 +167,7 @@ def run_job(job: dict[str, Any], results: dict[str, Any]) -> None:
                 continue
             for fmt, model_dir in job["formats"].items():
                 try:
-                    built = build(model_dir, fmt, tp, ep)
+                    built = build(model_dir, fmt, tp, ep, dtype)
                     with count_reads() as seen:
                         load(built, fmt)
                     status, detail = compare(expected, built.model, defaulted)
@@ -186,7 +186,7 @@ def run_job(job: dict[str, Any], results: dict[str, Any]) -> None:
                 if job.get("controls") and tp > 1:
                     with as_rank(tp, (rank + 1) % tp):
                         try:
-                            other = build(model_dir, fmt, tp, ep)
+                            other = build(model_dir, fmt, tp, ep, dtype)
                             load(other, fmt)
                             status, detail = compare(expected, other.model, defaulted)
                         except Exception as exc:

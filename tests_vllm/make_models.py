@@ -203,7 +203,42 @@ def w4a16(out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-MODELS = {"llama": llama, "llama_kv1": llama_kv1, "qwen2": qwen2, "mixtral": mixtral, "w8a8": w8a8}
+def gptq(out: Path) -> None:
+    """The GQA Llama with every linear layer quantized to GPTQ int4 (symmetric, groups of 32, no act-order):
+    ``qweight`` [in/8, out] and ``qzeros`` [groups, out/8] packed 8 to an int32, ``scales`` [groups, out]."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    llama(out)
+    tensors = load_file(out / "model.safetensors")
+    quantized, group = {}, 32
+    for name, t in tensors.items():
+        if not name.endswith("proj.weight"):
+            quantized[name] = t
+            continue
+        prefix, w = name.removesuffix(".weight"), t.T.contiguous()  # [in, out]
+        rows, cols = w.shape
+        g = w.reshape(rows // group, group, cols)
+        scale = (g.abs().amax(1) / 7).clamp(min=1e-8)
+        q = (torch.round(g / scale[:, None, :]).clamp(-8, 7) + 8).to(torch.int64).reshape(rows, cols)
+        qweight = torch.zeros(rows // 8, cols, dtype=torch.int64)
+        qzeros = torch.zeros(rows // group, cols // 8, dtype=torch.int64)
+        for i in range(8):
+            qweight |= q[i::8] << (4 * i)
+            qzeros |= 7 << (4 * i)  # zero point 8, stored minus one (GPTQ's convention)
+        quantized[f"{prefix}.qweight"] = qweight.to(torch.uint32).view(torch.int32)
+        quantized[f"{prefix}.qzeros"] = qzeros.to(torch.uint32).view(torch.int32)
+        quantized[f"{prefix}.scales"] = scale.to(torch.float16)
+        quantized[f"{prefix}.g_idx"] = torch.arange(rows, dtype=torch.int32) // group
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+                                     "sym": True}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+MODELS = {"llama": llama, "llama_kv1": llama_kv1, "qwen2": qwen2, "mixtral": mixtral, "w8a8": w8a8, "w4a16": w4a16,
+          "gptq": gptq}  # fmt: skip
 FAMILIES = {"llama": llama, "llama_kv1": llama_kv1, "mixtral": mixtral, "deepseek_v2": deepseek_v2,
             "deepseek_v3": deepseek_v3, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "olmoe": olmoe,
             "gemma2": gemma2, "gemma3": gemma3, "phi3": phi3, "gpt_oss": gpt_oss,

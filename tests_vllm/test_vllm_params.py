@@ -26,14 +26,17 @@ from shardload.engine.vllm_layout import convert_vllm
 from shardload.errors import ShardloadError
 
 HERE = Path(__file__).parent
-FAMILIES = [*make_models.FAMILIES, "w4a16"]
-"""The families, and a compressed-tensors W4A16 Llama (packed int4: vLLM CPU's WNA16)."""
+FAMILIES = [*make_models.FAMILIES, "w4a16", "gptq"]
+"""The families, a compressed-tensors W4A16 Llama and a GPTQ int4 Llama (packed int4: vLLM CPU's WNA16)."""
+DTYPES = {"gptq": "bfloat16"}
+"""vLLM's dtype where float32 is not served (its GPTQ takes 16-bit activations)."""
 FORMATS = ["shardload", "sharded_state"]
 TPS = {name: (1, 2, 4) for name in FAMILIES} | {"gpt_oss": (1, 2)}
 """TP sizes per family: 4 heads (and 4 experts) allow 4; vLLM's own GPT-OSS MoE fails to build at TP=4 here."""
 REFUSED: dict[tuple[str, str], str] = {
     ("gpt_oss", "shardload"): "model_type 'gpt_oss': no plan source knows this architecture",
     ("gpt_oss", "sharded_state"): "model_type 'gpt_oss': no plan source knows this architecture",
+    ("gptq", "sharded_state"): "not quant_method='gptq'; serve this one with load_format='shardload'",
 }
 STACKED_EP = "experts stored stacked (experts.gate_up_proj, experts.down_proj) under expert parallelism"
 REFUSED |= {("qwen3_moe_stacked+ep", "shardload"): STACKED_EP,
@@ -64,7 +67,7 @@ def compared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             formats = {"shardload": str(root / name)}
             convert(name, tp, False, formats)
             jobs.append({"case": name, "model": str(root / name), "tp": tp, "formats": formats,
-                         "controls": name == "llama"})  # fmt: skip
+                         "controls": name == "llama", "dtype": DTYPES.get(name, "float32")})  # fmt: skip
             if name in MOE and tp > 1:
                 formats = {"shardload": str(root / name)}
                 convert(name, tp, True, formats)

@@ -167,6 +167,8 @@ def fill_model(
                 return older
         if tied and target.name.endswith("lm_head.weight"):
             return None
+        if name.endswith(".g_idx"):
+            return None  # GPTQ without act-order: vLLM makes no g_idx parameter and its own loader drops the tensor
         if is_pp_missing_parameter(target.name, model):
             return None  # another pipeline stage's parameter
         raise ShardloadError(
