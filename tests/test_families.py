@@ -63,7 +63,7 @@ def test_every_model_type_belongs_to_one_family() -> None:
     counts = Counter(t for family in families.FAMILIES for t in family.model_types)
     assert [t for t, n in counts.items() if n > 1] == []
     assert len({f.name for f in families.FAMILIES}) == len(families.FAMILIES)
-    assert family_for("qwen3_moe") is not None and family_for("qwen3_moe").name == "qwen_moe"
+    assert family_for("qwen3_moe") is not None and family_for("qwen3_moe").name == "qwen3_moe"
 
 
 def test_a_family_registered_in_a_test_plans_a_tiny_model(tmp_path: Path, registry: list[Family]) -> None:
@@ -114,7 +114,7 @@ def test_vllm_packing_comes_from_the_family(registry: list[Family]) -> None:
 def test_gguf_architectures_map_to_their_family_model_type() -> None:
     from shardload.models.families import gguf_model_type
 
-    assert gguf_model_type("qwen3moe") == "qwen3_moe" and family_for(gguf_model_type("qwen3moe")).name == "qwen_moe"
+    assert gguf_model_type("qwen3moe") == "qwen3_moe" and family_for(gguf_model_type("qwen3moe")).name == "qwen3_moe"
     assert gguf_model_type("llama") == "llama" and gguf_model_type("no_such_arch") == "no_such_arch"
     with pytest.raises(PlanError, match="GGUF architectures name model types it lacks"):
         Family("odd", ("odd_lm",), TOY_ROLES, gguf_architectures={"oddlm": "other_lm"})

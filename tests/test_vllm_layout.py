@@ -167,6 +167,8 @@ def test_quantized_compressed_tensors_keeps_int8_and_fuses_scales(tmp_path: Path
         ("model.layers.1.mlp.shared_expert.gate_proj.weight",
          Target("model.layers.1.mlp.shared_expert.gate_up_proj.weight", 0, 2)),
         ("model.norm.weight", Target("model.norm.weight")),
+        ("model.layers.1.mlp.experts.gate_up_proj", Target("model.layers.1.mlp.experts.routed_experts.w13_weight")),
+        ("model.layers.1.mlp.experts.down_proj", Target("model.layers.1.mlp.experts.routed_experts.w2_weight")),
     ],
 )  # fmt: skip
 def test_vllm_target(name: str, target: Target) -> None:
@@ -181,8 +183,8 @@ def test_refusals_name_the_reason(tmp_path: Path) -> None:
     assert not (tmp_path / "out3").exists()
     build("llama_gqa", tmp_path / "model")
     build("mixtral_stacked", tmp_path / "stacked")
-    with pytest.raises(ShardloadError, match="stores them stacked"):
-        convert_vllm(tmp_path / "stacked", 2, tmp_path / "out")
+    with pytest.raises(ShardloadError, match="stacked experts without --expert-parallel"):
+        convert_vllm(tmp_path / "stacked", 2, tmp_path / "out", expert_parallel=True)
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (tmp_path / "model" / "config.json").write_text(json.dumps(config))
@@ -223,3 +225,94 @@ def test_output_may_not_replace_the_shard_info_it_reads(tmp_path: Path) -> None:
     with pytest.raises(ShardloadError):
         convert_vllm(tmp_path / "model", 2, out, out / "plan.json", overwrite=True)
     assert (out / "plan.json").is_file()
+
+
+def _tiny(config_cls: str, model_cls: str, out: Path, **kwargs: object) -> None:
+    import transformers
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    config = getattr(transformers, config_cls)(**{**common, **kwargs})
+    getattr(transformers, model_cls)(config).save_pretrained(out)
+
+
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
+           n_routed_experts=4, moe_intermediate_size=32, num_experts_per_tok=2, first_k_dense_replace=1)  # fmt: skip
+
+
+@pytest.mark.parametrize("q_lora", [None, 24])
+def test_deepseek_rank_files_use_the_names_vllm_keeps(tmp_path: Path, q_lora: int | None) -> None:
+    """MLA: vLLM's fusion only with a q LoRA, heads split by rank, and the aliases its sharded_state keeps."""
+    _tiny("DeepseekV3Config", "DeepseekV3ForCausalLM", tmp_path / "m", q_lora_rank=q_lora, n_shared_experts=1,
+          n_group=2, topk_group=1, **MLA)  # fmt: skip
+    convert_vllm(tmp_path / "m", 2, tmp_path / "out")
+    state = load_file(rank_path(tmp_path / "out", 1))
+    source = load_file(tmp_path / "m" / "model.safetensors")
+    p = "model.layers.1"
+    fused = f"{p}.self_attn.fused_qkv_a_proj.weight"
+    if q_lora:
+        a, kv = source[f"{p}.self_attn.q_a_proj.weight"], source[f"{p}.self_attn.kv_a_proj_with_mqa.weight"]
+        assert torch.equal(state[fused], torch.cat([a, kv]))
+        assert torch.equal(
+            state[f"{p}.self_attn.mla_attn.q_b_proj.weight"], _split(source[f"{p}.self_attn.q_b_proj.weight"], 2, 1)
+        )
+    else:
+        assert fused not in state and f"{p}.self_attn.kv_a_proj_with_mqa.weight" in state
+        assert torch.equal(
+            state[f"{p}.self_attn.mla_attn.q_proj.weight"], _split(source[f"{p}.self_attn.q_proj.weight"], 2, 1)
+        )
+    assert torch.equal(
+        state[f"{p}.self_attn.kv_b_proj.weight"], _split(source[f"{p}.self_attn.kv_b_proj.weight"], 2, 1)
+    )
+    assert torch.equal(
+        state[f"{p}.self_attn.mla_attn.o_proj.weight"], _split(source[f"{p}.self_attn.o_proj.weight"], 2, 1, 1)
+    )
+    assert torch.equal(state[f"{p}.mlp.experts.gate.weight"], source[f"{p}.mlp.gate.weight"])
+    assert f"{p}.mlp.experts._shared_experts._layer.gate_up_proj.weight" in state
+    assert state[f"{p}.self_attn.mla_attn.mla_attn._k_scale"].item() == 1.0
+    assert not any(k.startswith(f"{p}.mlp.gate.") or ".mlp.shared_experts." in k for k in state)
+
+
+def test_gemma2_tied_embeddings_keep_their_name(tmp_path: Path) -> None:
+    """vLLM's Gemma 2 has no lm_head: its tied embeddings stay model.embed_tokens.weight."""
+    _tiny("Gemma2Config", "Gemma2ForCausalLM", tmp_path / "m", num_key_value_heads=2, head_dim=16)
+    convert_vllm(tmp_path / "m", 2, tmp_path / "out")
+    state = load_file(rank_path(tmp_path / "out", 0))
+    assert "lm_head.weight" not in state and state["model.embed_tokens.weight"].shape == (64, 64)
+
+
+def test_expert_parallel_rank_files_hold_whole_experts(tmp_path: Path) -> None:
+    """--expert-parallel: rank r holds experts r*E/N .. (r+1)*E/N - 1 whole ([gate; up] and down), as vLLM places
+    them; attention stays split by tensor parallelism."""
+    build("mixtral", tmp_path / "m")
+    source = load_file(tmp_path / "m" / "model.safetensors")
+    experts = json.loads((tmp_path / "m" / "config.json").read_text())["num_local_experts"]
+    convert_vllm(tmp_path / "m", 2, tmp_path / "out", expert_parallel=True)
+    assert json.loads((tmp_path / "out" / "shard_manifest.json").read_text())["expert_parallel"] is True
+    local = experts // 2
+    for r in range(2):
+        state = load_file(rank_path(tmp_path / "out", r))
+        p = "model.layers.0.block_sparse_moe.experts"
+        w13, w2 = state[f"{p}.routed_experts.w13_weight"], state[f"{p}.routed_experts.w2_weight"]
+        assert w13.shape[0] == w2.shape[0] == local
+        for i in range(local):
+            e = r * local + i
+            gate, up = source[f"{p}.{e}.w1.weight"], source[f"{p}.{e}.w3.weight"]
+            assert torch.equal(w13[i], torch.cat([gate, up])) and torch.equal(w2[i], source[f"{p}.{e}.w2.weight"])
+        rows = sum(source[f"model.layers.0.self_attn.{x}_proj.weight"].shape[0] for x in "qkv")
+        assert state["model.layers.0.self_attn.qkv_proj.weight"].shape[0] == rows // 2
+    assert not shardload.verify_dir(tmp_path / "out", source=tmp_path / "m").problems
+
+
+def test_stacked_experts_become_vllms_stacked_parameters(tmp_path: Path) -> None:
+    """Experts stored stacked: [experts, gate + up rows, hidden] split as vLLM splits w13 (each half by rank)."""
+    build("mixtral_stacked", tmp_path / "m")
+    source = load_file(tmp_path / "m" / "model.safetensors")
+    convert_vllm(tmp_path / "m", 2, tmp_path / "out")
+    p = "model.layers.0.mlp.experts"
+    gate_up, down = source[f"{p}.gate_up_proj"], source[f"{p}.down_proj"]
+    half = gate_up.shape[1] // 2
+    for r in range(2):
+        state = load_file(rank_path(tmp_path / "out", r))
+        gate, up = gate_up[:, :half].chunk(2, 1)[r], gate_up[:, half:].chunk(2, 1)[r]
+        assert torch.equal(state[f"{p}.routed_experts.w13_weight"], torch.cat([gate, up], 1))
+        assert torch.equal(state[f"{p}.routed_experts.w2_weight"], down.chunk(2, 2)[r])

@@ -90,13 +90,166 @@ def w8a8(out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-MODELS = {"llama": llama, "llama_kv1": llama_kv1, "qwen2": qwen2, "mixtral": mixtral, "w8a8": w8a8}
+MOE = dict(moe_intermediate_size=128, num_experts_per_tok=2)
+"""Four experts of 128 rows (TP=4 splits each into 32; EP=4 gives each rank one)."""
+
+
+def _causal(config_cls: str, model_cls: str, out: Path, stacked: bool = False, **kwargs: object) -> None:
+    import torch
+    import transformers
+
+    config = getattr(transformers, config_cls)(**{**COMMON, **kwargs})
+    model = getattr(transformers, model_cls)(config)
+    if not stacked:
+        _save(model, out)
+        return
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(out, save_original_format=False)
+
+
+def deepseek_v2(out: Path) -> None:
+    """DeepSeek-V2-Lite-style: MLA without a q LoRA, two shared experts, the first layer dense. Latent 512 + rope 64:
+    the one size vLLM's CPU MLA kernel runs."""
+    _causal("DeepseekV2Config", "DeepseekV2ForCausalLM", out, num_key_value_heads=4, q_lora_rank=None,
+            kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=4,
+            n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1,
+            **MOE)  # fmt: skip
+
+
+def deepseek_v3(out: Path) -> None:
+    """DeepSeek-V3-style: MLA with a q LoRA, one shared expert, grouped routing (vLLM's loader wants noaux_tc)."""
+    _causal("DeepseekV3Config", "DeepseekV3ForCausalLM", out, num_key_value_heads=4, q_lora_rank=96,
+            kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=4,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, topk_method="noaux_tc",
+            **MOE)  # fmt: skip
+
+
+def qwen3_moe(out: Path) -> None:
+    """Qwen3-MoE: q/k norms, four experts, no shared expert."""
+    _causal("Qwen3MoeConfig", "Qwen3MoeForCausalLM", out, num_key_value_heads=2, head_dim=64, num_experts=4, **MOE)
+
+
+def qwen2_moe(out: Path) -> None:
+    """Qwen2-MoE: qkv biases, four experts and a gated shared expert."""
+    _causal("Qwen2MoeConfig", "Qwen2MoeForCausalLM", out, num_key_value_heads=2, num_experts=4,
+            shared_expert_intermediate_size=256, **MOE)  # fmt: skip
+
+
+def qwen3_moe_stacked(out: Path) -> None:
+    """The Qwen3-MoE above with its experts stored stacked (transformers' ``save_original_format=False``)."""
+    _causal("Qwen3MoeConfig", "Qwen3MoeForCausalLM", out, stacked=True,
+            num_key_value_heads=2, head_dim=64, num_experts=4, **MOE)  # fmt: skip
+
+
+def olmoe(out: Path) -> None:
+    """OLMoE: q/k norms over the whole projection, four experts."""
+    _causal("OlmoeConfig", "OlmoeForCausalLM", out, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+            intermediate_size=128)  # fmt: skip
+
+
+def gemma2(out: Path) -> None:
+    """Gemma 2: tied embeddings, sliding and global layers, soft-capped logits."""
+    _causal("Gemma2Config", "Gemma2ForCausalLM", out, num_key_value_heads=2, head_dim=64, sliding_window=16)
+
+
+def gemma3(out: Path) -> None:
+    """Gemma 3 (text): tied embeddings, q/k norms, sliding and global layers."""
+    _causal("Gemma3TextConfig", "Gemma3ForCausalLM", out, num_key_value_heads=2, head_dim=64, sliding_window=16)
+
+
+def phi3(out: Path) -> None:
+    """Phi-3: q, k and v stored fused (qkv_proj), gate and up fused (gate_up_proj)."""
+    _causal("Phi3Config", "Phi3ForCausalLM", out, num_key_value_heads=2, pad_token_id=0)
+
+
+def gpt_oss(out: Path) -> None:
+    """GPT-OSS-style: attention sinks, biased experts stored stacked and interleaved."""
+    _causal("GptOssConfig", "GptOssForCausalLM", out, num_key_value_heads=2, head_dim=64, num_local_experts=4,
+            num_experts_per_tok=2, intermediate_size=128, sliding_window=16)  # fmt: skip
+
+
+def w4a16(out: Path) -> None:
+    """The GQA Llama with every linear layer quantized to compressed-tensors W4A16 (int4 packed 8 to an int32,
+    symmetric, groups of 32 columns), the format vLLM's CPU build serves through its WNA16 kernels."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+    args = QuantizationArgs(**weights)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    llama(out)
+    tensors = load_file(out / "model.safetensors")
+    quantized = {}
+    for name, t in tensors.items():
+        if not name.endswith("proj.weight"):
+            quantized[name] = t
+            continue
+        prefix = name.removesuffix(".weight")
+        g = t.reshape(t.shape[0], t.shape[1] // 32, 32)
+        scale, _ = calculate_qparams(g.amin(-1), g.amax(-1), args)
+        packed = compressor.compress({"weight": t, "weight_scale": scale}, scheme)
+        quantized |= {f"{prefix}.{k}": v.contiguous() for k, v in packed.items()}
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    groups = {"group_0": {"targets": ["Linear"], "weights": weights}}
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                     "ignore": ["lm_head"], "config_groups": groups}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def gptq(out: Path) -> None:
+    """The GQA Llama with every linear layer quantized to GPTQ int4 (symmetric, groups of 32, no act-order):
+    ``qweight`` [in/8, out] and ``qzeros`` [groups, out/8] packed 8 to an int32, ``scales`` [groups, out]."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    llama(out)
+    tensors = load_file(out / "model.safetensors")
+    quantized, group = {}, 32
+    for name, t in tensors.items():
+        if not name.endswith("proj.weight"):
+            quantized[name] = t
+            continue
+        prefix, w = name.removesuffix(".weight"), t.T.contiguous()  # [in, out]
+        rows, cols = w.shape
+        g = w.reshape(rows // group, group, cols)
+        scale = (g.abs().amax(1) / 7).clamp(min=1e-8)
+        q = (torch.round(g / scale[:, None, :]).clamp(-8, 7) + 8).to(torch.int64).reshape(rows, cols)
+        qweight = torch.zeros(rows // 8, cols, dtype=torch.int64)
+        qzeros = torch.zeros(rows // group, cols // 8, dtype=torch.int64)
+        for i in range(8):
+            qweight |= q[i::8] << (4 * i)
+            qzeros |= 7 << (4 * i)  # zero point 8, stored minus one (GPTQ's convention)
+        quantized[f"{prefix}.qweight"] = qweight.to(torch.uint32).view(torch.int32)
+        quantized[f"{prefix}.qzeros"] = qzeros.to(torch.uint32).view(torch.int32)
+        quantized[f"{prefix}.scales"] = scale.to(torch.float16)
+        quantized[f"{prefix}.g_idx"] = torch.arange(rows, dtype=torch.int32) // group
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+                                     "sym": True}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+MODELS = {"llama": llama, "llama_kv1": llama_kv1, "qwen2": qwen2, "mixtral": mixtral, "w8a8": w8a8, "w4a16": w4a16,
+          "gptq": gptq}  # fmt: skip
+FAMILIES = {"llama": llama, "llama_kv1": llama_kv1, "mixtral": mixtral, "deepseek_v2": deepseek_v2,
+            "deepseek_v3": deepseek_v3, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "olmoe": olmoe,
+            "gemma2": gemma2, "gemma3": gemma3, "phi3": phi3, "gpt_oss": gpt_oss,
+            "qwen3_moe_stacked": qwen3_moe_stacked}  # fmt: skip
+"""The families the parameter comparison covers (test_vllm_params.py)."""
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     for name in sys.argv[2:] or list(MODELS):
-        MODELS[name](out / name)
+        {**MODELS, **FAMILIES}[name](out / name)
         print(f"make_models: {out / name}", flush=True)
 
 

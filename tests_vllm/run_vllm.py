@@ -1,7 +1,7 @@
 """Run vLLM (a subprocess of the tests): greedy tokens and their logprobs for fixed prompts, as JSON.
 
 Usage: python run_vllm.py JOBS.json
-JOBS.json is a list of {"model", "load_format", "tp", "pp"?, "out", "extra"?}; the jobs share one world size
+JOBS.json is a list of {"model", "load_format", "tp", "pp"?, "ep"?, "out", "extra"?}; the jobs share one world size
 (tp x pp) and run one after another in this process, which pays vLLM's import once.
 A job that fails writes {"error": "..."} to its "out" and the next job still runs.
 """
@@ -28,6 +28,7 @@ def run_job(job: dict) -> dict:
         load_format=job["load_format"],
         tensor_parallel_size=job["tp"],
         pipeline_parallel_size=job.get("pp", 1),
+        enable_expert_parallel=job.get("ep", False),
         enforce_eager=True,
         dtype=job.get("dtype", "float32"),
         max_model_len=64,

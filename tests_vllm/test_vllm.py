@@ -32,6 +32,8 @@ MODELS = ["llama", "llama_kv1", "qwen2", "mixtral", "w8a8"]
 """GQA Llama; one KV head (replicated at TP=2) and a vocabulary of 251 rows (padded at TP=2); Qwen2 (biases, tied,
 a vocabulary of 250 rows: split 125 + 125 by the plan, 128 + 122 by vLLM); Mixtral (MoE); W8A8 int8."""
 TP1_MODELS = [m for m in MODELS if m != "llama_kv1"]
+TP2_MODELS = [*MODELS, "deepseek_v2"]
+"""At TP=2 also a DeepSeek-V2-Lite-style model: latent attention (vLLM's CPU MLA kernel), shared experts."""
 FORMATS = ["shardload", "sharded_state"]
 ERRORS = {
     "missing": ("shardload", {}, "has no tensor in the checkpoint; the model would run with uninitialised weights"),
@@ -49,11 +51,11 @@ def _job(model: Path, load_format: str, tp: int, out: Path, extra: dict[str, Any
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny checkpoints, their vLLM-layout conversions and the broken variants the controls need."""
     root = tmp_path_factory.mktemp("vllm")
-    for name in MODELS:
+    for name in TP2_MODELS:
         getattr(make_models, name)(root / name)
-    for name in MODELS:
+    for name in TP2_MODELS:
         for n in (1, 2):
-            if (name, n) != ("llama_kv1", 1):
+            if name in (TP2_MODELS if n == 2 else TP1_MODELS):
                 convert_vllm(root / name, n, root / f"{name}-vllm{n}")
     subprocess.run([str(Path(sys.executable).parent / "shardload"), "plan", str(root / "llama"), "-o",
                     str(root / "llama.shard_info.json"), "-n", "2", "-q"], check=True)  # fmt: skip
@@ -100,7 +102,7 @@ def results(work: Path) -> dict[tuple[str, str, int], dict[str, Any]]:
         model = work / ("llama-missing" if case == "missing" else "llama")
         tp1.append(_job(model, fmt, 1, work / f"{case}-{fmt}-1.json", extra))
     tp2 = []
-    for name in MODELS:
+    for name in TP2_MODELS:
         extra = {"shard_info": str(work / "llama.shard_info.json")} if name == "llama" else {}
         tp2.append(_job(work / name, "auto", 2, work / f"{name}-auto-2.json"))
         tp2.append(_job(work / name, "shardload", 2, work / f"{name}-shardload-2.json", extra))
@@ -124,7 +126,7 @@ def _outputs(results: dict[tuple[str, str, int], dict[str, Any]], key: tuple[str
     return outputs
 
 
-CASES = [(m, f, tp) for tp in (1, 2) for m in (TP1_MODELS if tp == 1 else MODELS) for f in FORMATS]
+CASES = [(m, f, tp) for tp in (1, 2) for m in (TP1_MODELS if tp == 1 else TP2_MODELS) for f in FORMATS]
 
 
 @pytest.mark.parametrize(("model", "load_format", "tp"), CASES, ids=[f"{m}-{f}-tp{t}" for m, f, t in CASES])

@@ -313,6 +313,11 @@ def example(out_dir: Path, overwrite: bool, multi_file: bool) -> None:
     "--verify", "verify", is_flag=False, flag_value="record", default=None, metavar="[ROOT]",
     help="Check every byte read against MODEL's integrity record (shardload hash); with ROOT, pin the record too.",
 )  # fmt: skip
+@click.option(
+    "--expert-parallel",
+    is_flag=True,
+    help="With --layout vllm: each rank's experts whole, for vLLM's enable_expert_parallel=True.",
+)
 @_mesh_options
 @_guarded
 def convert(
@@ -326,6 +331,7 @@ def convert(
     as_json: bool,
     layout_name: str,
     verify: str | None,
+    expert_parallel: bool,
     mesh: str | None,
     world_size: int | None,
     pp_layers: str | None,
@@ -340,8 +346,11 @@ def convert(
 
     if layout_name == "vllm":
         checked = verify == "record" or verify or False
-        _convert_vllm(model, num_shards, out_dir, shard_info, overwrite, fsync, quiet, as_json, mesh, checked)
+        _convert_vllm(model, num_shards, out_dir, shard_info, overwrite, fsync, quiet, as_json, mesh, checked,
+                      expert_parallel)  # fmt: skip
         return
+    if expert_parallel:
+        raise click.UsageError("--expert-parallel goes with --layout vllm")
     layout = _mesh_arg(mesh, world_size, pp_layers)
     if layout is None and num_shards is None:
         raise click.UsageError("give --num-shards (or --mesh)")
@@ -395,6 +404,7 @@ def _convert_vllm(
     as_json: bool,
     mesh: str | None,
     verify: bool | str = False,
+    expert_parallel: bool = False,
 ) -> None:
     """``convert --layout vllm``: vLLM's sharded_state files for ``num_shards`` tensor-parallel ranks."""
     from ..engine.vllm_layout import convert_vllm
@@ -402,7 +412,8 @@ def _convert_vllm(
 
     if mesh is not None or num_shards is None:
         raise click.UsageError("--layout vllm takes --num-shards (vLLM's tensor-parallel size) and no --mesh")
-    files = convert_vllm(model, num_shards, out_dir, shard_info, overwrite=overwrite, fsync=fsync, verify=verify)
+    files = convert_vllm(model, num_shards, out_dir, shard_info, overwrite=overwrite, fsync=fsync, verify=verify,
+                         expert_parallel=expert_parallel)  # fmt: skip
     if as_json:
         click.echo(json.dumps({"out_dir": str(out_dir), "num_shards": num_shards, "layout": "vllm",
                                "rank_files": [f.__dict__ for f in files]}, indent=2))  # fmt: skip
@@ -411,9 +422,10 @@ def _convert_vllm(
         return
     rows = [(r, f.path, human_bytes(f.size), f.size, f.sha256[:16]) for r, f in enumerate(files)]
     click.echo(format_table(["rank", "file", "size", "bytes", "sha256"], rows, right=(0, 2, 3)))
+    ep = " --enable-expert-parallel" if expert_parallel else ""
     click.echo(
         f"\nwrote vLLM's sharded_state layout for tensor_parallel_size={num_shards} to {out_dir}; serve it with "
-        f"`vllm serve {out_dir} --load-format sharded_state --tensor-parallel-size {num_shards}`"
+        f"`vllm serve {out_dir} --load-format sharded_state --tensor-parallel-size {num_shards}{ep}`"
     )
 
 

@@ -167,7 +167,9 @@ def _vllm_against_source(out: Path, source: Any, manifest: dict, shard_info: Any
     file's tensors (names, dtypes, shapes, bytes) against the ones ``convert --layout vllm`` makes from it now."""
     n = manifest["num_shards"]
     try:
-        layout = plan_layout(open_checkpoint(source), n, shard_info)
+        layout = plan_layout(
+            open_checkpoint(source), n, shard_info, expert_parallel=manifest.get("expert_parallel") is True
+        )
     except ShardloadError as err:
         return [CheckpointError(f"cannot plan the source for num_shards={n}: {err.message}", file=str(source))]
     differences = _plan_differences(manifest.get("shard_info"), layout.plan.resolved_shard_info(),

@@ -16,16 +16,16 @@ import json
 import os
 import re
 import struct
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardloadError
 from ..format.shard_info import MAX_RANKS, ShardInfo
-from ..models.families import vllm_packing
+from ..models.families import VllmNames, vllm_names, vllm_packing
 from ..models.plan_source import plan_shard_info
-from ..models.vllm_names import SKIPPED_SUFFIXES, is_vocab, vllm_target, vocab_range
+from ..models.vllm_names import SHAPE_SUFFIX, SKIPPED_SUFFIXES, Target, is_vocab, vllm_target, vocab_range
 from ..planning.plan import ModelPlan, ParamPlan, build_plan
 from ..sources.checkpoint import (
     VLLM_MANIFEST_FORMAT,
@@ -63,6 +63,8 @@ _RANK_FILE_RE = re.compile(r"model-rank-(0|[1-9][0-9]{0,8})-part-(0|[1-9][0-9]{0
 """A file vLLM's ``ShardedStateLoader`` reads: rank, part (shardload writes part 0 only)."""
 ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 """Float32 scalars (1.0 unless a checkpoint quantizes the KV cache) each vLLM attention layer keeps in its state."""
+ATTENTION_WEIGHTS = tuple(f".{m}.{w}" for m in ("qkv_proj", "kv_b_proj") for w in ("weight", "weight_packed"))
+"""A vLLM parameter that marks an attention layer (multi-head, and DeepSeek's latent attention)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class VllmTensor:
     vocab: bool = False
     experts: int = 0
     """For a stacked MoE parameter: the number of experts; ``parts`` is expert-major (e0's parts, e1's, ...)."""
+    local: int = 0
+    """Under expert parallelism: the experts each rank holds whole (rank r: experts r*local .. (r+1)*local - 1)."""
     constant: float | None = None
     """A float32 value vLLM's model keeps in its state (its attention's default quantization scales)."""
 
@@ -107,18 +111,25 @@ class VllmLayout:
         return struct.pack("<Q", len(text)) + text
 
 
-def plan_layout(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None) -> VllmLayout:
-    """Plan vLLM's per-rank tensors of ``checkpoint`` for ``num_shards`` ranks (headers only, no tensor data)."""
+def plan_layout(
+    checkpoint: Checkpoint, num_shards: int, shard_info: Any = None, *, expert_parallel: bool = False
+) -> VllmLayout:
+    """Plan vLLM's per-rank tensors of ``checkpoint`` for ``num_shards`` ranks (headers only, no tensor data);
+    ``expert_parallel``: as vLLM lays out a model started with ``enable_expert_parallel=True`` (whole experts,
+    an equal run of them per rank)."""
     where = checkpoint.name
     if checkpoint.kind != "safetensors" or checkpoint.presharded is not None:
         raise ShardloadError("--layout vllm converts a safetensors source checkpoint", file=where)
     config = read_config(checkpoint.root, missing_ok=True)
     quantized = _quantization(config, where)
     tied = config.get("tie_word_embeddings") is True
+    names = vllm_names(config.get("model_type"))
     info, source = plan_shard_info(checkpoint, shard_info)
     stored = [n for n in checkpoint.tensors if not n.endswith(SKIPPED_SUFFIXES)]
     vocab_names = [n for n in stored if is_vocab(n) and not (tied and n.endswith("lm_head.weight"))]
-    kept = {k: v for k, v in info.params.items() if k not in vocab_names and k in stored}
+    whole_experts = {n for n in stored if expert_parallel and vllm_target(n, {}).expert is not None}
+    whole_experts |= {n for n in stored if n.endswith(SHAPE_SUFFIX)}  # vLLM keeps a packed weight's stored shape
+    kept = {k: v for k, v in info.params.items() if k not in vocab_names and k in stored and k not in whole_experts}
     body = {n: checkpoint.tensors[n] for n in stored if n not in vocab_names}
     plan = build_plan(ShardInfo(kept, info.num_shards, source=info.source), _only(checkpoint, body), num_shards)
     whole = {n: checkpoint.tensors[n] for n in vocab_names}
@@ -135,23 +146,25 @@ def plan_layout(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None)
                 file=where,
                 param=name,
             )
-        out_name = "lm_head.weight" if tied and name.endswith("embed_tokens.weight") else name
+        head = tied and names.tied_head and name.endswith("embed_tokens.weight")  # the alias vLLM's state keeps
+        out_name = "lm_head.weight" if head else name
         tensors.append(VllmTensor(out_name, (name,), (per_rank, *info_t.shape[1:]), info_t.dtype, vocab=True))
     groups: dict[str, list[str | None]] = {}
     stacks: dict[str, dict[tuple[int, int], str]] = {}
-    packed = vllm_packing(config.get("model_type"))
-    targets = {name: vllm_target(name, packed) for name in plan.params}
+    packed = _packing(vllm_packing(config.get("model_type")), names, stored)
+    targets = {name: _state_name(vllm_target(name, packed), names) for name in plan.params}
     experts: dict[str, int] = {}  # stacked parameter -> experts in it (the highest stored index + 1)
     for t in targets.values():
         if t.expert is not None:
             experts[t.name] = max(experts.get(t.name, 0), t.expert + 1)
     for name, param in plan.params.items():
         target = targets[name]
-        if target.expert is None and ".experts." in name:
+        stacked = target.expert is None and ".experts." in name
+        if stacked and (target.name == name or expert_parallel):
             raise ShardloadError(
-                "--layout vllm writes experts stored one by one (experts.E.w1 or experts.E.gate_proj); this "
-                "checkpoint stores them stacked (transformers' save_original_format=False): serve it with "
-                "load_format='shardload' or save it in the original format",
+                "--layout vllm writes experts stored one by one (experts.E.w1 or experts.E.gate_proj) or stacked as "
+                "transformers stacks them (experts.gate_up_proj, experts.down_proj), and stacked experts without "
+                "--expert-parallel: serve this one with load_format='shardload'",
                 file=where,
                 param=name,
             )
@@ -159,7 +172,8 @@ def plan_layout(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None)
             stack = stacks.setdefault(target.name, {})
             stack[(target.expert, target.part)] = name
             if len(stack) == experts[target.name] * target.parts:
-                tensors.append(_stacked(target.name, stack, experts[target.name], target.parts, plan, where))
+                stacked = _stacked(target.name, stack, experts[target.name], target.parts, plan, where)
+                tensors.append(_expert_parallel(stacked, num_shards, where) if expert_parallel else stacked)
                 del stacks[target.name]
             continue
         if not target.fused:
@@ -167,7 +181,11 @@ def plan_layout(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None)
             continue
         parts = groups.setdefault(target.name, [None] * target.parts)
         parts[target.part] = name
-        if all(p is not None for p in parts):
+        if all(p is not None for p in parts) and target.name.endswith(SHAPE_SUFFIX):  # one vector: the last part's
+            last = plan.params[parts[-1]]  # type: ignore[index]
+            tensors.append(VllmTensor(target.name, (parts[-1],), last.shape, last.dtype))  # type: ignore[arg-type]
+            del groups[target.name]
+        elif all(p is not None for p in parts):
             shapes = [plan.params[p].shape for p in parts if p is not None]
             dtypes = {plan.params[p].dtype for p in parts if p is not None}
             if len(dtypes) > 1 or any(s[1:] != shapes[0][1:] for s in shapes):
@@ -182,15 +200,31 @@ def plan_layout(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None)
     for vname in stacks:
         raise ShardloadError(f"vLLM stacks {experts[vname]} experts into it, but not all of their projections are "
                              "in the checkpoint", file=where, param=vname)  # fmt: skip
-    attention = sorted({t.name.rsplit(".", 2)[0] for t in tensors if t.name.endswith(".qkv_proj.weight")})
+    attention = sorted({t.name.rsplit(".", 2)[0] for t in tensors if t.name.endswith(ATTENTION_WEIGHTS)})
     for prefix in attention:  # vLLM's Attention registers these persistent buffers; sharded_state needs every key
+        module = f"{prefix}.{names.attention}"
         for scale in ATTENTION_SCALES:
-            tensors.append(VllmTensor(f"{prefix}.attn.{scale}", (), (), "float32", constant=1.0))
+            tensors.append(VllmTensor(f"{module}.{scale}", (), (), "float32", constant=1.0))
         if quantized:  # compressed-tensors' KV-cache placeholders, at the values vLLM gives a checkpoint without them
             for kind in ("k", "v", "q"):
-                tensors.append(VllmTensor(f"{prefix}.attn.{kind}_scale", (), (1,), "float32", constant=1.0))
-                tensors.append(VllmTensor(f"{prefix}.attn.{kind}_zero_point", (), (1,), "float32", constant=0.0))
+                tensors.append(VllmTensor(f"{module}.{kind}_scale", (), (1,), "float32", constant=1.0))
+                tensors.append(VllmTensor(f"{module}.{kind}_zero_point", (), (1,), "float32", constant=0.0))
     return VllmLayout(tensors, plan, vocab_plan, source, info)
+
+
+def _packing(packed: Mapping[str, tuple[str, ...]], names: VllmNames, stored: list[str]) -> dict[str, tuple[str, ...]]:
+    """vLLM's fusion for this checkpoint: a fusion vLLM makes only when every part is stored is dropped otherwise."""
+    present = {piece for name in stored for piece in name.split(".")}
+    return {k: v for k, v in packed.items() if k not in names.optional_packed or set(v) <= present}
+
+
+def _state_name(target: Target, names: VllmNames) -> Target:
+    """``target`` under the alias vLLM's ``sharded_state`` keeps for it (its state dict keeps a tensor's smallest
+    name)."""
+    for piece, alias in names.state_names.items():
+        if piece in target.name:
+            return replace(target, name=target.name.replace(piece, alias, 1))
+    return target
 
 
 def _quantization(config: dict[str, Any], where: str) -> bool:
@@ -221,6 +255,19 @@ def _stacked(
                              param=vname)  # fmt: skip
     shape = shapes.pop()
     return VllmTensor(vname, names, (experts, shape[0] * parts, *shape[1:]), dtypes.pop(), experts=experts)
+
+
+def _expert_parallel(stacked: VllmTensor, num_shards: int, where: str) -> VllmTensor:
+    """``stacked`` as each rank holds it under vLLM's expert parallelism: a run of whole experts (linear placement)."""
+    if stacked.experts % num_shards:
+        raise ShardloadError(
+            f"vLLM places {stacked.experts} experts on {num_shards} ranks unevenly; sharded_state rank files with "
+            "expert parallelism need a rank count that divides the experts (or use load_format='shardload')",
+            file=where,
+            param=stacked.name,
+        )
+    local = stacked.experts // num_shards
+    return replace(stacked, shape=(local, *stacked.shape[1:]), local=local)
 
 
 def _only(checkpoint: Checkpoint, tensors: dict[str, Any]) -> Checkpoint:
@@ -262,7 +309,10 @@ def rank_tensors(
             if want.experts:
                 per = len(pieces) // want.experts
                 groups = [pieces[e * per : (e + 1) * per] for e in range(want.experts)]
-                yield want, [torch.stack([torch.cat([p[r] for p in g]) for g in groups]) for r in range(num_shards)]
+                mine = [
+                    groups[r * want.local : (r + 1) * want.local] if want.local else groups for r in range(num_shards)
+                ]
+                yield want, [torch.stack([torch.cat([p[r] for p in g]) for g in mine[r]]) for r in range(num_shards)]
             else:
                 fused = len(pieces) > 1
                 yield want, [torch.cat([p[r] for p in pieces]) if fused else pieces[0][r] for r in range(num_shards)]
@@ -294,10 +344,12 @@ def convert_vllm(
     overwrite: bool = False,
     fsync: bool | None = None,
     verify: bool | str = False,
+    expert_parallel: bool = False,
 ) -> list[WrittenFile]:
     """Write ``model`` in vLLM's ``sharded_state`` layout for ``num_shards`` ranks into ``out_dir``; return the files.
     ``verify`` checks every source byte against its integrity record, as :func:`shardload.convert` does; the
     output gets its own record (``shardload.hashes``, its root in the manifest's ``integrity``).
+    ``expert_parallel`` writes each rank's experts whole, for vLLM started with ``enable_expert_parallel=True``.
 
     Example::
 
@@ -323,7 +375,7 @@ def convert_vllm(
         checkpoint, shard_info = shards.stored, shards.shard_info
         checkpoint.files = sorted(set(shards.files.values()))
     stamps = stamp_sources(checkpoint.files)
-    layout = plan_layout(checkpoint, num_shards, shard_info)
+    layout = plan_layout(checkpoint, num_shards, shard_info, expert_parallel=expert_parallel)
     wrap = verifier(checkpoint, verify, checkpoint.name) if shards is None else None  # shards: checked when opened
     sources = source_paths(checkpoint.root, checkpoint.files)
     if Path(layout.plan.shard_info.source).exists():  # a shard_info file named outside the model, as convert does
@@ -351,6 +403,7 @@ def convert_vllm(
                 "num_shards": num_shards,
                 "plan": plan_origin(layout, checkpoint.root),
                 "shard_info": layout.plan.resolved_shard_info(),
+                **({"expert_parallel": True} if expert_parallel else {}),
                 "source": {"files": [{"path": f.name, "size": st[2]} for f, st in stamps]},
                 RECORD_KEY: _record(layout, shards),
             }
@@ -455,6 +508,12 @@ def open_vllm_shards(model: Any, verify: bool = False) -> ShardsSource | None:
         return None
     check_vllm_manifest(manifest, where)
     n_old = manifest["num_shards"]
+    if manifest.get("expert_parallel") is True:
+        raise CheckpointError(
+            f"is vLLM's sharded_state layout for num_shards={n_old} with expert parallelism: not a source for "
+            "another N or layout yet; serve it with load_format='sharded_state' at that N, or convert the source",
+            file=str(where),
+        )
     record = manifest.get(RECORD_KEY)
     if not isinstance(record, dict):
         raise CheckpointError(

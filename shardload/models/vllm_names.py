@@ -30,8 +30,16 @@ EXPERT_PROJECTIONS: dict[str, tuple[str, int]] = {
 OPTIONAL_SUFFIXES = tuple(f".attn.{k}_{what}" for k in ("k", "v", "q", "prob") for what in ("scale", "zero_point"))
 """KV-cache scales vLLM creates for a quantized model; a checkpoint without them gets vLLM's defaults."""
 
+STACKED_EXPERTS: dict[str, str] = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
+"""Experts stored stacked (transformers' ``save_original_format=False``: ``experts.gate_up_proj`` [experts, gate rows
++ up rows, hidden], ``experts.down_proj``) -> vLLM's stacked parameter: the same layout, one tensor for one."""
+
 EXPERTS_MODULE = "routed_experts"
 """The submodule of a vLLM MoE layer's ``experts`` that holds the stacked parameters (vLLM 0.32; older: none)."""
+
+SHAPE_SUFFIX = ".weight_shape"
+"""compressed-tensors' packed weights' logical shape: vLLM keeps the stored (unsplit) value, and for a fused
+parameter one vector, its last part's (what its own loader leaves there)."""
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 """Buffers some checkpoints store that vLLM recomputes; its own loader skips them too."""
@@ -62,6 +70,8 @@ def vllm_target(name: str, packed: Mapping[str, Sequence[str]] = DEFAULT_PACKED)
             parts = 2 if fused == "w13" else 1
             stacked_name = ".".join([*pieces[:-3], EXPERTS_MODULE, f"{fused}_{pieces[-1]}"])
             return Target(stacked_name, part, parts, int(pieces[-3]))
+    if len(pieces) >= 2 and pieces[-2] == "experts" and pieces[-1] in STACKED_EXPERTS:
+        return Target(".".join([*pieces[:-1], EXPERTS_MODULE, STACKED_EXPERTS[pieces[-1]]]))
     for fused, subs in packed.items():
         for index, sub in enumerate(subs):
             if sub in pieces[:-1] and sub != fused:

@@ -27,6 +27,7 @@ from ...models.vllm_names import (
     DEFAULT_PACKED,
     EXPERTS_MODULE,
     OPTIONAL_SUFFIXES,
+    SHAPE_SUFFIX,
     SKIPPED_SUFFIXES,
     Target,
     vllm_target,
@@ -144,6 +145,20 @@ def fill_model(
         if mapped is None or name.endswith(SKIPPED_SUFFIXES):
             return None
         target = vllm_target(mapped, packed)
+        if target.fused and target.name not in targets:  # a fusion vLLM makes only when every part is stored
+            plain = vllm_target(mapped, {})
+            target = plain if plain.name in targets else target
+        if target.expert is None and target.name in experts:
+            raise ShardloadError(
+                "experts stored stacked (experts.gate_up_proj, experts.down_proj) under expert parallelism: "
+                "load_format='shardload' reads them under tensor parallelism only; store them one by one "
+                "(transformers' default save_pretrained) or start vLLM without enable_expert_parallel",
+                file=where,
+                param=name,
+            )
+        if target.expert is not None and target.name in experts:
+            local = experts[target.name][target.expert] if target.expert < len(experts[target.name]) else -1
+            return replace(target, expert=local) if local >= 0 else None  # another rank's expert: not read
         if target.name in targets:
             return target
         if target.expert is not None:  # vLLM before 0.32 keeps the stacked experts one module up
@@ -152,6 +167,8 @@ def fill_model(
                 return older
         if tied and target.name.endswith("lm_head.weight"):
             return None
+        if name.endswith(".g_idx"):
+            return None  # GPTQ without act-order: vLLM makes no g_idx parameter and its own loader drops the tensor
         if is_pp_missing_parameter(target.name, model):
             return None  # another pipeline stage's parameter
         raise ShardloadError(
@@ -159,7 +176,14 @@ def fill_model(
         )
 
     vocab = _vocab_ranges(model, targets)
+    experts = _expert_maps(model)
     if checkpoint.kind == "converted":
+        if experts:
+            raise ShardloadError(
+                "a converted directory splits every expert by tensor parallelism; with expert parallelism "
+                "(enable_expert_parallel) load the source checkpoint",
+                file=where,
+            )
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=where)
         from ...engine.load import load_rank
@@ -173,7 +197,7 @@ def fill_model(
     else:
         info, report.source = plan_shard_info(checkpoint, shard_info)
         tensors, direct, narrow, routes = _read_planned(checkpoint, info, rank, num_shards, route, targets, vocab,
-                                                        report, verify)  # fmt: skip
+                                                        report, verify, whole=set(experts))  # fmt: skip
     for note in report.notes:
         log.warning("shardload: %s", note)
     report.tensors = len(tensors)
@@ -229,12 +253,22 @@ def _read_planned(
     vocab: Mapping[str, tuple[int, int, int, int]],
     report: FillReport,
     verify: bool | str = False,
+    whole: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> tuple[dict[str, torch.Tensor], set[str], set[str], dict[str, Target | None]]:
     """Plan ``checkpoint`` with ``info`` and read rank ``rank``'s tensors (in place where they fit). A vocabulary
-    whose planned split is not vLLM's is read whole instead (noted in ``report``). Returns the tensors, the names
-    read in place, the names read whole (to narrow) and each stored name's vLLM target."""
+    whose planned split is not vLLM's is read whole instead (noted in ``report``), and so is every expert of a vLLM
+    parameter in ``whole`` (expert parallelism: this rank's experts, unsplit). Returns the tensors, the names read in
+    place, the names read whole (to narrow) and each stored name's vLLM target."""
     plan = build_plan(info, checkpoint, num_shards)
     routes = {name: route(name) for name in plan.params}
+    unsplit = {n for n in plan.params if n.endswith(SHAPE_SUFFIX)}  # vLLM keeps the stored value
+    if whole:
+        unsplit |= {n for n in plan.params if (t := vllm_target(n)).expert is not None and t.name in whole}
+        unsplit |= {n for n, t in routes.items() if t is not None and t.name in whole}
+    if unsplit & set(info.params):
+        kept = {k: v for k, v in info.params.items() if k not in unsplit}
+        info = ShardInfo(kept, info.num_shards, info.version, info.form, info.source)
+        plan = build_plan(info, checkpoint, num_shards)
     mismatched = _vocab_mismatches(plan, routes, vocab, rank)
     if mismatched:
         kept = {k: v for k, v in info.params.items() if k not in mismatched}
@@ -331,6 +365,21 @@ def _slots(
         if at == param.data.shape[0] and len(views) == len(names) and all(fits(v, n) for n, v in views.items()):
             slots.update(views)
     return slots
+
+
+def _expert_maps(model: nn.Module) -> dict[str, list[int]]:
+    """Under expert parallelism: each stacked expert parameter -> its layer's map of global expert -> this rank's
+    slot (-1: another rank's), as vLLM placed them. Empty without expert parallelism."""
+    maps: dict[str, list[int]] = {}
+    for prefix, module in model.named_modules():
+        manager = getattr(module, "expert_map_manager", None)
+        table = getattr(manager, "expert_map", None) if manager is not None else None
+        if table is None:
+            continue
+        slots = [int(x) for x in table.tolist()]
+        for pname, _ in module.named_parameters(recurse=False):
+            maps[f"{prefix}.{pname}" if prefix else pname] = slots
+    return maps
 
 
 def _vocab_ranges(model: nn.Module, targets: Mapping[str, Any]) -> dict[str, tuple[int, int, int, int]]:
@@ -445,7 +494,8 @@ def _copy_into(
         elif all(p is not None for p in group.parts):
             dim = getattr(param, "output_dim", None)
             dim = 0 if dim is None else dim
-            whole = torch.cat([p for p in group.parts if p is not None], dim=dim)
+            parts = [p for p in group.parts if p is not None]
+            whole = parts[-1] if target.name.endswith(SHAPE_SUFFIX) else torch.cat(parts, dim=dim)
             _check_shape(param, whole.shape, where, " + ".join(n for n in group.names if n), target.name)
             param.data.copy_(whole)
             del fused[target.name]
@@ -467,8 +517,7 @@ def _fill_expert(param: Any, tensor: torch.Tensor, target: Target, where: str, n
     assert target.expert is not None
     if target.expert >= param.shape[0]:
         raise ShardloadError(
-            f"vLLM's {target.name!r} holds {param.shape[0]} experts on this rank, not expert {target.expert} "
-            "(expert parallelism is not supported by load_format='shardload')",
+            f"vLLM's {target.name!r} holds {param.shape[0]} experts on this rank, not expert {target.expert}",
             file=where,
             param=name,
         )

@@ -12,18 +12,21 @@ from collections.abc import Mapping
 from ...errors import PlanError
 from ..vllm_names import DEFAULT_PACKED
 from .bert import BERT
-from .family import ROLES, Family
+from .deepseek import DEEPSEEK
+from .family import ROLES, Family, VllmNames
 from .llama import llama_named
 
 __all__ = [
     "FAMILIES",
     "ROLES",
     "Family",
+    "VllmNames",
     "family_for",
     "gguf_model_type",
     "llama_named",
     "model_types",
     "register_family",
+    "vllm_names",
     "vllm_packing",
 ]
 
@@ -34,9 +37,25 @@ FAMILIES: list[Family] = [
     llama_named("qwen3", "qwen3"),
     llama_named("phi3", "phi3", gguf_overrides={"ffn_up": "gate_up"}),  # Phi-3 stores gate and up fused
     llama_named("mixtral", "mixtral"),
+    llama_named("gemma2", "gemma2", vllm=VllmNames(tied_head=False)),  # vLLM's Gemma 2 has no lm_head
     llama_named(
-        "qwen_moe", "qwen2_moe", "qwen3_moe", gguf_architectures={"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+        "qwen2_moe",
+        "qwen2_moe",
+        gguf_architectures={"qwen2moe": "qwen2_moe"},
+        vllm=VllmNames(
+            state_names={
+                ".mlp.shared_expert.": ".mlp.experts._shared_experts._layer.",
+                ".mlp.shared_expert_gate.": ".mlp.experts._shared_experts._layer.expert_gate.",
+            }
+        ),
     ),
+    llama_named(
+        "qwen3_moe",
+        "qwen3_moe",
+        gguf_architectures={"qwen3moe": "qwen3_moe"},
+        vllm=VllmNames(state_names={".mlp.gate.weight": ".mlp.experts.gate.weight"}),
+    ),
+    DEEPSEEK,
     BERT,
 ]
 """Every known family, in the order error messages list their model types."""
@@ -65,6 +84,12 @@ def register_family(family: Family) -> Family:
         raise PlanError(f"model family {family.name!r}: model type(s) {taken} already belong to a family")
     FAMILIES.append(family)
     return family
+
+
+def vllm_names(model_type: object) -> VllmNames:
+    """How vLLM's model of ``model_type`` names its state: its family's, else Llama's."""
+    family = family_for(model_type)
+    return VllmNames() if family is None else family.vllm
 
 
 def vllm_packing(model_type: object) -> Mapping[str, tuple[str, ...]]:

@@ -16,11 +16,28 @@ ROLES = (
 
 
 @dataclass(frozen=True)
+class VllmNames:
+    """What ``convert --layout vllm`` must know of vLLM's model of a family beyond its fusion (vLLM 0.32)."""
+
+    optional_packed: tuple[str, ...] = ()
+    """Fused parameters vLLM makes only when the checkpoint has all their parts (DeepSeek's ``fused_qkv_a_proj``
+    needs a q LoRA); otherwise each part keeps its own name."""
+    state_names: Mapping[str, str] = field(default_factory=dict)
+    """Name pieces -> the alias vLLM's ``sharded_state`` keeps for the same tensor (its state dict keeps the
+    smallest of a tensor's names): ``.mlp.gate.weight`` -> ``.mlp.experts.gate.weight``."""
+    attention: str = "attn"
+    """The attention module, under ``self_attn``, whose float32 scales vLLM keeps in its state."""
+    tied_head: bool = True
+    """Whether vLLM's model keeps an ``lm_head`` when the embeddings are tied (Gemma 2's computes logits from
+    ``embed_tokens`` and has none)."""
+
+
+@dataclass(frozen=True)
 class Family:
     """A family of architectures that share tensor names: the model types (config.json's ``model_type``) it
     covers, its module-path suffixes -> roles (``*`` matches a layer or expert index), llama.cpp's GGUF names ->
-    roles (None: not read from GGUF), GGUF ``general.architecture`` names -> model type where they differ, and vLLM's
-    ``packed_modules_mapping`` for it."""
+    roles (None: not read from GGUF), GGUF ``general.architecture`` names -> model type where they differ, and how
+    vLLM's model of it names its state (:class:`VllmNames`)."""
 
     name: str
     model_types: tuple[str, ...]
@@ -28,6 +45,7 @@ class Family:
     gguf_roles: Mapping[str, str] | None = None
     gguf_architectures: Mapping[str, str] = field(default_factory=dict)
     vllm_packed: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: DEFAULT_PACKED)
+    vllm: VllmNames = field(default_factory=lambda: VllmNames())
 
     def __post_init__(self) -> None:
         if not self.model_types:
