@@ -916,12 +916,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="ROWS",
         help=f"comma-separated row groups to measure, of {','.join(GROUPS)} (rows 1 to 6; default all)",
     )
-    parser.add_argument("--only-slices", action="store_true", help="same as --only rank (row 6)")
-    parser.add_argument("--only-gpu", action="store_true", help="same as --only gpu (row 5)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.only_slices or args.only_gpu:
-        args.only = ["rank"] * args.only_slices + ["gpu"] * args.only_gpu
     unknown = set(args.only) - set(GROUPS)
     if unknown:
         parser.error(f"--only: unknown row group(s) {', '.join(sorted(unknown))}; choose from {', '.join(GROUPS)}")

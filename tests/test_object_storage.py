@@ -604,3 +604,19 @@ def test_a_malformed_endpoint_is_one_line_without_credentials(
         "an optional port below 65536, no user name or password)\n"
     )
     assert "secret" not in result.output and "AKID" not in result.output
+
+
+def test_small_objects_over_the_cap_are_refused_before_any_get(
+    endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small file read whole (config, index, shard_info, manifest, companion) is refused when its listed size is
+    over objects.MAX_SMALL_OBJECT, whatever limit its reader asked for, and never fetched."""
+    uri = uris["multi"][1]
+    monkeypatch.setattr(objects, "MAX_SMALL_OBJECT", 16)
+    with pytest.raises(CheckpointError) as err:
+        shardload.load_rank(uri, 0, 2)
+    message = err.value.message
+    assert re.fullmatch(rf"{re.escape(uri)}/[\w.]+: .+ is \d+ bytes, over the 16 byte cap on small objects", message)
+    assert "\n" not in message
+    name = message.split(": ", 1)[0].rsplit("/", 1)[1]
+    assert not [s for s in endpoint.proxy.served if s.method == "GET" and s.key.endswith(name)]

@@ -40,7 +40,6 @@ class ModelArgument(click.ParamType):
 
 
 MODEL = ModelArgument()
-DEFAULT_CHECK_NS = (1, 2, 4, 8)
 INSPECT_N = 8
 MAX_LISTED_N = 16
 

@@ -389,7 +389,7 @@ def load_record(checkpoint: Checkpoint, verify: bool | str, record: str | os.Pat
     limit = (64 << 20) + sum(_size(f) for f in checkpoint.files) // 512
     if isinstance(path, ObjectPath):
         try:
-            data = path.read_small(limit, "integrity record")
+            data = path.read_whole(limit, "integrity record")
         except ShardloadError as err:
             raise RecordError(err.reason, file=str(path)) from None
     else:

@@ -93,11 +93,3 @@ def evaluate(value: int | str, num_shards: int | None) -> int:
     if not isinstance(value, str):
         raise ExprError(f"expected an integer or an expression string, got {value!r}")
     return _eval(parse(value).body, num_shards, value)
-
-
-def check_syntax(value: int | str) -> None:
-    """Raise ExprError if ``value`` is neither an int nor a well-formed expression."""
-    if isinstance(value, str):
-        parse(value)
-    elif type(value) is not int:
-        raise ExprError(f"expected an integer or an expression string, got {value!r}")

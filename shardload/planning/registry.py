@@ -44,8 +44,6 @@ A step registered with ``pads=True`` may give ``None`` for ``in_box``: that part
 source and is zeros.
 """
 
-ARG_KINDS = ("int", "ints", "str", "float", "bool", "any")
-
 
 @dataclass(frozen=True)
 class ArgSpec:

@@ -51,11 +51,3 @@ def to_torch(dtype: str):
         "bool": torch.bool,
     }
     return table[dtype]
-
-
-def from_torch(dtype: object) -> str:
-    """The shard_info name of a torch dtype (``torch.float16`` -> ``"float16"``)."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise KeyError(f"unsupported torch dtype {dtype}")
-    return name

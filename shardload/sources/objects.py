@@ -173,10 +173,21 @@ class ObjectPath:
         return False
 
     def read_small(self, limit: int, what: str) -> bytes:
-        """The whole object, refused past ``limit`` bytes (a JSON file, a companion)."""
+        """The whole object, refused past ``limit`` bytes and past :data:`MAX_SMALL_OBJECT` (a JSON file, a
+        companion); the size comes from the listing (or a HEAD) before anything is fetched."""
+        return self._read_whole(limit, what, MAX_SMALL_OBJECT)
+
+    def read_whole(self, limit: int, what: str) -> bytes:
+        """The whole object, refused past ``limit`` bytes only (an integrity record, whose limit grows with the
+        checkpoint it covers)."""
+        return self._read_whole(limit, what, None)
+
+    def _read_whole(self, limit: int, what: str, cap: int | None) -> bytes:
         size = self.size()
         if size is None:
             raise CheckpointError(f"cannot read {what}: no such object", file=str(self))
+        if cap is not None and size > cap and limit > cap:
+            raise CheckpointError(f"{what} is {size} bytes, over the {cap} byte cap on small objects", file=str(self))
         if size > limit:
             raise CheckpointError(f"{what} is {size} bytes, over the {limit} byte limit", file=str(self))
         return self.store.read(self.key, 0, size)
