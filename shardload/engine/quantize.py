@@ -116,7 +116,7 @@ def quantize(
             "directory first",
             file=str(model),
         )
-    if checkpoint.kind != "safetensors":
+    if not checkpoint.plain_safetensors:
         raise ShardloadError(f"quantize reads a safetensors model, this is a {checkpoint.kind} one", file=str(model))
     for name, t in checkpoint.tensors.items():
         if 0 in t.shape and _skip_reason(name, t.shape, t.dtype, spec, ignore) is None:

@@ -118,7 +118,7 @@ def plan_layout(
     ``expert_parallel``: as vLLM lays out a model started with ``enable_expert_parallel=True`` (whole experts,
     an equal run of them per rank)."""
     where = checkpoint.name
-    if checkpoint.kind != "safetensors" or checkpoint.presharded is not None:
+    if not checkpoint.plain_safetensors:
         raise ShardloadError("--layout vllm converts a safetensors source checkpoint", file=where)
     config = read_config(checkpoint.root, missing_ok=True)
     quantized = _quantization(config, where)

@@ -201,8 +201,7 @@ def generate(
     :data:`VOCAB_PADDING`). A plan that works for N=1 alone (of ``check_up_to`` > 1 checked) raises PlanError
     naming why N=2 fails, unless ``allow_single``.
     """
-    from ..sources.checkpoint import open_checkpoint, read_config
-    from ..sources.gguf import model_config
+    from ..sources.checkpoint import open_checkpoint
 
     for n in num_shards:
         if type(n) is not int or n < 1:
@@ -210,10 +209,10 @@ def generate(
     checkpoint = open_checkpoint(model)
     if checkpoint.kind == "converted":
         raise PlanError("this is a converted directory; plan the source checkpoint instead", file=checkpoint.name)
-    gguf = checkpoint.kind == "gguf"
-    config_path = str(checkpoint.files[0]) if gguf else str(checkpoint.root / "config.json")
-    config = model_config(checkpoint.path) if gguf else read_config(checkpoint.root)
-    if gguf:
+    config_path = str(checkpoint.config_file())
+    config = checkpoint.model_config()
+    fmt = checkpoint.source_format
+    if fmt is not None and fmt.gguf_model_type:
         config["model_type"] = gguf_model_type(str(config["model_type"]))
     qconfig = _quantization_config(config)
     tensors = checkpoint.tensors

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import PlanError, ShardloadError
 from ..format.shard_info import ShardInfo
 from ..planning.plan import ModelPlan, build_plan, resolve_shard_info
-from ..sources.checkpoint import CONFIG_NAME, Checkpoint
+from ..sources.checkpoint import Checkpoint
 
 if TYPE_CHECKING:
     import os
@@ -34,8 +34,8 @@ def plan_shard_info(checkpoint: Checkpoint, shard_info: Any) -> tuple[ShardInfo,
     if shard_info is not None or default.exists() or default.is_symlink() or checkpoint.presharded is not None:
         info = resolve_shard_info(checkpoint, shard_info)
         return info, f"shard_info {info.source}"
-    config = checkpoint.files[0] if checkpoint.kind == "gguf" else checkpoint.root / CONFIG_NAME
-    if checkpoint.kind != "gguf" and not (config.exists() or config.is_symlink()):  # `shardload plan` needs it too
+    config = checkpoint.config_file()
+    if not (config.exists() or config.is_symlink()):  # `shardload plan` needs it too
         raise PlanError(
             f"no shard_info given and {default} does not exist; write one (docs/format.md) or pass one with "
             f"--shard-info (shard_info= in Python): there is no {config.name} to plan one from",

@@ -21,7 +21,7 @@ from ..format import strictjson
 from ..format.shard_info import MAX_RANKS
 from ..format.smallfile import read_small
 from .dtypes import DTYPES, FROM_SAFETENSORS
-from .formats import format_for_dir, format_for_file
+from .formats import SourceFormat, format_for_dir, format_for_file, source_format
 from .location import resolve_model
 from .objects import ObjectPath
 
@@ -90,9 +90,10 @@ class TensorInfo:
 class Checkpoint:
     """The header-level view of a model: every tensor's location, no data read.
 
-    ``kind`` is ``"safetensors"`` (or ``"gguf"``) for a source checkpoint and ``"converted"`` for a directory
-    written by ``convert`` (then ``manifest`` holds its manifest and ``tensors`` is empty:
-    each rank's file is opened with :func:`read_header` when needed).
+    ``kind`` is ``"safetensors"`` or a registered format's name (``"gguf"``, ``"tvm-cache"``) for a source
+    checkpoint and ``"converted"`` for a directory written by ``convert`` (then ``manifest`` holds its manifest
+    and ``tensors`` is empty: each rank's file is opened with :func:`read_header` when needed). Code outside
+    :mod:`shardload.sources` asks the capabilities below rather than comparing ``kind`` with a format's name.
     """
 
     path: Path
@@ -114,6 +115,30 @@ class Checkpoint:
     def nbytes(self) -> int:
         """Total bytes of tensor data."""
         return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def source_format(self) -> SourceFormat | None:
+        """The registered format this checkpoint was opened by; None for safetensors and converted directories."""
+        return source_format(self.kind)
+
+    def config_file(self) -> Path:
+        """The file the model config is read from: ``config.json`` beside the weights unless the format keeps it
+        elsewhere (a GGUF file's metadata)."""
+        fmt = self.source_format
+        return fmt.config_file(self) if fmt is not None and fmt.config_file is not None else self.root / CONFIG_NAME
+
+    def model_config(self) -> dict[str, Any]:
+        """The model config in config.json's terms, read where the format keeps it."""
+        fmt = self.source_format
+        return fmt.read_config(self) if fmt is not None and fmt.read_config is not None else read_config(self.root)
+
+    @property
+    def plain_safetensors(self) -> bool:
+        """True for a source of whole tensors in plain safetensors files, what ``quantize`` and ``convert --layout
+        vllm`` read (not another format, a pre-sharded source or a converted directory)."""
+        fmt = self.source_format
+        plain = self.kind == "safetensors" or (fmt is not None and fmt.plain_safetensors)
+        return plain and self.presharded is None
 
     def rank_view(self, rank: int) -> Checkpoint:
         """A pre-sharded source as rank ``rank`` sees it: its own part of every split parameter, under the

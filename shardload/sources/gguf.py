@@ -230,5 +230,8 @@ register_source(
         claims_file=lambda path: path.suffix == GGUF_SUFFIX,
         claims_dir=lambda path: bool(gguf_files(path)),
         open=open_gguf,
+        config_file=lambda checkpoint: checkpoint.files[0],
+        read_config=lambda checkpoint: model_config(checkpoint.path),
+        gguf_model_type=True,
     )
 )
