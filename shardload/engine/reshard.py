@@ -16,14 +16,11 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ..errors import CheckpointError, PlanError, ShardloadError
 from ..format.shard_info import ShardInfo
 from ..planning.mesh import Mesh, stage_plans
 from ..planning.plan import ModelPlan, ParamPlan, build_plan
 from ..planning.reshard import OldPart, boxes_copyable, old_parts, whole
-from ..planning.runs import box_runs
 from ..sources.checkpoint import (
     MANIFEST_FORMAT,
     MANIFEST_NAME,
@@ -40,6 +37,7 @@ from ..sources.reader import FileMaps, Reader, count_mapped
 from .verify import check_entry
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from ..sources.reader import RunReader
@@ -164,6 +162,10 @@ class ShardsSource:
 
     def _read(self, name: str, parts: Sequence[OldPart], dest: torch.Tensor, reader: RunReader) -> None:
         """Read ``parts`` of the old rank files into ``dest`` (a contiguous CPU tensor), one run list per file."""
+        import numpy as np
+
+        from ..planning.runs import box_runs
+
         size = dest.element_size()
         stage = self.holder[name]
         populate = {"populate": True} if isinstance(reader, Reader) else {}  # map dest's pages in one call
@@ -196,6 +198,8 @@ def _copy_mapped(maps: FileMaps, info: TensorInfo, parts: Sequence[OldPart], des
     """Copy ``parts`` of old tensor ``info`` into ``dest`` out of a read-only mapping of its file, counted as read,
     when they are many short rows (a column slice: one ``preadv`` iovec per row costs more); False otherwise, or
     when the file cannot be mapped."""
+    import numpy as np
+
     size = dest.element_size()
     rows = sum(prod(b - a for a, b in p.src) // max(1, _row(info.shape, p.src)) for p in parts)
     nbytes = sum(prod(b - a for a, b in p.src) for p in parts) * size
@@ -237,6 +241,7 @@ def _contiguous(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> boo
 def _gather(reader: RunReader, info: TensorInfo, part: OldPart, dest: torch.Tensor, populate: bool = False) -> None:
     """Read ``part`` (one contiguous stretch of old tensor ``info``) with one read, then copy it into its strided
     place in ``dest`` (one system call instead of one per row)."""
+    import numpy as np
     import torch
 
     target = dest[tuple(slice(a, b) for a, b in part.dst)]
