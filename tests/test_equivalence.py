@@ -450,6 +450,7 @@ def _shared_cells() -> list[Any]:
 
 
 @pytest.mark.parametrize(("source", "n", "verify"), _shared_cells())
+@pytest.mark.slow
 def test_share_reads_equals_reference(
     world: World, request: pytest.FixtureRequest, shared_runs: Any, source: str, n: int, verify: bool
 ) -> None:

@@ -14,6 +14,7 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -149,6 +150,7 @@ def plan_everything(info: ShardInfo, n: int) -> None:
         pass
 
 
+@pytest.mark.slow
 @settings(max_examples=DOC_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(doc=near_valid_documents(), n=num_shards)
 def test_near_valid_documents_raise_only_shardload_errors(doc: Any, n: int) -> None:

@@ -189,6 +189,7 @@ def compared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, An
 
 
 @pytest.mark.parametrize("model_type", SUBSET)
+@pytest.mark.slow
 def test_every_local_tensor_equals_transformers(compared: dict[str, dict[str, Any]], model_type: str) -> None:
     row = compared[model_type]
     assert row["outcome"] == "equal", row
@@ -208,6 +209,7 @@ def test_odd_vocab(compared: dict[str, dict[str, Any]]) -> None:
     assert row["padded"] == ["lm_head.weight", "model.embed_tokens.weight"], row
 
 
+@pytest.mark.slow
 def test_gqa_above_kv_heads_transformers_splits_a_head_shardload_replicates(tmp_path: Path) -> None:
     """4 query heads, 1 KV head, 2 ranks: transformers gives each rank half of the KV head, and its forward cannot
     compute attention; shardload gives both ranks the whole head, and its tensor-parallel forward (each rank its

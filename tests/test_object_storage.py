@@ -183,6 +183,7 @@ def test_converted_rank_fetches_its_file_only(endpoint: S3, uris: dict) -> None:
 
 
 @pytest.mark.parametrize("fault", ["503", "500", "reset", "cut"])
+@pytest.mark.slow
 def test_transient_failures_are_retried(endpoint: S3, uris: dict, fault: str) -> None:
     local, uri = uris["multi"]
     want = [shardload.load_rank(local, r, 2) for r in range(2)]

@@ -265,6 +265,7 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_torchrun_groups_read_each_byte_once(
     example_multi_dir: Path, qwen_dir: Path, compute_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -381,6 +382,7 @@ def seconds(line: str) -> float:
     return float(line.split(" after ")[1].split(" s:")[0])
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_mid_exchange_fails_the_others_at_once(failed_groups: dict) -> None:
     results = failed_groups["dies"]
     assert results[1][0] == 3, results[1][1]

@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torchrun_load.py"
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_match_the_unsharded_model(tmp_path: Path) -> None:
     """Qwen2 with one KV head (replicated on both ranks), qkv biases and tied embeddings."""
     model_dir = tmp_path / "qwen2"

@@ -38,6 +38,7 @@ def s3() -> Iterator[S3]:
         server.close()
 
 
+@pytest.mark.slow
 def test_verified_load_from_s3(s3: S3, split_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     use_endpoint(monkeypatch, s3.url, tmp_path)
     root = hash_model(split_model).root
@@ -60,6 +61,7 @@ def test_verified_load_from_s3(s3: S3, split_model: Path, tmp_path: Path, monkey
         shardload.load_rank(s3.upload_dir(bare, "bare"), 0, N, verify=True)
 
 
+@pytest.mark.slow
 def test_hash_writes_the_record_beside_the_objects(
     s3: S3, split_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
