@@ -200,8 +200,10 @@ def _copy_mapped(maps: FileMaps, info: TensorInfo, parts: Sequence[OldPart], des
     when the file cannot be mapped."""
     import numpy as np
 
+    from ..planning.runs import contiguous_run
+
     size = dest.element_size()
-    rows = sum(prod(b - a for a, b in p.src) // max(1, _row(info.shape, p.src)) for p in parts)
+    rows = sum(prod(b - a for a, b in p.src) // max(1, contiguous_run(info.shape, p.src)) for p in parts)
     nbytes = sum(prod(b - a for a, b in p.src) for p in parts) * size
     if rows < 2 or nbytes >= SHORT_RUN * rows:
         return False
@@ -215,16 +217,6 @@ def _copy_mapped(maps: FileMaps, info: TensorInfo, parts: Sequence[OldPart], des
         np.copyto(target, old[tuple(slice(a, b) for a, b in part.src)].reshape(target.shape))
     count_mapped(info.file, nbytes)
     return True
-
-
-def _row(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> int:
-    """Elements per contiguous run of ``box`` in a row-major tensor of ``shape``."""
-    run = 1
-    for (a, b), n in zip(reversed(box), reversed(shape), strict=True):
-        run *= b - a
-        if b - a != n:
-            break
-    return run
 
 
 def _contiguous(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> bool:

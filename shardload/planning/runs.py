@@ -70,7 +70,7 @@ def _empty() -> Runs:
     return Runs(z, z, z, z)
 
 
-def _contiguous_run(shape: Shape, box: Box) -> int:
+def contiguous_run(shape: Shape, box: Box) -> int:
     """Elements per contiguous run of ``box`` inside a row-major array of ``shape``."""
     run = 1
     for (a, b), n in zip(reversed(box), reversed(shape), strict=True):
@@ -105,7 +105,7 @@ def box_runs(src_shape: Shape, src_box: Box, dst_shape: Shape, dst_box: Box) -> 
     src_dims = [d for d, (a, b) in enumerate(src_box) if b - a != 1]
     dst_dims = [d for d, (a, b) in enumerate(dst_box) if b - a != 1]
     extents = [src_box[d][1] - src_box[d][0] for d in src_dims]
-    run = min(_contiguous_run(src_shape, src_box), _contiguous_run(dst_shape, dst_box))
+    run = min(contiguous_run(src_shape, src_box), contiguous_run(dst_shape, dst_box))
     outer, acc = [], prod(extents)
     for e in extents:  # the leading extents whose product is the number of runs
         if acc == run:
@@ -154,7 +154,7 @@ def run_count(plan: ParamPlan, ranks: Sequence[int]) -> int:
         pieces = [p for p in plan.pieces(rank) or [] if prod(b - a for a, b in p.src)]
         for piece in pieces:
             _check_piece(plan, rank, piece.src, piece.dst)
-            run = min(_contiguous_run(plan.source.shape, piece.src), _contiguous_run(plan.shape, piece.dst))
+            run = min(contiguous_run(plan.source.shape, piece.src), contiguous_run(plan.shape, piece.dst))
             total += prod(b - a for a, b in piece.src) // max(1, run)
         if not _tiles([p.dst for p in pieces] + plan.zeros(rank), plan.shape):
             raise PlanError(
