@@ -360,8 +360,8 @@ def gqa_child(model_dir: Path, out: Path) -> None:
 
 def gqa_proof(work: Path) -> dict[str, Any]:
     """An MQA Llama (4 query heads, 1 KV head) on 2 ranks: transformers splits the one KV head in halves;
-    shardload gives both ranks the whole head, and a tensor-parallel forward over its shards (tests/tp_reference.py)
-    matches the unsharded logits."""
+    shardload gives both ranks the whole head, and a tensor-parallel forward over its shards
+    (tests/helpers/tp_reference.py) matches the unsharded logits."""
     import torch
     import transformers
 
@@ -369,7 +369,7 @@ def gqa_proof(work: Path) -> dict[str, Any]:
     from shardload.models.generated import generate
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    import tp_reference
+    from helpers import tp_reference
 
     model_dir = work / "gqa_llama"
     config = transformers.LlamaConfig(

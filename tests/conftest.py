@@ -1,17 +1,20 @@
-"""Shared fixtures: the built-in example model (single- and multi-file) and small checkpoint writers."""
+"""Shared fixtures: the built-in example model (single- and multi-file), fsync calls, and the fixtures more than one
+test module asks for (the S3 server, the split model for verified loading, a compressed-tensors Llama), made from
+tests/helpers/. Test modules never import this file: what they share as code is in tests/helpers/."""
 
 from __future__ import annotations
 
-import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from shardload.cli.example import write_example
+
+if TYPE_CHECKING:
+    from helpers.s3 import S3
 
 
 @pytest.fixture
@@ -40,18 +43,29 @@ def example_multi_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_example(tmp_path_factory.mktemp("example_multi") / "model", multi_file=True)
 
 
-def random_array(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    """Random, never-all-zero data of the given numpy dtype name."""
-    if dtype.startswith("float"):
-        return rng.standard_normal(shape).astype(dtype)
-    info = np.iinfo(dtype)
-    return rng.integers(max(info.min, -1000), min(info.max, 1000), size=shape, dtype=dtype)
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3]:
+    """A real S3 server (moto) on loopback behind the faulty proxy of helpers/s3.py, one per test module."""
+    from helpers.s3 import S3
+
+    server = S3()
+    try:
+        yield server
+    finally:
+        server.close()
 
 
-def write_model(directory: Path, tensors: dict[str, np.ndarray], shard_info: Any = None) -> Path:
-    """Write ``tensors`` as model.safetensors (and shard_info.json when given) into ``directory``."""
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / "model.safetensors"))
-    if shard_info is not None:
-        (directory / "shard_info.json").write_text(json.dumps(shard_info))
-    return directory
+@pytest.fixture(scope="module")
+def split_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Row- and column-split tensors whose tiles fall on the rank boundaries for N=4, hashed (helpers/verified.py)."""
+    from helpers.verified import write_split_model
+
+    return write_split_model(tmp_path_factory.mktemp("split") / "model")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama quantized W4A16_ASYM by compressed-tensors, saved by transformers (helpers/quant_llama.py)."""
+    from helpers.quant_llama import write_ct_llama
+
+    return write_ct_llama(tmp_path_factory.mktemp("llama") / "tiny-llama-w4a16")

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from test_load import reference_shards
 
 import shardload
 import shardload.planning.runs as runs_module
+from helpers.model_reference import reference_shards
 from shardload.cli.main import main
 from shardload.errors import ShardloadError
 

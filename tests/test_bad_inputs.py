@@ -640,8 +640,8 @@ def test_tvm_record_with_a_list_dtype_is_reported_as_json(tmp_path: Path) -> Non
 def _vllm_out(tmp_path: Path, shard_info: Path | None = None) -> tuple[Path, Path]:
     """A tiny llama converted with ``--layout vllm`` for 2 ranks: (model, out)."""
     pytest.importorskip("transformers")
+    from helpers.tiny_models import build
     from shardload.engine.vllm_layout import convert_vllm
-    from tiny_models import build
 
     model = tmp_path / "model"
     if not model.exists():

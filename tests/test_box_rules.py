@@ -12,36 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import reference as ref
+from helpers import reference as ref
+from helpers.boxes import apply_pieces, sub_box
 from shardload.planning.registry import lookup
-
-
-def _apply_pieces(fn_name: str, x: np.ndarray, out_box: tuple, args: tuple) -> np.ndarray:
-    func = lookup(fn_name)
-    assert func.boxes is not None
-    out = np.full([b - a for a, b in out_box], -1, dtype=x.dtype)
-    covered = np.zeros(out.shape, dtype=np.int64)
-    for in_box, part in func.boxes(out_box, x.shape, *args):
-        rel = tuple(slice(a - o[0], b - o[0]) for (a, b), o in zip(part, out_box, strict=True))
-        if in_box is None:  # padding: no source, zeros (only a step registered with pads=True may say so)
-            assert func.pads
-            out[rel] = 0
-        else:
-            src = x[tuple(slice(a, b) for a, b in in_box)]
-            out[rel] = src.reshape(out[rel].shape)
-        covered[rel] += 1
-    assert (covered == 1).all(), "pieces must tile the output box exactly once"
-    return out
-
-
-@st.composite
-def _box(draw: st.DrawFn, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    box = []
-    for n in shape:
-        a = draw(st.integers(0, n - 1))
-        b = draw(st.integers(a + 1, n))
-        box.append((a, b))
-    return tuple(box)
 
 
 @st.composite
@@ -61,9 +34,9 @@ def _reorder_case(draw: st.DrawFn) -> tuple:
 def test_reorder_segments_boxes(case: tuple, data: st.DataObject) -> None:
     shape, dim, segments, n, unit = case
     x = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape) + 1
-    out_box = data.draw(_box(shape))
+    out_box = data.draw(sub_box(shape))
     want = ref.reorder_segments(x, dim, segments, n, unit)[tuple(slice(a, b) for a, b in out_box)]
-    got = _apply_pieces("shard_funcs.reorder_segments", x, out_box, (dim, segments, n, unit))
+    got = apply_pieces("shard_funcs.reorder_segments", x, out_box, (dim, segments, n, unit))
     np.testing.assert_array_equal(got, want)
     fn = lookup("shard_funcs.reorder_segments").fn(torch.from_numpy(x), dim, segments, n, unit)
     np.testing.assert_array_equal(fn.numpy(), ref.reorder_segments(x, dim, segments, n, unit))
@@ -82,12 +55,12 @@ def test_shard_dim_and_replicate_boxes(n: int, shape: list[int], dim_pick: int, 
     shape[dim] *= n
     x = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape) + 1
     out_shape, _ = lookup("shard_funcs.shard_dim").shape(tuple(shape), "int64", dim, n)
-    out_box = data.draw(_box(out_shape))
+    out_box = data.draw(sub_box(out_shape))
     want = ref.shard_dim(x, dim, n)[tuple(slice(a, b) for a, b in out_box)]
-    np.testing.assert_array_equal(_apply_pieces("shard_funcs.shard_dim", x, out_box, (dim, n)), want)
-    rep_box = data.draw(_box((n, *shape)))
+    np.testing.assert_array_equal(apply_pieces("shard_funcs.shard_dim", x, out_box, (dim, n)), want)
+    rep_box = data.draw(sub_box((n, *shape)))
     want = ref.replicate(x, n)[tuple(slice(a, b) for a, b in rep_box)]
-    np.testing.assert_array_equal(_apply_pieces("shard_funcs.replicate", x, rep_box, (n,)), want)
+    np.testing.assert_array_equal(apply_pieces("shard_funcs.replicate", x, rep_box, (n,)), want)
 
 
 @st.composite
@@ -117,9 +90,9 @@ def test_shard_segments_boxes(case: tuple, data: st.DataObject) -> None:
     out_shape, _ = func.shape(shape, "int64", *args)
     full = ref.shard_segments(x, *args)
     assert tuple(full.shape) == tuple(out_shape)
-    out_box = data.draw(_box(out_shape))
+    out_box = data.draw(sub_box(out_shape))
     want = full[tuple(slice(a, b) for a, b in out_box)]
-    np.testing.assert_array_equal(_apply_pieces("shard_funcs.shard_segments", x, out_box, args), want)
+    np.testing.assert_array_equal(apply_pieces("shard_funcs.shard_segments", x, out_box, args), want)
     np.testing.assert_array_equal(func.fn(torch.from_numpy(x), *args).numpy(), full)
 
 
@@ -144,9 +117,9 @@ def test_pad_dim_boxes(case: tuple, data: st.DataObject) -> None:
     out_shape, _ = func.shape(shape, "int64", dim, multiple, n)
     full = ref.pad_dim(x, dim, multiple, n)
     assert tuple(full.shape) == tuple(out_shape)
-    out_box = data.draw(_box(out_shape))
+    out_box = data.draw(sub_box(out_shape))
     want = full[tuple(slice(a, b) for a, b in out_box)]
-    np.testing.assert_array_equal(_apply_pieces("shard_funcs.pad_dim", x, out_box, (dim, multiple, n)), want)
+    np.testing.assert_array_equal(apply_pieces("shard_funcs.pad_dim", x, out_box, (dim, multiple, n)), want)
     np.testing.assert_array_equal(func.fn(torch.from_numpy(x), dim, multiple, n).numpy(), full)
 
 
@@ -216,9 +189,9 @@ def test_shard_packed_and_groups_boxes(
         out_shape, _ = func.shape(tuple(shape), "int32", *args)
         whole = func.fn(torch.from_numpy(x), *args).numpy()
         np.testing.assert_array_equal(whole, ref.shard_dim(x, dim, n))
-        out_box = data.draw(_box(out_shape))
+        out_box = data.draw(sub_box(out_shape))
         want = whole[tuple(slice(a, b) for a, b in out_box)]
-        np.testing.assert_array_equal(_apply_pieces(name, x, out_box, args), want)
+        np.testing.assert_array_equal(apply_pieces(name, x, out_box, args), want)
 
 
 def test_every_built_in_box_rule_has_a_property_test() -> None:

@@ -326,13 +326,13 @@ def test_planned_note_names_a_hub_id_as_typed(
 ) -> None:
     """The note names MODEL as the user typed it, not the cache snapshot a Hub id resolved to."""
     hub = pytest.importorskip("huggingface_hub")
-    from test_hub import _put_revision
+    from helpers.hub import put_revision
 
     source = tmp_path / "source"
     shutil.copytree(example_dir, source)
     (source / "shard_info.json").unlink()
     cache = tmp_path / "hub"
-    _put_revision(cache, "shardload-test/no-plan", source, "c" * 40, "main")
+    put_revision(cache, "shardload-test/no-plan", source, "c" * 40, "main")
     monkeypatch.setattr(hub.constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_load import assert_same, reference_shards
-from test_reading import check_reads_into_slots, parallel_model
 
 import shardload
+from helpers.checkpoints import parallel_model
+from helpers.model_reference import assert_same, reference_shards
+from helpers.reading import check_reads_into_slots
 from shardload.errors import ShardloadError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -6,7 +6,7 @@ cut by plain torch indexing from the full tensors (read by safetensors itself), 
 tensor parallelism, with no shardload code and no shard_info involved. A converted directory's rank files are
 also read back by safetensors itself, not only through ``load_rank``.
 
-Models (tests/tiny_models.py, random weights, float32, hidden 96, 2 layers, a vocabulary of 380 rows, which
+Models (tests/helpers/tiny_models.py, random weights, float32, hidden 96, 2 layers, a vocabulary of 380 rows, which
 N = 3, 6, 8 do not divide: padded to 384 rows by vLLM's rule; N = 1, 2, 4 split it as it is):
 
 - ``phi3``: fused ``qkv_proj`` with GQA (24 query heads, 2 KV heads: split at N = 2, each replicated on N/2 ranks
@@ -19,8 +19,8 @@ Axes:
 
 - source: a single safetensors file, an HF index over 3 files, a converted directory (plain layout, written for
   the cell's N and loaded at it), a TVM tensor cache (TVM's own writer), a GGUF file (gguf's own writer), S3
-  (the index, served by the suite's moto server on loopback, ``tests/test_object_storage.py``'s ``s3``
-  fixture), a Hugging Face Hub id (an offline cache laid out as huggingface_hub does). Safetensors sources are
+  (the index, served by the suite's moto server on loopback, the ``s3`` fixture of ``conftest.py``), a Hugging
+  Face Hub id (an offline cache laid out as huggingface_hub does). Safetensors sources are
   planned in memory from config.json; TVM and GGUF carry the shard_info.json ``shardload plan`` wrote;
 - path: ``load`` (all ranks), ``load_rank``, ``load_rank(mmap=True)``, ``convert`` (the CLI) then the rank
   files read back, ``convert --layout vllm`` (the CLI) against vLLM's per-rank layout,
@@ -94,13 +94,16 @@ from shardload.errors import ShardloadError
 from shardload.sources import objects
 from shardload.sources.object_reader import ObjectReader
 
-try:  # the suite's moto server on loopback (module-scoped), requested by the S3 cells only
-    from test_object_storage import s3
-except (ImportError, pytest.skip.Exception):  # boto3 or moto missing: never in CI (the test extra has both)
-    s3 = None
+try:  # boto3 and moto serve conftest.py's `s3` (module-scoped), requested by the S3 cells only
+    import boto3  # noqa: F401
+    import moto.server  # noqa: F401
+
+    HAVE_S3 = True
+except ImportError:  # boto3 or moto missing: never in CI (the test extra has both)
+    HAVE_S3 = False
 
 pytest.importorskip("transformers")
-import tiny_models
+from helpers import tiny_models
 
 SOURCES = ("single", "index", "converted", "tvm", "gguf", "s3", "hub")
 PATHS = ("load", "load_rank", "mmap", "convert", "vllm", "share_reads", "verify")
@@ -190,11 +193,11 @@ class World:
         elif name == "gguf":
             value = matrix_sources.write_gguf(single, base / "gguf", built["plan"])
         elif name == "s3":
-            if s3 is None:
+            if not HAVE_S3:
                 pytest.skip("n/a here: boto3 or moto is not installed")
             server = request.getfixturevalue("s3")
             if not self.s3_ready:
-                from s3_server import use_endpoint
+                from helpers.s3 import use_endpoint
 
                 use_endpoint(self.mp, server.url, self.root)
                 self.mp.setattr(objects, "MAX_WASTE", float("inf"))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import shardload.engine.fingerprint as fp
-from conftest import write_model
+from helpers.checkpoints import write_model
 from shardload.sources.checkpoint import open_checkpoint
 from shardload.sources.reader import Reader, count_reads
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import shardload
-import tiny_models
-import tp_reference as tp
+from helpers import tiny_models
+from helpers import tp_reference as tp
 from shardload.models import hf_tp_tables
 from shardload.models.generated import generate
 

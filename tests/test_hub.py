@@ -4,7 +4,6 @@ load from the directory the cache was filled from."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -15,6 +14,7 @@ import torch
 from click.testing import CliRunner
 
 import shardload
+from helpers.hub import put_revision
 from shardload.cli.example import write_example
 from shardload.cli.main import main
 from shardload.errors import CheckpointError, ShardloadError
@@ -32,28 +32,13 @@ COMMIT_MAIN = "a" * 40
 COMMIT_V1 = "b" * 40
 
 
-def _put_revision(cache: Path, repo: str, source: Path, commit: str, ref: str) -> None:
-    """Put every file of ``source`` in the cache as huggingface_hub does: content in blobs/, a link per file in
-    snapshots/<commit>/, and refs/<ref> naming the commit."""
-    storage = cache / file_download.repo_folder_name(repo_id=repo, repo_type="model")
-    (storage / "blobs").mkdir(parents=True, exist_ok=True)
-    for f in sorted(source.iterdir()):
-        blob = storage / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
-        if not blob.exists():
-            shutil.copyfile(f, blob)
-        pointer = Path(file_download._get_pointer_path(str(storage), commit, f.name))
-        pointer.parent.mkdir(parents=True, exist_ok=True)
-        file_download._create_symlink(str(blob), str(pointer), new_blob=False)
-    file_download._cache_commit_hash_for_specific_revision(str(storage), ref, commit)
-
-
 @pytest.fixture
 def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, example_dir: Path) -> Path:
     """An offline Hub cache holding REPO at main (the example model) and at tag v1 (another seed)."""
     cache = tmp_path / "hub"
     other = write_example(tmp_path / "seed1", seed=1)
-    _put_revision(cache, REPO, example_dir, COMMIT_MAIN, "main")
-    _put_revision(cache, REPO, other, COMMIT_V1, "v1")
+    put_revision(cache, REPO, example_dir, COMMIT_MAIN, "main")
+    put_revision(cache, REPO, other, COMMIT_V1, "v1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))

@@ -1,7 +1,7 @@
 """Meshes on a real architecture: pipeline stages in order, each tensor-parallel, reproduce the logits.
 
 A tiny 4-layer Llama (and a tied-embedding Qwen2) is planned with `shardload plan`, loaded for
-meshes pp x tp (x dp), and run stage by stage with tests/tp_reference.py: stage 0 embeds, every
+meshes pp x tp (x dp), and run stage by stage with tests/helpers/tp_reference.py: stage 0 embeds, every
 stage runs its own layers over its tp ranks, the last stage applies the head. Every rank must hold
 exactly the parameters its stage needs, and converted mesh directories must load the same tensors.
 """
@@ -18,8 +18,8 @@ import torch
 from click.testing import CliRunner
 
 import shardload
-import tiny_models
-import tp_reference as tp
+from helpers import tiny_models
+from helpers import tp_reference as tp
 from shardload.cli.main import main
 from shardload.errors import ShardloadError
 from shardload.models.generated import generate

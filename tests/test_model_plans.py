@@ -2,7 +2,7 @@
 
 Tiny transformers models (random fp32 weights, saved with save_pretrained) are planned, loaded for
 N ranks with shardload.load, and run tensor-parallel over the N rank state dicts by
-tests/tp_reference.py; logits must match the unsharded HF model within 1e-5 relative.
+tests/helpers/tp_reference.py; logits must match the unsharded HF model within 1e-5 relative.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from click.testing import CliRunner
 
 import shardload
-import tiny_models
-import tp_reference as tp
+from helpers import tiny_models
+from helpers import tp_reference as tp
 from shardload.cli.main import main
 from shardload.models.generated import generate, model_placements, shard_info_document
 from shardload.planning.validate import validate_file

@@ -28,22 +28,12 @@ else:
     pytest.importorskip("boto3")
     pytest.importorskip("moto.server")
 
-from s3_server import BUCKET, S3, use_endpoint
-
-from conftest import write_model
+from helpers.checkpoints import write_model
+from helpers.s3 import BUCKET, S3, use_endpoint
 from shardload.cli.main import main
 from shardload.sources import objects
 from shardload.sources.checkpoint import open_checkpoint, read_header
 from shardload.sources.object_reader import plan_requests
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3]:
-    server = S3()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-import reference as ref
 import shardload
 import shardload.engine.read_schedule as read_schedule
 import shardload.engine.transfer as transfer
 import shardload.engine.writer as writer
-from conftest import random_array, write_model
+from helpers import reference as ref
+from helpers.checkpoints import random_array, write_model
 from shardload.engine.load import run_plan
 from shardload.engine.steps import run_steps
 from shardload.engine.transfer import Transfer

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import random_array, write_model
+from helpers.checkpoints import random_array, write_model
 from shardload.errors import PlanError
 from shardload.format.shard_info import ShardInfo
 from shardload.planning.plan import build_plan

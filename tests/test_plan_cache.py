@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import random_array, write_model
+from helpers.checkpoints import random_array, write_model
 from shardload.format.shard_info import ShardInfo
 from shardload.planning import plan as plan_module
 from shardload.planning.plan import ModelPlan, build_plan

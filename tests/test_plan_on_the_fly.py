@@ -17,8 +17,8 @@ import torch
 from click.testing import CliRunner
 
 import shardload
-import tiny_models
-import tp_reference as tp
+from helpers import tiny_models
+from helpers import tp_reference as tp
 from shardload.cli.main import main
 from shardload.errors import PlanError
 from shardload.models import choices

@@ -4,14 +4,13 @@ Each format gets a model with three quantized modules, one per kind of split: co
 fused segments (gate_up-like), column-parallel with GQA (KV heads replicated once N exceeds them)
 and row-parallel. Their steps come from :func:`shardload.models.stored_layouts.companion_steps`, the data is
 random, and each rank's tensors are dequantized with the format's own reference
-(compressed_tensors, gguf) or the one in ``quant_reference.py``, element for element, N = 1, 2,
-3 (where the heads allow it), 4, 8. The module builders here also make the synthetic quantized
-Llamas of test_quant_llama.py.
+(compressed_tensors, gguf) or the one in ``helpers/quant_reference.py``, element for element, N = 1, 2,
+3 (where the heads allow it), 4, 8. The module builders (``helpers/quantized.py``) also make the
+synthetic quantized Llamas of test_quant_llama.py (``helpers/quant_llama.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,9 +20,19 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import quant_reference as qref
-import reference as ref
 import shardload
+from helpers.quantized import (
+    Builder,
+    Dequant,
+    Tensors,
+    awq_module,
+    fp8_module,
+    gptq_module,
+    local_tensors,
+    mlc_module,
+    rank_reference,
+    save_gguf,
+)
 from shardload.models.placement import Placement
 from shardload.models.stored_layouts import companion_steps
 from shardload.sources.checkpoint import open_checkpoint
@@ -34,11 +43,6 @@ GQA_N = (1, 2, 4, 8)  # 2 KV heads: N = 3 neither divides nor is a multiple of i
 COLUMN = Placement("", "column", 0, (24, 24), 8)  # 384 rows: gate and up, 24 units of 8 each
 GQA = Placement("", "column", 0, (8, 2, 2), 16, (False, True, True))  # 192 rows: 8 query heads, 2 KV heads
 ROW = Placement("", "row", 1)
-
-Tensors = dict[str, torch.Tensor]
-Dequant = Callable[[Tensors], np.ndarray]
-Builder = Callable[[np.random.Generator, str, int, int], tuple[Tensors, Dequant]]
-"""``build(rng, prefix, out, in)``: one module's stored tensors (full names) and its dequantizer."""
 
 
 @dataclass
@@ -53,17 +57,6 @@ class Module:
 
     def local(self, state: Tensors) -> Tensors:
         return local_tensors(state, self.prefix)
-
-
-def local_tensors(state: Tensors, prefix: str) -> Tensors:
-    """The tensors of module ``prefix`` in ``state``, by suffix."""
-    return {k[len(prefix) + 1 :]: v for k, v in state.items() if k.startswith(prefix + ".")}
-
-
-def rank_reference(full: np.ndarray, split: Placement, n: int, r: int) -> np.ndarray:
-    """Rank r's part of a dequantized weight under ``split``, from the dense reference."""
-    kv = tuple(int(f) for f in split.kv)
-    return ref.rank_part(full, split.dim, n, r, split.segments, kv, split.unit)
 
 
 def check_modules(model: Path, modules: list[Module], qconfig: dict[str, Any] | None) -> None:
@@ -95,14 +88,6 @@ def save(model: Path, modules: list[Module]) -> Path:
     tensors = {k: v.contiguous() for m in modules for k, v in m.tensors.items()}
     save_file(tensors, str(model / "model.safetensors"))
     return model
-
-
-def _random_words(rng: np.random.Generator, shape: tuple[int, ...], dtype: str = "int32") -> torch.Tensor:
-    return torch.from_numpy(rng.integers(0, 2**32, size=shape, dtype=np.uint32).view(dtype))
-
-
-def _scales(rng: np.random.Generator, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.from_numpy((rng.random(shape) * 0.1 + 0.01).astype(np.float16))
 
 
 # --- 1. compressed-tensors pack-quantized -------------------------------------------------------
@@ -164,19 +149,6 @@ def test_compressed_tensors_pack_quantized(tmp_path: Path, scheme: str) -> None:
 # --- 2. MLC-LLM group-quantized int4 ------------------------------------------------------------
 
 
-def mlc_module(rng: np.random.Generator, prefix: str, out: int, inp: int, group: int = 32) -> tuple[Tensors, Dequant]:
-    """MLC-LLM q4f16_1: q_weight uint32 [out, in/8], q_scale [out, in/group]."""
-    tensors = {
-        f"{prefix}.q_weight": _random_words(rng, (out, inp // 8), "uint32"),
-        f"{prefix}.q_scale": _scales(rng, (out, inp // group)),
-    }
-
-    def dequant(local: Tensors) -> np.ndarray:
-        return qref.mlc_dequant(local["q_weight"].numpy(), local["q_scale"].numpy())
-
-    return tensors, dequant
-
-
 def _modules(rng: np.random.Generator, build: Builder) -> list[Module]:
     """The three modules of a format's test: fused column, GQA column and row."""
     modules = []
@@ -200,47 +172,12 @@ def test_mlc_q4f16(tmp_path: Path) -> None:
 # --- 3. GPTQ and AWQ ----------------------------------------------------------------------------
 
 
-def gptq_module(
-    rng: np.random.Generator, prefix: str, out: int, inp: int, group: int = 32, desc_act: bool = False
-) -> tuple[Tensors, Dequant]:
-    """GPTQ 4-bit: qweight [in/8, out], qzeros [groups, out/8], scales [groups, out], g_idx [in]."""
-    groups = inp // group
-    g_idx = np.arange(inp) // group
-    if desc_act:  # act-order: inputs visit groups in a data-dependent order
-        g_idx = rng.permutation(g_idx)
-    tensors = {
-        f"{prefix}.qweight": _random_words(rng, (inp // 8, out)),
-        f"{prefix}.qzeros": _random_words(rng, (groups, out // 8)),
-        f"{prefix}.scales": _scales(rng, (groups, out)),
-        f"{prefix}.g_idx": torch.from_numpy(g_idx.astype(np.int32)),
-    }
-
-    def dequant(local: Tensors) -> np.ndarray:
-        return qref.gptq_dequant(*(local[k].numpy() for k in ("qweight", "qzeros", "scales", "g_idx")))
-
-    return tensors, dequant
-
-
 @pytest.mark.parametrize("desc_act", [True, False])
 def test_gptq(tmp_path: Path, desc_act: bool) -> None:
     rng = np.random.default_rng(2)
     modules = _modules(rng, lambda rng, prefix, out, inp: gptq_module(rng, prefix, out, inp, desc_act=desc_act))
     qconfig = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": desc_act, "sym": False}
     check_modules(save(tmp_path / "model", modules), modules, qconfig)
-
-
-def awq_module(rng: np.random.Generator, prefix: str, out: int, inp: int, group: int = 32) -> tuple[Tensors, Dequant]:
-    """AWQ GEMM 4-bit: qweight [in, out/8], qzeros [groups, out/8], scales [groups, out]."""
-    tensors = {
-        f"{prefix}.qweight": _random_words(rng, (inp, out // 8)),
-        f"{prefix}.qzeros": _random_words(rng, (inp // group, out // 8)),
-        f"{prefix}.scales": _scales(rng, (inp // group, out)),
-    }
-
-    def dequant(local: Tensors) -> np.ndarray:
-        return qref.awq_dequant(*(local[k].numpy() for k in ("qweight", "qzeros", "scales")))
-
-    return tensors, dequant
 
 
 def test_awq(tmp_path: Path) -> None:
@@ -250,25 +187,6 @@ def test_awq(tmp_path: Path) -> None:
 
 
 # --- 4. FP8 ------------------------------------------------------------------------------------
-
-
-def fp8_module(
-    rng: np.random.Generator, prefix: str, out: int, inp: int, kind: str = "channel"
-) -> tuple[Tensors, Dequant]:
-    """FP8 ``float8_e4m3fn`` weight with a per-tensor, per-channel or 128x128-block scale."""
-    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
-    weight = (torch.randn((out, inp), generator=gen) * 100).clamp(-440, 440).to(torch.float8_e4m3fn)
-    if kind == "tensor":
-        name, scale = "weight_scale", torch.rand(1, generator=gen) + 0.1
-    elif kind == "channel":
-        name, scale = "weight_scale", torch.rand(out, 1, generator=gen) + 0.1
-    else:  # 128x128 blocks, ceil division; DeepSeek/Qwen FP8 call the multiplier weight_scale_inv
-        name, scale = "weight_scale_inv", torch.rand(-(-out // 128), -(-inp // 128), generator=gen) + 0.1
-
-    def dequant(local: Tensors) -> np.ndarray:
-        return qref.fp8_dequant(local["weight"].float().numpy(), local[name].numpy())
-
-    return {f"{prefix}.weight": weight, f"{prefix}.{name}": scale}, dequant
 
 
 def test_fp8_tensor_channel_and_block_scales(tmp_path: Path) -> None:
@@ -300,22 +218,6 @@ def test_fp8_tensor_channel_and_block_scales(tmp_path: Path) -> None:
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
 # byte offsets of the float16 scale fields in one block of the K-quant types (the rest is any bits)
 K_QUANT_F16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,)}
-
-
-def save_gguf(path: Path, data: dict[str, tuple[np.ndarray, Any]], **metadata: int) -> None:
-    """Write ``name -> (array, GGML type or None for a plain one)`` as a llama GGUF file; ``metadata`` names
-    GGUFWriter ``add_*`` calls (``head_count=4``)."""
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in metadata.items():
-        getattr(writer, f"add_{key}")(value)  # test-side: keys are the callers' own literals
-    for name, (value, qtype) in data.items():
-        writer.add_tensor(name, value, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def gguf_blocks(rng: np.random.Generator, qtype: Any, rows: int, cols: int) -> np.ndarray:

@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import reference as ref
+from helpers import reference as ref
+from helpers.boxes import apply_pieces, sub_box
 from shardload.errors import StepArgumentError
 from shardload.planning.registry import lookup
-from test_box_rules import _apply_pieces, _box
 
 
 @settings(max_examples=100, deadline=None)
@@ -41,9 +41,9 @@ def test_packed_and_group_splits_are_even_splits(
         out_shape, _ = func.shape(tuple(shape), "int64", *args)
         assert tuple(out_shape) == want.shape
         np.testing.assert_array_equal(func.fn(torch.from_numpy(x), *args).numpy(), want)
-        out_box = data.draw(_box(out_shape))
+        out_box = data.draw(sub_box(out_shape))
         want_box = want[tuple(slice(a, b) for a, b in out_box)]
-        np.testing.assert_array_equal(_apply_pieces(name, x, out_box, args), want_box)
+        np.testing.assert_array_equal(apply_pieces(name, x, out_box, args), want_box)
 
 
 def _shape_error(name: str, shape: tuple[int, ...], *args: object, dtype: str = "float16") -> str:

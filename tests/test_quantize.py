@@ -13,12 +13,12 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 import shardload
+from helpers.quantized import rank_reference
 from shardload.cli.main import main
 from shardload.format.shard_info import ShardInfo
 from shardload.models.generated import generate
 from shardload.models.placement import placement_from_steps
 from shardload.planning.validate import validate_file
-from test_quant_formats import rank_reference
 
 pytest.importorskip("compressed_tensors")
 

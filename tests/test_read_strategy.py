@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_load import reference_shards
 
 import shardload
 import shardload.engine.transfer as transfer
-from conftest import write_model
+from helpers.checkpoints import write_model
+from helpers.model_reference import reference_shards
 from shardload.engine.read_strategy import SMALL_RUN
 from shardload.sources.reader import PAGE, FileMaps, count_reads
 

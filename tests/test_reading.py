@@ -15,15 +15,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_shard_funcs import CASES, _valid
 
-import reference as ref
 import shardload
 import shardload.engine.read_schedule
 import shardload.engine.transfer
 import shardload.engine.writer
 import shardload.sources.reader
-from conftest import random_array, write_model
+from helpers import reference as ref
+from helpers.checkpoints import parallel_model, random_array, write_model
+from helpers.reading import check_reads_into_slots
+from helpers.step_cases import CASES, valid
 from shardload.engine.load import run_plan
 from shardload.engine.transfer import Transfer
 from shardload.errors import CheckpointError, PlanError
@@ -74,7 +75,7 @@ def _shards(path: str, model: Path, n: int, tmp: Path, monkeypatch: pytest.Monke
 def test_every_path_matches_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, path: str) -> None:
     shape, dtype, build = CASES[name]
     for n in (1, 3, 4):
-        if not _valid(shape, name, n):
+        if not valid(shape, name, n):
             continue
         doc_steps, ref_steps = build(n)
         x = random_array(np.random.default_rng(zlib.crc32(f"{name}-{n}".encode())), shape, dtype)
@@ -100,32 +101,6 @@ def test_example_model_every_path(
         assert got[r].keys() == want[r].keys()
         for k in want[r]:
             assert torch.equal(got[r][k], want[r][k]), (path, r, k)
-
-
-def parallel_model(directory: Path) -> Path:
-    """Row-parallel, column-parallel, fused-QKV, replicated, empty and 0-d parameters, random data."""
-    rng = np.random.default_rng(11)
-    tensors = {
-        "row": random_array(rng, (64, 96), "float16"),
-        "col": random_array(rng, (96, 128), "float16"),
-        "qkv": random_array(rng, ((8 + 4 + 4) * 4, 64), "float16"),
-        "norm": random_array(rng, (96,), "float16"),
-        "empty": np.zeros((0, 8), dtype=np.float16),
-        "scale": np.array(rng.standard_normal(), dtype=np.float32),  # 0-d
-    }
-    info = {
-        "version": 1,
-        "params": {
-            "row": [["shard_funcs.shard_dim", [None, None], 0, "num_shards"]],
-            "col": [["shard_funcs.shard_dim", [None, None], 1, "num_shards"]],
-            "empty": [["shard_funcs.shard_dim", [None, None], 1, "num_shards"]],
-            "qkv": [
-                ["shard_funcs.reorder_segments", [None, None], 0, [8, 4, 4], "num_shards", 4],
-                ["shard_funcs.shard_dim", [None, None], 0, "num_shards"],
-            ],
-        },
-    }
-    return write_model(directory, tensors, info)
 
 
 def _rchar() -> int | None:
@@ -319,29 +294,6 @@ def test_failed_write_stops_every_worker_and_leaves_nothing(
     with pytest.raises((OSError, shardload.ShardloadError), match="No space left"):
         shardload.convert(example_dir, 4, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
-
-
-def check_reads_into_slots(model: Path, device: str, copy_out: bool, strategy: str = "auto") -> None:
-    """``Transfer.param(out=...)`` onto ``device`` (a server's own parameter memory: views into a larger buffer)
-    holds exactly what fresh tensors would, and writes nothing around the views."""
-    plan = shardload.plan_model(model, 4)
-    want = run_plan(plan, [2], ["cpu"])[0]
-    slots = {}
-    options = shardload.ReadOptions(strategy=strategy)
-    with Reader() as reader, Transfer(reader, read_options=options, defer=True, copy_out=copy_out) as transfer:
-        for name, param in plan.params.items():
-            backing = torch.full((param.rank_nbytes + 16,), 7, dtype=torch.uint8, device=device)
-            slot = backing[8 : 8 + param.rank_nbytes].view(want[name].dtype).view(want[name].shape)
-            assert transfer.param(param, [2], out=[slot])[0] is slot
-            slots[name] = (slot, backing)
-        transfer.wait()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    for name, (slot, backing) in slots.items():
-        assert slot.device == torch.device(device)
-        assert torch.equal(slot.cpu(), want[name]), name
-        end = 8 + slot.numel() * slot.element_size()
-        assert backing[:8].eq(7).all() and backing[end:].eq(7).all(), name
 
 
 @pytest.mark.parametrize("strategy", ("auto", "read", "map"))

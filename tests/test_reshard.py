@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +21,10 @@ import torch
 from click.testing import CliRunner
 
 import shardload
+from helpers import tp_split
 from shardload.cli.main import main
 from shardload.errors import CheckpointError, ShardloadError
 from shardload.sources.reader import count_reads
-
-sys.path.insert(0, str(Path(__file__).parent / "helpers"))
-import tp_split
-from test_quant_llama import tiny_llama  # noqa: F401  (a fixture)
 
 OLD_N = (2, 4, 8)
 NEW_N = (1, 2, 3, 4, 8)
@@ -65,9 +61,8 @@ class Model:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Model]:
     pytest.importorskip("transformers")
-    from test_quant_llama import SYNTHETIC, write_llama
-
-    import tiny_models
+    from helpers import tiny_models
+    from helpers.quant_llama import SYNTHETIC, write_llama
 
     root = tmp_path_factory.mktemp("reshard")
     tiny_models.build("llama_gqa", root / "llama_gqa")
@@ -289,9 +284,10 @@ def test_presharded_cache_to_any_n(tmp_path: Path) -> None:
     bytes, equal to splitting the whole parameters; then converted for 4 and loaded for 8 from that."""
     pytest.importorskip("tvm")
     import numpy as np
-    from test_tvm_cache import _presharded
 
-    path, split = _presharded(tmp_path, 2)
+    from helpers.tvm_cache import presharded
+
+    path, split = presharded(tmp_path, 2)
     whole = {"param_0": np.concatenate(split["param_0"], 0), "param_1": np.concatenate(split["param_1"], 1)}
 
     def want(n: int, r: int) -> dict[str, np.ndarray]:
@@ -315,9 +311,9 @@ def test_presharded_cache_to_any_n(tmp_path: Path) -> None:
 def test_presharded_cache_needs_its_plan(tmp_path: Path) -> None:
     """Without a shard_info (how was it cut?), or with one that two whole shapes satisfy, one line."""
     pytest.importorskip("tvm")
-    from test_tvm_cache import _presharded
+    from helpers.tvm_cache import presharded
 
-    path, _ = _presharded(tmp_path, 2)
+    path, _ = presharded(tmp_path, 2)
     with pytest.raises(ShardloadError, match="param_0: is pre-sharded for num_shards=2; loading it for another N"):
         shardload.load_rank(path, 0, 4)
     replicate = {"version": 1, "num_shards": None, "params": {
@@ -433,9 +429,9 @@ def test_verify_when_resharding(models: dict[str, Model], tmp_path: Path) -> Non
 
 def test_verify_refused_for_a_presharded_cache_read_for_another_n(tmp_path: Path) -> None:
     pytest.importorskip("tvm")
-    from test_tvm_cache import _presharded
+    from helpers.tvm_cache import presharded
 
-    path, _ = _presharded(tmp_path, 2)
+    path, _ = presharded(tmp_path, 2)
     shardload.hash_checkpoint(path)  # a record, so only the read for another N is left to refuse
     for call in (lambda: shardload.load_rank(path, 0, 4, verify=True), lambda: shardload.load(path, 4, verify=True)):
         with pytest.raises(ShardloadError) as err:

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 import shardload
-from conftest import random_array, write_model
+from helpers.checkpoints import random_array, write_model
 from shardload.cli.main import main
 from shardload.errors import ShardloadError
 

@@ -22,8 +22,8 @@ import torch
 from click.testing import CliRunner
 
 import shardload
-import tiny_models
-from conftest import write_model
+from helpers import tiny_models
+from helpers.checkpoints import write_model
 from shardload.cli.main import main
 from shardload.engine.load import _rank_progress
 from shardload.planning.group_reads import GroupReads, choose_chunk, file_bases, slot_needs, strided
@@ -321,7 +321,7 @@ def object_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
             import moto.server  # noqa: F401
         except ImportError:
             return None
-    from s3_server import S3, use_endpoint
+    from helpers.s3 import S3, use_endpoint
 
     server = S3()
     use_endpoint(monkeypatch, server.url, tmp_path)

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 import shardload
+from helpers.quantized import rank_reference, save_gguf
 from shardload.cli.main import main
 from shardload.errors import CheckpointError, PlanError
 from shardload.format.shard_info import ShardInfo
@@ -25,7 +26,6 @@ from shardload.models.stored_layouts import (
     quantized_shard_info,
     read_quantization_config,
 )
-from test_quant_formats import rank_reference, save_gguf
 
 
 def _headers(**tensors: tuple[tuple[int, ...], str]) -> dict[str, Header]:

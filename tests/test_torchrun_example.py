@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import tiny_models
+from helpers import tiny_models
 from shardload.cli.main import main
 
 pytest.importorskip("transformers")

@@ -16,6 +16,7 @@ import torch
 from click.testing import CliRunner
 
 import shardload
+from helpers.tvm_cache import dump, presharded
 from shardload.cli.main import main
 from shardload.planning.registry import unregister
 from shardload.sources.reader import count_reads
@@ -27,14 +28,6 @@ else:
 from tvm.contrib import tvmjs
 
 DEV = None  # set on first use: tvm.cpu()
-
-
-def dump(params: dict[str, np.ndarray], path: Path, *, encode: Any = "raw", cap_mb: int = 32, legacy=False) -> Path:
-    """Write ``params`` with TVM's own writer; ``legacy`` renames the table to its pre-0.22 name."""
-    tvmjs.dump_tensor_cache(params, str(path), encode_format=encode, shard_cap_mb=cap_mb, show_progress=False)
-    if legacy:
-        (path / "tensor-cache.json").rename(path / "ndarray-cache.json")
-    return path
 
 
 def tvm_reference(path: Path) -> dict[str, np.ndarray]:
@@ -282,19 +275,8 @@ def test_disco_loader_cases_cli_plugin(case: str, disco_plugin: Path, tmp_path: 
             np.testing.assert_array_equal(t.numpy(), want[r][name], err_msg=f"{case} worker {r} {name}")
 
 
-def _presharded(tmp_path: Path, n: int) -> tuple[Path, dict[str, np.ndarray]]:
-    """A cache pre-sharded as MLC-LLM writes it (TVM's test helper: records sorted by shard, then parameter)."""
-    rng = np.random.default_rng(5)
-    params = {"param_0": rng.uniform(size=[64, 128]).astype("float16"), "param_1": rng.uniform(size=[32, 128])}
-    axes = {"param_0": 0, "param_1": 1}
-    split = {k: np.split(v.astype("float32") if k == "param_1" else v, n, axis=axes[k]) for k, v in params.items()}
-    records = {f"{k}_shard-{i + 1}-of-{n}": split[k][i] for i in range(n) for k in params}
-    records["norm"] = np.ones(16, dtype="float16")  # stored whole: every worker gets it
-    return dump(records, tmp_path / "pre"), {**{k: v for k, v in split.items()}}
-
-
 def test_presharded_cache(tmp_path: Path) -> None:
-    path, split = _presharded(tmp_path, 2)
+    path, split = presharded(tmp_path, 2)
     shards = shardload.load(path, 2, devices=["cpu", "cpu"], shard_info={})
     for r in range(2):
         one = shardload.load_rank(path, r, 2)

@@ -13,55 +13,12 @@ import pytest
 import torch
 
 import shardload
-from conftest import write_model
+from helpers.verified import N, offset_of, tampered
 from shardload.engine.integrity import hash_model
 from shardload.errors import ShardloadError
 from shardload.format.hash_record import LEAF_BYTES, RECORD_NAME, parse_record, root_of, tensor_region
 from shardload.sources.checkpoint import open_checkpoint, read_header
 from shardload.sources.reader import count_reads
-
-N = 4
-
-
-def shard(shape: list[int], dim: int) -> list:
-    out: list = ["num_shards", *shape]
-    out[dim + 1] = f"{shape[dim]} // num_shards"
-    return ["shard_funcs.shard_dim", [out, "float16"], dim, "num_shards"]
-
-
-@pytest.fixture(scope="module")
-def split_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Row- and column-split tensors wide enough that their tiles fall on the rank boundaries for N=4."""
-    rng = np.random.default_rng(1)
-    tensors = {
-        "row.weight": rng.standard_normal((512, 2048)).astype(np.float16),
-        "col.weight": rng.standard_normal((512, 2048)).astype(np.float16),
-        "norm.weight": rng.standard_normal(2048).astype(np.float16),
-    }
-    info = {
-        "version": 1,
-        "num_shards": None,
-        "params": {"row.weight": [shard([512, 2048], 0)], "col.weight": [shard([512, 2048], 1)]},
-    }
-    model = write_model(tmp_path_factory.mktemp("split") / "model", tensors, info)
-    hash_model(model)
-    return model
-
-
-def tampered(src: Path, dst: Path, offset: int, file: str = "model.safetensors") -> Path:
-    """A copy of model ``src`` (record included) with one byte of ``file`` flipped at ``offset``."""
-    shutil.copytree(src, dst)
-    with open(dst / file, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ 0x40]))
-    return dst
-
-
-def offset_of(model: Path, name: str, row: int, col_byte: int, file: str = "model.safetensors") -> int:
-    info = read_header(model / file)[name]
-    return info.offset + row * (info.nbytes // info.shape[0]) + col_byte
 
 
 def one_line_error(excinfo: pytest.ExceptionInfo) -> str:
@@ -297,8 +254,8 @@ def _dim0(shape: list[int], dtype: str) -> list:
 
 def test_gguf_block_flip_caught(tmp_path: Path) -> None:
     gguf = pytest.importorskip("gguf")
+    from helpers.quantized import save_gguf
     from shardload.sources.checkpoint import open_checkpoint
-    from test_quant_formats import save_gguf
 
     rng = np.random.default_rng(3)
     qtype = gguf.GGMLQuantizationType.Q8_0
@@ -332,7 +289,7 @@ def test_gguf_block_flip_caught(tmp_path: Path) -> None:
 
 
 def test_tvm_record_flip_caught(tmp_path: Path) -> None:
-    from test_tvm_cache import dump
+    from helpers.tvm_cache import dump
 
     rng = np.random.default_rng(4)
     params = {"param_0": rng.standard_normal((512, 256)).astype("float16"), "norm": np.ones(256, dtype="float16")}

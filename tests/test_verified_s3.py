@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,20 +21,8 @@ if os.environ.get("CI") != "true":
     pytest.importorskip("boto3")
     pytest.importorskip("moto.server")
 
-import test_verified
-from s3_server import BUCKET, S3, use_endpoint
-from test_verified import N, offset_of, tampered
-
-split_model = test_verified.split_model  # the same fixture
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3]:
-    server = S3()
-    try:
-        yield server
-    finally:
-        server.close()
+from helpers.s3 import BUCKET, S3, use_endpoint
+from helpers.verified import N, offset_of, tampered
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from shardload.errors import ShardloadError
 from shardload.models.vllm_names import Target, vllm_target
 
 pytest.importorskip("transformers")
-from tiny_models import build
+from helpers.tiny_models import build
 
 
 def _split(t: torch.Tensor, n: int, r: int, dim: int = 0) -> torch.Tensor:

@@ -27,7 +27,7 @@ from shardload.models.vllm_names import Target, vocab_range
 from shardload.sources.checkpoint import open_checkpoint
 
 pytest.importorskip("transformers")
-import tiny_models
+from helpers import tiny_models
 
 VOCAB, N = 251, 2
 HEADS = ("model.embed_tokens.weight", "lm_head.weight")

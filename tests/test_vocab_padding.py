@@ -2,8 +2,8 @@
 computes the unsharded model's logits once a server masks the padded rows.
 
 Tiny transformers models with a vocabulary of 250 rows (4 does not divide it) are planned, loaded for 4 ranks
-and run tensor-parallel by tests/tp_reference.py; every rank tensor is also compared with the stored rows, element
-for element, and its padding must be zeros.
+and run tensor-parallel by tests/helpers/tp_reference.py; every rank tensor is also compared with the stored rows,
+element for element, and its padding must be zeros.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 from click.testing import CliRunner
 
 import shardload
-import tiny_models
-import tp_reference as tp
+from helpers import tiny_models
+from helpers import tp_reference as tp
 from shardload.cli.main import main
 from shardload.models.generated import generate
 from shardload.models.placement import Placement, placement_from_steps

@@ -1,0 +1,53 @@
+"""Small safetensors checkpoints written from numpy arrays, with or without a shard_info.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save_file
+
+
+def random_array(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """Random, never-all-zero data of the given numpy dtype name."""
+    if dtype.startswith("float"):
+        return rng.standard_normal(shape).astype(dtype)
+    info = np.iinfo(dtype)
+    return rng.integers(max(info.min, -1000), min(info.max, 1000), size=shape, dtype=dtype)
+
+
+def write_model(directory: Path, tensors: dict[str, np.ndarray], shard_info: Any = None) -> Path:
+    """Write ``tensors`` as model.safetensors (and shard_info.json when given) into ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    if shard_info is not None:
+        (directory / "shard_info.json").write_text(json.dumps(shard_info))
+    return directory
+
+
+def parallel_model(directory: Path) -> Path:
+    """Row-parallel, column-parallel, fused-QKV, replicated, empty and 0-d parameters, random data."""
+    rng = np.random.default_rng(11)
+    tensors = {
+        "row": random_array(rng, (64, 96), "float16"),
+        "col": random_array(rng, (96, 128), "float16"),
+        "qkv": random_array(rng, ((8 + 4 + 4) * 4, 64), "float16"),
+        "norm": random_array(rng, (96,), "float16"),
+        "empty": np.zeros((0, 8), dtype=np.float16),
+        "scale": np.array(rng.standard_normal(), dtype=np.float32),  # 0-d
+    }
+    info = {
+        "version": 1,
+        "params": {
+            "row": [["shard_funcs.shard_dim", [None, None], 0, "num_shards"]],
+            "col": [["shard_funcs.shard_dim", [None, None], 1, "num_shards"]],
+            "empty": [["shard_funcs.shard_dim", [None, None], 1, "num_shards"]],
+            "qkv": [
+                ["shard_funcs.reorder_segments", [None, None], 0, [8, 4, 4], "num_shards", 4],
+                ["shard_funcs.shard_dim", [None, None], 0, "num_shards"],
+            ],
+        },
+    }
+    return write_model(directory, tensors, info)

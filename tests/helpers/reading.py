@@ -1,0 +1,35 @@
+"""Reading into a caller's tensors (a server's own parameter memory), checked on any device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import shardload
+from shardload.engine.load import run_plan
+from shardload.engine.transfer import Transfer
+from shardload.sources.reader import Reader
+
+
+def check_reads_into_slots(model: Path, device: str, copy_out: bool, strategy: str = "auto") -> None:
+    """``Transfer.param(out=...)`` onto ``device`` (a server's own parameter memory: views into a larger buffer)
+    holds exactly what fresh tensors would, and writes nothing around the views."""
+    plan = shardload.plan_model(model, 4)
+    want = run_plan(plan, [2], ["cpu"])[0]
+    slots = {}
+    options = shardload.ReadOptions(strategy=strategy)
+    with Reader() as reader, Transfer(reader, read_options=options, defer=True, copy_out=copy_out) as transfer:
+        for name, param in plan.params.items():
+            backing = torch.full((param.rank_nbytes + 16,), 7, dtype=torch.uint8, device=device)
+            slot = backing[8 : 8 + param.rank_nbytes].view(want[name].dtype).view(want[name].shape)
+            assert transfer.param(param, [2], out=[slot])[0] is slot
+            slots[name] = (slot, backing)
+        transfer.wait()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    for name, (slot, backing) in slots.items():
+        assert slot.device == torch.device(device)
+        assert torch.equal(slot.cpu(), want[name]), name
+        end = 8 + slot.numel() * slot.element_size()
+        assert backing[:8].eq(7).all() and backing[end:].eq(7).all(), name
