@@ -87,7 +87,7 @@ import shardload
 import shardload.engine.read_strategy as read_strategy
 import shardload.engine.transfer as transfer
 import shardload.engine.writer as writer
-from helpers import matrix_sources, tp_split
+from helpers import hub, matrix_sources, tp_split
 from shardload.cli.main import main
 from shardload.engine.integrity import hash_model
 from shardload.errors import ShardloadError
@@ -214,7 +214,7 @@ class World:
                 self.mp.setenv("HF_HUB_CACHE", str(cache))
                 self.mp.setenv("HF_HUB_OFFLINE", "1")
                 self.hub_ready = True
-            matrix_sources.put_in_hub_cache(self.root / "hub", value, single, "c" * 40)
+            hub.put_revision(self.root / "hub", value, single, "c" * 40, "main")
         built[key] = value
         return value
 

@@ -1,9 +1,8 @@
 """One model written as every kind of source shardload reads, each by its format's own writer (safetensors,
-TVM's ``dump_tensor_cache``, gguf's ``GGUFWriter``, huggingface_hub's cache layout), for tests/test_equivalence.py."""
+TVM's ``dump_tensor_cache``, gguf's ``GGUFWriter``), for tests/test_equivalence.py (the Hub cache: helpers/hub.py)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -59,20 +58,3 @@ def write_gguf(single: Path, out: Path, shard_info: Path) -> Path:
     writer.close()
     shutil.copy(shard_info, out / "shard_info.json")
     return out / "model.gguf"
-
-
-def put_in_hub_cache(cache: Path, repo: str, source: Path, commit: str) -> None:
-    """Put ``source``'s files in a Hub cache as huggingface_hub lays it out: blobs by sha256, symlinks in
-    snapshots/<commit>/, refs/main naming the commit."""
-    from huggingface_hub import file_download
-
-    storage = cache / file_download.repo_folder_name(repo_id=repo, repo_type="model")
-    (storage / "blobs").mkdir(parents=True, exist_ok=True)
-    for f in sorted(source.iterdir()):
-        blob = storage / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
-        if not blob.exists():
-            shutil.copyfile(f, blob)
-        link = Path(file_download._get_pointer_path(str(storage), commit, f.name))
-        link.parent.mkdir(parents=True, exist_ok=True)
-        file_download._create_symlink(str(blob), str(link), new_blob=False)
-    file_download._cache_commit_hash_for_specific_revision(str(storage), "main", commit)
