@@ -34,6 +34,7 @@ def reference_shards(model: Path, n: int) -> list[dict[str, np.ndarray]]:
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, np.ndarray]) -> None:
+    """``got`` (a rank's loaded tensors) holds exactly ``want``'s names and values, each tensor contiguous."""
     assert set(got) == set(want)
     for name, t in got.items():
         assert t.is_contiguous(), name

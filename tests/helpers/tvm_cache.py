@@ -20,7 +20,9 @@ def import_tvm() -> ModuleType:
     return pytest.importorskip("tvm")
 
 
-def dump(params: dict[str, np.ndarray], path: Path, *, encode: Any = "raw", cap_mb: int = 32, legacy=False) -> Path:
+def dump(
+    params: dict[str, np.ndarray], path: Path, *, encode: Any = "raw", cap_mb: int = 32, legacy: bool = False
+) -> Path:
     """Write ``params`` with TVM's own writer; ``legacy`` renames the table to its pre-0.22 name."""
     import_tvm()
     from tvm.contrib import tvmjs
