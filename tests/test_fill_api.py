@@ -100,3 +100,27 @@ def test_bad_destinations_are_one_located_line(example_dir: Path, plain: dict[st
     with pytest.raises(ShardloadError, match=says) as err:
         shardload.load_rank(example_dir, RANK, N, **kwargs)  # type: ignore[arg-type]
     assert "\n" not in str(err.value) and str(example_dir) in str(err.value)
+
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=GPU)])
+@pytest.mark.parametrize("model", ["source", "converted"])
+def test_out_views_of_one_buffer(example_dir: Path, tmp_path: Path, model: str, device: str) -> None:
+    """Destinations that are views into one flat buffer (as a server's parameters can be), on the CPU or a GPU
+    (filled through the staging buffers): the CPU load's bytes, and nothing outside the views written."""
+    path = example_dir if model == "source" else shardload.convert(example_dir, N, tmp_path / "tp4").out_dir
+    plain = shardload.load_rank(path, RANK, N)
+    total = sum(t.numel() * t.element_size() + 32 for t in plain.values())
+    buffer = torch.full((total,), -1, dtype=torch.int8, device=device)
+    covered = torch.zeros(total, dtype=torch.bool)
+    out, at = {}, 0
+    for name, t in plain.items():
+        nbytes = t.numel() * t.element_size()
+        out[name] = buffer[at : at + nbytes].view(t.dtype).view(t.shape)
+        covered[at : at + nbytes] = True
+        at = (at + nbytes + 16 + 15) // 16 * 16  # at least 16 guard bytes after each, the next view aligned
+    state = shardload.load_rank(path, RANK, N, out=out)
+    assert all(state[name] is out[name] and state[name].cpu().equal(t) for name, t in plain.items())
+    assert bool((buffer.cpu()[~covered] == -1).all())
