@@ -72,7 +72,7 @@ def test_converted_directory_fills_out_and_selects_params(example_dir: Path, tmp
     state = shardload.load_rank(tmp_path / "tp4", RANK, N, out=out, params=[QKV, NORM])
     assert sorted(state) == sorted([QKV, NORM]) and state[QKV] is out[QKV]
     assert state[QKV].equal(plain[QKV]) and state[NORM].equal(plain[NORM])
-    with pytest.raises(ShardloadError, match="several rank files, without share_reads, mmap, params or out"):
+    with pytest.raises(ShardloadError, match="reads boxes of several rank files, without params or out"):
         shardload.load_rank(tmp_path / "tp4", 0, 2, out=out)
 
 

@@ -240,7 +240,7 @@ def run_plan(
     ``mmap`` (one CPU rank) maps what it can instead of reading it (see :func:`load_rank`); ``wrap`` wraps the
     reader (a verifying reader, :func:`~shardload.engine.integrity.verified_reader`); ``read_options`` sets the
     reader threads and a single rank's read strategy; ``out`` (one rank) gives checked destinations by name
-    (:func:`destinations`), filled in place of fresh tensors.
+    (:meth:`Fill.destinations`), filled in place of fresh tensors.
     """
     result: list[dict[str, torch.Tensor]] = [{} for _ in ranks]
     import torch
@@ -443,9 +443,10 @@ def load_rank(
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
         if needs_reshard(checkpoint, layout):  # converted for another N: this rank reads its boxes of the old files
             if shared or mmap or fill:
+                without = "params or out" if fill else "share_reads or mmap"
                 raise ShardloadError(
                     f"was converted for num_shards={checkpoint.manifest['num_shards']}: loading it for {layout} reads "
-                    "boxes of several rank files, without share_reads, mmap, params or out",
+                    f"boxes of several rank files, without {without}",
                     file=str(model),
                 )
             shards = open_shards(checkpoint, verify=shards_verify(verify, checkpoint.name))
@@ -657,7 +658,7 @@ def _load_presharded_rank(
         if mmap or fill:
             raise ShardloadError(
                 f"is pre-sharded for num_shards={checkpoint.presharded}: loading it for {layout} reads boxes of "
-                "several records, without mmap, params or out",
+                f"several records, without {'params or out' if fill else 'mmap'}",
                 file=checkpoint.name,
             )
         if wrap is not None:
