@@ -4,6 +4,7 @@ The public surface::
 
     shards = shardload.load("model-dir", num_shards=8)            # N state dicts, shard r on device r
     state = shardload.load_rank("model-dir", rank=3, num_shards=8)  # just this rank's tensors
+    shardload.load_rank("model-dir", 3, 8, out=params)              # into your tensors, in place
     shardload.convert("model-dir", 8, "model-tp8")                  # pre-sharded files + manifest
     shardload.quantize("model-dir", "model-int4", "int4-g128")      # quantize once, load at any N
     info = shardload.ShardInfo.load("shard_info.json")              # parse and check against the schema
@@ -12,6 +13,8 @@ The public surface::
     shardload.verify_dir("model-tp8").problems                      # sha256 of every converted file
     shardload.hash_checkpoint("model-dir")                          # integrity record, for load(verify=True)
     state = shardload.load_rank("model-dir", rank=5, mesh="pp=2,tp=4")  # a pipeline stage's tensor shard
+    with shardload.count_reads() as seen: ...                         # tensor bytes read inside the block
+    shardload.open_checkpoint("model-dir").tensors                    # headers only: name -> TensorInfo
 
     @shardload.register("myorg.step", shape=rule)                    # add a step function
     def step(x, num_shards: int): ...
@@ -37,20 +40,25 @@ from .engine.verify import VerifyReport
 from .engine.verify_dir import verify_dir
 from .errors import CheckpointError, FormatError, PlanError, ShardloadError
 from .format.shard_info import ShardInfo, StepSpec
+from .models.placement import Placement
 from .models.plan_source import plan_model
 from .planning.mesh import Mesh
 from .planning.plan import ModelPlan, ParamPlan
 from .planning.registry import register
 from .planning.validate import validate
+from .sources.checkpoint import Checkpoint, open_checkpoint
+from .sources.reader import count_reads
 from .version import __version__
 
 __all__ = [
+    "Checkpoint",
     "CheckpointError",
     "ConvertResult",
     "FormatError",
     "Mesh",
     "ModelPlan",
     "ParamPlan",
+    "Placement",
     "PlanError",
     "ReadOptions",
     "ShardInfo",
@@ -59,9 +67,11 @@ __all__ = [
     "VerifyReport",
     "__version__",
     "convert",
+    "count_reads",
     "hash_checkpoint",
     "load",
     "load_rank",
+    "open_checkpoint",
     "plan_model",
     "quantize",
     "register",

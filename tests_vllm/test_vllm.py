@@ -23,6 +23,7 @@ if os.environ.get("CI") != "true":
     pytest.importorskip("vllm", reason="vLLM runs in its own virtualenv: .ci/vllm-venv DIR")
 import make_models
 import vllm  # noqa: F401  (in CI a missing vLLM is a failure, not a skip)
+from vllm.config.load import LoadConfig
 
 import shardload
 from shardload.engine.vllm_layout import convert_vllm, rank_path
@@ -162,4 +163,25 @@ def test_entry_point_registers_the_load_format() -> None:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    assert "shardload" in model_loader._LOAD_FORMAT_TO_MODEL_LOADER
+    assert type(model_loader.get_model_loader(LoadConfig(load_format="shardload"))).__name__ == "ShardloadModelLoader"
+
+
+def test_the_loader_uses_vllms_public_names() -> None:
+    """Registering again keeps the one class (vLLM would warn that it overwrites it), and checkpoint names go through
+    ``WeightsMapper.map_name``; a vLLM without these public names fails here, saying which."""
+    from vllm.model_executor import model_loader
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    from shardload.integrations.vllm import loader, register
+
+    assert hasattr(model_loader, "register_model_loader"), "vLLM no longer has register_model_loader"
+    assert hasattr(WeightsMapper, "map_name"), "vLLM's WeightsMapper no longer has the public map_name"
+    register()
+    first = type(model_loader.get_model_loader(LoadConfig(load_format="shardload")))
+    register()
+    assert type(model_loader.get_model_loader(LoadConfig(load_format="shardload"))) is first
+    assert loader._registered == [first]
+    mapper = WeightsMapper(orig_to_new_prefix={"model.": "language_model.model."}, orig_to_new_suffix={".bias": None})
+    assert loader.renamed(mapper, "model.norm.weight") == "language_model.model.norm.weight"
+    assert loader.renamed(mapper, "model.norm.bias") is None
+    assert loader.renamed(None, "model.norm.weight") == "model.norm.weight"

@@ -8,8 +8,9 @@ parameters with a compute step are read whole, run through their step functions,
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from ..errors import CheckpointError, ShardloadError
 from ..format.shard_info import ShardInfo
@@ -17,6 +18,7 @@ from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh, MeshCoord, as_mesh, stage_plans
 from ..planning.plan import ModelPlan, ParamPlan, build_plan
 from ..sources.checkpoint import open_checkpoint, read_header
+from ..sources.dtypes import to_torch
 from ..sources.object_reader import reader_for
 from ..sources.objects import ObjectPath
 from ..sources.reader import RunReader
@@ -31,6 +33,11 @@ if TYPE_CHECKING:
     import torch
 
     from ..sources.checkpoint import Checkpoint
+
+    Destinations: TypeAlias = (
+        Mapping[str, torch.Tensor] | Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor | None]
+    )
+    """``load_rank``'s ``out``: tensor name -> the caller's tensor, or ``(name, shape, dtype) -> tensor or None``."""
 
 
 def materialize(plan: ParamPlan, files: RunReader, ranks: Sequence[int]) -> list[torch.Tensor]:
@@ -51,6 +58,69 @@ def iter_shards(
             shards = transfer.param(param, ranks)
             transfer.wait()
             yield param, shards
+
+
+@dataclass(frozen=True)
+class Fill:
+    """``load_rank``'s ``params`` and ``out``: which stored tensors a rank reads, and into whose tensors."""
+
+    params: frozenset[str] | None
+    out: Destinations | None
+    where: str
+
+    @classmethod
+    def of(cls, params: Collection[str] | None, out: Destinations | None, where: str) -> Fill | None:
+        """The arguments checked for type (None when both are left out)."""
+        if params is None and out is None:
+            return None
+        if params is not None and (isinstance(params, (str, bytes)) or not isinstance(params, Collection)):
+            raise ShardloadError(f"params must be a collection of tensor names, got {params!r}", file=where)
+        if out is not None and not (isinstance(out, Mapping) or callable(out)):
+            raise ShardloadError(f"out must be a mapping of names to tensors or a callable, got {out!r}", file=where)
+        return cls(None if params is None else frozenset(params), out, where)
+
+    def known(self, names: Collection[str]) -> None:
+        """Raise when ``params`` names a tensor that is not among ``names`` (all the checkpoint holds)."""
+        unknown = sorted(set(self.params or ()) - set(names))
+        if unknown:
+            more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+            raise ShardloadError(f"params names a tensor the checkpoint does not hold{more}", file=self.where,
+                                 param=unknown[0])  # fmt: skip
+
+    def select(self, stage: ModelPlan, whole: ModelPlan) -> ModelPlan:
+        """``stage`` (a pipeline stage of the plan ``whole``, or all of it) narrowed to ``params``."""
+        if self.params is None:
+            return stage
+        self.known(whole.params)
+        return replace(stage, params={n: p for n, p in stage.params.items() if n in self.params})
+
+    def destinations(self, plan: ModelPlan) -> dict[str, torch.Tensor]:
+        """The caller's tensors by name, each checked against the rank's shape and dtype in ``plan``."""
+        import torch
+
+        if self.out is None:
+            return {}
+        if not isinstance(self.out, Mapping):
+            given = {n: self.out(n, tuple(p.shape), to_torch(p.dtype)) for n, p in plan.params.items()}
+            found = {n: t for n, t in given.items() if t is not None}
+        else:
+            found = dict(self.out)
+        for name, t in found.items():
+            p = plan.params.get(name)
+            if p is None:
+                raise ShardloadError("out names a tensor this rank does not read (not in the checkpoint, not in "
+                                     "params, or another pipeline stage's)", file=self.where, param=name)  # fmt: skip
+            if not isinstance(t, torch.Tensor):
+                raise ShardloadError(f"out gives a {type(t).__name__}, not a tensor", file=self.where, param=name)
+            want = (list(p.shape), to_torch(p.dtype))
+            if (list(t.shape), t.dtype) != want:
+                raise ShardloadError(f"out tensor is {list(t.shape)} {t.dtype}, this rank's tensor is {want[0]} "
+                                     f"{want[1]}", file=self.where, param=name)  # fmt: skip
+            if not t.is_contiguous() or t.device.type == "meta":
+                what = "on the meta device (no memory)" if t.device.type == "meta" else "not contiguous"
+                raise ShardloadError(f"out tensor is {what}; give a contiguous tensor of {want[0]}", file=self.where,
+                                     param=name)  # fmt: skip
+        return found
 
 
 def default_devices(num_shards: int) -> list[str]:
@@ -161,6 +231,7 @@ def run_plan(
     progress: Callable[[int, int], None] | None = None,
     wrap: Callable[[RunReader], RunReader] | None = None,
     read_options: ReadOptions | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Every parameter of ``plan`` for ``ranks`` (rank ``ranks[k]`` on ``devices[k]``): all allocated, then read
     by the thread pool.
@@ -168,7 +239,8 @@ def run_plan(
     ``staged`` sends CPU destinations through the staging buffers too (to test that path on the CPU);
     ``mmap`` (one CPU rank) maps what it can instead of reading it (see :func:`load_rank`); ``wrap`` wraps the
     reader (a verifying reader, :func:`~shardload.engine.integrity.verified_reader`); ``read_options`` sets the
-    reader threads and a single rank's read strategy.
+    reader threads and a single rank's read strategy; ``out`` (one rank) gives checked destinations by name
+    (:meth:`Fill.destinations`), filled in place of fresh tensors.
     """
     result: list[dict[str, torch.Tensor]] = [{} for _ in ranks]
     import torch
@@ -190,7 +262,8 @@ def run_plan(
         ) as transfer,
     ):
         for param in plan.params.values():
-            for k, t in enumerate(transfer.param(param, ranks, devices)):
+            dest = None if out is None else out.get(param.name)
+            for k, t in enumerate(transfer.param(param, ranks, devices, out=None if dest is None else [dest])):
                 result[k][param.name] = t
         transfer.wait()
     return result
@@ -258,40 +331,59 @@ def load_rank(
     share_reads: Any = False,
     progress: bool | Callable[[int, int], None] = False,
     read_options: ReadOptions | None = None,
+    params: Collection[str] | None = None,
+    out: Destinations | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Load only rank ``rank``'s shard of ``model`` onto ``device``, reading only the bytes it needs.
+    """Load only rank ``rank``'s shard of ``model``, reading only the bytes it needs; optionally into your tensors.
 
-    Under an initialised torch.distributed process group, ``rank`` and ``num_shards`` default
-    to the group's rank and world size. With ``mesh`` (a :class:`Mesh`, ``"pp=2,tp=4"``, a
-    mapping, or a torch ``DeviceMesh`` with axes named from dp/pp/tp) ``rank`` is the global rank
-    and only its pipeline stage's parameters are read. ``verify`` checks a converted file's sha256; for a source
-    checkpoint, ``verify=True`` (or the root hash printed by ``shardload hash``, which pins the record) reads the
-    record's tiles that cover this rank's bytes and checks each one before any byte is returned.
+    Args:
+        model (`str` or `os.PathLike`):
+            A model directory (``model.safetensors``, an HF index), a ``.safetensors`` or ``.gguf`` file, a TVM
+            tensor cache, a directory written by :func:`convert`, an ``s3://`` path or a Hub id.
+        rank (`int`, *optional*):
+            The rank to load (the global rank with ``mesh``). Default: the torch.distributed group's rank.
+        num_shards (`int`, *optional*):
+            N, the tensor-parallel size. Default: the group's world size (or the mesh's ``tp``).
+        device (`str` or `torch.device`, defaults to ``"cpu"``):
+            Where fresh tensors are made (tensors given by ``out`` stay on their own devices).
+        shard_info (`str`, `dict` or :class:`ShardInfo`, *optional*):
+            The plan's shard_info; default: ``shard_info.json`` beside the weights, else one made from config.json.
+        mesh (:class:`Mesh`, `str`, mapping or torch ``DeviceMesh``, *optional*):
+            A dp/pp/tp mesh (``"pp=2,tp=4"``): only this rank's pipeline stage is read.
+        verify (`bool` or `str`, defaults to `False`):
+            A converted file's sha256; for a source checkpoint, True (or the root hash ``shardload hash`` prints,
+            which pins the record) checks every tile covering this rank's bytes before any byte is returned.
+        mmap (`bool`, defaults to `False`):
+            CPU only: a tensor that is one contiguous stretch of its file (a dim-0 shard, a replicated tensor,
+            every tensor of a converted directory) comes back as a copy-on-write view of a private file mapping,
+            no copy and no new memory; the rest is read as usual. The file must not be truncated or rewritten
+            in place while the views live (SIGBUS), which a directory written by :func:`convert` never is.
+        share_reads (`bool` or a torch.distributed ``ProcessGroup``, defaults to `False`):
+            The ranks of the group (True: the default group), all making this call with their own rank, split
+            the reading: each byte any of them needs is read by one rank and exchanged over collectives (gloo on
+            CPU, NCCL on GPU), within ``shardload.engine.exchange.EXCHANGE_BYTES`` of memory; a rank that dies
+            or hangs fails the others within ``EXCHANGE_TIMEOUT`` seconds, and ranks that planned other
+            checkpoints or hold other bytes under the same headers are refused before any byte moves.
+        progress (`bool` or callable, defaults to `False`):
+            True draws a line on stderr when it is a terminal (one rank per node); a callable gets
+            ``(done, total)`` read jobs or exchange rounds.
+        read_options (:class:`ReadOptions`, *optional*):
+            How the rank gets its bytes (``strategy="map"``, ``"read"``, ``"auto"``) and the reader threads; not
+            with ``share_reads``.
+        params (collection of `str`, *optional*):
+            The stored tensors to read (default: all). The others are neither read nor returned; a name the
+            checkpoint does not hold is an error.
+        out (mapping or callable, *optional*):
+            Caller-owned tensors to fill in place instead of fresh ones (a server's parameter memory): a mapping
+            ``name -> tensor``, or a callable ``(name, shape, dtype) -> tensor or None`` called once per tensor
+            with this rank's shape and torch dtype (None: a fresh tensor). Each must be contiguous, of exactly
+            that shape and dtype; a mismatch, or a name this rank does not read, raises before any byte is read.
+            Not with ``mmap`` or ``share_reads``, nor on a checkpoint read for another N than it was cut for.
+            If the load raises later, the destinations' contents are unspecified.
 
-    ``mmap=True`` (CPU only) returns every tensor that is one contiguous stretch of its file (a dim-0
-    shard, a replicated tensor, every tensor of a converted directory) as a copy-on-write view of a
-    private file mapping: no copy and no new memory, pages shared with the page cache and with other
-    processes mapping the same file; writing to such a tensor never changes the file. The rest is
-    read as usual, and so is a file the kernel refuses to map. The files must not be truncated or
-    rewritten in place while the views live (the process would get SIGBUS), which a directory written
-    by :func:`convert` never is.
-
-    ``share_reads=True`` (or a ``torch.distributed`` process group; True is the default group) shares the reading
-    with the other ranks of the group, which all make the same call with their own rank: the bytes any of them
-    needs are split into chunks, each read from storage by exactly one rank, and exchanged over the group's
-    collectives (gloo on CPU, NCCL on GPU), so dp replicas, pipeline stages and tensors replicated across tp
-    ranks cost the storage one read per group instead of one per rank. Memory for the exchange stays under
-    ``shardload.engine.exchange.EXCHANGE_BYTES``; a rank that dies or hangs makes the others fail with a
-    :class:`ShardloadError` within ``EXCHANGE_TIMEOUT`` seconds, and ranks that planned different checkpoints or
-    shard_infos, or whose copies hold other bytes under the same headers (sampled blocks, sizes and Hub cache
-    sha256s compared: :mod:`shardload.engine.fingerprint`), are refused before any byte moves.
-
-    ``progress=True`` draws a progress line on stderr when it is a terminal (under torch.distributed only on
-    the first rank of each node); a callable gets ``(done, total)`` (read jobs, or exchange rounds).
-
-    ``read_options`` (:class:`ReadOptions`) forces how the rank gets its bytes (``strategy="map"``: copies out of a
-    mapping, ``"read"``: ``preadv`` of the exact runs; default ``"auto"``) and sets the reader threads. It does
-    not apply to ``share_reads``, whose chunks are always read as exact runs.
+    Returns:
+        `dict[str, torch.Tensor]`: this rank's tensors under the checkpoint's names, with per-rank shapes; those
+        ``out`` gave are the caller's own tensors, filled.
 
     Example::
 
@@ -299,6 +391,8 @@ def load_rank(
         shared = shardload.load_rank("llama-dir", mesh="dp=2,tp=4", share_reads=True)  # under torchrun
         stage = shardload.load_rank("llama-dir", rank=5, mesh="pp=2,tp=4")   # stage 1, tp rank 1
         cpu = shardload.load_rank("llama-tp8", rank=0, num_shards=8, mmap=True)  # views of rank 0's file
+        mine = {"model.norm.weight": module.norm.weight.data}
+        shardload.load_rank("llama-dir", 1, 4, params=mine, out=mine)  # one tensor, read into the module
     """
     device = resolve_device(device, str(model))
     if rank is not None and type(rank) is not int:
@@ -338,28 +432,34 @@ def load_rank(
             "read_options out)",
             file=str(model),
         )
+    fill = Fill.of(params, out, str(model))
+    if fill and (shared or (out is not None and mmap)):
+        what = "share_reads exchanges a group's chunks" if shared else "mmap=True returns views of the file"
+        raise ShardloadError(f"params= and out= apply to a rank reading its own tensors; {what} (one or the other)",
+                             file=str(model))  # fmt: skip
     call = _rank_progress(progress, f"loading rank {rank}", "exchange rounds" if shared else "read jobs")
     if checkpoint.kind == "converted":
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
         if needs_reshard(checkpoint, layout):  # converted for another N: this rank reads its boxes of the old files
-            if shared or mmap:
+            if shared or mmap or fill:
+                without = "params or out" if fill else "share_reads or mmap"
                 raise ShardloadError(
                     f"was converted for num_shards={checkpoint.manifest['num_shards']}: loading it for {layout} reads "
-                    "boxes of several rank files, without share_reads or mmap",
+                    f"boxes of several rank files, without {without}",
                     file=str(model),
                 )
             shards = open_shards(checkpoint, verify=shards_verify(verify, checkpoint.name))
             return load_ranks(shards, layout, [rank], [device])[0]
         if shared:
             return _load_converted_shared(checkpoint, layout, coord, device, verify, group, call)
-        return _load_converted_rank(checkpoint, layout, coord, device, verify, mmap, read_options)
+        return _load_converted_rank(checkpoint, layout, coord, device, verify, mmap, read_options, fill)
     wrap = verifier(checkpoint, verify, str(model))
     if wrap is not None and mmap:
         raise ShardloadError("verify and mmap=True exclude each other (a view of the file is not a checked copy)",
                              file=str(model))  # fmt: skip
     if checkpoint.presharded is not None:
-        return _load_presharded_rank(checkpoint, shard_info, layout, coord, device, mmap, wrap, read_options)
+        return _load_presharded_rank(checkpoint, shard_info, layout, coord, device, mmap, wrap, read_options, fill)
     plan = build_plan(shard_info_for(checkpoint, shard_info), checkpoint, layout.tp)
     stages = stages_of(plan, layout)
     if shared:
@@ -375,9 +475,17 @@ def load_rank(
             if wrap is not None:  # what the peers sent is checked too: a broken or hostile peer cannot inject bytes
                 check_received(stages[coord.pp].params.values(), coord.tp, state, reader)
             return state
-    return run_plan(
-        stages[coord.pp], [coord.tp], [device], mmap=mmap, progress=call, wrap=wrap, read_options=read_options
-    )[0]
+    if fill is None:
+        return run_plan(
+            stages[coord.pp], [coord.tp], [device], mmap=mmap, progress=call, wrap=wrap, read_options=read_options
+        )[0]
+    stage = fill.select(stages[coord.pp], plan)
+    dests = fill.destinations(stage)
+    state = run_plan(
+        stage, [coord.tp], [device], mmap=mmap, progress=call, wrap=wrap, read_options=read_options,
+        out={n: t.detach() for n, t in dests.items()},
+    )[0]  # fmt: skip
+    return {**state, **dests}  # the caller's own tensors, not their detached aliases
 
 
 def check_received(params: Iterable[ParamPlan], rank: int, state: Mapping[str, torch.Tensor], reader: Any) -> None:
@@ -502,17 +610,32 @@ def _load_converted_rank(
     verify: bool | str,
     mmap: bool,
     read_options: ReadOptions | None = None,
+    fill: Fill | None = None,
 ) -> dict[str, torch.Tensor]:
+    """A rank of a converted directory for its own N: its rank file's tensors (``fill``: those named, or into the
+    caller's tensors)."""
     wrap = converted_verifier(checkpoint, verify)
     if wrap is not None and mmap:
         raise ShardloadError("verify and mmap=True exclude each other (a view of the file is not a checked copy)",
                              file=str(checkpoint.path))  # fmt: skip
     path = rank_file(checkpoint, coord.tp, layout, stage=coord.pp, checksum=verify is True and wrap is None)
     infos = list(read_header(path).values())
+    if fill is not None and fill.params is not None:
+        fill.known({info.name for info in infos})
+        infos = [info for info in infos if info.name in fill.params]
     with (
         wrapped(reader_for(path), wrap and (lambda r: wrap(r, {path: infos}))) as reader,
         Transfer(reader, read_options=read_options, mapped=mmap) as transfer,
     ):
+        if fill is not None and fill.out is not None:  # whole stored tensors, each read into its destination
+            from ..planning.group_reads import whole_tensors
+
+            plans = {p.name: p for p in whole_tensors(infos)}
+            dests = fill.destinations(ModelPlan(1, ShardInfo(source="<a rank file>"), None, plans))
+            state = {n: transfer.param(p, [0], [device], out=[dests[n].detach()] if n in dests else None)[0]
+                     for n, p in plans.items()}  # fmt: skip
+            transfer.wait()
+            return {**state, **dests}
         tensors = transfer.tensors(infos, device)
         transfer.wait()
     return {info.name: t for info, t in zip(infos, tensors, strict=True)}
@@ -527,14 +650,15 @@ def _load_presharded_rank(
     mmap: bool,
     wrap: Callable[[RunReader], RunReader] | None = None,
     read_options: ReadOptions | None = None,
+    fill: Fill | None = None,
 ) -> dict[str, torch.Tensor]:
     """A rank of a source stored already split (a pre-sharded TVM cache): its own part of each split parameter,
     and every tensor stored whole."""
     if checkpoint.presharded != layout.tp:  # cut for another N: this rank's boxes of the records
-        if mmap:
+        if mmap or fill:
             raise ShardloadError(
                 f"is pre-sharded for num_shards={checkpoint.presharded}: loading it for {layout} reads boxes of "
-                "several records, without mmap",
+                f"several records, without {'params or out' if fill else 'mmap'}",
                 file=checkpoint.name,
             )
         if wrap is not None:
@@ -546,4 +670,9 @@ def _load_presharded_rank(
         raise ShardloadError("pipeline stages of a pre-sharded checkpoint are not supported", file=checkpoint.name)
     view = checkpoint.rank_view(coord.tp)
     plan = build_plan(ShardInfo(source=f"<rank {coord.tp}'s part of {checkpoint.name}>"), view, 1)
-    return run_plan(plan, [0], [device], mmap=mmap, wrap=wrap, read_options=read_options)[0]
+    if fill is None:
+        return run_plan(plan, [0], [device], mmap=mmap, wrap=wrap, read_options=read_options)[0]
+    plan = fill.select(plan, plan)
+    dests = fill.destinations(plan)
+    out = {n: t.detach() for n, t in dests.items()}
+    return {**run_plan(plan, [0], [device], mmap=mmap, wrap=wrap, read_options=read_options, out=out)[0], **dests}

@@ -80,14 +80,14 @@ def vllm_target(name: str, packed: Mapping[str, Sequence[str]] = DEFAULT_PACKED)
     return Target(name)
 
 
-def padded_vocab(rows: int, num_shards: int, padding: int = VOCAB_PADDING) -> int:
+def padded_vocab(rows: int, padding: int = VOCAB_PADDING) -> int:
     """The row count vLLM gives a vocabulary-parallel tensor of ``rows`` rows: a multiple of ``padding``."""
     return -(-rows // padding) * padding
 
 
 def vocab_range(rows: int, rank: int, num_shards: int, padding: int = VOCAB_PADDING) -> tuple[int, int, int]:
     """``(start, stop, per_rank)``: the stored rows rank ``rank`` holds and its padded row count (vLLM's rule)."""
-    per_rank = padded_vocab(rows, num_shards, padding) // num_shards
+    per_rank = padded_vocab(rows, padding) // num_shards
     start = min(rank * per_rank, rows)
     return start, min(start + per_rank, rows), per_rank
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from ...engine.load import load_rank
 from ...errors import ShardloadError
 from ...format.shard_info import ShardInfo
 from ...models.plan_source import plan_shard_info
@@ -48,12 +49,16 @@ EXTRA_KEYS = ("shard_info", "verify")
 log = logging.getLogger("vllm.shardload")  # under vLLM's logger, so its handlers print it
 
 
+_registered: list[type] = []
+"""The loader class this process registered (vLLM's public API has no lookup of a load format's class)."""
+
+
 def register_loader() -> None:
-    """Add ``load_format="shardload"`` to vLLM's loaders (idempotent)."""
+    """Add ``load_format="shardload"`` to vLLM's loaders with vLLM's public ``register_model_loader`` (idempotent)."""
     from vllm.model_executor import model_loader
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-    if LOAD_FORMAT in model_loader._LOAD_FORMAT_TO_MODEL_LOADER:
+    if _registered:
         return
 
     class ShardloadModelLoader(BaseModelLoader):
@@ -89,7 +94,16 @@ def register_loader() -> None:
                 rank, size, report.filled, report.tensors, time.perf_counter() - started, report.source,
             )  # fmt: skip
 
-    model_loader.register_model_loader(LOAD_FORMAT)(ShardloadModelLoader)
+    _registered.append(model_loader.register_model_loader(LOAD_FORMAT)(ShardloadModelLoader))
+
+
+def renamed(mapper: Any, name: str) -> str | None:
+    """``name`` through a model's ``hf_to_vllm_mapper`` (vLLM's ``WeightsMapper``; None: the name is dropped)."""
+    if mapper is None:
+        return name
+    if hasattr(mapper, "map_name"):  # vLLM's public name
+        return mapper.map_name(name)
+    return mapper._map_name(name) if hasattr(mapper, "_map_name") else name  # a vLLM with only the private name
 
 
 def _model_dir(model_config: Any) -> str:
@@ -141,7 +155,7 @@ def fill_model(
     report = FillReport()
 
     def route(name: str) -> Target | None:
-        mapped = mapper._map_name(name) if mapper is not None and hasattr(mapper, "_map_name") else name
+        mapped = renamed(mapper, name)
         if mapped is None or name.endswith(SKIPPED_SUFFIXES):
             return None
         target = vllm_target(mapped, packed)
@@ -186,8 +200,6 @@ def fill_model(
             )
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=where)
-        from ...engine.load import load_rank
-
         report.source = f"converted directory, rank file {rank}"
         stored = load_rank(model_dir, rank, num_shards, verify=verify, mmap=not isinstance(verify, str))
         routes = {name: route(name) for name in stored}
@@ -281,37 +293,13 @@ def _read_planned(
     narrow = {n for n, p in plan.params.items() if (t := routes[n]) and t.name in vocab and p.replicated}
     needed = ModelPlan(plan.num_shards, plan.shard_info, plan.checkpoint,
                        {n: p for n, p in plan.params.items() if routes[n] is not None})  # fmt: skip
-    from ...engine.integrity import verifier
-
-    wrap = verifier(checkpoint, verify, checkpoint.name)  # every byte checked against the integrity record
-    tensors, direct = _read_in_place(needed, rank, targets, routes, vocab, narrow, wrap)
-    return tensors, direct, narrow, routes
-
-
-def _read_in_place(
-    plan: ModelPlan,
-    rank: int,
-    targets: Mapping[str, Any],
-    routes: Mapping[str, Target | None],
-    vocab: Mapping[str, tuple[int, int, int, int]],
-    narrow: set[str],
-    wrap: Callable[[Any], Any] | None = None,
-) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """Read rank ``rank`` of ``plan``: straight into vLLM's parameter memory where its slot is one contiguous
-    stretch of the plan's shape (no second copy, no extra memory), into fresh tensors otherwise. Returns every
-    stored tensor (the slot itself when read in place) and the names read in place."""
-    from ...engine.integrity import wrapped
-    from ...engine.transfer import Transfer
-    from ...sources.reader import Reader
-
-    slots = _slots(plan, targets, routes, vocab, narrow)
-    tensors: dict[str, torch.Tensor] = {}
-    with wrapped(Reader(), wrap) as reader, Transfer(reader, defer=True, copy_out=True) as transfer:
-        for name, param in plan.params.items():
-            slot = slots.get(name)
-            tensors[name] = transfer.param(param, [rank], out=None if slot is None else [slot])[0]
-        transfer.wait()
-    return tensors, set(slots)
+    # read through the public API, as any user would: straight into vLLM's parameter memory where a slot is one
+    # contiguous stretch of the plan's shape (no second copy, no extra memory), into fresh tensors otherwise;
+    # verify checks every byte against the integrity record
+    slots = _slots(needed, targets, routes, vocab, narrow)
+    tensors = load_rank(checkpoint.path, rank, num_shards, shard_info=info, verify=verify, params=needed.params,
+                        out=slots)  # fmt: skip
+    return tensors, set(slots), narrow, routes
 
 
 def _slots(

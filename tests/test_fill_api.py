@@ -1,0 +1,126 @@
+"""``load_rank(..., params=, out=)``: the public way to fill caller-owned tensors (what server integrations use).
+
+Filled tensors equal a plain ``load_rank``'s, are the caller's own objects, and cost the same bytes read; a
+destination of the wrong shape, dtype or layout, or a name the rank does not read, is one located line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardload
+from shardload.errors import ShardloadError
+
+N, RANK = 4, 1
+QKV = "model.layers.0.self_attn.qkv_proj.weight"
+NORM = "model.norm.weight"
+
+
+@pytest.fixture(scope="module")
+def plain(example_dir: Path) -> dict[str, torch.Tensor]:
+    return shardload.load_rank(example_dir, RANK, N)
+
+
+def test_out_mapping_is_filled_in_place_with_the_same_bytes_read(
+    example_dir: Path, plain: dict[str, torch.Tensor]
+) -> None:
+    out = {name: torch.full_like(t, float("nan")) for name, t in plain.items() if name in (QKV, NORM)}
+    with shardload.count_reads() as seen_plain:
+        shardload.load_rank(example_dir, RANK, N)
+    with shardload.count_reads() as seen:
+        state = shardload.load_rank(example_dir, RANK, N, out=out)
+    assert seen.bytes == seen_plain.bytes
+    assert list(state) == list(plain)
+    assert all(state[name] is t for name, t in out.items())
+    assert all(state[name].equal(t) for name, t in plain.items())
+
+
+def test_out_callable_gets_shape_and_dtype_and_none_means_a_fresh_tensor(
+    example_dir: Path, plain: dict[str, torch.Tensor]
+) -> None:
+    asked: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    mine: dict[str, torch.Tensor] = {}
+
+    def out(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        asked[name] = (shape, dtype)
+        if name.endswith("proj.weight"):
+            mine[name] = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))  # requires grad: filled all the same
+            return mine[name]
+        return None
+
+    state = shardload.load_rank(example_dir, RANK, N, out=out)
+    assert asked == {name: (tuple(t.shape), t.dtype) for name, t in plain.items()}
+    assert mine and all(state[name] is t for name, t in mine.items())
+    assert all(state[name].equal(t) for name, t in plain.items())
+
+
+def test_params_reads_only_the_named_tensors(example_dir: Path, plain: dict[str, torch.Tensor]) -> None:
+    with shardload.count_reads() as seen:
+        state = shardload.load_rank(example_dir, RANK, N, params=[QKV, NORM])
+    assert sorted(state) == sorted([QKV, NORM])
+    assert seen.bytes == sum(t.numel() * t.element_size() for t in state.values())
+    assert state[QKV].equal(plain[QKV]) and state[NORM].equal(plain[NORM])
+
+
+def test_converted_directory_fills_out_and_selects_params(example_dir: Path, tmp_path: Path) -> None:
+    shardload.convert(example_dir, N, tmp_path / "tp4")
+    plain = shardload.load_rank(tmp_path / "tp4", RANK, N)
+    out = {QKV: torch.empty_like(plain[QKV])}
+    state = shardload.load_rank(tmp_path / "tp4", RANK, N, out=out, params=[QKV, NORM])
+    assert sorted(state) == sorted([QKV, NORM]) and state[QKV] is out[QKV]
+    assert state[QKV].equal(plain[QKV]) and state[NORM].equal(plain[NORM])
+    with pytest.raises(ShardloadError, match="reads boxes of several rank files, without params or out"):
+        shardload.load_rank(tmp_path / "tp4", 0, 2, out=out)
+
+
+def _bad(plain: dict[str, torch.Tensor]) -> list[tuple[dict[str, object], str]]:
+    qkv = plain[QKV]
+    return [
+        ({"out": {QKV: torch.empty(qkv.shape[0] * 2, qkv.shape[1], dtype=qkv.dtype)}},
+         rf"{QKV}: out tensor is \[256, 256\] torch.float16, this rank's tensor is \[128, 256\] torch.float16"),
+        ({"out": {QKV: torch.empty(qkv.shape, dtype=torch.float32)}}, "out tensor is .* torch.float32, this rank's"),
+        ({"out": {QKV: torch.empty(qkv.shape[1], qkv.shape[0], dtype=qkv.dtype).t()}}, "out tensor is not contiguous"),
+        ({"out": {QKV: torch.empty(qkv.shape, dtype=qkv.dtype, device="meta")}}, "out tensor is on the meta device"),
+        ({"out": {"no.such.weight": qkv}}, "no.such.weight: out names a tensor this rank does not read"),
+        ({"out": {NORM: plain[NORM]}, "params": [QKV]}, f"{NORM}: out names a tensor this rank does not read"),
+        ({"out": {QKV: qkv.numpy()}}, "out gives a ndarray, not a tensor"),
+        ({"out": [qkv]}, "out must be a mapping of names to tensors or a callable"),
+        ({"params": QKV}, "params must be a collection of tensor names"),
+        ({"params": [QKV, "x.weight", "y.weight"]}, r"x.weight: params names a tensor .* \(and 1 more\)"),
+        ({"out": {QKV: qkv}, "mmap": True}, "params= and out= apply to a rank reading its own tensors; mmap=True"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", range(11))
+def test_bad_destinations_are_one_located_line(example_dir: Path, plain: dict[str, torch.Tensor], case: int) -> None:
+    kwargs, says = _bad(plain)[case]
+    with pytest.raises(ShardloadError, match=says) as err:
+        shardload.load_rank(example_dir, RANK, N, **kwargs)  # type: ignore[arg-type]
+    assert "\n" not in str(err.value) and str(example_dir) in str(err.value)
+
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=GPU)])
+@pytest.mark.parametrize("model", ["source", "converted"])
+def test_out_views_of_one_buffer(example_dir: Path, tmp_path: Path, model: str, device: str) -> None:
+    """Destinations that are views into one flat buffer (as a server's parameters can be), on the CPU or a GPU
+    (filled through the staging buffers): the CPU load's bytes, and nothing outside the views written."""
+    path = example_dir if model == "source" else shardload.convert(example_dir, N, tmp_path / "tp4").out_dir
+    plain = shardload.load_rank(path, RANK, N)
+    total = sum(t.numel() * t.element_size() + 32 for t in plain.values())
+    buffer = torch.full((total,), -1, dtype=torch.int8, device=device)
+    covered = torch.zeros(total, dtype=torch.bool)
+    out, at = {}, 0
+    for name, t in plain.items():
+        nbytes = t.numel() * t.element_size()
+        out[name] = buffer[at : at + nbytes].view(t.dtype).view(t.shape)
+        covered[at : at + nbytes] = True
+        at = (at + nbytes + 16 + 15) // 16 * 16  # at least 16 guard bytes after each, the next view aligned
+    state = shardload.load_rank(path, RANK, N, out=out)
+    assert all(state[name] is out[name] and state[name].cpu().equal(t) for name, t in plain.items())
+    assert bool((buffer.cpu()[~covered] == -1).all())
