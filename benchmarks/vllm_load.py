@@ -458,6 +458,7 @@ def summarize(runs: Sequence[RankRun], need: Sequence[Need], speed: float) -> Su
 
 
 def mib(n: float) -> str:
+    """Bytes as whole MiB, for the tables."""
     return f"{n / 2**20:.0f} MiB"
 
 
