@@ -22,10 +22,10 @@ process alone (its reads, its page faults, readahead), in whole pages; the machi
 also count every other process. Bytes used are the rank's own bytes (its slices and the replicated tensors, from
 shardload's plan), and for ``shardload`` its reader count; the page floor is the bytes of the file pages holding
 them. The storage floor is the bytes a load moved over the cold sequential read speed of the same file measured
-in the same run (16 MiB reads after eviction, best of the run). Then the load runs again with the whole file
-cached (warm). Per format and N it prints the slowest rank's cold and warm time (each rank its best of
-``--repeats``) with CPU seconds beside them, every ratio, issue 30's table and its targets, and the load average.
-It exits 1 if a target is missed (a benchmark, not a test).
+in the same run (16 MiB reads after eviction, before each format's loads; the best of the run). Then the load
+runs again with the whole file cached (warm). Per format and N it prints the slowest rank's cold and warm time
+(each rank its best of ``--repeats``) with CPU seconds beside them, every ratio, issue 30's table and its
+targets, and the load average. It exits 1 if a target is missed (a benchmark, not a test).
 """
 
 from __future__ import annotations
@@ -570,8 +570,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.perf_counter()
         for _ in range(args.repeats):
             for tp in args.tp:
-                speeds.append(sequential_read_speed(model / MODEL_FILE))
                 for fmt in args.formats:
+                    speeds.append(sequential_read_speed(model / MODEL_FILE))  # beside every format's loads
                     if args.launcher == "torchrun":
                         runs += run_torchrun(fmt, dirs[(fmt, tp)], tp)
                     elif args.launcher == "serial":
