@@ -191,6 +191,11 @@ def test_refusals_name_the_reason(tmp_path: Path) -> None:
     with pytest.raises(ShardloadError, match="not quant_method='awq'"):
         convert_vllm(tmp_path / "model", 2, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}  # per-tensor scales
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ShardloadError, match="not weight_block_size=None, activation_scheme='static'"):
+        convert_vllm(tmp_path / "model", 2, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_cli_convert_verify_and_load_refusal(tmp_path: Path) -> None:

@@ -205,7 +205,10 @@ def plan_layout(
         module = f"{prefix}.{names.attention}"
         for scale in ATTENTION_SCALES:
             tensors.append(VllmTensor(f"{module}.{scale}", (), (), "float32", constant=1.0))
-        if quantized:  # compressed-tensors' KV-cache placeholders, at the values vLLM gives a checkpoint without them
+        if quantized == "fp8":  # FP8's KV-cache scales, at vLLM's "not in the checkpoint" value (-1)
+            for kind in ("q", "k", "v", "prob"):
+                tensors.append(VllmTensor(f"{module}.{kind}_scale", (), (), "float32", constant=-1.0))
+        elif quantized:  # compressed-tensors' KV-cache placeholders, at the values vLLM gives a checkpoint without them
             for kind in ("k", "v", "q"):
                 tensors.append(VllmTensor(f"{module}.{kind}_scale", (), (1,), "float32", constant=1.0))
                 tensors.append(VllmTensor(f"{module}.{kind}_zero_point", (), (1,), "float32", constant=0.0))
@@ -227,20 +230,37 @@ def _state_name(target: Target, names: VllmNames) -> Target:
     return target
 
 
-def _quantization(config: dict[str, Any], where: str) -> bool:
-    """Whether the model is quantized in a way ``--layout vllm`` writes (compressed-tensors); refuse the others."""
+def _quantization(config: dict[str, Any], where: str) -> str | None:
+    """How the model is quantized, where ``--layout vllm`` writes it: ``"compressed-tensors"``, ``"fp8"`` (block
+    quantized, dynamic activations) or None; refuse the others."""
     quant = config.get("quantization_config")
     if not isinstance(quant, dict):
-        return False
+        return None
     method = quant.get("quant_method")
+    if method == "fp8":
+        return _fp8_block(quant, where)
     if method != "compressed-tensors" or quant.get("kv_cache_scheme") is not None:
         raise ShardloadError(
-            f"--layout vllm writes unquantized and compressed-tensors checkpoints, not quant_method={method!r}"
-            f"{' with a kv_cache_scheme' if method == 'compressed-tensors' else ''}; serve this one with "
-            "load_format='shardload'",
+            f"--layout vllm writes unquantized, compressed-tensors and FP8 block-quantized checkpoints, not "
+            f"quant_method={method!r}{' with a kv_cache_scheme' if method == 'compressed-tensors' else ''}; serve "
+            "this one with load_format='shardload'",
             file=where,
         )
-    return True
+    return "compressed-tensors"
+
+
+def _fp8_block(quant: dict[str, Any], where: str) -> str:
+    """``"fp8"`` for an FP8 checkpoint quantized per block with dynamic activations (``weight`` and
+    ``weight_scale_inv``, both split like the weight); refuse per-tensor scales and static activation scales."""
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2) or quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise ShardloadError(
+            f"--layout vllm writes FP8 checkpoints quantized per block (weight_block_size) with dynamic activations, "
+            f"not weight_block_size={block!r}, activation_scheme={quant.get('activation_scheme')!r}; serve this one "
+            "with load_format='shardload'",
+            file=where,
+        )
+    return "fp8"
 
 
 def _stacked(
