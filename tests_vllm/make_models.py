@@ -241,6 +241,62 @@ def gptq(out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+"""AWQ's order_map: nibble i of a packed int32 holds output column ``AWQ_ORDER[i]`` of its run of eight."""
+
+
+def awq_pack(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values ``q`` [rows, cols] (0..15) packed 8 to an int32 along the columns in AWQ's order: ``[rows,
+    cols / 8]`` (a reimplementation of AutoAWQ's packing, checked against vLLM's unpacking in :func:`awq`)."""
+    import torch
+
+    runs = q.to(torch.int64).reshape(q.shape[0], -1, 8)
+    packed = torch.zeros(runs.shape[:2], dtype=torch.int64)
+    for nibble, column in enumerate(AWQ_ORDER):
+        packed |= runs[:, :, column] << (4 * nibble)
+    return packed.to(torch.uint32).view(torch.int32)
+
+
+def awq(out: Path) -> None:
+    """The GQA Llama with every linear layer quantized to AWQ int4 (GEMM version: asymmetric, groups of 32):
+    ``qweight`` [in, out/8] and ``qzeros`` [groups, out/8] packed 8 to an int32 along the columns in AWQ's order,
+    ``scales`` [groups, out] float16."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    llama(out)
+    quantized, group = {}, 32
+    for name, t in load_file(out / "model.safetensors").items():
+        if not name.endswith("proj.weight"):
+            quantized[name] = t
+            continue
+        prefix, w = name.removesuffix(".weight"), t.T.contiguous()  # [in, out]
+        g = w.reshape(w.shape[0] // group, group, w.shape[1])
+        low, high = g.amin(1), g.amax(1)
+        scale = ((high - low).clamp(min=1e-5) / 15).to(torch.float16)
+        zero = torch.round(-low / scale.float()).clamp(0, 15)
+        q = (torch.round(g / scale.float()[:, None, :]) + zero[:, None, :]).clamp(0, 15).reshape(w.shape)
+        quantized[f"{prefix}.qweight"], quantized[f"{prefix}.qzeros"] = awq_pack(q), awq_pack(zero)
+        quantized[f"{prefix}.scales"] = scale
+        _check_awq(quantized[f"{prefix}.qweight"], q)
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                     "version": "gemm"}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _check_awq(packed: torch.Tensor, q: torch.Tensor) -> None:
+    """vLLM's own AWQ unpacking (its reverse order, as ``_convert_awq_to_standard_format`` applies it) gives ``q``
+    back from :func:`awq_pack`'s ``packed``."""
+    import torch
+    from vllm.model_executor.layers.quantization.auto_awq import _REVERSE_AWQ_PACK_ORDER
+
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    unpacked = ((packed.unsqueeze(-1) >> shifts) & 0xF)[:, :, _REVERSE_AWQ_PACK_ORDER].reshape(q.shape)
+    assert torch.equal(unpacked, q.to(torch.int32)), "AWQ packing differs from vLLM's unpacking"
+
+
 FP8_BLOCK = 128
 """The FP8 block size: weights quantized per 128x128 block, as DeepSeek-V3 and Qwen3-FP8 checkpoints are."""
 
@@ -306,7 +362,7 @@ FAMILIES = {"llama": llama, "llama_kv1": llama_kv1, "mixtral": mixtral, "deepsee
             "deepseek_v3": deepseek_v3, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "olmoe": olmoe,
             "gemma2": gemma2, "gemma3": gemma3, "phi3": phi3, "gpt_oss": gpt_oss,
             "qwen3_moe_stacked": qwen3_moe_stacked}  # fmt: skip
-QUANTIZED = {"w4a16": w4a16, "gptq": gptq, "fp8": fp8}
+QUANTIZED = {"w4a16": w4a16, "gptq": gptq, "fp8": fp8, "awq": awq}
 """Quantized Llamas the parameter comparison covers too."""
 """The families the parameter comparison covers (test_vllm_params.py)."""
 

@@ -29,7 +29,7 @@ HERE = Path(__file__).parent
 FAMILIES = [*make_models.FAMILIES, *make_models.QUANTIZED]
 """The families, and quantized Llamas: compressed-tensors W4A16 and GPTQ int4 (packed int4: vLLM CPU's WNA16), FP8
 block-quantized (built without its kernel, which needs AMX: compared at the parameter level only)."""
-DTYPES = {"gptq": "bfloat16", "fp8": "bfloat16"}
+DTYPES = {"gptq": "bfloat16", "fp8": "bfloat16", "awq": "bfloat16"}
 """vLLM's dtype where float32 is not served (its GPTQ takes 16-bit activations, its FP8 16-bit models)."""
 FORMATS = ["shardload", "sharded_state"]
 TPS = {name: (1, 2, 4) for name in FAMILIES} | {"gpt_oss": (1, 2)}
@@ -37,7 +37,6 @@ TPS = {name: (1, 2, 4) for name in FAMILIES} | {"gpt_oss": (1, 2)}
 REFUSED: dict[tuple[str, str], str] = {
     ("gpt_oss", "shardload"): "model_type 'gpt_oss': no plan source knows this architecture",
     ("gpt_oss", "sharded_state"): "model_type 'gpt_oss': no plan source knows this architecture",
-    ("gptq", "sharded_state"): "not quant_method='gptq'; serve this one with load_format='shardload'",
 }
 STACKED_EP = "experts stored stacked (experts.gate_up_proj, experts.down_proj) under expert parallelism"
 REFUSED |= {("qwen3_moe_stacked+ep", "shardload"): STACKED_EP,

@@ -63,8 +63,17 @@ _RANK_FILE_RE = re.compile(r"model-rank-(0|[1-9][0-9]{0,8})-part-(0|[1-9][0-9]{0
 """A file vLLM's ``ShardedStateLoader`` reads: rank, part (shardload writes part 0 only)."""
 ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 """Float32 scalars (1.0 unless a checkpoint quantizes the KV cache) each vLLM attention layer keeps in its state."""
-ATTENTION_WEIGHTS = tuple(f".{m}.{w}" for m in ("qkv_proj", "kv_b_proj") for w in ("weight", "weight_packed"))
+ATTENTION_WEIGHTS = tuple(
+    f".{m}.{w}" for m in ("qkv_proj", "kv_b_proj") for w in ("weight", "weight_packed", "qweight")
+)
 """A vLLM parameter that marks an attention layer (multi-head, and DeepSeek's latent attention)."""
+CONFIG_NAME = "config.json"
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+"""Stored dtypes vLLM's GPTQ counts as unquantized when it lists a checkpoint's quantized modules."""
+COLUMN_PACKED = ("gptq", "awq")
+"""Quantization methods whose tensors keep the output dim last (``qweight``, ``qzeros``, ``scales``)."""
+COLUMN_PACKED_TENSORS = (".qweight", ".qzeros", ".scales")
+"""GPTQ's and AWQ's tensors: vLLM fuses their parts along dim 1, its output dim."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,8 @@ class VllmTensor:
     """Under expert parallelism: the experts each rank holds whole (rank r: experts r*local .. (r+1)*local - 1)."""
     constant: float | None = None
     """A float32 value vLLM's model keeps in its state (its attention's default quantization scales)."""
+    dim: int = 0
+    """The dim a fused tensor's parts are joined along: vLLM's output dim (1 for GPTQ's and AWQ's tensors)."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +136,8 @@ def plan_layout(
     tied = config.get("tie_word_embeddings") is True
     names = vllm_names(config.get("model_type"))
     info, source = plan_shard_info(checkpoint, shard_info)
-    stored = [n for n in checkpoint.tensors if not n.endswith(SKIPPED_SUFFIXES)]
+    skipped = (*SKIPPED_SUFFIXES, ".g_idx") if quantized == "gptq" else SKIPPED_SUFFIXES  # no act-order: vLLM has none
+    stored = [n for n in checkpoint.tensors if not n.endswith(skipped)]
     vocab_names = [n for n in stored if is_vocab(n) and not (tied and n.endswith("lm_head.weight"))]
     whole_experts = {n for n in stored if expert_parallel and vllm_target(n, {}).expert is not None}
     whole_experts |= {n for n in stored if n.endswith(SHAPE_SUFFIX)}  # vLLM keeps a packed weight's stored shape
@@ -186,13 +198,8 @@ def plan_layout(
             tensors.append(VllmTensor(target.name, (parts[-1],), last.shape, last.dtype))  # type: ignore[arg-type]
             del groups[target.name]
         elif all(p is not None for p in parts):
-            shapes = [plan.params[p].shape for p in parts if p is not None]
-            dtypes = {plan.params[p].dtype for p in parts if p is not None}
-            if len(dtypes) > 1 or any(s[1:] != shapes[0][1:] for s in shapes):
-                raise ShardloadError(f"its parts have different dtypes or widths ({shapes})", file=where,
-                                     param=target.name)  # fmt: skip
-            rows = sum(s[0] for s in shapes)
-            tensors.append(VllmTensor(target.name, tuple(p for p in parts if p), (rows, *shapes[0][1:]), dtypes.pop()))
+            dim = 1 if quantized in COLUMN_PACKED and target.name.endswith(COLUMN_PACKED_TENSORS) else 0
+            tensors.append(_fused(target.name, [p for p in parts if p], plan, dim, where))
             del groups[target.name]
     for vname, parts in groups.items():
         missing = [packed[vname.split(".")[-2]][i] for i, p in enumerate(parts) if p is None]
@@ -208,11 +215,23 @@ def plan_layout(
         if quantized == "fp8":  # FP8's KV-cache scales, at vLLM's "not in the checkpoint" value (-1)
             for kind in ("q", "k", "v", "prob"):
                 tensors.append(VllmTensor(f"{module}.{kind}_scale", (), (), "float32", constant=-1.0))
-        elif quantized:  # compressed-tensors' KV-cache placeholders, at the values vLLM gives a checkpoint without them
+        elif quantized == "compressed-tensors":  # its KV-cache placeholders, at vLLM's values for a checkpoint without
             for kind in ("k", "v", "q"):
                 tensors.append(VllmTensor(f"{module}.{kind}_scale", (), (1,), "float32", constant=1.0))
                 tensors.append(VllmTensor(f"{module}.{kind}_zero_point", (), (1,), "float32", constant=0.0))
     return VllmLayout(tensors, plan, vocab_plan, source, info)
+
+
+def _fused(vname: str, parts: list[str], plan: ModelPlan, dim: int, where: str) -> VllmTensor:
+    """vLLM's fused parameter ``vname``: ``parts``' rank tensors joined along ``dim``, checked to agree elsewhere."""
+    shapes = [plan.params[p].shape for p in parts]
+    dtypes = {plan.params[p].dtype for p in parts}
+    if len(dtypes) > 1 or any(len(s) <= dim or s[:dim] + s[dim + 1 :] != shapes[0][:dim] + shapes[0][dim + 1 :]
+                              for s in shapes):  # fmt: skip
+        raise ShardloadError(f"its parts have different dtypes or shapes ({shapes})", file=where, param=vname)
+    shape = list(shapes[0])
+    shape[dim] = sum(s[dim] for s in shapes)
+    return VllmTensor(vname, tuple(parts), tuple(shape), dtypes.pop(), dim=dim)
 
 
 def _packing(packed: Mapping[str, tuple[str, ...]], names: VllmNames, stored: list[str]) -> dict[str, tuple[str, ...]]:
@@ -232,16 +251,24 @@ def _state_name(target: Target, names: VllmNames) -> Target:
 
 def _quantization(config: dict[str, Any], where: str) -> str | None:
     """How the model is quantized, where ``--layout vllm`` writes it: ``"compressed-tensors"``, ``"fp8"`` (block
-    quantized, dynamic activations) or None; refuse the others."""
+    quantized, dynamic activations), ``"gptq"`` (no act-order), ``"awq"`` or None; refuse the others."""
     quant = config.get("quantization_config")
     if not isinstance(quant, dict):
         return None
     method = quant.get("quant_method")
     if method == "fp8":
         return _fp8_block(quant, where)
+    if method in COLUMN_PACKED:
+        if quant.get("desc_act") is True:
+            raise ShardloadError(
+                "--layout vllm writes GPTQ checkpoints without act-order, not desc_act=true (vLLM reorders the "
+                "input rows by g_idx); serve this one with load_format='shardload'",
+                file=where,
+            )
+        return str(method)
     if method != "compressed-tensors" or quant.get("kv_cache_scheme") is not None:
         raise ShardloadError(
-            f"--layout vllm writes unquantized, compressed-tensors and FP8 block-quantized checkpoints, not "
+            f"--layout vllm writes unquantized, compressed-tensors, FP8 block-quantized, GPTQ and AWQ checkpoints, not "
             f"quant_method={method!r}{' with a kv_cache_scheme' if method == 'compressed-tensors' else ''}; serve "
             "this one with load_format='shardload'",
             file=where,
@@ -334,8 +361,8 @@ def rank_tensors(
                 ]
                 yield want, [torch.stack([torch.cat([p[r] for p in g]) for g in mine[r]]) for r in range(num_shards)]
             else:
-                fused = len(pieces) > 1
-                yield want, [torch.cat([p[r] for p in pieces]) if fused else pieces[0][r] for r in range(num_shards)]
+                joined = [torch.cat([p[r] for p in pieces], dim=want.dim) for r in range(num_shards)]
+                yield want, joined if len(pieces) > 1 else [pieces[0][r] for r in range(num_shards)]
             want = next(order, None)
     for t in layout.tensors:
         if t.constant is not None:
@@ -429,10 +456,37 @@ def convert_vllm(
             }
             record = write_output_record(staging.dir, output_record(staging.dir, [f.path for f in written]), durable)
             manifest["integrity"] = {"record": record.path, "root": record.sha256}
-            publish_with_manifest(staging, checkpoint.root, stamps, [*written, record], manifest, durable)
+            config = _gptq_config(checkpoint)
+            own = [_write_file(staging.dir / CONFIG_NAME, config, durable)] if config is not None else []
+            replaced = frozenset({CONFIG_NAME} if config is not None else ())
+            publish_with_manifest(staging, checkpoint.root, stamps, [*written, record, *own], manifest, durable,
+                                  replaced)  # fmt: skip
     except OSError as err:
         raise write_error(err, out) from None
     return written
+
+
+def _gptq_config(checkpoint: Checkpoint) -> bytes | None:
+    """A GPTQ model's config.json for its ``sharded_state`` output, when it names no ``modules_in_block_to_quantize``:
+    with that list made as vLLM makes it from the source's files (every module holding a tensor that is not
+    floating point). vLLM would otherwise derive it from the rank files, whose fused names (``qkv_proj``) match
+    no stored module, and build those layers unquantized. None for other models."""
+    config = read_config(checkpoint.root, missing_ok=True)
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict) or quant.get("quant_method") != "gptq" or quant.get("modules_in_block_to_quantize"):
+        return None
+    modules = sorted({n.rsplit(".", 1)[0] for n, t in checkpoint.tensors.items() if t.dtype not in FLOAT_DTYPES})
+    config["quantization_config"] = {**quant, "modules_in_block_to_quantize": modules}
+    return (json.dumps(config, indent=2) + "\n").encode()
+
+
+def _write_file(path: Path, data: bytes, durable: bool) -> WrittenFile:
+    out = FileWriter(path, durable=durable)
+    try:
+        out.write(data)
+        return out.finish()
+    finally:
+        out.close()
 
 
 def plan_origin(layout: VllmLayout, root: Path) -> str:
@@ -545,6 +599,14 @@ def open_vllm_shards(model: Any, verify: bool = False) -> ShardsSource | None:
     shell = Checkpoint(root, root, "converted", {}, [], manifest)
     info, stored, values = read_record(record, shell, str(where))
     layout = plan_layout(stored, n_old, info)
+    across = next((t.name for t in layout.tensors if t.dim), None)
+    if across is not None:  # its parts are columns of the rank tensor, not row blocks
+        raise CheckpointError(
+            f"is vLLM's sharded_state layout for num_shards={n_old} of a GPTQ or AWQ model, whose fused tensors join "
+            "their parts along the columns: not a source for another N or layout yet; convert the source checkpoint",
+            file=str(where),
+            param=across,
+        )
     entries = {e["path"]: e for e in manifest["files"]}
     files: dict[tuple[int, int], Path] = {}
     headers: dict[tuple[int, int], dict[str, TensorInfo]] = {}
