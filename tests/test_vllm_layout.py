@@ -248,9 +248,6 @@ def test_refusals_name_the_reason(tmp_path: Path) -> None:
         convert_vllm(tmp_path / "thirds", 3, tmp_path / "out3")
     assert not (tmp_path / "out3").exists()
     build("llama_gqa", tmp_path / "model")
-    build("mixtral_stacked", tmp_path / "stacked")
-    with pytest.raises(ShardloadError, match="stacked experts without --expert-parallel"):
-        convert_vllm(tmp_path / "stacked", 2, tmp_path / "out", expert_parallel=True)
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "bitsandbytes"}
     (tmp_path / "model" / "config.json").write_text(json.dumps(config))
@@ -387,3 +384,16 @@ def test_stacked_experts_become_vllms_stacked_parameters(tmp_path: Path) -> None
         gate, up = gate_up[:, :half].chunk(2, 1)[r], gate_up[:, half:].chunk(2, 1)[r]
         assert torch.equal(state[f"{p}.routed_experts.w13_weight"], torch.cat([gate, up], 1))
         assert torch.equal(state[f"{p}.routed_experts.w2_weight"], down.chunk(2, 2)[r])
+
+
+def test_stacked_experts_under_expert_parallelism_are_runs_of_whole_experts(tmp_path: Path) -> None:
+    """Experts stored stacked, --expert-parallel: rank r holds the stacked tensors' experts r*E/N onward, whole."""
+    build("mixtral_stacked", tmp_path / "m")
+    source = load_file(tmp_path / "m" / "model.safetensors")
+    convert_vllm(tmp_path / "m", 2, tmp_path / "out", expert_parallel=True)
+    p = "model.layers.0.mlp.experts"
+    for r in range(2):
+        state = load_file(rank_path(tmp_path / "out", r))
+        assert torch.equal(state[f"{p}.routed_experts.w13_weight"], source[f"{p}.gate_up_proj"].chunk(2)[r])
+        assert torch.equal(state[f"{p}.routed_experts.w2_weight"], source[f"{p}.down_proj"].chunk(2)[r])
+    assert not shardload.verify_dir(tmp_path / "out", source=tmp_path / "m").problems

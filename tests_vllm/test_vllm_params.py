@@ -38,9 +38,6 @@ REFUSED: dict[tuple[str, str], str] = {
     ("gpt_oss", "shardload"): "model_type 'gpt_oss': no plan source knows this architecture",
     ("gpt_oss", "sharded_state"): "model_type 'gpt_oss': no plan source knows this architecture",
 }
-STACKED_EP = "experts stored stacked (experts.gate_up_proj, experts.down_proj) under expert parallelism"
-REFUSED |= {("qwen3_moe_stacked+ep", "shardload"): STACKED_EP,
-            ("qwen3_moe_stacked+ep", "sharded_state"): "stacked experts without --expert-parallel"}  # fmt: skip
 """(family, format) -> what the one-line refusal says, on every rank."""
 MOE = ["mixtral", "deepseek_v2", "deepseek_v3", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_moe_stacked"]
 """Families run with expert parallelism too (``enable_expert_parallel=True``: each rank holds whole experts)."""

@@ -22,10 +22,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardloadError
-from ..format.shard_info import MAX_RANKS, ShardInfo
+from ..format.shard_info import MAX_RANKS, ShardInfo, StepSpec
 from ..models.families import VllmNames, vllm_names, vllm_packing
 from ..models.plan_source import plan_shard_info
-from ..models.vllm_names import SHAPE_SUFFIX, SKIPPED_SUFFIXES, Target, is_vocab, vllm_target, vocab_range
+from ..models.vllm_names import (
+    SHAPE_SUFFIX,
+    SKIPPED_SUFFIXES,
+    STACKED_EXPERTS,
+    Target,
+    is_vocab,
+    vllm_target,
+    vocab_range,
+)
 from ..planning.plan import ModelPlan, ParamPlan, build_plan
 from ..sources.checkpoint import (
     VLLM_MANIFEST_FORMAT,
@@ -142,6 +150,8 @@ def plan_layout(
     whole_experts = {n for n in stored if expert_parallel and vllm_target(n, {}).expert is not None}
     whole_experts |= {n for n in stored if n.endswith(SHAPE_SUFFIX)}  # vLLM keeps a packed weight's stored shape
     kept = {k: v for k, v in info.params.items() if k not in vocab_names and k in stored and k not in whole_experts}
+    if expert_parallel:
+        kept |= _stacked_by_expert(checkpoint, stored, num_shards, where)
     body = {n: checkpoint.tensors[n] for n in stored if n not in vocab_names}
     plan = build_plan(ShardInfo(kept, info.num_shards, source=info.source), _only(checkpoint, body), num_shards)
     whole = {n: checkpoint.tensors[n] for n in vocab_names}
@@ -172,11 +182,11 @@ def plan_layout(
     for name, param in plan.params.items():
         target = targets[name]
         stacked = target.expert is None and ".experts." in name
-        if stacked and (target.name == name or expert_parallel):
+        if stacked and target.name == name:
             raise ShardloadError(
                 "--layout vllm writes experts stored one by one (experts.E.w1 or experts.E.gate_proj) or stacked as "
-                "transformers stacks them (experts.gate_up_proj, experts.down_proj), and stacked experts without "
-                "--expert-parallel: serve this one with load_format='shardload'",
+                "transformers stacks them (experts.gate_up_proj, experts.down_proj): serve this one with "
+                "load_format='shardload'",
                 file=where,
                 param=name,
             )
@@ -315,6 +325,25 @@ def _expert_parallel(stacked: VllmTensor, num_shards: int, where: str) -> VllmTe
         )
     local = stacked.experts // num_shards
     return replace(stacked, shape=(local, *stacked.shape[1:]), local=local)
+
+
+def _stacked_by_expert(checkpoint: Checkpoint, stored: list[str], num_shards: int, where: str) -> dict[str, Any]:
+    """Steps for experts stored stacked (``experts.gate_up_proj`` [experts, ...]) under expert parallelism: split
+    along the experts into ``num_shards`` equal runs, vLLM's linear placement (rank r: experts r*E/N onward)."""
+    steps = {}
+    for name in stored:
+        pieces = name.split(".")
+        if len(pieces) >= 2 and pieces[-2] == "experts" and pieces[-1] in STACKED_EXPERTS:
+            experts = checkpoint.tensors[name].shape[0]
+            if experts % num_shards:
+                raise ShardloadError(
+                    f"vLLM places {experts} experts on {num_shards} ranks unevenly; sharded_state rank files with "
+                    "expert parallelism need a rank count that divides the experts (or use load_format='shardload')",
+                    file=where,
+                    param=name,
+                )
+            steps[name] = [StepSpec("shard_funcs.shard_dim", None, None, (0, "num_shards"))]
+    return steps
 
 
 def _only(checkpoint: Checkpoint, tensors: dict[str, Any]) -> Checkpoint:
