@@ -35,8 +35,7 @@ FORMATS = ["shardload", "sharded_state"]
 TPS = {name: (1, 2, 4) for name in FAMILIES} | {"gpt_oss": (1, 2)}
 """TP sizes per family: 4 heads (and 4 experts) allow 4; vLLM's own GPT-OSS MoE fails to build at TP=4 here."""
 REFUSED: dict[tuple[str, str], str] = {
-    ("gpt_oss", "shardload"): "model_type 'gpt_oss': no plan source knows this architecture",
-    ("gpt_oss", "sharded_state"): "model_type 'gpt_oss': no plan source knows this architecture",
+    ("gpt_oss", "sharded_state"): "--layout vllm does not write model_type 'gpt_oss' yet",
 }
 """(family, format) -> what the one-line refusal says, on every rank."""
 MOE = ["mixtral", "deepseek_v2", "deepseek_v3", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_moe_stacked"]

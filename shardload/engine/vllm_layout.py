@@ -143,6 +143,13 @@ def plan_layout(
     quantized = _quantization(config, where)
     tied = config.get("tie_word_embeddings") is True
     names = vllm_names(config.get("model_type"))
+    if names.transposed or names.first_rank_only:
+        raise ShardloadError(
+            f"--layout vllm does not write model_type {config.get('model_type')!r} yet: vLLM's model of it keeps "
+            "experts transposed and some tensors on rank 0 only, under its own names; serve this one with "
+            "load_format='shardload'",
+            file=where,
+        )
     info, source = plan_shard_info(checkpoint, shard_info)
     skipped = (*SKIPPED_SUFFIXES, ".g_idx") if quantized == "gptq" else SKIPPED_SUFFIXES  # no act-order: vLLM has none
     stored = [n for n in checkpoint.tensors if not n.endswith(skipped)]

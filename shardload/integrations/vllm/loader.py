@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import ShardloadError
 from ...format.shard_info import ShardInfo, StepSpec
+from ...models.families import vllm_names
 from ...models.plan_source import plan_shard_info
 from ...models.vllm_names import (
     DEFAULT_PACKED,
@@ -155,6 +156,9 @@ def fill_model(
             return replace(target, expert=local) if local >= 0 else None  # another rank's expert: not read
         if target.name in targets:
             return target
+        newer = replace(target, name=target.name.replace(".experts.", f".experts.{EXPERTS_MODULE}.", 1))
+        if target.expert is None and ".experts." in target.name and newer.name in targets:
+            return newer  # a stacked expert parameter the model's own mapper named (GPT-OSS's w13_weight)
         if target.expert is not None:  # vLLM before 0.32 keeps the stacked experts one module up
             older = replace(target, name=target.name.replace(f".{EXPERTS_MODULE}.", ".", 1))
             if older.name in targets:
@@ -172,6 +176,7 @@ def fill_model(
     vocab = _vocab_ranges(model, targets)
     experts = _expert_maps(model)
     stacked_ep: set[str] = set()
+    adjust = _adjustments(checkpoint, rank)
     if checkpoint.kind == "converted":
         if experts:
             raise ShardloadError(
@@ -196,12 +201,12 @@ def fill_model(
         info = _stacked_experts_by_rank(info, stacked_ep, _routes_of(stacked_ep, route), experts, rank, num_shards,
                                         where)  # fmt: skip
         tensors, direct, narrow, routes = _read_planned(checkpoint, info, rank, num_shards, route, targets, vocab,
-                                                        report, verify, whole=set(experts),
-                                                        split=stacked_ep)  # fmt: skip
+                                                        report, verify, whole=set(experts), split=stacked_ep,
+                                                        adjust=adjust)  # fmt: skip
     for note in report.notes:
         log.warning("shardload: %s", note)
     report.tensors = len(tensors)
-    filled = _copy_into(targets, tensors, routes, vocab, narrow, where, direct)
+    filled = _copy_into(targets, tensors, routes, vocab, narrow, where, direct, adjust)
     report.filled = len(filled)
     missing = [
         n for n in targets
@@ -255,12 +260,13 @@ def _read_planned(
     verify: bool | str = False,
     whole: set[str] = frozenset(),  # type: ignore[assignment]
     split: set[str] = frozenset(),  # type: ignore[assignment]
+    adjust: Callable[[str], Callable[[torch.Tensor], torch.Tensor] | None] = lambda name: None,
 ) -> tuple[dict[str, torch.Tensor], set[str], set[str], dict[str, Target | None]]:
     """Plan ``checkpoint`` with ``info`` and read rank ``rank``'s tensors (in place where they fit). A vocabulary
     whose planned split is not vLLM's is read whole instead (noted in ``report``), and so is every expert of a vLLM
     parameter in ``whole`` (expert parallelism: this rank's experts, unsplit), but for the names in ``split`` (stacked
     experts, already planned by rank). Returns the tensors, the names read in place, the names read whole (to
-    narrow) and each stored name's vLLM target."""
+    narrow) and each stored name's vLLM target; names ``adjust`` changes are never read in place."""
     plan = build_plan(info, checkpoint, num_shards)
     routes = {name: route(name) for name in plan.params}
     unsplit = {n for n in plan.params if n.endswith(SHAPE_SUFFIX)}  # vLLM keeps the stored value
@@ -287,7 +293,8 @@ def _read_planned(
     from ...engine.integrity import verifier
 
     wrap = verifier(checkpoint, verify, checkpoint.name)  # every byte checked against the integrity record
-    tensors, direct = _read_in_place(needed, rank, targets, routes, vocab, narrow, wrap)
+    kept_routes = {n: (None if adjust(n) else t) for n, t in routes.items()}  # adjusted: read, then changed
+    tensors, direct = _read_in_place(needed, rank, targets, kept_routes, vocab, narrow, wrap)
     return tensors, direct, narrow, routes
 
 
@@ -368,6 +375,30 @@ def _slots(
         if at == param.data.shape[0] and len(views) == len(names) and all(fits(v, n) for n, v in views.items()):
             slots.update(views)
     return slots
+
+
+def _adjustments(checkpoint: Checkpoint, rank: int) -> Callable[[str], Callable[[torch.Tensor], torch.Tensor] | None]:
+    """What a stored tensor's rank slice needs before it is vLLM's, by its family's :class:`VllmNames`: experts
+    vLLM keeps transposed (``[experts, out, in]``), and whole tensors vLLM keeps on rank 0 only (zeros elsewhere)."""
+    try:
+        names = vllm_names(checkpoint.model_config().get("model_type"))
+    except ShardloadError:  # no config to say: Llama's names
+        return lambda name: None
+
+    def transpose(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2)
+
+    def zeros(t: torch.Tensor) -> torch.Tensor:
+        return t.new_zeros(t.shape)
+
+    def change(name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        if name.endswith(names.transposed):
+            return transpose
+        if rank and name.endswith(names.first_rank_only):
+            return zeros
+        return None
+
+    return change
 
 
 def _routes_of(names: set[str], route: Callable[[str], Target | None]) -> dict[str, Target]:
@@ -495,9 +526,10 @@ def _copy_into(
     narrow: set[str],
     where: str,
     direct: set[str] = frozenset(),  # type: ignore[assignment]
+    adjust: Callable[[str], Callable[[torch.Tensor], torch.Tensor] | None] = lambda name: None,
 ) -> set[str]:
-    """Copy each rank tensor into its vLLM parameter (those in ``direct`` were read there); return the parameters
-    filled."""
+    """Copy each rank tensor into its vLLM parameter (those in ``direct`` were read there; those ``adjust`` names
+    changed first); return the parameters filled."""
     import torch
 
     filled: set[str] = set()
@@ -507,6 +539,8 @@ def _copy_into(
         target = routes.get(name)
         if target is None:
             continue
+        change = adjust(name)
+        tensor = tensor if change is None else change(tensor)
         param = targets[target.name]
         if target.expert is not None:
             seen = experts.setdefault(target.name, set())
