@@ -39,7 +39,9 @@ REFUSED: dict[tuple[str, str], str] = {
 }
 """(family, format) -> what the one-line refusal says, on every rank."""
 MOE = ["mixtral", "deepseek_v2", "deepseek_v3", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_moe_stacked"]
-"""Families run with expert parallelism too (``enable_expert_parallel=True``: each rank holds whole experts)."""
+"""Families run with expert parallelism too (``enable_expert_parallel=True``: each rank holds whole experts). Not
+GPT-OSS: vLLM 0.32's own loader fails on it at TP=2 with expert parallelism ("The size of tensor a (2) must match
+the size of tensor b (4) at non-singleton dimension 0")."""
 ONE_LINE_ERRORS = ("ShardloadError", "PlanError", "CheckpointError", "FormatError")
 
 

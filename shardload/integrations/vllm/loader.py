@@ -176,7 +176,7 @@ def fill_model(
     vocab = _vocab_ranges(model, targets)
     experts = _expert_maps(model)
     stacked_ep: set[str] = set()
-    adjust = _adjustments(checkpoint, rank)
+    adjust = _adjustments(checkpoint, rank, expert_parallel=bool(experts))
     if checkpoint.kind == "converted":
         if experts:
             raise ShardloadError(
@@ -377,9 +377,12 @@ def _slots(
     return slots
 
 
-def _adjustments(checkpoint: Checkpoint, rank: int) -> Callable[[str], Callable[[torch.Tensor], torch.Tensor] | None]:
+def _adjustments(
+    checkpoint: Checkpoint, rank: int, expert_parallel: bool = False
+) -> Callable[[str], Callable[[torch.Tensor], torch.Tensor] | None]:
     """What a stored tensor's rank slice needs before it is vLLM's, by its family's :class:`VllmNames`: experts
-    vLLM keeps transposed (``[experts, out, in]``), and whole tensors vLLM keeps on rank 0 only (zeros elsewhere)."""
+    vLLM keeps transposed (``[experts, out, in]``), and whole tensors vLLM keeps on rank 0 only (zeros elsewhere;
+    under expert parallelism each rank holds its own experts' instead)."""
     try:
         names = vllm_names(checkpoint.model_config().get("model_type"))
     except ShardloadError:  # no config to say: Llama's names
@@ -394,7 +397,7 @@ def _adjustments(checkpoint: Checkpoint, rank: int) -> Callable[[str], Callable[
     def change(name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
         if name.endswith(names.transposed):
             return transpose
-        if rank and name.endswith(names.first_rank_only):
+        if rank and not expert_parallel and name.endswith(names.first_rank_only):
             return zeros
         return None
 
