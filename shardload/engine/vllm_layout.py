@@ -2,8 +2,9 @@
 ``load_format="sharded_state"`` and no plugin.
 
 One file per tensor-parallel rank, ``model-rank-{r}-part-0.safetensors``, holding vLLM's parameter names and its
-per-rank layout: ``qkv_proj`` = [this rank's q rows; its k rows; its v rows], ``gate_up_proj`` = [gate; up],
-row-parallel weights split by columns, embeddings and the LM head padded with zero rows to a multiple of 64 and
+per-rank layout: ``qkv_proj`` = [this rank's q rows; its k rows; its v rows], ``gate_up_proj`` = [gate; up]
+(GPTQ's and AWQ's tensors, which keep the output dim last, joined along their columns), row-parallel weights split
+by columns, embeddings and the LM head padded with zero rows to a multiple of 64 and
 split by rows (a tied LM head is stored once, under ``lm_head.weight``, the key vLLM keeps). The rank tensors come
 from the model's shard_info (or a plan made in memory from config.json), streamed one parameter at a time; the
 output is staged and published like :func:`shardload.convert`'s, with a manifest so ``shardload verify`` checks
