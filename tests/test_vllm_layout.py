@@ -203,7 +203,7 @@ def test_gptq_and_awq_fuse_along_the_output_columns(tmp_path: Path, method: str)
     else:
         assert "modules_in_block_to_quantize" not in config
     assert shardload.verify_dir(tmp_path / "out", source=model).ok
-    with pytest.raises(CheckpointError, match="of a GPTQ or AWQ model, whose fused tensors join"):
+    with pytest.raises(CheckpointError, match="of a GPTQ, AWQ or GPT-OSS model"):
         convert_vllm(tmp_path / "out", 1, tmp_path / "again")
 
 
@@ -396,4 +396,44 @@ def test_stacked_experts_under_expert_parallelism_are_runs_of_whole_experts(tmp_
         state = load_file(rank_path(tmp_path / "out", r))
         assert torch.equal(state[f"{p}.routed_experts.w13_weight"], source[f"{p}.gate_up_proj"].chunk(2)[r])
         assert torch.equal(state[f"{p}.routed_experts.w2_weight"], source[f"{p}.down_proj"].chunk(2)[r])
+    assert not shardload.verify_dir(tmp_path / "out", source=tmp_path / "m").problems
+
+
+def test_gpt_oss_rank_files_are_transposed_and_renamed_as_vllm_keeps_them(tmp_path: Path) -> None:
+    """GPT-OSS: experts stored [experts, in, out] become vLLM's [experts, out, in] (a rank's run of gate/up pairs),
+    the down bias stays on rank 0 (zeros elsewhere), and names are vLLM's (``attn``, ``embedding``, ``w13_bias``)."""
+    gen = torch.Generator().manual_seed(0)
+    e, hidden, inter, heads, kv, head_dim, vocab = 4, 32, 16, 4, 2, 8, 64
+    p = "model.layers.0."
+    shapes = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        p + "mlp.experts.gate_up_proj": (e, hidden, 2 * inter),
+        p + "mlp.experts.gate_up_proj_bias": (e, 2 * inter),
+        p + "mlp.experts.down_proj": (e, inter, hidden),
+        p + "mlp.experts.down_proj_bias": (e, hidden),
+        p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+        p + "self_attn.k_proj.weight": (kv * head_dim, hidden),
+        p + "self_attn.v_proj.weight": (kv * head_dim, hidden),
+        p + "self_attn.sinks": (heads,),
+    }
+    full = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    (tmp_path / "m").mkdir()
+    save_file(full, str(tmp_path / "m" / "model.safetensors"))
+    config = {"model_type": "gpt_oss", "hidden_size": hidden, "intermediate_size": inter, "num_local_experts": e,
+              "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim, "num_hidden_layers": 1,
+              "vocab_size": vocab}  # fmt: skip
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    convert_vllm(tmp_path / "m", 2, tmp_path / "out")
+    x = p + "mlp.experts.routed_experts."
+    for r in range(2):
+        got = load_file(str(rank_path(tmp_path / "out", r)))
+        cols, rows = slice(r * inter, (r + 1) * inter), slice(r * inter // 2, (r + 1) * inter // 2)
+        assert torch.equal(got[x + "w13_weight"], full[p + "mlp.experts.gate_up_proj"][..., cols].transpose(1, 2))
+        assert torch.equal(got[x + "w13_bias"], full[p + "mlp.experts.gate_up_proj_bias"][:, cols])
+        assert torch.equal(got[x + "w2_weight"], full[p + "mlp.experts.down_proj"][:, rows].transpose(1, 2))
+        bias = full[p + "mlp.experts.down_proj_bias"]
+        assert torch.equal(got[x + "w2_bias"], bias if r == 0 else torch.zeros_like(bias))
+        assert torch.equal(got[p + "attn.sinks"], full[p + "self_attn.sinks"][2 * r : 2 * r + 2])
+        assert torch.equal(got["model.embedding.weight"], full["model.embed_tokens.weight"][32 * r : 32 * (r + 1)])
+        assert p + "attn.attn._k_scale" in got
     assert not shardload.verify_dir(tmp_path / "out", source=tmp_path / "m").problems

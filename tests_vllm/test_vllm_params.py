@@ -27,16 +27,14 @@ from shardload.errors import ShardloadError
 
 HERE = Path(__file__).parent
 FAMILIES = [*make_models.FAMILIES, *make_models.QUANTIZED]
-"""The families, and quantized Llamas: compressed-tensors W4A16 and GPTQ int4 (packed int4: vLLM CPU's WNA16), FP8
-block-quantized (built without its kernel, which needs AMX: compared at the parameter level only)."""
+"""The families, and quantized Llamas: compressed-tensors W4A16, GPTQ int4 and AWQ int4 (packed int4: vLLM CPU's
+WNA16), FP8 block-quantized (built without its kernel, which needs AMX: compared at the parameter level only)."""
 DTYPES = {"gptq": "bfloat16", "fp8": "bfloat16", "awq": "bfloat16"}
 """vLLM's dtype where float32 is not served (its GPTQ takes 16-bit activations, its FP8 16-bit models)."""
 FORMATS = ["shardload", "sharded_state"]
 TPS = {name: (1, 2, 4) for name in FAMILIES} | {"gpt_oss": (1, 2)}
 """TP sizes per family: 4 heads (and 4 experts) allow 4; vLLM's own GPT-OSS MoE fails to build at TP=4 here."""
-REFUSED: dict[tuple[str, str], str] = {
-    ("gpt_oss", "sharded_state"): "--layout vllm does not write model_type 'gpt_oss' yet",
-}
+REFUSED: dict[tuple[str, str], str] = {}
 """(family, format) -> what the one-line refusal says, on every rank."""
 MOE = ["mixtral", "deepseek_v2", "deepseek_v3", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_moe_stacked"]
 """Families run with expert parallelism too (``enable_expert_parallel=True``: each rank holds whole experts). Not

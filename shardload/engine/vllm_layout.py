@@ -102,6 +102,10 @@ class VllmTensor:
     """A float32 value vLLM's model keeps in its state (its attention's default quantization scales)."""
     dim: int = 0
     """The dim a fused tensor's parts are joined along: vLLM's output dim (1 for GPTQ's and AWQ's tensors)."""
+    transposed: bool = False
+    """Stacked experts stored ``[experts, in, out]`` that vLLM keeps ``[experts, out, in]`` (GPT-OSS)."""
+    first_rank_only: bool = False
+    """A whole tensor vLLM keeps on rank 0 only, zeros on the others (GPT-OSS's expert down bias)."""
 
 
 @dataclass(frozen=True)
@@ -144,13 +148,6 @@ def plan_layout(
     quantized = _quantization(config, where)
     tied = config.get("tie_word_embeddings") is True
     names = vllm_names(config.get("model_type"))
-    if names.transposed or names.first_rank_only:
-        raise ShardloadError(
-            f"--layout vllm does not write model_type {config.get('model_type')!r} yet: vLLM's model of it keeps "
-            "experts transposed and some tensors on rank 0 only, under its own names; serve this one with "
-            "load_format='shardload'",
-            file=where,
-        )
     info, source = plan_shard_info(checkpoint, shard_info)
     skipped = (*SKIPPED_SUFFIXES, ".g_idx") if quantized == "gptq" else SKIPPED_SUFFIXES  # no act-order: vLLM has none
     stored = [n for n in checkpoint.tensors if not n.endswith(skipped)]
@@ -177,7 +174,7 @@ def plan_layout(
                 param=name,
             )
         head = tied and names.tied_head and name.endswith("embed_tokens.weight")  # the alias vLLM's state keeps
-        out_name = "lm_head.weight" if head else name
+        out_name = "lm_head.weight" if head else _state_name(Target(name), names).name
         tensors.append(VllmTensor(out_name, (name,), (per_rank, *info_t.shape[1:]), info_t.dtype, vocab=True))
     groups: dict[str, list[str | None]] = {}
     stacks: dict[str, dict[tuple[int, int], str]] = {}
@@ -207,7 +204,10 @@ def plan_layout(
                 del stacks[target.name]
             continue
         if not target.fused:
-            tensors.append(VllmTensor(target.name, (name,), param.shape, param.dtype))
+            turn = name.endswith(names.transposed)  # [experts, in, out] stored, [experts, out, in] in vLLM
+            shape = (*param.shape[:1], param.shape[2], param.shape[1], *param.shape[3:]) if turn else param.shape
+            first = not expert_parallel and name.endswith(names.first_rank_only)
+            tensors.append(VllmTensor(target.name, (name,), shape, param.dtype, transposed=turn, first_rank_only=first))
             continue
         parts = groups.setdefault(target.name, [None] * target.parts)
         parts[target.part] = name
@@ -238,6 +238,13 @@ def plan_layout(
                 tensors.append(VllmTensor(f"{module}.{kind}_scale", (), (1,), "float32", constant=1.0))
                 tensors.append(VllmTensor(f"{module}.{kind}_zero_point", (), (1,), "float32", constant=0.0))
     return VllmLayout(tensors, plan, vocab_plan, source, info)
+
+
+def _as_vllm(t: VllmTensor, shard: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s tensor as vLLM keeps it: transposed, or zeros off rank 0, where ``t`` says so."""
+    if t.first_rank_only and rank:
+        return shard.new_zeros(shard.shape)
+    return shard.transpose(1, 2) if t.transposed else shard
 
 
 def _fused(vname: str, parts: list[str], plan: ModelPlan, dim: int, where: str) -> VllmTensor:
@@ -399,7 +406,9 @@ def rank_tensors(
                 yield want, [torch.stack([torch.cat([p[r] for p in g]) for g in mine[r]]) for r in range(num_shards)]
             else:
                 joined = [torch.cat([p[r] for p in pieces], dim=want.dim) for r in range(num_shards)]
-                yield want, joined if len(pieces) > 1 else [pieces[0][r] for r in range(num_shards)]
+                if len(pieces) == 1:
+                    joined = [_as_vllm(want, pieces[0][r], r) for r in range(num_shards)]
+                yield want, joined
             want = next(order, None)
     for t in layout.tensors:
         if t.constant is not None:
@@ -636,11 +645,12 @@ def open_vllm_shards(model: Any, verify: bool = False) -> ShardsSource | None:
     shell = Checkpoint(root, root, "converted", {}, [], manifest)
     info, stored, values = read_record(record, shell, str(where))
     layout = plan_layout(stored, n_old, info)
-    across = next((t.name for t in layout.tensors if t.dim), None)
-    if across is not None:  # its parts are columns of the rank tensor, not row blocks
+    across = next((t.name for t in layout.tensors if t.dim or t.transposed or t.first_rank_only), None)
+    if across is not None:  # its parts are columns of the rank tensor, not row blocks, or not the stored values
         raise CheckpointError(
-            f"is vLLM's sharded_state layout for num_shards={n_old} of a GPTQ or AWQ model, whose fused tensors join "
-            "their parts along the columns: not a source for another N or layout yet; convert the source checkpoint",
+            f"is vLLM's sharded_state layout for num_shards={n_old} of a GPTQ, AWQ or GPT-OSS model, whose rank "
+            "tensors join their parts along the columns or change them: not a source for another N or layout yet; "
+            "convert the source checkpoint",
             file=str(where),
             param=across,
         )

@@ -28,6 +28,12 @@ GPT_OSS = Family(
     ROLES,
     vllm_packed={"qkv_proj": ("q_proj", "k_proj", "v_proj")},
     vllm=VllmNames(
+        state_names={
+            ".self_attn.": ".attn.",
+            ".embed_tokens.": ".embedding.",
+            ".experts.gate_up_proj_bias": ".experts.routed_experts.w13_bias",
+            ".experts.down_proj_bias": ".experts.routed_experts.w2_bias",
+        },
         transposed=("experts.gate_up_proj", "experts.down_proj"),
         first_rank_only=("experts.down_proj_bias",),
     ),
