@@ -118,3 +118,39 @@ def test_gguf_architectures_map_to_their_family_model_type() -> None:
     assert gguf_model_type("llama") == "llama" and gguf_model_type("no_such_arch") == "no_such_arch"
     with pytest.raises(PlanError, match="GGUF architectures name model types it lacks"):
         Family("odd", ("odd_lm",), TOY_ROLES, gguf_architectures={"oddlm": "other_lm"})
+
+
+def test_gpt_oss_splits_its_stacked_experts_by_output(tmp_path: Path) -> None:
+    """GPT-OSS: experts stored ``[experts, in, out]`` (gate and up interleaved along ``out``) split along the last
+    dim, the down projection by its rows, the sinks by heads; the down bias and the router stay whole."""
+    rng = np.random.default_rng(0)
+    e, hidden, inter, heads, kv, head_dim = 4, 32, 16, 4, 2, 8
+    shapes = {
+        "model.layers.0.mlp.experts.gate_up_proj": (e, hidden, 2 * inter),
+        "model.layers.0.mlp.experts.gate_up_proj_bias": (e, 2 * inter),
+        "model.layers.0.mlp.experts.down_proj": (e, inter, hidden),
+        "model.layers.0.mlp.experts.down_proj_bias": (e, hidden),
+        "model.layers.0.mlp.router.weight": (e, hidden),
+        "model.layers.0.self_attn.q_proj.weight": (heads * head_dim, hidden),
+        "model.layers.0.self_attn.k_proj.weight": (kv * head_dim, hidden),
+        "model.layers.0.self_attn.sinks": (heads,),
+    }
+    full = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    (tmp_path / "m").mkdir()
+    save_file(full, str(tmp_path / "m" / "model.safetensors"))
+    config = {"model_type": "gpt_oss", "hidden_size": hidden, "intermediate_size": inter, "num_local_experts": e,
+              "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim, "num_hidden_layers": 1,
+              "vocab_size": 64}  # fmt: skip
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    p = "model.layers.0."
+    for r in range(2):
+        got = {k: v.numpy() for k, v in shardload.load_rank(tmp_path / "m", r, 2).items()}
+        cols, rows = slice(r * inter, (r + 1) * inter), slice(r * inter // 2, (r + 1) * inter // 2)
+        gate_up = full[p + "mlp.experts.gate_up_proj"]
+        np.testing.assert_array_equal(got[p + "mlp.experts.gate_up_proj"], gate_up[..., cols])
+        np.testing.assert_array_equal(got[p + "mlp.experts.gate_up_proj_bias"],
+                                      full[p + "mlp.experts.gate_up_proj_bias"][:, cols])  # fmt: skip
+        np.testing.assert_array_equal(got[p + "mlp.experts.down_proj"], full[p + "mlp.experts.down_proj"][:, rows])
+        for whole in ("mlp.experts.down_proj_bias", "mlp.router.weight"):
+            np.testing.assert_array_equal(got[p + whole], full[p + whole])
+        np.testing.assert_array_equal(got[p + "self_attn.sinks"], full[p + "self_attn.sinks"][2 * r : 2 * r + 2])

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 import shardload
 from shardload.cli.main import main
 from shardload.engine.vllm_layout import convert_vllm, rank_path
-from shardload.errors import ShardloadError
+from shardload.errors import CheckpointError, ShardloadError
 from shardload.models.vllm_names import Target, vllm_target
 
 pytest.importorskip("transformers")
@@ -153,6 +153,72 @@ def test_quantized_compressed_tensors_keeps_int8_and_fuses_scales(tmp_path: Path
     assert got[f"{layer}.self_attn.attn.k_zero_point"].tolist() == [0.0]
 
 
+def _column_packed(model: Path, method: str) -> dict[str, torch.Tensor]:
+    """Replace every projection of the checkpoint at ``model`` by random GPTQ or AWQ tensors (groups of 32; their
+    shapes are all a layout needs) and say so in its config; return the new tensors."""
+    gen = torch.Generator().manual_seed(0)
+    state, out = load_file(str(model / "model.safetensors")), {}
+    for name, t in state.items():
+        if not name.endswith("proj.weight"):
+            out[name] = t
+            continue
+        prefix, (rows, cols) = name.removesuffix(".weight"), t.shape  # [out, in]
+        qweight = (cols // 8, rows) if method == "gptq" else (cols, rows // 8)
+        out[f"{prefix}.qweight"] = torch.randint(-(2**31), 2**31 - 1, qweight, generator=gen, dtype=torch.int32)
+        out[f"{prefix}.qzeros"] = torch.randint(-(2**31), 2**31 - 1, (cols // 32, rows // 8), generator=gen,
+                                                dtype=torch.int32)  # fmt: skip
+        out[f"{prefix}.scales"] = torch.rand(cols // 32, rows, generator=gen).half()
+        if method == "gptq":
+            out[f"{prefix}.g_idx"] = torch.arange(cols, dtype=torch.int32) // 32
+    save_file(out, str(model / "model.safetensors"))
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 32, "desc_act": False}
+    (model / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_gptq_and_awq_fuse_along_the_output_columns(tmp_path: Path, method: str) -> None:
+    """GPTQ's and AWQ's tensors keep the output dim last: vLLM's fused ``qkv_proj`` joins q, k and v's rank columns
+    (``qzeros`` and AWQ's ``qweight`` packed 8 to a column); row-parallel ones split their input rows; GPTQ's
+    ``g_idx`` (no act-order) has no vLLM parameter; and vLLM gets the list of quantized modules it cannot read off
+    the fused names."""
+    model = tmp_path / "model"
+    build("llama_gqa", model)
+    stored = _column_packed(model, method)
+    convert_vllm(model, 2, tmp_path / "out")
+    got = load_file(str(rank_path(tmp_path / "out", 1)))
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    for kind in ("qweight", "qzeros", "scales"):
+        q, k, v = (stored[f"{attn}.{p}_proj.{kind}"] for p in "qkv")
+        want = torch.cat([_split(q, 2, 1, 1), _split(k, 2, 1, 1), _split(v, 2, 1, 1)], dim=1)
+        assert torch.equal(got[f"{attn}.qkv_proj.{kind}"], want), kind
+    down = stored[f"{mlp}.down_proj.qweight"]
+    assert torch.equal(got[f"{mlp}.down_proj.qweight"], _split(down, 2, 1))  # input rows (GPTQ: 8 to a row)
+    assert not [n for n in got if n.endswith("g_idx")]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    if method == "gptq":
+        assert f"{attn}.q_proj" in config["modules_in_block_to_quantize"]
+        assert "model.norm" not in config["modules_in_block_to_quantize"]
+    else:
+        assert "modules_in_block_to_quantize" not in config
+    assert shardload.verify_dir(tmp_path / "out", source=model).ok
+    with pytest.raises(CheckpointError, match="of a GPTQ, AWQ or GPT-OSS model"):
+        convert_vllm(tmp_path / "out", 1, tmp_path / "again")
+
+
+def test_gptq_with_act_order_is_refused(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    build("llama_gqa", model)
+    _column_packed(model, "gptq")
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"]["desc_act"] = True
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ShardloadError, match="GPTQ checkpoints without act-order, not desc_act=true"):
+        convert_vllm(model, 2, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     ("name", "target"),
     [
@@ -182,13 +248,15 @@ def test_refusals_name_the_reason(tmp_path: Path) -> None:
         convert_vllm(tmp_path / "thirds", 3, tmp_path / "out3")
     assert not (tmp_path / "out3").exists()
     build("llama_gqa", tmp_path / "model")
-    build("mixtral_stacked", tmp_path / "stacked")
-    with pytest.raises(ShardloadError, match="stacked experts without --expert-parallel"):
-        convert_vllm(tmp_path / "stacked", 2, tmp_path / "out", expert_parallel=True)
     config = json.loads((tmp_path / "model" / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes"}
     (tmp_path / "model" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ShardloadError, match="not quant_method='awq'"):
+    with pytest.raises(ShardloadError, match="not quant_method='bitsandbytes'"):
+        convert_vllm(tmp_path / "model", 2, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}  # per-tensor scales
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ShardloadError, match="not weight_block_size=None, activation_scheme='static'"):
         convert_vllm(tmp_path / "model", 2, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -316,3 +384,56 @@ def test_stacked_experts_become_vllms_stacked_parameters(tmp_path: Path) -> None
         gate, up = gate_up[:, :half].chunk(2, 1)[r], gate_up[:, half:].chunk(2, 1)[r]
         assert torch.equal(state[f"{p}.routed_experts.w13_weight"], torch.cat([gate, up], 1))
         assert torch.equal(state[f"{p}.routed_experts.w2_weight"], down.chunk(2, 2)[r])
+
+
+def test_stacked_experts_under_expert_parallelism_are_runs_of_whole_experts(tmp_path: Path) -> None:
+    """Experts stored stacked, --expert-parallel: rank r holds the stacked tensors' experts r*E/N onward, whole."""
+    build("mixtral_stacked", tmp_path / "m")
+    source = load_file(tmp_path / "m" / "model.safetensors")
+    convert_vllm(tmp_path / "m", 2, tmp_path / "out", expert_parallel=True)
+    p = "model.layers.0.mlp.experts"
+    for r in range(2):
+        state = load_file(rank_path(tmp_path / "out", r))
+        assert torch.equal(state[f"{p}.routed_experts.w13_weight"], source[f"{p}.gate_up_proj"].chunk(2)[r])
+        assert torch.equal(state[f"{p}.routed_experts.w2_weight"], source[f"{p}.down_proj"].chunk(2)[r])
+    assert not shardload.verify_dir(tmp_path / "out", source=tmp_path / "m").problems
+
+
+def test_gpt_oss_rank_files_are_transposed_and_renamed_as_vllm_keeps_them(tmp_path: Path) -> None:
+    """GPT-OSS: experts stored [experts, in, out] become vLLM's [experts, out, in] (a rank's run of gate/up pairs),
+    the down bias stays on rank 0 (zeros elsewhere), and names are vLLM's (``attn``, ``embedding``, ``w13_bias``)."""
+    gen = torch.Generator().manual_seed(0)
+    e, hidden, inter, heads, kv, head_dim, vocab = 4, 32, 16, 4, 2, 8, 64
+    p = "model.layers.0."
+    shapes = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        p + "mlp.experts.gate_up_proj": (e, hidden, 2 * inter),
+        p + "mlp.experts.gate_up_proj_bias": (e, 2 * inter),
+        p + "mlp.experts.down_proj": (e, inter, hidden),
+        p + "mlp.experts.down_proj_bias": (e, hidden),
+        p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+        p + "self_attn.k_proj.weight": (kv * head_dim, hidden),
+        p + "self_attn.v_proj.weight": (kv * head_dim, hidden),
+        p + "self_attn.sinks": (heads,),
+    }
+    full = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    (tmp_path / "m").mkdir()
+    save_file(full, str(tmp_path / "m" / "model.safetensors"))
+    config = {"model_type": "gpt_oss", "hidden_size": hidden, "intermediate_size": inter, "num_local_experts": e,
+              "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim, "num_hidden_layers": 1,
+              "vocab_size": vocab}  # fmt: skip
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    convert_vllm(tmp_path / "m", 2, tmp_path / "out")
+    x = p + "mlp.experts.routed_experts."
+    for r in range(2):
+        got = load_file(str(rank_path(tmp_path / "out", r)))
+        cols, rows = slice(r * inter, (r + 1) * inter), slice(r * inter // 2, (r + 1) * inter // 2)
+        assert torch.equal(got[x + "w13_weight"], full[p + "mlp.experts.gate_up_proj"][..., cols].transpose(1, 2))
+        assert torch.equal(got[x + "w13_bias"], full[p + "mlp.experts.gate_up_proj_bias"][:, cols])
+        assert torch.equal(got[x + "w2_weight"], full[p + "mlp.experts.down_proj"][:, rows].transpose(1, 2))
+        bias = full[p + "mlp.experts.down_proj_bias"]
+        assert torch.equal(got[x + "w2_bias"], bias if r == 0 else torch.zeros_like(bias))
+        assert torch.equal(got[p + "attn.sinks"], full[p + "self_attn.sinks"][2 * r : 2 * r + 2])
+        assert torch.equal(got["model.embedding.weight"], full["model.embed_tokens.weight"][32 * r : 32 * (r + 1)])
+        assert p + "attn.attn._k_scale" in got
+    assert not shardload.verify_dir(tmp_path / "out", source=tmp_path / "m").problems

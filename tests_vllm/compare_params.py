@@ -65,8 +65,23 @@ def as_rank(tp: int, rank: int) -> Iterator[None]:
         parallel_state._TP = real
 
 
+@contextmanager
+def no_fp8_kernel() -> Iterator[None]:
+    """Let vLLM build FP8 linear layers on a CPU without AMX: its kernel choice (made after the parameters are
+    created, used only by a forward pass) is replaced by a stub; the parameters and their weight loaders are vLLM's."""
+    from vllm.model_executor.layers.quantization import fp8
+
+    real = fp8.init_fp8_linear_kernel
+    fp8.init_fp8_linear_kernel = lambda **kwargs: None
+    try:
+        yield
+    finally:
+        fp8.init_fp8_linear_kernel = real
+
+
 def build(model_dir: str, load_format: str, tp: int, ep: bool, dtype: str = "float32") -> Built:
-    """vLLM's model for the current (faked) rank, every parameter holding the marker."""
+    """vLLM's model for the current (faked) rank, every parameter holding the marker (an FP8 model's linear layers
+    without a kernel: see :func:`no_fp8_kernel`)."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
@@ -77,7 +92,12 @@ def build(model_dir: str, load_format: str, tp: int, ep: bool, dtype: str = "flo
                       dtype=dtype, enforce_eager=True, max_model_len=64, skip_tokenizer_init=True,
                       distributed_executor_backend="mp")  # fmt: skip
     config = args.create_engine_config()
-    with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
+    with (
+        set_current_vllm_config(config),
+        set_default_torch_dtype(config.model_config.dtype),
+        torch.device("cpu"),
+        no_fp8_kernel(),
+    ):
         model = initialize_model(vllm_config=config, model_config=config.model_config)
     for param in model.parameters():
         mark(param.data)

@@ -9,6 +9,10 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 COMMON = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=128)  # fmt: skip
@@ -237,19 +241,136 @@ def gptq(out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+"""AWQ's order_map: nibble i of a packed int32 holds output column ``AWQ_ORDER[i]`` of its run of eight."""
+
+
+def awq_pack(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values ``q`` [rows, cols] (0..15) packed 8 to an int32 along the columns in AWQ's order: ``[rows,
+    cols / 8]`` (a reimplementation of AutoAWQ's packing, checked against vLLM's unpacking in :func:`awq`)."""
+    import torch
+
+    runs = q.to(torch.int64).reshape(q.shape[0], -1, 8)
+    packed = torch.zeros(runs.shape[:2], dtype=torch.int64)
+    for nibble, column in enumerate(AWQ_ORDER):
+        packed |= runs[:, :, column] << (4 * nibble)
+    return packed.to(torch.uint32).view(torch.int32)
+
+
+def awq(out: Path) -> None:
+    """The GQA Llama with every linear layer quantized to AWQ int4 (GEMM version: asymmetric, groups of 32):
+    ``qweight`` [in, out/8] and ``qzeros`` [groups, out/8] packed 8 to an int32 along the columns in AWQ's order,
+    ``scales`` [groups, out] float16."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    llama(out)
+    quantized, group = {}, 32
+    for name, t in load_file(out / "model.safetensors").items():
+        if not name.endswith("proj.weight"):
+            quantized[name] = t
+            continue
+        prefix, w = name.removesuffix(".weight"), t.T.contiguous()  # [in, out]
+        g = w.reshape(w.shape[0] // group, group, w.shape[1])
+        low, high = g.amin(1), g.amax(1)
+        scale = ((high - low).clamp(min=1e-5) / 15).to(torch.float16)
+        zero = torch.round(-low / scale.float()).clamp(0, 15)
+        q = (torch.round(g / scale.float()[:, None, :]) + zero[:, None, :]).clamp(0, 15).reshape(w.shape)
+        quantized[f"{prefix}.qweight"], quantized[f"{prefix}.qzeros"] = awq_pack(q), awq_pack(zero)
+        quantized[f"{prefix}.scales"] = scale
+        _check_awq(quantized[f"{prefix}.qweight"], q)
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                     "version": "gemm"}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _check_awq(packed: torch.Tensor, q: torch.Tensor) -> None:
+    """vLLM's own AWQ unpacking (its reverse order, as ``_convert_awq_to_standard_format`` applies it) gives ``q``
+    back from :func:`awq_pack`'s ``packed``."""
+    import torch
+    from vllm.model_executor.layers.quantization.auto_awq import _REVERSE_AWQ_PACK_ORDER
+
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    unpacked = ((packed.unsqueeze(-1) >> shifts) & 0xF)[:, :, _REVERSE_AWQ_PACK_ORDER].reshape(q.shape)
+    assert torch.equal(unpacked, q.to(torch.int32)), "AWQ packing differs from vLLM's unpacking"
+
+
+FP8_BLOCK = 128
+"""The FP8 block size: weights quantized per 128x128 block, as DeepSeek-V3 and Qwen3-FP8 checkpoints are."""
+
+
+def fp8_block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight float8_e4m3fn, weight_scale_inv float32 [ceil(out/128), ceil(in/128)])`` for a 2-D weight: each
+    128x128 block (the last ones cut short) divided by its absolute maximum over 448, the e4m3 maximum, so that
+    ``weight * weight_scale_inv`` per block gives it back (the layout of ``quant_method: fp8`` with
+    ``weight_block_size``; the arithmetic of vLLM's ``per_block_cast_to_fp8``, which checks it in :func:`fp8`)."""
+    import torch
+
+    rows, cols = w.shape
+    b = FP8_BLOCK
+    padded = torch.zeros(-(-rows // b) * b, -(-cols // b) * b, dtype=w.dtype)
+    padded[:rows, :cols] = w
+    blocks = padded.view(-1, b, padded.shape[1] // b, b)
+    scale = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4) / torch.finfo(torch.float8_e4m3fn).max
+    q = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn).view_as(padded)[:rows, :cols].contiguous()
+    return q, scale.view(blocks.shape[0], blocks.shape[2]).contiguous()
+
+
+def fp8(out: Path) -> None:
+    """A Llama with every linear layer FP8 block-quantized (``quant_method: fp8``, ``weight_block_size`` [128,
+    128]): ``weight`` float8_e4m3fn and ``weight_scale_inv`` float32, the rest bfloat16. Heads of 128 and 4 KV
+    heads so that every rank of TP=4 holds whole 128-row blocks (vLLM requires it); one layer keeps it small."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**dict(COMMON, hidden_size=1024, intermediate_size=2048, num_hidden_layers=1,
+                                num_attention_heads=8, num_key_value_heads=4, head_dim=128))  # fmt: skip
+    _save(LlamaForCausalLM(config).to(torch.bfloat16), out)
+    quantized = {}
+    for name, t in load_file(out / "model.safetensors").items():
+        if not name.endswith("proj.weight"):
+            quantized[name] = t
+            continue
+        q, scale = fp8_block_quantize(t)
+        quantized[name], quantized[f"{name}_scale_inv"] = q, scale
+        _check_fp8_block(t)
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _check_fp8_block(t: torch.Tensor) -> None:
+    """:func:`fp8_block_quantize` gives vLLM's own ``per_block_cast_to_fp8``'s bytes, on ``t`` and on a weight whose
+    sides are not multiples of 128."""
+    import torch
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    for w in (t, t[:200, :300].contiguous()):
+        ours, theirs = fp8_block_quantize(w), per_block_cast_to_fp8(w)
+        for a, b in zip(ours, theirs, strict=True):
+            assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (a.shape, b.shape)
+
+
 MODELS = {"llama": llama, "llama_kv1": llama_kv1, "qwen2": qwen2, "mixtral": mixtral, "w8a8": w8a8, "w4a16": w4a16,
           "gptq": gptq}  # fmt: skip
 FAMILIES = {"llama": llama, "llama_kv1": llama_kv1, "mixtral": mixtral, "deepseek_v2": deepseek_v2,
             "deepseek_v3": deepseek_v3, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "olmoe": olmoe,
             "gemma2": gemma2, "gemma3": gemma3, "phi3": phi3, "gpt_oss": gpt_oss,
             "qwen3_moe_stacked": qwen3_moe_stacked}  # fmt: skip
+QUANTIZED = {"w4a16": w4a16, "gptq": gptq, "fp8": fp8, "awq": awq}
+"""Quantized Llamas the parameter comparison covers too."""
 """The families the parameter comparison covers (test_vllm_params.py)."""
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     for name in sys.argv[2:] or list(MODELS):
-        {**MODELS, **FAMILIES}[name](out / name)
+        {**MODELS, **FAMILIES, **QUANTIZED}[name](out / name)
         print(f"make_models: {out / name}", flush=True)
 
 

@@ -301,11 +301,13 @@ def publish_with_manifest(
     written: list[WrittenFile],
     manifest: dict[str, Any],
     durable: bool,
+    replaced: frozenset[str] = frozenset(),
 ) -> list[WrittenFile]:
     """Finish a converted output: copy the model's companion files (never its shard_info.json: the manifest says
-    how the output was planned), add the output marker, write ``manifest`` with ``files`` listing every file, and
-    publish once the sources are checked unchanged. Returns the companion files and the marker."""
-    others = copy_companions(model_root, staging.dir, {SHARD_INFO_NAME}, durable)
+    how the output was planned; nor those ``replaced``, which the caller wrote), add the output marker, write
+    ``manifest`` with ``files`` listing every file, and publish once the sources are checked unchanged. Returns the
+    companion files and the marker."""
+    others = copy_companions(model_root, staging.dir, {SHARD_INFO_NAME, *replaced}, durable)
     assert staging.marker is not None
     others.append(staging.marker)
     record = {**manifest, "files": [f.__dict__ for f in written + others]}

@@ -2,8 +2,9 @@
 ``load_format="sharded_state"`` and no plugin.
 
 One file per tensor-parallel rank, ``model-rank-{r}-part-0.safetensors``, holding vLLM's parameter names and its
-per-rank layout: ``qkv_proj`` = [this rank's q rows; its k rows; its v rows], ``gate_up_proj`` = [gate; up],
-row-parallel weights split by columns, embeddings and the LM head padded with zero rows to a multiple of 64 and
+per-rank layout: ``qkv_proj`` = [this rank's q rows; its k rows; its v rows], ``gate_up_proj`` = [gate; up]
+(GPTQ's and AWQ's tensors, which keep the output dim last, joined along their columns), row-parallel weights split
+by columns, embeddings and the LM head padded with zero rows to a multiple of 64 and
 split by rows (a tied LM head is stored once, under ``lm_head.weight``, the key vLLM keeps). The rank tensors come
 from the model's shard_info (or a plan made in memory from config.json), streamed one parameter at a time; the
 output is staged and published like :func:`shardload.convert`'s, with a manifest so ``shardload verify`` checks
@@ -22,10 +23,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardloadError
-from ..format.shard_info import MAX_RANKS, ShardInfo
+from ..format.shard_info import MAX_RANKS, ShardInfo, StepSpec
 from ..models.families import VllmNames, vllm_names, vllm_packing
 from ..models.plan_source import plan_shard_info
-from ..models.vllm_names import SHAPE_SUFFIX, SKIPPED_SUFFIXES, Target, is_vocab, vllm_target, vocab_range
+from ..models.vllm_names import (
+    SHAPE_SUFFIX,
+    SKIPPED_SUFFIXES,
+    STACKED_EXPERTS,
+    Target,
+    is_vocab,
+    vllm_target,
+    vocab_range,
+)
 from ..planning.plan import ModelPlan, ParamPlan, build_plan
 from ..sources.checkpoint import (
     VLLM_MANIFEST_FORMAT,
@@ -63,8 +72,17 @@ _RANK_FILE_RE = re.compile(r"model-rank-(0|[1-9][0-9]{0,8})-part-(0|[1-9][0-9]{0
 """A file vLLM's ``ShardedStateLoader`` reads: rank, part (shardload writes part 0 only)."""
 ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 """Float32 scalars (1.0 unless a checkpoint quantizes the KV cache) each vLLM attention layer keeps in its state."""
-ATTENTION_WEIGHTS = tuple(f".{m}.{w}" for m in ("qkv_proj", "kv_b_proj") for w in ("weight", "weight_packed"))
+ATTENTION_WEIGHTS = tuple(
+    f".{m}.{w}" for m in ("qkv_proj", "kv_b_proj") for w in ("weight", "weight_packed", "qweight")
+)
 """A vLLM parameter that marks an attention layer (multi-head, and DeepSeek's latent attention)."""
+CONFIG_NAME = "config.json"
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+"""Stored dtypes vLLM's GPTQ counts as unquantized when it lists a checkpoint's quantized modules."""
+COLUMN_PACKED = ("gptq", "awq")
+"""Quantization methods whose tensors keep the output dim last (``qweight``, ``qzeros``, ``scales``)."""
+COLUMN_PACKED_TENSORS = (".qweight", ".qzeros", ".scales")
+"""GPTQ's and AWQ's tensors: vLLM fuses their parts along dim 1, its output dim."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +100,12 @@ class VllmTensor:
     """Under expert parallelism: the experts each rank holds whole (rank r: experts r*local .. (r+1)*local - 1)."""
     constant: float | None = None
     """A float32 value vLLM's model keeps in its state (its attention's default quantization scales)."""
+    dim: int = 0
+    """The dim a fused tensor's parts are joined along: vLLM's output dim (1 for GPTQ's and AWQ's tensors)."""
+    transposed: bool = False
+    """Stacked experts stored ``[experts, in, out]`` that vLLM keeps ``[experts, out, in]`` (GPT-OSS)."""
+    first_rank_only: bool = False
+    """A whole tensor vLLM keeps on rank 0 only, zeros on the others (GPT-OSS's expert down bias)."""
 
 
 @dataclass(frozen=True)
@@ -125,11 +149,14 @@ def plan_layout(
     tied = config.get("tie_word_embeddings") is True
     names = vllm_names(config.get("model_type"))
     info, source = plan_shard_info(checkpoint, shard_info)
-    stored = [n for n in checkpoint.tensors if not n.endswith(SKIPPED_SUFFIXES)]
+    skipped = (*SKIPPED_SUFFIXES, ".g_idx") if quantized == "gptq" else SKIPPED_SUFFIXES  # no act-order: vLLM has none
+    stored = [n for n in checkpoint.tensors if not n.endswith(skipped)]
     vocab_names = [n for n in stored if is_vocab(n) and not (tied and n.endswith("lm_head.weight"))]
     whole_experts = {n for n in stored if expert_parallel and vllm_target(n, {}).expert is not None}
     whole_experts |= {n for n in stored if n.endswith(SHAPE_SUFFIX)}  # vLLM keeps a packed weight's stored shape
     kept = {k: v for k, v in info.params.items() if k not in vocab_names and k in stored and k not in whole_experts}
+    if expert_parallel:
+        kept |= _stacked_by_expert(checkpoint, stored, num_shards, where)
     body = {n: checkpoint.tensors[n] for n in stored if n not in vocab_names}
     plan = build_plan(ShardInfo(kept, info.num_shards, source=info.source), _only(checkpoint, body), num_shards)
     whole = {n: checkpoint.tensors[n] for n in vocab_names}
@@ -147,7 +174,7 @@ def plan_layout(
                 param=name,
             )
         head = tied and names.tied_head and name.endswith("embed_tokens.weight")  # the alias vLLM's state keeps
-        out_name = "lm_head.weight" if head else name
+        out_name = "lm_head.weight" if head else _state_name(Target(name), names).name
         tensors.append(VllmTensor(out_name, (name,), (per_rank, *info_t.shape[1:]), info_t.dtype, vocab=True))
     groups: dict[str, list[str | None]] = {}
     stacks: dict[str, dict[tuple[int, int], str]] = {}
@@ -160,11 +187,11 @@ def plan_layout(
     for name, param in plan.params.items():
         target = targets[name]
         stacked = target.expert is None and ".experts." in name
-        if stacked and (target.name == name or expert_parallel):
+        if stacked and target.name == name:
             raise ShardloadError(
                 "--layout vllm writes experts stored one by one (experts.E.w1 or experts.E.gate_proj) or stacked as "
-                "transformers stacks them (experts.gate_up_proj, experts.down_proj), and stacked experts without "
-                "--expert-parallel: serve this one with load_format='shardload'",
+                "transformers stacks them (experts.gate_up_proj, experts.down_proj): serve this one with "
+                "load_format='shardload'",
                 file=where,
                 param=name,
             )
@@ -177,7 +204,10 @@ def plan_layout(
                 del stacks[target.name]
             continue
         if not target.fused:
-            tensors.append(VllmTensor(target.name, (name,), param.shape, param.dtype))
+            turn = name.endswith(names.transposed)  # [experts, in, out] stored, [experts, out, in] in vLLM
+            shape = (*param.shape[:1], param.shape[2], param.shape[1], *param.shape[3:]) if turn else param.shape
+            first = not expert_parallel and name.endswith(names.first_rank_only)
+            tensors.append(VllmTensor(target.name, (name,), shape, param.dtype, transposed=turn, first_rank_only=first))
             continue
         parts = groups.setdefault(target.name, [None] * target.parts)
         parts[target.part] = name
@@ -186,13 +216,8 @@ def plan_layout(
             tensors.append(VllmTensor(target.name, (parts[-1],), last.shape, last.dtype))  # type: ignore[arg-type]
             del groups[target.name]
         elif all(p is not None for p in parts):
-            shapes = [plan.params[p].shape for p in parts if p is not None]
-            dtypes = {plan.params[p].dtype for p in parts if p is not None}
-            if len(dtypes) > 1 or any(s[1:] != shapes[0][1:] for s in shapes):
-                raise ShardloadError(f"its parts have different dtypes or widths ({shapes})", file=where,
-                                     param=target.name)  # fmt: skip
-            rows = sum(s[0] for s in shapes)
-            tensors.append(VllmTensor(target.name, tuple(p for p in parts if p), (rows, *shapes[0][1:]), dtypes.pop()))
+            dim = 1 if quantized in COLUMN_PACKED and target.name.endswith(COLUMN_PACKED_TENSORS) else 0
+            tensors.append(_fused(target.name, [p for p in parts if p], plan, dim, where))
             del groups[target.name]
     for vname, parts in groups.items():
         missing = [packed[vname.split(".")[-2]][i] for i, p in enumerate(parts) if p is None]
@@ -205,11 +230,33 @@ def plan_layout(
         module = f"{prefix}.{names.attention}"
         for scale in ATTENTION_SCALES:
             tensors.append(VllmTensor(f"{module}.{scale}", (), (), "float32", constant=1.0))
-        if quantized:  # compressed-tensors' KV-cache placeholders, at the values vLLM gives a checkpoint without them
+        if quantized == "fp8":  # FP8's KV-cache scales, at vLLM's "not in the checkpoint" value (-1)
+            for kind in ("q", "k", "v", "prob"):
+                tensors.append(VllmTensor(f"{module}.{kind}_scale", (), (), "float32", constant=-1.0))
+        elif quantized == "compressed-tensors":  # its KV-cache placeholders, at vLLM's values for a checkpoint without
             for kind in ("k", "v", "q"):
                 tensors.append(VllmTensor(f"{module}.{kind}_scale", (), (1,), "float32", constant=1.0))
                 tensors.append(VllmTensor(f"{module}.{kind}_zero_point", (), (1,), "float32", constant=0.0))
     return VllmLayout(tensors, plan, vocab_plan, source, info)
+
+
+def _as_vllm(t: VllmTensor, shard: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s tensor as vLLM keeps it: transposed, or zeros off rank 0, where ``t`` says so."""
+    if t.first_rank_only and rank:
+        return shard.new_zeros(shard.shape)
+    return shard.transpose(1, 2) if t.transposed else shard
+
+
+def _fused(vname: str, parts: list[str], plan: ModelPlan, dim: int, where: str) -> VllmTensor:
+    """vLLM's fused parameter ``vname``: ``parts``' rank tensors joined along ``dim``, checked to agree elsewhere."""
+    shapes = [plan.params[p].shape for p in parts]
+    dtypes = {plan.params[p].dtype for p in parts}
+    if len(dtypes) > 1 or any(len(s) <= dim or s[:dim] + s[dim + 1 :] != shapes[0][:dim] + shapes[0][dim + 1 :]
+                              for s in shapes):  # fmt: skip
+        raise ShardloadError(f"its parts have different dtypes or shapes ({shapes})", file=where, param=vname)
+    shape = list(shapes[0])
+    shape[dim] = sum(s[dim] for s in shapes)
+    return VllmTensor(vname, tuple(parts), tuple(shape), dtypes.pop(), dim=dim)
 
 
 def _packing(packed: Mapping[str, tuple[str, ...]], names: VllmNames, stored: list[str]) -> dict[str, tuple[str, ...]]:
@@ -227,20 +274,45 @@ def _state_name(target: Target, names: VllmNames) -> Target:
     return target
 
 
-def _quantization(config: dict[str, Any], where: str) -> bool:
-    """Whether the model is quantized in a way ``--layout vllm`` writes (compressed-tensors); refuse the others."""
+def _quantization(config: dict[str, Any], where: str) -> str | None:
+    """How the model is quantized, where ``--layout vllm`` writes it: ``"compressed-tensors"``, ``"fp8"`` (block
+    quantized, dynamic activations), ``"gptq"`` (no act-order), ``"awq"`` or None; refuse the others."""
     quant = config.get("quantization_config")
     if not isinstance(quant, dict):
-        return False
+        return None
     method = quant.get("quant_method")
+    if method == "fp8":
+        return _fp8_block(quant, where)
+    if method in COLUMN_PACKED:
+        if quant.get("desc_act") is True:
+            raise ShardloadError(
+                "--layout vllm writes GPTQ checkpoints without act-order, not desc_act=true (vLLM reorders the "
+                "input rows by g_idx); serve this one with load_format='shardload'",
+                file=where,
+            )
+        return str(method)
     if method != "compressed-tensors" or quant.get("kv_cache_scheme") is not None:
         raise ShardloadError(
-            f"--layout vllm writes unquantized and compressed-tensors checkpoints, not quant_method={method!r}"
-            f"{' with a kv_cache_scheme' if method == 'compressed-tensors' else ''}; serve this one with "
-            "load_format='shardload'",
+            f"--layout vllm writes unquantized, compressed-tensors, FP8 block-quantized, GPTQ and AWQ checkpoints, not "
+            f"quant_method={method!r}{' with a kv_cache_scheme' if method == 'compressed-tensors' else ''}; serve "
+            "this one with load_format='shardload'",
             file=where,
         )
-    return True
+    return "compressed-tensors"
+
+
+def _fp8_block(quant: dict[str, Any], where: str) -> str:
+    """``"fp8"`` for an FP8 checkpoint quantized per block with dynamic activations (``weight`` and
+    ``weight_scale_inv``, both split like the weight); refuse per-tensor scales and static activation scales."""
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2) or quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise ShardloadError(
+            f"--layout vllm writes FP8 checkpoints quantized per block (weight_block_size) with dynamic activations, "
+            f"not weight_block_size={block!r}, activation_scheme={quant.get('activation_scheme')!r}; serve this one "
+            "with load_format='shardload'",
+            file=where,
+        )
+    return "fp8"
 
 
 def _stacked(
@@ -268,6 +340,25 @@ def _expert_parallel(stacked: VllmTensor, num_shards: int, where: str) -> VllmTe
         )
     local = stacked.experts // num_shards
     return replace(stacked, shape=(local, *stacked.shape[1:]), local=local)
+
+
+def _stacked_by_expert(checkpoint: Checkpoint, stored: list[str], num_shards: int, where: str) -> dict[str, Any]:
+    """Steps for experts stored stacked (``experts.gate_up_proj`` [experts, ...]) under expert parallelism: split
+    along the experts into ``num_shards`` equal runs, vLLM's linear placement (rank r: experts r*E/N onward)."""
+    steps = {}
+    for name in stored:
+        pieces = name.split(".")
+        if len(pieces) >= 2 and pieces[-2] == "experts" and pieces[-1] in STACKED_EXPERTS:
+            experts = checkpoint.tensors[name].shape[0]
+            if experts % num_shards:
+                raise ShardloadError(
+                    f"vLLM places {experts} experts on {num_shards} ranks unevenly; sharded_state rank files with "
+                    "expert parallelism need a rank count that divides the experts (or use load_format='shardload')",
+                    file=where,
+                    param=name,
+                )
+            steps[name] = [StepSpec("shard_funcs.shard_dim", None, None, (0, "num_shards"))]
+    return steps
 
 
 def _only(checkpoint: Checkpoint, tensors: dict[str, Any]) -> Checkpoint:
@@ -314,8 +405,10 @@ def rank_tensors(
                 ]
                 yield want, [torch.stack([torch.cat([p[r] for p in g]) for g in mine[r]]) for r in range(num_shards)]
             else:
-                fused = len(pieces) > 1
-                yield want, [torch.cat([p[r] for p in pieces]) if fused else pieces[0][r] for r in range(num_shards)]
+                joined = [torch.cat([p[r] for p in pieces], dim=want.dim) for r in range(num_shards)]
+                if len(pieces) == 1:
+                    joined = [_as_vllm(want, pieces[0][r], r) for r in range(num_shards)]
+                yield want, joined
             want = next(order, None)
     for t in layout.tensors:
         if t.constant is not None:
@@ -409,10 +502,37 @@ def convert_vllm(
             }
             record = write_output_record(staging.dir, output_record(staging.dir, [f.path for f in written]), durable)
             manifest["integrity"] = {"record": record.path, "root": record.sha256}
-            publish_with_manifest(staging, checkpoint.root, stamps, [*written, record], manifest, durable)
+            config = _gptq_config(checkpoint)
+            own = [_write_file(staging.dir / CONFIG_NAME, config, durable)] if config is not None else []
+            replaced = frozenset({CONFIG_NAME} if config is not None else ())
+            publish_with_manifest(staging, checkpoint.root, stamps, [*written, record, *own], manifest, durable,
+                                  replaced)  # fmt: skip
     except OSError as err:
         raise write_error(err, out) from None
     return written
+
+
+def _gptq_config(checkpoint: Checkpoint) -> bytes | None:
+    """A GPTQ model's config.json for its ``sharded_state`` output, when it names no ``modules_in_block_to_quantize``:
+    with that list made as vLLM makes it from the source's files (every module holding a tensor that is not
+    floating point). vLLM would otherwise derive it from the rank files, whose fused names (``qkv_proj``) match
+    no stored module, and build those layers unquantized. None for other models."""
+    config = read_config(checkpoint.root, missing_ok=True)
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict) or quant.get("quant_method") != "gptq" or quant.get("modules_in_block_to_quantize"):
+        return None
+    modules = sorted({n.rsplit(".", 1)[0] for n, t in checkpoint.tensors.items() if t.dtype not in FLOAT_DTYPES})
+    config["quantization_config"] = {**quant, "modules_in_block_to_quantize": modules}
+    return (json.dumps(config, indent=2) + "\n").encode()
+
+
+def _write_file(path: Path, data: bytes, durable: bool) -> WrittenFile:
+    out = FileWriter(path, durable=durable)
+    try:
+        out.write(data)
+        return out.finish()
+    finally:
+        out.close()
 
 
 def plan_origin(layout: VllmLayout, root: Path) -> str:
@@ -525,6 +645,15 @@ def open_vllm_shards(model: Any, verify: bool = False) -> ShardsSource | None:
     shell = Checkpoint(root, root, "converted", {}, [], manifest)
     info, stored, values = read_record(record, shell, str(where))
     layout = plan_layout(stored, n_old, info)
+    across = next((t.name for t in layout.tensors if t.dim or t.transposed or t.first_rank_only), None)
+    if across is not None:  # its parts are columns of the rank tensor, not row blocks, or not the stored values
+        raise CheckpointError(
+            f"is vLLM's sharded_state layout for num_shards={n_old} of a GPTQ, AWQ or GPT-OSS model, whose rank "
+            "tensors join their parts along the columns or change them: not a source for another N or layout yet; "
+            "convert the source checkpoint",
+            file=str(where),
+            param=across,
+        )
     entries = {e["path"]: e for e in manifest["files"]}
     files: dict[tuple[int, int], Path] = {}
     headers: dict[tuple[int, int], dict[str, TensorInfo]] = {}

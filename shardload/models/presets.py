@@ -86,6 +86,8 @@ def role_placement(
         )
     if experts == "parallel":
         return Placement(name, "expert", 0, rule=rule)
+    if role == "stacked_transposed_column":  # [num_experts, in, out]: split the outputs, the last dim
+        return Placement(name, "column", 2 if shape is None else len(shape) - 1, rule=rule)
     if role == "stacked_gate_up":
         return packed_halves(name, 1, shape, dims.expert_intermediate_size, rule)
     if role == "stacked_column":

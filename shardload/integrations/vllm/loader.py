@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from ...engine.load import load_rank
 from ...errors import ShardloadError
-from ...format.shard_info import ShardInfo
+from ...format.shard_info import ShardInfo, StepSpec
+from ...models.families import vllm_names
 from ...models.plan_source import plan_shard_info
 from ...models.vllm_names import (
     DEFAULT_PACKED,
@@ -163,18 +164,15 @@ def fill_model(
             plain = vllm_target(mapped, {})
             target = plain if plain.name in targets else target
         if target.expert is None and target.name in experts:
-            raise ShardloadError(
-                "experts stored stacked (experts.gate_up_proj, experts.down_proj) under expert parallelism: "
-                "load_format='shardload' reads them under tensor parallelism only; store them one by one "
-                "(transformers' default save_pretrained) or start vLLM without enable_expert_parallel",
-                file=where,
-                param=name,
-            )
+            stacked_ep.add(name)  # this rank's run of experts, read as a slice of the stacked tensor
         if target.expert is not None and target.name in experts:
             local = experts[target.name][target.expert] if target.expert < len(experts[target.name]) else -1
             return replace(target, expert=local) if local >= 0 else None  # another rank's expert: not read
         if target.name in targets:
             return target
+        newer = replace(target, name=target.name.replace(".experts.", f".experts.{EXPERTS_MODULE}.", 1))
+        if target.expert is None and ".experts." in target.name and newer.name in targets:
+            return newer  # a stacked expert parameter the model's own mapper named (GPT-OSS's w13_weight)
         if target.expert is not None:  # vLLM before 0.32 keeps the stacked experts one module up
             older = replace(target, name=target.name.replace(f".{EXPERTS_MODULE}.", ".", 1))
             if older.name in targets:
@@ -191,6 +189,8 @@ def fill_model(
 
     vocab = _vocab_ranges(model, targets)
     experts = _expert_maps(model)
+    stacked_ep: set[str] = set()
+    adjust = _adjustments(checkpoint, rank, expert_parallel=bool(experts))
     if checkpoint.kind == "converted":
         if experts:
             raise ShardloadError(
@@ -208,12 +208,17 @@ def fill_model(
         direct: set[str] = set()
     else:
         info, report.source = plan_shard_info(checkpoint, shard_info)
+        for name in checkpoint.tensors:  # route every stored name now: stacked experts change the plan
+            route(name)
+        info = _stacked_experts_by_rank(info, stacked_ep, _routes_of(stacked_ep, route), experts, rank, num_shards,
+                                        where)  # fmt: skip
         tensors, direct, narrow, routes = _read_planned(checkpoint, info, rank, num_shards, route, targets, vocab,
-                                                        report, verify, whole=set(experts))  # fmt: skip
+                                                        report, verify, whole=set(experts), split=stacked_ep,
+                                                        adjust=adjust)  # fmt: skip
     for note in report.notes:
         log.warning("shardload: %s", note)
     report.tensors = len(tensors)
-    filled = _copy_into(targets, tensors, routes, vocab, narrow, where, direct)
+    filled = _copy_into(targets, tensors, routes, vocab, narrow, where, direct, adjust)
     report.filled = len(filled)
     missing = [
         n for n in targets
@@ -266,17 +271,21 @@ def _read_planned(
     report: FillReport,
     verify: bool | str = False,
     whole: set[str] = frozenset(),  # type: ignore[assignment]
+    split: set[str] = frozenset(),  # type: ignore[assignment]
+    adjust: Callable[[str], Callable[[torch.Tensor], torch.Tensor] | None] = lambda name: None,
 ) -> tuple[dict[str, torch.Tensor], set[str], set[str], dict[str, Target | None]]:
     """Plan ``checkpoint`` with ``info`` and read rank ``rank``'s tensors (in place where they fit). A vocabulary
     whose planned split is not vLLM's is read whole instead (noted in ``report``), and so is every expert of a vLLM
-    parameter in ``whole`` (expert parallelism: this rank's experts, unsplit). Returns the tensors, the names read in
-    place, the names read whole (to narrow) and each stored name's vLLM target."""
+    parameter in ``whole`` (expert parallelism: this rank's experts, unsplit), but for the names in ``split`` (stacked
+    experts, already planned by rank). Returns the tensors, the names read in place, the names read whole (to
+    narrow) and each stored name's vLLM target; names ``adjust`` changes are never read in place."""
     plan = build_plan(info, checkpoint, num_shards)
     routes = {name: route(name) for name in plan.params}
     unsplit = {n for n in plan.params if n.endswith(SHAPE_SUFFIX)}  # vLLM keeps the stored value
     if whole:
         unsplit |= {n for n in plan.params if (t := vllm_target(n)).expert is not None and t.name in whole}
         unsplit |= {n for n, t in routes.items() if t is not None and t.name in whole}
+        unsplit -= split
     if unsplit & set(info.params):
         kept = {k: v for k, v in info.params.items() if k not in unsplit}
         info = ShardInfo(kept, info.num_shards, info.version, info.form, info.source)
@@ -295,8 +304,10 @@ def _read_planned(
                        {n: p for n, p in plan.params.items() if routes[n] is not None})  # fmt: skip
     # read through the public API, as any user would: straight into vLLM's parameter memory where a slot is one
     # contiguous stretch of the plan's shape (no second copy, no extra memory), into fresh tensors otherwise;
-    # verify checks every byte against the integrity record
-    slots = _slots(needed, targets, routes, vocab, narrow)
+    # verify checks every byte against the integrity record; names ``adjust`` changes are read, then changed, so
+    # never read in place
+    kept_routes = {n: (None if adjust(n) else t) for n, t in routes.items()}
+    slots = _slots(needed, targets, kept_routes, vocab, narrow)
     tensors = load_rank(checkpoint.path, rank, num_shards, shard_info=info, verify=verify, params=needed.params,
                         out=slots)  # fmt: skip
     return tensors, set(slots), narrow, routes
@@ -353,6 +364,76 @@ def _slots(
         if at == param.data.shape[0] and len(views) == len(names) and all(fits(v, n) for n, v in views.items()):
             slots.update(views)
     return slots
+
+
+def _adjustments(
+    checkpoint: Checkpoint, rank: int, expert_parallel: bool = False
+) -> Callable[[str], Callable[[torch.Tensor], torch.Tensor] | None]:
+    """What a stored tensor's rank slice needs before it is vLLM's, by its family's :class:`VllmNames`: experts
+    vLLM keeps transposed (``[experts, out, in]``), and whole tensors vLLM keeps on rank 0 only (zeros elsewhere;
+    under expert parallelism each rank holds its own experts' instead)."""
+    try:
+        names = vllm_names(checkpoint.model_config().get("model_type"))
+    except ShardloadError:  # no config to say: Llama's names
+        return lambda name: None
+
+    def transpose(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2)
+
+    def zeros(t: torch.Tensor) -> torch.Tensor:
+        return t.new_zeros(t.shape)
+
+    def change(name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        if name.endswith(names.transposed):
+            return transpose
+        if rank and not expert_parallel and name.endswith(names.first_rank_only):
+            return zeros
+        return None
+
+    return change
+
+
+def _routes_of(names: set[str], route: Callable[[str], Target | None]) -> dict[str, Target]:
+    """Each of ``names``' vLLM target (every one routed)."""
+    out = {}
+    for name in names:
+        target = route(name)
+        assert target is not None
+        out[name] = target
+    return out
+
+
+def _stacked_experts_by_rank(
+    info: ShardInfo,
+    names: set[str],
+    targets: Mapping[str, Target],
+    experts: Mapping[str, list[int]],
+    rank: int,
+    num_shards: int,
+    where: str,
+) -> ShardInfo:
+    """``info`` with each stacked expert tensor in ``names`` (``experts.gate_up_proj`` [experts, ...]) split along
+    its experts into ``num_shards`` equal runs, so this rank reads only its own experts' slice: what vLLM's
+    expert parallelism holds when it places the experts linearly (rank r: experts r*E/N onward), the one placement
+    a slice of the stacked tensor serves; any other is refused."""
+    if not names:
+        return info
+    params = dict(info.params)
+    for name in sorted(names):
+        table = experts[targets[name].name]
+        total, mine = len(table), [g for g, slot in enumerate(table) if slot >= 0]
+        local = total // num_shards
+        linear = total % num_shards == 0 and mine == list(range(rank * local, (rank + 1) * local))
+        if not linear or any(table[g] != g - rank * local for g in mine):
+            raise ShardloadError(
+                f"experts stored stacked under expert parallelism: vLLM placed experts {mine[:4]}... of {total} on "
+                f"rank {rank} of {num_shards}; load_format='shardload' reads a stacked tensor's experts as one "
+                "even run per rank (vLLM's linear placement, experts divisible by the ranks)",
+                file=where,
+                param=name,
+            )
+        params[name] = [StepSpec("shard_funcs.shard_dim", None, None, (0, "num_shards"))]
+    return ShardInfo(params, info.num_shards, info.version, info.form, info.source)
 
 
 def _expert_maps(model: nn.Module) -> dict[str, list[int]]:
@@ -437,9 +518,10 @@ def _copy_into(
     narrow: set[str],
     where: str,
     direct: set[str] = frozenset(),  # type: ignore[assignment]
+    adjust: Callable[[str], Callable[[torch.Tensor], torch.Tensor] | None] = lambda name: None,
 ) -> set[str]:
-    """Copy each rank tensor into its vLLM parameter (those in ``direct`` were read there); return the parameters
-    filled."""
+    """Copy each rank tensor into its vLLM parameter (those in ``direct`` were read there; those ``adjust`` names
+    changed first); return the parameters filled."""
     import torch
 
     filled: set[str] = set()
@@ -449,6 +531,8 @@ def _copy_into(
         target = routes.get(name)
         if target is None:
             continue
+        change = adjust(name)
+        tensor = tensor if change is None else change(tensor)
         param = targets[target.name]
         if target.expert is not None:
             seen = experts.setdefault(target.name, set())

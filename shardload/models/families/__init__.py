@@ -14,6 +14,7 @@ from ..vllm_names import DEFAULT_PACKED
 from .bert import BERT
 from .deepseek import DEEPSEEK
 from .family import ROLES, Family, VllmNames
+from .gpt_oss import GPT_OSS
 from .llama import llama_named
 
 __all__ = [
@@ -56,6 +57,7 @@ FAMILIES: list[Family] = [
         vllm=VllmNames(state_names={".mlp.gate.weight": ".mlp.experts.gate.weight"}),
     ),
     DEEPSEEK,
+    GPT_OSS,
     BERT,
 ]
 """Every known family, in the order error messages list their model types."""

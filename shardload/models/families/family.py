@@ -10,7 +10,7 @@ from ..vllm_names import DEFAULT_PACKED
 
 ROLES = (
     "vocab", "lm_head", "q", "k", "v", "qkv", "o", "column", "row", "gate_up",
-    "expert_column", "expert_row", "stacked_gate_up", "stacked_column", "stacked_row",
+    "expert_column", "expert_row", "stacked_gate_up", "stacked_column", "stacked_row", "stacked_transposed_column",
 )  # fmt: skip
 """How a module with that role is split (:func:`shardload.models.presets.role_placement` gives each one meaning)."""
 
@@ -30,6 +30,12 @@ class VllmNames:
     tied_head: bool = True
     """Whether vLLM's model keeps an ``lm_head`` when the embeddings are tied (Gemma 2's computes logits from
     ``embed_tokens`` and has none)."""
+    transposed: tuple[str, ...] = ()
+    """Stored stacked expert tensors (name suffixes) vLLM keeps transposed: ``[experts, in, out]`` stored,
+    ``[experts, out, in]`` in vLLM (GPT-OSS)."""
+    first_rank_only: tuple[str, ...] = ()
+    """Whole stored tensors (name suffixes) vLLM keeps on tensor-parallel rank 0 only, zeros on the others: a
+    row-parallel bias added once (GPT-OSS's expert down bias)."""
 
 
 @dataclass(frozen=True)
