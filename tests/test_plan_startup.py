@@ -3,6 +3,7 @@ enough, so a known model type never imports transformers; a type the table lacks
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +56,10 @@ def test_a_type_the_table_lacks_imports_transformers_and_says_so(
     assert len(notes) == 1, result.stderr
     assert "imported: model_type 'gemma' is not in shardload's table of transformers" in notes[0]
     assert "(GemmaConfig.base_model_tp_plan + GemmaForCausalLM._tp_plan;" in notes[0]
+    planned = CliRunner().invoke(main, ["plan", str(model), "-o", "-"])
+    assert planned.exit_code == 0, planned.output
+    assert "note: model_type 'gemma' is not in shardload's table of transformers" in planned.stderr
+    assert "imported: model_type 'gemma'" in json.loads(planned.stdout)["description"]
+    monkeypatch.undo()  # the control: the table knows gemma
+    with_table = CliRunner().invoke(main, ["plan", str(model), "-o", "-"])
+    assert with_table.exit_code == 0 and "imported" not in with_table.stderr + with_table.stdout

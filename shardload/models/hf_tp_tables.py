@@ -85,8 +85,8 @@ _DEFAULT_HEAD = {"lm_head": "colwise_gather_output"}  # what transformers' causa
 @dataclass(frozen=True)
 class HfTpTable:
     """One model type's TP plan: the base model's (``tp_plan``, ``ep_plan``), the model class's own
-    (``head_plan``: ``lm_head``), the base model's attribute name (``prefix``), tied weights, and a phrase
-    saying where it came from."""
+    (``head_plan``: ``lm_head``), the base model's attribute name (``prefix``), tied weights, a phrase
+    saying where it came from, and whether transformers was imported for it (a type the shipped table lacks)."""
 
     model_type: str
     tp_plan: dict[str, str]
@@ -96,6 +96,7 @@ class HfTpTable:
     prefix: str = "model"
     tied: dict[str, str] = field(default_factory=dict)
     model_class: str = ""
+    imported: bool = False
 
     @classmethod
     def from_entry(cls, model_type: str, entry: Mapping[str, Any], source: str) -> HfTpTable:
@@ -227,7 +228,7 @@ def known_table(model_type: str) -> HfTpTable | None:
         f"transformers {_installed_version()} ({_classes(entry)}; imported: model_type {model_type!r} is not in "
         f"shardload's table of transformers {table['transformers']})"
     )
-    return HfTpTable.from_entry(model_type, entry, source)
+    return replace(HfTpTable.from_entry(model_type, entry, source), imported=True)
 
 
 def _classes(entry: Mapping[str, Any]) -> str:
