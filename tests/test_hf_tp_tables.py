@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -73,20 +74,48 @@ def test_every_style_transformers_knows_is_translated() -> None:
 
 
 def test_sources_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    """config.json's own plan wins, then the installed transformers, then the shipped table."""
+    """config.json's own plan wins, then the shipped table, then (a type the table lacks) the installed transformers."""
     config = {"model_type": "gemma", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
-    installed = hf_tp_tables.tp_table_for(config)
-    assert installed.source.startswith(f"transformers {version('transformers')} (GemmaConfig.base_model_tp_plan")
-    assert installed.head_plan == {"lm_head": "colwise_gather_output"} and installed.prefix == "model"
+    table = hf_tp_tables.tp_table_for(config)
+    shipped = hf_tp_tables.shipped_table()["transformers"]
+    assert table.source == (
+        f"transformers {shipped} (GemmaConfig.base_model_tp_plan + GemmaForCausalLM._tp_plan; shardload's table)"
+    )
+    assert table.head_plan == {"lm_head": "colwise_gather_output"} and table.prefix == "model"
     own = hf_tp_tables.tp_table_for({**config, "base_model_tp_plan": {"layers.*.mlp.up_proj": "colwise"}})
     assert own.source == "base_model_tp_plan of config.json" and own.tp_plan == {"layers.*.mlp.up_proj": "colwise"}
-    monkeypatch.setattr(hf_tp_tables, "_transformers_installed", lambda: False)
-    table = hf_tp_tables.tp_table_for(config)
-    assert table.source.startswith("shardload's table of transformers")
+    assert (own.head_plan, own.prefix, own.tied) == (table.head_plan, table.prefix, table.tied)
+    lacking = {"transformers": shipped, "models": {}}
+    monkeypatch.setattr(hf_tp_tables, "shipped_table", lambda: lacking)
+    installed = hf_tp_tables.tp_table_for(config)
+    assert installed.source == (
+        f"transformers {version('transformers')} (GemmaConfig.base_model_tp_plan + GemmaForCausalLM._tp_plan; "
+        f"imported: model_type 'gemma' is not in shardload's table of transformers {shipped})"
+    )
     assert (table.tp_plan, table.head_plan, table.prefix, table.tied) == (
         installed.tp_plan, installed.head_plan, installed.prefix, installed.tied,
     )  # fmt: skip
     assert hf_tp_tables.tp_table_for({"model_type": "no-such-type"}) is None
+
+
+# every model type this module and tests/test_plan_startup.py plan with --style hf or the auto style's table
+EXERCISED = ["gemma", "gemma3_text", "qwen3_moe", "deepseek_v3", "starcoder2", "phi", "gpt_neox", "olmo2", "phi3"]
+EXERCISED += ["llama4_text", "olmoe", "llama"]
+
+
+@pytest.mark.parametrize("model_type", EXERCISED)
+def test_table_plan_equals_the_imported_plan(model_type: str) -> None:
+    """The shipped table's plan (what planning reads) is the installed transformers' for each type the tests use."""
+    table = hf_tp_tables.known_table(model_type)
+    imported = hf_tp_tables.transformers_entry(model_type)
+    assert table is not None and imported is not None
+    imported_table = hf_tp_tables.HfTpTable.from_entry(model_type, imported, table.source)
+    if "model_class" not in imported:  # a sub-config: no auto mapping names its model class, the table does
+        imported_table = replace(imported_table, **{k: getattr(table, k) for k in ("head_plan", "prefix", "tied")})
+        imported_table = replace(imported_table, model_class=table.model_class)
+    if version("transformers") != hf_tp_tables.shipped_table()["transformers"]:
+        pytest.skip("the table is from another transformers: scripts/gen_hf_tp_plans.py --check says what moved")
+    assert table == imported_table
 
 
 def test_import_shardload_does_not_import_transformers() -> None:

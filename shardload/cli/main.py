@@ -442,7 +442,7 @@ def _convert_vllm(
     type=click.Choice(STYLES),
     default="auto",
     show_default=True,
-    help="hf: transformers' TP plan (config.json's, else the installed transformers', else shardload's table); "
+    help="hf: transformers' TP plan (config.json's, else shardload's table, else the installed transformers'); "
     "megatron: built-in preset; auto: config.json's plan, else the preset, else transformers' plan.",
 )
 @click.option(

@@ -245,6 +245,8 @@ def generate(
             file=str(model),
         )
     source = _tp_table_source(config, config_path) if chosen == "hf" else f"the {config.get('model_type')} preset"
+    if chosen == "hf":
+        notes.extend(_imported_note(config))
     quantized = [f for n in logical if n.endswith(".weight") and (f := detect_format(n, tensors, qconfig)) != "dense"]
     if quantized:
         formats = ", ".join(sorted(set(quantized)))
@@ -278,6 +280,18 @@ def _tp_table_source(config: Mapping[str, Any], config_path: str) -> str:
     if plan is None or plan.source == "base_model_tp_plan of config.json":
         return f"base_model_tp_plan of {config_path}"
     return f"the TP plan of {plan.source}"
+
+
+def _imported_note(config: Mapping[str, Any]) -> list[str]:
+    """A note when the hf plan was read from the installed transformers (a type the shipped table lacks)."""
+    from .hf_tp_tables import shipped_table, tp_table_for
+
+    plan = tp_table_for(config)
+    if plan is None or not plan.imported:
+        return []
+    table = shipped_table()["transformers"]
+    return [f"model_type {plan.model_type!r} is not in shardload's table of transformers {table}: its TP plan was "
+            "imported from the installed transformers"]  # fmt: skip
 
 
 def _relocated(err: PlanError, config_path: str) -> PlanError:

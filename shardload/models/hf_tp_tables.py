@@ -4,9 +4,9 @@ placements.
 transformers keeps a model's TP plan on its config class (``LlamaConfig.base_model_tp_plan``,
 patterns relative to the base model) and on its model class (``LlamaForCausalLM._tp_plan``:
 ``lm_head``); ``save_pretrained`` writes neither into config.json. A plan comes from, first that
-has one: config.json's own ``base_model_tp_plan``; the installed transformers (imported lazily,
-only here); the table shipped in this package (``hf_tp_plans.json``, written from transformers by
-``scripts/gen_hf_tp_plans.py``). :func:`hf_placements` turns the plan into one
+has one: config.json's own ``base_model_tp_plan``; the table shipped in this package (``hf_tp_plans.json``,
+written from transformers by ``scripts/gen_hf_tp_plans.py``), read as JSON; the installed transformers, imported
+lazily and only here, for a model type the table lacks. :func:`hf_placements` turns the plan into one
 :class:`~shardload.models.placement.Placement` per tensor, matching names and splitting tensors as
 transformers' ``from_pretrained(tp_plan="auto")`` does (:data:`STYLES`), except where transformers
 is wrong: KV heads that N cannot split are replicated (``splits.attention_placement``), a packed
@@ -36,6 +36,7 @@ __all__ = [
     "generic_name",
     "hf_placements",
     "installed_entry",
+    "known_table",
     "model_class_entry",
     "tp_table_for",
     "shipped_table",
@@ -84,8 +85,8 @@ _DEFAULT_HEAD = {"lm_head": "colwise_gather_output"}  # what transformers' causa
 @dataclass(frozen=True)
 class HfTpTable:
     """One model type's TP plan: the base model's (``tp_plan``, ``ep_plan``), the model class's own
-    (``head_plan``: ``lm_head``), the base model's attribute name (``prefix``), tied weights, and a phrase
-    saying where it came from."""
+    (``head_plan``: ``lm_head``), the base model's attribute name (``prefix``), tied weights, a phrase
+    saying where it came from, and whether transformers was imported for it (a type the shipped table lacks)."""
 
     model_type: str
     tp_plan: dict[str, str]
@@ -95,6 +96,7 @@ class HfTpTable:
     prefix: str = "model"
     tied: dict[str, str] = field(default_factory=dict)
     model_class: str = ""
+    imported: bool = False
 
     @classmethod
     def from_entry(cls, model_type: str, entry: Mapping[str, Any], source: str) -> HfTpTable:
@@ -196,37 +198,45 @@ def _installed_version() -> str:
 
 
 def tp_table_for(config: Mapping[str, Any]) -> HfTpTable | None:
-    """The TP plan for a config.json: its own ``base_model_tp_plan``, else the installed transformers', else the
-    shipped table's (None: none of them has one). The model class's parts come from transformers or the table."""
+    """The TP plan for a config.json: its own ``base_model_tp_plan``, else the shipped table's, else (a model type
+    the table lacks) the installed transformers' (None: none of them has one). The model class's parts come from
+    the table or transformers."""
     model_type = str(config.get("model_type") or "")
-    own = config.get("base_model_tp_plan")
-    known: dict[str, Any] | None = None
-    source = ""
-    if model_type:
-        known = installed_entry(model_type)
-        if known is not None and "model_class" not in known:  # a sub-config: the table knows its model class
-            table_entry = shipped_table()["models"].get(model_type) or {}
-            parts = ("model_class", "prefix", "head_plan", "tied")
-            known = {**known, **{k: table_entry[k] for k in parts if k in table_entry}}
-        if known is not None:
-            source = f"transformers {_installed_version()} ({known['config_class']}.base_model_tp_plan"
-            source += f" + {known['model_class']}._tp_plan)" if known.get("head_plan") else ")"
-        else:
-            table = shipped_table()
-            known = table["models"].get(model_type)
-            if known is not None:
-                source = f"shardload's table of transformers {table['transformers']} plans ({model_type})"
-    if own:
+    known = known_table(model_type) if model_type else None
+    if config.get("base_model_tp_plan"):
         plan = _plan_dict(config, "base_model_tp_plan")
         ep = _plan_dict(config, "base_model_ep_plan") if config.get("base_model_ep_plan") else {}
-        if known is None:
-            return HfTpTable(model_type, plan, "base_model_tp_plan of config.json", ep)
-        cls = HfTpTable.from_entry(model_type, known, "")
         source = "base_model_tp_plan of config.json"
-        return HfTpTable(model_type, plan, source, ep, cls.head_plan, cls.prefix, cls.tied, cls.model_class)
-    if known is None:
+        if known is None:
+            return HfTpTable(model_type, plan, source, ep)
+        return replace(known, tp_plan=plan, source=source, ep_plan=ep)
+    return known
+
+
+def known_table(model_type: str) -> HfTpTable | None:
+    """``model_type``'s plan from the shipped table; only a type the table lacks imports transformers (the source
+    says so). None: neither has a TP plan for it."""
+    table = shipped_table()
+    entry = table["models"].get(model_type)
+    if entry is not None:
+        source = f"transformers {table['transformers']} ({_classes(entry)}; shardload's table)"
+        return HfTpTable.from_entry(model_type, entry, source)
+    entry = installed_entry(model_type)
+    if entry is None:
         return None
-    return HfTpTable.from_entry(model_type, known, source)
+    source = (
+        f"transformers {_installed_version()} ({_classes(entry)}; imported: model_type {model_type!r} is not in "
+        f"shardload's table of transformers {table['transformers']})"
+    )
+    return replace(HfTpTable.from_entry(model_type, entry, source), imported=True)
+
+
+def _classes(entry: Mapping[str, Any]) -> str:
+    """The transformers attributes an entry was read from, for a plan's source."""
+    classes = f"{entry.get('config_class') or '?'}.base_model_tp_plan"
+    if entry.get("head_plan") and entry.get("model_class"):
+        classes += f" + {entry['model_class']}._tp_plan"
+    return classes
 
 
 def _plan_dict(config: Mapping[str, Any], key: str) -> dict[str, str]:
