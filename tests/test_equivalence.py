@@ -22,8 +22,10 @@ Axes:
   (the index, served by the suite's moto server on loopback, ``tests/test_object_storage.py``'s ``s3``
   fixture), a Hugging Face Hub id (an offline cache laid out as huggingface_hub does). Safetensors sources are
   planned in memory from config.json; TVM and GGUF carry the shard_info.json ``shardload plan`` wrote;
-- path: ``load`` (all ranks), ``load_rank``, ``load_rank(mmap=True)``, ``convert`` (the CLI) then the rank
-  files read back, ``convert --layout vllm`` (the CLI) against vLLM's per-rank layout,
+- path: ``load`` (all ranks), ``load_rank``, ``load_rank(mmap=True)``, ``load_rank`` by planned cold reads
+  (``planned``: ``ReadOptions(strategy="plan")``, one-page reads, ``io_depth`` = the cell's threads, a model
+  under which every gap is worth reading, the byte budget 0 or unbounded by N's parity), ``convert`` (the CLI)
+  then the rank files read back, ``convert --layout vllm`` (the CLI) against vLLM's per-rank layout,
   ``load_rank(share_reads=True)`` under torchrun (gloo), and ``verify``: ``load_rank(verify=...)`` through the
   checking reader against the source's integrity record (``shardload hash``, made once per source and session;
   an S3 model's is hashed from the objects and put beside them by ``hash`` itself; a converted directory checks
@@ -76,6 +78,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +94,7 @@ from helpers import matrix_sources, tp_split
 from shardload.cli.main import main
 from shardload.engine.integrity import hash_model
 from shardload.errors import ShardloadError
-from shardload.sources import objects
+from shardload.sources import objects, read_plan
 from shardload.sources.object_reader import ObjectReader
 
 try:  # the suite's moto server on loopback (module-scoped), requested by the S3 cells only
@@ -103,7 +106,7 @@ pytest.importorskip("transformers")
 import tiny_models
 
 SOURCES = ("single", "index", "converted", "tvm", "gguf", "s3", "hub")
-PATHS = ("load", "load_rank", "mmap", "convert", "vllm", "share_reads", "verify")
+PATHS = ("load", "load_rank", "mmap", "convert", "vllm", "share_reads", "verify", "planned")
 NS = (1, 2, 3, 4, 6, 8)
 THREADS = (1, 2, 8)
 FULL_THREADS = ("load", "convert", "vllm")
@@ -295,6 +298,12 @@ def test_rank_tensors_equal_reference(
         assert_ranks(got, want, "load")
     elif path in ("load_rank", "mmap"):
         got = [shardload.load_rank(model, r, n, mmap=path == "mmap", read_options=options) for r in range(n)]
+        assert_ranks(got, want, path)
+    elif path == "planned":
+        monkeypatch.setattr(read_plan, "MAX_READ", read_plan.PAGE)  # many reads, each its own job's share
+        planned = replace(options, strategy="plan", io_depth=threads, io_model=read_plan.IoModel(1.0, 1e9),
+                          max_waste=float("inf") if n % 2 else 0.0)  # fmt: skip
+        got = [shardload.load_rank(model, r, n, read_options=planned) for r in range(n)]
         assert_ranks(got, want, path)
     else:
         out = tmp_path / "out"
