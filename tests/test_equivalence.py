@@ -24,7 +24,8 @@ Axes:
   planned in memory from config.json; TVM and GGUF carry the shard_info.json ``shardload plan`` wrote;
 - path: ``load`` (all ranks), ``load_rank``, ``load_rank(mmap=True)``, ``load_rank`` by planned cold reads
   (``planned``: ``ReadOptions(strategy="plan")``, one-page reads, ``io_depth`` = the cell's threads, a model
-  under which every gap is worth reading, the byte budget 0 or unbounded by N's parity), ``convert`` (the CLI)
+  under which every gap is worth reading, the byte budget 0 or unbounded by N's parity; then again with the
+  pinned ``verify`` root, the checking reader's tiles read as planned cold reads), ``convert`` (the CLI)
   then the rank files read back, ``convert --layout vllm`` (the CLI) against vLLM's per-rank layout,
   ``load_rank(share_reads=True)`` under torchrun (gloo), and ``verify``: ``load_rank(verify=...)`` through the
   checking reader against the source's integrity record (``shardload hash``, made once per source and session;
@@ -96,6 +97,7 @@ from shardload.engine.integrity import hash_model
 from shardload.errors import ShardloadError
 from shardload.sources import objects, read_plan
 from shardload.sources.object_reader import ObjectReader
+from shardload.sources.verified import VerifiedReader
 
 try:  # the suite's moto server on loopback (module-scoped), requested by the S3 cells only
     from test_object_storage import s3
@@ -305,6 +307,10 @@ def test_rank_tensors_equal_reference(
                           max_waste=float("inf") if n % 2 else 0.0)  # fmt: skip
         got = [shardload.load_rank(model, r, n, read_options=planned) for r in range(n)]
         assert_ranks(got, want, path)
+        root = world.record_root(request, source, n)
+        monkeypatch.setattr(VerifiedReader, "_cached", lambda *args: False)  # tiles read as from cold storage
+        checked = [shardload.load_rank(model, r, n, verify=root, read_options=planned) for r in range(n)]
+        assert_ranks(checked, want, "planned, verify")
     else:
         out = tmp_path / "out"
         layout = ["--layout", "vllm"] if path == "vllm" else []

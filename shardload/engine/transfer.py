@@ -112,6 +112,8 @@ class Transfer:
         self.threads = options.threads_for(reader)
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardload-read") if self.threads else None
         self.options = options
+        if hasattr(reader, "plan_with"):  # a verifying reader plans its cold tile reads with the same settings
+            reader.plan_with(options.io_model, options.max_waste)
         self.io_pool: ThreadPoolExecutor | None = None
         self.planned: dict[tuple[StructureKey, int], PlannedReads | None] = {}
         self.io = IoTally()
