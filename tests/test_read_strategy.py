@@ -148,8 +148,8 @@ def test_auto_warm_copies_every_piece_out_of_the_mapping(tmp_path: Path, monkeyp
 
 def test_auto_cold_fetches_only_the_rank_pages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Page cache cold: the dim-0 shard and the column slice are both read as planned I/O (their pages, readahead
-    off, every planned read requested up front); storage is asked for no other page, and the readers deliver exactly the rank's
-    bytes while counting the bytes they read through as moved."""
+    off, every planned read requested up front); storage is asked for no other page, and the readers deliver
+    exactly the rank's bytes while counting the bytes they read through as moved."""
     model, rows, cols = _two_kinds(tmp_path / "m")
     path = model / "model.safetensors"
     plan = shardload.plan_model(model, 4)

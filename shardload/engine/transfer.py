@@ -112,8 +112,11 @@ class Transfer:
         self.threads = options.threads_for(reader)
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardload-read") if self.threads else None
         self.options = options
+        self.deep = False
+        """Whether read jobs go to the pool of planned reads: a verifying reader's jobs plan their own cold reads."""
         if hasattr(reader, "plan_with"):  # a verifying reader plans its cold tile reads with the same settings
             reader.plan_with(options.io_model, options.max_waste)
+            self.deep = bool(reader.can_plan)
         self.io_pool: ThreadPoolExecutor | None = None
         self.planned: dict[tuple[StructureKey, int], PlannedReads | None] = {}
         self.io = IoTally()
@@ -383,7 +386,8 @@ class Transfer:
         """Submit ``schedule``'s reads of the tensor at ``offset`` of ``path`` into ``dests``."""
         for job in schedule.jobs:
             self._submit(
-                lambda r=job: self.reader.read_runs(path, r.src + offset, r.length, r.buf, r.dst, dests, populate=True)
+                lambda r=job: self.reader.read_runs(path, r.src + offset, r.length, r.buf, r.dst, dests, populate=True),
+                io=self.deep,
             )
         if schedule.batches:
             staging = self._staging(pin=any(t.device.type == "cuda" for t in dests))

@@ -92,6 +92,11 @@ class VerifiedReader(RunReader):
         self.max_waste = MAX_WASTE
         """The byte budget of merged gaps, a fraction of the page floor."""
 
+    @property
+    def can_plan(self) -> bool:
+        """Whether this reader plans cold reads of local files itself (its jobs then deserve a deep queue)."""
+        return self.maps is not None
+
     def plan_with(self, model: IoModel | None, max_waste: float) -> None:
         """Plan cold tile reads with ``model`` (None: measured) and a budget of ``max_waste`` over the page floor."""
         self.io_model, self.max_waste = model, max_waste
