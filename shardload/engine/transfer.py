@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CheckpointError
 from ..sources.dtypes import to_torch
 from ..sources.object_reader import reader_for
-from ..sources.reader import PAGE, FileMaps, Mappings, RunReader
+from ..sources.reader import PAGE, FileMaps, Mappings, RunReader, count_requested
 from .copy_jobs import CopyJob, copy_program, mapped_copy_jobs, rows_fit, staged_copy_jobs
 from .read_schedule import ReadSchedule, StagedBatch, StructureKey, StructureRuns, build_schedule
 from .read_strategy import ReadOptions, ReadStrategy, Way
@@ -51,6 +51,8 @@ class PlannedReads:
     ranges: tuple[Any, Any]
     """The reads' starts and ends, as numpy arrays (shifted by the tensor's page to request them)."""
     reads: int
+    short: bool
+    """Whether the runs average under half a page (copied out of the mapping once their pages are requested)."""
     used: int
     moved: int
     page_floor: int
@@ -259,8 +261,9 @@ class Transfer:
         self, plan: ParamPlan, rank: int, key: StructureKey, device: torch.device, out: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """The rank's CPU tensor, being filled by the planned cold reads of its bytes (``sources/read_plan``): its
-        pages merged across cheap gaps into large reads, :attr:`ReadOptions.io_depth` of them in flight, each one
-        ``preadv`` into the tensor (the gap bytes into a small sink). None where the runs overlap (read exactly)."""
+        pages merged across cheap gaps into large reads, all requested up front, then :attr:`ReadOptions.io_depth`
+        of them at once, each one ``preadv`` into the tensor (the gap bytes into a small sink), or for short runs
+        strided copies out of the mapping. None where the runs overlap (read exactly)."""
         import torch
 
         source = plan.source
@@ -271,14 +274,23 @@ class Transfer:
         planned = self.planned[pkey]
         if planned is None:
             return None
-        dest = torch.empty(plan.shape, dtype=to_torch(plan.dtype), device=device) if out is None else out
-        fill_padding(plan, rank, dest)
         io = self.io
         io.used, io.moved = io.used + planned.used, io.moved + planned.moved
         io.page_floor, io.reads = io.page_floor + planned.page_floor, io.reads + planned.reads
         base = source.offset - skew
         self.reader.no_readahead(source.file)  # type: ignore[attr-defined]
-        self.reader.prefetch(source.file, *(x + base for x in planned.ranges))  # the whole queue, up front
+        lo, hi = (x + base for x in planned.ranges)
+        self.reader.prefetch(source.file, lo, hi)  # the whole queue, up front
+        if planned.short and self.filemaps is not None:
+            # runs shorter than half a page (a column slice): copied out of the mapping as the requested pages
+            # arrive, since a preadv would copy the other ranks' bytes of every page into the sink as well
+            self.filemaps.no_readahead(source.file, int(lo[0]), int(hi[-1]))
+            copied = self._copy_out(plan, rank, key, device, out)
+            if copied is not None:
+                count_requested(source.file, planned.moved - planned.used)  # the copies count the bytes used
+                return copied
+        dest = torch.empty(plan.shape, dtype=to_torch(plan.dtype), device=device) if out is None else out
+        fill_padding(plan, rank, dest)
         for a, b in zip(planned.bounds[:-1], planned.bounds[1:], strict=True):
             self._submit(lambda a=a, b=b: self._read_planned(source.file, base, planned.runs, a, b, dest), io=True)
         return dest
@@ -306,7 +318,8 @@ class Transfer:
         job = (np.cumsum(hi - lo) - (hi - lo)) // JOB_BYTES
         starts = np.flatnonzero(np.diff(job, prepend=-1))
         bounds = [*first[starts].tolist(), len(filled.src)]
-        return PlannedReads(filled, bounds, (lo, hi), len(lo), reads.used, reads.moved, reads.page_floor)
+        short = int(length.sum()) < len(length) * (PAGE // 2)
+        return PlannedReads(filled, bounds, (lo, hi), len(lo), short, reads.used, reads.moved, reads.page_floor)
 
     def io_model(self, path: Path) -> IoModel:
         """The I/O model cold reads of ``path`` are planned with: the caller's, else the file system's, measured."""
