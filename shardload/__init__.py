@@ -42,12 +42,14 @@ from .planning.mesh import Mesh
 from .planning.plan import ModelPlan, ParamPlan
 from .planning.registry import register
 from .planning.validate import validate
+from .sources.read_plan import IoModel
 from .version import __version__
 
 __all__ = [
     "CheckpointError",
     "ConvertResult",
     "FormatError",
+    "IoModel",
     "Mesh",
     "ModelPlan",
     "ParamPlan",
