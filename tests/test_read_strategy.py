@@ -328,3 +328,34 @@ def test_warm_file_is_probed_once_a_partly_cached_one_per_parameter(
     np.testing.assert_array_equal(got["cols"].numpy(), cols[:, 512:768])
     assert asked[0] == shardload.sources.reader.FILE_PROBES and len(asked) == 3  # the file, then each parameter
     assert seen["no_readahead"] == [path] and len(seen["prefetch"]) == 1  # the cold one alone, as planned I/O
+
+
+def test_read_options_refuse_bad_io_settings() -> None:
+    """The planned-read settings are checked when the options are made, one line each."""
+    for bad in ({"max_waste": -1}, {"max_waste": float("nan")}, {"max_waste": True}, {"io_depth": -1},
+                {"io_depth": 2.0}, {"io_model": (1e-4, 1e9)}):  # fmt: skip
+        with pytest.raises(shardload.ShardloadError, match=next(iter(bad))):
+            shardload.ReadOptions(**bad)  # type: ignore[arg-type]
+    assert shardload.ReadOptions(max_waste=float("inf"), io_depth=0, io_model=shardload.IoModel(1e-4, 1e9))
+
+
+@pytest.mark.parametrize("waste", [0.0, float("inf")])
+def test_planned_reads_tally_used_moved_and_page_floor(tmp_path: Path, waste: float) -> None:
+    """A transfer's planned reads report the bytes the rank uses, the page floor of them and the bytes moved: the
+    budget 0 moves exactly the floor; an unbounded one under a model where every gap pays moves more, never
+    less; either way the tensors are the rank's slices."""
+    from shardload.engine.transfer import Transfer
+    from shardload.sources.reader import Reader
+
+    model, rows, cols = _two_kinds(tmp_path / "m")
+    plan = shardload.plan_model(model, 4)
+    options = shardload.ReadOptions(strategy="plan", max_waste=waste, io_model=shardload.IoModel(1.0, 1e9))
+    with count_reads() as seen, Reader() as files, Transfer(files, read_options=options, copy_out=True) as t:
+        got = {name: t.param(p, [1])[0] for name, p in plan.params.items()}
+        t.wait()
+        tally = t.io
+    np.testing.assert_array_equal(got["rows"].numpy(), rows[128:256])
+    np.testing.assert_array_equal(got["cols"].numpy(), cols[:, 256:512])
+    assert tally.used == seen.bytes == (rows.nbytes + cols.nbytes) // 4 and tally.reads > 0
+    assert tally.moved == seen.moved
+    assert (tally.moved == tally.page_floor) if waste == 0 else (tally.moved >= tally.page_floor)
