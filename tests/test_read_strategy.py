@@ -359,3 +359,23 @@ def test_planned_reads_tally_used_moved_and_page_floor(tmp_path: Path, waste: fl
     assert tally.used == seen.bytes == (rows.nbytes + cols.nbytes) // 4 and tally.reads > 0
     assert tally.moved == seen.moved
     assert (tally.moved == tally.page_floor) if waste == 0 else (tally.moved >= tally.page_floor)
+
+
+@pytest.mark.parametrize("strategy", ["plan", "auto"])
+def test_planned_reads_fill_given_tensors_in_place(tmp_path: Path, strategy: str) -> None:
+    """A server's own parameter memory (``out=``, as vLLM passes it) is filled in place by planned cold reads, both
+    the long runs read with ``preadv`` and the short ones copied out of the mapping."""
+    from shardload.engine.transfer import Transfer
+    from shardload.sources.reader import Reader
+
+    model, rows, cols = _two_kinds(tmp_path / "m")
+    plan = shardload.plan_model(model, 4)
+    _drop_cache(model / "model.safetensors")
+    outs = {name: torch.full(p.shape, 7, dtype=torch.float16) for name, p in plan.params.items()}
+    options = shardload.ReadOptions(strategy=strategy)
+    with Reader() as files, Transfer(files, read_options=options, copy_out=True) as t:
+        for name, p in plan.params.items():
+            assert t.param(p, [2], out=[outs[name]])[0] is outs[name]
+        t.wait()
+    np.testing.assert_array_equal(outs["rows"].numpy(), rows[256:384])
+    np.testing.assert_array_equal(outs["cols"].numpy(), cols[:, 512:768])
