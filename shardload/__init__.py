@@ -47,6 +47,7 @@ from .planning.plan import ModelPlan, ParamPlan
 from .planning.registry import register
 from .planning.validate import validate
 from .sources.checkpoint import Checkpoint, open_checkpoint
+from .sources.read_plan import IoModel
 from .sources.reader import count_reads
 from .version import __version__
 
@@ -55,6 +56,7 @@ __all__ = [
     "CheckpointError",
     "ConvertResult",
     "FormatError",
+    "IoModel",
     "Mesh",
     "ModelPlan",
     "ParamPlan",

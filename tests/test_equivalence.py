@@ -22,8 +22,11 @@ Axes:
   (the index, served by the suite's moto server on loopback, the ``s3`` fixture of ``conftest.py``), a Hugging
   Face Hub id (an offline cache laid out as huggingface_hub does). Safetensors sources are
   planned in memory from config.json; TVM and GGUF carry the shard_info.json ``shardload plan`` wrote;
-- path: ``load`` (all ranks), ``load_rank``, ``load_rank(mmap=True)``, ``convert`` (the CLI) then the rank
-  files read back, ``convert --layout vllm`` (the CLI) against vLLM's per-rank layout,
+- path: ``load`` (all ranks), ``load_rank``, ``load_rank(mmap=True)``, ``load_rank`` by planned cold reads
+  (``planned``: ``ReadOptions(strategy="plan")``, one-page reads, ``io_depth`` = the cell's threads, a model
+  under which every gap is worth reading, the byte budget 0 or unbounded by N's parity; then again with the
+  pinned ``verify`` root, the checking reader's tiles read as planned cold reads), ``convert`` (the CLI)
+  then the rank files read back, ``convert --layout vllm`` (the CLI) against vLLM's per-rank layout,
   ``load_rank(share_reads=True)`` under torchrun (gloo), and ``verify``: ``load_rank(verify=...)`` through the
   checking reader against the source's integrity record (``shardload hash``, made once per source and session;
   an S3 model's is hashed from the objects and put beside them by ``hash`` itself; a converted directory checks
@@ -76,6 +79,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +95,9 @@ from helpers import hub, matrix_sources, tp_split
 from shardload.cli.main import main
 from shardload.engine.integrity import hash_model
 from shardload.errors import ShardloadError
-from shardload.sources import objects
+from shardload.sources import objects, read_plan
 from shardload.sources.object_reader import ObjectReader
+from shardload.sources.verified import VerifiedReader
 
 try:  # boto3 and moto serve conftest.py's `s3` (module-scoped), requested by the S3 cells only
     import boto3  # noqa: F401
@@ -106,7 +111,7 @@ pytest.importorskip("transformers")
 from helpers import tiny_models
 
 SOURCES = ("single", "index", "converted", "tvm", "gguf", "s3", "hub")
-PATHS = ("load", "load_rank", "mmap", "convert", "vllm", "share_reads", "verify")
+PATHS = ("load", "load_rank", "mmap", "convert", "vllm", "share_reads", "verify", "planned")
 NS = (1, 2, 3, 4, 6, 8)
 THREADS = (1, 2, 8)
 FULL_THREADS = ("load", "convert", "vllm")
@@ -299,6 +304,16 @@ def test_rank_tensors_equal_reference(
     elif path in ("load_rank", "mmap"):
         got = [shardload.load_rank(model, r, n, mmap=path == "mmap", read_options=options) for r in range(n)]
         assert_ranks(got, want, path)
+    elif path == "planned":
+        monkeypatch.setattr(read_plan, "MAX_READ", read_plan.PAGE)  # many reads, each its own job's share
+        planned = replace(options, strategy="plan", io_depth=threads, io_model=read_plan.IoModel(1.0, 1e9),
+                          max_waste=float("inf") if n % 2 else 0.0)  # fmt: skip
+        got = [shardload.load_rank(model, r, n, read_options=planned) for r in range(n)]
+        assert_ranks(got, want, path)
+        root = world.record_root(request, source, n)
+        monkeypatch.setattr(VerifiedReader, "_cached", lambda *args: False)  # tiles read as from cold storage
+        checked = [shardload.load_rank(model, r, n, verify=root, read_options=planned) for r in range(n)]
+        assert_ranks(checked, want, "planned, verify")
     else:
         out = tmp_path / "out"
         layout = ["--layout", "vllm"] if path == "vllm" else []

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from ..errors import ShardloadError
+from ..sources.read_plan import MAX_WASTE, IoModel
 from ..sources.reader import PAGE, probes
 
 if TYPE_CHECKING:
@@ -27,32 +28,44 @@ process may run on: a container or ``taskset`` may allow fewer than the machine 
 RESIDENT_ENOUGH = 0.9
 """``auto`` treats a parameter's bytes as cached when at least this fraction of the pages holding them is (sampled
 with ``mincore``); otherwise it fetches exactly those pages from storage."""
-SMALL_RUN = PAGE // 2
-"""On cold storage, ``auto`` copies runs averaging under this many bytes (a column slice) out of a mapping, their pages
-requested up front: ``preadv`` would pay one call per run, and the kernel reads whole pages either way."""
 STAGED_MAP_RUN = 256 << 10
 """A GPU rank copies out of a mapping (when cached) only if its runs average under this many bytes; longer runs
 are read with ``preadv`` into the pinned buffers (measured on an H100 host: whole tensors 0.053 s by ``preadv``
 against 0.079 s through the mapping, column slices 0.050 s against 0.305 s)."""
 
-Strategy = Literal["auto", "map", "read"]
-STRATEGIES: tuple[Strategy, ...] = ("auto", "map", "read")
+IO_DEPTH = 8
+"""Planned cold reads a single rank keeps in flight by default (threads blocked on storage use no CPU)."""
+
+Strategy = Literal["auto", "map", "read", "plan"]
+STRATEGIES: tuple[Strategy, ...] = ("auto", "map", "read", "plan")
 
 
 @dataclass(frozen=True)
 class ReadOptions:
     """How a load reads: ``strategy`` picks a single rank's way (``"auto"``: per parameter, from its runs and the
-    page cache; ``"map"``: always copy out of a mapping; ``"read"``: always ``preadv`` the exact runs), ``threads``
-    the reader threads (None: the reader's own number, else :data:`READ_THREADS`; 0: read in the calling thread)."""
+    page cache; ``"map"``: always copy out of a mapping; ``"read"``: always ``preadv`` the exact runs; ``"plan"``:
+    always the planned reads of cold storage), ``threads`` the reader threads (None: the reader's own number, else
+    :data:`READ_THREADS`; 0: read in the calling thread). Cold reads are planned with ``io_model`` (None: measured
+    once per file system), merging gaps within ``max_waste`` (a fraction of the page floor), ``io_depth`` of them
+    in flight (0: by the reader threads)."""
 
     strategy: Strategy = "auto"
     threads: int | None = None
+    io_model: IoModel | None = None
+    max_waste: float = MAX_WASTE
+    io_depth: int = IO_DEPTH
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ShardloadError(f"read strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         if self.threads is not None and (type(self.threads) is not int or self.threads < 0):
             raise ShardloadError(f"reader threads must be None or an int >= 0, got {self.threads!r}")
+        if self.io_model is not None and not isinstance(self.io_model, IoModel):
+            raise ShardloadError(f"io_model must be None or an IoModel, got {self.io_model!r}")
+        if type(self.max_waste) not in (int, float) or not self.max_waste >= 0:
+            raise ShardloadError(f"max_waste must be a number >= 0, got {self.max_waste!r}")
+        if type(self.io_depth) is not int or self.io_depth < 0:
+            raise ShardloadError(f"io_depth must be an int >= 0, got {self.io_depth!r}")
 
     def threads_for(self, reader: RunReader) -> int:
         """The reader threads of a load through ``reader`` (an object store asks for its own number)."""
@@ -66,6 +79,8 @@ class Way(enum.Enum):
     """Strided copies out of a read-only mapping of the file."""
     READ = "read"
     """``preadv`` of the exact runs (through the read schedule)."""
+    PLAN = "plan"
+    """Planned reads of cold storage: the runs' pages, merged across cheap gaps, read whole (``sources/read_plan``)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +128,7 @@ class ReadStrategy:
         if known is None:
             known = self.known[key] = self._by_structure(plan, rank, key)
         if isinstance(known, Way):
-            return known
+            return Way.READ if known is Way.PLAN and not direct else known  # planned reads fill CPU tensors only
         return self._by_page_cache(plan, known, direct)
 
     def _by_structure(self, plan: ParamPlan, rank: int, key: StructureKey) -> Way | RunSpans:
@@ -129,6 +144,8 @@ class ReadStrategy:
             return Way.READ
         if self.strategy == "map":
             return Way.MAP
+        if self.strategy == "plan":
+            return Way.PLAN
         return RunSpans.of(runs)
 
     def _by_page_cache(self, plan: ParamPlan, spans: RunSpans, direct: bool) -> Way:
@@ -153,13 +170,11 @@ class ReadStrategy:
             return Way.READ
         if resident is None:
             return Way.READ
-        if resident < RESIDENT_ENOUGH:  # cold: fetch the pages holding the rank's bytes, and nothing else
+        if resident < RESIDENT_ENOUGH:  # cold: the pages holding the rank's bytes, read as planned I/O
+            if direct:
+                return Way.PLAN
             starts, ends = at + spans.starts, at + spans.ends
-            if spans.mean_run >= SMALL_RUN:  # few long runs: read exactly them, their pages requested up front
-                self.reader.no_readahead(file)
-                self.reader.prefetch(file, starts.tolist(), ends.tolist())
-                return Way.READ
-            # many short runs: request the pages they touch (merged into ranges), copy as the pages arrive
+            # a staged rank's short runs: request the pages they touch (merged into ranges), copy as they arrive
             self.filemaps.no_readahead(file, int(starts.min()), int(ends.max()))
             self.reader.prefetch(file, *page_ranges(starts, ends))
         return Way.MAP

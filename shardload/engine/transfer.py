@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CheckpointError
 from ..sources.dtypes import to_torch
 from ..sources.object_reader import reader_for
-from ..sources.reader import FileMaps, Mappings, RunReader
+from ..sources.reader import PAGE, FileMaps, Mappings, RunReader, count_requested
 from .copy_jobs import CopyJob, copy_program, mapped_copy_jobs, rows_fit, staged_copy_jobs
 from .read_schedule import ReadSchedule, StagedBatch, StructureKey, StructureRuns, build_schedule
 from .read_strategy import ReadOptions, ReadStrategy, Way
@@ -32,11 +32,41 @@ if TYPE_CHECKING:
     from ..planning.plan import ParamPlan
     from ..planning.runs import Copies, Runs
     from ..sources.checkpoint import TensorInfo
+    from ..sources.read_plan import FilledRuns, IoModel
 
 JOB_BYTES = 8 << 20
 """Bytes per thread-pool job (``preadv`` jobs into CPU tensors, and strided copies out of a mapping)."""
 STAGE_BYTES = 16 << 20
 """Bytes per staging buffer; ``threads + 1`` of them cycle between reads and uploads."""
+
+
+@dataclass(frozen=True)
+class PlannedReads:
+    """A structure's planned cold reads (offsets relative to the page holding its tensor's first byte): the filled
+    runs, where each read's runs start in them, and the byte counts of the plan."""
+
+    runs: FilledRuns
+    bounds: list[int]
+    """Where each job's runs start in :attr:`runs` (a job: consecutive reads of about ``JOB_BYTES``)."""
+    ranges: tuple[Any, Any]
+    """The reads' starts and ends, as numpy arrays (shifted by the tensor's page to request them)."""
+    reads: int
+    short: bool
+    """Whether the runs average under half a page (copied out of the mapping once their pages are requested)."""
+    used: int
+    moved: int
+    page_floor: int
+
+
+@dataclass
+class IoTally:
+    """What a single rank's planned cold reads used and moved, and the page floor of them (reported, not asserted
+    by the executor)."""
+
+    used: int = 0
+    moved: int = 0
+    page_floor: int = 0
+    reads: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,6 +113,16 @@ class Transfer:
         self.strategy = None if self.filemaps is None else ReadStrategy(options, reader, self.filemaps, self.runs)
         self.threads = options.threads_for(reader)
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardload-read") if self.threads else None
+        self.options = options
+        self.deep = False
+        """Whether read jobs go to the pool of planned reads: a verifying reader's jobs plan their own cold reads."""
+        if hasattr(reader, "plan_with"):  # a verifying reader plans its cold tile reads with the same settings
+            reader.plan_with(options.io_model, options.max_waste)
+            self.deep = bool(reader.can_plan)
+        self.io_pool: ThreadPoolExecutor | None = None
+        self.planned: dict[tuple[StructureKey, int], PlannedReads | None] = {}
+        self.io = IoTally()
+        self.sinks = threading.local()
         self.stage_cpu = staged
         self.futures: list[Future[None]] = []
         self.copies: list[ReplicaCopies] = []
@@ -90,15 +130,19 @@ class Transfer:
         self.whole: dict[StructureKey, int | None] = {}
         self.schedules: dict[StructureKey, ReadSchedule | None] = {}
         self.programs: dict[StructureKey, list[CopyJob]] = {}
-        self.held: list[Callable[[], None]] | None = [] if defer else None
+        self.held: list[tuple[Callable[[], None], bool]] | None = [] if defer else None
 
-    def _submit(self, fn: Callable[[], None]) -> None:
+    def _submit(self, fn: Callable[[], None], *, io: bool = False) -> None:
+        """Run ``fn`` in the pool (``io``: in the pool of planned cold reads), or now without one."""
         if self.held is not None:
-            self.held.append(fn)
+            self.held.append((fn, io))
         elif self.pool is None:
             fn()
         else:
-            self.futures.append(self.pool.submit(fn))
+            if io and self.io_pool is None and self.options.io_depth:
+                self.io_pool = ThreadPoolExecutor(self.options.io_depth, thread_name_prefix="shardload-io")
+            pool = self.io_pool if io and self.io_pool is not None else self.pool
+            self.futures.append(pool.submit(fn))
 
     def _direct(self, device: torch.device) -> bool:
         """Whether a tensor on ``device`` is filled directly (else through the staging buffers)."""
@@ -139,9 +183,14 @@ class Transfer:
             if view is not None:
                 return [view]
         if self.strategy is not None and len(ranks) == 1:
-            copied = self._copy_out(plan, ranks[0], key, devs[0], None if out is None else out[0])
-            if copied is not None:
-                return [copied]
+            way = self.strategy.way(plan, ranks[0], key, direct=self._direct(devs[0]))
+            got = None
+            if way is Way.MAP:
+                got = self._copy_out(plan, ranks[0], key, devs[0], None if out is None else out[0])
+            elif way is Way.PLAN:
+                got = self._planned(plan, ranks[0], key, devs[0], None if out is None else out[0])
+            if got is not None:
+                return [got]
         if key in self.schedules:
             schedule = self.schedules[key]
         else:
@@ -179,8 +228,6 @@ class Transfer:
 
         assert self.strategy is not None and self.filemaps is not None
         direct = self._direct(device)
-        if self.strategy.way(plan, rank, key, direct=direct) is not Way.MAP:
-            return None
         source = plan.source
         data = self.filemaps.bytes(source.file)
         if data is None:
@@ -209,6 +256,90 @@ class Transfer:
         for job in jobs:
             self._submit(job)
         return dest
+
+    def _planned(
+        self, plan: ParamPlan, rank: int, key: StructureKey, device: torch.device, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The rank's CPU tensor, being filled by the planned cold reads of its bytes (``sources/read_plan``): its
+        pages merged across cheap gaps into large reads, all requested up front, then :attr:`ReadOptions.io_depth`
+        of them at once, each one ``preadv`` into the tensor (the gap bytes into a small sink), or for short runs
+        strided copies out of the mapping. None where the runs overlap (read exactly)."""
+        import torch
+
+        source = plan.source
+        skew = source.offset % PAGE
+        pkey = (key, skew)
+        if pkey not in self.planned:
+            self.planned[pkey] = self._plan_reads(plan, rank, key, skew)
+        planned = self.planned[pkey]
+        if planned is None:
+            return None
+        io = self.io
+        io.used, io.moved = io.used + planned.used, io.moved + planned.moved
+        io.page_floor, io.reads = io.page_floor + planned.page_floor, io.reads + planned.reads
+        base = source.offset - skew
+        self.reader.no_readahead(source.file)  # type: ignore[attr-defined]
+        lo, hi = (x + base for x in planned.ranges)
+        self.reader.prefetch(source.file, lo, hi)  # the whole queue, up front
+        if planned.short and self.filemaps is not None:
+            # runs shorter than half a page (a column slice): copied out of the mapping as the requested pages
+            # arrive, since a preadv would copy the other ranks' bytes of every page into the sink as well
+            self.filemaps.no_readahead(source.file, int(lo[0]), int(hi[-1]))
+            copied = self._copy_out(plan, rank, key, device, out)
+            if copied is not None:
+                count_requested(source.file, planned.moved - planned.used)  # the copies count the bytes used
+                return copied
+        dest = torch.empty(plan.shape, dtype=to_torch(plan.dtype), device=device) if out is None else out
+        fill_padding(plan, rank, dest)
+        for a, b in zip(planned.bounds[:-1], planned.bounds[1:], strict=True):
+            self._submit(lambda a=a, b=b: self._read_planned(source.file, base, planned.runs, a, b, dest), io=True)
+        return dest
+
+    def _plan_reads(self, plan: ParamPlan, rank: int, key: StructureKey, skew: int) -> PlannedReads | None:
+        """A structure's planned reads for a tensor ``skew`` bytes into its first page (None: overlapping runs)."""
+        import numpy as np
+
+        from ..sources.read_plan import fill_reads, plan_reads
+
+        rel = self.runs.get(plan, [rank], key)
+        if rel is None or not len(rel):
+            return None
+        order = np.argsort(rel.src, kind="stable")
+        src, length, buf, dst = rel.src[order] + skew, rel.length[order], rel.buf[order], rel.dst[order]
+        if len(src) > 1 and bool((src[1:] < src[:-1] + length[:-1]).any()):
+            return None
+        model = self.io_model(plan.source.file)
+        reads = plan_reads(src, src + length, model, max_waste=self.options.max_waste, limit=skew + plan.source.nbytes)
+        filled = fill_reads(reads, src, length, buf, dst, sink=1)
+        lo = np.array([r.offset for r in reads.reads], dtype=np.int64)
+        hi = np.array([r.end for r in reads.reads], dtype=np.int64)
+        first = np.flatnonzero(np.diff(filled.read, prepend=-1))  # each read's first run
+        # jobs of whole reads, about JOB_BYTES each: one read_runs call, one preadv per read
+        job = (np.cumsum(hi - lo) - (hi - lo)) // JOB_BYTES
+        starts = np.flatnonzero(np.diff(job, prepend=-1))
+        bounds = [*first[starts].tolist(), len(filled.src)]
+        short = int(length.sum()) < len(length) * (PAGE // 2)
+        return PlannedReads(filled, bounds, (lo, hi), len(lo), short, reads.used, reads.moved, reads.page_floor)
+
+    def io_model(self, path: Path) -> IoModel:
+        """The I/O model cold reads of ``path`` are planned with: the caller's, else the file system's, measured."""
+        if self.options.io_model is not None:
+            return self.options.io_model
+        from ..sources.io_model import io_model
+
+        return io_model(path)
+
+    def _read_planned(self, path: Path, base: int, runs: FilledRuns, a: int, b: int, dest: torch.Tensor) -> None:
+        """One planned read: runs ``[a, b)`` of ``runs`` (one stretch of the file) into ``dest`` and the sink."""
+        import torch
+
+        sink = getattr(self.sinks, "buf", None)
+        if sink is None or sink.numel() < max(1, runs.sink):
+            sink = self.sinks.buf = torch.empty(max(runs.sink, 64 << 10), dtype=torch.uint8)
+        self.reader.read_runs(  # type: ignore[call-arg]
+            path, runs.src[a:b] + base, runs.length[a:b], runs.buf[a:b], runs.dst[a:b], [dest, sink],
+            populate=True, sink=1,
+        )  # fmt: skip
 
     def _view(self, plan: ParamPlan, ranks: Sequence[int], key: StructureKey) -> torch.Tensor | None:
         """The rank's tensor as a view of the file mapping, where it is one contiguous stretch of the file."""
@@ -268,7 +399,8 @@ class Transfer:
         """Submit ``schedule``'s reads of the tensor at ``offset`` of ``path`` into ``dests``."""
         for job in schedule.jobs:
             self._submit(
-                lambda r=job: self.reader.read_runs(path, r.src + offset, r.length, r.buf, r.dst, dests, populate=True)
+                lambda r=job: self.reader.read_runs(path, r.src + offset, r.length, r.buf, r.dst, dests, populate=True),
+                io=self.deep,
             )
         if schedule.batches:
             staging = self._staging(pin=any(t.device.type == "cuda" for t in dests))
@@ -294,8 +426,8 @@ class Transfer:
         """Finish every started read, device upload and copy (re-raising the first failure)."""
         if self.held:
             held, self.held = self.held, None
-            for fn in held:
-                self._submit(fn)
+            for fn, io in held:
+                self._submit(fn, io=io)
             self.held = []
         futures, self.futures = self.futures, []
         try:
@@ -324,6 +456,9 @@ class Transfer:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
+        if self.io_pool is not None:
+            self.io_pool.shutdown(wait=True, cancel_futures=True)
+            self.io_pool = None
         if self.staging is not None:
             self.staging.sync()
         if self.filemaps is not None:

@@ -285,6 +285,7 @@ def _is_pickle(path: Path) -> bool:
         return True
     try:
         with open(path, "rb") as fh:
+            exact_reads(fh.fileno())
             head = fh.read(9)
     except OSError:
         return False
@@ -543,11 +544,23 @@ def _header_length(first: bytes, size: int, name: str) -> int:
     return header_len
 
 
+def exact_reads(fd: int) -> None:
+    """Read just the pages asked for through ``fd`` (no readahead; best effort). A header read with readahead leaves
+    the kernel's readahead mark on a page past it, and whichever read touches that page later, even through
+    another descriptor with readahead off, pulls in a whole readahead window of tensor bytes no rank asked for."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except OSError:
+            pass
+
+
 def _file_header(path: Path) -> tuple[bytes, int, int]:
     """A local safetensors file's raw header, its length and the file's size."""
     name = str(path)
     try:
         with open(path, "rb") as fh:
+            exact_reads(fh.fileno())
             size = os.fstat(fh.fileno()).st_size
             _check_size(size, name)
             header_len = _header_length(fh.read(8), size, name)

@@ -36,18 +36,23 @@ IOV_MAX = 1024  # POSIX minimum is 16; Linux and the BSDs allow 1024
 
 @dataclass
 class ReadCount:
-    """Bytes and read calls seen inside :func:`count_reads`, in total and per file."""
+    """Bytes and read calls seen inside :func:`count_reads`, in total and per file: ``bytes`` the readers delivered
+    to destinations (what the ranks use), ``moved`` what they read from the files, bytes read through and thrown
+    away included (the gaps of planned cold reads)."""
 
     bytes: int = 0
     calls: int = 0
+    moved: int = 0
     by_file: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, path: Path, nbytes: int, calls: int) -> None:
-        """Record ``calls`` read system calls that returned ``nbytes`` bytes of ``path``."""
+    def add(self, path: Path, nbytes: int, calls: int, moved: int | None = None) -> None:
+        """Record ``calls`` read system calls that delivered ``nbytes`` bytes of ``path`` and read ``moved`` (None:
+        the same bytes)."""
         with self._lock:
             self.bytes += nbytes
             self.calls += calls
+            self.moved += nbytes if moved is None else moved
             key = str(path)
             self.by_file[key] = self.by_file.get(key, 0) + nbytes
 
@@ -235,13 +240,15 @@ class Reader(RunReader):
         buffers: Sequence[Any],
         *,
         populate: bool = False,
+        sink: int | None = None,
     ) -> None:
         """Copy run i: ``length[i]`` bytes at file offset ``src[i]`` to byte ``dst[i]`` of ``buffers[buf[i]]``.
 
         Runs must be sorted by ``src``; consecutive file ranges are read with one ``preadv``.
         ``buffers`` are contiguous CPU tensors; a run outside its buffer is refused before anything is read.
         ``populate`` first maps the fresh destination pages in one call per buffer instead of one
-        page fault per 4 KiB page during the copy.
+        page fault per 4 KiB page during the copy. Runs into buffer ``sink`` are bytes read through and thrown
+        away: :func:`count_reads` counts them as moved, not delivered.
         """
         import numpy as np
 
@@ -259,12 +266,14 @@ class Reader(RunReader):
             iov[:, 1] = length
             if populate:
                 _populate(ptrs, buf, dst, length)
-            self._preadv_fast(path, iov, src, bounds)
+            self._preadv_fast(path, iov, src, bounds, length, buf, sink)
         else:
             views = [buffer_view(t) for t in buffers]
-            self._preadv_portable(path, src, length, buf, dst, views, bounds)
+            self._preadv_portable(path, src, length, buf, dst, views, bounds, sink)
 
-    def _preadv_fast(self, path: Path, iov: np.ndarray, src: np.ndarray, bounds: list[int]) -> None:
+    def _preadv_fast(
+        self, path: Path, iov: np.ndarray, src: np.ndarray, bounds: list[int], length: Any, buf: Any, sink: int | None
+    ) -> None:
         fd = self._fd(path)
         base = iov.ctypes.data
         lens = iov[:, 1].tolist()
@@ -282,7 +291,8 @@ class Reader(RunReader):
                 total += want
                 i += k
         if _count is not None:
-            _count.add(path, total, calls)
+            thrown = 0 if sink is None else int(length[buf == sink].sum())
+            _count.add(path, total - thrown, calls, total)
 
     def _finish_short(
         self, path: Path, fd: int, iov: np.ndarray, offsets: list[int], lens: list[int], i: int, k: int, got: int
@@ -312,6 +322,7 @@ class Reader(RunReader):
         dst: np.ndarray,
         views: list[memoryview],
         bounds: list[int],
+        sink: int | None = None,
     ) -> None:
         fd = self._fd(path)
         src_l, len_l, buf_l, dst_l = src.tolist(), length.tolist(), buf.tolist(), dst.tolist()
@@ -337,7 +348,8 @@ class Reader(RunReader):
                         calls += _pread_fully(path, fd, part[skip:], src_l[r] + skip)
                 total += sum(len_l[i:j])
         if _count is not None:
-            _count.add(path, total, calls)
+            thrown = 0 if sink is None else int(length[buf == sink].sum())
+            _count.add(path, total - thrown, calls, total)
 
     def close(self) -> None:
         """Close every file this reader opened."""
@@ -482,6 +494,13 @@ def count_mapped(path: Path, nbytes: int) -> None:
     """Record ``nbytes`` of ``path`` copied out of a mapping (no system call) in :func:`count_reads`."""
     if _count is not None:
         _count.add(path, nbytes, 0)
+
+
+def count_requested(path: Path, nbytes: int) -> None:
+    """Record ``nbytes`` of ``path`` requested from storage but not delivered (the rest of the pages planned reads
+    fetch for copies out of a mapping) in :func:`count_reads`: moved, not used."""
+    if _count is not None:
+        _count.add(path, 0, 0, nbytes)
 
 
 class Mappings:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
 from ..format.hash_record import FileHashes, Tiling, hasher
+from .read_plan import MAX_WASTE, IoModel, fill_reads, plan_reads
 from .reader import PAGE, FileMaps, RunReader, count_mapped
 
 if TYPE_CHECKING:
@@ -19,8 +20,6 @@ if TYPE_CHECKING:
 
 CANVAS_BYTES = 8 << 20
 """The least a reader thread's reusable buffer for checked tiles holds."""
-HOLE = 0
-"""Gaps between the tile bytes to read that are read through rather than skipped (0: only exact tiles are read)."""
 
 
 class IntegrityError(CheckpointError):
@@ -88,6 +87,28 @@ class VerifiedReader(RunReader):
         self._scratch = threading.local()
         self.culprit = "the file was changed or corrupted"
         """What a mismatch says went wrong."""
+        self.io_model: IoModel | None = None
+        """The model cold tile reads are planned with (None: the file system's, measured)."""
+        self.max_waste = MAX_WASTE
+        """The byte budget of merged gaps, a fraction of the page floor."""
+
+    @property
+    def can_plan(self) -> bool:
+        """Whether this reader plans cold reads of local files itself (its jobs then deserve a deep queue)."""
+        return self.maps is not None
+
+    def plan_with(self, model: IoModel | None, max_waste: float) -> None:
+        """Plan cold tile reads with ``model`` (None: measured) and a budget of ``max_waste`` over the page floor."""
+        self.io_model, self.max_waste = model, max_waste
+
+    def _plan(self, path: Any, starts: np.ndarray, ends: np.ndarray, limit: int) -> Any:
+        """The planned reads of the local file ``path`` for runs ``[starts[i], ends[i])`` (sorted by start)."""
+        model = self.io_model
+        if model is None:
+            from .io_model import io_model
+
+            model = io_model(path)
+        return plan_reads(starts, ends, model, max_waste=self.max_waste, limit=limit)
 
     def no_readahead(self, path: Any) -> None:
         self.inner.no_readahead(path)  # type: ignore[attr-defined]
@@ -193,11 +214,16 @@ class VerifiedReader(RunReader):
         outs = [buffer_array(t) for t in buffers]
         boxes = [(a, a + n, int(c), int(c + d)) for a, n, c, d in zip(t0.tolist(), th.tolist(), c0, tw, strict=True)]
         mapped = self.maps.array(path) if self.maps is not None and self._cached(path, region, boxes) else None
-        if mapped is None:
-            if self.maps is not None:
-                self.inner.no_readahead(path)  # type: ignore[attr-defined]
-                self.inner.prefetch(path, *_pages(src, src + length))  # type: ignore[attr-defined]
+        if mapped is None and self.maps is None:
             self.inner.read_runs(path, src, length, buf, dst, buffers)
+        elif mapped is None:  # a local file not in the page cache: its pages as planned reads, all requested first
+            planned = self._plan(path, src, src + length, region.end)
+            filled = fill_reads(planned, src, length, buf, dst, sink=len(buffers))
+            sink = self._sink(filled.sink)
+            self.inner.no_readahead(path)  # type: ignore[attr-defined]
+            self.inner.prefetch(path, [r.offset for r in planned.reads], [r.end for r in planned.reads])  # type: ignore[attr-defined]
+            self.inner.read_runs(path, filled.src, filled.length, filled.buf, filled.dst, [*buffers, sink],  # type: ignore[call-arg]
+                                 sink=len(buffers))  # fmt: skip
         else:  # row block by row block, so each block's tiles are hashed while its copy is still in the cache
             count_mapped(path, int(length.sum()))
             heads = np.flatnonzero(np.concatenate(([True], blk[1:] != blk[:-1])))
@@ -227,6 +253,15 @@ class VerifiedReader(RunReader):
             if self.hash(data).digest() != entry.hashes.leaf(leaf0 + index):
                 raise self._mismatch(path, entry, region, tiling, index)
         return True
+
+    def _sink(self, nbytes: int) -> Any:
+        """A byte tensor of at least ``nbytes`` for this thread, for bytes read through and thrown away."""
+        import torch
+
+        held = getattr(self._scratch, "sink", None)
+        if held is None or held.numel() < nbytes:
+            held = self._scratch.sink = torch.empty(max(nbytes, 64 << 10), dtype=torch.uint8)
+        return held
 
     def _canvas(self, nbytes: int) -> Any:
         """A byte tensor of ``nbytes`` for this thread, reused between calls (fresh pages cost a fault each)."""
@@ -291,14 +326,23 @@ class VerifiedReader(RunReader):
         rs = [np.arange(a, b, dtype=np.int64) * B + lo for a, b, lo, _ in boxes]
         rl = [np.full(b - a, hi - lo, dtype=np.int64) for a, b, lo, hi in boxes]
         rsrc = np.concatenate(rs)
-        rend = rsrc + np.concatenate(rl)
-        starts = np.flatnonzero(np.concatenate(([True], rsrc[1:] - rend[:-1] > HOLE)))
+        order = np.argsort(rsrc, kind="stable")
+        rsrc = rsrc[order]
+        rend = rsrc + np.concatenate(rl)[order]
+        if self.maps is not None:  # a local file not in the page cache: its pages as planned reads, requested first
+            # the canvas is laid out as the file is, so each read (cut to the canvas) goes straight into it
+            base = region.offset + first_row * B
+            planned = self._plan(path, rsrc + region.offset, rend + region.offset, region.end)
+            lo = np.array([max(r.offset, base) for r in planned.reads], dtype=np.int64)
+            hi = np.array([min(r.end, base + flat.size - at) for r in planned.reads], dtype=np.int64)
+            self.inner.no_readahead(path)  # type: ignore[attr-defined]
+            self.inner.prefetch(path, lo.tolist(), hi.tolist())  # type: ignore[attr-defined]
+            self.inner.read_runs(path, lo, hi - lo, np.zeros(len(lo), dtype=np.int64), lo - base + at, [canvas])
+            return
+        starts = np.flatnonzero(np.concatenate(([True], rsrc[1:] - rend[:-1] > 0)))
         src = rsrc[starts]
         length = np.concatenate((rend[starts[1:] - 1], rend[-1:])) - src
         zero = np.zeros(len(src), dtype=np.int64)
-        if self.maps is not None:  # a local file not in the page cache: exactly these pages, fetched together
-            self.inner.no_readahead(path)  # type: ignore[attr-defined]
-            self.inner.prefetch(path, *_pages(src + region.offset, src + length + region.offset))  # type: ignore[attr-defined]
         self.inner.read_runs(path, src + region.offset, length, zero, src - first_row * B + at, [canvas])
 
     def read_runs(self, path: Any, src: Any, length: Any, buf: Any, dst: Any, buffers: Sequence[Any], **_: Any) -> None:
