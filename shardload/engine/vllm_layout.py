@@ -52,6 +52,7 @@ from .output import (
 )
 from .reshard import RECORD_KEY, ShardsSource, open_shards, read_record, record_of, shards_verify, source_record
 from .transfer import reader_for_plan
+from .vllm_saved import read_vllm_save, saved_shard_info
 from .writer import FileWriter, WrittenFile, write_output_record
 
 if TYPE_CHECKING:
@@ -485,15 +486,11 @@ def _record(layout: VllmLayout, shards: ShardsSource | None) -> dict[str, Any] |
 
 
 def open_vllm_shards(model: Any, verify: bool = False) -> ShardsSource | None:
-    """A ``sharded_state`` directory ``convert --layout vllm`` wrote, as a source for any N (None when ``model`` is
-    no such directory): its record planned again for its own N says which rows of which vLLM rank tensor hold each
-    plain rank tensor (fused parts and stacked experts are row blocks; the vocabulary is padded per vLLM's rule).
-    Every rank file is checked (listed, size, each tensor's shape and dtype; with ``verify`` its sha256) before any
-    tensor byte is read."""
-    from ..planning.mesh import Mesh
-    from ..planning.plan import ModelPlan, Piece
-    from ..planning.registry import Box
-    from ..planning.reshard import FixedPlan
+    """A ``sharded_state`` directory ``convert --layout vllm`` or vLLM's own ``save_model`` wrote, as a source for
+    any N (None when ``model`` is no such directory): its record (or the header rebuilt from config.json) planned
+    again for its own N says which rows of which vLLM rank tensor hold each plain rank tensor (fused parts and
+    stacked experts are row blocks; the vocabulary is padded per vLLM's rule). Every rank file is checked (listed,
+    size, each tensor's shape and dtype; with ``verify`` its sha256) before any tensor byte is read."""
     from ..sources.checkpoint import MANIFEST_NAME, read_header, read_json
     from .verify import check_entry
 
@@ -502,7 +499,7 @@ def open_vllm_shards(model: Any, verify: bool = False) -> ShardsSource | None:
     root = Path(model)
     where = root / MANIFEST_NAME
     if not where.is_file():
-        return None
+        return _open_vllm_save(root, verify)
     manifest = read_json(where, "manifest")
     if not isinstance(manifest, dict) or manifest.get("format") != VLLM_MANIFEST_FORMAT:
         return None
@@ -524,21 +521,70 @@ def open_vllm_shards(model: Any, verify: bool = False) -> ShardsSource | None:
         )
     shell = Checkpoint(root, root, "converted", {}, [], manifest)
     info, stored, values = read_record(record, shell, str(where))
-    layout = plan_layout(stored, n_old, info)
     entries = {e["path"]: e for e in manifest["files"]}
-    files: dict[tuple[int, int], Path] = {}
-    headers: dict[tuple[int, int], dict[str, TensorInfo]] = {}
+    found: dict[int, dict[str, TensorInfo]] = {}
     for r in range(n_old):
         path, problem = check_entry(root, entries[FILE_PATTERN.format(rank=r)], verify)
         if problem is not None:
             raise problem
-        found = read_header(path)
+        found[r] = read_header(path)
+    return _vllm_source(shell, info, stored, values, n_old, found, [where], "the manifest's plan")
+
+
+def _open_vllm_save(root: Path, verify: bool) -> ShardsSource | None:
+    """A directory vLLM's own ``save_model`` wrote (no manifest; config.json copied beside it) as a source for any
+    N: the original checkpoint's header rebuilt (:mod:`.vllm_saved`), planned for the directory's N as ``convert
+    --layout vllm`` plans it, every rank file checked against that plan (None: ``root`` holds no such files)."""
+    save = read_vllm_save(root)
+    if save is None:
+        return None
+    if verify:
+        raise ShardloadError(
+            "verify=True checks rank files against a manifest's sha256, and vLLM's save_model writes none: convert "
+            "without verify (every rank file's shapes and dtypes are still checked), or convert the original",
+            file=str(root),
+        )
+    info = saved_shard_info(save.stored, save.num_shards)
+    shell = Checkpoint(root, root, "converted", {}, [])
+    extra = [p for paths in save.files.values() for p in paths[1:]] + [root / "config.json"]
+    return _vllm_source(shell, info, save.stored, {}, save.num_shards, save.headers, extra, "config.json")
+
+
+def _vllm_source(
+    shell: Checkpoint,
+    info: ShardInfo,
+    stored: Checkpoint,
+    values: dict[str, bytes],
+    n_old: int,
+    found: dict[int, dict[str, TensorInfo]],
+    extra: list[Path],
+    said_by: str,
+) -> ShardsSource:
+    """A ``sharded_state`` directory of ``n_old`` ranks as a source for any N: ``stored`` planned for ``n_old`` as
+    ``convert --layout vllm`` plans it, each rank's tensors ``found`` checked against that plan (every tensor, of
+    its shape and dtype, nothing else), and each plain rank tensor located as rows of a vLLM rank tensor."""
+    from ..planning.mesh import Mesh
+    from ..planning.plan import ModelPlan, Piece
+    from ..planning.registry import Box
+    from ..planning.reshard import FixedPlan
+
+    layout = plan_layout(stored, n_old, info)
+    files: dict[tuple[int, int], Path] = {}
+    headers: dict[tuple[int, int], dict[str, TensorInfo]] = {}
+    expected = {t.name for t in layout.tensors}
+    for r in range(n_old):
         own: dict[str, TensorInfo] = {}
+        first = min((t.file for t in found[r].values()), default=None)
+        for name, got in found[r].items():
+            if name not in expected:
+                raise CheckpointError(f"is no tensor of {said_by}'s plan for num_shards={n_old}", file=str(got.file),
+                                      param=name)  # fmt: skip
         for t in layout.tensors:
-            got = found.get(t.name)
+            got = found[r].get(t.name)
             if got is None or (got.shape, got.dtype) != (tuple(t.shape), t.dtype):
                 said = "missing" if got is None else f"{got.dtype} {list(got.shape)}"
-                raise CheckpointError(f"is {said}, but the manifest's plan gives {t.dtype} {list(t.shape)}",
+                path = got.file if got is not None else first
+                raise CheckpointError(f"is {said}, but {said_by}'s plan gives {t.dtype} {list(t.shape)}",
                                       file=str(path), param=t.name)  # fmt: skip
             if t.vocab:
                 own[t.parts[0]] = got
@@ -548,11 +594,12 @@ def open_vllm_shards(model: Any, verify: bool = False) -> ShardsSource | None:
             for k, name in enumerate(t.parts):
                 part = layout.plan.params[name]
                 nbytes = part.rank_nbytes
-                own[name] = TensorInfo(name, part.dtype, tuple(part.shape), path, offset, nbytes)
+                own[name] = TensorInfo(name, part.dtype, tuple(part.shape), got.file, offset, nbytes)
                 offset += nbytes
                 if t.experts and (k + 1) % per == 0:
                     offset = got.offset + (k + 1) // per * (got.nbytes // t.experts)
-        files[(0, r)] = path
+        if first is not None:
+            files[(0, r)] = first
         headers[(0, r)] = own
     old_params: dict[str, Any] = dict(layout.plan.params)
     for name, whole_info in layout.vocab_plan.params.items():
@@ -566,4 +613,4 @@ def open_vllm_shards(model: Any, verify: bool = False) -> ShardsSource | None:
         old_params[name] = FixedPlan(name, whole_info.source, n_old, shape, whole_info.dtype, boxes)
     old = ModelPlan(n_old, info, stored, old_params)
     holder = dict.fromkeys(old_params, 0)
-    return ShardsSource(shell, info, stored, old, Mesh(tp=n_old), files, headers, holder, values, [where])
+    return ShardsSource(shell, info, stored, old, Mesh(tp=n_old), files, headers, holder, values, extra)
