@@ -112,6 +112,27 @@ def test_missing_rank_file(saved: dict[str, tuple[Path, Path]], tmp_path: Path) 
     _refused(save, tmp_path, "its rank files for num_shards=2 do not fit config.json: .*o_proj.weight: input dim")
 
 
+def test_duplicated_rank_file(saved: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    """Rank 0's file copied over rank 1's name: the same shapes, so only the content tells."""
+    save = _copy(saved["llama_gqa"][1], tmp_path)
+    shutil.copy(rank_file(save, 0), rank_file(save, 1))
+    message = _refused(save, tmp_path, "as rank 0's file")
+    assert "model-rank-1-part-0.safetensors: " in message
+
+
+def test_rank_files_of_two_saves(saved: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    """Rank 1 from the save of another model of the same architecture (another seed): the same shapes."""
+    pytest.importorskip("transformers")
+    import tiny_models
+
+    tiny_models.build("llama_gqa", tmp_path / "other", seed=1)
+    other = fake_vllm_save(tmp_path / "other", 2, tmp_path / "other-saved2")
+    save = _copy(saved["llama_gqa"][1], tmp_path)
+    shutil.copy(rank_file(other, 1), rank_file(save, 1))
+    message = _refused(save, tmp_path, "differs from rank 0's: rank files of two different saves")
+    assert "model-rank-1-part-0.safetensors: " in message
+
+
 def test_shapes_disagree_with_config(saved: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
     for key, value in (("num_key_value_heads", 4), ("vocab_size", 300)):
         save = _copy(saved["qwen2"][1], tmp_path)

@@ -52,7 +52,7 @@ from .output import (
 )
 from .reshard import RECORD_KEY, ShardsSource, open_shards, read_record, record_of, shards_verify, source_record
 from .transfer import reader_for_plan
-from .vllm_saved import read_vllm_save, saved_shard_info
+from .vllm_saved import check_contents, read_vllm_save, saved_shard_info
 from .writer import FileWriter, WrittenFile, write_output_record
 
 if TYPE_CHECKING:
@@ -547,7 +547,13 @@ def _open_vllm_save(root: Path, verify: bool) -> ShardsSource | None:
     info = saved_shard_info(save.stored, save.num_shards)
     shell = Checkpoint(root, root, "converted", {}, [])
     extra = [p for paths in save.files.values() for p in paths[1:]] + [root / "config.json"]
-    return _vllm_source(shell, info, save.stored, {}, save.num_shards, save.headers, extra, "config.json")
+    source = _vllm_source(shell, info, save.stored, {}, save.num_shards, save.headers, extra, "config.json")
+    layout = plan_layout(save.stored, save.num_shards, info)
+    body = [t for t in layout.tensors if not t.vocab and t.constant is None]
+    whole = [t.name for t in body if all(layout.plan.params[p].replicated for p in t.parts)]
+    split = next((t.name for t in body if t.name not in whole), None)
+    check_contents(save, whole, split if save.num_shards > 1 else None)
+    return source
 
 
 def _vllm_source(

@@ -235,3 +235,50 @@ def _check_complete(root: Path, rank0: dict[str, TensorInfo], config: dict[str, 
     for name in rank0:
         if name.endswith(".bias") and name.removesuffix("bias") + "weight" not in rank0:
             raise CheckpointError("is saved without its weight", file=where, param=name)
+
+
+SAMPLE_BYTES = 4096
+"""Bytes of one split tensor compared across ranks to catch a rank file copied over another's name."""
+REPLICATED_CAP = 1 << 20
+"""Replicated tensors up to this size are compared across ranks (norms, routers): equal in any one save."""
+
+
+def check_contents(save: VllmSave, replicated: list[str], split: str | None) -> None:
+    """What shapes cannot tell, from a few bytes of each rank file: every replicated tensor in ``replicated`` equal
+    on all ranks (else the files are of two saves), and the first bytes of tensor ``split`` differing between ranks
+    (else one file is a copy of another's)."""
+    import torch
+
+    from ..sources.object_reader import reader_for
+    from ..sources.reader import Reader
+
+    def read(reader: Reader, info: TensorInfo, nbytes: int) -> torch.Tensor:
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        reader.read_tensor(info.file, info.offset, out)
+        return out
+
+    with reader_for(save.stored.root) as reader:
+        for name in replicated:
+            first = save.headers[0][name]
+            if first.nbytes > REPLICATED_CAP:
+                continue
+            want = read(reader, first, first.nbytes)
+            for r in range(1, save.num_shards):
+                got = save.headers[r][name]
+                if not torch.equal(read(reader, got, got.nbytes), want):
+                    raise CheckpointError(
+                        "differs from rank 0's: rank files of two different saves (a replicated tensor is equal on "
+                        "every rank of one save)",
+                        file=str(got.file), param=name,
+                    )  # fmt: skip
+        if split is None:
+            return
+        seen: list[torch.Tensor] = []
+        for r in range(save.num_shards):
+            info = save.headers[r][split]
+            sample = read(reader, info, min(SAMPLE_BYTES, info.nbytes))
+            same = next((k for k, s in enumerate(seen) if torch.equal(s, sample)), None)
+            if same is not None:
+                raise CheckpointError(f"holds the same bytes as rank {same}'s file: a copy of another rank's file, "
+                                      f"not rank {r}'s", file=str(info.file), param=split)  # fmt: skip
+            seen.append(sample)
