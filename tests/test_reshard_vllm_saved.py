@@ -4,7 +4,9 @@ beside it) as a source for ``convert`` at any N (docs/reshard.md).
 The directories are made as vLLM writes them (``helpers/vllm_saved.py``; tests_vllm/test_vllm_saved.py uses vLLM's
 own ``save_model``). From a TP=2 save of a GQA Llama, a Qwen2 (biases, tied embeddings, a vocabulary of 250 that
 vLLM pads) and a Mixtral, ``convert --layout vllm -n N`` writes byte for byte the files converting the original
-writes, and the plain layout the same rank tensors. Bad directories are one located line, nothing written.
+writes, and the plain layout the same rank tensors; ``load``, ``load_rank`` and ``inspect`` read such a directory
+(and ``convert --layout vllm`` output) at any N as the original. Bad directories are one located line, nothing
+written.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from safetensors.torch import load_file, save_file
 import shardload
 from helpers.vllm_saved import fake_vllm_save
 from shardload.cli.main import main
+from shardload.engine.vllm_layout import convert_vllm
 from shardload.errors import ShardloadError
 from shardload.sources.reader import count_reads
 
@@ -62,6 +65,33 @@ def test_saved_to_any_n_and_layout(saved: dict[str, tuple[Path, Path]], kind: st
             got = shardload.load_rank(tmp_path / f"plain{n}", r, n)
             assert got.keys() == want[r].keys()
             assert all(got[k].dtype == t.dtype and torch.equal(got[k], t) for k, t in want[r].items()), (n, r)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mixtral"])
+def test_load_load_rank_inspect_any_n(saved: dict[str, tuple[Path, Path]], kind: str, tmp_path: Path) -> None:
+    """``load``, ``load_rank`` and ``inspect`` straight from vLLM's save and from ``convert --layout vllm`` output:
+    the ranks and the plan the original gives, at any N."""
+    original, save = saved[kind]
+    ours = tmp_path / "ours2"
+    convert_vllm(original, 2, ours)
+    runner = CliRunner()
+    for source in (save, ours):
+        for n in (1, 2, 4):
+            want = shardload.load(original, n, devices=["cpu"] * n)
+            got = shardload.load(source, n, devices=["cpu"] * n)
+            for r in range(n):
+                one = shardload.load_rank(source, r, n)
+                for state in (got[r], one):
+                    assert state.keys() == want[r].keys()
+                    assert all(torch.equal(state[k], t) and state[k].dtype == t.dtype for k, t in want[r].items())
+        direct = runner.invoke(main, ["inspect", str(original), "-n", "4", "--json"])
+        shards = runner.invoke(main, ["inspect", str(source), "-n", "4", "--json"])
+        assert shards.exit_code == 0 and direct.exit_code == 0, shards.output
+        got_doc, want_doc = json.loads(shards.stdout), json.loads(direct.stdout)
+        assert got_doc["totals"] == want_doc["totals"]
+        assert sorted(got_doc["rows"], key=str) == sorted(want_doc["rows"], key=str)  # the record's order may differ
+        with pytest.raises(ShardloadError, match="without share_reads or mmap"):
+            shardload.load_rank(source, 0, 4, mmap=True)
 
 
 def test_reads_only_the_checks_and_each_byte_once(saved: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ was loaded from.
 Such a directory holds ``model-rank-{rank}-part-{part}.safetensors`` files and nothing else: vLLM's names, its
 fused ``qkv_proj``/``gate_up_proj``, stacked experts and padded vocabulary, no manifest. From the model's
 config.json (copied beside the files) and rank 0's headers this module rebuilds the original checkpoint's header:
-Hugging Face names, whole shapes and dtypes. :func:`~shardload.engine.vllm_layout.open_vllm_shards` then plans it
+Hugging Face names, whole shapes and dtypes. :func:`~shardload.engine.vllm_plan.open_vllm_shards` then plans it
 for the directory's own N exactly as ``convert --layout vllm`` would have and checks every rank file against that
 plan, so a wrong guess here is one located line there, never a wrong tensor.
 """
