@@ -33,6 +33,8 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
 """Families whose vLLM state is inverted here (Llama's names; qkv and gate_up fused; Mixtral's stacked experts)."""
 SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 """Attention scalars vLLM keeps in its state (constants for these models; ``convert --layout vllm`` writes them)."""
+FLOATS = ("float32", "float16", "bfloat16")
+"""Dtypes of an unquantized save's tensors."""
 EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}
 """Per-expert projection names (gate, up, down) by model type; others use gate_proj, up_proj, down_proj."""
 
@@ -117,7 +119,7 @@ def _stored_header(root: Path, config: dict[str, Any], rank0: dict[str, TensorIn
     quant = config.get("quantization_config")
     if isinstance(quant, dict):
         method = quant.get("quant_method")
-        first = next((t for t in rank0 if not t.endswith(("norm.weight", *SCALES))), "quantization_config")
+        first = _quantized_tensor(rank0)
         raise ShardloadError(
             f"is quantized (quant_method={method!r}): vLLM's save_model writes the weights as vLLM repacked them at "
             "load, which cannot be turned back into the checkpoint; convert the original checkpoint",
@@ -134,7 +136,7 @@ def _stored_header(root: Path, config: dict[str, Any], rank0: dict[str, TensorIn
     packing = vllm_packing(model_type)
     tied = config.get("tie_word_embeddings") is True and names.tied_head
     heads, hidden = _int(config, "num_attention_heads", where), _int(config, "hidden_size", where)
-    kv_heads = _int(config, "num_key_value_heads", where) if "num_key_value_heads" in config else heads
+    kv_heads = heads if config.get("num_key_value_heads") is None else _int(config, "num_key_value_heads", where)
     head_dim = config.get("head_dim") or hidden // heads
     vocab = _int(config, "vocab_size", where)
     gate, up, down = EXPERT_NAMES.get(str(model_type), ("gate_proj", "up_proj", "down_proj"))
@@ -209,6 +211,15 @@ def _guess(name: str, shape: tuple[int, ...], n: int) -> tuple[int, ...]:
     if name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):
         return (shape[0], shape[1] * n)
     return (shape[0] * n, shape[1])
+
+
+def _quantized_tensor(rank0: dict[str, TensorInfo]) -> str:
+    """The tensor to name when refusing a quantized save: its first packed or integer tensor, else a projection."""
+    for name, info in rank0.items():
+        scale = name.rsplit(".", 1)[-1] in SCALES
+        if not scale and (info.dtype not in FLOATS or name.endswith(("_scale", "qweight", "weight_packed"))):
+            return name
+    return next((name for name in rank0 if name.endswith("proj.weight")), "quantization_config")
 
 
 def _int(config: dict[str, Any], key: str, where: str) -> int:
