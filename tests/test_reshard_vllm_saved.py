@@ -163,6 +163,37 @@ def test_rank_files_of_two_saves(saved: dict[str, tuple[Path, Path]], tmp_path: 
     assert "model-rank-1-part-0.safetensors: " in message
 
 
+def _split_parts(save: Path, rank: int) -> None:
+    """Rank ``rank``'s file as two parts, as save_model writes a rank over its max_size."""
+    tensors = load_file(rank_file(save, rank))
+    names = list(tensors)
+    rank_file(save, rank).unlink()
+    for part, chunk in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+        path = save / f"model-rank-{rank}-part-{part}.safetensors"
+        save_file({k: tensors[k] for k in chunk}, path, metadata={"format": "pt"})
+
+
+def test_rank_files_in_parts(saved: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    """Ranks saved in two parts each read as one; a tensor in two parts, or a part missing, is one located line."""
+    original, _ = saved["qwen2"]
+    save = _copy(saved["qwen2"][1], tmp_path)
+    for r in range(2):
+        _split_parts(save, r)
+    convert_vllm(save, 4, tmp_path / "p4")
+    convert_vllm(original, 4, tmp_path / "d4")
+    for r in range(4):
+        assert rank_file(tmp_path / "p4", r).read_bytes() == rank_file(tmp_path / "d4", r).read_bytes()
+    part1 = save / "model-rank-1-part-1.safetensors"
+    moved = save / "moved.safetensors"
+    part1.rename(moved)
+    _refused(save, tmp_path, r"model-rank-1-part-0\.safetensors: .*: is missing, but config.json's plan gives")
+    moved.rename(part1)
+    shutil.copy(save / "model-rank-0-part-0.safetensors", save / "model-rank-0-part-2.safetensors")
+    _refused(save, tmp_path, r"model-rank-0-part-2\.safetensors: .*: is also in model-rank-0-part-0\.safetensors")
+    (save / "model-rank-0-part-2.safetensors").rename(save / "model-rank-0-part-3.safetensors")
+    _refused(save, tmp_path, r"model-rank-0-part-2\.safetensors: is missing")
+
+
 def test_shapes_disagree_with_config(saved: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
     for key, value in (("num_key_value_heads", 4), ("vocab_size", 300)):
         save = _copy(saved["qwen2"][1], tmp_path)
