@@ -4,8 +4,8 @@ embeddings, a vocabulary of 250 that vLLM pads) at TP=2 (``ShardedStateLoader.sa
 
 - ``-n 4 --layout vllm``: every tensor equal to ``convert ORIGINAL -n 4 --layout vllm``'s;
 - ``-n 1`` (plain layout): every tensor equal to ``convert ORIGINAL -n 1``'s;
-- vLLM serving the save resharded to TP=1 (``sharded_state``) gives the same greedy tokens and logprobs as its
-  default loader on the original.
+- vLLM serving the save resharded to TP=1 (``sharded_state``), and the TP=2 save itself at TP=1 with
+  ``load_format="shardload"``, gives the same greedy tokens and logprobs as its default loader on the original.
 
 vLLM on the CPU drops each linear layer's weight from its state after packing it for oneDNN, so its save_model would
 write none (``test_reshard_vllm_saved.py`` checks that such a save is refused): ``run_vllm.py`` keeps them, as vLLM
@@ -102,13 +102,18 @@ def served(work: Path) -> dict[str, Any]:
         jobs.append({"model": str(work / name), "load_format": "auto", "tp": 1, "out": str(work / f"{name}-auto.json")})
         jobs.append({"model": str(work / f"{name}-saved-vllm1"), "load_format": "sharded_state", "tp": 1,
                      "out": str(work / f"{name}-resharded.json")})  # fmt: skip
+        jobs.append({"model": str(work / f"{name}-saved2"), "load_format": "shardload", "tp": 1,
+                     "out": str(work / f"{name}-shardload.json")})  # fmt: skip
     _run(jobs, work / "serve.log")
     return {Path(j["out"]).stem: json.loads(Path(j["out"]).read_text()) for j in jobs}
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_vllm_serves_the_resharded_save(served: dict[str, Any], name: str) -> None:
-    want, got = served[f"{name}-auto"], served[f"{name}-resharded"]
+@pytest.mark.parametrize("how", ["resharded", "shardload"])
+def test_vllm_serves_the_save_at_another_tp(served: dict[str, Any], name: str, how: str) -> None:
+    """``resharded``: sharded_state on the save converted to TP=1; ``shardload``: load_format="shardload" pointed at
+    the TP=2 save itself, served at TP=1."""
+    want, got = served[f"{name}-auto"], served[f"{name}-{how}"]
     assert "error" not in want and "error" not in got, (want, got)
     assert len(want["outputs"]) == 3 and all(len(o["tokens"]) == 8 for o in want["outputs"])
     assert got["outputs"] == want["outputs"]
