@@ -1,9 +1,12 @@
 """Run vLLM (a subprocess of the tests): greedy tokens and their logprobs for fixed prompts, as JSON.
 
 Usage: python run_vllm.py JOBS.json
-JOBS.json is a list of {"model", "load_format", "tp", "pp"?, "ep"?, "out", "extra"?}; the jobs share one world size
-(tp x pp) and run one after another in this process, which pays vLLM's import once.
-A job that fails writes {"error": "..."} to its "out" and the next job still runs.
+JOBS.json is a list of {"model", "load_format", "tp", "pp"?, "ep"?, "out", "extra"?, "save"?}; the jobs share one
+world size (tp x pp) and run one after another in this process, which pays vLLM's import once.
+A job that fails writes {"error": "..."} to its "out" and the next job still runs. A job with "save" then writes the
+loaded model with vLLM's own ``ShardedStateLoader.save_model`` (``sharded_state`` rank files) into that directory;
+such jobs keep the linear layers' weights in vLLM's state (:func:`keep_linear_weights`, in this process and in each
+worker vLLM spawns, which imports this module first).
 """
 
 from __future__ import annotations
@@ -46,11 +49,33 @@ def run_job(job: dict) -> dict:
             c = o.outputs[0]
             logprobs = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
             result.append({"tokens": list(c.token_ids), "logprobs": logprobs})
+        if job.get("save"):
+            os.makedirs(job["save"], exist_ok=True)
+            llm.llm_engine.engine_core.save_sharded_state(job["save"])
         return {"outputs": result}
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def keep_linear_weights() -> None:
+    """Keep each linear layer's weight in vLLM's state, as vLLM on a GPU does: on the CPU vLLM packs it for oneDNN
+    and replaces it with an empty tensor (``dispatch_cpu_unquantized_gemm(remove_weight=True)``), so its own
+    ``save_model`` would write no linear weight at all. Patched before any model is built."""
+    from vllm.model_executor.layers import utils
+
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+
+    def keep(layer: object, remove_weight: bool) -> None:
+        dispatch(layer, remove_weight=False)
+
+    utils.dispatch_cpu_unquantized_gemm = keep
+
+
+KEEP_WEIGHTS = "RUN_VLLM_KEEP_LINEAR_WEIGHTS"
+if os.environ.get(KEEP_WEIGHTS) == "1" and __name__ != "__main__":  # a worker process spawned by vLLM
+    keep_linear_weights()
 
 
 def main() -> None:
@@ -68,6 +93,9 @@ def main() -> None:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     launched = os.environ.get("RUN_VLLM_BACKEND") == "external_launcher"  # torchrun's groups stay up between jobs
+    if any(job.get("save") for job in jobs):
+        os.environ[KEEP_WEIGHTS] = "1"  # the workers vLLM spawns import this module: they patch on import
+        keep_linear_weights()
     for job in jobs:
         try:
             result = run_job(job)

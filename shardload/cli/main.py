@@ -674,8 +674,17 @@ def inspect(
             raise click.UsageError(f"--num-shards disagrees with the mesh's tp={layout.tp}")
         num_shards = layout.tp
 
-    checkpoint = open_checkpoint(model)
-    if checkpoint.kind == "converted":  # planned again over the stored tensors its manifest records
+    from ..engine.vllm_plan import open_vllm_shards
+
+    sharded = open_vllm_shards(model)
+    if sharded is not None:  # vLLM's layout: planned again over the stored tensors it was made from
+        if shard_info is not None:
+            raise ShardloadError("a sharded_state directory carries its own shard_info; do not pass one",
+                                 file=str(model))  # fmt: skip
+        click.echo(f"note: vLLM's sharded_state layout for num_shards={sharded.old.num_shards}: each rank reads its "
+                   "boxes out of those rank files", err=True)  # fmt: skip
+        checkpoint, info = sharded.stored, sharded.shard_info
+    elif (checkpoint := open_checkpoint(model)).kind == "converted":  # planned over its manifest's stored tensors
         from ..engine.reshard import open_shards
 
         if shard_info is not None:

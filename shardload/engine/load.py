@@ -25,9 +25,18 @@ from ..sources.reader import RunReader
 from .devices import resolve_device
 from .integrity import converted_verifier, verifier, wrapped
 from .read_strategy import ReadOptions
-from .reshard import load_ranks, needs_reshard, open_presharded, open_shards, presharded_verify, shards_verify
+from .reshard import (
+    ShardsSource,
+    load_ranks,
+    needs_reshard,
+    open_presharded,
+    open_shards,
+    presharded_verify,
+    shards_verify,
+)
 from .transfer import Transfer, reader_for_plan
 from .verify import rank_file
+from .vllm_plan import open_vllm_shards
 
 if TYPE_CHECKING:
     import torch
@@ -168,6 +177,9 @@ def load(
     if len(devices) != world:
         what = f"num_shards={layout.tp}" if mesh is None else f"{world} ranks ({layout})"
         raise ShardloadError(f"got {len(devices)} devices for {what}", file=str(model))
+    sharded = _sharded_state(model, shard_info, verify)
+    if sharded is not None:  # vLLM's layout: every rank reads its boxes of the vLLM rank files
+        return load_ranks(sharded, layout, range(world), devices)
     checkpoint = open_checkpoint(model)
     if checkpoint.kind == "converted":
         if shard_info is not None:
@@ -402,6 +414,14 @@ def load_rank(
     else:
         rank, num_shards = _dist_defaults(rank, num_shards)
         layout = Mesh(tp=num_shards)
+    sharded = _sharded_state(model, shard_info, verify)
+    if sharded is not None:  # vLLM's layout: this rank reads its boxes of the vLLM rank files
+        if type(rank) is not int or not 0 <= rank < layout.world_size:
+            raise CheckpointError(f"rank {rank} is out of range for {layout}", file=str(model))
+        if mmap or (share_reads is not False and share_reads is not None):
+            raise ShardloadError("a sharded_state directory is read in boxes of vLLM's rank files, without "
+                                 "share_reads or mmap", file=str(model))  # fmt: skip
+        return load_ranks(sharded, layout, [rank], [device])[0]
     checkpoint = open_checkpoint(model)
     if type(rank) is not int or not 0 <= rank < layout.world_size:
         what = f"num_shards={layout.tp}" if mesh is None else f"a mesh of {layout.world_size} ranks ({layout})"
@@ -486,6 +506,18 @@ def load_rank(
         out={n: t.detach() for n, t in dests.items()},
     )[0]  # fmt: skip
     return {**state, **dests}  # the caller's own tensors, not their detached aliases
+
+
+def _sharded_state(model: Any, shard_info: Any, verify: bool | str) -> ShardsSource | None:
+    """``model`` opened as a vLLM ``sharded_state`` directory (``convert --layout vllm`` or vLLM's ``save_model``
+    output), or None when it is none."""
+    sharded = open_vllm_shards(model, verify=verify is True)
+    if sharded is not None:
+        shards_verify(verify, str(model))  # a pinned root cannot be checked here: refused, not skipped
+        if shard_info is not None:
+            raise ShardloadError("a sharded_state directory carries its own shard_info; do not pass one",
+                                 file=str(model))  # fmt: skip
+    return sharded
 
 
 def check_received(params: Iterable[ParamPlan], rank: int, state: Mapping[str, torch.Tensor], reader: Any) -> None:

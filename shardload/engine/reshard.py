@@ -517,7 +517,7 @@ def open_presharded(checkpoint: Checkpoint, shard_info: ShardInfo) -> ShardsSour
                 "boxes of the records as stored, so it needs records stored as the ranks hold them",
                 file=checkpoint.name, param=name,
             )  # fmt: skip
-        stored[name] = _whole(name, shard_info, part, n_old, checkpoint)
+        stored[name] = stored_shape(name, shard_info, part, n_old, checkpoint)
     virtual = Checkpoint(checkpoint.root, checkpoint.root, "safetensors", stored)
     old_info = ShardInfo({k: v for k, v in shard_info.params.items() if k in checkpoint.shards}, source=where)
     old = build_plan(old_info, virtual, n_old)
@@ -531,7 +531,7 @@ def open_presharded(checkpoint: Checkpoint, shard_info: ShardInfo) -> ShardsSour
     return ShardsSource(checkpoint, shard_info, virtual, old, Mesh(tp=n_old), {}, headers, holder, {}, extra)
 
 
-def _whole(name: str, shard_info: ShardInfo, part: TensorInfo, n_old: int, checkpoint: Checkpoint) -> TensorInfo:
+def stored_shape(name: str, shard_info: ShardInfo, part: TensorInfo, n_old: int, checkpoint: Checkpoint) -> TensorInfo:
     """The whole stored tensor a pre-sharded parameter was cut from: the one shape (a dim of its records times
     N_old) whose steps give each of N_old ranks exactly the records' shape and dtype."""
     specs = shard_info.params.get(name)

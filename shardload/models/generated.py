@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError
 from ..format.strictjson import write_atomic
@@ -25,6 +25,9 @@ from .presets import gguf_names, preset_placements
 from .splits import ModelDims, count_problems
 from .stored_layouts import companion_steps, detect_format, logical_tensors
 from .vocab_padding import pad_vocab, padding_hint, padding_note
+
+if TYPE_CHECKING:
+    from ..sources.checkpoint import Checkpoint
 
 __all__ = [
     "GeneratedShardInfo",
@@ -183,7 +186,7 @@ class GeneratedShardInfo:
 
 
 def generate(
-    model: str | os.PathLike[str],
+    model: str | os.PathLike[str] | Checkpoint,
     *,
     style: str = "auto",
     experts: str = "tp",
@@ -195,18 +198,21 @@ def generate(
     """Generate the N-agnostic shard_info of a model; raise PlanError if any of ``num_shards`` cannot work.
 
     ``model`` is a Hugging Face model directory (config.json; dense or quantized) or a GGUF file or
-    directory (config from its metadata). The result records every N in 1..``check_up_to`` it plans
-    for (also in its description), checked against every stored tensor, quantized companions included.
+    directory (config from its metadata), or such a checkpoint already opened (headers only). The result
+    records every N in 1..``check_up_to`` it plans for (also in its description), checked against every
+    stored tensor, quantized companions included.
     A vocabulary that N does not divide is padded with zero rows by ``vocab_padding`` (a key of
     :data:`VOCAB_PADDING`). A plan that works for N=1 alone (of ``check_up_to`` > 1 checked) raises PlanError
     naming why N=2 fails, unless ``allow_single``.
     """
-    from ..sources.checkpoint import open_checkpoint
+    from ..sources.checkpoint import Checkpoint, open_checkpoint
 
+    opened = model if isinstance(model, Checkpoint) else None
+    model = opened.path if opened is not None else model
     for n in num_shards:
         if type(n) is not int or n < 1:
             raise PlanError(f"num_shards must be a positive integer, got {n!r}", file=str(model))
-    checkpoint = open_checkpoint(model)
+    checkpoint = opened if opened is not None else open_checkpoint(model)
     if checkpoint.kind == "converted":
         raise PlanError("this is a converted directory; plan the source checkpoint instead", file=checkpoint.name)
     config_path = str(checkpoint.config_file())

@@ -44,7 +44,7 @@ def plan_shard_info(checkpoint: Checkpoint, shard_info: Any) -> tuple[ShardInfo,
     from .generated import generate
 
     try:
-        generated = generate(checkpoint.path, check_up_to=0)  # the caller plans for its own N next
+        generated = generate(checkpoint, check_up_to=0)  # the caller plans for its own N next
     except ShardloadError as err:  # the same kind of error, saying first that no file was found
         raise type(err)(
             f"no {default.name} beside the weights, and planning one from {config.name} failed: {err.message}",

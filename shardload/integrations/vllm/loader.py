@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ...engine.load import load_rank
+from ...engine.vllm_plan import open_vllm_shards
 from ...errors import ShardloadError
 from ...format.shard_info import ShardInfo, StepSpec
 from ...models.families import vllm_names
@@ -152,7 +153,8 @@ def fill_model(
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     if mapper is not None and hasattr(mapper, "get_rename_mapper"):
         mapper = mapper.get_rename_mapper()  # renames only: fusion is ours, part by part
-    checkpoint = open_checkpoint(model_dir)
+    sharded = open_vllm_shards(model_dir) is not None  # vLLM's sharded_state (ours or save_model's): read as converted
+    checkpoint = None if sharded else open_checkpoint(model_dir)
     report = FillReport()
 
     def route(name: str) -> Target | None:
@@ -190,8 +192,12 @@ def fill_model(
     vocab = _vocab_ranges(model, targets)
     experts = _expert_maps(model)
     stacked_ep: set[str] = set()
-    adjust = _adjustments(checkpoint, rank, expert_parallel=bool(experts))
-    if checkpoint.kind == "converted":
+    adjust = (
+        _adjustments(checkpoint, rank, expert_parallel=bool(experts))
+        if checkpoint is not None
+        else (lambda name: None)  # a sharded_state directory's tensors are read back under the source's names
+    )
+    if checkpoint is None or checkpoint.kind == "converted":
         if experts:
             raise ShardloadError(
                 "a converted directory splits every expert by tensor parallelism; with expert parallelism "
@@ -200,8 +206,14 @@ def fill_model(
             )
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=where)
-        report.source = f"converted directory, rank file {rank}"
-        stored = load_rank(model_dir, rank, num_shards, verify=verify, mmap=not isinstance(verify, str))
+        report.source = (
+            "sharded_state directory, boxes of its rank files" if sharded else f"converted directory, rank file {rank}"
+        )
+        mmap = not sharded and not isinstance(verify, str)  # sharded_state: read in boxes, never mapped
+        stored = load_rank(model_dir, rank, num_shards, verify=verify, mmap=mmap)
+        embed = next((n for n in stored if n.endswith("embed_tokens.weight")), None)
+        if sharded and embed and "lm_head.weight" in targets and "lm_head.weight" not in stored:
+            stored = {**stored, "lm_head.weight": stored[embed]}  # vLLM unties the tied head its files hold
         routes = {name: route(name) for name in stored}
         narrow = _converted_vocab(stored, routes, vocab, rank, where)
         tensors: Mapping[str, torch.Tensor] = stored
