@@ -42,6 +42,7 @@ from .planning.mesh import Mesh
 from .planning.plan import ModelPlan, ParamPlan
 from .planning.registry import register
 from .planning.validate import validate
+from .sources.objects import ObjectCost
 from .version import __version__
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "FormatError",
     "Mesh",
     "ModelPlan",
+    "ObjectCost",
     "ParamPlan",
     "PlanError",
     "ReadOptions",

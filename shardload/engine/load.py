@@ -178,7 +178,7 @@ def run_plan(
     # rank's tensors are populated by the readers themselves, so its reads start while later parameters are planned
     defer = not (one_rank and torch.device(devices[0]).type == "cpu")
     with (
-        wrapped(reader_for_plan(plan.params.values()), wrap) as reader,
+        wrapped(reader_for_plan(plan.params.values(), read_options), wrap) as reader,
         Transfer(
             reader,
             read_options=read_options,
@@ -510,7 +510,9 @@ def _load_converted_rank(
     path = rank_file(checkpoint, coord.tp, layout, stage=coord.pp, checksum=verify is True and wrap is None)
     infos = list(read_header(path).values())
     with (
-        wrapped(reader_for(path), wrap and (lambda r: wrap(r, {path: infos}))) as reader,
+        wrapped(
+            reader_for(path, read_options and read_options.object_cost), wrap and (lambda r: wrap(r, {path: infos}))
+        ) as reader,
         Transfer(reader, read_options=read_options, mapped=mmap) as transfer,
     ):
         tensors = transfer.tensors(infos, device)

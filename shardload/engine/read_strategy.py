@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from ..errors import ShardloadError
+from ..sources.objects import ObjectCost
 from ..sources.reader import PAGE, probes
 
 if TYPE_CHECKING:
@@ -43,16 +44,23 @@ STRATEGIES: tuple[Strategy, ...] = ("auto", "map", "read")
 class ReadOptions:
     """How a load reads: ``strategy`` picks a single rank's way (``"auto"``: per parameter, from its runs and the
     page cache; ``"map"``: always copy out of a mapping; ``"read"``: always ``preadv`` the exact runs), ``threads``
-    the reader threads (None: the reader's own number, else :data:`READ_THREADS`; 0: read in the calling thread)."""
+    the reader threads (None: the reader's own number, else :data:`READ_THREADS`; 0: read in the calling thread),
+    ``object_cost`` what a request to an object store costs, which decides its ranged GETs (an
+    :class:`~shardload.sources.objects.ObjectCost`; ``"measure"``: timed once per store; None:
+    ``SHARDLOAD_S3_COST``, else the default)."""
 
     strategy: Strategy = "auto"
     threads: int | None = None
+    object_cost: ObjectCost | Literal["measure"] | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ShardloadError(f"read strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         if self.threads is not None and (type(self.threads) is not int or self.threads < 0):
             raise ShardloadError(f"reader threads must be None or an int >= 0, got {self.threads!r}")
+        cost = self.object_cost
+        if not (cost is None or isinstance(cost, ObjectCost) or (isinstance(cost, str) and cost == "measure")):
+            raise ShardloadError(f'object_cost must be an ObjectCost, "measure" or None, got {cost!r}')
 
     def threads_for(self, reader: RunReader) -> int:
         """The reader threads of a load through ``reader`` (an object store asks for its own number)."""
