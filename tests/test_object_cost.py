@@ -247,7 +247,13 @@ def test_a_bad_cost_in_the_environment_is_one_line(monkeypatch: pytest.MonkeyPat
 
 
 def test_bad_costs_are_refused() -> None:
-    for bad in ({"latency": float("nan")}, {"bandwidth": 0}, {"latency": "1"}, {"concurrency": 1000}):
+    for bad in (
+        {"latency": float("nan")},
+        {"bandwidth": 0},
+        {"latency": "1"},
+        {"latency": True},
+        {"concurrency": 1000},
+    ):
         with pytest.raises(ShardloadError, match=r"^ObjectCost\.\w+ must be"):
             ObjectCost(**bad)
     with pytest.raises(ShardloadError, match=r'^object_cost must be an ObjectCost, "measure" or None, got 0\.1$'):

@@ -66,7 +66,8 @@ class ObjectCost:
     def __post_init__(self) -> None:
         for name in ("latency", "bandwidth"):
             value = getattr(self, name)
-            if type(value) not in (int, float) or math.isnan(value) or value < 0 or (name == "bandwidth" and not value):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or math.isnan(value) or value < 0 or (name == "bandwidth" and not value):
                 raise ShardloadError(f"ObjectCost.{name} must be a number >= 0 (bandwidth > 0), got {value!r}")
         if not self.latency and math.isinf(self.bandwidth):
             raise ShardloadError("ObjectCost: latency 0 with an infinite bandwidth says nothing about any gap")
