@@ -91,13 +91,16 @@ class Proxy:
             h.send_header("Content-Length", str(len(whole)))
         h.end_headers()
         sent = 0
-        if whole is not None:
-            h.wfile.write(whole)
-            sent = len(whole)
-        elif h.command != "HEAD":
-            while chunk := resp.read(CHUNK):
-                h.wfile.write(chunk)
-                sent += len(chunk)
+        try:
+            if whole is not None:
+                h.wfile.write(whole)
+                sent = len(whole)
+            elif h.command != "HEAD":
+                while chunk := resp.read(CHUNK):
+                    h.wfile.write(chunk)
+                    sent += len(chunk)
+        except OSError:  # the client hung up (a timeout on its side): counted as far as it got
+            h.close_connection = True
         resp.read()
         with self.lock:
             self.requests += 1

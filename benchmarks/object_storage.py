@@ -194,6 +194,29 @@ def runai_rank(uri: str, files: list[str], plan: Any, rank: int) -> dict[str, to
     return out
 
 
+def print_table(latency_ms: float, best: dict[str, Result], cost: ObjectCost | None) -> None:
+    """One added latency's table (markdown), ratios to Run:ai and to the better of exact and merged."""
+    peer = best["Run:ai streamer, whole tensors + slicing"]
+    floor = min(best["load_rank, ObjectCost.exact()"].seconds, best["load_rank, ObjectCost.merged()"].seconds)
+    measured = (
+        f" (measured: latency {cost.latency * 1000:.1f} ms, bandwidth {cost.bandwidth / 1e6:.0f} MB/s over "
+        f"{cost.concurrency} requests, break-even gap {cost.merge_gap / 1e3:.0f} kB)"
+    )
+    load = os.getloadavg()
+    print(f"\nadded latency {latency_ms:g} ms per request{measured if cost else ''}; load average {load[0]:.2f} "
+          f"{load[1]:.2f} {load[2]:.2f}")  # fmt: skip
+    print("| run | s | client CPU s | server CPU s | GETs | MB moved | time vs Run:ai | bytes vs Run:ai "
+          "| time vs best of exact, merged |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, r in best.items():
+        print(
+            f"| {label} | {r.seconds:.2f} | {r.client_cpu:.2f} | {r.server_cpu:.2f} | {r.gets} | "
+            f"{r.nbytes / 1e6:.1f} | {r.seconds / peer.seconds:.2f}x | {r.nbytes / peer.nbytes:.2f}x | "
+            f"{r.seconds / floor:.2f}x |",
+            flush=True,
+        )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=2048)
@@ -249,6 +272,12 @@ def main() -> int:
             'load_rank, object_cost="measure"': ours("measure"),
             "Run:ai streamer, whole tensors + slicing": lambda: runai_rank(uri, weights, plan, args.rank),
         }
+        print(
+            f"checkpoint {total / 1e6:.1f} MB in {len(weights)} file(s); rank {args.rank} of {args.num_shards} holds "
+            f"{own / 1e6:.1f} MB; best of {args.repeats} (exact: 1); moto server on 127.0.0.1 behind a counting "
+            "proxy",
+            flush=True,
+        )
         for latency_ms in args.latency_ms:
             proxy_call(url, f"/__delay?seconds={latency_ms / 1000}", "POST")
             best = results[latency_ms] = {label: Result() for label in runs}
@@ -272,36 +301,11 @@ def main() -> int:
                     for name in want:
                         assert torch.equal(got[name], want[name]), (label, name)
                     del got
+            print_table(latency_ms, best, measured.get(latency_ms))
     finally:
         for process in (proxy, server):
             process.kill()
             process.wait()
-    print(
-        f"checkpoint {total / 1e6:.1f} MB in {len(weights)} file(s); rank {args.rank} of {args.num_shards} holds "
-        f"{own / 1e6:.1f} MB; best of {args.repeats} (exact: 1); moto server on 127.0.0.1 behind a counting proxy"
-    )
-    for latency_ms, best in results.items():
-        peer = best["Run:ai streamer, whole tensors + slicing"]
-        floor = min(best["load_rank, ObjectCost.exact()"].seconds, best["load_rank, ObjectCost.merged()"].seconds)
-        cost = measured.get(latency_ms)
-        print(
-            f"\nadded latency {latency_ms:g} ms per request"
-            + (
-                f" (measured: latency {cost.latency * 1000:.1f} ms, bandwidth {cost.bandwidth / 1e6:.0f} MB/s over "
-                f"{cost.concurrency} requests, break-even gap {cost.merge_gap / 1e3:.0f} kB)"
-                if cost
-                else ""
-            )
-        )
-        print("| run | s | client CPU s | server CPU s | GETs | MB moved | time vs Run:ai | bytes vs Run:ai "
-              "| time vs best of exact, merged |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|")
-        for label, r in best.items():
-            print(
-                f"| {label} | {r.seconds:.2f} | {r.client_cpu:.2f} | {r.server_cpu:.2f} | {r.gets} | "
-                f"{r.nbytes / 1e6:.1f} | {r.seconds / peer.seconds:.2f}x | {r.nbytes / peer.nbytes:.2f}x | "
-                f"{r.seconds / floor:.2f}x |"
-            )
     load = os.getloadavg()
     print(f"\nload average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores (shared)")
     return 0
