@@ -39,8 +39,8 @@ class ObjectReader(local.RunReader):
     """The :class:`~shardload.sources.reader.Reader` protocol over an object store: ranged GETs, concurrently.
 
     It cannot map files (``can_map`` is False), so the transfer reads every run; ``threads`` is how many read
-    jobs the transfer should keep going at once. ``cost`` plans the requests (:data:`CostChoice`), resolved on
-    the first read: ``SHARDLOAD_S3_COST`` is read then when ``cost`` is None.
+    jobs the transfer should keep going at once. ``cost`` plans the requests (:data:`CostChoice`; None:
+    ``SHARDLOAD_S3_COST``, read here, else the default).
     """
 
     threads = 8
@@ -48,22 +48,15 @@ class ObjectReader(local.RunReader):
     def __init__(self, cost: CostChoice = None) -> None:
         if not (cost is None or cost == "measure" or isinstance(cost, ObjectCost)):
             raise ShardloadError(f'object_cost must be an ObjectCost, "measure" or None, got {cost!r}')
-        self.choice = cost
-        self._cost: ObjectCost | None = cost if isinstance(cost, ObjectCost) else None
+        choice = cost_from_environment() if cost is None else cost
+        self._cost: ObjectCost | None = ObjectCost() if choice is None else None if choice == "measure" else choice
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def cost(self, path: ObjectPath) -> ObjectCost:
-        """The request cost this reader plans by (the first object read decides, for a measured one)."""
-        with self._lock:
-            if self._cost is not None:
-                return self._cost
-            choice = cost_from_environment() if self.choice is None else self.choice
-        found = path.store.measured_cost(path.key) if choice == "measure" else choice or ObjectCost()
-        with self._lock:
-            if self._cost is None:
-                self._cost = found
-            return self._cost
+        """The request cost this reader plans by (a measured one: the store's, measured on its first object read)."""
+        cost = self._cost
+        return cost if cost is not None else path.store.measured_cost(path.key)
 
     def _executor(self, concurrency: int) -> ThreadPoolExecutor:
         with self._lock:
