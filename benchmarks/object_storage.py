@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -312,6 +313,7 @@ def main() -> int:
         for process in (proxy, server):
             process.kill()
             process.wait()
+        shutil.rmtree(work, ignore_errors=True)
     load = os.getloadavg()
     print(f"\nload average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores (shared)")
     return 0
