@@ -95,7 +95,7 @@ def worker(model: str, bucket: str, rate: float, repeats: int, warmup: int) -> N
     rank = dist.get_rank()
     exact = shardload.ReadOptions(strategy="read")  # every byte through the (throttled) reader, never a mapping
     if rate > 0:
-        throttled = lambda path=None: ThrottledReader(bucket, rate)  # noqa: E731
+        throttled = lambda path=None, cost=None: ThrottledReader(bucket, rate)  # noqa: E731
         load.reader_for = transfer.reader_for = throttled  # type: ignore[assignment]  (paths, and plans' files)
     best: dict[str, float] = {}
     nbytes: dict[str, int] = {}

@@ -47,6 +47,7 @@ from .planning.plan import ModelPlan, ParamPlan
 from .planning.registry import register
 from .planning.validate import validate
 from .sources.checkpoint import Checkpoint, open_checkpoint
+from .sources.objects import ObjectCost
 from .sources.read_plan import IoModel
 from .sources.reader import count_reads
 from .version import __version__
@@ -59,6 +60,7 @@ __all__ = [
     "IoModel",
     "Mesh",
     "ModelPlan",
+    "ObjectCost",
     "ParamPlan",
     "Placement",
     "PlanError",

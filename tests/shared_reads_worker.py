@@ -95,11 +95,11 @@ def main() -> None:
         if die:
             who, after = (int(x) for x in die.split(":"))
             if who == rank:
-                dying = lambda path=None: DyingReader(after, "SHARDLOAD_TEST_HANG" in os.environ)  # noqa: E731
+                dying = lambda path=None, cost=None: DyingReader(after, "SHARDLOAD_TEST_HANG" in os.environ)  # noqa: E731
                 load.reader_for = transfer.reader_for = dying  # type: ignore[assignment]  (paths, and plans' files)
         unreadable = os.environ.get("SHARDLOAD_TEST_FAIL", "").split(":")
         if unreadable[0] == "unreadable" and int(unreadable[1]) == rank:
-            load.reader_for = transfer.reader_for = lambda path=None: UnreadableReader()  # type: ignore[assignment]
+            load.reader_for = transfer.reader_for = lambda path=None, cost=None: UnreadableReader()  # type: ignore[assignment]
         case = cases[0]
         exchange.EXCHANGE_BYTES = case["chunk"] * (2 * dist.get_world_size() + 2)
         model = case.get("model_of_rank", {}).get(str(rank), case["model"])

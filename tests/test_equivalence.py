@@ -66,9 +66,8 @@ No cell is marked as a known failure. The matrix found two bugs when it was writ
 rank's replicated tensors other tensors' bytes whenever N > writer threads; a Hub id failed in any fresh process);
 both are fixed, and their cells are ordinary cells now.
 
-S3 uses the test server with request merging through gaps (``objects.MAX_WASTE`` = inf, as in
-test_object_storage.py): exact column-slice fetches cost a GET per row, seconds per cell; exact fetching is
-tested there.
+S3 uses the test server with the default request cost (``ObjectCost()``), which merges a column slice's rows
+into few GETs; exact fetching (a GET per row, seconds per cell) is tested in test_object_storage.py.
 """
 
 from __future__ import annotations
@@ -205,7 +204,6 @@ class World:
                 from helpers.s3 import use_endpoint
 
                 use_endpoint(self.mp, server.url, self.root)
-                self.mp.setattr(objects, "MAX_WASTE", float("inf"))
                 self.s3_ready = True
             value = server.upload_dir(self.source(request, "index", n), f"matrix-{model}")
         else:

@@ -6,6 +6,7 @@ uploaded from; the proxy counts the bytes each load fetched and injects transien
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -33,7 +34,7 @@ from helpers.s3 import BUCKET, S3, use_endpoint
 from shardload.cli.main import main
 from shardload.sources import objects
 from shardload.sources.checkpoint import open_checkpoint, read_header
-from shardload.sources.object_reader import plan_requests
+from shardload.sources.objects import ObjectCost
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +51,11 @@ def uris(s3: S3, example_dir: Path, example_multi_dir: Path, tmp_path_factory: p
 
 @pytest.fixture
 def endpoint(s3: S3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[S3]:
-    """The server, reached through the proxy. The example model's column slices are rows of a few bytes: read
-    exactly (the default) they cost a GET per row, so these tests let requests merge through gaps; the byte
-    count test below runs the default on a model whose runs are long enough to fetch exactly."""
+    """The server, reached through the proxy, with the default request cost (``SHARDLOAD_S3_COST`` unset): the
+    example model's column slices (rows of a few bytes) merge into few GETs; the byte count tests below read
+    exactly, and by the default cost, a model whose runs are long enough to fetch exactly."""
     use_endpoint(monkeypatch, s3.url, tmp_path)
-    monkeypatch.setattr(objects, "MAX_WASTE", float("inf"))
+    monkeypatch.delenv(objects.COST_ENV, raising=False)
     s3.proxy.reset()
     yield s3
     s3.proxy.reset()
@@ -122,25 +123,65 @@ def _wide_model(directory: Path) -> Path:
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_each_rank_fetches_only_its_bytes(
-    endpoint: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int
-) -> None:
-    """Counted at the server, default request limits: a rank's GETs of the weights carry the header and at most
-    1.05x its own bytes (replicated tensors included), every one a range request, never the whole object."""
-    monkeypatch.setattr(objects, "MAX_WASTE", 0.05)
+def test_each_rank_fetches_only_its_bytes(endpoint: S3, tmp_path: Path, n: int) -> None:
+    """Counted at the server, exact requests (``ObjectCost.exact()``): a rank's GETs of the weights carry the header
+    and exactly its own bytes (replicated tensors included), every one a range request, never the whole object."""
+    exact = shardload.ReadOptions(object_cost=ObjectCost.exact())
     local = _wide_model(tmp_path / "wide")
     uri = endpoint.upload_dir(local, f"wide-{n}")
     weights = local / "model.safetensors"
     for rank in range(n):
         endpoint.proxy.reset()
-        state = shardload.load_rank(uri, rank, n)
+        state = shardload.load_rank(uri, rank, n, read_options=exact)
         _equal(state, shardload.load_rank(local, rank, n))
         own = sum(t.numel() * t.element_size() for t in state.values())
         assert own < weights.stat().st_size / 1.5  # it holds a part, so fetching it all could not pass below
-        fetched = endpoint.proxy.get_bytes(".safetensors")
-        assert own + _header_bytes([weights]) <= fetched <= 1.05 * own + _header_bytes([weights]), (rank, fetched)
+        assert endpoint.proxy.get_bytes(".safetensors") == own + _header_bytes([weights]), rank
         gets = [s for s in endpoint.proxy.served if s.method == "GET" and s.key.endswith(".safetensors")]
         assert gets and all(s.range is not None and s.range[1] - s.range[0] < weights.stat().st_size for s in gets)
+
+
+def _tensor_gets(proxy: object, start: int) -> list:
+    return [s for s in proxy.served if s.method == "GET" and s.key.endswith(".safetensors") and s.range[0] >= start]
+
+
+def test_the_cost_decides_between_exact_and_merged_requests(
+    endpoint: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counted at the server: a column slice of 24 rows (gaps of 8-12 KiB) is one GET by the default cost and 24
+    exact ones where requests are cheap (``SHARDLOAD_S3_COST``); the row split stays one exact GET either way,
+    and the tensors are the same."""
+    local = _wide_model(tmp_path / "wide")
+    uri = endpoint.upload_dir(local, "wide-cost")
+    header = _header_bytes([local / "model.safetensors"])
+    info = read_header(local / "model.safetensors")["col.weight"]
+    want = shardload.load_rank(local, 1, 4)
+    gets: dict[str, list] = {}
+    for label, env in {"default": "", "cheap requests": "latency=0.0001,bandwidth=1e9"}.items():
+        monkeypatch.setenv(objects.COST_ENV, env)
+        endpoint.proxy.reset()
+        _equal(shardload.load_rank(uri, 1, 4), want)
+        gets[label] = _tensor_gets(endpoint.proxy, header)
+    col = range(info.offset, info.offset + info.nbytes)
+    in_col = {k: [s for s in v if s.range[0] in col] for k, v in gets.items()}
+    assert len(in_col["default"]) == 1 and len(in_col["cheap requests"]) == 24
+    assert sum(s.nbytes for s in gets["default"]) > sum(s.nbytes for s in gets["cheap requests"])
+
+
+def test_a_measured_cost_probes_the_store_once(endpoint: S3, uris: dict, tmp_path: Path) -> None:
+    """``object_cost="measure"``: three small GETs and one larger one, on the first load from the store only."""
+    local, uri = uris["single"]
+    from shardload.sources.location import forget_stores
+
+    forget_stores()  # a fresh store: nothing measured yet
+    measure = shardload.ReadOptions(object_cost="measure")
+    for rank in range(2):
+        endpoint.proxy.reset()
+        _equal(shardload.load_rank(uri, rank, 2, read_options=measure), shardload.load_rank(local, rank, 2))
+        size = (local / "model.safetensors").stat().st_size
+        small, large = (0, objects.PROBE_SMALL), (0, min(size, objects.PROBE_LARGE))
+        probes = [s.range for s in endpoint.proxy.served if s.method == "GET" and s.range in (small, large)]
+        assert probes == ([small] * 3 + [large] if rank == 0 else []), rank
 
 
 def test_staged_reads_from_s3(endpoint: S3, uris: dict) -> None:
@@ -294,37 +335,11 @@ def test_unsupported_scheme_is_one_line() -> None:
         shardload.load_rank("gs://b/m", 0, 2)
 
 
-def test_plan_requests_merge_split_and_waste(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(objects, "REQUEST_BYTES", 100)
-    monkeypatch.setattr(objects, "MERGE_GAP", 10)
-    monkeypatch.setattr(objects, "MAX_WASTE", 0.05)
-    # adjacent runs share a request; a 4-byte gap among 200 bytes of runs is within 5%; a long run is split
-    assert _spans(plan_requests([0, 40, 84, 300], [40, 40, 16, 250])) == [
-        (0, 100, (0, 1, 2)), (300, 400, (3,)), (400, 500, (3,)), (500, 550, (3,)),
-    ]  # fmt: skip
-    # a gap over MERGE_GAP, or one costing more than 5% of the bytes wanted, starts a new request
-    assert _spans(plan_requests([0, 30], [10, 10])) == [(0, 10, (0,)), (30, 40, (1,))]
-    assert _spans(plan_requests([0, 15], [10, 10])) == [(0, 10, (0,)), (15, 25, (1,))]
-    monkeypatch.setattr(objects, "MAX_WASTE", float("inf"))
-    assert _spans(plan_requests([0, 15], [10, 10])) == [(0, 25, (0, 1))]
-    # overlapping runs (bytes two ranks hold) are fetched once; unsorted runs are taken in source order
-    assert _spans(plan_requests([5, 0], [10, 10])) == [(0, 15, (1, 0))]
-    # a run inside a long split run is carried by the request holding its bytes, not by the split's tail
-    assert _spans(plan_requests([0, 5, 5], [250, 10, 10])) == [
-        (0, 100, (0, 1, 2)), (100, 200, (0,)), (200, 250, (0,)),
-    ]  # fmt: skip
-
-
-def _spans(requests: list) -> list[tuple[int, int, tuple[int, ...]]]:
-    return [(r.start, r.end, r.runs) for r in requests]
-
-
-def test_tuned_requests_still_load_equal(endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Small requests with generous merging: many more, split and merged GETs, the same tensors."""
+def test_tuned_requests_still_load_equal(endpoint: S3, uris: dict) -> None:
+    """Small requests merged through every gap: many more, split and merged GETs, the same tensors."""
     local, uri = uris["single"]
-    monkeypatch.setattr(objects, "REQUEST_BYTES", 4096)
-    monkeypatch.setattr(objects, "MAX_WASTE", float("inf"))
-    state = shardload.load_rank(uri, 1, 4)
+    merged = dataclasses.replace(ObjectCost.merged(), request_bytes=4096)
+    state = shardload.load_rank(uri, 1, 4, read_options=shardload.ReadOptions(object_cost=merged))
     _equal(state, shardload.load_rank(local, 1, 4))
     own = sum(t.numel() * t.element_size() for t in state.values())
     assert endpoint.proxy.get_bytes(".safetensors") > 1.05 * own  # merging through gaps fetched more
@@ -361,7 +376,7 @@ class _MemoryStore(objects.ObjectStore):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_object_reader_fills_every_run_whatever_they_overlap(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+def test_object_reader_fills_every_run_whatever_they_overlap(seed: int) -> None:
     """Runs as a writer thread serving several ranks plans them: the same bytes for several destinations
     (replicated tensors), runs inside runs, long runs split over requests, destinations interleaved between
     buffers; each run gets exactly its bytes, whatever the request limits."""
@@ -370,9 +385,12 @@ def test_object_reader_fills_every_run_whatever_they_overlap(monkeypatch: pytest
 
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 256, 4096, dtype=np.uint8).tobytes()
-    monkeypatch.setattr(objects, "REQUEST_BYTES", int(rng.choice([64, 100, 512, 8192])))
-    monkeypatch.setattr(objects, "MERGE_GAP", int(rng.choice([0, 16, 1024])))
-    monkeypatch.setattr(objects, "MAX_WASTE", float(rng.choice([0.0, 0.05, float("inf")])))
+    cost = ObjectCost(
+        latency=float(rng.choice([0.0, 1e-6, 1e-3])),
+        bandwidth=float(rng.choice([1e6, 1e9])),
+        concurrency=4,
+        request_bytes=int(rng.choice([64, 100, 512, 8192])),
+    )  # break-even gaps of 0, 0.25, 250 or 250,000 bytes
     count = 60
     src = np.sort(rng.integers(0, 3500, count)).astype(np.int64)
     length = rng.integers(1, 500, count).astype(np.int64)
@@ -388,7 +406,7 @@ def test_object_reader_fills_every_run_whatever_they_overlap(monkeypatch: pytest
         dst[i] = at[buf[i]]
         at[buf[i]] += int(length[i])
     order = rng.permutation(count) if seed % 2 else np.arange(count)  # runs in any order, not only by source
-    reader = ObjectReader(concurrency=4)
+    reader = ObjectReader(cost)
     try:
         path = ObjectPath(_MemoryStore(data), "m")
         reader.read_runs(path, src[order], length[order], buf[order], dst[order], buffers)

@@ -262,7 +262,7 @@ def run_plan(
     # rank's tensors are populated by the readers themselves, so its reads start while later parameters are planned
     defer = not (one_rank and torch.device(devices[0]).type == "cpu")
     with (
-        wrapped(reader_for_plan(plan.params.values()), wrap) as reader,
+        wrapped(reader_for_plan(plan.params.values(), read_options), wrap) as reader,
         Transfer(
             reader,
             read_options=read_options,
@@ -656,7 +656,9 @@ def _load_converted_rank(
         fill.known({info.name for info in infos})
         infos = [info for info in infos if info.name in fill.params]
     with (
-        wrapped(reader_for(path), wrap and (lambda r: wrap(r, {path: infos}))) as reader,
+        wrapped(
+            reader_for(path, read_options and read_options.object_cost), wrap and (lambda r: wrap(r, {path: infos}))
+        ) as reader,
         Transfer(reader, read_options=read_options, mapped=mmap) as transfer,
     ):
         if fill is not None and fill.out is not None:  # whole stored tensors, each read into its destination

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from ..errors import ShardloadError
+from ..sources.objects import ObjectCost
 from ..sources.read_plan import MAX_WASTE, IoModel
 from ..sources.reader import PAGE, probes
 
@@ -47,13 +48,16 @@ class ReadOptions:
     always the planned reads of cold storage), ``threads`` the reader threads (None: the reader's own number, else
     :data:`READ_THREADS`; 0: read in the calling thread). Cold reads are planned with ``io_model`` (None: measured
     once per file system), merging gaps within ``max_waste`` (a fraction of the page floor), ``io_depth`` of them
-    in flight (0: by the reader threads)."""
+    in flight (0: by the reader threads). ``object_cost`` is what a request to an object store costs, which decides
+    its ranged GETs (an :class:`~shardload.sources.objects.ObjectCost`; ``"measure"``: timed once per store; None:
+    ``SHARDLOAD_S3_COST``, else the default)."""
 
     strategy: Strategy = "auto"
     threads: int | None = None
     io_model: IoModel | None = None
     max_waste: float = MAX_WASTE
     io_depth: int = IO_DEPTH
+    object_cost: ObjectCost | Literal["measure"] | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -66,6 +70,9 @@ class ReadOptions:
             raise ShardloadError(f"max_waste must be a number >= 0, got {self.max_waste!r}")
         if type(self.io_depth) is not int or self.io_depth < 0:
             raise ShardloadError(f"io_depth must be an int >= 0, got {self.io_depth!r}")
+        cost = self.object_cost
+        if not (cost is None or isinstance(cost, ObjectCost) or (isinstance(cost, str) and cost == "measure")):
+            raise ShardloadError(f'object_cost must be an ObjectCost, "measure" or None, got {cost!r}')
 
     def threads_for(self, reader: RunReader) -> int:
         """The reader threads of a load through ``reader`` (an object store asks for its own number)."""

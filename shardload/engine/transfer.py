@@ -473,9 +473,10 @@ class Transfer:
         self.close()
 
 
-def reader_for_plan(params: Iterable[ParamPlan]) -> RunReader:
-    """The reader of the files ``params`` are read from: an object store's, or the local one."""
-    return reader_for(next((p.source.file for p in params), None))
+def reader_for_plan(params: Iterable[ParamPlan], options: ReadOptions | None = None) -> RunReader:
+    """The reader of the files ``params`` are read from: an object store's (its requests planned by
+    ``options.object_cost``), or the local one."""
+    return reader_for(next((p.source.file for p in params), None), options and options.object_cost)
 
 
 def fill_padding(plan: ParamPlan, rank: int, dest: torch.Tensor) -> None:

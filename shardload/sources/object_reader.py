@@ -1,8 +1,9 @@
 """Reading byte runs from object storage: :class:`ObjectReader`, the :class:`~shardload.sources.reader.Reader`
 protocol over ranged GETs, and :func:`reader_for`, which picks the reader for a checkpoint file.
 
-Runs are grouped into requests by :func:`plan_requests` under the limits in :mod:`shardload.sources.objects`
-(``REQUEST_BYTES``, ``MERGE_GAP``, ``MAX_WASTE``, ``CONCURRENCY``; read when a load runs, so they can be tuned).
+Runs are grouped into requests by :func:`plan_requests`, a pure function of the runs and an
+:class:`~shardload.sources.objects.ObjectCost`: the caller's (``ReadOptions(object_cost=...)``), the one
+``SHARDLOAD_S3_COST`` names, or the default; ``"measure"`` times a few requests to the store once instead.
 """
 
 from __future__ import annotations
@@ -13,40 +14,54 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from ..errors import CheckpointError
-from . import objects
+from ..errors import CheckpointError, ShardloadError
 from . import reader as local
-from .objects import ObjectPath
+from .objects import ObjectCost, ObjectPath, cost_from_environment
 
 if TYPE_CHECKING:
     import numpy as np
 
 
-def reader_for(path: Any) -> Any:
-    """The reader of a checkpoint file: an :class:`ObjectReader` for an object, else the local ``Reader``."""
-    return ObjectReader() if isinstance(path, ObjectPath) else local.Reader()
+CostChoice = ObjectCost | Literal["measure"] | None
+"""A load's say in request costs: a model, ``"measure"`` (timed once per store), or None (the environment's, else
+the default :class:`ObjectCost`)."""
+
+
+def reader_for(path: Any, cost: CostChoice = None) -> Any:
+    """The reader of a checkpoint file: an :class:`ObjectReader` (planning by ``cost``) for an object, else the
+    local ``Reader``."""
+    return ObjectReader(cost) if isinstance(path, ObjectPath) else local.Reader()
 
 
 class ObjectReader(local.RunReader):
     """The :class:`~shardload.sources.reader.Reader` protocol over an object store: ranged GETs, concurrently.
 
     It cannot map files (``can_map`` is False), so the transfer reads every run; ``threads`` is how many read
-    jobs the transfer should keep going at once.
+    jobs the transfer should keep going at once. ``cost`` plans the requests (:data:`CostChoice`; None:
+    ``SHARDLOAD_S3_COST``, read here, else the default).
     """
 
     threads = 8
 
-    def __init__(self, concurrency: int | None = None) -> None:
-        self.concurrency = concurrency or objects.CONCURRENCY
+    def __init__(self, cost: CostChoice = None) -> None:
+        if not (cost is None or cost == "measure" or isinstance(cost, ObjectCost)):
+            raise ShardloadError(f'object_cost must be an ObjectCost, "measure" or None, got {cost!r}')
+        choice = cost_from_environment() if cost is None else cost
+        self._cost: ObjectCost | None = ObjectCost() if choice is None else None if choice == "measure" else choice
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def cost(self, path: ObjectPath) -> ObjectCost:
+        """The request cost this reader plans by (a measured one: the store's, measured on its first object read)."""
+        cost = self._cost
+        return cost if cost is not None else path.store.measured_cost(path.key)
+
+    def _executor(self, concurrency: int) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="shardload-get")
+                self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="shardload-get")
             return self._pool
 
     def no_readahead(self, path: Any) -> None:
@@ -81,7 +96,8 @@ class ObjectReader(local.RunReader):
         local.check_destinations(length, buf, dst, buffers)
         views = [local.buffer_view(t) for t in buffers]
         src_l, len_l, buf_l, dst_l = src.tolist(), length.tolist(), buf.tolist(), dst.tolist()
-        requests = plan_requests(src_l, len_l)
+        cost = self.cost(path)
+        requests = plan_requests(src_l, len_l, cost)
 
         def fetch(request: Request) -> None:
             lo, hi = request.start, request.end
@@ -101,7 +117,7 @@ class ObjectReader(local.RunReader):
         if len(requests) == 1:
             fetch(requests[0])
         else:
-            list(self._executor().map(fetch, requests))
+            list(self._executor(cost.concurrency).map(fetch, requests))
         if local._count is not None:
             local._count.add(path, sum(len_l), len(requests))
 
@@ -149,16 +165,16 @@ def _stream(path: ObjectPath, request: Request, pieces: list[Piece], views: list
     path.store.read_into(path.key, request.start, parts)
 
 
-def plan_requests(src: Sequence[int], length: Sequence[int]) -> list[Request]:
+def plan_requests(src: Sequence[int], length: Sequence[int], cost: ObjectCost) -> list[Request]:
     """Group byte runs (in any order, overlapping or not) into ranged requests that carry every run's bytes.
 
-    The bytes the runs cover are cut into requests: a stretch longer than ``objects.REQUEST_BYTES`` is split
-    over several, and stretches join a request while it stays within ``REQUEST_BYTES``, the gap before them is at
-    most ``MERGE_GAP``, and the gap bytes of the request stay within ``MAX_WASTE`` of the bytes it wants. Each
-    request then lists every run it carries bytes of, so bytes several runs share are fetched once and a run
-    that spans several requests gets its part from each.
+    The bytes the runs cover are cut into requests: a stretch longer than ``cost.request_bytes`` is split over
+    several, and the next stretch joins a request when the gap before it is one ``cost`` says to fetch
+    (:meth:`ObjectCost.fetches`) and the request stays within ``request_bytes``. Each request then lists every
+    run it carries bytes of, so bytes several runs share are fetched once and a run that spans several requests
+    gets its part from each.
     """
-    request_bytes, merge_gap, max_waste = objects.REQUEST_BYTES, objects.MERGE_GAP, objects.MAX_WASTE
+    request_bytes = cost.request_bytes
     order = sorted(range(len(src)), key=src.__getitem__)
     spans: list[list[int]] = []  # the union of the runs' bytes, as sorted, separated [start, end) stretches
     for i in order:
@@ -176,15 +192,12 @@ def plan_requests(src: Sequence[int], length: Sequence[int]) -> list[Request]:
         if a + full == e:  # split into whole requests; nothing left over
             i += 1
             continue
-        start, end, wanted, waste = a + full, e, e - a - full, 0
+        start, end = a + full, e
         j = i + 1
         while j < len(spans):
             b, f = spans[j]
-            gap = b - end
-            if f - start > request_bytes or gap > merge_gap or waste + gap > max_waste * (wanted + f - b):
+            if f - start > request_bytes or not cost.fetches(b - end):
                 break
-            waste += gap
-            wanted += f - b
             end = f
             j += 1
         ranges.append((start, end))

@@ -1,37 +1,170 @@
-"""Models in object storage: paths to objects, the store interface, and the reader of byte runs over it.
+"""Models in object storage: paths to objects, the store interface, and what a request costs.
 
 An :class:`ObjectPath` stands where a local ``Path`` does for a file of a checkpoint kept in an object store
 (``s3://bucket/prefix/model.safetensors``); :mod:`shardload.sources.checkpoint` opens such a checkpoint with
 range requests (a safetensors file's 8-byte length, then its header; small JSON files whole), and
 :class:`~shardload.sources.object_reader.ObjectReader` reads a rank's byte runs with the ``Reader`` protocol:
-runs coalesced into ranged GETs of at most :data:`REQUEST_BYTES` (runs separated by gaps of at most
-:data:`MERGE_GAP` share a request while the bytes fetched for gaps stay under :data:`MAX_WASTE` of the bytes
-wanted), fetched concurrently by :data:`CONCURRENCY` threads, each response read straight into the
-destination tensors. The store itself (S3 through boto3: :mod:`shardload.sources.s3`) is imported only when
-an object-store model is opened; every request it makes runs under the deadline and minimum rate of
-:mod:`shardload.sources.deadlines`.
+runs grouped into ranged GETs by an :class:`ObjectCost` (request latency, bandwidth, concurrency), which says
+for each gap between two runs whether fetching it (one request fewer) or skipping it (fewer bytes) is faster,
+fetched concurrently, each response read straight into the destination tensors. The store itself (S3 through
+boto3: :mod:`shardload.sources.s3`) is imported only when an object-store model is opened; every request it
+makes runs under the deadline and minimum rate of :mod:`shardload.sources.deadlines`.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ShardloadError
 
 REQUEST_BYTES = 8 << 20
-"""Largest ranged GET: longer runs are split, and merged runs stop growing past it."""
-MERGE_GAP = 1 << 20
-"""Runs separated by at most this many bytes may share one ranged GET (the gap is fetched and dropped)..."""
-MAX_WASTE = 0.05
-"""... as long as the gap bytes fetched stay within this fraction of the run bytes a request carries, so a rank
-fetches at most 1.05x its own bytes. Raise it (up to ``float('inf')``) to trade bytes for fewer requests where a
-column slice makes many short runs and requests are costly."""
+"""Largest ranged GET by default (:attr:`ObjectCost.request_bytes`): longer runs are split, and merged runs stop
+growing past it."""
 CONCURRENCY = 16
-"""Ranged GETs in flight at once per reader (each on its own pooled connection)."""
+"""Ranged GETs in flight at once per reader by default (:attr:`ObjectCost.concurrency`), each on its own pooled
+connection."""
+MAX_CONCURRENCY = 256
+"""Most ranged GETs an :class:`ObjectCost` may keep in flight (the store's connection pool holds this many)."""
 MAX_SMALL_OBJECT = 256 << 20
 """Cap on a small object read whole (a JSON file, a companion file)."""
+COST_ENV = "SHARDLOAD_S3_COST"
+"""The environment variable that sets the request cost of loads given none (:func:`cost_from_environment`)."""
+PROBE_SMALL = 4096
+"""Bytes of each of the probe's small GETs (:func:`measure_cost`), timed for the latency."""
+PROBE_LARGE = 4 << 20
+"""Bytes of the probe's one large GET, timed for the bandwidth."""
+
+
+@dataclass(frozen=True)
+class ObjectCost:
+    """What a ranged GET costs: the model a reader plans its requests by (docs/object-storage.md).
+
+    ``concurrency`` requests are in flight at once; each waits ``latency`` seconds for its first byte, then
+    streams at ``bandwidth / concurrency`` bytes/s (``bandwidth``: all of them together). ``R`` requests moving
+    ``S`` bytes then take about ``R * latency / concurrency + S / bandwidth`` seconds (:meth:`seconds`), so a gap
+    of ``g`` bytes between two runs is fetched, sparing a request, when ``g / bandwidth < latency /
+    concurrency``, that is when ``g`` is under :attr:`merge_gap`, and skipped otherwise. Requests carry at most
+    ``request_bytes``. :meth:`exact` never fetches a gap, :meth:`merged` fetches every one that fits a request.
+    """
+
+    latency: float = 0.03
+    """Seconds from sending a request to its first byte (S3 in its region: tens of milliseconds)."""
+    bandwidth: float = 1.5e9
+    """Bytes per second the store delivers to this reader, ``concurrency`` requests together (S3: about 90 MB/s
+    per connection)."""
+    concurrency: int = field(default_factory=lambda: CONCURRENCY)
+    """Ranged GETs in flight at once (the reader's pool of request threads)."""
+    request_bytes: int = field(default_factory=lambda: REQUEST_BYTES)
+    """Largest ranged GET: a longer run is split, and runs merged through gaps stop growing past it."""
+
+    def __post_init__(self) -> None:
+        for name in ("latency", "bandwidth"):
+            value = getattr(self, name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or math.isnan(value) or value < 0 or (name == "bandwidth" and not value):
+                raise ShardloadError(f"ObjectCost.{name} must be a number >= 0 (bandwidth > 0), got {value!r}")
+        if not self.latency and math.isinf(self.bandwidth):
+            raise ShardloadError("ObjectCost: latency 0 with an infinite bandwidth says nothing about any gap")
+        if type(self.concurrency) is not int or not 1 <= self.concurrency <= MAX_CONCURRENCY:
+            raise ShardloadError(
+                f"ObjectCost.concurrency must be an int from 1 to {MAX_CONCURRENCY}, got {self.concurrency!r}"
+            )
+        if type(self.request_bytes) is not int or self.request_bytes < 1:
+            raise ShardloadError(f"ObjectCost.request_bytes must be an int >= 1, got {self.request_bytes!r}")
+
+    @classmethod
+    def exact(cls, concurrency: int | None = None) -> ObjectCost:
+        """Requests cost nothing: every run is fetched alone, exactly its bytes (adjacent runs still share one)."""
+        return cls(latency=0.0, concurrency=concurrency or CONCURRENCY)
+
+    @classmethod
+    def merged(cls, concurrency: int | None = None) -> ObjectCost:
+        """Bytes cost nothing: runs are merged through every gap that fits a request (fewest requests)."""
+        return cls(bandwidth=math.inf, concurrency=concurrency or CONCURRENCY)
+
+    @property
+    def merge_gap(self) -> float:
+        """Gaps between runs shorter than this many bytes are fetched: ``latency * bandwidth / concurrency``."""
+        return self.latency * self.bandwidth / self.concurrency
+
+    def fetches(self, gap: int) -> bool:
+        """Whether one request through a gap of ``gap`` bytes is faster than two requests around it."""
+        return gap * self.concurrency < self.latency * self.bandwidth
+
+    def seconds(self, requests: int, nbytes: int) -> float:
+        """The model's time for ``requests`` ranged GETs moving ``nbytes`` in all."""
+        return requests * self.latency / self.concurrency + nbytes / self.bandwidth
+
+    @classmethod
+    def parse(cls, text: str, where: str = COST_ENV) -> ObjectCost | Literal["measure"]:
+        """``exact``, ``merged``, ``measure`` or ``latency=S,bandwidth=B[,concurrency=N][,request_bytes=N]``;
+        anything else is one line naming ``where``."""
+        text = text.strip()
+        if text == "measure":
+            return "measure"
+        if text in ("exact", "merged"):
+            return cls.exact() if text == "exact" else cls.merged()
+        usage = (
+            "expected exact, merged, measure or latency=SECONDS,bandwidth=BYTES_PER_S[,concurrency=N]"
+            f"[,request_bytes=N], got {text[:80]!r}"
+        )
+        values: dict[str, Any] = {}
+        for part in text.split(","):
+            name, eq, value = part.strip().partition("=")
+            if not eq or name not in _COST_FIELDS or name in values:
+                raise ShardloadError(usage, param=where)
+            try:
+                values[name] = int(value) if _COST_FIELDS[name] is int else float(value)
+            except ValueError:
+                raise ShardloadError(usage, param=where) from None
+        if not {"latency", "bandwidth"} <= values.keys():
+            raise ShardloadError(usage, param=where)
+        try:
+            return cls(**values)
+        except ShardloadError as err:
+            raise ShardloadError(err.reason, param=where) from None
+
+
+_COST_FIELDS: dict[str, type] = {"latency": float, "bandwidth": float, "concurrency": int, "request_bytes": int}
+
+
+def cost_from_environment() -> ObjectCost | Literal["measure"] | None:
+    """The request cost :data:`COST_ENV` sets (None when it is unset or empty), read when a load starts."""
+    value = os.environ.get(COST_ENV, "")
+    return ObjectCost.parse(value) if value.strip() else None
+
+
+def measure_cost(
+    store: ObjectStore, key: str, concurrency: int | None = None, clock: Callable[[], float] = time.perf_counter
+) -> ObjectCost:
+    """Time a few ranged GETs of one object: three small ones for the latency (their median), then one large
+    one for a connection's bandwidth, taken as each of ``concurrency`` requests' share."""
+    concurrency = concurrency or CONCURRENCY
+    size = store.size(key) or 0
+    small = min(size, PROBE_SMALL)
+    if small <= 0:
+        return ObjectCost(concurrency=concurrency)
+    buf = memoryview(bytearray(max(small, min(size, PROBE_LARGE))))
+    times = []
+    for _ in range(3):
+        began = clock()
+        store.read_into(key, 0, [buf[:small]])
+        times.append(clock() - began)
+    latency = sorted(times)[1]
+    large = min(size, PROBE_LARGE)
+    if large < 16 * small:  # too small an object to time a transfer: the latency alone is measured
+        return ObjectCost(latency=latency, concurrency=concurrency)
+    began = clock()
+    store.read_into(key, 0, [buf[:large]])
+    took = clock() - began
+    per_request = large / max(took - latency, took / 10, 1e-9)
+    return ObjectCost(latency=latency, bandwidth=per_request * concurrency, concurrency=concurrency)
 
 
 class ObjectStore:
@@ -49,6 +182,8 @@ class ObjectStore:
         self.bucket = bucket
         self._listed: dict[str, dict[str, int]] = {}
         self._lock = threading.Lock()
+        self._measured: ObjectCost | None = None
+        self._probe_lock = threading.Lock()
 
     def uri(self, key: str) -> str:
         """The object's address as a user writes it (``s3://bucket/key``)."""
@@ -79,6 +214,13 @@ class ObjectStore:
         if end > start:
             self.read_into(key, start, [memoryview(out)])
         return bytes(out)
+
+    def measured_cost(self, key: str, concurrency: int | None = None) -> ObjectCost:
+        """This store's :class:`ObjectCost`, measured once (:func:`measure_cost` on object ``key``), then kept."""
+        with self._probe_lock:
+            if self._measured is None:
+                self._measured = measure_cost(self, key, concurrency)
+            return self._measured
 
     def stamp(self, key: str) -> tuple[object, ...]:
         """What tells a later read that the object changed (asked of the store each time, never cached)."""

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 from ..errors import CheckpointError, ShardloadError
 from .deadlines import DEADLINE_ENV, DEADLINES, MIN_RATE_ENV, Expired, RequestLimits, request_limits
-from .objects import CONCURRENCY, ObjectStore
+from .objects import MAX_CONCURRENCY, ObjectStore
 
 ATTEMPTS = 8
 """Attempts per request (botocore's ``standard`` retry mode: 5xx, throttling such as 503 SlowDown, connection
@@ -416,7 +416,7 @@ def _make_client() -> Any:
     _check_endpoint()
     options: dict[str, Any] = {
         "retries": {"total_max_attempts": ATTEMPTS, "mode": "standard"},
-        "max_pool_connections": CONCURRENCY + 8,
+        "max_pool_connections": MAX_CONCURRENCY + 8,  # kept connections only: none is opened before it is used
         "connect_timeout": CONNECT_TIMEOUT,
         "read_timeout": READ_TIMEOUT,
     }

@@ -30,7 +30,6 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     exchange.EXCHANGE_BYTES = 16384 * (2 * dist.get_world_size() + 2)
-    objects.MAX_WASTE = float("inf")  # as in the main process: column slices merge into few GETs
     for case in cases:
         objects.CONCURRENCY = case["threads"]
         out = Path(case["out"])
