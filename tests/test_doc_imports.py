@@ -29,7 +29,6 @@ DEEP_IMPORTS_ALLOWED: dict[str, tuple[frozenset[str], str]] = {
         "quantized companions planned layer by layer (model-plans.md, quantized.md)",
     ),
     "shardload.sources.checkpoint": (frozenset({"read_config"}), "a model's config as planning reads it"),
-    "shardload.sources": (frozenset({"objects"}), "object-store limits, module attributes a user tunes"),
 }
 """Deep imports the docs may teach: module -> (names, why). Anything else a user needs is exported by the root."""
 
