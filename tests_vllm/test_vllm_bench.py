@@ -45,7 +45,7 @@ def test_tiny_tp2_under_torchrun(tmp_path: Path) -> None:
     out = run.stdout
     assert run.returncode in (0, 1), out[-3000:] + run.stderr[-3000:]  # 1: a target missed, as a tiny model may
     rows = [line for line in out.splitlines() if line.startswith("| 2 | ")]
-    assert rows and rows[0].startswith("| 2 | `shardload` | "), out
+    assert rows and rows[0].startswith("| 2 | `shardload` | "), out[-3000:] + run.stderr[-3000:]
     assert rows[-1].endswith("| 1.000x |"), out  # issue 30's table: the reader count, exactly the rank's bytes
     assert "pages still cached after eviction (mincore, worst run): 0 MiB" in out
     assert ours() == before  # the run's shared-memory segments are removed
