@@ -171,8 +171,10 @@ def ep_results(work: Path) -> tuple[dict[tuple[str, str, str], dict[str, Any]], 
     make_models.qwen3_moe(work / "qwen3_moe")
     jobs = []
     for name in EP_MODELS:
-        for fmt in ("auto", "shardload"):
-            jobs.append({**_job(work / name, fmt, 2, work / f"{name}-{fmt}-ep.json"), "ep": True})
+        convert_vllm(work / name, 2, work / f"{name}-vllm2-ep", expert_parallel=True)
+        for fmt in ("auto", *FORMATS):
+            model = work / (f"{name}-vllm2-ep" if fmt == "sharded_state" else name)
+            jobs.append({**_job(model, fmt, 2, work / f"{name}-{fmt}-ep.json"), "ep": True})
     jobs.append(_job(work / "qwen3_moe", "auto", 2, work / "qwen3_moe-auto-tp.json"))
     _run(jobs, work / "ep.log", timeout=900)
     found = {}
@@ -182,16 +184,20 @@ def ep_results(work: Path) -> tuple[dict[tuple[str, str, str], dict[str, Any]], 
     return found, (work / "ep.log").read_text()
 
 
+EP_CASES = [(m, f) for m in EP_MODELS for f in FORMATS]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model", EP_MODELS)
+@pytest.mark.parametrize(("model", "load_format"), EP_CASES, ids=[f"{m}-{f}" for m, f in EP_CASES])
 def test_expert_parallel_same_tokens_and_logprobs_as_vllms_default_loader(
-    ep_results: tuple[dict[tuple[str, str, str], dict[str, Any]], str], model: str
+    ep_results: tuple[dict[tuple[str, str, str], dict[str, Any]], str], model: str, load_format: str
 ) -> None:
-    """Issue 29: ``load_format="shardload"`` under ``enable_expert_parallel=True`` at TP=2, each rank reading only its
-    own experts, generates exactly what vLLM's default loader's weights generate."""
+    """Issue 29: under ``enable_expert_parallel=True`` at TP=2, ``load_format="shardload"`` (each rank reading only its
+    own experts) and ``sharded_state`` on ``convert --layout vllm --expert-parallel`` output generate exactly what
+    vLLM's default loader's weights generate."""
     found, log = ep_results
     assert "[EP Rank 0/2] Expert parallelism is enabled" in log  # vLLM split the experts over two ranks
-    assert _outputs(found, (model, "shardload", "ep")) == _outputs(found, (model, "auto", "ep"))
+    assert _outputs(found, (model, load_format, "ep")) == _outputs(found, (model, "auto", "ep"))
 
 
 @pytest.mark.slow
