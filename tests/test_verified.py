@@ -72,6 +72,30 @@ def test_flip_caught_by_reader_not_by_others(split_model: Path, tmp_path: Path, 
         shardload.load(model, N, ["cpu"] * N, verify=True)
 
 
+@pytest.mark.parametrize("row", [3, 500])
+def test_cold_column_slice_copied_out_of_the_mapping_is_checked(
+    split_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, row: int
+) -> None:
+    """Cold, a column slice of a few hundred bytes a row is copied out of the file's mapping as its pages arrive
+    (no ``preadv`` through a sink): a byte flipped in any of its row blocks still fails the rank, and the others
+    load exactly."""
+    from shardload.sources.verified import VerifiedReader
+
+    model = tampered(split_model, tmp_path / "m", offset_of(split_model, "col.weight", row, 2048 + 10))
+    monkeypatch.setattr(VerifiedReader, "_cached", lambda *args: False)  # tiles read as from cold storage
+    asked = []
+    request = VerifiedReader._request_pages
+    monkeypatch.setattr(VerifiedReader, "_request_pages", lambda self, *a: asked.append(a[0]) or request(self, *a))
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(model, 2, N, verify=True)
+    assert "col.weight" in one_line_error(excinfo) and "hash mismatch" in str(excinfo.value)
+    assert asked, "the column slice did not take the mapped cold path"
+    for rank in (0, 3):
+        state = shardload.load_rank(model, rank, N, verify=True)
+        clean = shardload.load_rank(split_model, rank, N)
+        assert all(torch.equal(state[k], clean[k]) for k in clean)
+
+
 def test_flip_in_header_caught(split_model: Path, tmp_path: Path) -> None:
     (n,) = struct.unpack("<Q", (split_model / "model.safetensors").read_bytes()[:8])
     header = (split_model / "model.safetensors").read_bytes()[8 : 8 + n]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CheckpointError
 from ..format.hash_record import FileHashes, Tiling, hasher
 from .read_plan import MAX_WASTE, IoModel, fill_reads, plan_reads
-from .reader import PAGE, FileMaps, RunReader, count_mapped
+from .reader import PAGE, FileMaps, RunReader, count_mapped, count_requested
 
 if TYPE_CHECKING:
     import numpy as np
@@ -214,6 +214,8 @@ class VerifiedReader(RunReader):
         outs = [buffer_array(t) for t in buffers]
         boxes = [(a, a + n, int(c), int(c + d)) for a, n, c, d in zip(t0.tolist(), th.tolist(), c0, tw, strict=True)]
         mapped = self.maps.array(path) if self.maps is not None and self._cached(path, region, boxes) else None
+        if mapped is None and self.maps is not None and int(length.sum()) < len(length) * (PAGE // 2):
+            mapped = self._request_pages(path, src, src + length)  # short runs: copied out as their pages arrive
         if mapped is None and self.maps is None:
             self.inner.read_runs(path, src, length, buf, dst, buffers)
         elif mapped is None:  # a local file not in the page cache: its pages as planned reads, all requested first
@@ -225,7 +227,7 @@ class VerifiedReader(RunReader):
             self.inner.read_runs(path, filled.src, filled.length, filled.buf, filled.dst, [*buffers, sink],  # type: ignore[call-arg]
                                  sink=len(buffers))  # fmt: skip
         else:  # row block by row block, so each block's tiles are hashed while its copy is still in the cache
-            count_mapped(path, int(length.sum()))
+            count_mapped(path, int(length.sum()))  # (cold, the block's pages arrive as the copy reaches them)
             heads = np.flatnonzero(np.concatenate(([True], blk[1:] != blk[:-1])))
             cuts = [*np.searchsorted(o, blk[heads] * h * B).tolist(), len(o)]
             tile_of_block = heads.tolist()
@@ -253,6 +255,24 @@ class VerifiedReader(RunReader):
             if self.hash(data).digest() != entry.hashes.leaf(leaf0 + index):
                 raise self._mismatch(path, entry, region, tiling, index)
         return True
+
+    def _request_pages(self, path: Any, starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
+        """Ask for the pages of sorted runs ``[starts[i], ends[i])`` of a cold local file, all up front and without
+        readahead, and return its mapping to copy them out of as they arrive (None: it cannot be mapped). A column
+        slice is a few hundred bytes a row: a ``preadv`` would move every page's other bytes into a sink as well."""
+        import numpy as np
+
+        assert self.maps is not None
+        mapped = self.maps.array(path)
+        if mapped is None:
+            return None
+        lo, hi = _pages(starts, ends)
+        self.inner.no_readahead(path)  # type: ignore[attr-defined]
+        self.maps.no_readahead(path, lo[0], hi[-1])
+        self.inner.prefetch(path, lo, hi)  # type: ignore[attr-defined]
+        moved = int(np.minimum(np.array(hi), len(mapped)).sum()) - sum(lo)
+        count_requested(path, moved - int((ends - starts).sum()))  # the copies count the bytes used
+        return mapped
 
     def _sink(self, nbytes: int) -> Any:
         """A byte tensor of at least ``nbytes`` for this thread, for bytes read through and thrown away."""
