@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CheckpointError
 from ..format.hash_record import FileHashes, Tiling, hasher
 from .read_plan import MAX_WASTE, IoModel, fill_reads, plan_reads
-from .reader import PAGE, FileMaps, RunReader, count_mapped, count_requested
+from .reader import PAGE, FileMaps, RunReader, count_mapped, count_requested, populate_runs
 
 if TYPE_CHECKING:
     import numpy as np
@@ -155,8 +155,10 @@ class VerifiedReader(RunReader):
             if self.maps is not None:
                 self.inner.no_readahead(path)  # type: ignore[attr-defined]
                 self.inner.prefetch(path, *_pages(src[order], src[order] + length[order]))  # type: ignore[attr-defined]
-            self.inner.read_runs(path, src[order], length[order], buf[order], dst[order], buffers)
+            self.inner.read_runs(path, src[order], length[order], buf[order], dst[order], buffers,  # type: ignore[call-arg]
+                                 **({"populate": True} if self.maps is not None else {}))  # fmt: skip
         else:
+            _populate(buffers, buf, dst, length)
             count_mapped(path, int(length.sum()))
         span = tiling.tile_rows * B
         for at, n, b, d in zip(o.tolist(), length.tolist(), buf.tolist(), dst.tolist(), strict=True):
@@ -227,6 +229,7 @@ class VerifiedReader(RunReader):
             self.inner.read_runs(path, filled.src, filled.length, filled.buf, filled.dst, [*buffers, sink],  # type: ignore[call-arg]
                                  sink=len(buffers))  # fmt: skip
         else:  # row block by row block, so each block's tiles are hashed while its copy is still in the cache
+            _populate(buffers, buf, dst, length)
             count_mapped(path, int(length.sum()))  # (cold, the block's pages arrive as the copy reaches them)
             heads = np.flatnonzero(np.concatenate(([True], blk[1:] != blk[:-1])))
             cuts = [*np.searchsorted(o, blk[heads] * h * B).tolist(), len(o)]
@@ -480,6 +483,13 @@ def copy_runs(
         s_view = np.lib.stride_tricks.as_strided(source[int(at[a]) :], (count, size), (ss, 1), writeable=False)
         d_view = np.lib.stride_tricks.as_strided(out[int(dst[a]) :], (count, size), (sd, 1))
         np.copyto(d_view, s_view)
+
+
+def _populate(buffers: Sequence[Any], buf: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
+    """Fault in the fresh destination pages runs are copied to, one call per buffer rather than a fault per page."""
+    import numpy as np
+
+    populate_runs(np.array([t.data_ptr() for t in buffers], dtype=np.uint64), buf, dst, length)
 
 
 def _needed(tiling: Tiling, o: np.ndarray, e: np.ndarray) -> np.ndarray:
