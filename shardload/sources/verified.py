@@ -419,9 +419,16 @@ class VerifiedReader(RunReader):
         B = region.row_bytes
         o = src - region.offset
         e = o + length - 1
+        base = entry.bases[index]
+        first = region.tiling(0)
+        span = first.tile_rows * B
+        ends = o + length
+        if first.bands == 1 and bool(((o % span == 0) & ((ends % span == 0) | (ends == region.length))).all()):
+            # whole row blocks of the first tiling: read exactly, so no other tiling needs fewer bytes (nor is asked)
+            self._whole_tiles(path, entry, region, first, base, src, length, buf, dst, buffers)
+            return
         # the tiling that needs the fewest bytes read for these runs (row blocks for a dim-0 split, bands for columns)
         best = None
-        base = entry.bases[index]
         for k in range(len(region.tilings)):
             tiling = region.tiling(k)
             need = _needed(tiling, o, e)
