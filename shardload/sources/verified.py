@@ -228,34 +228,79 @@ class VerifiedReader(RunReader):
             self.inner.prefetch(path, [r.offset for r in planned.reads], [r.end for r in planned.reads])  # type: ignore[attr-defined]
             self.inner.read_runs(path, filled.src, filled.length, filled.buf, filled.dst, [*buffers, sink],  # type: ignore[call-arg]
                                  sink=len(buffers))  # fmt: skip
-        else:  # row block by row block, so each block's tiles are hashed while its copy is still in the cache
+        heads = np.flatnonzero(np.concatenate(([True], blk[1:] != blk[:-1])))  # each row block's first tile
+        if mapped is not None:  # row block by row block, so each block's tiles are hashed while still in the cache
             _populate(buffers, buf, dst, length)
             count_mapped(path, int(length.sum()))  # (cold, the block's pages arrive as the copy reaches them)
-            heads = np.flatnonzero(np.concatenate(([True], blk[1:] != blk[:-1])))
             cuts = [*np.searchsorted(o, blk[heads] * h * B).tolist(), len(o)]
-            tile_of_block = heads.tolist()
+        bounds = [*heads.tolist(), len(blk)]  # each row block's tiles: [bounds[i], bounds[i + 1])
+        row_at = (np.cumsum(th) - th).tolist()  # each tile's first row in ``pos`` and ``owner``
         scratch = np.empty(h * w, dtype=np.uint8)  # one tile, gathered where its rows lie apart
-        at = 0
-        block = 0
-        for k, (n, width) in enumerate(zip(th.tolist(), tw.tolist(), strict=True)):
-            if mapped is not None and block < len(tile_of_block) and k == tile_of_block[block]:
-                a, b = cuts[block], cuts[block + 1]
+        for i in range(len(bounds) - 1):
+            ka, kb = bounds[i], bounds[i + 1]
+            if mapped is not None:
+                a, b = cuts[i], cuts[i + 1]
                 copy_runs(mapped, src[a:b], outs, buf[a:b], dst[a:b], length[a:b])
-                block += 1
-            p, b = pos[at : at + n], owner[at : at + n]
-            at += n
-            out = outs[int(b[0])]
-            step = int(p[1] - p[0]) if n > 1 else width
-            if n > 1 and not (step >= width and bool((b == b[0]).all()) and bool((np.diff(p) == step).all())):
-                data = np.concatenate([outs[int(x)][int(y) : int(y) + width] for x, y in zip(b, p, strict=True)])
-            elif step == width:
-                data = out[int(p[0]) : int(p[0]) + n * width]
-            else:
-                view = np.lib.stride_tricks.as_strided(out[int(p[0]) :], (n, width), (step, 1), writeable=False)
-                data = scratch[: n * width]
-                np.copyto(data.reshape(n, width), view)
-            index = int(blk[k]) * tiling.bands + int(band[k])
-            if self.hash(data).digest() != entry.hashes.leaf(leaf0 + index):
+            if self._block_hashed(path, entry, region, tiling, leaf0, blk, band, th, tw, pos, owner, outs, ka, kb,
+                                  row_at[ka]):  # fmt: skip
+                continue
+            for k in range(ka, kb):  # tile by tile: rows in other buffers, uneven, or bands apart
+                n, width, at = int(th[k]), int(tw[k]), row_at[k]
+                p, b = pos[at : at + n], owner[at : at + n]
+                out = outs[int(b[0])]
+                step = int(p[1] - p[0]) if n > 1 else width
+                if n > 1 and not (step >= width and bool((b == b[0]).all()) and bool((np.diff(p) == step).all())):
+                    data = np.concatenate([outs[int(x)][int(y) : int(y) + width] for x, y in zip(b, p, strict=True)])
+                elif step == width:
+                    data = out[int(p[0]) : int(p[0]) + n * width]
+                else:
+                    view = np.lib.stride_tricks.as_strided(out[int(p[0]) :], (n, width), (step, 1), writeable=False)
+                    data = scratch[: n * width]
+                    np.copyto(data.reshape(n, width), view)
+                index = int(blk[k]) * tiling.bands + int(band[k])
+                if self.hash(data).digest() != entry.hashes.leaf(leaf0 + index):
+                    raise self._mismatch(path, entry, region, tiling, index)
+        return True
+
+    def _block_hashed(
+        self,
+        path: Any,
+        entry: VerifiedFile,
+        region: Any,
+        tiling: Tiling,
+        leaf0: int,
+        blk: np.ndarray,
+        band: np.ndarray,
+        th: np.ndarray,
+        tw: np.ndarray,
+        pos: np.ndarray,
+        owner: np.ndarray,
+        outs: Sequence[np.ndarray],
+        ka: int,
+        kb: int,
+        at: int,
+    ) -> bool:
+        """Check tiles ``[ka, kb)`` of one row block at once where they lie side by side in one destination, each
+        row of each an equal step apart (a column slice of several bands): one strided gather of them all, then one
+        hash per tile. False (nothing checked) where they do not lie so."""
+        import numpy as np
+
+        m, n, width = kb - ka, int(th[ka]), int(tw[ka])
+        if m < 2 or not bool((tw[ka:kb] == width).all()):
+            return False
+        p, b = pos[at : at + m * n].reshape(m, n), owner[at : at + m * n]
+        step = int(p[0, 1] - p[0, 0]) if n > 1 else m * width
+        p0 = int(p[0, 0])
+        if not (bool((b == b[0]).all()) and np.array_equal(p, p0 + np.arange(m)[:, None] * width
+                                                           + np.arange(n)[None, :] * step)):  # fmt: skip
+            return False
+        source = np.lib.stride_tricks.as_strided(outs[int(b[0])][p0:], (m, n, width), (width, step, 1),
+                                                 writeable=False)  # fmt: skip
+        tiles = self._canvas(m * n * width).numpy().reshape(m, n * width)
+        np.copyto(tiles.reshape(m, n, width), source)
+        for j in range(m):
+            index = int(blk[ka + j]) * tiling.bands + int(band[ka + j])
+            if self.hash(tiles[j]).digest() != entry.hashes.leaf(leaf0 + index):
                 raise self._mismatch(path, entry, region, tiling, index)
         return True
 
