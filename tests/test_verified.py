@@ -72,6 +72,37 @@ def test_flip_caught_by_reader_not_by_others(split_model: Path, tmp_path: Path, 
         shardload.load(model, N, ["cpu"] * N, verify=True)
 
 
+@pytest.mark.parametrize("cold", [False, True], ids=["warm", "cold"])
+@pytest.mark.parametrize(("row", "col_byte"), [(3, 10), (500, 1000)])
+def test_column_slice_checked_a_row_block_at_once(
+    split_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cold: bool, row: int, col_byte: int
+) -> None:
+    """A column slice's band tiles are gathered and hashed a row block at once, and cold its few hundred bytes a
+    row are copied out of the file's mapping as their pages arrive: a byte flipped in the first or the last band,
+    in the first or the last row block, still fails the rank, and the other ranks load exactly."""
+    from shardload.sources.verified import VerifiedReader
+
+    model = tampered(split_model, tmp_path / "m", offset_of(split_model, "col.weight", row, 2048 + col_byte))
+    if cold:
+        monkeypatch.setattr(VerifiedReader, "_cached", lambda *args: False)  # tiles read as from cold storage
+    else:
+        monkeypatch.setattr(VerifiedReader, "_cached", lambda *args: True)
+    seen: dict[str, list] = {"pages": [], "blocks": []}
+    request, block = VerifiedReader._request_pages, VerifiedReader._block_hashed
+    monkeypatch.setattr(VerifiedReader, "_request_pages", lambda self, *a: seen["pages"].append(1) or request(self, *a))
+    monkeypatch.setattr(VerifiedReader, "_block_hashed", lambda self, *a: seen["blocks"].append(block(self, *a))
+                        or seen["blocks"][-1])  # fmt: skip
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(model, 2, N, verify=True)
+    assert "col.weight" in one_line_error(excinfo) and "hash mismatch" in str(excinfo.value)
+    assert bool(seen["pages"]) == cold, "the cold column slice did not take the mapped path"
+    for rank in (0, 3):
+        state = shardload.load_rank(model, rank, N, verify=True)
+        clean = shardload.load_rank(split_model, rank, N)
+        assert all(torch.equal(state[k], clean[k]) for k in clean)
+    assert any(seen["blocks"]), "no row block was checked at once"
+
+
 def test_flip_in_header_caught(split_model: Path, tmp_path: Path) -> None:
     (n,) = struct.unpack("<Q", (split_model / "model.safetensors").read_bytes()[:8])
     header = (split_model / "model.safetensors").read_bytes()[8 : 8 + n]

@@ -265,7 +265,7 @@ class Reader(RunReader):
             iov[:, 0] = ptrs[buf] + dst.astype(np.uint64)
             iov[:, 1] = length
             if populate:
-                _populate(ptrs, buf, dst, length)
+                populate_runs(ptrs, buf, dst, length)
             self._preadv_fast(path, iov, src, bounds, length, buf, sink)
         else:
             views = [buffer_view(t) for t in buffers]
@@ -560,8 +560,9 @@ def populate(address: int, nbytes: int) -> None:
         _POPULATE = False  # an older kernel: let the copy fault pages in
 
 
-def _populate(ptrs: np.ndarray, buf: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
-    """Fault in the whole pages between the first and the last byte each buffer receives (best effort)."""
+def populate_runs(ptrs: np.ndarray, buf: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
+    """Fault in the whole pages between the first and the last byte each buffer (at address ``ptrs[b]``) receives
+    from runs ``(buf[i], dst[i], length[i])``, one call per buffer (best effort)."""
     global _POPULATE
     import numpy as np
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CheckpointError
 from ..format.hash_record import FileHashes, Tiling, hasher
 from .read_plan import MAX_WASTE, IoModel, fill_reads, plan_reads
-from .reader import PAGE, FileMaps, RunReader, count_mapped
+from .reader import PAGE, FileMaps, RunReader, count_mapped, count_requested, populate_runs
 
 if TYPE_CHECKING:
     import numpy as np
@@ -155,8 +155,10 @@ class VerifiedReader(RunReader):
             if self.maps is not None:
                 self.inner.no_readahead(path)  # type: ignore[attr-defined]
                 self.inner.prefetch(path, *_pages(src[order], src[order] + length[order]))  # type: ignore[attr-defined]
-            self.inner.read_runs(path, src[order], length[order], buf[order], dst[order], buffers)
+            self.inner.read_runs(path, src[order], length[order], buf[order], dst[order], buffers,  # type: ignore[call-arg]
+                                 **({"populate": True} if self.maps is not None else {}))  # fmt: skip
         else:
+            _populate(buffers, buf, dst, length)
             count_mapped(path, int(length.sum()))
         span = tiling.tile_rows * B
         for at, n, b, d in zip(o.tolist(), length.tolist(), buf.tolist(), dst.tolist(), strict=True):
@@ -214,6 +216,8 @@ class VerifiedReader(RunReader):
         outs = [buffer_array(t) for t in buffers]
         boxes = [(a, a + n, int(c), int(c + d)) for a, n, c, d in zip(t0.tolist(), th.tolist(), c0, tw, strict=True)]
         mapped = self.maps.array(path) if self.maps is not None and self._cached(path, region, boxes) else None
+        if mapped is None and self.maps is not None and int(length.sum()) < len(length) * (PAGE // 2):
+            mapped = self._request_pages(path, src, src + length)  # short runs: copied out as their pages arrive
         if mapped is None and self.maps is None:
             self.inner.read_runs(path, src, length, buf, dst, buffers)
         elif mapped is None:  # a local file not in the page cache: its pages as planned reads, all requested first
@@ -224,35 +228,99 @@ class VerifiedReader(RunReader):
             self.inner.prefetch(path, [r.offset for r in planned.reads], [r.end for r in planned.reads])  # type: ignore[attr-defined]
             self.inner.read_runs(path, filled.src, filled.length, filled.buf, filled.dst, [*buffers, sink],  # type: ignore[call-arg]
                                  sink=len(buffers))  # fmt: skip
-        else:  # row block by row block, so each block's tiles are hashed while its copy is still in the cache
-            count_mapped(path, int(length.sum()))
-            heads = np.flatnonzero(np.concatenate(([True], blk[1:] != blk[:-1])))
+        heads = np.flatnonzero(np.concatenate(([True], blk[1:] != blk[:-1])))  # each row block's first tile
+        if mapped is not None:  # row block by row block, so each block's tiles are hashed while still in the cache
+            _populate(buffers, buf, dst, length)
+            count_mapped(path, int(length.sum()))  # (cold, the block's pages arrive as the copy reaches them)
             cuts = [*np.searchsorted(o, blk[heads] * h * B).tolist(), len(o)]
-            tile_of_block = heads.tolist()
+        bounds = [*heads.tolist(), len(blk)]  # each row block's tiles: [bounds[i], bounds[i + 1])
+        row_at = (np.cumsum(th) - th).tolist()  # each tile's first row in ``pos`` and ``owner``
         scratch = np.empty(h * w, dtype=np.uint8)  # one tile, gathered where its rows lie apart
-        at = 0
-        block = 0
-        for k, (n, width) in enumerate(zip(th.tolist(), tw.tolist(), strict=True)):
-            if mapped is not None and block < len(tile_of_block) and k == tile_of_block[block]:
-                a, b = cuts[block], cuts[block + 1]
+        for i in range(len(bounds) - 1):
+            ka, kb = bounds[i], bounds[i + 1]
+            if mapped is not None:
+                a, b = cuts[i], cuts[i + 1]
                 copy_runs(mapped, src[a:b], outs, buf[a:b], dst[a:b], length[a:b])
-                block += 1
-            p, b = pos[at : at + n], owner[at : at + n]
-            at += n
-            out = outs[int(b[0])]
-            step = int(p[1] - p[0]) if n > 1 else width
-            if n > 1 and not (step >= width and bool((b == b[0]).all()) and bool((np.diff(p) == step).all())):
-                data = np.concatenate([outs[int(x)][int(y) : int(y) + width] for x, y in zip(b, p, strict=True)])
-            elif step == width:
-                data = out[int(p[0]) : int(p[0]) + n * width]
-            else:
-                view = np.lib.stride_tricks.as_strided(out[int(p[0]) :], (n, width), (step, 1), writeable=False)
-                data = scratch[: n * width]
-                np.copyto(data.reshape(n, width), view)
-            index = int(blk[k]) * tiling.bands + int(band[k])
-            if self.hash(data).digest() != entry.hashes.leaf(leaf0 + index):
+            if self._block_hashed(path, entry, region, tiling, leaf0, blk, band, th, tw, pos, owner, outs, ka, kb,
+                                  row_at[ka]):  # fmt: skip
+                continue
+            for k in range(ka, kb):  # tile by tile: rows in other buffers, uneven, or bands apart
+                n, width, at = int(th[k]), int(tw[k]), row_at[k]
+                p, b = pos[at : at + n], owner[at : at + n]
+                out = outs[int(b[0])]
+                step = int(p[1] - p[0]) if n > 1 else width
+                if n > 1 and not (step >= width and bool((b == b[0]).all()) and bool((np.diff(p) == step).all())):
+                    data = np.concatenate([outs[int(x)][int(y) : int(y) + width] for x, y in zip(b, p, strict=True)])
+                elif step == width:
+                    data = out[int(p[0]) : int(p[0]) + n * width]
+                else:
+                    view = np.lib.stride_tricks.as_strided(out[int(p[0]) :], (n, width), (step, 1), writeable=False)
+                    data = scratch[: n * width]
+                    np.copyto(data.reshape(n, width), view)
+                index = int(blk[k]) * tiling.bands + int(band[k])
+                if self.hash(data).digest() != entry.hashes.leaf(leaf0 + index):
+                    raise self._mismatch(path, entry, region, tiling, index)
+        return True
+
+    def _block_hashed(
+        self,
+        path: Any,
+        entry: VerifiedFile,
+        region: Any,
+        tiling: Tiling,
+        leaf0: int,
+        blk: np.ndarray,
+        band: np.ndarray,
+        th: np.ndarray,
+        tw: np.ndarray,
+        pos: np.ndarray,
+        owner: np.ndarray,
+        outs: Sequence[np.ndarray],
+        ka: int,
+        kb: int,
+        at: int,
+    ) -> bool:
+        """Check tiles ``[ka, kb)`` of one row block at once where they lie side by side in one destination, each
+        row of each an equal step apart (a column slice of several bands): one strided gather of them all, then one
+        hash per tile. False (nothing checked) where they do not lie so."""
+        import numpy as np
+
+        m, n, width = kb - ka, int(th[ka]), int(tw[ka])
+        if m < 2 or not bool((tw[ka:kb] == width).all()):
+            return False
+        p, b = pos[at : at + m * n].reshape(m, n), owner[at : at + m * n]
+        step = int(p[0, 1] - p[0, 0]) if n > 1 else m * width
+        p0 = int(p[0, 0])
+        if not (bool((b == b[0]).all()) and np.array_equal(p, p0 + np.arange(m)[:, None] * width
+                                                           + np.arange(n)[None, :] * step)):  # fmt: skip
+            return False
+        source = np.lib.stride_tricks.as_strided(outs[int(b[0])][p0:], (m, n, width), (width, step, 1),
+                                                 writeable=False)  # fmt: skip
+        tiles = self._canvas(m * n * width).numpy().reshape(m, n * width)
+        np.copyto(tiles.reshape(m, n, width), source)
+        for j in range(m):
+            index = int(blk[ka + j]) * tiling.bands + int(band[ka + j])
+            if self.hash(tiles[j]).digest() != entry.hashes.leaf(leaf0 + index):
                 raise self._mismatch(path, entry, region, tiling, index)
         return True
+
+    def _request_pages(self, path: Any, starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
+        """Ask for the pages of sorted runs ``[starts[i], ends[i])`` of a cold local file, all up front and without
+        readahead, and return its mapping to copy them out of as they arrive (None: it cannot be mapped). A column
+        slice is a few hundred bytes a row: a ``preadv`` would move every page's other bytes into a sink as well."""
+        import numpy as np
+
+        assert self.maps is not None
+        mapped = self.maps.array(path)
+        if mapped is None:
+            return None
+        lo, hi = _pages(starts, ends)
+        self.inner.no_readahead(path)  # type: ignore[attr-defined]
+        self.maps.no_readahead(path, lo[0], hi[-1])
+        self.inner.prefetch(path, lo, hi)  # type: ignore[attr-defined]
+        moved = int(np.minimum(np.array(hi), len(mapped)).sum()) - sum(lo)
+        count_requested(path, moved - int((ends - starts).sum()))  # the copies count the bytes used
+        return mapped
 
     def _sink(self, nbytes: int) -> Any:
         """A byte tensor of at least ``nbytes`` for this thread, for bytes read through and thrown away."""
@@ -396,9 +464,16 @@ class VerifiedReader(RunReader):
         B = region.row_bytes
         o = src - region.offset
         e = o + length - 1
+        base = entry.bases[index]
+        first = region.tiling(0)
+        span = first.tile_rows * B
+        ends = o + length
+        if first.bands == 1 and bool(((o % span == 0) & ((ends % span == 0) | (ends == region.length))).all()):
+            # whole row blocks of the first tiling: read exactly, so no other tiling needs fewer bytes (nor is asked)
+            self._whole_tiles(path, entry, region, first, base, src, length, buf, dst, buffers)
+            return
         # the tiling that needs the fewest bytes read for these runs (row blocks for a dim-0 split, bands for columns)
         best = None
-        base = entry.bases[index]
         for k in range(len(region.tilings)):
             tiling = region.tiling(k)
             need = _needed(tiling, o, e)
@@ -460,6 +535,13 @@ def copy_runs(
         s_view = np.lib.stride_tricks.as_strided(source[int(at[a]) :], (count, size), (ss, 1), writeable=False)
         d_view = np.lib.stride_tricks.as_strided(out[int(dst[a]) :], (count, size), (sd, 1))
         np.copyto(d_view, s_view)
+
+
+def _populate(buffers: Sequence[Any], buf: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
+    """Fault in the fresh destination pages runs are copied to, one call per buffer rather than a fault per page."""
+    import numpy as np
+
+    populate_runs(np.array([t.data_ptr() for t in buffers], dtype=np.uint64), buf, dst, length)
 
 
 def _needed(tiling: Tiling, o: np.ndarray, e: np.ndarray) -> np.ndarray:
