@@ -533,7 +533,8 @@ def open_presharded(checkpoint: Checkpoint, shard_info: ShardInfo) -> ShardsSour
 
 def stored_shape(name: str, shard_info: ShardInfo, part: TensorInfo, n_old: int, checkpoint: Checkpoint) -> TensorInfo:
     """The whole stored tensor a pre-sharded parameter was cut from: the one shape (a dim of its records times
-    N_old) whose steps give each of N_old ranks exactly the records' shape and dtype."""
+    N_old, or less by what padding may add) whose steps give each of N_old ranks exactly the records' shape and
+    dtype; two such shapes (a padded vocabulary: 382 to 384 rows all give 3 records of 128) are refused."""
     specs = shard_info.params.get(name)
     if not specs:
         raise PlanError(
@@ -543,8 +544,11 @@ def stored_shape(name: str, shard_info: ShardInfo, part: TensorInfo, n_old: int,
         )  # fmt: skip
     one = ShardInfo({name: specs}, source=shard_info.source)
     found: list[TensorInfo] = []
-    for d in range(len(part.shape)):
-        shape = tuple(n * n_old if i == d else n for i, n in enumerate(part.shape))
+    candidates = [
+        (d, size) for d, n in enumerate(part.shape) for size in range(n * n_old, max(-1, (n - 1) * n_old), -1)
+    ]
+    for d, size in candidates:
+        shape = tuple(size if i == d else n for i, n in enumerate(part.shape))
         info = TensorInfo(name, part.dtype, shape, checkpoint.root / STORED, 0, prod(shape) * itemsize(part.dtype))
         plan = build_plan(one, Checkpoint(checkpoint.root, checkpoint.root, "safetensors", {name: info}), n_old,
                           strict=False)  # fmt: skip
