@@ -5,8 +5,10 @@ vocabulary of 250 that N = 4 pads, a Mixtral, a GPTQ int4 Llama whose ``g_idx`` 
 compressed-tensors int4 Llama whose ``weight_shape`` one rewrites, a pp x tp mesh), converted for N_old in
 {2, 4, 8} where the model allows, every rank at N_new in {1, 2, 3, 4, 8} must equal the rank made straight from
 the original checkpoint, element for element, and read at most 1.05x its own bytes; an N the model refuses is
-refused from the shards too, in one line. The GQA Llama's ranks also equal an independent reference
-(tests/helpers/tp_split.py). Bad directories are one located line, nothing written.
+refused from the shards too, in one line. The same grid runs on a pp=2 x tp=N_old mesh directory (read as pp 1
+and 2 x tp=N_new) and on vLLM ``sharded_state`` directories made for N_old (``convert --layout vllm``, and as
+vLLM's ``save_model`` writes them) of the GQA Llama, the Qwen2 and the Mixtral. The GQA Llama's ranks also equal
+an independent reference (tests/helpers/tp_split.py). Bad directories are one located line, nothing written.
 """
 
 from __future__ import annotations
@@ -166,21 +168,6 @@ def test_inspect_shards_as_the_original(models: dict[str, Model]) -> None:
     assert json.loads(shards.stdout) == json.loads(direct.stdout)
     refused = runner.invoke(main, ["inspect", str(out), "-n", "3"])
     assert refused.exit_code == 1 and refused.stderr.count("\n") == 2, refused.stderr  # the note, the error
-
-
-def test_mesh_stages_to_any_mesh(models: dict[str, Model], tmp_path: Path) -> None:
-    """A pp=2 x tp=2 directory loads as tp=4, tp=1 and pp=2 x tp=4, each rank equal to the original's."""
-    model = models["llama_gqa"]
-    out = tmp_path / "mesh"
-    shardload.convert(model.path, None, out, mesh="pp=2,tp=2")
-    for mesh in ("pp=1,tp=4", "pp=1,tp=1", "pp=2,tp=4", "pp=2,tp=1"):
-        layout = shardload.Mesh.parse(mesh)
-        want = shardload.load(model.path, mesh=mesh, devices=["cpu"] * layout.world_size)
-        for rank in range(layout.world_size):
-            with count_reads() as seen:
-                got = shardload.load_rank(out, rank, mesh=mesh)
-            assert_equal(got, want[rank], f"pp=2,tp=2 -> {mesh} rank {rank}")
-            assert seen.bytes <= SLACK * own_bytes(got)
 
 
 # --- bad directories: one located line, nothing written ------------------------------------------
@@ -437,3 +424,61 @@ def test_verify_refused_for_a_presharded_cache_read_for_another_n(tmp_path: Path
         with pytest.raises(ShardloadError) as err:
             call()
         assert "verify is not supported when a pre-sharded cache is read for another N" in str(err.value)
+
+
+# --- the proof grid on the other layouts: pipeline meshes, vLLM's sharded_state (ours and save_model's) ----------
+
+
+@pytest.mark.parametrize("tp_old", OLD_N)
+def test_mesh_grid(models: dict[str, Model], tp_old: int, tmp_path: Path) -> None:
+    """A pp=2 x tp=N_old directory (N_old in 2, 4, 8) loads as pp in 1, 2 x tp=N_new for every N_new: each rank
+    equal to the original's for that mesh, at most 1.05x its own bytes; tp=3 (2 KV heads) refused in one line."""
+    model = models["llama_gqa"]
+    out = tmp_path / "mesh"
+    shardload.convert(model.path, None, out, mesh=f"pp=2,tp={tp_old}")
+    cells = 0
+    for pp in (1, 2):
+        for tp in NEW_N:
+            mesh = f"pp={pp},tp={tp}"
+            if isinstance(model.direct(tp), ShardloadError):
+                with pytest.raises(ShardloadError) as err:
+                    shardload.load_rank(out, 0, mesh=mesh)
+                assert "\n" not in str(err.value)
+                continue
+            want = shardload.load(model.path, mesh=mesh, devices=["cpu"] * pp * tp)
+            for rank in range(pp * tp):
+                with count_reads() as seen:
+                    got = shardload.load_rank(out, rank, mesh=mesh)
+                assert_equal(got, want[rank], f"pp=2,tp={tp_old} -> {mesh} rank {rank}")
+                assert seen.bytes <= SLACK * own_bytes(got)
+                cells += 1
+    assert cells == 2 * 15 + 15  # pp=2 and pp=1 over tp 1, 2, 4, 8
+
+
+@pytest.mark.parametrize("layout", ["ours", "saved"])
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2", "mixtral"])
+def test_sharded_state_grid(models: dict[str, Model], kind: str, layout: str, tmp_path: Path) -> None:
+    """A ``sharded_state`` directory made for N_old in 2, 4, 8 (``convert --layout vllm``, or as vLLM's
+    ``save_model`` writes it) loads at every N_new the model allows: every rank equal to the original's."""
+    from helpers.vllm_saved import fake_vllm_save
+    from shardload.engine.vllm_layout import convert_vllm
+
+    model = models[kind]
+    cells = 0
+    for n_old in OLD_N:
+        if isinstance(model.direct(n_old), ShardloadError):
+            continue
+        source = tmp_path / f"{layout}{n_old}"
+        (convert_vllm if layout == "ours" else fake_vllm_save)(model.path, n_old, source)
+        for n_new in NEW_N:
+            want = model.direct(n_new)
+            if isinstance(want, ShardloadError):
+                with pytest.raises(ShardloadError) as err:
+                    shardload.load_rank(source, 0, n_new)
+                assert "\n" not in str(err.value)
+                continue
+            got = shardload.load(source, n_new, devices=["cpu"] * n_new)
+            for rank in range(n_new):
+                assert_equal(got[rank], want[rank], f"{kind} {layout} {n_old} -> {n_new} rank {rank}")
+                cells += 1
+    assert cells == {"llama_gqa": 3 * 15, "qwen2": 2 * 7, "mixtral": 2 * 7}[kind]  # 4 heads: N <= 4
