@@ -295,6 +295,35 @@ def test_presharded_cache_to_any_n(tmp_path: Path) -> None:
             assert np.array_equal(got[r][name].numpy(), array), (r, name)
 
 
+def test_inspect_presharded_cache_at_another_n(tmp_path: Path) -> None:
+    """``inspect CACHE2 -n 4 --shard-info`` prints the plan ``inspect`` prints for the cache of the whole parameters
+    (a note on stderr says where the bytes come from); without the shard_info, one line."""
+    pytest.importorskip("tvm")
+    import numpy as np
+
+    from helpers.tvm_cache import dump, presharded
+
+    path, split = presharded(tmp_path, 2)
+    whole = {"param_0": np.concatenate(split["param_0"], 0), "param_1": np.concatenate(split["param_1"], 1),
+             "norm": np.ones(16, dtype="float16")}  # fmt: skip
+    plain = dump(whole, tmp_path / "whole")
+    plan = tmp_path / "shard_info.json"
+    plan.write_text(json.dumps(TVM_PLAN))
+    runner = CliRunner()
+    for n in ("1", "4", "8"):
+        shards = runner.invoke(main, ["inspect", str(path), "-n", n, "--shard-info", str(plan), "--json"])
+        direct = runner.invoke(main, ["inspect", str(plain), "-n", n, "--shard-info", str(plan), "--json"])
+        assert shards.exit_code == 0 and direct.exit_code == 0, shards.output
+        got, want = json.loads(shards.stdout), json.loads(direct.stdout)
+        assert got["totals"] == want["totals"], n
+        rows = [sorted(doc["rows"], key=lambda row: row["parameter"]) for doc in (got, want)]  # records' order
+        assert rows[0] == rows[1], n
+        assert shards.stderr.startswith("note: a cache pre-sharded for num_shards=2"), shards.stderr
+    refused = runner.invoke(main, ["inspect", str(path), "-n", "4"])
+    assert refused.exit_code == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "param_0: is pre-sharded for num_shards=2; loading it for another N needs a shard_info" in refused.stderr
+
+
 def test_presharded_cache_needs_its_plan(tmp_path: Path) -> None:
     """Without a shard_info (how was it cut?), or with one that two whole shapes satisfy, one line."""
     pytest.importorskip("tvm")
