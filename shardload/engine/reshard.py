@@ -131,7 +131,7 @@ class ShardsSource:
         from .steps import run_steps
 
         old = self.old.params[new.name]
-        if boxes_copyable(new) and boxes_copyable(old):
+        if boxes_copyable(new) and boxes_copyable(old) and self._held(new.name):
             dest = torch.empty(new.shape, dtype=to_torch(new.dtype))
             for box in new.zeros(rank):
                 dest[tuple(slice(a, b) for a, b in box)] = 0
@@ -146,19 +146,26 @@ class ShardsSource:
         info = old.source
         if old.replicated and info.file.name != STORED:  # stored whole in the source itself (a TVM cache's norm)
             return reader.tensor(info)
-        if boxes_copyable(old):
+        held = self._held(old.name)
+        if boxes_copyable(old) and held:
             dest = torch.empty(info.shape, dtype=to_torch(info.dtype))
             self._read(old.name, old_parts(old, whole(old)), dest, reader)
             return dest
         raw = self.values.get(old.name)
         if raw is None or len(raw) != info.nbytes:
             funcs = ", ".join(s.name for s in old.steps if not s.func.remap) or "a dtype change"
+            why = f"hold the result of a compute step ({funcs}), which cannot be undone" if held else "hold none of it"
             raise PlanError(
-                f"its num_shards={old.num_shards} files hold the result of a compute step ({funcs}), which cannot be "
-                "undone, and the manifest does not record the stored tensor; convert the source checkpoint",
+                f"its num_shards={old.num_shards} files {why}, and the manifest does not record the stored tensor; "
+                "convert the source checkpoint",
                 file=self.name, param=old.name,
             )  # fmt: skip
         return torch.frombuffer(bytearray(raw), dtype=to_torch(info.dtype)).reshape(info.shape).clone()
+
+    def _held(self, name: str) -> bool:
+        """Whether the old rank files hold ``name`` at all (vLLM's layout keeps no compressed-tensors
+        ``weight_shape``: the manifest records its value instead)."""
+        return any(name in header for header in self.headers.values())
 
     def _read(self, name: str, parts: Sequence[OldPart], dest: torch.Tensor, reader: RunReader) -> None:
         """Read ``parts`` of the old rank files into ``dest`` (a contiguous CPU tensor), one run list per file."""
