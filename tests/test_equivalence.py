@@ -51,6 +51,14 @@ Coverage, and why it is enough:
   tuples), so every (source, threads), (path, threads) and (N, threads) pair occurs;
 - a converted directory is also loaded at another N (``test_converted_directory_serves_another_n``; the
   full N_old x N_new matrix is ``tests/test_reshard.py``);
+- sources made for another N are rows of their own (``test_resharded_source_equals_reference``): a converted
+  directory, a ``convert --layout vllm`` directory, a vLLM-style ``save_model`` directory
+  (``helpers/vllm_saved.py``) and an MLC-LLM pre-sharded TVM cache (records cut by ``tp_split``), each made for
+  N_old and read at every N of the matrix (``load`` at even N, ``load_rank`` at odd N): phi3 from 4 ways (2 at
+  N = 4; its TVM cache from 2 ways, 4 at N = 2), llama from 6 ways (each KV head on two ranks), and llama from 3
+  ways (vocabulary padded on the old side) at N = 1. The documented one-line refusals are cells too: vLLM's own
+  save of a phi3, and a pre-sharded cache whose records cannot be told apart from another whole shape (KV heads
+  replicated; padded vocabularies);
 - ``verify`` runs for every source and N, threads rotated as on ``load_rank``; a third of its cells pin the
   record's root (``verify="<root>"``, cell ids ``-pinned``: every source and every N has some), the rest pass
   True. The share_reads launches load every source a second time with ``verify`` (pinned by the same rule), so
@@ -62,9 +70,11 @@ Coverage, and why it is enough:
   ``mmap=True`` maps local files only (S3) and is no checked copy (``verify`` with ``mmap``). A source whose
   package is missing skips its cells with the reason (never in CI, which installs them all).
 
-No cell is marked as a known failure. The matrix found two bugs when it was written (convert from S3 gave a
-rank's replicated tensors other tensors' bytes whenever N > writer threads; a Hub id failed in any fresh process);
-both are fixed, and their cells are ordinary cells now.
+No cell is marked as a known failure. The matrix found three bugs: when it was written, convert from S3 gave a
+rank's replicated tensors other tensors' bytes whenever N > writer threads, and a Hub id failed in any fresh
+process; its resharding rows found a TVM cache pre-sharded with a padded vocabulary read at another N with the
+padding rows as real ones;
+all are fixed, and their cells are ordinary cells now.
 
 S3 uses the test server with the default request cost (``ObjectCost()``), which merges a column slice's rows
 into few GETs; exact fetching (a GET per row, seconds per cell) is tested in test_object_storage.py.
@@ -75,6 +85,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -91,8 +102,10 @@ import shardload.engine.read_strategy as read_strategy
 import shardload.engine.transfer as transfer
 import shardload.engine.writer as writer
 from helpers import hub, matrix_sources, tp_split
+from helpers.vllm_saved import fake_vllm_save
 from shardload.cli.main import main
 from shardload.engine.integrity import hash_model
+from shardload.engine.vllm_layout import convert_vllm
 from shardload.errors import ShardloadError
 from shardload.sources import objects, read_plan
 from shardload.sources.object_reader import ObjectReader
@@ -233,14 +246,38 @@ class World:
                 self.roots[key] = hash_model(model).root
         return self.roots[key]
 
-    def reference(self, n: int, layout: str = "plain") -> list[tp_split.State]:
-        model = MODEL_OF_N[n]
+    def reference(self, n: int, layout: str = "plain", model: str | None = None) -> list[tp_split.State]:
+        """Every rank's reference tensors at N, of the model that serves N (or of ``model``)."""
+        model = model or MODEL_OF_N[n]
         key = (model, n, layout)
         if key not in self.refs:
             built = self.model(model)
             split = tp_split.vllm_rank if layout == "vllm" else tp_split.plain_rank
             self.refs[key] = [split(built["state"], built["config"], n, r) for r in range(n)]
         return self.refs[key]
+
+    def resharded(self, kind: str, model: str, n_old: int) -> Path:
+        """``model`` as a source made for N_old alone (the original not needed to read it at another N)."""
+        built = self.model(model)
+        key = f"{kind}-{n_old}"
+        if key in built:
+            return built[key]
+        if kind == "tvm_presharded" and importlib.util.find_spec("tvm") is None:
+            assert os.environ.get("CI") != "true", "tvm is in the test extra"
+            pytest.skip("n/a here: tvm is not installed")
+        base, single = built["base"], built["single"]
+        out = base / f"{kind}-{n_old}"
+        if kind == "converted":
+            shardload.convert(single, n_old, out)
+        elif kind == "vllm_layout":
+            convert_vllm(single, n_old, out)
+        elif kind == "vllm_saved":
+            fake_vllm_save(single, n_old, out)
+        else:  # MLC-LLM's records, cut by the independent reference
+            ranks = self.reference(n_old, model=model)
+            matrix_sources.write_tvm_presharded(single, out, built["plan"], ranks)
+        built[key] = out
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -401,6 +438,60 @@ def test_converted_directory_serves_another_n(world: World, request: pytest.Fixt
     want = world.reference(4)
     assert_ranks([shardload.load_rank(model, r, 4) for r in range(4)], want, "converted 2 -> 4: load_rank")
     assert_ranks(shardload.load(model, 4, devices=["cpu"] * 4), want, "converted 2 -> 4: load")
+
+
+# --- sources made for another N: resharded -----------------------------------------------------------------------
+
+RESHARD_SOURCES = ("converted", "vllm_layout", "vllm_saved", "tvm_presharded")
+SAVED_PHI3 = "model_type 'phi3': reading vLLM's own sharded_state back is supported for llama"
+RESHARD_REFUSED = {  # (source, model, N_old, N) -> the documented one-line refusal
+    **{("vllm_saved", "phi3", 2 if n == 4 else 4, n): SAVED_PHI3 for n in NS if MODEL_OF_N[n] == "phi3"},
+    # each KV head on N_old / KV-heads ranks: no whole shape is a dim of the records times N_old
+    ("tvm_presharded", "phi3", 4, 2): "cannot tell the whole shape its num_shards=4 records of [32, 96]",
+    ("tvm_presharded", "llama", 6, 3): "cannot tell the whole shape its num_shards=6 records",  # padded too
+    # the old side padded the vocabulary (380 rows to 384): records of 128 rows come from several row counts alike
+    ("tvm_presharded", "llama", 3, 1): "cannot tell the whole shape its num_shards=3 records of [128, 96]",
+}
+
+
+def old_n(source: str, model: str, n: int) -> int:
+    """The N a cell's source was made for: 4 ways for phi3 (2 when the cell's N is 4), 2 ways for its TVM cache
+    (whose records cannot be KV heads replicated; 4 when N is 2), 6 ways for llama (each KV head on two ranks)."""
+    if model == "llama":
+        return 6
+    first, second = (2, 4) if source == "tvm_presharded" else (4, 2)
+    return first if n != first else second
+
+
+def _reshard_cells() -> list[Any]:
+    cells = []
+    for source in RESHARD_SOURCES:
+        plan = [(MODEL_OF_N[n], old_n(source, MODEL_OF_N[n], n), n) for n in NS] + [("llama", 3, 1)]
+        for model, n_old, n in plan:
+            refused = "-refused" if (source, model, n_old, n) in RESHARD_REFUSED else ""
+            cells.append(pytest.param(source, model, n_old, n, id=f"{source}-{model}-n{n_old}to{n}{refused}"))
+    return cells
+
+
+@pytest.mark.parametrize(("source", "model", "n_old", "n"), _reshard_cells())
+def test_resharded_source_equals_reference(
+    world: World, source: str, model: str, n_old: int, n: int, tmp_path: Path
+) -> None:
+    """A source made for N_old alone (a converted directory, our ``--layout vllm`` directory, a vLLM-style
+    ``save_model`` directory, an MLC-LLM pre-sharded TVM cache) read at N: every rank equals the reference (``load``
+    at even N, ``load_rank`` at odd N), or the documented refusal is one line and nothing is returned."""
+    path = world.resharded(source, model, n_old)
+    reason = RESHARD_REFUSED.get((source, model, n_old, n))
+    if reason is not None:
+        with pytest.raises(ShardloadError, match=re.escape(reason)) as err:
+            shardload.load_rank(path, 0, n)
+        assert "\n" not in str(err.value)
+        return
+    if n % 2:
+        got = [shardload.load_rank(path, r, n) for r in range(n)]
+    else:
+        got = shardload.load(path, n, devices=["cpu"] * n)
+    assert_ranks(got, world.reference(n, model=model), f"{source} {n_old} -> {n}")
 
 
 def test_model_refuses_n(world: World, request: pytest.FixtureRequest, tmp_path: Path) -> None:

@@ -5,8 +5,10 @@ vocabulary of 250 that N = 4 pads, a Mixtral, a GPTQ int4 Llama whose ``g_idx`` 
 compressed-tensors int4 Llama whose ``weight_shape`` one rewrites, a pp x tp mesh), converted for N_old in
 {2, 4, 8} where the model allows, every rank at N_new in {1, 2, 3, 4, 8} must equal the rank made straight from
 the original checkpoint, element for element, and read at most 1.05x its own bytes; an N the model refuses is
-refused from the shards too, in one line. The GQA Llama's ranks also equal an independent reference
-(tests/helpers/tp_split.py). Bad directories are one located line, nothing written.
+refused from the shards too, in one line. The same grid runs on a pp=2 x tp=N_old mesh directory (read as pp 1
+and 2 x tp=N_new) and on vLLM ``sharded_state`` directories made for N_old (``convert --layout vllm``, and as
+vLLM's ``save_model`` writes them) of the GQA Llama, the Qwen2 and the Mixtral. The GQA Llama's ranks also equal
+an independent reference (tests/helpers/tp_split.py). Bad directories are one located line, nothing written.
 """
 
 from __future__ import annotations
@@ -168,21 +170,6 @@ def test_inspect_shards_as_the_original(models: dict[str, Model]) -> None:
     assert refused.exit_code == 1 and refused.stderr.count("\n") == 2, refused.stderr  # the note, the error
 
 
-def test_mesh_stages_to_any_mesh(models: dict[str, Model], tmp_path: Path) -> None:
-    """A pp=2 x tp=2 directory loads as tp=4, tp=1 and pp=2 x tp=4, each rank equal to the original's."""
-    model = models["llama_gqa"]
-    out = tmp_path / "mesh"
-    shardload.convert(model.path, None, out, mesh="pp=2,tp=2")
-    for mesh in ("pp=1,tp=4", "pp=1,tp=1", "pp=2,tp=4", "pp=2,tp=1"):
-        layout = shardload.Mesh.parse(mesh)
-        want = shardload.load(model.path, mesh=mesh, devices=["cpu"] * layout.world_size)
-        for rank in range(layout.world_size):
-            with count_reads() as seen:
-                got = shardload.load_rank(out, rank, mesh=mesh)
-            assert_equal(got, want[rank], f"pp=2,tp=2 -> {mesh} rank {rank}")
-            assert seen.bytes <= SLACK * own_bytes(got)
-
-
 # --- bad directories: one located line, nothing written ------------------------------------------
 
 
@@ -306,6 +293,35 @@ def test_presharded_cache_to_any_n(tmp_path: Path) -> None:
     for r in range(8):
         for name, array in want(8, r).items():
             assert np.array_equal(got[r][name].numpy(), array), (r, name)
+
+
+def test_inspect_presharded_cache_at_another_n(tmp_path: Path) -> None:
+    """``inspect CACHE2 -n 4 --shard-info`` prints the plan ``inspect`` prints for the cache of the whole parameters
+    (a note on stderr says where the bytes come from); without the shard_info, one line."""
+    pytest.importorskip("tvm")
+    import numpy as np
+
+    from helpers.tvm_cache import dump, presharded
+
+    path, split = presharded(tmp_path, 2)
+    whole = {"param_0": np.concatenate(split["param_0"], 0), "param_1": np.concatenate(split["param_1"], 1),
+             "norm": np.ones(16, dtype="float16")}  # fmt: skip
+    plain = dump(whole, tmp_path / "whole")
+    plan = tmp_path / "shard_info.json"
+    plan.write_text(json.dumps(TVM_PLAN))
+    runner = CliRunner()
+    for n in ("1", "4", "8"):
+        shards = runner.invoke(main, ["inspect", str(path), "-n", n, "--shard-info", str(plan), "--json"])
+        direct = runner.invoke(main, ["inspect", str(plain), "-n", n, "--shard-info", str(plan), "--json"])
+        assert shards.exit_code == 0 and direct.exit_code == 0, shards.output
+        got, want = json.loads(shards.stdout), json.loads(direct.stdout)
+        assert got["totals"] == want["totals"], n
+        rows = [sorted(doc["rows"], key=lambda row: row["parameter"]) for doc in (got, want)]  # records' order
+        assert rows[0] == rows[1], n
+        assert shards.stderr.startswith("note: a cache pre-sharded for num_shards=2"), shards.stderr
+    refused = runner.invoke(main, ["inspect", str(path), "-n", "4"])
+    assert refused.exit_code == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "param_0: is pre-sharded for num_shards=2; loading it for another N needs a shard_info" in refused.stderr
 
 
 def test_presharded_cache_needs_its_plan(tmp_path: Path) -> None:
@@ -437,3 +453,85 @@ def test_verify_refused_for_a_presharded_cache_read_for_another_n(tmp_path: Path
         with pytest.raises(ShardloadError) as err:
             call()
         assert "verify is not supported when a pre-sharded cache is read for another N" in str(err.value)
+
+
+# --- the proof grid on the other layouts: pipeline meshes, vLLM's sharded_state (ours and save_model's) ----------
+
+
+@pytest.mark.parametrize("tp_old", OLD_N)
+def test_mesh_grid(models: dict[str, Model], tp_old: int, tmp_path: Path) -> None:
+    """A pp=2 x tp=N_old directory (N_old in 2, 4, 8) loads as pp in 1, 2 x tp=N_new for every N_new: each rank
+    equal to the original's for that mesh, at most 1.05x its own bytes; tp=3 (2 KV heads) refused in one line."""
+    model = models["llama_gqa"]
+    out = tmp_path / "mesh"
+    shardload.convert(model.path, None, out, mesh=f"pp=2,tp={tp_old}")
+    cells = 0
+    for pp in (1, 2):
+        for tp in NEW_N:
+            mesh = f"pp={pp},tp={tp}"
+            if isinstance(model.direct(tp), ShardloadError):
+                with pytest.raises(ShardloadError) as err:
+                    shardload.load_rank(out, 0, mesh=mesh)
+                assert "\n" not in str(err.value)
+                continue
+            want = shardload.load(model.path, mesh=mesh, devices=["cpu"] * pp * tp)
+            for rank in range(pp * tp):
+                with count_reads() as seen:
+                    got = shardload.load_rank(out, rank, mesh=mesh)
+                assert_equal(got, want[rank], f"pp=2,tp={tp_old} -> {mesh} rank {rank}")
+                assert seen.bytes <= SLACK * own_bytes(got)
+                cells += 1
+    assert cells == 2 * 15 + 15  # pp=2 and pp=1 over tp 1, 2, 4, 8
+
+
+@pytest.mark.parametrize("layout", ["ours", "saved"])
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2", "mixtral"])
+def test_sharded_state_grid(models: dict[str, Model], kind: str, layout: str, tmp_path: Path) -> None:
+    """A ``sharded_state`` directory made for N_old in 2, 4, 8 (``convert --layout vllm``, or as vLLM's
+    ``save_model`` writes it) loads at every N_new the model allows: every rank equal to the original's."""
+    from helpers.vllm_saved import fake_vllm_save
+    from shardload.engine.vllm_layout import convert_vllm
+
+    model = models[kind]
+    cells = 0
+    for n_old in OLD_N:
+        if isinstance(model.direct(n_old), ShardloadError):
+            continue
+        source = tmp_path / f"{layout}{n_old}"
+        (convert_vllm if layout == "ours" else fake_vllm_save)(model.path, n_old, source)
+        for n_new in NEW_N:
+            want = model.direct(n_new)
+            if isinstance(want, ShardloadError):
+                with pytest.raises(ShardloadError) as err:
+                    shardload.load_rank(source, 0, n_new)
+                assert "\n" not in str(err.value)
+                continue
+            got = shardload.load(source, n_new, devices=["cpu"] * n_new)
+            for rank in range(n_new):
+                assert_equal(got[rank], want[rank], f"{kind} {layout} {n_old} -> {n_new} rank {rank}")
+                cells += 1
+    assert cells == {"llama_gqa": 3 * 15, "qwen2": 2 * 7, "mixtral": 2 * 7}[kind]  # 4 heads: N <= 4
+
+
+def test_compressed_sharded_state_to_another_n(
+    models: dict[str, Model], request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """``convert --layout vllm -n 2`` of the compressed-tensors int4 Llama, loaded at N = 1 and 4: every rank equal
+    to the original's (vLLM's files hold no ``weight_shape``: the manifest records it); a manifest without that
+    record is one line."""
+    from shardload.engine.vllm_layout import convert_vllm
+
+    model = models.setdefault("compressed", Model(request.getfixturevalue("tiny_llama")))
+    convert_vllm(model.path, 2, tmp_path / "vllm2")
+    for n in (1, 4):
+        want = model.direct(n)
+        assert not isinstance(want, ShardloadError)
+        got = shardload.load(tmp_path / "vllm2", n, devices=["cpu"] * n)
+        for rank in range(n):
+            assert_equal(got[rank], want[rank], f"compressed vllm 2 -> {n} rank {rank}")
+    manifest = _manifest(tmp_path / "vllm2")
+    manifest["source_plan"]["values"] = {}
+    (tmp_path / "vllm2" / "shard_manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ShardloadError, match="weight_shape: its num_shards=2 files hold none of it") as err:
+        shardload.load_rank(tmp_path / "vllm2", 0, 4)
+    assert "\n" not in str(err.value)

@@ -693,6 +693,13 @@ def inspect(
         click.echo(f"note: a directory converted for num_shards={shards.old.num_shards}: each rank reads its "
                    "boxes out of those rank files", err=True)  # fmt: skip
         checkpoint, info = shards.stored, shards.shard_info
+    elif checkpoint.presharded is not None and num_shards not in (None, checkpoint.presharded):
+        from ..engine.reshard import open_presharded  # cut for another N: planned over the whole parameters
+
+        presharded = open_presharded(checkpoint, shard_info_for(checkpoint, shard_info))
+        click.echo(f"note: a cache pre-sharded for num_shards={checkpoint.presharded}: each rank reads its boxes "
+                   "out of those records", err=True)  # fmt: skip
+        checkpoint, info = presharded.stored, presharded.shard_info
     else:
         info = shard_info_for(checkpoint, shard_info)
     n = num_shards or info.num_shards or _inspect_n(info, checkpoint)

@@ -131,7 +131,7 @@ class ShardsSource:
         from .steps import run_steps
 
         old = self.old.params[new.name]
-        if boxes_copyable(new) and boxes_copyable(old):
+        if boxes_copyable(new) and boxes_copyable(old) and self._held(new.name):
             dest = torch.empty(new.shape, dtype=to_torch(new.dtype))
             for box in new.zeros(rank):
                 dest[tuple(slice(a, b) for a, b in box)] = 0
@@ -146,19 +146,26 @@ class ShardsSource:
         info = old.source
         if old.replicated and info.file.name != STORED:  # stored whole in the source itself (a TVM cache's norm)
             return reader.tensor(info)
-        if boxes_copyable(old):
+        held = self._held(old.name)
+        if boxes_copyable(old) and held:
             dest = torch.empty(info.shape, dtype=to_torch(info.dtype))
             self._read(old.name, old_parts(old, whole(old)), dest, reader)
             return dest
         raw = self.values.get(old.name)
         if raw is None or len(raw) != info.nbytes:
             funcs = ", ".join(s.name for s in old.steps if not s.func.remap) or "a dtype change"
+            why = f"hold the result of a compute step ({funcs}), which cannot be undone" if held else "hold none of it"
             raise PlanError(
-                f"its num_shards={old.num_shards} files hold the result of a compute step ({funcs}), which cannot be "
-                "undone, and the manifest does not record the stored tensor; convert the source checkpoint",
+                f"its num_shards={old.num_shards} files {why}, and the manifest does not record the stored tensor; "
+                "convert the source checkpoint",
                 file=self.name, param=old.name,
             )  # fmt: skip
         return torch.frombuffer(bytearray(raw), dtype=to_torch(info.dtype)).reshape(info.shape).clone()
+
+    def _held(self, name: str) -> bool:
+        """Whether the old rank files hold ``name`` at all (vLLM's layout keeps no compressed-tensors
+        ``weight_shape``: the manifest records its value instead)."""
+        return any(name in header for header in self.headers.values())
 
     def _read(self, name: str, parts: Sequence[OldPart], dest: torch.Tensor, reader: RunReader) -> None:
         """Read ``parts`` of the old rank files into ``dest`` (a contiguous CPU tensor), one run list per file."""
@@ -533,7 +540,8 @@ def open_presharded(checkpoint: Checkpoint, shard_info: ShardInfo) -> ShardsSour
 
 def stored_shape(name: str, shard_info: ShardInfo, part: TensorInfo, n_old: int, checkpoint: Checkpoint) -> TensorInfo:
     """The whole stored tensor a pre-sharded parameter was cut from: the one shape (a dim of its records times
-    N_old) whose steps give each of N_old ranks exactly the records' shape and dtype."""
+    N_old, or less by what padding may add) whose steps give each of N_old ranks exactly the records' shape and
+    dtype; two such shapes (a padded vocabulary: 382 to 384 rows all give 3 records of 128) are refused."""
     specs = shard_info.params.get(name)
     if not specs:
         raise PlanError(
@@ -543,8 +551,11 @@ def stored_shape(name: str, shard_info: ShardInfo, part: TensorInfo, n_old: int,
         )  # fmt: skip
     one = ShardInfo({name: specs}, source=shard_info.source)
     found: list[TensorInfo] = []
-    for d in range(len(part.shape)):
-        shape = tuple(n * n_old if i == d else n for i, n in enumerate(part.shape))
+    candidates = [
+        (d, size) for d, n in enumerate(part.shape) for size in range(n * n_old, max(-1, (n - 1) * n_old), -1)
+    ]
+    for d, size in candidates:
+        shape = tuple(size if i == d else n for i, n in enumerate(part.shape))
         info = TensorInfo(name, part.dtype, shape, checkpoint.root / STORED, 0, prod(shape) * itemsize(part.dtype))
         plan = build_plan(one, Checkpoint(checkpoint.root, checkpoint.root, "safetensors", {name: info}), n_old,
                           strict=False)  # fmt: skip

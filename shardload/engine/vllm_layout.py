@@ -35,7 +35,7 @@ from .output import (
     stamp_sources,
     write_error,
 )
-from .reshard import RECORD_KEY, ShardsSource, open_shards, record_of, shards_verify, source_record
+from .reshard import RECORD_KEY, VALUE_BYTES, ShardsSource, open_shards, record_of, shards_verify, source_record
 from .transfer import reader_for_plan
 from .vllm_plan import (
     FILE_PATTERN,
@@ -270,8 +270,12 @@ def _record(layout: VllmLayout, shards: ShardsSource | None) -> dict[str, Any] |
         return record_of(shards)
     if layout.shard_info is None or layout.plan.checkpoint is None or layout.vocab_plan.checkpoint is None:
         return None
+    held = {part for t in layout.tensors for part in t.parts}
     with reader_for_plan(layout.plan.params.values()) as reader:
         record = source_record(layout.plan, layout.shard_info, reader)
+        for name, p in layout.plan.params.items() if record is not None else ():  # vLLM keeps no such tensor
+            if name not in held and p.source.nbytes <= VALUE_BYTES and p.source.decode is None:
+                record["values"][name] = bytes(reader.tensor(p.source).view(-1).view(_u8()).numpy()).hex()
     if record is not None:
         for name, p in layout.vocab_plan.params.items():
             record["tensors"][name] = [p.source.logical_dtype, list(p.source.shape)]

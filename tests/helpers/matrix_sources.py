@@ -58,3 +58,21 @@ def write_gguf(single: Path, out: Path, shard_info: Path) -> Path:
     writer.close()
     shutil.copy(shard_info, out / "shard_info.json")
     return out / "model.gguf"
+
+
+def write_tvm_presharded(single: Path, out: Path, shard_info: Path, ranks: list[dict[str, torch.Tensor]]) -> Path:
+    """``single`` as a TVM cache pre-sharded for ``len(ranks)`` ranks as MLC-LLM writes one (TVM's own writer):
+    ``NAME_shard-K-of-N`` records holding ``ranks[K-1][NAME]`` for every tensor the ranks hold differently, the
+    others stored whole; ``shard_info`` beside it says how each whole parameter splits."""
+    from tvm.contrib import tvmjs
+
+    n = len(ranks)
+    records = {}
+    for name, full in read_state(single).items():
+        if all(rank[name].shape == full.shape and rank[name].equal(full) for rank in ranks):
+            records[name] = full.numpy()
+        else:
+            records.update({f"{name}_shard-{k + 1}-of-{n}": ranks[k][name].numpy() for k in range(n)})
+    tvmjs.dump_tensor_cache(records, str(out), encode_format="raw", shard_cap_mb=0, show_progress=False)
+    shutil.copy(shard_info, out / "shard_info.json")
+    return out
