@@ -236,3 +236,26 @@ def test_refusals(saved: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
     _refused(save, tmp_path, "model_type 'phi3': reading vLLM's own sharded_state back is supported for")
     shutil.copy(rank_file(save, 0), save / "model-pp-0-tp-0-part-0.safetensors")
     _refused(save, tmp_path, "pipeline-parallel engine")
+
+
+def test_expert_parallel_save_refused(saved: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    """A save made with expert parallelism holds E/N experts per rank file: its shapes agree across ranks, so only
+    config.json's expert count tells it apart; it is refused in one line, never read back as a model of E/N experts
+    (seen loading 29 of 41 tensors, two experts missing, before the check)."""
+    original, _ = saved["mixtral"]
+    ep = fake_vllm_save(original, 2, tmp_path / "ep2", expert_parallel=True)
+    with pytest.raises(ShardloadError, match="expert parallelism") as err:
+        shardload.load_rank(ep, 0, 1)
+    assert "\n" not in str(err.value) and "w13_weight" in str(err.value)
+    _refused(ep, tmp_path, "expert parallelism")
+
+
+def test_load_rank_of_a_save_refuses_params_and_out(saved: dict[str, tuple[Path, Path]]) -> None:
+    """params= and out= are refused on a sharded_state directory rather than ignored (seen returning every tensor,
+    the caller's tensor left unwritten, before the check)."""
+    _, save = saved["llama_gqa"]
+    mine = {"model.norm.weight": torch.full((4,), 7.0)}
+    for kwargs in ({"params": mine, "out": mine}, {"params": ["nope"]}):
+        with pytest.raises(ShardloadError, match="without params or out"):
+            shardload.load_rank(save, 1, 2, **kwargs)  # type: ignore[arg-type]
+    assert torch.equal(mine["model.norm.weight"], torch.full((4,), 7.0))

@@ -421,6 +421,9 @@ def load_rank(
         if mmap or (share_reads is not False and share_reads is not None):
             raise ShardloadError("a sharded_state directory is read in boxes of vLLM's rank files, without "
                                  "share_reads or mmap", file=str(model))  # fmt: skip
+        if params is not None or out is not None:
+            raise ShardloadError("a sharded_state directory is read in boxes of vLLM's rank files, without params "
+                                 "or out (load the rank, then copy)", file=str(model))  # fmt: skip
         return load_ranks(sharded, layout, [rank], [device])[0]
     checkpoint = open_checkpoint(model)
     if type(rank) is not int or not 0 <= rank < layout.world_size:

@@ -157,6 +157,14 @@ def _stored_header(root: Path, config: dict[str, Any], rank0: dict[str, TensorIn
         elif len(pieces) >= 3 and pieces[-2] == EXPERTS_MODULE and pieces[-1] in ("w13_weight", "w2_weight"):
             base = ".".join(pieces[:-2])
             experts = shape[0]
+            total = config.get("num_local_experts", config.get("num_experts"))
+            if type(total) is int and experts != total:  # expert parallelism: each rank holds a slice of experts
+                raise ShardloadError(
+                    f"holds {experts} of the model's {total} experts per rank (saved with expert parallelism): "
+                    "reading such a save back is not supported; convert the original checkpoint",
+                    file=str(info.file),
+                    param=vname,
+                )
             projections = (gate, up) if pieces[-1] == "w13_weight" else (down,)
             rows = shape[1] // len(projections)
             for e in range(experts):

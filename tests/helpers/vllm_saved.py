@@ -13,10 +13,11 @@ from safetensors.torch import load_file, save_file
 from shardload.engine.vllm_layout import convert_vllm
 
 
-def fake_vllm_save(model: Path, num_shards: int, out: Path) -> Path:
-    """Write ``model`` into ``out`` as vLLM's ``save_model`` at TP=``num_shards`` would; return ``out``."""
+def fake_vllm_save(model: Path, num_shards: int, out: Path, expert_parallel: bool = False) -> Path:
+    """Write ``model`` into ``out`` as vLLM's ``save_model`` at TP=``num_shards`` would (with
+    ``enable_expert_parallel`` when ``expert_parallel``); return ``out``."""
     staged = out.parent / f"{out.name}.staged"
-    convert_vllm(model, num_shards, staged)
+    convert_vllm(model, num_shards, staged, expert_parallel=expert_parallel)
     out.mkdir()
     for r in range(num_shards):
         name = f"model-rank-{r}-part-0.safetensors"
