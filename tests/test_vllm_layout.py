@@ -153,13 +153,13 @@ def test_quantized_compressed_tensors_keeps_int8_and_fuses_scales(tmp_path: Path
     assert got[f"{layer}.self_attn.attn.k_zero_point"].tolist() == [0.0]
 
 
-def _column_packed(model: Path, method: str) -> dict[str, torch.Tensor]:
-    """Replace every projection of the checkpoint at ``model`` by random GPTQ or AWQ tensors (groups of 32; their
-    shapes are all a layout needs) and say so in its config; return the new tensors."""
+def _column_packed(model: Path, method: str, packed: tuple[str, ...] = ("proj.weight",)) -> dict[str, torch.Tensor]:
+    """Replace every projection (names ending in ``packed``) of the checkpoint at ``model`` by random GPTQ or AWQ
+    tensors (groups of 32; their shapes are all a layout needs) and say so in its config; return the new tensors."""
     gen = torch.Generator().manual_seed(0)
     state, out = load_file(str(model / "model.safetensors")), {}
     for name, t in state.items():
-        if not name.endswith("proj.weight"):
+        if not name.endswith(packed):
             out[name] = t
             continue
         prefix, (rows, cols) = name.removesuffix(".weight"), t.shape  # [out, in]
@@ -205,6 +205,19 @@ def test_gptq_and_awq_fuse_along_the_output_columns(tmp_path: Path, method: str)
     assert shardload.verify_dir(tmp_path / "out", source=model).ok
     with pytest.raises(CheckpointError, match="of a GPTQ, AWQ or GPT-OSS model"):
         convert_vllm(tmp_path / "out", 1, tmp_path / "again")
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_gptq_and_awq_experts_are_refused(tmp_path: Path, method: str) -> None:
+    """vLLM's GPTQ/AWQ MoE parameters join gate and up along their output columns ([experts, in, 2 x out]), not as
+    stacked rows: --layout vllm refuses such experts in one line rather than write rank files vLLM cannot load."""
+    model, out = tmp_path / "model", tmp_path / "out"
+    build("mixtral", model)
+    _column_packed(model, method, ("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight"))
+    with pytest.raises(ShardloadError, match=f"does not write {method.upper()} experts") as err:
+        convert_vllm(model, 2, out)
+    assert "\n" not in str(err.value) and ".experts." in str(err.value)
+    assert not out.exists()
 
 
 def test_gptq_with_act_order_is_refused(tmp_path: Path) -> None:

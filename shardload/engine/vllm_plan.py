@@ -169,6 +169,13 @@ def plan_layout(
                 param=name,
             )
         if target.expert is not None:
+            if quantized in COLUMN_PACKED and name.endswith(COLUMN_PACKED_TENSORS):
+                raise ShardloadError(  # vLLM's MoE keeps these [experts, in, gate + up out]: not rows stacked
+                    f"--layout vllm does not write {quantized.upper()} experts (vLLM joins their parts along the "
+                    "output columns); serve this one with load_format='shardload'",
+                    file=where,
+                    param=name,
+                )
             stack = stacks.setdefault(target.name, {})
             stack[(target.expert, target.part)] = name
             if len(stack) == experts[target.name] * target.parts:
