@@ -160,8 +160,12 @@ def test_the_cost_decides_between_exact_and_merged_requests(
     for label, env in {"default": "", "cheap requests": "latency=0.0001,bandwidth=1e9"}.items():
         monkeypatch.setenv(objects.COST_ENV, env)
         endpoint.proxy.reset()
-        _equal(shardload.load_rank(uri, 1, 4), want)
+        with shardload.count_reads() as seen:
+            _equal(shardload.load_rank(uri, 1, 4), want)
         gets[label] = _tensor_gets(endpoint.proxy, header)
+        served = sum(s.nbytes for s in gets[label])
+        assert seen.bytes == sum(t.numel() * t.element_size() for t in want.values())  # what the rank uses
+        assert seen.moved == served  # what it fetched, gaps included (seen equal to the used bytes before)
     col = range(info.offset, info.offset + info.nbytes)
     in_col = {k: [s for s in v if s.range[0] in col] for k, v in gets.items()}
     assert len(in_col["default"]) == 1 and len(in_col["cheap requests"]) == 24

@@ -119,7 +119,7 @@ class ObjectReader(local.RunReader):
         else:
             list(self._executor(cost.concurrency).map(fetch, requests))
         if local._count is not None:
-            local._count.add(path, sum(len_l), len(requests))
+            local._count.add(path, sum(len_l), len(requests), sum(r.end - r.start for r in requests))
 
     def close(self) -> None:
         """Stop the request pool."""

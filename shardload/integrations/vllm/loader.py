@@ -199,8 +199,9 @@ def fill_model(
     )
     if checkpoint is None or checkpoint.kind == "converted":
         if experts:
+            what = "a sharded_state directory is read as" if sharded else "a converted directory holds"
             raise ShardloadError(
-                "a converted directory splits every expert by tensor parallelism; with expert parallelism "
+                f"{what} rank tensors that split every expert by tensor parallelism; with expert parallelism "
                 "(enable_expert_parallel) load the source checkpoint",
                 file=where,
             )
