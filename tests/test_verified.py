@@ -463,3 +463,34 @@ def test_vllm_layout_carries_a_record_and_verifies_its_source(split_model: Path,
     with pytest.raises(ShardloadError) as excinfo:
         convert_vllm(model, 2, tmp_path / "bad", verify=True)
     assert "row.weight" in one_line_error(excinfo) and not (tmp_path / "bad").exists()
+
+
+def test_reader_threads_cap_verifying_jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ReadOptions(threads=1)`` caps a verified cold load's hashing jobs at one worker thread (seen running them
+    on five planned-read threads before the cap), and the tensors are those of a plain load."""
+    import os
+    import threading
+
+    from helpers.checkpoints import random_array, write_model
+    from shardload.sources import verified
+
+    rng = np.random.default_rng(0)
+    tensors = {f"t{k}": random_array(rng, (2048, 2048), "float32") for k in range(6)}
+    steps = {k: [["shard_funcs.shard_dim", [None, None], 1, "num_shards"]] for k in tensors}
+    write_model(tmp_path, tensors, {"version": 1, "params": steps})
+    hash_model(tmp_path)
+    names: set[str] = set()
+    original = verified.VerifiedReader.read_runs
+
+    def recorded(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        names.add(threading.current_thread().name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(verified.VerifiedReader, "read_runs", recorded)
+    fd = os.open(tmp_path / "model.safetensors", os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    got = shardload.load_rank(tmp_path, 1, 4, verify=True, read_options=shardload.ReadOptions(threads=1))
+    assert len(names - {"MainThread"}) == 1, names  # one worker thread (the caller may read too)
+    want = shardload.load_rank(tmp_path, 1, 4)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

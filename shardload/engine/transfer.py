@@ -140,7 +140,10 @@ class Transfer:
             fn()
         else:
             if io and self.io_pool is None and self.options.io_depth:
-                self.io_pool = ThreadPoolExecutor(self.options.io_depth, thread_name_prefix="shardload-io")
+                depth = self.options.io_depth
+                if self.deep and self.options.threads is not None:  # verifying jobs hash: threads caps their CPU
+                    depth = min(depth, self.options.threads)
+                self.io_pool = ThreadPoolExecutor(depth, thread_name_prefix="shardload-io")
             pool = self.io_pool if io and self.io_pool is not None else self.pool
             self.futures.append(pool.submit(fn))
 
