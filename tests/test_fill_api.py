@@ -91,10 +91,20 @@ def _bad(plain: dict[str, torch.Tensor]) -> list[tuple[dict[str, object], str]]:
         ({"params": QKV}, "params must be a collection of tensor names"),
         ({"params": [QKV, "x.weight", "y.weight"]}, r"x.weight: params names a tensor .* \(and 1 more\)"),
         ({"out": {QKV: qkv}, "mmap": True}, "params= and out= apply to a rank reading its own tensors; mmap=True"),
+        ({"out": _aliased(plain)}, "out tensor shares memory with "),
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("case", range(11))
+def _aliased(plain: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Two destinations that are views of one buffer, overlapping by one element (seen filled silently, the two
+    reads overwriting each other, before the check)."""
+    qkv, norm = plain[QKV], plain[NORM]
+    buf = torch.empty(qkv.numel() + norm.numel() - 1, dtype=qkv.dtype)
+    assert norm.dtype == qkv.dtype
+    return {QKV: buf[: qkv.numel()].view(qkv.shape), NORM: buf[qkv.numel() - 1 :].view(norm.shape)}
+
+
+@pytest.mark.parametrize("case", range(12))
 def test_bad_destinations_are_one_located_line(example_dir: Path, plain: dict[str, torch.Tensor], case: int) -> None:
     kwargs, says = _bad(plain)[case]
     with pytest.raises(ShardloadError, match=says) as err:

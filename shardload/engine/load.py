@@ -7,6 +7,7 @@ parameters with a compute step are read whole, run through their step functions,
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -129,7 +130,21 @@ class Fill:
                 what = "on the meta device (no memory)" if t.device.type == "meta" else "not contiguous"
                 raise ShardloadError(f"out tensor is {what}; give a contiguous tensor of {want[0]}", file=self.where,
                                      param=name)  # fmt: skip
+        _disjoint(found, self.where)
         return found
+
+
+def _disjoint(tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    """Raise when two of the caller's (contiguous) tensors share memory: their reads would overwrite each other."""
+    spans = sorted(
+        (str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+        for name, t in tensors.items()
+        if t.numel()
+    )
+    for (device, _, end, first), (other, start, _, name) in itertools.pairwise(spans):
+        if device == other and start < end:
+            raise ShardloadError(f"out tensor shares memory with {first}'s; give each tensor its own memory",
+                                 file=where, param=name)  # fmt: skip
 
 
 def default_devices(num_shards: int) -> list[str]:
@@ -388,8 +403,9 @@ def load_rank(
         out (mapping or callable, *optional*):
             Caller-owned tensors to fill in place instead of fresh ones (a server's parameter memory): a mapping
             ``name -> tensor``, or a callable ``(name, shape, dtype) -> tensor or None`` called once per tensor
-            with this rank's shape and torch dtype (None: a fresh tensor). Each must be contiguous, of exactly
-            that shape and dtype; a mismatch, or a name this rank does not read, raises before any byte is read.
+            with this rank's shape and torch dtype (None: a fresh tensor). Each must be contiguous, share no
+            memory with another, and be of exactly that shape and dtype; a mismatch, or a name this rank does not
+            read, raises before any byte is read.
             Not with ``mmap`` or ``share_reads``, nor on a checkpoint read for another N than it was cut for.
             If the load raises later, the destinations' contents are unspecified.
 
