@@ -6,7 +6,9 @@ fused ``qkv_proj``/``gate_up_proj``, stacked experts and padded vocabulary, no m
 config.json (copied beside the files) and rank 0's headers this module rebuilds the original checkpoint's header:
 Hugging Face names, whole shapes and dtypes. :func:`~shardload.engine.vllm_plan.open_vllm_shards` then plans it
 for the directory's own N exactly as ``convert --layout vllm`` would have and checks every rank file against that
-plan, so a wrong guess here is one located line there, never a wrong tensor.
+plan (names, shapes, dtypes), so a wrong guess of the header is one located line there. The files' contents are
+only sampled (:func:`check_contents`): vLLM writes no checksums, so two rank files of one save swapped by name are
+not caught; docs/reshard.md says so.
 """
 
 from __future__ import annotations
