@@ -177,7 +177,8 @@ def load(
     checkpoint against its integrity record (``verify=True``, or the record's root hash to pin it; see
     :func:`hash_checkpoint`). ``progress=True`` draws a
     progress line on stderr when it is a terminal; a callable gets ``(read jobs done, total)`` per stage.
-    ``read_options`` (:class:`ReadOptions`) sets the reader threads.
+    ``read_options`` (:class:`ReadOptions`) tunes how ranks read: strategy, threads, cold-read planning, object-store
+    request cost.
 
     Example::
 

@@ -161,8 +161,8 @@ class ReadStrategy:
 
         Copies out of a mapping beat the kernel's copy out of the page cache even for long runs on a CPU rank, page
         faults included (0.056 s against 0.059 s for ``load_rank(mmap=True)``, rank 3 of 8, medians of 10 in
-        ``benchmarks/run.py``'s setting); on cold storage ``preadv`` of the exact runs reads no byte the rank does
-        not need.
+        ``benchmarks/run.py``'s setting); on cold storage a CPU rank's long runs are read as planned I/O, which may
+        read through short gaps within ``ReadOptions.max_waste`` of the page floor (counted as moved, not used).
         """
         file, at = plan.source.file, plan.source.offset
         if self.filemaps.warm(file):  # the whole file is cached: no probe per parameter
