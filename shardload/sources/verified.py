@@ -97,6 +97,10 @@ class VerifiedReader(RunReader):
         """Whether this reader plans cold reads of local files itself (its jobs then deserve a deep queue)."""
         return self.maps is not None
 
+    def warm(self, path: Any) -> bool:
+        """Whether the local file ``path`` looks cached as a whole (its jobs then copy and hash, and wait on no I/O)."""
+        return self.maps is not None and self.maps.warm(path)
+
     def plan_with(self, model: IoModel | None, max_waste: float) -> None:
         """Plan cold tile reads with ``model`` (None: measured) and a budget of ``max_waste`` over the page floor."""
         self.io_model, self.max_waste = model, max_waste
