@@ -35,6 +35,14 @@ class VerifiedFile:
     starts: Any
     bases: list[int]
     names: Callable[[int, int], list[str]]
+    ends: Any = None
+    """Each region's end (computed once here, not per read)."""
+
+    def __post_init__(self) -> None:
+        import numpy as np
+
+        if self.ends is None:
+            self.ends = np.array([r.end for r in self.hashes.regions], dtype=np.int64)
 
 
 def region_bases(hashes: FileHashes) -> list[int]:
@@ -441,8 +449,7 @@ class VerifiedReader(RunReader):
                 file=str(path),
             )
         ridx = np.searchsorted(entry.starts, src, side="right") - 1
-        region_ends = entry.starts[ridx] + np.array([entry.hashes.regions[i].length for i in ridx.tolist()])
-        if bool((ends > region_ends).any()):  # a run across regions: cut it at each region end
+        if bool((ends > entry.ends[ridx]).any()):  # a run across regions: cut it at each region end
             src, length, buf, dst = _cut(src, length, buf, dst, entry)
             ridx = np.searchsorted(entry.starts, src, side="right") - 1
         order = np.argsort(ridx, kind="stable")
