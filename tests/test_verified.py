@@ -494,3 +494,50 @@ def test_reader_threads_cap_verifying_jobs(tmp_path: Path, monkeypatch: pytest.M
     assert len(names - {"MainThread"}) == 1, names  # one worker thread (the caller may read too)
     want = shardload.load_rank(tmp_path, 1, 4)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_warm_verified_jobs_run_on_the_reader_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verified load of a cached file runs its copy-and-hash jobs on the reader threads (one a core), not on the
+    deeper pool of planned cold reads (seen running them on ``shardload-io`` threads before the change)."""
+    import threading
+
+    from helpers.checkpoints import random_array, write_model
+    from shardload.sources import verified
+
+    rng = np.random.default_rng(0)
+    tensors = {f"t{k}": random_array(rng, (1024, 1024), "float32") for k in range(4)}
+    steps = {k: [["shard_funcs.shard_dim", [None, None], i % 2, "num_shards"]] for i, k in enumerate(tensors)}
+    write_model(tmp_path, tensors, {"version": 1, "params": steps})
+    hash_model(tmp_path)
+    (tmp_path / "model.safetensors").read_bytes()  # cached
+    names: set[str] = set()
+    original = verified.VerifiedReader.read_runs
+
+    def recorded(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        names.add(threading.current_thread().name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(verified.VerifiedReader, "read_runs", recorded)
+    got = shardload.load_rank(tmp_path, 1, 4, verify=True)
+    assert names and not any(n.startswith("shardload-io") for n in names), names
+    want = shardload.load_rank(tmp_path, 1, 4)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize(("name", "row", "col"), [("t0", 300, 8), ("t1", 7, 1024 + 8)])
+def test_warm_verified_jobs_on_the_reader_pool_catch_a_flip(tmp_path: Path, name: str, row: int, col: int) -> None:
+    """A byte flipped in rank 1's part of a row-split (t0) or column-split (t1) tensor of a cached file fails the
+    warm load, whose jobs run on the reader threads, with one line naming the tensor (seen loading the flipped
+    bytes with the tile comparison taken out)."""
+    from helpers.checkpoints import random_array, write_model
+
+    rng = np.random.default_rng(0)
+    tensors = {f"t{k}": random_array(rng, (1024, 1024), "float32") for k in range(2)}
+    steps = {k: [["shard_funcs.shard_dim", [None, None], i, "num_shards"]] for i, k in enumerate(tensors)}
+    write_model(tmp_path / "m", tensors, {"version": 1, "params": steps})
+    hash_model(tmp_path / "m")
+    model = tampered(tmp_path / "m", tmp_path / "bad", offset_of(tmp_path / "m", name, row, col))
+    (model / "model.safetensors").read_bytes()  # cached
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(model, 1, 4, verify=True)
+    assert name in one_line_error(excinfo) and "hash mismatch" in one_line_error(excinfo)

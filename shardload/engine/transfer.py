@@ -400,10 +400,13 @@ class Transfer:
 
     def _start(self, path: Path, offset: int, schedule: ReadSchedule, dests: list[torch.Tensor]) -> None:
         """Submit ``schedule``'s reads of the tensor at ``offset`` of ``path`` into ``dests``."""
+        # a verifying reader's jobs of a cached file only copy and hash: the reader pool (one thread a core) runs
+        # them, since a deep queue of them only switches between threads on the same cores
+        deep = self.deep and not self.reader.warm(path)  # type: ignore[attr-defined]
         for job in schedule.jobs:
             self._submit(
                 lambda r=job: self.reader.read_runs(path, r.src + offset, r.length, r.buf, r.dst, dests, populate=True),
-                io=self.deep,
+                io=deep,
             )
         if schedule.batches:
             staging = self._staging(pin=any(t.device.type == "cuda" for t in dests))

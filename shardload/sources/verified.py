@@ -35,6 +35,14 @@ class VerifiedFile:
     starts: Any
     bases: list[int]
     names: Callable[[int, int], list[str]]
+    ends: Any = None
+    """Each region's end (computed once here, not per read)."""
+
+    def __post_init__(self) -> None:
+        import numpy as np
+
+        if self.ends is None:
+            self.ends = np.array([r.end for r in self.hashes.regions], dtype=np.int64)
 
 
 def region_bases(hashes: FileHashes) -> list[int]:
@@ -96,6 +104,10 @@ class VerifiedReader(RunReader):
     def can_plan(self) -> bool:
         """Whether this reader plans cold reads of local files itself (its jobs then deserve a deep queue)."""
         return self.maps is not None
+
+    def warm(self, path: Any) -> bool:
+        """Whether the local file ``path`` looks cached as a whole (its jobs then copy and hash, and wait on no I/O)."""
+        return self.maps is not None and self.maps.warm(path)
 
     def plan_with(self, model: IoModel | None, max_waste: float) -> None:
         """Plan cold tile reads with ``model`` (None: measured) and a budget of ``max_waste`` over the page floor."""
@@ -437,8 +449,7 @@ class VerifiedReader(RunReader):
                 file=str(path),
             )
         ridx = np.searchsorted(entry.starts, src, side="right") - 1
-        region_ends = entry.starts[ridx] + np.array([entry.hashes.regions[i].length for i in ridx.tolist()])
-        if bool((ends > region_ends).any()):  # a run across regions: cut it at each region end
+        if bool((ends > entry.ends[ridx]).any()):  # a run across regions: cut it at each region end
             src, length, buf, dst = _cut(src, length, buf, dst, entry)
             ridx = np.searchsorted(entry.starts, src, side="right") - 1
         order = np.argsort(ridx, kind="stable")
