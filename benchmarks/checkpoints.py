@@ -31,6 +31,21 @@ MODEL_FILE = "model.safetensors"
 # --- the checkpoint ------------------------------------------------------------------------
 
 
+def drop(path: Path) -> None:
+    """Evict ``path`` from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def read_io() -> int:
+    """Bytes this process has fetched from storage."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+
+
 def make_config(group: int, layers: int, vocab: int, num_shards: int) -> dict[str, Any]:
     """A Llama/Phi-3-shaped config whose every sharded dim divides by ``num_shards``."""
     kv = num_shards * math.ceil(8 / num_shards)

@@ -32,25 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from checkpoints import MODEL_FILE, ensure_checkpoint
+from checkpoints import MODEL_FILE, drop, ensure_checkpoint, read_io
 
 RANK, N = 3, 8
 KINDS = ("seq", "plan", "plan-unbounded", "verify")
-
-
-def drop(path: Path) -> None:
-    """Evict ``path`` from the page cache."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def read_io() -> int:
-    """Bytes this process has fetched from storage."""
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
 
 
 def child(model: str, kind: str) -> None:
