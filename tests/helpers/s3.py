@@ -140,13 +140,9 @@ class FaultyProxy:
         path = urlsplit(h.path).path
         key = unquote(path.split("/", 2)[2]) if path.count("/") >= 2 else ""
         if key in self.faults.forbidden:
-            payload = b"<?xml version='1.0'?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
-            h.send_response(403)
-            h.send_header("Content-Type", "application/xml")
-            h.send_header("Content-Length", str(len(payload)))
-            h.end_headers()
-            if h.command != "HEAD":
-                h.wfile.write(payload)
+            _send_error(
+                h, 403, b"<?xml version='1.0'?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+            )
             return
         rng = _range(h.headers.get("Range"))
         fault = self._fault(h.command, rng)
@@ -160,23 +156,14 @@ class FaultyProxy:
         if fault in ("503", "500"):
             code = "SlowDown" if fault == "503" else "InternalError"
             payload = f"<?xml version='1.0'?><Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
-            h.send_response(int(fault))
-            h.send_header("Content-Type", "application/xml")
-            h.send_header("Content-Length", str(len(payload)))
-            h.end_headers()
-            h.wfile.write(payload)
+            _send_error(h, int(fault), payload, body_on_head=True)
             return
         if fault == "redirect":
             payload = (
                 b"<?xml version='1.0'?><Error><Code>PermanentRedirect</Code><Message>The bucket you are attempting "
                 b"to access must be addressed using the specified endpoint.</Message></Error>"
             )
-            h.send_response(301)
-            h.send_header("Content-Type", "application/xml")
-            h.send_header("Content-Length", str(len(payload)))
-            h.end_headers()
-            if h.command != "HEAD":
-                h.wfile.write(payload)
+            _send_error(h, 301, payload)
             return
         drop = ("connection", "range") if fault == "whole" else ("connection",)
         conn = self._upstream()
@@ -341,3 +328,13 @@ def use_endpoint(monkeypatch: Any, url: str, tmp: Path) -> None:
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(name, raising=False)
     forget_stores()
+
+
+def _send_error(h: Any, status: int, payload: bytes, body_on_head: bool = False) -> None:
+    """Answer the request ``h`` with an S3-style XML error ``payload`` (no body to a HEAD unless ``body_on_head``)."""
+    h.send_response(status)
+    h.send_header("Content-Type", "application/xml")
+    h.send_header("Content-Length", str(len(payload)))
+    h.end_headers()
+    if body_on_head or h.command != "HEAD":
+        h.wfile.write(payload)
