@@ -551,12 +551,30 @@ class Mappings:
             self._maps.clear()
 
 
+def _faulted_in(start: int, end: int) -> bool:
+    """Whether the page-aligned range ``[start, end)`` of this process's memory looks faulted in already: its
+    first, middle and last pages are resident (``mincore``). Memory a caller filled before (a model loaded
+    again into its parameters) is; fresh memory is not, and asking costs three calls where populating pages
+    already there costs a page-table walk per page."""
+    if _MINCORE is None:
+        return False
+    vec = (ctypes.c_ubyte * 1)()
+    last = end - PAGE
+    for page in (start, start + (last - start) // PAGE // 2 * PAGE, last):
+        if _MINCORE(page, PAGE, vec) != 0 or not vec[0] & 1:
+            return False
+    return True
+
+
 def populate(address: int, nbytes: int) -> None:
-    """Fault in the whole pages inside ``[address, address + nbytes)`` of fresh memory in one call (best effort)."""
+    """Fault in the whole pages inside ``[address, address + nbytes)`` of fresh memory in one call (best effort;
+    nothing where they look faulted in already)."""
     global _POPULATE
     start = -(-address // PAGE) * PAGE
     end = (address + nbytes) // PAGE * PAGE
-    if _POPULATE and _MADVISE is not None and end > start and _MADVISE(start, end - start, MADV_POPULATE_WRITE) != 0:
+    if not _POPULATE or _MADVISE is None or end <= start or _faulted_in(start, end):
+        return
+    if _MADVISE(start, end - start, MADV_POPULATE_WRITE) != 0:
         _POPULATE = False  # an older kernel: let the copy fault pages in
 
 
@@ -575,7 +593,7 @@ def populate_runs(ptrs: np.ndarray, buf: np.ndarray, dst: np.ndarray, length: np
     for b in np.flatnonzero(hi > lo).tolist():
         start = -(-(int(ptrs[b]) + int(lo[b])) // PAGE) * PAGE
         end = (int(ptrs[b]) + int(hi[b])) // PAGE * PAGE
-        if end > start and _MADVISE(start, end - start, MADV_POPULATE_WRITE) != 0:
+        if end > start and not _faulted_in(start, end) and _MADVISE(start, end - start, MADV_POPULATE_WRITE) != 0:
             _POPULATE = False  # an older kernel: let the copy fault pages in
             return
 
