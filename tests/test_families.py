@@ -154,3 +154,38 @@ def test_gpt_oss_splits_its_stacked_experts_by_output(tmp_path: Path) -> None:
         for whole in ("mlp.experts.down_proj_bias", "mlp.router.weight"):
             np.testing.assert_array_equal(got[p + whole], full[p + whole])
         np.testing.assert_array_equal(got[p + "self_attn.sinks"], full[p + "self_attn.sinks"][2 * r : 2 * r + 2])
+
+
+def _longest_pattern(path: str, patterns: list[str]) -> str | None:
+    """Reference for preset matching, written out plainly: every pattern tried, digits starred on both sides,
+    the longest that the path equals or ends with at a dot boundary (the first of equally long ones)."""
+
+    def star(text: str) -> str:
+        return ".".join("*" if part.isdigit() else part for part in text.split("."))
+
+    best = None
+    for pattern in patterns:
+        p = star(pattern)
+        if (star(path) == p or star(path).endswith("." + p)) and (best is None or len(p) > len(star(best))):
+            best = pattern
+    return best
+
+
+def test_preset_matching_agrees_with_trying_every_pattern() -> None:
+    from shardload.models import presets
+
+    rng = np.random.default_rng(0)
+    checked = 0
+    for model_type in families.model_types():
+        family = family_for(model_type)
+        for roles in (family.roles, family.gguf_roles or {}):
+            patterns = list(roles)
+            starred = presets._starred(patterns)
+            words = sorted({w for p in patterns for w in p.split(".")} | {"model", "3", "12", "weight", "bias"})
+            paths = [f"{prefix}{p.replace('*', '7')}{suffix}" for p in patterns
+                     for prefix in ("", "model.", "model.layers.5.") for suffix in ("", ".weight")]  # fmt: skip
+            paths += [".".join(rng.choice(words, size=rng.integers(1, 7)).tolist()) for _ in range(300)]
+            for path in paths:
+                assert presets._match(path, starred) == _longest_pattern(path, patterns), (model_type, path)
+                checked += 1
+    assert checked > 1000

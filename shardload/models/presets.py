@@ -21,15 +21,23 @@ def _star(path: str) -> str:
     return ".".join("*" if part.isascii() and part.isdigit() else part for part in path.split("."))
 
 
-def _match(path: str, patterns: Iterable[str]) -> str | None:
-    """The longest pattern that ``path`` (digits starred) equals or ends with at a dot boundary."""
-    starred = _star(path)
-    best = None
+def _match(path: str, patterns: Mapping[str, str]) -> str | None:
+    """The pattern whose starred form ``path`` (digits starred) equals or ends with at a dot boundary, the longest
+    one where several do. ``patterns`` maps each starred form to its pattern (see :func:`_starred`)."""
+    parts = _star(path).split(".")
+    for i in range(len(parts)):  # longest suffix first
+        pattern = patterns.get(".".join(parts[i:]))
+        if pattern is not None:
+            return pattern
+    return None
+
+
+def _starred(patterns: Iterable[str]) -> dict[str, str]:
+    """Each pattern's starred form mapped to the pattern (the first of patterns that star alike)."""
+    out: dict[str, str] = {}
     for pattern in patterns:
-        p = _star(pattern)
-        if (starred == p or starred.endswith("." + p)) and (best is None or len(p) > len(_star(best))):
-            best = pattern
-    return best
+        out.setdefault(_star(pattern), pattern)
+    return out
 
 
 def _targets(tensors: Mapping[str, TensorHeader], patterns: Iterable[str]) -> Iterable[tuple[str, str, str | None]]:
@@ -39,14 +47,14 @@ def _targets(tensors: Mapping[str, TensorHeader], patterns: Iterable[str]) -> It
     a module, whose ``weight`` and ``bias`` it covers (a quantized module's logical ``weight`` too,
     in :func:`shardload.models.stored_layouts.logical_tensors`).
     """
-    patterns = list(patterns)
+    starred = _starred(patterns)
     for name in tensors:
-        whole = _match(name, patterns)
+        whole = _match(name, starred)
         if whole is not None:
             yield name, whole, None
             continue
         module, _, param = name.rpartition(".")
-        pattern = _match(module, patterns) if module and param in ("weight", "bias") else None
+        pattern = _match(module, starred) if module and param in ("weight", "bias") else None
         if pattern is not None:
             yield name, pattern, param
 
