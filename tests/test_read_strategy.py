@@ -125,9 +125,10 @@ def _read_bytes() -> int | None:
     return int(next(line.split()[1] for line in text.splitlines() if line.startswith("read_bytes:")))
 
 
-def test_auto_warm_copies_every_piece_out_of_the_mapping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Page cache warm: the dim-0 shard, the column slice and a replicated tensor are all copied out of the mapping
-    (no read call), every byte counted once, and no cold-storage hint is given."""
+def test_auto_warm_copies_short_pieces_out_of_the_mapping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Page cache warm: the dim-0 shard (256 KiB) and the column slice are copied out of the mapping (no read
+    call), a replicated 1 MiB tensor (one run of ``CACHED_READ_RUN``) is read in one call; every byte counted once,
+    and no cold-storage hint is given."""
     model, rows, cols = _two_kinds(tmp_path / "m")
     (model / "model.safetensors").read_bytes()  # warm
     seen = _spy(monkeypatch)
@@ -137,12 +138,47 @@ def test_auto_warm_copies_every_piece_out_of_the_mapping(tmp_path: Path, monkeyp
             got = shardload.load_rank(model, r, 4, shard_info=only_rows)
         np.testing.assert_array_equal(got["rows"].numpy(), rows[128 * r : 128 * (r + 1)])
         np.testing.assert_array_equal(got["cols"].numpy(), cols)  # replicated under this shard_info
-        assert rows_read.bytes == rows.nbytes // 4 + cols.nbytes and rows_read.calls == 0
+        assert rows_read.bytes == rows.nbytes // 4 + cols.nbytes and rows_read.calls == 1
         with count_reads() as both:
             got = shardload.load_rank(model, r, 4)
         np.testing.assert_array_equal(got["rows"].numpy(), rows[128 * r : 128 * (r + 1)])
         np.testing.assert_array_equal(got["cols"].numpy(), cols[:, 256 * r : 256 * (r + 1)])
         assert both.bytes == (rows.nbytes + cols.nbytes) // 4 and both.calls == 0
+    assert seen == {"prefetch": [], "no_readahead": []}
+
+
+def test_auto_warm_reads_long_runs_and_maps_short_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Page cache warm: a dim-0 shard of at least ``CACHED_READ_RUN`` bytes per rank is read with ``preadv`` (no
+    mapping to fault in), a column slice (2 KiB runs) is still copied out of the mapping; both exact, every byte
+    counted once, and no cold-storage hint given."""
+    from shardload.engine.read_strategy import CACHED_READ_RUN
+
+    rng = np.random.default_rng(2)
+    rows = rng.standard_normal((4 * CACHED_READ_RUN // 4096, 1024)).astype(np.float32)  # 1 MiB a rank at N=4
+    cols = rng.standard_normal((256, 2048)).astype(np.float32)
+    info = {
+        "rows": [["shard_funcs.shard_dim", [[4, rows.shape[0] // 4, 1024], "float32"], 0, 4]],
+        "cols": [["shard_funcs.shard_dim", [[4, 256, 512], "float32"], 1, 4]],
+    }
+    model = write_model(tmp_path / "m", {"rows": rows, "cols": cols}, info)
+    (model / "model.safetensors").read_bytes()  # warm
+    seen = _spy(monkeypatch)
+    quarter = rows.shape[0] // 4
+    for r in range(4):
+        only_cols = {"version": 1, "params": {"cols": info["cols"]}}
+        with count_reads() as mapped:
+            got = shardload.load_rank(model, r, 4, shard_info=only_cols)  # rows replicated: one 4 MiB run, read
+        np.testing.assert_array_equal(got["cols"].numpy(), cols[:, 512 * r : 512 * (r + 1)])
+        np.testing.assert_array_equal(got["rows"].numpy(), rows)
+        assert mapped.bytes == rows.nbytes + cols.nbytes // 4 and mapped.calls > 0
+        with count_reads() as cols_only:
+            got = shardload.load_rank(model, r, 4, params=["cols"])
+        np.testing.assert_array_equal(got["cols"].numpy(), cols[:, 512 * r : 512 * (r + 1)])
+        assert cols_only.bytes == cols.nbytes // 4 and cols_only.calls == 0  # short runs: mapped, no read call
+        with count_reads() as both:
+            got = shardload.load_rank(model, r, 4)
+        np.testing.assert_array_equal(got["rows"].numpy(), rows[quarter * r : quarter * (r + 1)])
+        assert both.bytes == (rows.nbytes + cols.nbytes) // 4 and both.calls > 0
     assert seen == {"prefetch": [], "no_readahead": []}
 
 

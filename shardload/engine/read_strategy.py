@@ -33,6 +33,12 @@ STAGED_MAP_RUN = 256 << 10
 """A GPU rank copies out of a mapping (when cached) only if its runs average under this many bytes; longer runs
 are read with ``preadv`` into the pinned buffers (measured on an H100 host: whole tensors 0.053 s by ``preadv``
 against 0.079 s through the mapping, column slices 0.050 s against 0.305 s)."""
+CACHED_READ_RUN = 1 << 20
+"""A CPU rank reads cached runs averaging at least this many bytes with ``preadv`` (the kernel's copy out of the
+page cache) instead of copying them out of a mapping: no file pages to fault in and tear down, which on a vLLM
+model loaded again into its parameters was as much CPU as the copy itself (warm reload at TP=2: 0.054 s against
+0.063 s; fresh destinations measured the same either way). Shorter runs (column slices) stay mapped: ``preadv``
+would pay a call per row."""
 
 IO_DEPTH = 8
 """Planned cold reads a single rank keeps in flight by default (threads blocked on storage use no CPU)."""
@@ -156,13 +162,12 @@ class ReadStrategy:
         return RunSpans.of(runs)
 
     def _by_page_cache(self, plan: ParamPlan, spans: RunSpans, direct: bool) -> Way:
-        """``auto`` for one parameter: copy out of the mapping what is cached (and short runs from cold storage,
-        their pages requested first); read long runs from cold storage, and on a GPU long runs whatever the cache.
+        """``auto`` for one parameter: copy short cached runs out of the mapping (and short runs from cold
+        storage, their pages requested first); read long cached runs with ``preadv`` (:data:`CACHED_READ_RUN`), long
+        runs from cold storage as planned I/O, and on a GPU long runs whatever the cache.
 
-        Copies out of a mapping beat the kernel's copy out of the page cache even for long runs on a CPU rank, page
-        faults included (0.056 s against 0.059 s for ``load_rank(mmap=True)``, rank 3 of 8, medians of 10 in
-        ``benchmarks/run.py``'s setting); on cold storage a CPU rank's long runs are read as planned I/O, which may
-        read through short gaps within ``ReadOptions.max_waste`` of the page floor (counted as moved, not used).
+        Planned I/O may read through short gaps within ``ReadOptions.max_waste`` of the page floor (counted as
+        moved, not used).
         """
         file, at = plan.source.file, plan.source.offset
         if self.filemaps.warm(file):  # the whole file is cached: no probe per parameter
@@ -177,6 +182,8 @@ class ReadStrategy:
             return Way.READ
         if resident is None:
             return Way.READ
+        if direct and resident >= RESIDENT_ENOUGH and spans.mean_run >= CACHED_READ_RUN:
+            return Way.READ  # long cached runs: the kernel's copy, no mapping to fault in and tear down
         if resident < RESIDENT_ENOUGH:  # cold: the pages holding the rank's bytes, read as planned I/O
             if direct:
                 return Way.PLAN
