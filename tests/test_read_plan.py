@@ -145,10 +145,23 @@ def test_io_model_is_measured_once_per_device(tmp_path: Path, monkeypatch: pytes
     assert io_model_module.io_model(tmp_path / "missing") == io_model_module.FALLBACK
 
 
+def test_a_small_first_file_does_not_fix_the_device_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first cold file too small to time gets the defaults for itself only: the next, larger file of the same
+    device is measured, and its model kept."""
+    monkeypatch.setattr(io_model_module, "_models", {})
+    small, big = tmp_path / "small", tmp_path / "big"
+    small.write_bytes(b"\0" * P)
+    big.write_bytes(np.random.default_rng(1).integers(0, 256, 9 << 20, dtype=np.uint8).tobytes())
+    assert io_model_module.io_model(small) == io_model_module.FALLBACK
+    measured = io_model_module.io_model(big)
+    assert measured is not io_model_module.FALLBACK and measured.bandwidth > 0
+    assert io_model_module.io_model(small) is measured  # the device's model from now on
+
+
 def test_measure_times_a_real_file(tmp_path: Path) -> None:
     small = tmp_path / "small"
     small.write_bytes(b"\0" * P)
-    assert io_model_module.measure(small) == io_model_module.FALLBACK
+    assert io_model_module.measure(small) is None
     big = tmp_path / "big"
     big.write_bytes(np.random.default_rng(0).integers(0, 256, 9 << 20, dtype=np.uint8).tobytes())
     model = io_model_module.measure(big)

@@ -34,14 +34,17 @@ def io_model(path: Path) -> IoModel:
         with _lock:
             model = _models.get(device)
             if model is None:
-                model = _models[device] = measure(path)
+                model = measure(path)
+                if model is None:  # too small a file to time: a later, larger one of this device is measured
+                    return FALLBACK
+                _models[device] = model
     return model
 
 
-def measure(path: Path) -> IoModel:
+def measure(path: Path) -> IoModel | None:
     """Time :data:`PROBE_PAGES` pages requested together and one read of :data:`PROBE_BYTES`, both from the middle
     half of ``path`` (pages the load may read anyway; a cached page makes a request look cheaper, never dearer
-    than the device, so the model errs towards fewer merged bytes)."""
+    than the device, so the model errs towards fewer merged bytes). None where ``path`` is too small to time."""
     if not hasattr(os, "posix_fadvise"):
         return FALLBACK
     try:
@@ -51,7 +54,7 @@ def measure(path: Path) -> IoModel:
     try:
         size = os.fstat(fd).st_size
         if size < 4 * PROBE_BYTES:
-            return FALLBACK
+            return None
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # exactly the bytes asked for
         lo = size // 4 // PAGE * PAGE
         step = (size // 2 - PROBE_BYTES) // PROBE_PAGES // PAGE * PAGE
