@@ -490,9 +490,9 @@ def report(summaries: dict[tuple[str, int], Summary], need: dict[int, list[Need]
         base = summaries.get(("auto", tp))
         for fmt in formats:
             s = summaries[(fmt, tp)]
-            rows.append([str(tp), f"`{fmt}`", f"{s.cold_s:.2f} s", f"{s.cold_cpu_s:.2f} s",
-                         f"{s.cold_s / base.cold_s:.2f}x" if base else "-", f"{s.warm_s:.2f} s",
-                         f"{s.warm_cpu_s:.2f} s", f"{s.warm_s / base.warm_s:.2f}x" if base else "-",
+            rows.append([str(tp), f"`{fmt}`", f"{s.cold_s:.3f} s", f"{s.cold_cpu_s:.3f} s",
+                         f"{s.cold_s / base.cold_s:.2f}x" if base else "-", f"{s.warm_s:.3f} s",
+                         f"{s.warm_cpu_s:.3f} s", f"{s.warm_s / base.warm_s:.2f}x" if base else "-",
                          mib(s.read_max), f"{s.x_needed:.2f}x",
                     f"{s.x_pages:.2f}x" if fmt != "sharded_state" else "-", f"{s.x_floor:.2f}x",
                          mib(s.rchar_max)])  # fmt: skip
