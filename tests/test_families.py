@@ -189,3 +189,8 @@ def test_preset_matching_agrees_with_trying_every_pattern() -> None:
                 assert presets._match(path, starred) == _longest_pattern(path, patterns), (model_type, path)
                 checked += 1
     assert checked > 1000
+    alike = ["a.*.b", "a.3.b", "b"]  # the first two star alike: the first one wins, as with every pattern tried
+    starred = presets._starred(alike)
+    for path in ("x.a.3.b", "a.7.b", "c.b", "b", "a.b"):
+        assert presets._match(path, starred) == _longest_pattern(path, alike), path
+    assert presets._match("x.a.3.b", starred) == "a.*.b"

@@ -80,3 +80,23 @@ def test_populate_asks_only_for_memory_not_faulted_in(monkeypatch):
     at = ctypes.addressof(ctypes.c_char.from_buffer(half))
     reader.populate_runs(np.array([at], dtype=np.uint64), np.array([0]), np.array([0]), np.array([len(half)]))
     assert kernel.calls == [(at, 64 * page, reader.MADV_POPULATE_WRITE)]
+
+    kernel.calls.clear()
+    hole = mmap.mmap(-1, 64 * page)  # every page written but a stretch in the middle: still asks
+    for k in range(64):
+        if not 24 <= k < 40:
+            hole[k * page] = 3
+    at = ctypes.addressof(ctypes.c_char.from_buffer(hole))
+    reader.populate(at, len(hole))
+    assert kernel.calls == [(at, 64 * page, reader.MADV_POPULATE_WRITE)]
+
+    kernel.calls.clear()
+    one = mmap.mmap(-1, 2 * page)  # one whole page inside an unaligned range: asked about alone
+    at = ctypes.addressof(ctypes.c_char.from_buffer(one))
+    reader.populate(at + 100, 2 * page - 100)  # covers page 1 whole only
+    assert kernel.calls == [(at + page, page, reader.MADV_POPULATE_WRITE)]
+    one[page] = 4
+    kernel.calls.clear()
+    reader.populate(at + 100, 2 * page - 100)
+    reader.populate(at + 100, page)  # no whole page inside: nothing to ask
+    assert kernel.calls == []

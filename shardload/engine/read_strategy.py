@@ -36,9 +36,9 @@ against 0.079 s through the mapping, column slices 0.050 s against 0.305 s)."""
 CACHED_READ_RUN = 1 << 20
 """A CPU rank reads cached runs averaging at least this many bytes with ``preadv`` (the kernel's copy out of the
 page cache) instead of copying them out of a mapping: no file pages to fault in and tear down, which on a vLLM
-model loaded again into its parameters was as much CPU as the copy itself (warm reload at TP=2: 0.054 s against
-0.063 s; fresh destinations measured the same either way). Shorter runs (column slices) stay mapped: ``preadv``
-would pay a call per row."""
+model loaded again into its parameters was as much CPU as the copy itself (docs/benchmarks.md, "After this round's
+warm-path changes"; fresh destinations measured the same either way). Shorter runs (column slices) stay mapped:
+``preadv`` would pay a call per row."""
 
 IO_DEPTH = 8
 """Planned cold reads a single rank keeps in flight by default (threads blocked on storage use no CPU)."""

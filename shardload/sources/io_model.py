@@ -1,5 +1,6 @@
 """The :class:`~shardload.sources.read_plan.IoModel` of a local file system, measured once per device and process on
-the first cold file read from it: what one more request costs at depth, and what a long read delivers."""
+the first cold file of it large enough to time (:data:`PROBE_BYTES` x 4): what one more request costs at depth, and
+what a long read delivers. Smaller files before it are planned with :data:`FALLBACK`."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ _lock = threading.Lock()
 
 
 def io_model(path: Path) -> IoModel:
-    """The I/O model of the file system holding ``path``: measured on ``path`` the first time its device is asked
-    about in this process, then kept."""
+    """The I/O model of the file system holding ``path``: measured on the first file of its device large enough to
+    time in this process, then kept (:data:`FALLBACK` for a smaller file before it, not kept)."""
     try:
         device = os.stat(path).st_dev
     except OSError:

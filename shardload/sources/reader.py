@@ -555,7 +555,9 @@ def _faulted_in(start: int, end: int) -> bool:
     """Whether the page-aligned range ``[start, end)`` of this process's memory looks faulted in already: its
     first, middle and last pages are resident (``mincore``). Memory a caller filled before (a model loaded
     again into its parameters) is; fresh memory is not, and asking costs three calls where populating pages
-    already there costs a page-table walk per page."""
+    already there costs a page-table walk per page. Resident is not always writable (the shared zero page of
+    memory only read, copy-on-write pages after a fork) and three pages are a sample: a wrong guess costs the
+    copy its page faults, never a byte."""
     if _MINCORE is None:
         return False
     vec = (ctypes.c_ubyte * 1)()
