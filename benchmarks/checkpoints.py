@@ -46,6 +46,26 @@ def read_io() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
 
 
+def covering_chunks(plan: Any, rank: int, unit: int) -> tuple[int, set[int]]:
+    """Rank ``rank``'s bytes under ``plan`` (a tensor without byte runs, one a compute step needs whole, counts
+    whole), and the indices of the ``unit``-byte chunks of the file holding them: with ``unit`` the page size,
+    its page floor (a page shared with another rank's bytes is read whole)."""
+    from shardload.planning.runs import param_runs
+
+    own, chunks = 0, set()
+    for p in plan.params.values():
+        runs = param_runs(p, [rank])
+        if runs is None:
+            first, last = np.array([p.source.offset]), np.array([p.source.offset + p.source.nbytes - 1])
+            own += p.source.nbytes
+        else:
+            first, last = runs.src, runs.src + runs.length - 1
+            own += int(runs.length.sum())
+        for a, b in zip((first // unit).tolist(), (last // unit).tolist(), strict=True):
+            chunks.update(range(a, b + 1))
+    return own, chunks
+
+
 def make_config(group: int, layers: int, vocab: int, num_shards: int) -> dict[str, Any]:
     """A Llama/Phi-3-shaped config whose every sharded dim divides by ``num_shards``."""
     kv = num_shards * math.ceil(8 / num_shards)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from checkpoints import MODEL_FILE, drop, ensure_checkpoint, read_io
+from checkpoints import MODEL_FILE, covering_chunks, drop, ensure_checkpoint, read_io
 
 RANK, N = 3, 8
 KINDS = ("seq", "plan", "plan-unbounded", "verify", "pages")
@@ -126,24 +126,9 @@ def page_floor(model: Path) -> tuple[int, int]:
 
 def rank_pages(model: Path) -> tuple[int, set[int]]:
     """The rank's bytes, and the indices of the file pages holding them."""
-    import numpy as np
-
     import shardload
-    from shardload.planning.runs import param_runs
 
-    plan = shardload.plan_model(model, N)
-    own, pages = 0, set()
-    for p in plan.params.values():
-        runs = param_runs(p, [RANK])
-        if runs is None:
-            first, last = np.array([p.source.offset]), np.array([p.source.offset + p.source.nbytes - 1])
-            own += p.source.nbytes
-        else:
-            first, last = runs.src, runs.src + runs.length - 1
-            own += int(runs.length.sum())
-        for a, b in zip((first // mmap.PAGESIZE).tolist(), (last // mmap.PAGESIZE).tolist(), strict=True):
-            pages.update(range(a, b + 1))
-    return own, pages
+    return covering_chunks(shardload.plan_model(model, N), RANK, mmap.PAGESIZE)
 
 
 def main() -> int:

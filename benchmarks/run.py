@@ -67,7 +67,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from checkpoints import MODEL_FILE, checkpoint_nbytes, ensure_checkpoint, ensure_hf_llama, remove, tensor_specs
+from checkpoints import (
+    MODEL_FILE,
+    checkpoint_nbytes,
+    covering_chunks,
+    ensure_checkpoint,
+    ensure_hf_llama,
+    remove,
+    tensor_specs,
+)
 
 import shardload
 from shardload.cli.report import format_table, human_bytes
@@ -496,20 +504,7 @@ def child_slice(kind: str, model: str, rank: str, num_shards: str, cold: str) ->
 def _pages_touched(plan: Any, rank: int) -> int:
     """How many file pages hold at least one byte ``rank`` needs: the least a cold read can fetch from storage
     (a page shared with another rank's bytes is read whole)."""
-    import numpy as np
-
-    from shardload.planning.runs import param_runs
-
-    pages: set[int] = set()
-    for p in plan.params.values():
-        runs = param_runs(p, [rank])
-        if runs is None:
-            first, last = np.array([p.source.offset]), np.array([p.source.offset + p.source.nbytes - 1])
-        else:
-            first, last = runs.src, runs.src + runs.length - 1
-        for a, b in zip((first // mmap.PAGESIZE).tolist(), (last // mmap.PAGESIZE).tolist(), strict=True):
-            pages.update(range(a, b + 1))
-    return len(pages)
+    return len(covering_chunks(plan, rank, mmap.PAGESIZE)[1])
 
 
 def rows_slices(model: Path, n: int, repeats: int) -> tuple[list[Row], dict[str, list[float]]]:

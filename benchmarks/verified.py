@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from checkpoints import MODEL_FILE, drop, ensure_checkpoint, read_io
+from checkpoints import MODEL_FILE, covering_chunks, drop, ensure_checkpoint, read_io
 
 RANK, N = 3, 8
 
@@ -70,24 +70,9 @@ def measure(model: Path, cold: bool, repeats: int) -> dict[str, dict[str, float]
 
 def linear_leaf_bytes(model: Path, leaf: int = 64 << 10) -> tuple[int, int]:
     """Bytes rank 3 of 8 needs, and the bytes of the file-linear ``leaf``-byte chunks covering them."""
-    import numpy as np
-
     import shardload
-    from shardload.planning.runs import param_runs
 
-    plan = shardload.plan_model(model, N)
-    own = 0
-    chunks: set[int] = set()
-    for p in plan.params.values():
-        runs = param_runs(p, [RANK])
-        if runs is None:
-            first, last = np.array([p.source.offset]), np.array([p.source.offset + p.source.nbytes - 1])
-            own += p.source.nbytes
-        else:
-            first, last = runs.src, runs.src + runs.length - 1
-            own += int(runs.length.sum())
-        for a, b in zip((first // leaf).tolist(), (last // leaf).tolist(), strict=True):
-            chunks.update(range(a, b + 1))
+    own, chunks = covering_chunks(shardload.plan_model(model, N), RANK, leaf)
     return own, len(chunks) * leaf
 
 

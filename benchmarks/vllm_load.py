@@ -130,33 +130,18 @@ def make_model(out: Path, size_gib: float) -> None:
 def needs(model: Path, num_shards: int) -> list[Need]:
     """Per rank: the bytes of the source file it must read (its runs; a tensor a compute step needs whole counts
     whole) and the bytes of the file pages holding them (a page shared with another rank's bytes is read whole)."""
-    import numpy as np
+    from checkpoints import covering_chunks
 
     from shardload.models.plan_source import plan_shard_info
     from shardload.planning.plan import build_plan
-    from shardload.planning.runs import param_runs
     from shardload.sources.checkpoint import open_checkpoint
 
     checkpoint = open_checkpoint(model)
     plan = build_plan(plan_shard_info(checkpoint, None)[0], checkpoint, num_shards)
-    page = mmap.PAGESIZE
     out = []
     for rank in range(num_shards):
-        starts, ends = [], []
-        for param in plan.params.values():
-            runs = param_runs(param, [rank])
-            if runs is None:
-                starts.append(np.array([param.source.offset]))
-                ends.append(np.array([param.source.offset + param.source.nbytes]))
-            else:
-                starts.append(runs.src)
-                ends.append(runs.src + runs.length)
-        first, end = np.concatenate(starts), np.concatenate(ends)
-        used = int((end - first).sum())
-        pages = np.zeros(int(end.max()) // page + 1, dtype=bool)
-        for a, b in zip((first // page).tolist(), ((end - 1) // page).tolist(), strict=True):
-            pages[a : b + 1] = True
-        out.append(Need(used=used, pages=int(pages.sum()) * page))
+        used, pages = covering_chunks(plan, rank, mmap.PAGESIZE)
+        out.append(Need(used=used, pages=len(pages) * mmap.PAGESIZE))
     return out
 
 
