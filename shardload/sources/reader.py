@@ -16,7 +16,7 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -434,14 +434,9 @@ class FileMaps:
         if data is None or _MINCORE is None or not offsets or end > len(data):
             return None
         base = data.data_ptr()
-        pages = {(base + offset) // PAGE for offset in offsets}  # a small tensor's probes share one or two pages
-        vec = (ctypes.c_ubyte * 1)()
-        cached = 0
-        for page in pages:
-            if _MINCORE(page * PAGE, PAGE, vec) != 0:
-                return None
-            cached += vec[0] & 1
-        return cached / len(pages)
+        pages = {(base + offset) // PAGE * PAGE for offset in offsets}  # a small tensor's probes share a page or two
+        cached = _resident_pages(pages)
+        return None if cached is None else cached / len(pages)
 
     def no_readahead(self, path: Path, start: int, end: int) -> None:
         """Ask the kernel to read just the faulted page of this range (best effort): for sparse pieces of a
@@ -558,14 +553,23 @@ def _faulted_in(start: int, end: int) -> bool:
     already there costs a page-table walk per page. Resident is not always writable (the shared zero page of
     memory only read, copy-on-write pages after a fork) and three pages are a sample: a wrong guess costs the
     copy its page faults, never a byte."""
-    if _MINCORE is None:
-        return False
-    vec = (ctypes.c_ubyte * 1)()
     last = end - PAGE
-    for page in (start, start + (last - start) // PAGE // 2 * PAGE, last):
-        if _MINCORE(page, PAGE, vec) != 0 or not vec[0] & 1:
-            return False
-    return True
+    probes = {start, start + (last - start) // PAGE // 2 * PAGE, last}
+    return _resident_pages(probes) == len(probes)
+
+
+def _resident_pages(pages: Iterable[int]) -> int | None:
+    """How many of the page-aligned addresses ``pages`` of this process are resident (``mincore``, one page a
+    call); None where the kernel cannot say."""
+    if _MINCORE is None:
+        return None
+    vec = (ctypes.c_ubyte * 1)()
+    count = 0
+    for page in pages:
+        if _MINCORE(page, PAGE, vec) != 0:
+            return None
+        count += vec[0] & 1
+    return count
 
 
 def populate(address: int, nbytes: int) -> None:
