@@ -8,6 +8,10 @@ alternating), warm and cold.
   CPU seconds of all threads beside it: steadier than wall time on a shared machine.
 - ``shardload hash`` throughput against ``cat FILE > /dev/null``, both cold. Target: >= 0.8x.
 - record size against 0.1% of the checkpoint + 16 KiB.
+- the hashes alone: the bytes a warm verified load hashed, in as many pieces, hashed in a fresh process by as many
+  threads as a load reads with, from memory; and the least a warm verified load could take on this machine given
+  them, were they fitted perfectly into the CPU time the plain load leaves idle: max(plain seconds, (plain CPU
+  seconds + the hashes' CPU seconds) / cores). A bound, not a target: the rest of verify's cost is above it.
 - what file-linear 64 KiB leaves would read for the same rank (computed from the rank's byte runs), the layout the
   tiled record replaces.
 
@@ -17,6 +21,7 @@ Run: ``PYTHONPATH=$PWD python benchmarks/verified.py [--work DIR] [--repeats 5]`
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -46,6 +51,7 @@ def child(model: str, verify: str, cold: str) -> None:
         with open(path, "rb") as f:
             while f.read(64 << 20):
                 pass
+    gc.collect()  # the full collection torch's import owes falls here, not inside the clock of one side
     before = read_io()
     c0, t0 = time.process_time(), time.perf_counter()
     with count_reads() as seen:
@@ -53,7 +59,36 @@ def child(model: str, verify: str, cold: str) -> None:
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     held = sum(t.numel() * t.element_size() for t in state.values())
     print(json.dumps({"seconds": elapsed, "cpu": cpu, "read_bytes": read_io() - before, "counted": seen.bytes,
-                      "held": held}))  # fmt: skip
+                      "held": held, "checked": seen.checked, "tiles": seen.tiles}))  # fmt: skip
+
+
+def hash_child(nbytes: str, tiles: str) -> None:
+    """The checks alone, in this fresh process: ``tiles`` pieces of ``nbytes`` in all, already in memory, hashed
+    with the record's hash by as many threads as a load reads with (what verify adds at the least)."""
+    import threading
+
+    import numpy as np
+
+    from shardload.engine.read_strategy import READ_THREADS
+    from shardload.format.hash_record import default_hash, hasher
+
+    total, count = int(nbytes), int(tiles)
+    piece = -(-total // count)
+    data = np.random.default_rng(0).integers(0, 256, size=piece * count, dtype=np.uint8)
+    digest = hasher(default_hash())
+
+    def work(first: int) -> None:
+        for k in range(first, count, READ_THREADS):
+            digest(data[k * piece : (k + 1) * piece]).digest()
+
+    work(0)  # warm the code and the buffer's pages; not timed
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(READ_THREADS)]
+    c0, t0 = time.process_time(), time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(json.dumps({"seconds": time.perf_counter() - t0, "cpu": time.process_time() - c0}))
 
 
 def measure(model: Path, cold: bool, repeats: int) -> dict[str, dict[str, float]]:
@@ -66,6 +101,14 @@ def measure(model: Path, cold: bool, repeats: int) -> dict[str, dict[str, float]
             done = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             out.append(json.loads(done.strip().splitlines()[-1]))
     return {mode: {key: statistics.median(r[key] for r in out) for key in out[0]} for mode, out in runs.items()}
+
+
+def hash_alone(checked: dict[str, float], repeats: int) -> dict[str, float]:
+    """Medians of ``repeats`` fresh processes hashing what a warm verified load hashed, and nothing else."""
+    cmd = [sys.executable, __file__, "--hash-child", str(int(checked["checked"])), str(int(checked["tiles"]))]
+    runs = [json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+            for _ in range(repeats)]  # fmt: skip
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
 def linear_leaf_bytes(model: Path, leaf: int = 64 << 10) -> tuple[int, int]:
@@ -96,9 +139,13 @@ def main() -> int:
     parser.add_argument("--size-gib", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--child", nargs=3)
+    parser.add_argument("--hash-child", nargs=2)
     args = parser.parse_args()
     if args.child:
         child(*args.child)
+        return 0
+    if args.hash_child:
+        hash_child(*args.hash_child)
         return 0
     model = args.work / "llama"
     ensure_checkpoint(model, args.size_gib, N)
@@ -126,6 +173,17 @@ def main() -> int:
         ratio = checked["cpu"] / plain["cpu"]
         print(f"{f'CPU seconds, all threads ({state})':<34}{plain['cpu']:>12.3f}{checked['cpu']:>12.3f}{ratio:>8.2f}"
               f"{'(info)':>9}")  # fmt: skip
+        if not cold:
+            hashes = hash_alone(checked, args.repeats)
+            print(f"{'MiB used vs hashed (warm)':<34}{plain['counted'] / 2**20:>12.1f}"
+                  f"{checked['checked'] / 2**20:>12.1f}{checked['checked'] / plain['counted']:>8.2f}"
+                  f"{'(info)':>9}")  # fmt: skip
+            print(f"{'the hashes alone, s and CPU s':<34}{hashes['seconds']:>12.3f}{hashes['cpu']:>12.3f}"
+                  f"{'':>8}{'(info)':>9}")  # fmt: skip
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            bound = max(plain["seconds"], (plain["cpu"] + hashes["cpu"]) / cores)
+            print(f"{'seconds: plain vs least with hashes':<34}{plain['seconds']:>12.3f}{bound:>12.3f}"
+                  f"{bound / plain['seconds']:>8.2f}{'(bound)':>9}")  # fmt: skip
     print(f"{'hash vs cat (cold), GB/s':<34}{size / cat / 1e9:>12.2f}{size / hashed / 1e9:>12.2f}"
           f"{cat / hashed:>8.2f}{'>=0.80':>9}")  # fmt: skip
     limit = size // 1000 + (16 << 10)

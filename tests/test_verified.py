@@ -201,6 +201,10 @@ def test_rank_reads_only_the_tiles_it_needs(split_model: Path) -> None:
             t.nbytes for t in read_header(split_model / "model.safetensors").values()
         )
         assert checked.bytes <= plain.bytes + header, (rank, checked.bytes, plain.bytes)
+        # every byte the rank uses was hashed, in whole tiles, and nothing was hashed that was not read
+        assert plain.checked == plain.tiles == 0
+        assert plain.bytes <= checked.checked <= checked.moved, (rank, plain.bytes, checked.checked, checked.moved)
+        assert checked.tiles >= checked.checked // LEAF_BYTES
 
 
 @pytest.mark.parametrize("junk", [b"", b"SLHASH1\n", b"SLHASH1\n" + struct.pack("<Q", 1 << 40), b"x" * 64])
@@ -210,6 +214,27 @@ def test_malformed_records_refused(split_model: Path, tmp_path: Path, junk: byte
     with pytest.raises(ShardloadError) as excinfo:
         shardload.load_rank(model, 0, N, verify=True)
     one_line_error(excinfo)
+
+
+def test_needed_tiles_are_those_any_run_touches() -> None:
+    from shardload.sources.verified import _needed
+
+    rng = np.random.default_rng(7)
+    for rows, row_bytes, tile_rows, tile_bytes in ((64, 1024, 8, 256), (100, 96, 7, 40), (33, 4096, 1, 4096)):
+        tiling = tensor_region(0, rows, row_bytes, 1).tiling(0)
+        tiling = type(tiling)(rows, row_bytes, tile_rows, tile_bytes)
+        size = rows * row_bytes
+        for _ in range(50):
+            starts = np.sort(rng.integers(0, size, size=int(rng.integers(1, 12))))
+            ends = np.minimum(starts + rng.integers(1, 3 * row_bytes, size=len(starts)), size) - 1  # inclusive
+            want = np.zeros((tiling.row_blocks, tiling.bands), dtype=bool)
+            for o, e in zip(starts.tolist(), ends.tolist(), strict=True):
+                if o // row_bytes == e // row_bytes:  # within a row: byte by byte, the tile each falls in
+                    for at in range(o, e + 1):
+                        want[(at // row_bytes) // tile_rows, (at % row_bytes) // tile_bytes] = True
+                else:  # over several rows: every band of the row blocks it spans
+                    want[(o // row_bytes) // tile_rows : (e // row_bytes) // tile_rows + 1] = True
+            assert np.array_equal(_needed(tiling, starts, ends), want), (tiling, starts, ends)
 
 
 def test_tiles_fall_on_power_of_two_splits() -> None:

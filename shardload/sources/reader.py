@@ -38,11 +38,14 @@ IOV_MAX = 1024  # POSIX minimum is 16; Linux and the BSDs allow 1024
 class ReadCount:
     """Bytes and read calls seen inside :func:`count_reads`, in total and per file: ``bytes`` the readers delivered
     to destinations (what the ranks use), ``moved`` what they read from the files, bytes read through and thrown
-    away included (the gaps of planned cold reads)."""
+    away included (the gaps of planned cold reads); ``checked`` the bytes a verifying load hashed, in ``tiles``
+    pieces (``verify=True``)."""
 
     bytes: int = 0
     calls: int = 0
     moved: int = 0
+    checked: int = 0
+    tiles: int = 0
     by_file: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -489,6 +492,14 @@ def count_mapped(path: Path, nbytes: int) -> None:
     """Record ``nbytes`` of ``path`` copied out of a mapping (no system call) in :func:`count_reads`."""
     if _count is not None:
         _count.add(path, nbytes, 0)
+
+
+def count_checked(nbytes: int) -> None:
+    """Record one tile of ``nbytes`` hashed by a verifying reader in :func:`count_reads`."""
+    if _count is not None:
+        with _count._lock:
+            _count.checked += nbytes
+            _count.tiles += 1
 
 
 def count_requested(path: Path, nbytes: int) -> None:

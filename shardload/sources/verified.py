@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CheckpointError
 from ..format.hash_record import FileHashes, Tiling, hasher
 from .read_plan import MAX_WASTE, IoModel, fill_reads, plan_reads
-from .reader import PAGE, FileMaps, RunReader, count_mapped, count_requested, populate_runs
+from .reader import PAGE, FileMaps, RunReader, count_checked, count_mapped, count_requested, populate_runs
 
 if TYPE_CHECKING:
     import numpy as np
@@ -128,6 +128,11 @@ class VerifiedReader(RunReader):
     def prefetch(self, path: Any, starts: Sequence[int], ends: Sequence[int]) -> None:
         pass  # the tiles read are wider than the runs; let the reads themselves fetch them
 
+    def _check(self, data: np.ndarray, entry: VerifiedFile, leaf: int) -> bool:
+        """Whether the contiguous bytes ``data`` hash to leaf ``leaf`` of the file's record (counted as checked)."""
+        count_checked(data.nbytes)
+        return bool(self.hash(data).digest() == entry.hashes.leaf(leaf))
+
     def _mismatch(self, path: Any, entry: VerifiedFile, region: Any, tiling: Tiling, index: int) -> IntegrityError:
         """The one-line error for tile ``index`` of ``tiling``: file, byte range, the tensors it feeds, why."""
         t0, th, c0, tw = tiling.tile(index)
@@ -180,7 +185,7 @@ class VerifiedReader(RunReader):
                 if mapped is not None:  # tile by tile, so each is hashed while its copy is still in the cache
                     start = region.offset + lo - d + at
                     outs[b][lo:hi] = mapped[start : start + hi - lo]
-                if self.hash(outs[b][lo:hi]).digest() != entry.hashes.leaf(leaf0 + k):
+                if not self._check(outs[b][lo:hi], entry, leaf0 + k):
                     raise self._mismatch(path, entry, region, tiling, k)
 
     def _direct_bands(
@@ -270,7 +275,7 @@ class VerifiedReader(RunReader):
                     data = scratch[: n * width]
                     np.copyto(data.reshape(n, width), view)
                 index = int(blk[k]) * tiling.bands + int(band[k])
-                if self.hash(data).digest() != entry.hashes.leaf(leaf0 + index):
+                if not self._check(data, entry, leaf0 + index):
                     raise self._mismatch(path, entry, region, tiling, index)
         return True
 
@@ -312,7 +317,7 @@ class VerifiedReader(RunReader):
         np.copyto(tiles.reshape(m, n, width), source)
         for j in range(m):
             index = int(blk[ka + j]) * tiling.bands + int(band[ka + j])
-            if self.hash(tiles[j]).digest() != entry.hashes.leaf(leaf0 + index):
+            if not self._check(tiles[j], entry, leaf0 + index):
                 raise self._mismatch(path, entry, region, tiling, index)
         return True
 
@@ -522,7 +527,7 @@ class VerifiedReader(RunReader):
             tile = grid[t0 - first_row : t0 - first_row + th, c0 : c0 + tw]
             data = tile.reshape(-1) if tw == B else np.ascontiguousarray(tile).reshape(-1)
             leaf = leaf0 + int(blk) * tiling.bands + int(band)
-            if self.hash(data).digest() != entry.hashes.leaf(leaf):
+            if not self._check(data, entry, leaf):
                 raise self._mismatch(path, entry, region, tiling, int(blk) * tiling.bands + int(band))
         copy_runs(flat, src - base, [buffer_array(t) for t in buffers], buf, dst, length)
 
@@ -557,7 +562,7 @@ def _populate(buffers: Sequence[Any], buf: np.ndarray, dst: np.ndarray, length: 
 
 def _needed(tiling: Tiling, o: np.ndarray, e: np.ndarray) -> np.ndarray:
     """Which tiles of ``tiling`` (row blocks x bands, booleans) hold a byte of the runs ``[o, e]`` (inclusive,
-    offsets within the region)."""
+    offsets within the region, sorted); a run over several rows takes every band of the row blocks it spans."""
     import numpy as np
 
     B, h, w = tiling.row_bytes, tiling.tile_rows, tiling.tile_bytes
