@@ -261,8 +261,8 @@ def run_plan(
     read_options: ReadOptions | None = None,
     out: Mapping[str, torch.Tensor] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
-    """Every parameter of ``plan`` for ``ranks`` (rank ``ranks[k]`` on ``devices[k]``): all allocated, then read
-    by the thread pool.
+    """Every parameter of ``plan`` for ``ranks`` (rank ``ranks[k]`` on ``devices[k]``): all set up, then read by
+    the reader threads and this one.
 
     ``staged`` sends CPU destinations through the staging buffers too (to test that path on the CPU);
     ``mmap`` (one CPU rank) maps what it can instead of reading it (see :func:`load_rank`); ``wrap`` wraps the
@@ -274,16 +274,13 @@ def run_plan(
     import torch
 
     one_rank = len(ranks) == 1 and torch.device(devices[0]).type in ("cpu", "cuda")
-    # several ranks: allocate everything first, then read (page faults of fresh tensors slow the readers); one CPU
-    # rank's tensors are populated by the readers themselves, so its reads start while later parameters are planned
-    defer = not (one_rank and torch.device(devices[0]).type == "cpu")
     with (
         wrapped(reader_for_plan(plan.params.values(), read_options), wrap) as reader,
         Transfer(
             reader,
             read_options=read_options,
             staged=staged,
-            defer=defer,
+            defer=True,  # every parameter set up, then read: see Transfer.wait
             mapped=mmap,
             copy_out=one_rank,
             progress=progress,
@@ -679,7 +676,7 @@ def _load_converted_rank(
         wrapped(
             reader_for(path, read_options and read_options.object_cost), wrap and (lambda r: wrap(r, {path: infos}))
         ) as reader,
-        Transfer(reader, read_options=read_options, mapped=mmap) as transfer,
+        Transfer(reader, read_options=read_options, defer=True, mapped=mmap) as transfer,
     ):
         if fill is not None and fill.out is not None:  # whole stored tensors, each read into its destination
             from ..planning.group_reads import whole_tensors

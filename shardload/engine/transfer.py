@@ -10,6 +10,7 @@ structure's runs, schedule and copy program are computed once and reused for eve
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
@@ -83,8 +84,9 @@ class Transfer:
     ``read_options`` (:class:`~shardload.engine.read_strategy.ReadOptions`) sets the reader threads (0: read
     synchronously in the calling thread) and a single rank's read strategy. ``staged`` routes CPU destinations
     through the staging buffers too (tests compare that path against the direct one). ``defer`` holds every read
-    until :meth:`wait`: allocating destinations while other threads fault pages in slows both, so a whole-model
-    load allocates first, then reads at full speed. ``mapped`` returns a single rank's CPU tensor that is one
+    until :meth:`wait`, which hands them to the reader threads and works through them itself as well: setting up
+    parameters while reader threads run makes each wait for the interpreter lock, so a load sets up first, then
+    reads at full speed. ``mapped`` returns a single rank's CPU tensor that is one
     contiguous stretch of its file as a view of a private file mapping instead of reading it (see
     :class:`~shardload.sources.reader.Mappings`). ``copy_out`` lets a single rank copy its pieces out of a read-only
     mapping with strided copies where its read strategy says that is faster than reading them. Neither maps
@@ -432,9 +434,16 @@ class Transfer:
         """Finish every started read, device upload and copy (re-raising the first failure)."""
         if self.held:
             held, self.held = self.held, None
-            for fn, io in held:
-                self._submit(fn, io=io)
-            self.held = []
+            if self.pool is not None and self.progress is None:
+                for fn, io in held:
+                    if io and self.options.io_depth:
+                        self._submit(fn, io=True)
+                self.held = []
+                self._run_all([fn for fn, io in held if not (io and self.options.io_depth)])
+            else:
+                for fn, io in held:
+                    self._submit(fn, io=io)
+                self.held = []
         futures, self.futures = self.futures, []
         try:
             if self.progress is not None and futures:
@@ -444,17 +453,42 @@ class Transfer:
             for f in futures:
                 f.result()
         except BaseException:
-            for f in futures:
-                f.cancel()
-            for f in futures:
-                if not f.cancelled():
-                    f.exception()
+            _settle(futures)
             raise
         if self.staging is not None:
             self.staging.sync()
         copies, self.copies = self.copies, []
         for c in copies:
             _apply_copies(c.copies, c.dests)
+
+    def _run_all(self, jobs: list[Callable[[], None]]) -> None:
+        """Run ``jobs`` on the reader threads and this one, each taking the next job none has taken: one hand-off
+        per thread instead of one future per job (a thread woken for each job waits for the interpreter lock while
+        the caller hands out the rest), and the caller works instead of waiting."""
+        assert self.pool is not None
+        taken = itertools.count()
+        failed: list[bool] = []  # a job raised: the other threads take no more
+
+        def worker() -> None:
+            while not failed:
+                k = next(taken)  # one C call under the interpreter lock: no two threads get the same k
+                if k >= len(jobs):
+                    return
+                try:
+                    jobs[k]()
+                except BaseException:
+                    failed.append(True)
+                    raise
+
+        for _ in range(min(self.threads, len(jobs)) - 1):
+            self.futures.append(self.pool.submit(worker))
+        try:
+            worker()
+        except BaseException:
+            failed.append(True)
+            futures, self.futures = self.futures, []
+            _settle(futures)
+            raise
 
     def close(self) -> None:
         """Stop the pool (jobs not started are cancelled, running ones finish), then unmap the files copied from in
@@ -490,6 +524,15 @@ def fill_padding(plan: ParamPlan, rank: int, dest: torch.Tensor) -> None:
     run writes it, so this runs before or beside the reads (on a GPU, on the default stream the uploads wait for)."""
     for box in plan.zeros(rank):
         dest[tuple(slice(a, b) for a, b in box)].zero_()
+
+
+def _settle(futures: Sequence[Future[None]]) -> None:
+    """After a failure: cancel the jobs not started and wait for the running ones (their errors are dropped)."""
+    for f in futures:
+        f.cancel()
+    for f in futures:
+        if not f.cancelled():
+            f.exception()
 
 
 def _apply_copies(copies: Copies, dests: list[torch.Tensor]) -> None:

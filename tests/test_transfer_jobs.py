@@ -1,0 +1,54 @@
+"""How a load's held read jobs run (``Transfer.wait``): every job exactly once, on the reader threads and the
+calling thread together, and a failure stops the rest and is raised once every running job has finished."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import shardload
+from shardload.engine.transfer import Transfer
+from shardload.sources.reader import Reader
+
+
+def _transfer(threads: int) -> Transfer:
+    return Transfer(Reader(), read_options=shardload.ReadOptions(threads=threads), defer=True)
+
+
+def test_held_jobs_run_once_each_on_the_readers_and_the_caller() -> None:
+    ran: list[tuple[int, str]] = []
+    with _transfer(3) as transfer:
+        for k in range(60):
+            transfer._submit(lambda k=k: (time.sleep(0.001), ran.append((k, threading.current_thread().name))))
+        assert ran == []  # held until wait
+        transfer.wait()
+    assert sorted(k for k, _ in ran) == list(range(60))
+    names = {name for _, name in ran}
+    assert threading.current_thread().name in names  # the caller works instead of only waiting
+    assert len(names) == 3  # two reader threads beside it: three threads in all, as asked
+
+
+@pytest.mark.parametrize("where", ["reader", "caller"])
+def test_a_failing_job_stops_the_others_and_is_raised_after_they_finish(where: str) -> None:
+    started: list[int] = []
+    finished: list[int] = []
+    caller = threading.current_thread()
+
+    def job(k: int) -> None:
+        started.append(k)
+        if k >= 2 and (threading.current_thread() is caller) == (where == "caller"):
+            raise ValueError(f"job {k} failed")
+        time.sleep(0.005)
+        finished.append(k)
+
+    with _transfer(2) as transfer:
+        for k in range(200):
+            transfer._submit(lambda k=k: job(k))
+        with pytest.raises(ValueError, match="failed"):
+            transfer.wait()
+        done = len(finished)
+        time.sleep(0.05)
+        assert len(finished) == done  # nothing was still running when wait raised
+    assert len(started) < 200  # the threads stopped taking jobs
