@@ -280,7 +280,7 @@ def run_plan(
             reader,
             read_options=read_options,
             staged=staged,
-            defer=True,  # every parameter set up, then read: see Transfer.wait
+            defer=True,  # every parameter set up, then read (cold reads at once): see Transfer
             mapped=mmap,
             copy_out=one_rank,
             progress=progress,

@@ -86,13 +86,13 @@ class Transfer:
     through the staging buffers too (tests compare that path against the direct one). ``defer`` holds every read
     until :meth:`wait`, which hands them to the reader threads and works through them itself as well: setting up
     parameters while reader threads run makes each wait for the interpreter lock, so a load sets up first, then
-    reads at full speed. ``mapped`` returns a single rank's CPU tensor that is one
-    contiguous stretch of its file as a view of a private file mapping instead of reading it (see
-    :class:`~shardload.sources.reader.Mappings`). ``copy_out`` lets a single rank copy its pieces out of a read-only
-    mapping with strided copies where its read strategy says that is faster than reading them. Neither maps
-    anything when the reader says its files cannot be mapped (``reader.can_map`` False: an object store); every
-    byte is then read with ``read_runs``. ``progress(done, total)`` is called as the read jobs of :meth:`wait`
-    finish.
+    reads at full speed. Planned reads of cold storage are not held: they wait on the device, not the lock, and
+    holding them left it idle. ``mapped`` returns a single rank's CPU tensor that is one contiguous stretch of its
+    file as a view of a private file mapping instead of reading it (see :class:`~shardload.sources.reader.Mappings`).
+    ``copy_out`` lets a single rank copy its pieces out of a read-only mapping with strided copies where its read
+    strategy says that is faster than reading them. Neither maps anything when the reader says its files cannot be
+    mapped (``reader.can_map`` False: an object store); every byte is then read with ``read_runs``.
+    ``progress(done, total)`` is called as the read jobs of :meth:`wait` finish.
     """
 
     def __init__(
@@ -136,7 +136,7 @@ class Transfer:
 
     def _submit(self, fn: Callable[[], None], *, io: bool = False) -> None:
         """Run ``fn`` in the pool (``io``: in the pool of planned cold reads), or now without one."""
-        if self.held is not None:
+        if self.held is not None and not io:  # a cold read starts at once (see the class docstring)
             self.held.append((fn, io))
         elif self.pool is None:
             fn()
@@ -434,16 +434,12 @@ class Transfer:
         """Finish every started read, device upload and copy (re-raising the first failure)."""
         if self.held:
             held, self.held = self.held, None
+            self.held = []
             if self.pool is not None and self.progress is None:
-                for fn, io in held:
-                    if io and self.options.io_depth:
-                        self._submit(fn, io=True)
-                self.held = []
-                self._run_all([fn for fn, io in held if not (io and self.options.io_depth)])
+                self._run_all([fn for fn, _ in held])
             else:
                 for fn, io in held:
                     self._submit(fn, io=io)
-                self.held = []
         futures, self.futures = self.futures, []
         try:
             if self.progress is not None and futures:
