@@ -52,3 +52,28 @@ def test_a_failing_job_stops_the_others_and_is_raised_after_they_finish(where: s
         time.sleep(0.05)
         assert len(finished) == done  # nothing was still running when wait raised
     assert len(started) < 200  # the threads stopped taking jobs
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_held_jobs_run_once_each_with_a_progress_callback(threads: int) -> None:
+    ran: list[int] = []
+    seen: list[tuple[int, int]] = []
+    transfer = Transfer(Reader(), read_options=shardload.ReadOptions(threads=threads), defer=True,
+                        progress=lambda done, total: seen.append((done, total)))  # fmt: skip
+    with transfer:
+        for k in range(20):
+            transfer._submit(lambda k=k: ran.append(k))
+        transfer.wait()
+        assert sorted(ran) == list(range(20))  # every job ran, none held back again
+        transfer.wait()  # nothing left to run
+    assert sorted(ran) == list(range(20))
+    if threads:
+        assert seen[-1] == (20, 20)
+
+
+def test_a_load_that_leaves_jobs_unrun_raises() -> None:
+    ran: list[int] = []
+    with pytest.raises(RuntimeError, match="unfinished"):
+        with _transfer(2) as transfer:
+            transfer._submit(lambda: ran.append(1))  # held, and wait() never called
+    assert ran == []

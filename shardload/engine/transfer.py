@@ -433,13 +433,15 @@ class Transfer:
     def wait(self) -> None:
         """Finish every started read, device upload and copy (re-raising the first failure)."""
         if self.held:
-            held, self.held = self.held, None
-            self.held = []
-            if self.pool is not None and self.progress is None:
-                self._run_all([fn for fn, _ in held])
-            else:
-                for fn, io in held:
-                    self._submit(fn, io=io)
+            held, self.held = self.held, None  # None while they are handed out: _submit must not hold them again
+            try:
+                if self.pool is not None and self.progress is None:
+                    self._run_all([fn for fn, _ in held])
+                else:
+                    for fn, io in held:
+                        self._submit(fn, io=io)
+            finally:
+                self.held = []
         futures, self.futures = self.futures, []
         try:
             if self.progress is not None and futures:
@@ -505,8 +507,12 @@ class Transfer:
     def __enter__(self) -> Transfer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        left = bool(self.held or self.futures)
         self.close()
+        if exc_type is None and left:  # tensors whose reads never ran must not reach the caller
+            raise RuntimeError("shardload: read jobs were left unfinished at the end of a load (a bug); nothing "
+                               "was returned")  # fmt: skip
 
 
 def reader_for_plan(params: Iterable[ParamPlan], options: ReadOptions | None = None) -> RunReader:
