@@ -27,7 +27,7 @@ def test_held_jobs_run_once_each_on_the_readers_and_the_caller() -> None:
     assert sorted(k for k, _ in ran) == list(range(60))
     names = {name for _, name in ran}
     assert threading.current_thread().name in names  # the caller works instead of only waiting
-    assert len(names) == 3  # two reader threads beside it: three threads in all, as asked
+    assert 2 <= len(names) <= 3  # and reader threads beside it: at most three threads in all, as asked
 
 
 @pytest.mark.parametrize("where", ["reader", "caller"])
@@ -43,7 +43,8 @@ def test_a_failing_job_stops_the_others_and_is_raised_after_they_finish(where: s
         time.sleep(0.005)
         finished.append(k)
 
-    with _transfer(2) as transfer:
+    transfer = _transfer(2)
+    with pytest.raises(RuntimeError, match="failed at the end of a load"), transfer:
         for k in range(200):
             transfer._submit(lambda k=k: job(k))
         with pytest.raises(ValueError, match="failed"):
@@ -51,7 +52,26 @@ def test_a_failing_job_stops_the_others_and_is_raised_after_they_finish(where: s
         done = len(finished)
         time.sleep(0.05)
         assert len(finished) == done  # nothing was still running when wait raised
+        with pytest.raises(ValueError, match="failed"):
+            transfer.wait()  # the transfer stays failed: its tensors are incomplete
+        assert len(finished) == done  # and no job that was left runs
     assert len(started) < 200  # the threads stopped taking jobs
+
+
+def test_replica_copies_are_dropped_after_a_failed_wait() -> None:
+    import torch
+
+    from shardload.engine.transfer import ReplicaCopies
+
+    transfer = _transfer(2)
+    with pytest.raises(RuntimeError, match="failed at the end of a load"), transfer:
+        transfer.copies.append(ReplicaCopies(copies=None, dests=[torch.zeros(1)]))  # type: ignore[arg-type]
+        transfer._submit(lambda: (_ for _ in ()).throw(OSError("read failed")))
+        with pytest.raises(OSError, match="read failed"):
+            transfer.wait()
+        assert transfer.copies == []  # nothing is copied out of a tensor whose reads failed
+        with pytest.raises(OSError, match="read failed"):
+            transfer.wait()
 
 
 @pytest.mark.parametrize("threads", [0, 2])

@@ -133,6 +133,8 @@ class Transfer:
         self.schedules: dict[StructureKey, ReadSchedule | None] = {}
         self.programs: dict[StructureKey, list[CopyJob]] = {}
         self.held: list[tuple[Callable[[], None], bool]] | None = [] if defer else None
+        self.broken: BaseException | None = None
+        """The failure of a ``wait``: the transfer's tensors are incomplete from then on."""
 
     def _submit(self, fn: Callable[[], None], *, io: bool = False) -> None:
         """Run ``fn`` in the pool (``io``: in the pool of planned cold reads), or now without one."""
@@ -431,7 +433,17 @@ class Transfer:
             staging.release(buf)
 
     def wait(self) -> None:
-        """Finish every started read, device upload and copy (re-raising the first failure)."""
+        """Finish every started read, device upload and copy (re-raising the first failure). After a failure the
+        transfer is broken: its tensors are incomplete, and every later ``wait`` raises again."""
+        if self.broken is not None:
+            raise self.broken
+        try:
+            self._finish()
+        except BaseException as err:
+            self.broken, self.copies = err, []  # nothing may be copied from, or returned for, an incomplete read
+            raise
+
+    def _finish(self) -> None:
         if self.held:
             held, self.held = self.held, None  # None while they are handed out: _submit must not hold them again
             try:
@@ -465,11 +477,13 @@ class Transfer:
         the caller hands out the rest), and the caller works instead of waiting."""
         assert self.pool is not None
         taken = itertools.count()
+        lock = threading.Lock()  # next() on a shared count is atomic only under the interpreter lock
         failed: list[bool] = []  # a job raised: the other threads take no more
 
         def worker() -> None:
             while not failed:
-                k = next(taken)  # one C call under the interpreter lock: no two threads get the same k
+                with lock:
+                    k = next(taken)
                 if k >= len(jobs):
                     return
                 try:
@@ -478,9 +492,9 @@ class Transfer:
                     failed.append(True)
                     raise
 
-        for _ in range(min(self.threads, len(jobs)) - 1):
-            self.futures.append(self.pool.submit(worker))
         try:
+            for _ in range(min(self.threads, len(jobs)) - 1):
+                self.futures.append(self.pool.submit(worker))
             worker()
         except BaseException:
             failed.append(True)
@@ -508,11 +522,11 @@ class Transfer:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        left = bool(self.held or self.futures)
+        left = bool(self.held or self.futures or self.copies) or self.broken is not None
         self.close()
-        if exc_type is None and left:  # tensors whose reads never ran must not reach the caller
-            raise RuntimeError("shardload: read jobs were left unfinished at the end of a load (a bug); nothing "
-                               "was returned")  # fmt: skip
+        if exc_type is None and left:  # tensors whose reads never ran (or failed) must not reach the caller
+            raise RuntimeError("shardload: read jobs were left unfinished or failed at the end of a load (a bug); "
+                               "nothing was returned")  # fmt: skip
 
 
 def reader_for_plan(params: Iterable[ParamPlan], options: ReadOptions | None = None) -> RunReader:
