@@ -59,6 +59,12 @@ class ReadCount:
             key = str(path)
             self.by_file[key] = self.by_file.get(key, 0) + nbytes
 
+    def add_checked(self, nbytes: int) -> None:
+        """Record one tile of ``nbytes`` hashed by a verifying reader."""
+        with self._lock:
+            self.checked += nbytes
+            self.tiles += 1
+
 
 _count: ReadCount | None = None
 
@@ -497,9 +503,7 @@ def count_mapped(path: Path, nbytes: int) -> None:
 def count_checked(nbytes: int) -> None:
     """Record one tile of ``nbytes`` hashed by a verifying reader in :func:`count_reads`."""
     if _count is not None:
-        with _count._lock:
-            _count.checked += nbytes
-            _count.tiles += 1
+        _count.add_checked(nbytes)
 
 
 def count_requested(path: Path, nbytes: int) -> None:
