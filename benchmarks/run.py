@@ -26,7 +26,8 @@ with its shard_info, warm page cache, N = ``--num-shards``:
 5. With CUDA: ``load()`` onto ``cuda:0..G-1`` against the pinned host-to-device bandwidth (target >= 0.8x);
    the whole model onto ``cuda:0`` against ``safe_open(..., device="cuda:0")``, and one rank of N against
    safetensors' ``get_slice`` on the same device (``--only gpu`` measures this row alone).
-6. One rank (rank 3 of N) in a fresh process, page cache warm, every page of the result touched, imports excluded:
+6. One rank (rank 3 of N) in a fresh process, page cache warm (the file evicted, then read once sequentially, so
+   every run copies out of the same kind of cache), every page of the result touched, imports excluded:
    the default ``load_rank`` (owned contiguous memory) against the fresh-memory floor (each of the rank's pieces
    copied once by torch out of a mapping into a new tensor, the plan given; target <= 1.1x) and against
    ``safe_open(...).get_slice(name)[...]`` narrowing the same boxes with every tensor cloned into fresh memory
@@ -523,6 +524,11 @@ def rows_slices(model: Path, n: int, repeats: int) -> tuple[list[Row], dict[str,
             runs.append(json_line(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout))
         return min(runs, key=lambda x: x["seconds"]) | {"all": [x["seconds"] for x in runs]}
 
+    # the warm runs copy out of the page cache a sequential read leaves (large folios, as after a download), not
+    # whatever an earlier run's cold reads left: how the cache was filled moves every copy out of it by up to 2x
+    # (benchmarks/page_cache.py), and moved this row's ratios between runs
+    _drop_cached(path)
+    warm_page_cache(path)
     got = {k: best(k) for k in ("shardload", "shardload-mmap", "safetensors", "safetensors-fresh", "copy-floor",
                                 "mmap-floor",
                                 "whole-shardload-mmap", "whole-load-file", "whole-shardload",
