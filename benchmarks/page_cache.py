@@ -3,10 +3,10 @@
 
 A warm load copies out of the page cache. Linux keeps a file's cached pages in folios: a read with readahead (a
 sequential ``read``, ``cat``, a download) fills it with large folios, while exact reads (``POSIX_FADV_RANDOM``,
-``WILLNEED`` of ranges: what shardload's planned cold reads do to fetch only a rank's pages) and a mapping's page
-faults fill it one 4 KiB folio per page. Copying out of 4 KiB folios costs more per byte, whichever loader copies.
-So a warm figure depends on what filled the cache: each loader's warm load in ``benchmarks/vllm_load.py`` follows
-its own cold load.
+``WILLNEED`` of ranges: what shardload's planned cold reads do to fetch only a rank's pages) fill it one 4 KiB
+folio per page. Copying out of 4 KiB folios costs more per byte, whichever loader copies. So a warm figure
+depends on what filled the cache: each loader's warm load in ``benchmarks/vllm_load.py`` follows its own cold
+load.
 
 On the ~1 GiB Llama-shaped float16 checkpoint of ``benchmarks/checkpoints.py``, for each way of filling the cache
 (from a cold page cache, each in a fresh process, the ways interleaved round by round):
@@ -18,11 +18,13 @@ On the ~1 GiB Llama-shaped float16 checkpoint of ``benchmarks/checkpoints.py``, 
   path);
 - ``mapped``: one copy out of a fresh mapping of the file (how safetensors' and vLLM's default loaders read);
 
-it then times, best of ``--repeats`` each, with every page cached: one copy of the whole file out of a fresh
-mapping into resident memory (torch's copy, all cores), ``preadv`` of the whole file in 64 MiB reads into resident
-memory (one thread), and ``load_rank(model, 3, 8)`` (row 6's load). Ratios are against ``sequential``.
+it then times, with every page cached: first ``load_rank(model, 3, 8)`` once (row 6's load: the process's first
+load, into fresh memory), then, best of ``--repeats`` each, one copy of the whole file out of a fresh mapping into
+resident memory (torch's copy, all cores) and ``preadv`` of the whole file in 64 MiB reads into resident memory
+(one thread). It also prints the bytes each fill fetched from storage (``/proc/self/io``), which shows the
+eviction took. Ratios are against ``sequential``.
 
-Run: ``PYTHONPATH=$PWD python benchmarks/page_cache.py [--work DIR] [--repeats 3] [--rounds 2]``.
+Run: ``PYTHONPATH=$PWD python benchmarks/page_cache.py [--work DIR] [--repeats 3] [--rounds 3]``.
 """
 
 from __future__ import annotations
@@ -44,17 +46,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoints import MODEL_FILE, drop, ensure_checkpoint
 
 WAYS = ("sequential", "exact", "load_rank", "mapped")
-FIGURES = ("fill", "mmap copy", "preadv", "load_rank 3 of 8")
+FIGURES = ("fill", "load_rank 3 of 8", "mmap copy", "preadv")
 CHUNK = 2 << 20
 THREADS = 8
 
 
-def fill(model: Path, way: str) -> None:
-    """Bring ``model``'s file into the page cache ``way`` (it is evicted first)."""
+def fill(model: Path, way: str) -> object:
+    """Bring ``model``'s (evicted) file into the page cache ``way``; returns what the way made, to free later."""
     import torch
 
     path = model / MODEL_FILE
-    drop(path)
+    made: object = None
     if way == "sequential":
         with open(path, "rb", buffering=0) as f:
             buf = bytearray(16 << 20)
@@ -69,50 +71,64 @@ def fill(model: Path, way: str) -> None:
                 os.posix_fadvise(fd, at, CHUNK, os.POSIX_FADV_WILLNEED)
             offsets = iter(range(0, size, CHUNK))
             lock = threading.Lock()
+            failed: list[BaseException] = []
 
             def reader() -> None:
                 buf = bytearray(CHUNK)
-                while True:
-                    with lock:
-                        at = next(offsets, None)
-                    if at is None:
-                        return
-                    os.preadv(fd, [buf], at)
+                try:
+                    while True:
+                        with lock:
+                            at = next(offsets, None)
+                        if at is None:
+                            return
+                        if os.preadv(fd, [buf], at) != min(CHUNK, size - at):
+                            raise OSError(f"short read at {at}")
+                except BaseException as err:  # re-raised on the calling thread
+                    failed.append(err)
 
             threads = [threading.Thread(target=reader) for _ in range(THREADS)]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
+            if failed:
+                raise failed[0]
         finally:
             os.close(fd)
     elif way == "load_rank":
         import shardload
 
-        shardload.load_rank(model, 0, 1)
+        made = shardload.load_rank(model, 0, 1)
     elif way == "mapped":
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            src = torch.frombuffer(m, dtype=torch.uint8)
-            torch.empty_like(src).copy_(src)
+            src = torch.frombuffer(m, dtype=torch.uint8)  # holds no export of the mapping: delete it before close
+            made = torch.empty_like(src).copy_(src)
             del src
     else:
         raise SystemExit(f"page_cache.py: unknown way {way!r}")
+    return made
 
 
 def warm_figures(model: Path, repeats: int) -> dict[str, float]:
-    """Best-of-``repeats`` seconds of the three warm copies, every page of ``model`` cached."""
+    """Seconds of the warm copies, every page of ``model`` cached: ``load_rank`` once (this process's first load),
+    the two whole-file copies best of ``repeats``."""
     import torch
 
     import shardload
 
     path = model / MODEL_FILE
     size = path.stat().st_size
+    gc.collect()
+    started = time.perf_counter()
+    state = shardload.load_rank(model, 3, 8)
+    figures = {"load_rank 3 of 8": time.perf_counter() - started}
+    del state
     out = torch.ones(size, dtype=torch.uint8)  # resident: the copies below fault in no destination page
     view = memoryview(out.numpy())
-    best = {name: float("inf") for name in FIGURES[1:]}
+    best = {name: float("inf") for name in FIGURES[2:]}
     for _ in range(repeats):
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            src = torch.frombuffer(m, dtype=torch.uint8)
+            src = torch.frombuffer(m, dtype=torch.uint8)  # holds no export of the mapping: delete it before close
             started = time.perf_counter()
             out.copy_(src)
             best["mmap copy"] = min(best["mmap copy"], time.perf_counter() - started)
@@ -125,11 +141,7 @@ def warm_figures(model: Path, repeats: int) -> dict[str, float]:
             best["preadv"] = min(best["preadv"], time.perf_counter() - started)
         finally:
             os.close(fd)
-        gc.collect()
-        started = time.perf_counter()
-        shardload.load_rank(model, 3, 8)
-        best["load_rank 3 of 8"] = min(best["load_rank 3 of 8"], time.perf_counter() - started)
-    return best
+    return figures | best
 
 
 def child(model: str, way: str, repeats: int) -> None:
@@ -139,11 +151,22 @@ def child(model: str, way: str, repeats: int) -> None:
     import shardload
 
     shardload.plan_model(model, 8)  # imports and planning, not timed
+    drop(Path(model) / MODEL_FILE)
     gc.collect()
-    started = time.perf_counter()
-    fill(Path(model), way)
-    figures = {"fill": time.perf_counter() - started, **warm_figures(Path(model), repeats)}
+    before, started = storage_reads(), time.perf_counter()
+    made = fill(Path(model), way)
+    figures = {"fill": time.perf_counter() - started, "fetched": storage_reads() - before}
+    del made
+    figures |= warm_figures(Path(model), repeats)
     print(json.dumps(figures))
+
+
+def storage_reads() -> int:
+    """Bytes this process has had the kernel fetch from storage (``/proc/self/io`` read_bytes)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/shardload-bench"))
     parser.add_argument("--size-gib", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3, help="warm copies per fill; the best is shown")
-    parser.add_argument("--rounds", type=int, default=2, help="fills per way (interleaved); the median is shown")
+    parser.add_argument("--rounds", type=int, default=3, help="fills per way (interleaved); the median is shown")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -171,23 +194,24 @@ def main(argv: list[str] | None = None) -> int:
             if proc.returncode:
                 raise SystemExit(f"page_cache.py: {way} failed:\n{proc.stderr.strip()}")
             runs[way].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    median = {way: {k: statistics.median(r[k] for r in runs[way]) for k in FIGURES} for way in WAYS}
+    median = {way: {k: statistics.median(r[k] for r in runs[way]) for k in (*FIGURES, "fetched")} for way in WAYS}
     print(
         f"{size / 2**30:.2f} GiB file; the page cache filled four ways from cold, then warm copies out of it "
-        f"(best of {args.repeats}); medians of {args.rounds} fresh processes per way; {os.cpu_count()} CPUs"
+        f"(load_rank once, the copies best of {args.repeats}); medians of {args.rounds} fresh processes per way; "
+        f"{os.cpu_count()} CPUs"
     )
     print(
-        "| filled by | "
+        "| filled by | MiB from storage | "
         + " | ".join(f"{k} s" for k in FIGURES)
         + " | "
         + " | ".join(f"{k} vs sequential" for k in FIGURES[1:])
         + " |"
     )
-    print("|---" * (2 * len(FIGURES)) + "|")
+    print("|---" * (2 * len(FIGURES) + 1) + "|")
     for way in WAYS:
         cells = [f"{median[way][k]:.3f}" for k in FIGURES]
         ratios = [f"{median[way][k] / median['sequential'][k]:.2f}x" for k in FIGURES[1:]]
-        print(f"| `{way}` | " + " | ".join(cells + ratios) + " |")
+        print(f"| `{way}` | {median[way]['fetched'] / 2**20:.0f} | " + " | ".join(cells + ratios) + " |")
     print(f"load average (1 min) at the start {load_start:.2f}, at the end {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -525,7 +525,7 @@ def rows_slices(model: Path, n: int, repeats: int) -> tuple[list[Row], dict[str,
         return min(runs, key=lambda x: x["seconds"]) | {"all": [x["seconds"] for x in runs]}
 
     # the warm runs copy out of the page cache a sequential read leaves (large folios, as after a download), not
-    # whatever an earlier run's cold reads left: how the cache was filled moves every copy out of it by up to 2x
+    # whatever an earlier run's cold reads left: how the cache was filled moves copies out of it by up to 2x
     # (benchmarks/page_cache.py), and moved this row's ratios between runs
     _drop_cached(path)
     warm_page_cache(path)
