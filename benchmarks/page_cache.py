@@ -30,6 +30,7 @@ Run: ``PYTHONPATH=$PWD python benchmarks/page_cache.py [--work DIR] [--repeats 3
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import mmap
@@ -49,6 +50,7 @@ WAYS = ("sequential", "exact", "load_rank", "mapped")
 FIGURES = ("fill", "load_rank 3 of 8", "mmap copy", "preadv")
 CHUNK = 2 << 20
 THREADS = 8
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def fill(model: Path, way: str) -> object:
@@ -150,6 +152,10 @@ def child(model: str, way: str, repeats: int) -> None:
 
     import shardload
 
+    # glibc's mmap threshold fixed at 128 KiB: the warm load's tensors get fresh pages whatever the fill freed (a
+    # dynamic threshold would let them reuse heap pages a way's buffers or tensors faulted in)
+    if not ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 << 10):
+        raise SystemExit("page_cache.py: mallopt(M_MMAP_THRESHOLD) failed")
     shardload.plan_model(model, 8)  # imports and planning, not timed
     drop(Path(model) / MODEL_FILE)
     gc.collect()
