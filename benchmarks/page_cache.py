@@ -30,7 +30,6 @@ Run: ``PYTHONPATH=$PWD python benchmarks/page_cache.py [--work DIR] [--repeats 3
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import mmap
@@ -44,13 +43,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from checkpoints import MODEL_FILE, drop, ensure_checkpoint
+from checkpoints import MODEL_FILE, drop, ensure_checkpoint, fresh_pages_per_allocation, read_io, warm_page_cache
 
 WAYS = ("sequential", "exact", "load_rank", "mapped")
 FIGURES = ("fill", "load_rank 3 of 8", "mmap copy", "preadv")
 CHUNK = 2 << 20
 THREADS = 8
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def fill(model: Path, way: str) -> object:
@@ -60,10 +58,7 @@ def fill(model: Path, way: str) -> object:
     path = model / MODEL_FILE
     made: object = None
     if way == "sequential":
-        with open(path, "rb", buffering=0) as f:
-            buf = bytearray(16 << 20)
-            while f.readinto(buf):
-                pass
+        warm_page_cache(path)
     elif way == "exact":
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -154,25 +149,17 @@ def child(model: str, way: str, repeats: int) -> None:
 
     # glibc's mmap threshold fixed at 128 KiB: the warm load's tensors get fresh pages whatever the fill freed (a
     # dynamic threshold would let them reuse heap pages a way's buffers or tensors faulted in)
-    if not ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 << 10):
+    if not fresh_pages_per_allocation():
         raise SystemExit("page_cache.py: mallopt(M_MMAP_THRESHOLD) failed")
     shardload.plan_model(model, 8)  # imports and planning, not timed
     drop(Path(model) / MODEL_FILE)
     gc.collect()
-    before, started = storage_reads(), time.perf_counter()
+    before, started = read_io(), time.perf_counter()
     made = fill(Path(model), way)
-    figures = {"fill": time.perf_counter() - started, "fetched": storage_reads() - before}
+    figures = {"fill": time.perf_counter() - started, "fetched": read_io() - before}
     del made
     figures |= warm_figures(Path(model), repeats)
     print(json.dumps(figures))
-
-
-def storage_reads() -> int:
-    """Bytes this process has had the kernel fetch from storage (``/proc/self/io`` read_bytes)."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

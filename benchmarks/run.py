@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import ctypes.util
 import gc
 import json
 import math
@@ -72,10 +70,13 @@ from checkpoints import (
     MODEL_FILE,
     checkpoint_nbytes,
     covering_chunks,
+    drop,
     ensure_checkpoint,
     ensure_hf_llama,
+    fresh_pages_per_allocation,
     remove,
     tensor_specs,
+    warm_page_cache,
 )
 
 import shardload
@@ -84,7 +85,6 @@ from shardload.sources.reader import count_reads
 
 ST_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 SAMPLE_INTERVAL_S = 0.01
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 PEER_RANKS = 2
 GROUPS = {"load": 1, "bytes": 2, "convert": 3, "peer": 4, "gpu": 5, "rank": 6}
 """``--only`` row groups and the rows they measure."""
@@ -165,14 +165,6 @@ def run_cp(src: Path, dst: Path, sync: bool = False) -> None:
         subprocess.run(["sync", str(dst)], check=True)
 
 
-def warm_page_cache(path: Path) -> None:
-    """Read the whole file once so every timing starts from a warm page cache."""
-    with open(path, "rb", buffering=0) as fh:
-        buf = bytearray(16 << 20)
-        while fh.readinto(buf):
-            pass
-
-
 # --- timing and memory -------------------------------------------------------------------------------
 
 
@@ -210,19 +202,6 @@ def interleaved(
             if round_ >= warmup:
                 times[name].append(elapsed)
     return times
-
-
-def fresh_pages_per_allocation() -> bool:
-    """Fix glibc's mmap threshold at 128 KiB so every big allocation gets fresh pages, as in a one-shot process.
-
-    Without it, glibc's dynamic threshold lets later repetitions reuse heap memory an earlier one faulted
-    in, which favours whichever side allocates smaller tensors and adds noise.
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 128 << 10))
-    except (OSError, AttributeError):
-        return False
 
 
 def rss_anon_kib(pid: int | str = "self") -> int | None:
@@ -409,15 +388,6 @@ def _touch(state: dict[str, torch.Tensor]) -> None:
             float(flat[:: max(1, 4096 // t.element_size())].float().sum())
 
 
-def _drop_cached(path: Path) -> None:
-    """Evict ``path`` from the page cache (a cold read follows)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def child_slice(kind: str, model: str, rank: str, num_shards: str, cold: str) -> None:
     """One rank (or the whole model) by ``kind`` in a fresh process, every page touched: seconds, bytes read.
 
@@ -435,7 +405,7 @@ def child_slice(kind: str, model: str, rank: str, num_shards: str, cold: str) ->
     r, n = int(rank), int(num_shards)
     plan = shardload.plan_model(model, n)  # not timed: the load itself is compared, imports excluded
     if cold == "cold":
-        _drop_cached(path)
+        drop(path)
     gc.collect()  # the full collection torch's import owes falls here, not inside the clock of one kind
     before = proc_io()
     t0 = time.perf_counter()
@@ -527,7 +497,7 @@ def rows_slices(model: Path, n: int, repeats: int) -> tuple[list[Row], dict[str,
     # the warm runs copy out of the page cache a sequential read leaves (large folios, as after a download), not
     # whatever an earlier run's cold reads left: how the cache was filled moves copies out of it by up to 2x
     # (benchmarks/page_cache.py), and moved this row's ratios between runs
-    _drop_cached(path)
+    drop(path)
     warm_page_cache(path)
     got = {k: best(k) for k in ("shardload", "shardload-mmap", "safetensors", "safetensors-fresh", "copy-floor",
                                 "mmap-floor",
