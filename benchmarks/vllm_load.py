@@ -1,10 +1,13 @@
 #!/usr/bin/env python
-"""vLLM weight loading at tensor_parallel_size 2, 4 and 8: vLLM's default loader, ``load_format="shardload"``, and
-``sharded_state`` on ``shardload convert --layout vllm`` output, measured side by side in one run.
+"""vLLM weight loading at tensor_parallel_size 2, 4 and 8: vLLM's default loader, ``load_format="shardload"``,
+``sharded_state`` on ``shardload convert --layout vllm`` output, and ``shardload`` with
+``model_loader_extra_config={"read_options": {"max_waste": "inf"}}`` (``shardload-unbounded``), measured side by side
+in one run.
 
 Usage (in the vLLM virtualenv, ``.ci/vllm-venv DIR``, from the repository root)::
 
     PYTHONPATH=$PWD DIR/bin/python benchmarks/vllm_load.py [--tp 2 4 8] [--size-gib 1.0] [--repeats 2] [--keep DIR]
+        [--formats auto shardload sharded_state shardload-unbounded] [--launcher serial|per-rank|torchrun]
 
 On a random ~``--size-gib`` bfloat16 Llama-shaped checkpoint (one safetensors file, GQA, untied head), every rank
 of every tensor-parallel size N is built as a vLLM worker builds it (vLLM's config, its distributed state,
@@ -48,7 +51,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-FORMATS = ("auto", "shardload", "sharded_state")
+FORMATS = ("auto", "shardload", "sharded_state", "shardload-unbounded")
+VARIANTS = {"shardload-unbounded": ("shardload", {"read_options": {"max_waste": "inf"}})}
+"""Formats that are ``load_format="shardload"`` with a ``model_loader_extra_config``: ``shardload-unbounded`` merges
+every gap its I/O model says is cheaper to read than to skip, with no byte budget over the page floor."""
 LAUNCHERS = {
     "serial": "one process per format and N, its ranks built and loaded in turn after one unmeasured load",
     "per-rank": "a fresh process per rank, one at a time",
@@ -225,8 +231,10 @@ def engine_config(model_dir: str, load_format: str, tp: int) -> Any:
     """vLLM's config for loading ``model_dir`` with ``load_format`` at tensor_parallel_size ``tp``."""
     from vllm.engine.arg_utils import EngineArgs
 
+    load_format, extra = VARIANTS.get(load_format, (load_format, None))
     args = EngineArgs(model=model_dir, load_format=load_format, tensor_parallel_size=tp, dtype="bfloat16",
                       enforce_eager=True, max_model_len=64, skip_tokenizer_init=True,
+                      model_loader_extra_config=extra or {},
                       distributed_executor_backend="external_launcher")  # fmt: skip
     return args.create_engine_config()
 
@@ -515,7 +523,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8], help="tensor-parallel sizes (default 2 4 8)")
     parser.add_argument("--size-gib", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=2, help="runs per rank; each rank keeps its best")
-    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    parser.add_argument(
+        "--formats",
+        nargs="+",
+        choices=FORMATS,
+        default=list(FORMATS),
+        help="default: all; shardload-unbounded is load_format shardload with read_options max_waste inf",
+    )
     parser.add_argument(
         "--launcher",
         choices=LAUNCHERS,

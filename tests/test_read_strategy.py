@@ -375,6 +375,53 @@ def test_read_options_refuse_bad_io_settings() -> None:
     assert shardload.ReadOptions(max_waste=float("inf"), io_depth=0, io_model=shardload.IoModel(1e-4, 1e9))
 
 
+def test_read_options_from_a_servers_json_config(example_dir: Path) -> None:
+    """``ReadOptions.from_config`` reads the JSON a server's config holds (vLLM's ``model_loader_extra_config``): the
+    options it makes are the ones the constructor makes, and a load with them gives the reference's slices."""
+    got = shardload.ReadOptions.from_config(
+        {"strategy": "plan", "threads": 1, "max_waste": "inf", "io_depth": 3,
+         "io_model": "request_s=2e-4,bandwidth=1.5e9", "object_cost": {"latency": 0.005, "bandwidth": 1e9}}
+    )  # fmt: skip
+    want = shardload.ReadOptions(strategy="plan", threads=1, max_waste=float("inf"), io_depth=3,
+                                 io_model=shardload.IoModel(2e-4, 1.5e9),
+                                 object_cost=shardload.ObjectCost(latency=0.005, bandwidth=1e9))  # fmt: skip
+    assert got == want
+    assert shardload.ReadOptions.from_config({}) == shardload.ReadOptions()
+    assert shardload.ReadOptions.from_config({"io_model": {"request_s": 0, "bandwidth": 2e9}, "max_waste": 0.1,
+                                              "object_cost": "measure"}) == shardload.ReadOptions(
+        io_model=shardload.IoModel(0, 2e9), max_waste=0.1, object_cost="measure")  # fmt: skip
+    ref = reference_shards(example_dir, 4)
+    state = shardload.load_rank(example_dir, 2, 4, read_options=got)
+    for name, t in state.items():
+        np.testing.assert_array_equal(t.numpy(), ref[2][name], err_msg=name)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"max_waste": "lots"}, "read_options.max_waste: expected a number >= 0 or \"inf\", got 'lots'"),
+        ({"max_waste": True}, "read_options.max_waste: expected a number"),
+        ({"max_waste": -0.5}, "read_options: max_waste must be a number >= 0"),
+        ({"threads": -1}, "read_options.threads: expected an integer >= 0, got -1"),
+        ({"threads": 2.0}, "read_options.threads: expected an integer >= 0"),
+        ({"io_depth": "8"}, "read_options.io_depth: expected an integer >= 0"),
+        ({"strategy": "mmap"}, "read_options.strategy: expected one of auto, map, read, plan, got 'mmap'"),
+        ({"io_model": "request_s=1e-4"}, "read_options.io_model: expected both request_s and bandwidth"),
+        ({"io_model": {"request_s": 1e-4, "bandwidth": 0}}, "read_options.io_model: an I/O model needs"),
+        ({"io_model": {"request_s": "x", "bandwidth": 1}}, "read_options.io_model: expected request_s and bandwidth"),
+        ({"object_cost": "fast"}, "read_options.object_cost: expected exact, merged, measure or latency"),
+        ({"object_cost": {"latency": 0.01}}, "read_options.object_cost: expected latency and bandwidth at least"),
+        ({"object_cost": {"latency": -1, "bandwidth": 1e9}}, "read_options.object_cost: "),
+        ({"threads": 1, "max_wast": 0.1}, "read_options: unknown key(s) ['max_wast']; accepted: ['strategy'"),
+        (["threads", 1], "read_options: expected a mapping of read options"),
+    ],
+)
+def test_read_options_from_config_refuse_bad_values_in_one_line(config: object, message: str) -> None:
+    with pytest.raises(shardload.ShardloadError) as err:
+        shardload.ReadOptions.from_config(config)  # type: ignore[arg-type]
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
 @pytest.mark.parametrize("waste", [0.0, float("inf")])
 def test_planned_reads_tally_used_moved_and_page_floor(tmp_path: Path, waste: float) -> None:
     """A transfer's planned reads report the bytes the rank uses, the page floor of them and the bytes moved: the

@@ -79,9 +79,11 @@ def no_fp8_kernel() -> Iterator[None]:
         fp8.init_fp8_linear_kernel = real
 
 
-def build(model_dir: str, load_format: str, tp: int, ep: bool, dtype: str = "float32") -> Built:
+def build(
+    model_dir: str, load_format: str, tp: int, ep: bool, dtype: str = "float32", extra: dict[str, Any] | None = None
+) -> Built:
     """vLLM's model for the current (faked) rank, every parameter holding the marker (an FP8 model's linear layers
-    without a kernel: see :func:`no_fp8_kernel`)."""
+    without a kernel: see :func:`no_fp8_kernel`); ``extra``: the loader's ``model_loader_extra_config``."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
@@ -90,7 +92,7 @@ def build(model_dir: str, load_format: str, tp: int, ep: bool, dtype: str = "flo
 
     args = EngineArgs(model=model_dir, load_format=load_format, tensor_parallel_size=tp, enable_expert_parallel=ep,
                       dtype=dtype, enforce_eager=True, max_model_len=64, skip_tokenizer_init=True,
-                      distributed_executor_backend="mp")  # fmt: skip
+                      distributed_executor_backend="mp", model_loader_extra_config=extra or {})  # fmt: skip
     config = args.create_engine_config()
     with (
         set_current_vllm_config(config),
@@ -166,6 +168,7 @@ def run_job(job: dict[str, Any], results: dict[str, Any]) -> None:
     from shardload.sources.reader import count_reads
 
     tp, ep, dtype = job["tp"], bool(job.get("ep")), job.get("dtype", "float32")
+    extras = job.get("extra", {})  # "shardload@name" -> model_loader_extra_config: the format before the "@"
     for rank in range(tp):
         with as_rank(tp, rank):
             assert get_tensor_model_parallel_rank() == rank
@@ -187,7 +190,7 @@ def run_job(job: dict[str, Any], results: dict[str, Any]) -> None:
                 continue
             for fmt, model_dir in job["formats"].items():
                 try:
-                    built = build(model_dir, fmt, tp, ep, dtype)
+                    built = build(model_dir, fmt.split("@")[0], tp, ep, dtype, extras.get(fmt))
                     with count_reads() as seen:
                         load(built, fmt)
                     status, detail = compare(expected, built.model, defaulted)
@@ -195,7 +198,7 @@ def run_job(job: dict[str, Any], results: dict[str, Any]) -> None:
                         detail += f" (default loader left {blank[:3]} unfilled)"
                     own = sum(p.numel() * p.element_size() for p in built.model.parameters())
                     results[key % fmt] = {"status": status, "detail": detail, "read": seen.bytes, "own": own}
-                    if job.get("controls"):
+                    if job.get("controls") and "@" not in fmt:
                         mark(next(p for p in built.model.parameters() if p.numel()).data)
                         status, detail = compare(expected, built.model, defaulted)
                         results[key % f"{fmt}+unfilled"] = {"status": status, "detail": detail}
@@ -203,10 +206,10 @@ def run_job(job: dict[str, Any], results: dict[str, Any]) -> None:
                 except Exception as exc:
                     traceback.print_exc()
                     results[key % fmt] = {"status": "error", "detail": f"{type(exc).__name__}: {exc}".strip()}
-                if job.get("controls") and tp > 1:
+                if job.get("controls") and tp > 1 and "@" not in fmt:
                     with as_rank(tp, (rank + 1) % tp):
                         try:
-                            other = build(model_dir, fmt, tp, ep, dtype)
+                            other = build(model_dir, fmt.split("@")[0], tp, ep, dtype, extras.get(fmt))
                             load(other, fmt)
                             status, detail = compare(expected, other.model, defaulted)
                         except Exception as exc:

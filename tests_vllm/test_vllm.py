@@ -41,6 +41,11 @@ FORMATS = ["shardload", "sharded_state"]
 ERRORS = {
     "missing": ("shardload", {}, "has no tensor in the checkpoint; the model would run with uninitialised weights"),
     "unknown_key": ("shardload", {"shard_info_path": "x"}, "unknown model_loader_extra_config key(s)"),
+    "bad_read_options": (
+        "shardload",
+        {"read_options": {"max_waste": "lots"}},
+        'model_loader_extra_config.read_options.max_waste: expected a number >= 0 or "inf"',
+    ),
     "bad_shard_info": ("shardload", {"shard_info": "BAD"}, "shard_funcs.no_such_step"),
 }
 """Loud failures (TP=1): name -> (load format, extra config, what the error must say)."""

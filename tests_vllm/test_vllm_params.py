@@ -41,6 +41,16 @@ MOE = ["mixtral", "deepseek_v2", "deepseek_v3", "qwen3_moe", "qwen2_moe", "olmoe
 GPT-OSS: vLLM 0.32's own loader fails on it at TP=2 with expert parallelism ("The size of tensor a (2) must match
 the size of tensor b (4) at non-singleton dimension 0")."""
 ONE_LINE_ERRORS = ("ShardloadError", "PlanError", "CheckpointError", "FormatError")
+READ_OPTIONS = {
+    "shardload@plan-inf": {"strategy": "plan", "max_waste": "inf", "threads": 1, "io_depth": 2},
+    "shardload@map-calling-thread": {"strategy": "map", "threads": 0},
+    "shardload@read-exact": {"strategy": "read", "threads": 3, "io_model": {"request_s": 0.0, "bandwidth": 1e9}},
+}
+"""``model_loader_extra_config={"read_options": ...}`` variants of ``load_format="shardload"``: cold reads planned
+through every gap (gap bytes into the sink), strided copies out of the mapping in the calling thread, exact ``preadv``
+runs from three threads; each must give the default loader's parameters."""
+READ_FAMILIES = ["llama", "w4a16", "mixtral"]
+"""The families the read-options variants run on: dense, packed int4 (column splits of packed rows), MoE."""
 
 
 def _selected(session: pytest.Session) -> set[str]:
@@ -74,7 +84,11 @@ def compared(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRe
         for tp in TPS[name]:
             formats = {"shardload": str(root / name)}
             convert(name, tp, False, formats)
-            jobs.append({"case": name, "model": str(root / name), "tp": tp, "formats": formats,
+            extra = {}
+            if name in READ_FAMILIES:
+                formats |= {fmt: str(root / name) for fmt in READ_OPTIONS}
+                extra = {fmt: {"read_options": options} for fmt, options in READ_OPTIONS.items()}
+            jobs.append({"case": name, "model": str(root / name), "tp": tp, "formats": formats, "extra": extra,
                          "controls": name == "llama", "dtype": DTYPES.get(name, "float32")})  # fmt: skip
             if name in MOE and tp > 1:
                 formats = {"shardload": str(root / name)}
@@ -116,6 +130,20 @@ def _check_refusal(result: dict[str, Any], refusal: str, rank: int) -> None:
     detail = result["detail"]
     assert result["status"] == "error" and detail.startswith(ONE_LINE_ERRORS), f"rank {rank}: {result}"
     assert refusal in detail and "\n" not in detail.strip(), f"rank {rank}: {detail}"
+
+
+READ_CASES = [(name, fmt, tp) for name in READ_FAMILIES for fmt in READ_OPTIONS for tp in TPS[name]]
+
+
+@pytest.mark.parametrize(("family", "variant", "tp"), READ_CASES, ids=[f"{m}-{f}-tp{t}" for m, f, t in READ_CASES])
+def test_read_options_give_the_default_loaders_parameters(
+    compared: dict[str, Any], family: str, variant: str, tp: int
+) -> None:
+    """Every way of reading a vLLM server can pick through ``model_loader_extra_config`` fills every parameter of
+    every rank exactly as the default loader does."""
+    for rank in range(tp):
+        result = compared[f"{family}/{variant}/{tp}/{rank}"]
+        assert (result["status"], result["detail"]) == ("equal", ""), f"rank {rank}: {result}"
 
 
 @pytest.mark.parametrize("control", ["unfilled", "swapped"])

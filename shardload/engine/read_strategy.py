@@ -6,11 +6,14 @@ only the rank's pages. :class:`ReadOptions` is the caller's say in it: a forced 
 from __future__ import annotations
 
 import enum
+import math
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import ShardloadError
+from ..sources.checkpoint import short_repr
 from ..sources.objects import ObjectCost
 from ..sources.read_plan import MAX_WASTE, IoModel
 from ..sources.reader import PAGE, probes
@@ -80,9 +83,111 @@ class ReadOptions:
         if not (cost is None or isinstance(cost, ObjectCost) or (isinstance(cost, str) and cost == "measure")):
             raise ShardloadError(f'object_cost must be an ObjectCost, "measure" or None, got {cost!r}')
 
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], where: str = "read_options") -> ReadOptions:
+        """The options a JSON mapping names (a server's config, e.g. vLLM's ``model_loader_extra_config``): keys
+        ``strategy``, ``threads``, ``max_waste`` (a number or ``"inf"``), ``io_depth``, ``io_model`` (``{"request_s":
+        S, "bandwidth": B}`` or ``"request_s=S,bandwidth=B"``) and ``object_cost`` (as ``SHARDLOAD_S3_COST``, or a
+        mapping of its fields). An unknown key or a bad value raises one line naming ``where`` and the key."""
+        if not isinstance(config, Mapping):
+            raise ShardloadError(f"expected a mapping of read options, got {short_repr(config)}", param=where)
+        unknown = sorted(str(k) for k in set(config) - set(_CONFIG_KEYS))
+        if unknown:
+            raise ShardloadError(f"unknown key(s) {unknown}; accepted: {list(_CONFIG_KEYS)}", param=where)
+        values: dict[str, Any] = {}
+        for key, value in config.items():
+            try:
+                values[key] = _CONFIG_KEYS[key](value)
+            except (ShardloadError, ValueError, TypeError) as err:
+                reason = err.reason if isinstance(err, ShardloadError) else str(err)
+                raise ShardloadError(reason, param=f"{where}.{key}") from None
+        try:
+            return cls(**values)
+        except ShardloadError as err:
+            raise ShardloadError(err.reason, param=where) from None
+
     def threads_for(self, reader: RunReader) -> int:
         """The reader threads of a load through ``reader`` (an object store asks for its own number)."""
         return (reader.threads or READ_THREADS) if self.threads is None else self.threads
+
+
+def _waste(value: Any) -> float:
+    if isinstance(value, str) and value.strip().lower() in ("inf", "infinity"):
+        return math.inf
+    if type(value) not in (int, float):
+        raise ShardloadError(f'expected a number >= 0 or "inf", got {short_repr(value)}')
+    return float(value)
+
+
+def _count(value: Any) -> int | None:
+    if value is not None and (type(value) is not int or value < 0):
+        raise ShardloadError(f"expected an integer >= 0, got {short_repr(value)}")
+    return value
+
+
+def _strategy(value: Any) -> Strategy:
+    if value not in STRATEGIES:
+        raise ShardloadError(f"expected one of {', '.join(STRATEGIES)}, got {short_repr(value)}")
+    return value  # type: ignore[no-any-return]
+
+
+def _fields(value: Any, names: dict[str, type], what: str) -> dict[str, Any]:
+    """``value`` (a mapping, or ``"name=value,..."``) as numbers by field name, ``what`` naming them in an error."""
+    usage = f"expected {what} as a mapping or {','.join(f'{n}=...' for n in names)}, got {short_repr(value)}"
+    if isinstance(value, str):
+        pairs = [part.strip().partition("=") for part in value.split(",")]
+        if any(not eq for _, eq, _ in pairs):
+            raise ShardloadError(usage)
+        value = {name: text for name, _, text in pairs}
+    if not isinstance(value, Mapping) or not set(value) <= set(names):
+        raise ShardloadError(usage)
+    out: dict[str, Any] = {}
+    for name, raw in value.items():
+        kind = names[name]
+        if isinstance(raw, str):
+            try:
+                raw = kind(raw)
+            except ValueError:
+                raise ShardloadError(usage) from None
+        if type(raw) not in ((int,) if kind is int else (int, float)):
+            raise ShardloadError(usage)
+        out[name] = raw
+    return out
+
+
+def _io_model(value: Any) -> IoModel | None:
+    if value is None:
+        return None
+    fields = _fields(value, {"request_s": float, "bandwidth": float}, "request_s and bandwidth")
+    if set(fields) != {"request_s", "bandwidth"}:
+        raise ShardloadError(f"expected both request_s and bandwidth, got {short_repr(value)}")
+    try:
+        return IoModel(**fields)
+    except ValueError as err:
+        raise ShardloadError(str(err)) from None
+
+
+def _object_cost(value: Any) -> ObjectCost | Literal["measure"] | None:
+    if value is None or isinstance(value, ObjectCost):
+        return value
+    if isinstance(value, str):
+        return ObjectCost.parse(value)  # as SHARDLOAD_S3_COST takes it
+    fields = _fields(value, {"latency": float, "bandwidth": float, "concurrency": int, "request_bytes": int},
+                     "an object cost")  # fmt: skip
+    if not {"latency", "bandwidth"} <= set(fields):
+        raise ShardloadError(f"expected latency and bandwidth at least, got {short_repr(value)}")
+    return ObjectCost(**fields)
+
+
+_CONFIG_KEYS: dict[str, Callable[[Any], Any]] = {
+    "strategy": _strategy,
+    "threads": _count,
+    "max_waste": _waste,
+    "io_depth": _count,
+    "io_model": _io_model,
+    "object_cost": _object_cost,
+}
+"""The keys :meth:`ReadOptions.from_config` takes, each with the function that reads its JSON value."""
 
 
 class Way(enum.Enum):

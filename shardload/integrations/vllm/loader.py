@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ...engine.load import load_rank
+from ...engine.read_strategy import ReadOptions
 from ...engine.vllm_plan import open_vllm_shards
 from ...errors import ShardloadError
 from ...format.shard_info import ShardInfo, StepSpec
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
 
 LOAD_FORMAT = "shardload"
-EXTRA_KEYS = ("shard_info", "verify")
+EXTRA_KEYS = ("shard_info", "verify", "read_options")
 """Keys accepted in ``model_loader_extra_config``."""
 
 log = logging.getLogger("vllm.shardload")  # under vLLM's logger, so its handlers print it
@@ -78,6 +79,10 @@ def register_loader() -> None:
             self.shard_info = extra.get("shard_info")
             verify = extra.get("verify", False)
             self.verify = verify if isinstance(verify, str) else bool(verify)  # True, or a pinned root hash
+            options = extra.get("read_options")
+            self.read_options = (
+                None if options is None else ReadOptions.from_config(options, "model_loader_extra_config.read_options")
+            )  # checked when vLLM makes the loader, before any model is built
 
         def download_model(self, model_config: Any) -> None:
             _model_dir(model_config)
@@ -89,7 +94,14 @@ def register_loader() -> None:
             rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
             tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
             report = fill_model(
-                model, _model_dir(model_config), rank, size, shard_info=self.shard_info, verify=self.verify, tied=tied
+                model,
+                _model_dir(model_config),
+                rank,
+                size,
+                shard_info=self.shard_info,
+                verify=self.verify,
+                tied=tied,
+                read_options=self.read_options,
             )
             log.info(
                 "shardload: rank %d of %d filled %d parameters from %d stored tensors in %.2f s (%s)",
@@ -143,8 +155,10 @@ def fill_model(
     shard_info: Any = None,
     verify: bool | str = False,
     tied: bool = False,
+    read_options: ReadOptions | None = None,
 ) -> FillReport:
-    """Fill every parameter of vLLM's ``model`` with rank ``rank`` of ``num_shards``, read through shardload."""
+    """Fill every parameter of vLLM's ``model`` with rank ``rank`` of ``num_shards``, read through shardload
+    (``read_options``: how the rank reads, as in :func:`~shardload.load_rank`)."""
     from vllm.model_executor.models.utils import is_pp_missing_parameter
 
     where = str(model_dir)
@@ -211,7 +225,7 @@ def fill_model(
             "sharded_state directory, boxes of its rank files" if sharded else f"converted directory, rank file {rank}"
         )
         mmap = not sharded and not isinstance(verify, str)  # sharded_state: read in boxes, never mapped
-        stored = load_rank(model_dir, rank, num_shards, verify=verify, mmap=mmap)
+        stored = load_rank(model_dir, rank, num_shards, verify=verify, mmap=mmap, read_options=read_options)
         embed = next((n for n in stored if n.endswith("embed_tokens.weight")), None)
         if sharded and embed and "lm_head.weight" in targets and "lm_head.weight" not in stored:
             stored = {**stored, "lm_head.weight": stored[embed]}  # vLLM unties the tied head its files hold
@@ -227,7 +241,7 @@ def fill_model(
                                         where)  # fmt: skip
         tensors, direct, narrow, routes = _read_planned(checkpoint, info, rank, num_shards, route, targets, vocab,
                                                         report, verify, whole=set(experts), split=stacked_ep,
-                                                        adjust=adjust)  # fmt: skip
+                                                        adjust=adjust, read_options=read_options)  # fmt: skip
     for note in report.notes:
         log.warning("shardload: %s", note)
     report.tensors = len(tensors)
@@ -286,6 +300,7 @@ def _read_planned(
     whole: set[str] = frozenset(),  # type: ignore[assignment]
     split: set[str] = frozenset(),  # type: ignore[assignment]
     adjust: Callable[[str], Callable[[torch.Tensor], torch.Tensor] | None] = lambda name: None,
+    read_options: ReadOptions | None = None,
 ) -> tuple[dict[str, torch.Tensor], set[str], set[str], dict[str, Target | None]]:
     """Plan ``checkpoint`` with ``info`` and read rank ``rank``'s tensors (in place where they fit). A vocabulary
     whose planned split is not vLLM's is read whole instead (noted in ``report``), and so is every expert of a vLLM
@@ -322,7 +337,7 @@ def _read_planned(
     kept_routes = {n: (None if adjust(n) else t) for n, t in routes.items()}
     slots = _slots(needed, targets, kept_routes, vocab, narrow)
     tensors = load_rank(checkpoint.path, rank, num_shards, shard_info=info, verify=verify, params=needed.params,
-                        out=slots)  # fmt: skip
+                        out=slots, read_options=read_options)  # fmt: skip
     return tensors, set(slots), narrow, routes
 
 
