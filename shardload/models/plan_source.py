@@ -9,7 +9,10 @@ INFO line on the ``shardload.plan`` logger naming that source (the command line 
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError, ShardloadError
@@ -41,17 +44,46 @@ def plan_shard_info(checkpoint: Checkpoint, shard_info: Any) -> tuple[ShardInfo,
             f"--shard-info (shard_info= in Python): there is no {config.name} to plan one from",
             file=checkpoint.name,
         )
-    from .generated import generate
+    key = _generated_key(checkpoint)
+    with _lock:
+        kept = _generated.get(key)
+        if kept is not None:
+            _generated.move_to_end(key)
+    if kept is None:
+        from .generated import generate
 
-    try:
-        generated = generate(checkpoint, check_up_to=0)  # the caller plans for its own N next
-    except ShardloadError as err:  # the same kind of error, saying first that no file was found
-        raise type(err)(
-            f"no {default.name} beside the weights, and planning one from {config.name} failed: {err.message}",
-            file=checkpoint.name,
-        ) from None
-    info = ShardInfo.from_dict(generated.document, source=f"<planned from {config}>")
-    return info, f"no {default.name}: planned in memory from {config} ({generated.source})"
+        try:
+            generated = generate(checkpoint, check_up_to=0)  # the caller plans for its own N next
+        except ShardloadError as err:  # the same kind of error, saying first that no file was found
+            raise type(err)(
+                f"no {default.name} beside the weights, and planning one from {config.name} failed: {err.message}",
+                file=checkpoint.name,
+            ) from None
+        kept = (json.dumps(generated.document), generated.source)  # text: no caller can change what is kept
+        with _lock:
+            _generated[key] = kept
+            while len(_generated) > KEPT_PLANS:
+                _generated.popitem(last=False)
+    document, made_from = kept
+    info = ShardInfo.from_dict(json.loads(document), source=f"<planned from {config}>")
+    return info, f"no {default.name}: planned in memory from {config} ({made_from})"
+
+
+KEPT_PLANS = 8
+"""Shard_infos made from a config that a process keeps: loading the same model again (vLLM's ``reload_weights``,
+another rank in the same process) skips making it (milliseconds a load)."""
+_generated: OrderedDict[tuple[Any, ...], tuple[str, str]] = OrderedDict()
+_lock = threading.Lock()
+
+
+def _generated_key(checkpoint: Checkpoint) -> tuple[Any, ...]:
+    """Everything a shard_info made from the config depends on: the config's content, the format, every stored
+    tensor's name, dtype and shape, and the model families registered (a new one may cover this model type)."""
+    from .families import FAMILIES
+
+    config = json.dumps(checkpoint.model_config(), sort_keys=True, default=repr)
+    tensors = tuple((name, t.dtype, t.shape, t.decode) for name, t in checkpoint.tensors.items())
+    return (str(checkpoint.config_file()), checkpoint.kind, config, tensors, len(FAMILIES))
 
 
 def shard_info_for(checkpoint: Checkpoint, shard_info: Any) -> ShardInfo:
