@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,8 @@ GENERATE = generated.generate
 """``generate`` itself, for the reference: the tests spy on the module's name."""
 
 
-def _llama(directory: Path, kv_heads: int = 2, seed: int = 0) -> Path:
-    """A one-layer Llama (hidden 16, 4 heads of 4, ``kv_heads`` KV heads) without shard_info.json."""
+def _llama(directory: Path, kv_heads: int = 2, seed: int = 0, dtype: type = np.float32) -> Path:
+    """A one-layer Llama (hidden 16, 4 heads of 4, ``kv_heads`` KV heads) of ``dtype`` without shard_info.json."""
     rng = np.random.default_rng(seed)
     h, inter, vocab, kv = 16, 32, 64, kv_heads * 4
     shapes = {
@@ -42,7 +43,7 @@ def _llama(directory: Path, kv_heads: int = 2, seed: int = 0) -> Path:
         "model.norm.weight": (h,),
         "lm_head.weight": (vocab, h),
     }
-    write_model(directory, {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()})
+    write_model(directory, {k: rng.standard_normal(s).astype(dtype) for k, s in shapes.items()})
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": h,
               "intermediate_size": inter, "num_attention_heads": 4, "num_key_value_heads": kv_heads, "head_dim": 4,
               "num_hidden_layers": 1, "vocab_size": vocab, "tie_word_embeddings": False}  # fmt: skip
@@ -77,7 +78,7 @@ def test_the_same_model_is_planned_from_its_config_once(tmp_path: Path, calls: l
     assert calls == [model]
     assert source == source_again and "planned in memory" in source
     assert first.to_dict() == again.to_dict() == _fresh(model)
-    assert first.params and first is not again
+    assert first.params
     first.params.clear()  # a caller's copy: what is kept stays whole
     third, _ = plan_source.plan_shard_info(open_checkpoint(model), None)
     assert third.to_dict() == _fresh(model)
@@ -87,14 +88,20 @@ def test_the_same_model_is_planned_from_its_config_once(tmp_path: Path, calls: l
 def test_a_changed_config_or_tensor_is_planned_again(tmp_path: Path, calls: list[Path]) -> None:
     model = _llama(tmp_path / "m", kv_heads=2)
     before, _ = plan_source.plan_shard_info(open_checkpoint(model), None)
-    _llama(model, kv_heads=4, seed=1)  # k_proj and v_proj change shape, under the same names
-    after, _ = plan_source.plan_shard_info(open_checkpoint(model), None)
+    config = (model / "config.json").read_text()
+    _llama(model, kv_heads=2, seed=1, dtype=np.float16)  # the tensors alone change: their dtype
+    assert (model / "config.json").read_text() == config
+    halves, _ = plan_source.plan_shard_info(open_checkpoint(model), None)
     assert calls == [model, model]
+    assert halves.to_dict() == _fresh(model) != before.to_dict()
+    _llama(model, kv_heads=4, seed=1)  # k_proj and v_proj change shape under the same names, and the config
+    after, _ = plan_source.plan_shard_info(open_checkpoint(model), None)
+    assert calls == [model] * 3
     assert after.to_dict() == _fresh(model) != before.to_dict()
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    (model / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))  # the config alone
     plan_source.plan_shard_info(open_checkpoint(model), None)
-    assert calls == [model] * 3
+    assert calls == [model] * 4
     ref = tmp_path / "ref"  # the numpy reference of the plan made now; a load through the kept one must match it
     shutil.copytree(model, ref)
     (ref / "shard_info.json").write_text(json.dumps(_fresh(model)))
@@ -113,7 +120,20 @@ def test_a_new_model_family_plans_again(tmp_path: Path, calls: list[Path], monke
     plan_source.plan_shard_info(open_checkpoint(model), None)
     monkeypatch.setattr(families, "FAMILIES", [*families.FAMILIES, families.FAMILIES[0]])  # one more registered
     plan_source.plan_shard_info(open_checkpoint(model), None)
-    assert calls == [model, model]
+    swapped = [*families.FAMILIES[:-1], replace(families.FAMILIES[-1])]  # as many, one of them another
+    monkeypatch.setattr(families, "FAMILIES", swapped)
+    plan_source.plan_shard_info(open_checkpoint(model), None)
+    assert calls == [model] * 3
+
+
+def test_a_bad_config_still_says_what_was_being_planned(tmp_path: Path, calls: list[Path]) -> None:
+    model = _llama(tmp_path / "m")
+    (model / "config.json").write_text('{"model_type": "llama", "model_type": "llama"}')
+    with pytest.raises(shardload.ShardloadError) as err:
+        plan_source.plan_shard_info(open_checkpoint(model), None)
+    assert str(err.value).startswith(f"{model}: no shard_info.json beside the weights, and planning one from "
+                                      "config.json failed: ")  # fmt: skip
+    assert "model_type" in str(err.value) and calls == []
 
 
 def test_only_the_last_few_plans_are_kept(tmp_path: Path, calls: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:

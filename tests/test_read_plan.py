@@ -84,10 +84,13 @@ def test_limit_cuts_the_last_page() -> None:
 
 
 def test_model_refuses_nonsense() -> None:
-    with pytest.raises(ValueError):
-        IoModel(request_s=-1, bandwidth=1)
-    with pytest.raises(ValueError):
-        IoModel(request_s=0, bandwidth=0)
+    """Negative, zero, infinite, NaN or non-numeric figures are refused when the model is made (an infinite one
+    would fail later, in the break-even gap)."""
+    for request_s, bandwidth in [(-1, 1), (0, 0), (float("inf"), 1e9), (0, float("inf")), (float("nan"), 1e9),
+                                 (True, 1e9), ("1e-4", 1e9)]:  # fmt: skip
+        with pytest.raises(ValueError, match="finite numbers"):
+            IoModel(request_s=request_s, bandwidth=bandwidth)  # type: ignore[arg-type]
+    assert IoModel(request_s=0, bandwidth=1).break_even == 0
 
 
 @pytest.mark.parametrize("seed", range(20))

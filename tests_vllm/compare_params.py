@@ -197,7 +197,8 @@ def run_job(job: dict[str, Any], results: dict[str, Any]) -> None:
                     if blank:
                         detail += f" (default loader left {blank[:3]} unfilled)"
                     own = sum(p.numel() * p.element_size() for p in built.model.parameters())
-                    results[key % fmt] = {"status": status, "detail": detail, "read": seen.bytes, "own": own}
+                    results[key % fmt] = {"status": status, "detail": detail, "read": seen.bytes, "own": own,
+                                          "moved": seen.moved}  # fmt: skip
                     if job.get("controls") and "@" not in fmt:
                         mark(next(p for p in built.model.parameters() if p.numel()).data)
                         status, detail = compare(expected, built.model, defaulted)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import ShardloadError
 from ..sources.checkpoint import short_repr
-from ..sources.objects import ObjectCost
+from ..sources.objects import COST_FIELDS, ObjectCost, parse_fields
 from ..sources.read_plan import MAX_WASTE, IoModel
 from ..sources.reader import PAGE, probes
 
@@ -98,7 +98,7 @@ class ReadOptions:
         for key, value in config.items():
             try:
                 values[key] = _CONFIG_KEYS[key](value)
-            except (ShardloadError, ValueError, TypeError) as err:
+            except (ShardloadError, ValueError, TypeError, OverflowError) as err:
                 reason = err.reason if isinstance(err, ShardloadError) else str(err)
                 raise ShardloadError(reason, param=f"{where}.{key}") from None
         try:
@@ -131,36 +131,14 @@ def _strategy(value: Any) -> Strategy:
     return value  # type: ignore[no-any-return]
 
 
-def _fields(value: Any, names: dict[str, type], what: str) -> dict[str, Any]:
-    """``value`` (a mapping, or ``"name=value,..."``) as numbers by field name, ``what`` naming them in an error."""
-    usage = f"expected {what} as a mapping or {','.join(f'{n}=...' for n in names)}, got {short_repr(value)}"
-    if isinstance(value, str):
-        pairs = [part.strip().partition("=") for part in value.split(",")]
-        if any(not eq for _, eq, _ in pairs):
-            raise ShardloadError(usage)
-        value = {name: text for name, _, text in pairs}
-    if not isinstance(value, Mapping) or not set(value) <= set(names):
-        raise ShardloadError(usage)
-    out: dict[str, Any] = {}
-    for name, raw in value.items():
-        kind = names[name]
-        if isinstance(raw, str):
-            try:
-                raw = kind(raw)
-            except ValueError:
-                raise ShardloadError(usage) from None
-        if type(raw) not in ((int,) if kind is int else (int, float)):
-            raise ShardloadError(usage)
-        out[name] = raw
-    return out
-
-
 def _io_model(value: Any) -> IoModel | None:
     if value is None:
         return None
-    fields = _fields(value, {"request_s": float, "bandwidth": float}, "request_s and bandwidth")
-    if set(fields) != {"request_s", "bandwidth"}:
-        raise ShardloadError(f"expected both request_s and bandwidth, got {short_repr(value)}")
+    kinds = {"request_s": float, "bandwidth": float}
+    fields = parse_fields(value, kinds) if isinstance(value, str) else value
+    if not isinstance(fields, Mapping) or set(fields) != set(kinds):
+        raise ShardloadError(f"expected request_s and bandwidth, as a mapping or request_s=S,bandwidth=B, got "
+                             f"{short_repr(value)}")  # fmt: skip
     try:
         return IoModel(**fields)
     except ValueError as err:
@@ -172,11 +150,10 @@ def _object_cost(value: Any) -> ObjectCost | Literal["measure"] | None:
         return value
     if isinstance(value, str):
         return ObjectCost.parse(value)  # as SHARDLOAD_S3_COST takes it
-    fields = _fields(value, {"latency": float, "bandwidth": float, "concurrency": int, "request_bytes": int},
-                     "an object cost")  # fmt: skip
-    if not {"latency", "bandwidth"} <= set(fields):
-        raise ShardloadError(f"expected latency and bandwidth at least, got {short_repr(value)}")
-    return ObjectCost(**fields)
+    if not (isinstance(value, Mapping) and set(COST_FIELDS) >= set(value) >= {"latency", "bandwidth"}):
+        raise ShardloadError(f"expected exact, merged, measure or a mapping with latency and bandwidth (and "
+                             f"concurrency, request_bytes), got {short_repr(value)}")  # fmt: skip
+    return ObjectCost(**value)  # which names a field of the wrong type or range
 
 
 _CONFIG_KEYS: dict[str, Callable[[Any], Any]] = {

@@ -194,6 +194,7 @@ def generate(
     check_up_to: int = MAX_CHECKED_NUM_SHARDS,
     vocab_padding: str = DEFAULT_VOCAB_PADDING,
     allow_single: bool = False,
+    config: dict[str, Any] | None = None,
 ) -> GeneratedShardInfo:
     """Generate the N-agnostic shard_info of a model; raise PlanError if any of ``num_shards`` cannot work.
 
@@ -203,7 +204,8 @@ def generate(
     stored tensor, quantized companions included.
     A vocabulary that N does not divide is padded with zero rows by ``vocab_padding`` (a key of
     :data:`VOCAB_PADDING`). A plan that works for N=1 alone (of ``check_up_to`` > 1 checked) raises PlanError
-    naming why N=2 fails, unless ``allow_single``.
+    naming why N=2 fails, unless ``allow_single``. ``config``: the model config, already read from ``model``
+    (None: read here).
     """
     from ..sources.checkpoint import Checkpoint, open_checkpoint
 
@@ -216,7 +218,7 @@ def generate(
     if checkpoint.kind == "converted":
         raise PlanError("this is a converted directory; plan the source checkpoint instead", file=checkpoint.name)
     config_path = str(checkpoint.config_file())
-    config = checkpoint.model_config()
+    config = dict(checkpoint.model_config() if config is None else config)
     fmt = checkpoint.source_format
     if fmt is not None and fmt.gguf_model_type:
         config["model_type"] = gguf_model_type(str(config["model_type"]))

@@ -44,26 +44,27 @@ def plan_shard_info(checkpoint: Checkpoint, shard_info: Any) -> tuple[ShardInfo,
             f"--shard-info (shard_info= in Python): there is no {config.name} to plan one from",
             file=checkpoint.name,
         )
-    key = _generated_key(checkpoint)
-    with _lock:
-        kept = _generated.get(key)
-        if kept is not None:
-            _generated.move_to_end(key)
-    if kept is None:
-        from .generated import generate
+    from .generated import generate
 
-        try:
-            generated = generate(checkpoint, check_up_to=0)  # the caller plans for its own N next
-        except ShardloadError as err:  # the same kind of error, saying first that no file was found
-            raise type(err)(
-                f"no {default.name} beside the weights, and planning one from {config.name} failed: {err.message}",
-                file=checkpoint.name,
-            ) from None
-        kept = (json.dumps(generated.document), generated.source)  # text: no caller can change what is kept
+    try:
+        read, key = _config_and_key(checkpoint)
         with _lock:
-            _generated[key] = kept
-            while len(_generated) > KEPT_PLANS:
-                _generated.popitem(last=False)
+            kept = None if key is None else _generated.get(key)
+            if kept is not None:
+                _generated.move_to_end(key)
+        if kept is None:
+            generated = generate(checkpoint, check_up_to=0, config=read)  # the caller plans for its own N next
+            kept = (json.dumps(generated.document), generated.source)  # text: no caller can change what is kept
+            if key is not None:
+                with _lock:
+                    _generated[key] = kept
+                    while len(_generated) > KEPT_PLANS:
+                        _generated.popitem(last=False)
+    except ShardloadError as err:  # the same kind of error, saying first that no file was found
+        raise type(err)(
+            f"no {default.name} beside the weights, and planning one from {config.name} failed: {err.message}",
+            file=checkpoint.name,
+        ) from None
     document, made_from = kept
     info = ShardInfo.from_dict(json.loads(document), source=f"<planned from {config}>")
     return info, f"no {default.name}: planned in memory from {config} ({made_from})"
@@ -76,14 +77,20 @@ _generated: OrderedDict[tuple[Any, ...], tuple[str, str]] = OrderedDict()
 _lock = threading.Lock()
 
 
-def _generated_key(checkpoint: Checkpoint) -> tuple[Any, ...]:
-    """Everything a shard_info made from the config depends on: the config's content, the format, every stored
-    tensor's name, dtype and shape, and the model families registered (a new one may cover this model type)."""
+def _config_and_key(checkpoint: Checkpoint) -> tuple[dict[str, Any] | None, tuple[Any, ...] | None]:
+    """The model config read from config.json, and the key of what a plan made from it depends on: the config's
+    content, the checkpoint's kind, every stored tensor's name, dtype and shape, and the registered model families
+    (a new one may cover this model type). (None, None) for a format that keeps its config in the weights' own
+    metadata (GGUF: reading it costs about what planning does, so such plans are not kept)."""
     from .families import FAMILIES
 
-    config = json.dumps(checkpoint.model_config(), sort_keys=True, default=repr)
+    fmt = checkpoint.source_format
+    if fmt is not None and fmt.read_config is not None:
+        return None, None
+    config = checkpoint.model_config()
     tensors = tuple((name, t.dtype, t.shape, t.decode) for name, t in checkpoint.tensors.items())
-    return (str(checkpoint.config_file()), checkpoint.kind, config, tensors, len(FAMILIES))
+    text = json.dumps(config, sort_keys=True, default=repr)
+    return config, (str(checkpoint.config_file()), checkpoint.kind, text, tensors, tuple(map(id, FAMILIES)))
 
 
 def shard_info_for(checkpoint: Checkpoint, shard_info: Any) -> ShardInfo:

@@ -17,7 +17,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -114,16 +114,8 @@ class ObjectCost:
             "expected exact, merged, measure or latency=SECONDS,bandwidth=BYTES_PER_S[,concurrency=N]"
             f"[,request_bytes=N], got {text[:80]!r}"
         )
-        values: dict[str, Any] = {}
-        for part in text.split(","):
-            name, eq, value = part.strip().partition("=")
-            if not eq or name not in _COST_FIELDS or name in values:
-                raise ShardloadError(usage, param=where)
-            try:
-                values[name] = int(value) if _COST_FIELDS[name] is int else float(value)
-            except ValueError:
-                raise ShardloadError(usage, param=where) from None
-        if not {"latency", "bandwidth"} <= values.keys():
+        values = parse_fields(text, COST_FIELDS)
+        if values is None or not {"latency", "bandwidth"} <= values.keys():
             raise ShardloadError(usage, param=where)
         try:
             return cls(**values)
@@ -131,7 +123,23 @@ class ObjectCost:
             raise ShardloadError(err.reason, param=where) from None
 
 
-_COST_FIELDS: dict[str, type] = {"latency": float, "bandwidth": float, "concurrency": int, "request_bytes": int}
+COST_FIELDS: dict[str, type] = {"latency": float, "bandwidth": float, "concurrency": int, "request_bytes": int}
+"""Each field of :class:`ObjectCost` and the type of its value."""
+
+
+def parse_fields(text: str, kinds: Mapping[str, type]) -> dict[str, Any] | None:
+    """``name=value,...`` as values by name, each name one of ``kinds`` (at most once) and its value of that type
+    (``int`` or ``float``); None where the text is not that."""
+    values: dict[str, Any] = {}
+    for part in text.split(","):
+        name, eq, value = part.strip().partition("=")
+        if not eq or name not in kinds or name in values:
+            return None
+        try:
+            values[name] = kinds[name](value)
+        except (ValueError, OverflowError):
+            return None
+    return values
 
 
 def cost_from_environment() -> ObjectCost | Literal["measure"] | None:

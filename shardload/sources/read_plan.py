@@ -5,6 +5,7 @@ budget over the page floor. Pure: runs in, a :class:`ReadPlan` of :class:`Read` 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,8 +32,10 @@ class IoModel:
     """Bytes per second the source delivers to a long sequential read from cold storage."""
 
     def __post_init__(self) -> None:
-        if not (self.request_s >= 0 and self.bandwidth > 0):
-            raise ValueError(f"an I/O model needs request_s >= 0 and bandwidth > 0, got {self}")
+        numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                      for x in (self.request_s, self.bandwidth))  # fmt: skip
+        if not (numbers and self.request_s >= 0 and self.bandwidth > 0):
+            raise ValueError(f"an I/O model needs finite numbers request_s >= 0 and bandwidth > 0, got {self}")
 
     @property
     def break_even(self) -> int:
