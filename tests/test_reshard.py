@@ -373,6 +373,10 @@ def test_own_n_keeps_the_fast_path(models: dict[str, Model], monkeypatch: pytest
     with pytest.raises(ShardloadError, match="without share_reads or mmap") as err:
         shardload.load_rank(out, 0, 4, mmap=True)
     assert "\n" not in str(err.value)
+    with pytest.raises(ShardloadError, match="which read_options does not steer") as err:
+        shardload.load_rank(out, 0, 4, read_options=shardload.ReadOptions(strategy="plan"))
+    assert "\n" not in str(err.value) and "converted for num_shards=2" in str(err.value)
+    assert shardload.load_rank(out, 1, 2, read_options=shardload.ReadOptions(strategy="read")).keys() == want[1].keys()
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "mixtral"])

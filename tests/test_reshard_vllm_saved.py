@@ -92,6 +92,9 @@ def test_load_load_rank_inspect_any_n(saved: dict[str, tuple[Path, Path]], kind:
         assert sorted(got_doc["rows"], key=str) == sorted(want_doc["rows"], key=str)  # the record's order may differ
         with pytest.raises(ShardloadError, match="without share_reads or mmap"):
             shardload.load_rank(source, 0, 4, mmap=True)
+        with pytest.raises(ShardloadError, match="sharded_state directory is read in boxes of vLLM's rank files, "
+                           "which read_options does not steer"):  # fmt: skip
+            shardload.load_rank(source, 0, 4, read_options=shardload.ReadOptions(threads=1))
 
 
 def test_reads_only_the_checks_and_each_byte_once(saved: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:

@@ -47,6 +47,7 @@ ERRORS = {
         'model_loader_extra_config.read_options.max_waste: expected a number >= 0 or "inf"',
     ),
     "bad_shard_info": ("shardload", {"shard_info": "BAD"}, "shard_funcs.no_such_step"),
+    "sharded_read_options": ("shardload", {"read_options": {"strategy": "plan"}}, "which read_options does not steer"),
 }
 """Loud failures (TP=1): name -> (load format, extra config, what the error must say)."""
 
@@ -107,7 +108,7 @@ def results(work: Path) -> dict[tuple[str, str, int], dict[str, Any]]:
         tp1.append(_job(work / f"{name}-vllm1", "sharded_state", 1, work / f"{name}-sharded_state-1.json"))
     for case, (fmt, extra, _) in ERRORS.items():  # last: a failed start may leave this process's state behind
         extra = {k: str(work / "bad.shard_info.json") if v == "BAD" else v for k, v in extra.items()}
-        model = work / ("llama-missing" if case == "missing" else "llama")
+        model = work / {"missing": "llama-missing", "sharded_read_options": "llama-vllm1"}.get(case, "llama")
         tp1.append(_job(model, fmt, 1, work / f"{case}-{fmt}-1.json", extra))
     tp2 = []
     for name in TP2_MODELS:

@@ -343,6 +343,10 @@ def _mesh_rank(mesh: Any, rank: int | None, num_shards: int | None) -> tuple[Mes
     return layout, rank
 
 
+_BOXES_READ_OPTIONS = "{what}, which read_options does not steer (leave read_options out)"
+"""The refusal of ``read_options`` where a rank is assembled from boxes of rank files (``engine/reshard.py``)."""
+
+
 def load_rank(
     model: str | os.PathLike[str],
     rank: int | None = None,
@@ -394,7 +398,8 @@ def load_rank(
             ``(done, total)`` read jobs or exchange rounds.
         read_options (:class:`ReadOptions`, *optional*):
             How the rank gets its bytes (``strategy="map"``, ``"read"``, ``"auto"``) and the reader threads; not
-            with ``share_reads``.
+            with ``share_reads``, nor where the rank is assembled from boxes of rank files (a sharded_state
+            directory, a directory converted for another N).
         params (collection of `str`, *optional*):
             The stored tensors to read (default: all). The others are neither read nor returned; a name the
             checkpoint does not hold is an error.
@@ -438,6 +443,9 @@ def load_rank(
         if params is not None or out is not None:
             raise ShardloadError("a sharded_state directory is read in boxes of vLLM's rank files, without params "
                                  "or out (load the rank, then copy)", file=str(model))  # fmt: skip
+        if read_options is not None:
+            raise ShardloadError(_BOXES_READ_OPTIONS.format(what="a sharded_state directory is read in boxes of "
+                                                            "vLLM's rank files"), file=str(model))  # fmt: skip
         return load_ranks(sharded, layout, [rank], [device])[0]
     checkpoint = open_checkpoint(model)
     if type(rank) is not int or not 0 <= rank < layout.world_size:
@@ -486,6 +494,10 @@ def load_rank(
                     f"boxes of several rank files, without {without}",
                     file=str(model),
                 )
+            if read_options is not None:
+                raise ShardloadError(_BOXES_READ_OPTIONS.format(
+                    what=f"was converted for num_shards={checkpoint.manifest['num_shards']}: loading it for {layout} "
+                    "reads boxes of several rank files"), file=str(model))  # fmt: skip
             shards = open_shards(checkpoint, verify=shards_verify(verify, checkpoint.name))
             return load_ranks(shards, layout, [rank], [device])[0]
         if shared:
