@@ -231,10 +231,10 @@ def engine_config(model_dir: str, load_format: str, tp: int) -> Any:
     """vLLM's config for loading ``model_dir`` with ``load_format`` at tensor_parallel_size ``tp``."""
     from vllm.engine.arg_utils import EngineArgs
 
-    load_format, extra = VARIANTS.get(load_format, (load_format, None))
+    load_format, extra = VARIANTS.get(load_format, (load_format, {}))
     args = EngineArgs(model=model_dir, load_format=load_format, tensor_parallel_size=tp, dtype="bfloat16",
                       enforce_eager=True, max_model_len=64, skip_tokenizer_init=True,
-                      model_loader_extra_config=extra or {},
+                      model_loader_extra_config=extra,
                       distributed_executor_backend="external_launcher")  # fmt: skip
     return args.create_engine_config()
 

@@ -210,7 +210,7 @@ def run_job(job: dict[str, Any], results: dict[str, Any]) -> None:
                 if job.get("controls") and tp > 1 and "@" not in fmt:
                     with as_rank(tp, (rank + 1) % tp):
                         try:
-                            other = build(model_dir, fmt.split("@")[0], tp, ep, dtype, extras.get(fmt))
+                            other = build(model_dir, fmt, tp, ep, dtype)  # the controls: plain formats only
                             load(other, fmt)
                             status, detail = compare(expected, other.model, defaulted)
                         except Exception as exc:
