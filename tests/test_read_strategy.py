@@ -387,6 +387,7 @@ def test_read_options_from_a_servers_json_config(example_dir: Path) -> None:
                                  object_cost=shardload.ObjectCost(latency=0.005, bandwidth=1e9))  # fmt: skip
     assert got == want
     assert shardload.ReadOptions.from_config({}) == shardload.ReadOptions()
+    assert shardload.ReadOptions.from_config({"threads": None}) == shardload.ReadOptions()  # JSON null: the default
     assert shardload.ReadOptions.from_config({"io_model": {"request_s": 0, "bandwidth": 2e9}, "max_waste": 0.1,
                                               "object_cost": "measure"}) == shardload.ReadOptions(
         io_model=shardload.IoModel(0, 2e9), max_waste=0.1, object_cost="measure")  # fmt: skip
@@ -405,6 +406,7 @@ def test_read_options_from_a_servers_json_config(example_dir: Path) -> None:
         ({"threads": -1}, "read_options.threads: expected an integer >= 0, got -1"),
         ({"threads": 2.0}, "read_options.threads: expected an integer >= 0"),
         ({"io_depth": "8"}, "read_options.io_depth: expected an integer >= 0"),
+        ({"io_depth": None}, "read_options.io_depth: expected an integer >= 0, got None"),
         ({"strategy": "mmap"}, "read_options.strategy: expected one of auto, map, read, plan, got 'mmap'"),
         ({"max_waste": 10**400}, "read_options.max_waste: int too large to convert to float"),
         ({"io_model": "request_s=1e-4"}, "read_options.io_model: expected request_s and bandwidth, as a mapping"),

@@ -119,10 +119,14 @@ def _waste(value: Any) -> float:
     return float(value)
 
 
-def _count(value: Any) -> int | None:
-    if value is not None and (type(value) is not int or value < 0):
+def _count(value: Any) -> int:
+    if type(value) is not int or value < 0:
         raise ShardloadError(f"expected an integer >= 0, got {short_repr(value)}")
     return value
+
+
+def _threads(value: Any) -> int | None:
+    return None if value is None else _count(value)  # null: the reader's own number, as threads=None
 
 
 def _strategy(value: Any) -> Strategy:
@@ -158,7 +162,7 @@ def _object_cost(value: Any) -> ObjectCost | Literal["measure"] | None:
 
 _CONFIG_KEYS: dict[str, Callable[[Any], Any]] = {
     "strategy": _strategy,
-    "threads": _count,
+    "threads": _threads,
     "max_waste": _waste,
     "io_depth": _count,
     "io_model": _io_model,
