@@ -437,15 +437,13 @@ def load_rank(
     if sharded is not None:  # vLLM's layout: this rank reads its boxes of the vLLM rank files
         if type(rank) is not int or not 0 <= rank < layout.world_size:
             raise CheckpointError(f"rank {rank} is out of range for {layout}", file=str(model))
+        boxes = "a sharded_state directory is read in boxes of vLLM's rank files"
         if mmap or (share_reads is not False and share_reads is not None):
-            raise ShardloadError("a sharded_state directory is read in boxes of vLLM's rank files, without "
-                                 "share_reads or mmap", file=str(model))  # fmt: skip
+            raise ShardloadError(f"{boxes}, without share_reads or mmap", file=str(model))
         if params is not None or out is not None:
-            raise ShardloadError("a sharded_state directory is read in boxes of vLLM's rank files, without params "
-                                 "or out (load the rank, then copy)", file=str(model))  # fmt: skip
+            raise ShardloadError(f"{boxes}, without params or out (load the rank, then copy)", file=str(model))
         if read_options is not None:
-            raise ShardloadError(_BOXES_READ_OPTIONS.format(what="a sharded_state directory is read in boxes of "
-                                                            "vLLM's rank files"), file=str(model))  # fmt: skip
+            raise ShardloadError(_BOXES_READ_OPTIONS.format(what=boxes), file=str(model))
         return load_ranks(sharded, layout, [rank], [device])[0]
     checkpoint = open_checkpoint(model)
     if type(rank) is not int or not 0 <= rank < layout.world_size:
@@ -487,17 +485,13 @@ def load_rank(
         if shard_info is not None:
             raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
         if needs_reshard(checkpoint, layout):  # converted for another N: this rank reads its boxes of the old files
+            boxes = (f"was converted for num_shards={checkpoint.manifest['num_shards']}: loading it for {layout} "
+                     "reads boxes of several rank files")  # fmt: skip
             if shared or mmap or fill:
                 without = "params or out" if fill else "share_reads or mmap"
-                raise ShardloadError(
-                    f"was converted for num_shards={checkpoint.manifest['num_shards']}: loading it for {layout} reads "
-                    f"boxes of several rank files, without {without}",
-                    file=str(model),
-                )
+                raise ShardloadError(f"{boxes}, without {without}", file=str(model))
             if read_options is not None:
-                raise ShardloadError(_BOXES_READ_OPTIONS.format(
-                    what=f"was converted for num_shards={checkpoint.manifest['num_shards']}: loading it for {layout} "
-                    "reads boxes of several rank files"), file=str(model))  # fmt: skip
+                raise ShardloadError(_BOXES_READ_OPTIONS.format(what=boxes), file=str(model))
             shards = open_shards(checkpoint, verify=shards_verify(verify, checkpoint.name))
             return load_ranks(shards, layout, [rank], [device])[0]
         if shared:
