@@ -24,6 +24,7 @@ from click.testing import CliRunner
 
 import shardload
 from helpers import tp_split
+from helpers.checkpoints import rank_bytes
 from shardload.cli.main import main
 from shardload.errors import CheckpointError, ShardloadError
 from shardload.sources.reader import count_reads
@@ -148,7 +149,7 @@ def test_convert_from_shards(models: dict[str, Model], tmp_path: Path) -> None:
     assert direct is not None
     for r in range(2):
         name = f"rank-{r:05d}-of-00002.safetensors"
-        assert (tmp_path / "o2" / name).read_bytes() == (direct / name).read_bytes()
+        assert rank_bytes(tmp_path / "o2" / name) == rank_bytes(direct / name)
     assert shardload.verify_dir(tmp_path / "o2").ok
     want = model.direct(4)
     assert not isinstance(want, ShardloadError)
@@ -209,8 +210,9 @@ def test_duplicated_rank_file(models: dict[str, Model], tmp_path: Path) -> None:
 
 
 def test_rank_file_of_another_conversion(models: dict[str, Model], tmp_path: Path) -> None:
-    """Rank 1 from the Qwen2 conversion: its size disagrees with the manifest; with the size fixed up too, its
-    tensors disagree with the manifest's plan."""
+    """Rank 1 from the Qwen2 conversion: its size disagrees with the manifest; with the size fixed up too, it names
+    another conversion than the manifest; under a manifest naming none (an older one), its tensors disagree with the
+    manifest's plan."""
     bad = _copy(models, tmp_path)
     other = models["qwen2"].converted(2)
     assert other is not None
@@ -220,6 +222,9 @@ def test_rank_file_of_another_conversion(models: dict[str, Model], tmp_path: Pat
     for entry in manifest["files"]:
         if entry["path"] == "rank-00001-of-00002.safetensors":
             entry["size"] = (bad / entry["path"]).stat().st_size
+    (bad / "shard_manifest.json").write_text(json.dumps(manifest))
+    _refused(bad, tmp_path, "rank-00001-of-00002.safetensors: was written by another conversion")
+    del manifest["conversion"]
     (bad / "shard_manifest.json").write_text(json.dumps(manifest))
     _refused(
         bad,
@@ -351,7 +356,7 @@ def test_vllm_layout_from_shards(models: dict[str, Model], tmp_path: Path) -> No
         assert result.exit_code == 0, result.output
     for r in range(2):
         name = f"model-rank-{r}-part-0.safetensors"
-        assert (tmp_path / "from-shards" / name).read_bytes() == (tmp_path / "direct" / name).read_bytes(), name
+        assert rank_bytes(tmp_path / "from-shards" / name) == rank_bytes(tmp_path / "direct" / name), name
 
 
 def test_own_n_keeps_the_fast_path(models: dict[str, Model], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -401,7 +406,7 @@ def test_vllm_sharded_state_as_a_source(models: dict[str, Model], kind: str, tmp
             assert result.exit_code == 0, result.output
         for r in range(n):
             name = f"model-rank-{r}-part-0.safetensors"
-            assert (tmp_path / f"v{n}" / name).read_bytes() == (tmp_path / f"direct{n}" / name).read_bytes()
+            assert rank_bytes(tmp_path / f"v{n}" / name) == rank_bytes(tmp_path / f"direct{n}" / name)
 
 
 def test_vllm_sharded_state_bad_input(models: dict[str, Model], tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import shardload
+from helpers.checkpoints import rank_bytes
 from helpers.vllm_saved import fake_vllm_save
 from shardload.cli.main import main
 from shardload.engine.vllm_layout import convert_vllm
@@ -57,7 +58,7 @@ def test_saved_to_any_n_and_layout(saved: dict[str, tuple[Path, Path]], kind: st
             result = runner.invoke(main, ["convert", str(source), "-n", str(n), "-o", str(out), "--layout", "vllm"])
             assert result.exit_code == 0, result.output
         for r in range(n):
-            assert rank_file(tmp_path / f"v{n}", r).read_bytes() == rank_file(tmp_path / f"direct{n}", r).read_bytes()
+            assert rank_bytes(rank_file(tmp_path / f"v{n}", r)) == rank_bytes(rank_file(tmp_path / f"direct{n}", r))
         result = runner.invoke(main, ["convert", str(save), "-n", str(n), "-o", str(tmp_path / f"plain{n}")])
         assert result.exit_code == 0, result.output
         want = shardload.load(original, n, devices=["cpu"] * n)
@@ -185,7 +186,7 @@ def test_rank_files_in_parts(saved: dict[str, tuple[Path, Path]], tmp_path: Path
     convert_vllm(save, 4, tmp_path / "p4")
     convert_vllm(original, 4, tmp_path / "d4")
     for r in range(4):
-        assert rank_file(tmp_path / "p4", r).read_bytes() == rank_file(tmp_path / "d4", r).read_bytes()
+        assert rank_bytes(rank_file(tmp_path / "p4", r)) == rank_bytes(rank_file(tmp_path / "d4", r))
     part1 = save / "model-rank-1-part-1.safetensors"
     moved = save / "moved.safetensors"
     part1.rename(moved)

@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ShardloadError
+from ..format.input_log import records_inputs
 from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh
 from ..planning.plan import ModelPlan, build_plan
 from ..sources.checkpoint import (
+    CONVERSION_KEY,
     MANIFEST_FORMAT,
     MANIFEST_VERSION,
     as_path,
@@ -50,7 +52,7 @@ from .reshard import (
     write_shards,
 )
 from .vllm_layout import open_vllm_shards
-from .writer import WrittenFile, write_output_record, write_rank_files
+from .writer import WrittenFile, new_conversion, write_output_record, write_rank_files
 
 Progress = Callable[[int, str], None]
 """``progress(source_bytes_done, param_name)``, called after each parameter."""
@@ -68,6 +70,7 @@ class ConvertResult:
     """The mesh written for (``tp`` = num_shards; one stage unless converted with a pipeline mesh)."""
 
 
+@records_inputs
 def convert(
     model: str | os.PathLike[str],
     num_shards: int | None,
@@ -149,13 +152,15 @@ def convert(
     durable = exists if fsync is None else fsync
     try:
         with StagingDir(out, fsync, synced=durable, overwrite=overwrite) as staging:
-            rank_files = _write_ranks(stages, staging.dir, progress, durable, wrap)
+            conversion = new_conversion()
+            rank_files = _write_ranks(stages, staging.dir, progress, durable, wrap, conversion)
             record = write_output_record(staging.dir, output_record(staging.dir, [f.path for f in rank_files]), durable)
             manifest = {
                 "format": MANIFEST_FORMAT,
                 "version": MANIFEST_VERSION,
                 "shardload_version": __version__,
                 "num_shards": layout.tp,
+                CONVERSION_KEY: conversion,
                 "mesh": _mesh_record(layout, stages),
                 "shard_info": plan.resolved_shard_info(),
                 "source": {"files": [{"path": f.name, "size": st[2]} for f, st in stamps]},
@@ -179,7 +184,12 @@ def _mesh_record(layout: Mesh, stages: list[ModelPlan]) -> dict[str, Any] | None
 
 
 def _write_ranks(
-    stages: list[ModelPlan], tmp: Path, progress: Progress | None, durable: bool, wrap: Any = None
+    stages: list[ModelPlan],
+    tmp: Path,
+    progress: Progress | None,
+    durable: bool,
+    wrap: Any = None,
+    conversion: str | None = None,
 ) -> list[WrittenFile]:
     """Write every (pipeline stage, tensor rank) file; each stage's parameters are read once."""
     files: list[WrittenFile] = []
@@ -192,6 +202,7 @@ def _write_ranks(
             if progress is not None:
                 progress(base + source_done, name)
 
-        files.extend(write_rank_files(plan, names, report, stage=pp, stages=len(stages), durable=durable, wrap=wrap))
+        files.extend(write_rank_files(plan, names, report, stage=pp, stages=len(stages), durable=durable, wrap=wrap,
+                                      conversion=conversion))  # fmt: skip
         done += sum(p.source.nbytes for p in plan.params.values())
     return files

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ShardloadError
+from ..format import input_log
 from ..format.hash_record import (
     HASH_BYTES,
     LEAF_BYTES,
@@ -252,30 +253,66 @@ def metadata_files(checkpoint: Checkpoint) -> list[Any]:
     return [root / name for name in METADATA_NAMES if (root / name).is_file()]
 
 
-def check_metadata(checkpoint: Checkpoint, record: HashRecord) -> None:
-    """Check every metadata file the record lists, read whole: present, same size, same leaves."""
+def check_metadata(checkpoint: Checkpoint, record: HashRecord, *, source: bool = True) -> None:
+    """Check the small files that say where tensors are or how they split against the record: each one present now
+    is listed (an input the record does not pin is refused), each one listed is present, and the bytes this load
+    parsed (else the file, read whole now) have the recorded size and leaves. ``source`` False (a converted
+    directory's rank files, whose record lists only them): files the record does not list are not looked at."""
     hash_fn = hasher(record.hash)
     listed = {f.name: f for f in record.files}
     for name in METADATA_NAMES:
         entry = listed.get(name)
-        if entry is None:
-            continue
         path = checkpoint.root / name
-        if not path.is_file():
+        present = path.is_file()
+        if entry is None:
+            if present and source:
+                raise IntegrityError(
+                    "exists but is not in the integrity record (added after `shardload hash`?): a verified load uses "
+                    "no input its record does not cover; hash the checkpoint again if it belongs",
+                    file=str(path),
+                )
+            continue
+        if not present:
             raise IntegrityError("is listed in the integrity record but missing", file=str(path))
-        try:
-            data = (
-                path.read_small(entry.size + 1, name)
-                if isinstance(path, ObjectPath)
-                else read_small(path, entry.size + 1, name, IntegrityError)
-            )
-        except ShardloadError as err:
-            raise IntegrityError(err.reason, file=str(path)) from None
-        leaves = b"".join(
-            hash_fn(data[k : k + record.leaf_bytes]).digest() for k in range(0, len(data), record.leaf_bytes)
-        )
-        if len(data) != entry.size or leaves != entry.leaves:
+        data = input_log.parsed(path)
+        if data is None:
+            try:
+                data = (
+                    path.read_small(entry.size + 1, name)
+                    if isinstance(path, ObjectPath)
+                    else read_small(path, entry.size + 1, name, IntegrityError)
+                )
+            except ShardloadError as err:
+                raise IntegrityError(err.reason, file=str(path)) from None
+        if not _same_leaves(data, 0, entry, hash_fn, record.leaf_bytes):
             raise IntegrityError("differs from the integrity record (changed or replaced)", file=str(path))
+
+
+def _same_leaves(data: bytes, region: int, entry: FileHashes, hash_fn: Any, leaf_bytes: int) -> bool:
+    """Whether ``data`` is exactly region ``region`` of ``entry`` when that region is hashed linearly (a whole small
+    file, or a safetensors header): same length, same leaves."""
+    if region >= len(entry.regions) and not (region == 0 and not data and entry.size == 0):
+        return False
+    if entry.size == 0:
+        return not data
+    r = entry.regions[region]
+    if r.rows != 1 or r.length != len(data):
+        return False
+    first = sum(x.leaves for x in entry.regions[:region])
+    step = r.tilings[0][1]
+    got = b"".join(hash_fn(data[k : k + step]).digest() for k in range(0, len(data), step))
+    return got == entry.leaves[first * HASH_BYTES : (first + r.leaves) * HASH_BYTES]
+
+
+def check_complete(checkpoint: Checkpoint, record: HashRecord) -> None:
+    """Every weight file the record lists is part of the model now: one deleted or moved away is an error naming it,
+    never a smaller model."""
+    now = {file_name(checkpoint.root, f) for f in checkpoint.files}
+    now |= {file_name(checkpoint.root, f) for f in _tensors_by_file(checkpoint)}
+    for entry in record.files:
+        if entry.name not in now and entry.name not in METADATA_NAMES:
+            raise IntegrityError("is listed in the integrity record but missing from the model (deleted, "
+                                 "moved or renamed)", file=str(checkpoint.root / entry.name))  # fmt: skip
 
 
 def _tensors_by_file(checkpoint: Checkpoint) -> dict[Any, list[TensorInfo]]:
@@ -371,9 +408,11 @@ def _progress(progress: Any, total: int) -> Callable[[int, int], None] | None:
     return draw
 
 
-def load_record(checkpoint: Checkpoint, verify: bool | str, record: str | os.PathLike[str] | None = None) -> HashRecord:
+def load_record(
+    checkpoint: Checkpoint, verify: bool | str, record: str | os.PathLike[str] | ObjectPath | None = None
+) -> HashRecord:
     """The checkpoint's integrity record, checked against the pinned root when ``verify`` is a root hash."""
-    path = Path(record) if record is not None else record_path(checkpoint)
+    path = record_path(checkpoint) if record is None else record if isinstance(record, ObjectPath) else Path(record)
     if not path.is_file():
         if isinstance(path, ObjectPath):
             raise RecordError(
@@ -449,17 +488,29 @@ def verified_files(checkpoint: Checkpoint, record: HashRecord) -> dict[Any, Veri
     return out
 
 
-def verified_reader(inner: RunReader, checkpoint: Checkpoint, record: HashRecord) -> VerifiedReader:
+def verified_reader(
+    inner: RunReader, checkpoint: Checkpoint, record: HashRecord, *, source: bool = True
+) -> VerifiedReader:
     """``inner`` wrapped so every byte it returns is checked against ``record``, and every file's header
     (the bytes before its first tensor) checked now."""
     import numpy as np
     import torch
 
     reader = VerifiedReader(inner, verified_files(checkpoint, record), record.hash)
-    check_metadata(checkpoint, record)
+    check_metadata(checkpoint, record, source=source)
+    hash_fn = hasher(record.hash)
     for f, entry in reader.files.items():
-        first = entry.hashes.regions[0]
-        n = first.length if first.rows == 1 else 0
+        first = entry.hashes.regions[0] if entry.hashes.regions else None
+        n = first.length if first is not None and first.rows == 1 else 0
+        parsed = input_log.parsed(f)
+        if parsed is not None:  # the header this load parsed: checked from those very bytes, not read again
+            if not _same_leaves(parsed, 0, entry.hashes, hash_fn, record.leaf_bytes):
+                raise IntegrityError(
+                    "its header as read for this load differs from the integrity record (changed, or a store that "
+                    "answered differently)",
+                    file=str(f),
+                )
+            continue
         if n:
             out = torch.empty(n, dtype=torch.uint8)
             z = np.zeros(1, dtype=np.int64)
@@ -486,6 +537,8 @@ def verifier(checkpoint: Checkpoint, verify: bool | str, where: str) -> Callable
     if verify is not True and not isinstance(verify, str):
         raise ShardloadError(f"verify must be True, False or a root hash string, got {verify!r}", file=where)
     record = load_record(checkpoint, verify)
+    check_complete(checkpoint, record)
+    check_metadata(checkpoint, record)  # now, before a plan is made from them; again from the bytes the plan parsed
     return lambda reader: verified_reader(reader, checkpoint, record)
 
 
@@ -505,17 +558,17 @@ def converted_verifier(checkpoint: Checkpoint, verify: bool | str) -> Callable[.
     if not isinstance(verify, str):
         return None
     integrity = (checkpoint.manifest or {}).get("integrity")
-    where = str(Path(checkpoint.root) / "shard_manifest.json")
+    where = str(checkpoint.root / "shard_manifest.json")
     if integrity is None:
         raise RecordError("this converted directory's manifest names no integrity record (converted by an older "
                           "shardload): convert again to pin it, or load with verify=True", file=where)  # fmt: skip
     if not isinstance(integrity, dict) or integrity.get("record") != RECORD_NAME:
         raise RecordError(f"manifest's 'integrity' must name the record {RECORD_NAME!r}", file=where)
-    record = load_record(checkpoint, verify, Path(checkpoint.root) / RECORD_NAME)
+    record = load_record(checkpoint, verify, checkpoint.root / RECORD_NAME)
 
     def wrap(reader: RunReader, files: Mapping[Path, Sequence[TensorInfo]]) -> RunReader:
         tensors = {f"{path.name}/{t.name}": t for path, infos in files.items() for t in infos}  # names repeat per file
         view = Checkpoint(checkpoint.path, checkpoint.root, "safetensors", tensors, list(files))
-        return verified_reader(reader, view, record)
+        return verified_reader(reader, view, record, source=False)
 
     return wrap

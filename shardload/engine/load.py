@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from ..errors import CheckpointError, ShardloadError
+from ..format.input_log import records_inputs
 from ..format.shard_info import ShardInfo
 from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh, MeshCoord, as_mesh, stage_plans
@@ -156,6 +157,7 @@ def default_devices(num_shards: int) -> list[str]:
     return ["cpu"] * num_shards
 
 
+@records_inputs
 def load(
     model: str | os.PathLike[str],
     num_shards: int | None = None,
@@ -347,6 +349,7 @@ _BOXES_READ_OPTIONS = "{what}, which read_options does not steer (leave read_opt
 """The refusal of ``read_options`` where a rank is assembled from boxes of rank files (``engine/reshard.py``)."""
 
 
+@records_inputs
 def load_rank(
     model: str | os.PathLike[str],
     rank: int | None = None,

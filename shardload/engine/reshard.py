@@ -22,6 +22,7 @@ from ..planning.mesh import Mesh, stage_plans
 from ..planning.plan import ModelPlan, ParamPlan, build_plan
 from ..planning.reshard import OldPart, boxes_copyable, old_parts, whole
 from ..sources.checkpoint import (
+    CONVERSION_KEY,
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     MANIFEST_VERSION,
@@ -340,7 +341,7 @@ def open_shards(checkpoint: Checkpoint, *, verify: bool = False) -> ShardsSource
     headers: dict[tuple[int, int], dict[str, TensorInfo]] = {}
     for s in range(stages):
         for r in range(n_old):
-            path, problem = check_entry(checkpoint.root, entries[rank_file_name(r, n_old, s, stages)], verify)
+            path, problem = check_entry(checkpoint.root, entries[rank_file_name(r, n_old, s, stages)], verify, manifest)
             if problem is not None:
                 raise problem
             files[(s, r)] = path
@@ -455,7 +456,7 @@ def write_shards(
     ``layout``, streamed one tensor at a time; everything is planned and checked before the output is created."""
     from ..version import __version__
     from .output import StagingDir, check_output, publish_with_manifest, stamp_sources, write_error
-    from .writer import FileWriter, file_order, rank_header
+    from .writer import FileWriter, file_order, new_conversion, rank_header
 
     checkpoint = source.checkpoint
     stages = source.plan(layout)
@@ -464,6 +465,7 @@ def write_shards(
     exists = check_output(out, [*files, *source.extra_files], overwrite=overwrite)
     durable = exists if fsync is None else fsync
     record = record_of(source)
+    conversion = new_conversion()
     written: list[WrittenFile] = []
     try:
         with (
@@ -474,7 +476,7 @@ def write_shards(
                 for r in range(layout.tp):
                     handle = FileWriter(staging.dir / rank_file_name(r, layout.tp, pp, len(stages)), durable=durable)
                     try:
-                        handle.write(rank_header(plan, r, pp, len(stages)))
+                        handle.write(rank_header(plan, r, pp, len(stages), conversion))
                         for param in file_order(plan):
                             t = source.tensor(param, r, reader)
                             if t.numel():
@@ -493,6 +495,7 @@ def write_shards(
                 "version": MANIFEST_VERSION,
                 "shardload_version": __version__,
                 "num_shards": layout.tp,
+                CONVERSION_KEY: conversion,
                 "mesh": mesh,
                 "shard_info": build_plan(source.shard_info, source.stored, layout.tp).resolved_shard_info(),
                 "source": {"files": [{"path": f.name, "size": f.stat().st_size} for f in files]},

@@ -11,14 +11,17 @@ structure's runs, schedule and copy program are computed once and reused for eve
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
+from ..format import input_log
 from ..sources.dtypes import to_torch
 from ..sources.object_reader import reader_for
 from ..sources.reader import PAGE, FileMaps, Mappings, RunReader, count_requested
@@ -135,6 +138,9 @@ class Transfer:
         self.held: list[tuple[Callable[[], None], bool]] | None = [] if defer else None
         self.broken: BaseException | None = None
         """The failure of a ``wait``: the transfer's tensors are incomplete from then on."""
+        self.log = input_log.current()
+        self.sources: set[Any] = set()
+        """The files read: each checked after the last read against its identity when its header was parsed."""
 
     def _submit(self, fn: Callable[[], None], *, io: bool = False) -> None:
         """Run ``fn`` in the pool (``io``: in the pool of planned cold reads), or now without one."""
@@ -178,6 +184,7 @@ class Transfer:
 
         from ..planning.runs import structure, zero_spans
 
+        self.sources.add(plan.source.file)
         if out is not None:
             want = (tuple(plan.shape), to_torch(plan.dtype))
             if len(out) != len(ranks) or any((tuple(t.shape), t.dtype) != want or not t.is_contiguous() for t in out):
@@ -257,7 +264,8 @@ class Transfer:
                 program = self.programs[key] = copy_program(pieces, dest.element_size(), JOB_BYTES)
             mapping = self.filemaps.array(source.file)
             assert mapping is not None  # mapped above
-            jobs = mapped_copy_jobs(program, mapping, source, dest)
+            jobs = [partial(_intact_then, self.filemaps, source.file, source.offset + source.nbytes, job)
+                    for job in mapped_copy_jobs(program, mapping, source, dest)]  # fmt: skip
         else:
             jobs = staged_copy_jobs(data, source, pieces, dest, self._staging(pin=device.type == "cuda"))
         for job in jobs:
@@ -364,6 +372,7 @@ class Transfer:
         its mapping where ``mapped`` allows."""
         import torch
 
+        self.sources.update(t.file for t in infos)
         if self.mappings is not None and torch.device(device).type == "cpu":
             views = [self.mappings.tensor(t.file, t.offset, t.shape, to_torch(t.dtype)) for t in infos]
             rest = [k for k, v in enumerate(views) if v is None]
@@ -470,6 +479,7 @@ class Transfer:
         copies, self.copies = self.copies, []
         for c in copies:
             _apply_copies(c.copies, c.dests)
+        check_unchanged(self.sources, self.log)
 
     def _run_all(self, jobs: list[Callable[[], None]]) -> None:
         """Run ``jobs`` on the reader threads and this one, each taking the next job none has taken: one hand-off
@@ -562,3 +572,39 @@ def _apply_copies(copies: Copies, dests: list[torch.Tensor]) -> None:
     )  # fmt: skip
     for a, a_off, b, b_off, n in rows:
         flat[b][b_off : b_off + n].copy_(flat[a][a_off : a_off + n])
+
+
+def _how_changed(before: input_log.Stamp, now: input_log.Stamp | None) -> str:
+    if now is None:
+        return "removed"
+    if now[:2] != before[:2]:
+        return "replaced"
+    if now[2] != before[2]:
+        return "truncated" if now[2] < before[2] else "extended"
+    return "rewritten in place"
+
+
+def check_unchanged(files: Iterable[Any], log: input_log.InputLog | None) -> None:
+    """After a load's last read: every local file read is still the file whose header the load parsed (same device,
+    inode, size, modification and change time); one rewritten in place, truncated or replaced meanwhile is an error,
+    never a tensor of mixed bytes."""
+    if log is None or not log.stamps:
+        return
+    for path in files:
+        before = log.stamps.get(str(path))
+        if before is None:
+            continue
+        try:
+            now = input_log.stamp_of(os.stat(path))
+        except OSError:
+            now = None
+        if now != before:
+            what = _how_changed(before, now)
+            raise CheckpointError(f"changed while it was being loaded ({what}); nothing was returned: load it again "
+                                  "once nothing writes to it", file=str(path))  # fmt: skip
+
+
+def _intact_then(filemaps: FileMaps, path: Path, end: int, job: Callable[[], None]) -> None:
+    """Run a copy job out of ``path``'s mapping once the file still holds its ``end`` bytes."""
+    filemaps.intact(path, end)
+    job()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
 from ..sources.checkpoint import (
+    CONVERSION_KEY,
     MANIFEST_NAME,
     RANK_FILE_RE,
     Checkpoint,
@@ -59,9 +60,14 @@ class VerifyReport:
         return not self.problems
 
 
-def check_entry(root: Path, entry: dict[str, Any], checksum: bool) -> tuple[Path, CheckpointError | None]:
+def check_entry(
+    root: Path, entry: dict[str, Any], checksum: bool, manifest: dict[str, Any] | None = None, rank: int | None = None
+) -> tuple[Path, CheckpointError | None]:
     """Check one manifest entry's file: present, inside the directory, right size, a rank file's header
-    written for its rank, and the sha256 when ``checksum``."""
+    written for its rank (``rank``: a vLLM-layout file's) by the conversion ``manifest`` names, and the sha256 when
+    ``checksum``."""
+    manifest = manifest or {}
+    conversion = manifest.get(CONVERSION_KEY)
     name = entry["path"]
     full = root / name
     try:
@@ -74,11 +80,13 @@ def check_entry(root: Path, entry: dict[str, Any], checksum: bool) -> tuple[Path
     if size != entry["size"]:
         return full, CheckpointError(f"is {size} bytes, the manifest says {entry['size']}", file=str(full))
     match = RANK_FILE_RE.fullmatch(name)
-    if match:
-        try:
-            _check_rank_header(full, int(match[3]), int(match[4]), int(match[1] or 0), int(match[2] or 1))
-        except CheckpointError as err:
-            return full, err
+    try:
+        if match:
+            _check_rank_header(full, int(match[3]), int(match[4]), int(match[1] or 0), int(match[2] or 1), conversion)
+        elif rank is not None and conversion is not None:  # a vLLM-layout file this shardload wrote
+            _check_rank_header(full, rank, manifest["num_shards"], conversion=conversion)
+    except CheckpointError as err:
+        return full, err
     if checksum:
         digest = sha256_file(full)
         if digest != entry["sha256"]:
@@ -90,8 +98,11 @@ def check_entry(root: Path, entry: dict[str, Any], checksum: bool) -> tuple[Path
     return full, None
 
 
-def _check_rank_header(path: Path, rank: int, num_shards: int, stage: int = 0, stages: int = 1) -> None:
-    """A rank file must be a valid safetensors file written for this rank and N (catches renamed files)."""
+def _check_rank_header(
+    path: Path, rank: int, num_shards: int, stage: int = 0, stages: int = 1, conversion: str | None = None
+) -> None:
+    """A rank file must be a valid safetensors file written for this rank and N (catches renamed, copied and swapped
+    files) by the conversion ``conversion`` (catches a file of another convert copied in)."""
     _, metadata = read_header_and_metadata(path)
     said = (metadata.get("shardload.rank"), metadata.get("shardload.num_shards"))
     if said != (str(rank), str(num_shards)):
@@ -102,6 +113,12 @@ def _check_rank_header(path: Path, rank: int, num_shards: int, stage: int = 0, s
     if said_stage != (str(stage), str(stages)):
         raise CheckpointError(
             f"its header says pipeline stage {said_stage[0]} of {said_stage[1]}, not {stage} of {stages}",
+            file=str(path),
+        )
+    if conversion is not None and metadata.get("shardload.conversion") != conversion:
+        raise CheckpointError(
+            "was written by another conversion than this directory's manifest names (a rank file copied in from "
+            "another convert): convert again, or restore the file",
             file=str(path),
         )
 
@@ -132,7 +149,7 @@ def rank_file(checkpoint: Checkpoint, rank: int, layout: Mesh, *, stage: int = 0
         raise CheckpointError(f"rank {rank} is out of range for num_shards={num_shards}", file=where)
     name = rank_file_name(rank, num_shards, stage, stages)
     entry = next(f for f in manifest["files"] if f["path"] == name)  # check_manifest: every rank is listed
-    path, problem = check_entry(checkpoint.root, entry, checksum)
+    path, problem = check_entry(checkpoint.root, entry, checksum, manifest)
     if problem is not None:
         raise problem
     return path

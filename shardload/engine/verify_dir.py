@@ -73,7 +73,7 @@ def _vllm_manifest(path: Path) -> dict | None:
 def _check_files(report: VerifyReport, root: Path, manifest: dict) -> VerifyReport:
     """Every file the manifest lists (size, sha256, rank header) and any safetensors file it does not."""
     for entry in manifest["files"]:
-        _, problem = check_entry(root, entry, checksum=True)
+        _, problem = check_entry(root, entry, True, manifest)
         report.files += 1
         report.nbytes += entry["size"]
         if problem is not None:

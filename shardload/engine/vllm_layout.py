@@ -20,9 +20,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ShardloadError
+from ..format.input_log import records_inputs
 from ..models.vllm_names import vocab_range
 from ..planning.plan import ParamPlan
-from ..sources.checkpoint import VLLM_MANIFEST_FORMAT, Checkpoint, as_path, open_checkpoint, read_config
+from ..sources.checkpoint import (
+    CONVERSION_KEY,
+    VLLM_MANIFEST_FORMAT,
+    Checkpoint,
+    as_path,
+    open_checkpoint,
+    read_config,
+)
 from ..sources.object_reader import reader_for
 from ..version import __version__
 from .integrity import output_record, verifier, wrapped
@@ -46,7 +54,7 @@ from .vllm_plan import (
     plan_layout,
     rank_path,
 )
-from .writer import FileWriter, WrittenFile, write_output_record
+from .writer import FileWriter, WrittenFile, new_conversion, write_output_record
 
 __all__ = [
     "FILE_PATTERN",
@@ -139,6 +147,7 @@ def _body(
             yield param, [shards.tensor(param, r, reader) for r in range(num_shards)]
 
 
+@records_inputs
 def convert_vllm(
     model: str | os.PathLike[str],
     num_shards: int,
@@ -186,13 +195,13 @@ def convert_vllm(
         sources.append(Path(layout.plan.shard_info.source))
     exists = check_output(out, sources, overwrite=overwrite)
     durable = exists if fsync is None else fsync
-    header = layout.header()
+    conversion = new_conversion()
     try:
         with StagingDir(out, fsync, synced=durable, overwrite=overwrite) as staging:
             files = [FileWriter(staging.dir / FILE_PATTERN.format(rank=r), durable=durable) for r in range(num_shards)]
             try:
-                for f in files:
-                    f.write(header)
+                for r, f in enumerate(files):
+                    f.write(layout.header(r, num_shards, conversion))
                 for _, tensors in rank_tensors(layout, num_shards, shards, wrap):
                     for f, shard in zip(files, tensors, strict=True):
                         f.write(memoryview(shard.contiguous().reshape(-1).view(_u8()).numpy()))
@@ -205,6 +214,7 @@ def convert_vllm(
                 "version": 1,
                 "shardload_version": __version__,
                 "num_shards": num_shards,
+                CONVERSION_KEY: conversion,
                 "plan": plan_origin(layout, checkpoint.root),
                 "shard_info": layout.plan.resolved_shard_info(),
                 **({"expert_parallel": True} if expert_parallel else {}),

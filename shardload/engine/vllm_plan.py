@@ -33,6 +33,7 @@ from ..sources.checkpoint import (
     VLLM_MANIFEST_FORMAT,
     Checkpoint,
     TensorInfo,
+    check_conversion,
     manifest_file_entry,
     read_config,
     short_repr,
@@ -92,9 +93,16 @@ class VllmLayout:
     shard_info: ShardInfo | None = None
     """The shard_info the layout was planned from (vocabulary steps included), for the manifest's record."""
 
-    def header(self) -> bytes:
-        """The safetensors header every rank file shares (all ranks hold the same shapes)."""
-        header: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": f"shardload {__version__}"}}
+    def header(self, rank: int | None = None, num_shards: int | None = None, conversion: str | None = None) -> bytes:
+        """The safetensors header of a rank file (all ranks hold the same shapes); its metadata names ``rank`` of
+        ``num_shards`` and the ``conversion`` when given, so a file copied, swapped or brought from another convert
+        is caught."""
+        meta = {"format": "pt", "writer": f"shardload {__version__}"}
+        if rank is not None:
+            meta.update({"shardload.rank": str(rank), "shardload.num_shards": str(num_shards)})
+        if conversion is not None:
+            meta["shardload.conversion"] = conversion
+        header: dict[str, Any] = {"__metadata__": meta}
         offset = 0
         for t in self.tensors:
             size = itemsize(t.dtype)
@@ -355,6 +363,7 @@ def check_vllm_manifest(manifest: Any, where: Path) -> None:
         raise bad("needs an integer 'num_shards' >= 1 and a 'files' list")
     if n > MAX_RANKS:
         raise bad(f"num_shards={n} is over the limit of {MAX_RANKS}")
+    check_conversion(manifest, bad)
     seen: set[str] = set()
     ranks: set[int] = set()
     for entry in files:
@@ -409,7 +418,7 @@ def open_vllm_shards(model: Any, verify: bool = False) -> ShardsSource | None:
     entries = {e["path"]: e for e in manifest["files"]}
     found: dict[int, dict[str, TensorInfo]] = {}
     for r in range(n_old):
-        path, problem = check_entry(root, entries[FILE_PATTERN.format(rank=r)], verify)
+        path, problem = check_entry(root, entries[FILE_PATTERN.format(rank=r)], verify, manifest, rank=r)
         if problem is not None:
             raise problem
         found[r] = read_header(path)

@@ -23,7 +23,7 @@ from ..errors import CheckpointError, ShardloadError
 from ..format.shard_info import MAX_RANKS, ShardInfo
 from ..models.families import vllm_names, vllm_packing
 from ..models.vllm_names import EXPERTS_MODULE, is_vocab
-from ..sources.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo, read_config, read_header
+from ..sources.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo, read_config, read_header_and_metadata
 from ..sources.dtypes import itemsize
 from .reshard import STORED, stored_shape
 
@@ -100,10 +100,13 @@ def read_vllm_save(root: Path) -> VllmSave | None:
             file=str(root),
         )
     headers: dict[int, dict[str, TensorInfo]] = {}
+    conversions: dict[str, Path] = {}
     for r, paths in files.items():
         merged: dict[str, TensorInfo] = {}
         for path in paths:
-            for name, info in read_header(path).items():
+            header, metadata = read_header_and_metadata(path)
+            _check_written_for(path, metadata, r, n, conversions)
+            for name, info in header.items():
                 if name in merged:
                     raise CheckpointError(f"is also in {merged[name].file.name}: each tensor is saved once per rank",
                                           file=str(path), param=name)  # fmt: skip
@@ -112,6 +115,23 @@ def read_vllm_save(root: Path) -> VllmSave | None:
     config = read_config(root)
     stored = _stored_header(root, config, headers[0], n)
     return VllmSave(n, stored, headers, files)
+
+
+def _check_written_for(path: Path, metadata: dict[str, str], rank: int, n: int, seen: dict[str, Path]) -> None:
+    """A file ``convert --layout vllm`` wrote names its rank, N and conversion in its metadata: refuse one at another
+    rank's name (copied or swapped) or from another conversion than the other files (``seen`` collects them).
+    vLLM's own saves carry none of this, and are sampled by :func:`check_contents` instead."""
+    said = metadata.get("shardload.rank"), metadata.get("shardload.num_shards")
+    if said != (None, None) and said != (str(rank), str(n)):
+        raise CheckpointError(f"its header says rank {said[0]} of {said[1]}, not rank {rank} of {n} (a rank file "
+                              "copied or swapped under another rank's name)", file=str(path))  # fmt: skip
+    conversion = metadata.get("shardload.conversion")
+    if conversion is not None:
+        other = next((p for c, p in seen.items() if c != conversion), None)
+        if other is not None:
+            raise CheckpointError(f"was written by another conversion than {other.name} (a rank file copied in from "
+                                  "another convert)", file=str(path))  # fmt: skip
+        seen.setdefault(conversion, path)
 
 
 def _stored_header(root: Path, config: dict[str, Any], rank0: dict[str, TensorInfo], n: int) -> Checkpoint:

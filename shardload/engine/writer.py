@@ -85,7 +85,14 @@ def fsync_tree(path: Path) -> None:
     fsync_dir(path)
 
 
-def rank_header(plan: ModelPlan, rank: int, stage: int = 0, stages: int = 1) -> bytes:
+def new_conversion() -> str:
+    """A fresh id for one convert run, written in its manifest and in every rank file's metadata."""
+    import secrets
+
+    return secrets.token_hex(16)
+
+
+def rank_header(plan: ModelPlan, rank: int, stage: int = 0, stages: int = 1, conversion: str | None = None) -> bytes:
     """The safetensors header of ``rank``'s file (length prefix included, padded to 8 bytes).
 
     Its metadata names the rank and N (and the pipeline stage when there are several), so a renamed
@@ -94,6 +101,8 @@ def rank_header(plan: ModelPlan, rank: int, stage: int = 0, stages: int = 1) -> 
     meta = {"format": "pt", "shardload.rank": str(rank), "shardload.num_shards": str(plan.num_shards)}
     if stages > 1:
         meta.update({"shardload.pp": str(stage), "shardload.num_pp": str(stages)})
+    if conversion is not None:
+        meta["shardload.conversion"] = conversion
     header: dict[str, Any] = {"__metadata__": meta}
     offset = 0
     for p in file_order(plan):
@@ -218,6 +227,7 @@ def write_rank_files(
     stages: int = 1,
     durable: bool = True,
     wrap: Callable[[Any], Any] | None = None,
+    conversion: str | None = None,
 ) -> list[WrittenFile]:
     """Write rank r's safetensors file to ``names[r]`` for every rank of ``plan``; new files only.
 
@@ -238,7 +248,7 @@ def write_rank_files(
         for path in names:
             files.append(FileWriter(path, durable=durable))
         for r, f in enumerate(files):
-            f.write(rank_header(plan, r, stage, stages))
+            f.write(rank_header(plan, r, stage, stages, conversion))
         with wrapped(reader_for_plan(params), wrap) as reader:
             shared = _Shared(workers)
 

@@ -9,6 +9,7 @@ import stat
 from pathlib import Path
 
 from ..errors import ShardloadError
+from . import input_log
 
 
 def read_small(path: Path, limit: int, what: str, error: type[ShardloadError] = ShardloadError) -> bytes:
@@ -35,6 +36,7 @@ def read_small(path: Path, limit: int, what: str, error: type[ShardloadError] = 
         data = b"".join(parts)
         if len(data) > limit:
             raise error(f"{what} grew past the {limit} byte limit while being read", file=str(path))
+        input_log.note(path, data)
         return data
     except OSError as err:
         raise error(f"cannot read {what}: {err.strerror or err}", file=str(path)) from None

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, printable
-from ..format import strictjson
+from ..format import input_log, strictjson
 from ..format.shard_info import MAX_RANKS
 from ..format.smallfile import read_small
 from .dtypes import DTYPES, FROM_SAFETENSORS
@@ -32,6 +32,10 @@ SHARD_INFO_NAME = "shard_info.json"
 CONFIG_NAME = "config.json"
 MANIFEST_FORMAT = "shardload.converted"
 MANIFEST_VERSION = 1
+CONVERSION_KEY = "conversion"
+"""The manifest key (and ``shardload.conversion`` in each rank file's metadata) naming one convert run: a rank file
+copied in from another conversion is refused by it."""
+CONVERSION_RE = re.compile(r"[0-9a-f]{32}")
 VLLM_MANIFEST_FORMAT = "shardload.vllm-sharded-state"
 """The manifest format of a directory in vLLM's ``sharded_state`` layout (``convert --layout vllm``)."""
 MAX_HEADER_BYTES = 100 << 20
@@ -390,6 +394,7 @@ def check_manifest(manifest: Any, where: Path) -> None:
         raise bad("needs an integer 'num_shards' >= 1 and a 'files' list")
     if n > MAX_RANKS:
         raise bad(f"num_shards={n} is over the limit of {MAX_RANKS}")
+    check_conversion(manifest, bad)
     info = manifest.get("shard_info")
     if not isinstance(info, dict) or info.get("num_shards") != n:
         raise bad(f"'shard_info' must be an object for num_shards={n}")
@@ -418,6 +423,13 @@ def check_manifest(manifest: Any, where: Path) -> None:
         total = n * stages
         name = rank_file_name(missing[0][1], n, missing[0][0], stages)
         raise bad(f"lists no file {name} ({len(missing)} of {total} rank files unlisted)")
+
+
+def check_conversion(manifest: dict[str, Any], bad: Any) -> None:
+    """A manifest's conversion id, when it has one, must be 32 hex digits (older manifests have none)."""
+    conversion = manifest.get(CONVERSION_KEY)
+    if conversion is not None and not (isinstance(conversion, str) and CONVERSION_RE.fullmatch(conversion)):
+        raise bad(f"'{CONVERSION_KEY}' must be 32 hex digits, got {short_repr(conversion)}")
 
 
 def manifest_file_entry(entry: Any, seen: set[str], where: Path) -> str:
@@ -523,8 +535,11 @@ def _object_header(path: ObjectPath) -> tuple[bytes, int, int]:
     if size is None:
         raise CheckpointError("no such object", file=name)
     _check_size(size, name)
-    header_len = _header_length(path.store.read(path.key, 0, 8), size, name)
-    return path.store.read(path.key, 8, 8 + header_len), header_len, size
+    first = path.store.read(path.key, 0, 8)
+    header_len = _header_length(first, size, name)
+    raw = path.store.read(path.key, 8, 8 + header_len)
+    input_log.note(path, first + raw)
+    return raw, header_len, size
 
 
 def _check_size(size: int, name: str) -> None:
@@ -561,10 +576,13 @@ def _file_header(path: Path) -> tuple[bytes, int, int]:
     try:
         with open(path, "rb") as fh:
             exact_reads(fh.fileno())
-            size = os.fstat(fh.fileno()).st_size
+            st = os.fstat(fh.fileno())
+            size = st.st_size
             _check_size(size, name)
-            header_len = _header_length(fh.read(8), size, name)
+            first = fh.read(8)
+            header_len = _header_length(first, size, name)
             raw = fh.read(header_len)
+            input_log.note(path, first + raw, st)
     except OSError as err:
         raise CheckpointError(f"cannot read: {err.strerror or err}", file=name) from None
     return raw, header_len, size

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import CheckpointError, ShardloadError
+from ..format import input_log
 
 REQUEST_BYTES = 8 << 20
 """Largest ranged GET by default (:attr:`ObjectCost.request_bytes`): longer runs are split, and merged runs stop
@@ -340,7 +341,9 @@ class ObjectPath:
             raise CheckpointError(f"{what} is {size} bytes, over the {cap} byte cap on small objects", file=str(self))
         if size > limit:
             raise CheckpointError(f"{what} is {size} bytes, over the {limit} byte limit", file=str(self))
-        return self.store.read(self.key, 0, size)
+        data = self.store.read(self.key, 0, size)
+        input_log.note(self, data)
+        return data
 
     def write_bytes(self, data: bytes) -> None:
         """Put ``data`` as this object (one request; a failure is one line naming the object)."""

@@ -411,6 +411,23 @@ class FileMaps:
         entry = self._entry(path)
         return None if entry is None else entry[1]
 
+    def intact(self, path: Path, end: int) -> None:
+        """Refuse to copy out of ``path``'s mapping when the file is now shorter than ``end`` bytes (cut while a load
+        reads it): checked before each copy job, so a file truncated between jobs is one error, not a SIGBUS."""
+        entry = self._maps.get(path)
+        if entry is None:
+            return
+        try:
+            size = entry[0].size()
+        except (OSError, ValueError):
+            return
+        if size < end:
+            raise CheckpointError(
+                f"changed while it was being loaded (truncated to {size} bytes); nothing was returned: load it again "
+                "once nothing writes to it",
+                file=str(path),
+            )
+
     def array(self, path: Path) -> np.ndarray | None:
         """The same bytes as a read-only numpy uint8 array (slicing one costs a fraction of a torch view's time)."""
         entry = self._entry(path)

@@ -167,6 +167,8 @@ class VerifiedReader(RunReader):
         o = src - region.offset
         boxes = [(a, b, 0, B) for a, b in zip((o // B).tolist(), (-(-(o + length) // B)).tolist(), strict=True)]
         mapped = self.maps.array(path) if self.maps is not None and self._cached(path, region, boxes) else None
+        if mapped is not None:
+            self.maps.intact(path, region.end)  # type: ignore[union-attr]
         if mapped is None:
             order = np.argsort(src, kind="stable")
             if self.maps is not None:
@@ -233,6 +235,8 @@ class VerifiedReader(RunReader):
         outs = [buffer_array(t) for t in buffers]
         boxes = [(a, a + n, int(c), int(c + d)) for a, n, c, d in zip(t0.tolist(), th.tolist(), c0, tw, strict=True)]
         mapped = self.maps.array(path) if self.maps is not None and self._cached(path, region, boxes) else None
+        if mapped is not None:
+            self.maps.intact(path, region.end)  # type: ignore[union-attr]
         if mapped is None and self.maps is not None and int(length.sum()) < len(length) * (PAGE // 2):
             mapped = self._request_pages(path, src, src + length)  # short runs: copied out as their pages arrive
         if mapped is None and self.maps is None:
@@ -331,6 +335,7 @@ class VerifiedReader(RunReader):
         mapped = self.maps.array(path)
         if mapped is None:
             return None
+        self.maps.intact(path, int(ends[-1]))
         lo, hi = _pages(starts, ends)
         self.inner.no_readahead(path)  # type: ignore[attr-defined]
         self.maps.no_readahead(path, lo[0], hi[-1])
@@ -399,6 +404,8 @@ class VerifiedReader(RunReader):
 
         B = region.row_bytes
         mapped = self.maps.array(path) if self.maps is not None and self._cached(path, region, boxes) else None
+        if mapped is not None:
+            self.maps.intact(path, region.end)  # type: ignore[union-attr]
         if mapped is not None:
             grid = flat.reshape(-1, B)
             rows = mapped[region.offset : region.end].reshape(-1, B)

@@ -53,6 +53,9 @@ class Faults:
     only_get: bool = True
     forbidden: set[str] = field(default_factory=set)
     """Keys answered with 403 AccessDenied, every time."""
+    forge: dict[str, Any] = field(default_factory=dict)
+    """Key -> ``f(body, range) -> bytes | None``: a GET's body replaced by what ``f`` returns (None: served as is), a
+    store that lies about an object's bytes while its size stays right."""
     count: int = 0
     injected: int = 0
 
@@ -176,6 +179,9 @@ class FaultyProxy:
             self._local.conn = None
             conn.close()
             raise
+        forge = self.faults.forge.get(key) if h.command == "GET" and resp.status in (200, 206) else None
+        if forge is not None:
+            data = forge(data, rng) or data
         if h.command == "GET" and resp.status == 206 and fault in ("lie", "short", "trickle", "trickle-headers"):
             self._hostile_range(h, resp, data, fault)
             return

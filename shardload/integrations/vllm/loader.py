@@ -24,6 +24,7 @@ from ...engine.load import load_rank
 from ...engine.read_strategy import ReadOptions
 from ...engine.vllm_plan import open_vllm_shards
 from ...errors import ShardloadError
+from ...format.input_log import records_inputs
 from ...format.shard_info import ShardInfo, StepSpec
 from ...models.families import vllm_names
 from ...models.plan_source import plan_shard_info
@@ -146,6 +147,7 @@ class _Fused:
     names: list[str | None]
 
 
+@records_inputs
 def fill_model(
     model: nn.Module,
     model_dir: str | os.PathLike[str],

@@ -1,0 +1,84 @@
+"""What one load parsed from its inputs, kept for the length of the load: the bytes of each small input (safetensors
+headers, shard_info, config.json, indexes), so a verified load checks exactly those bytes against its integrity
+record instead of reading the file again (a store that answers differently twice cannot slip a forged plan
+through); and each local weight file's identity when its header was read, so a file changed under the load (rewritten
+in place, truncated, replaced) is an error rather than a mix of old and new bytes."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+Stamp = tuple[int, int, int, int, int]
+"""A local file's device, inode, size, modification and change time (ns): any write, truncation or replacement
+changes one of them."""
+
+
+@dataclass
+class InputLog:
+    """The inputs one load parsed: bytes by path, and local files' stamps when their headers were read."""
+
+    data: dict[str, bytes] = field(default_factory=dict)
+    stamps: dict[str, Stamp] = field(default_factory=dict)
+
+
+_LOG: ContextVar[InputLog | None] = ContextVar("shardload_input_log", default=None)
+
+
+def stamp_of(st: os.stat_result) -> Stamp:
+    """The :data:`Stamp` of a ``stat`` result."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def note(path: Any, data: bytes, st: os.stat_result | None = None) -> None:
+    """Record that ``data`` (the file's bytes from offset 0) was read from ``path`` to be parsed, and the file's
+    ``stat`` then, if a load is recording."""
+    log = _LOG.get()
+    if log is not None:
+        log.data[str(path)] = bytes(data)
+        if st is not None:
+            log.stamps[str(path)] = stamp_of(st)
+
+
+def parsed(path: Any) -> bytes | None:
+    """The bytes last read from ``path`` in this load for parsing, or None (not recorded: read it again)."""
+    log = _LOG.get()
+    return None if log is None else log.data.get(str(path))
+
+
+def current() -> InputLog | None:
+    """The log of the load running in this context (None outside one)."""
+    return _LOG.get()
+
+
+@contextmanager
+def recording() -> Iterator[InputLog]:
+    """Record the inputs parsed inside this block (nested blocks share the outer one's record)."""
+    log = _LOG.get()
+    if log is not None:
+        yield log
+        return
+    log = InputLog()
+    token = _LOG.set(log)
+    try:
+        yield log
+    finally:
+        _LOG.reset(token)
+
+
+def records_inputs(fn: F) -> F:
+    """Decorate an entry point (a load, a convert) so the inputs it parses are recorded for its checks."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with recording():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,113 @@
+"""A source file that changes while a load reads it (rewritten in place, truncated, replaced) is one clear error:
+never a tensor of mixed old and new bytes, never a SIGBUS. The change is made from the load's own progress callback,
+so it lands between read jobs, as a concurrent writer's would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import shardload
+from helpers.checkpoints import write_model
+from helpers.verified import shard
+from shardload.engine.integrity import hash_model
+from shardload.errors import ShardloadError
+
+
+def _model(directory: Path) -> Path:
+    """Many row- and column-split tensors (many read jobs), hashed."""
+    rng = np.random.default_rng(3)
+    tensors, params = {}, {}
+    for i in range(16):
+        tensors[f"w{i}.weight"] = rng.standard_normal((256, 1024)).astype(np.float16)
+        params[f"w{i}.weight"] = [shard([256, 1024], i % 2)]
+    model = write_model(directory, tensors, {"version": 1, "num_shards": None, "params": params})
+    hash_model(model)
+    return model
+
+
+def _rewrite(path: Path) -> None:
+    """Every byte after the header flipped, in place: same size, same inode."""
+    data = bytearray(path.read_bytes())
+    (n,) = np.frombuffer(bytes(data[:8]), dtype="<u8")
+    body = np.frombuffer(data, dtype=np.uint8, offset=8 + int(n))
+    with open(path, "r+b") as f:
+        f.seek(8 + int(n))
+        f.write((body ^ 0x5A).tobytes())
+
+
+@pytest.mark.parametrize("strategy", ["auto", "map", "read"])
+def test_a_file_rewritten_in_place_during_a_load_is_an_error(tmp_path: Path, strategy: str) -> None:
+    model = _model(tmp_path / "m")
+    calls = []
+
+    def progress(done: int, total: int) -> None:
+        if not calls:
+            _rewrite(model / "model.safetensors")
+        calls.append(done)
+
+    with pytest.raises(ShardloadError) as err:
+        shardload.load_rank(model, 1, 2, progress=progress, read_options=shardload.ReadOptions(strategy=strategy))
+    text = str(err.value)
+    assert "model.safetensors" in text and "changed while" in text and "\n" not in text, text
+    assert calls, "the change was never made"
+    assert shardload.load_rank(model, 1, 2)  # the file as it is now loads
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys, shardload
+    from shardload.errors import ShardloadError
+    model, strategy, verify = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    path = os.path.join(model, "model.safetensors")
+    size = os.path.getsize(path)
+    done = []
+    def progress(d, t):
+        if not done:
+            os.truncate(path, size // 3)
+        done.append(d)
+    try:
+        shardload.load_rank(model, 1, 2, progress=progress, verify=verify,
+                            read_options=shardload.ReadOptions(strategy=strategy))
+    except ShardloadError as err:
+        print("ERROR", err)
+        sys.exit(3)
+    print("LOADED", len(done))
+    """
+)
+
+
+@pytest.mark.parametrize(("strategy", "verify"), [("auto", False), ("map", False), ("auto", True), ("map", True),
+                                                  ("read", True)])  # fmt: skip
+def test_a_file_truncated_during_a_load_is_an_error_not_a_sigbus(tmp_path: Path, strategy: str, verify: bool) -> None:
+    model = _model(tmp_path / "m")
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(model), strategy, "1" if verify else "0"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 3, (done.returncode, done.stdout, done.stderr[-2000:])
+    line = done.stdout.strip()
+    assert line.startswith("ERROR") and "model.safetensors" in line and "\n" not in line, line
+
+
+def test_a_file_replaced_during_a_load_is_an_error(tmp_path: Path) -> None:
+    model = _model(tmp_path / "m")
+    other = _model(tmp_path / "o")
+    _rewrite(other / "model.safetensors")
+    calls = []
+
+    def progress(done: int, total: int) -> None:
+        if not calls:
+            os.replace(other / "model.safetensors", model / "model.safetensors")
+        calls.append(done)
+
+    with pytest.raises(ShardloadError) as err:
+        shardload.load_rank(model, 0, 2, progress=progress)
+    assert "replaced" in str(err.value), err.value
+    info = json.loads((model / "shard_info.json").read_text())
+    assert info["params"]  # the model is intact apart from its replaced weights
