@@ -534,7 +534,8 @@ def plan(
 @click.argument("shard_info_path", metavar="SHARD_INFO", type=click.Path(path_type=Path))
 @click.option("--model", type=MODEL, help="Check against this checkpoint's tensors.")
 @click.option("-n", "--num-shards", "num_shards", type=click.IntRange(min=1), multiple=True,
-              help="N to check (repeatable). Default: the file's N, or 1, 2, 4, 8 for an N-agnostic file.")  # fmt: skip
+              help="N to check (repeatable). Default: the file's N, else the N it records it plans for "
+                   "(shardload plan writes them), else 1, 2, 4, 8.")  # fmt: skip
 @click.option("--list-valid-n", is_flag=True,
               help=f"Check every N in 1..{MAX_LISTED_N} (or the -n values), print each failing N's first problem "
                    "and the N that work; exit 0 when some N works.")  # fmt: skip

@@ -1,0 +1,77 @@
+"""What the command line tells a user when an N, a file or an option does not fit (issue 44): the reason that blocks,
+the file it is about, and the N a generated shard_info records. Models here are tiny numpy checkpoints (no
+transformers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from safetensors.numpy import save_file
+
+from shardload.cli.main import main
+
+HIDDEN = 64
+
+
+def _model(directory: Path, model_type: str, heads: int, kv_heads: int, head_dim: int, vocab: int = 256) -> Path:
+    """A one-layer checkpoint with separate q/k/v projections (biases for qwen2) and its config.json."""
+    attn = "model.layers.0.self_attn."
+    shapes = {
+        "model.embed_tokens.weight": (vocab, HIDDEN),
+        attn + "q_proj.weight": (heads * head_dim, HIDDEN),
+        attn + "k_proj.weight": (kv_heads * head_dim, HIDDEN),
+        attn + "v_proj.weight": (kv_heads * head_dim, HIDDEN),
+        attn + "o_proj.weight": (HIDDEN, heads * head_dim),
+        "model.layers.0.mlp.gate_proj.weight": (128, HIDDEN),
+        "model.layers.0.mlp.up_proj.weight": (128, HIDDEN),
+        "model.layers.0.mlp.down_proj.weight": (HIDDEN, 128),
+        "lm_head.weight": (vocab, HIDDEN),
+    }
+    if model_type == "qwen2":
+        shapes |= {attn + f"{p}_proj.bias": (shapes[attn + f"{p}_proj.weight"][0],) for p in "qkv"}
+    directory.mkdir(parents=True)
+    save_file({k: np.ones(s, dtype=np.float16) for k, s in shapes.items()}, str(directory / "model.safetensors"))
+    config = {
+        "model_type": model_type, "hidden_size": HIDDEN, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "vocab_size": vocab, "num_hidden_layers": 1,
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture()
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def test_validate_without_model_refuses_an_n_the_file_records_it_does_not_plan_for(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    model = _model(tmp_path / "gemma2", "gemma2", heads=4, kv_heads=2, head_dim=16)
+    plan_file = tmp_path / "gemma2-plan.json"
+    written = runner.invoke(main, ["plan", str(model), "-o", str(plan_file)])
+    assert written.exit_code == 0 and "num_shards 1, 2, 4\n" in written.output, written.output
+    result = runner.invoke(main, ["validate", str(plan_file), "-n", "64"])
+    assert result.exit_code == 1
+    assert result.output.splitlines() == [
+        f"{plan_file}: num_shards=64 is not among the N this file records it plans for "
+        "(num_shards 1, 2, 4; checked 1..64 by `shardload plan`)"
+    ]
+    report = json.loads(runner.invoke(main, ["validate", str(plan_file), "-n", "64", "--json"]).output)
+    assert report["verdict"] == "fail" and report["valid_for"] == []
+    assert runner.invoke(main, ["validate", str(plan_file), "-n", "4"]).exit_code == 0
+    listed = runner.invoke(main, ["validate", str(plan_file), "--list-valid-n"])
+    assert listed.exit_code == 0 and listed.output.endswith(f"{plan_file}: valid for num_shards 1, 2, 4\n")
+
+
+def test_validate_checks_the_n_the_file_records_by_default(runner: CliRunner, tmp_path: Path) -> None:
+    model = _model(tmp_path / "qwen2p", "qwen2", heads=4, kv_heads=2, head_dim=16)
+    assert runner.invoke(main, ["plan", str(model)]).exit_code == 0
+    for extra in ([], ["--model", str(model)]):
+        result = runner.invoke(main, ["validate", str(model / "shard_info.json"), *extra])
+        assert result.exit_code == 0, result.output
+        assert result.output == f"{model / 'shard_info.json'}: valid for num_shards 1, 2, 4\n"
