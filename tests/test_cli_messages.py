@@ -75,3 +75,29 @@ def test_validate_checks_the_n_the_file_records_by_default(runner: CliRunner, tm
         result = runner.invoke(main, ["validate", str(model / "shard_info.json"), *extra])
         assert result.exit_code == 0, result.output
         assert result.output == f"{model / 'shard_info.json'}: valid for num_shards 1, 2, 4\n"
+
+
+def test_a_plan_made_in_memory_blames_the_heads_before_the_vocabulary_padding(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    model = _model(tmp_path / "llama", "llama", heads=8, kv_heads=8, head_dim=8, vocab=250)  # 250 pads to 256
+    result = runner.invoke(main, ["convert", str(model), "-n", "3", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    error = result.stderr.splitlines()[-1]
+    first = error.split(" (and ")[0]
+    assert "self_attn." in first and "(shard_funcs.shard_segments)" in first, error
+    assert first.endswith(("so a head would be cut", "neither divides its 8 KV heads nor is a multiple of them"))
+    assert "pad" not in first
+    assert (
+        "num_attention_heads=8 is not divisible by num_shards=3"
+        in runner.invoke(main, ["plan", str(model), "-n", "3", "-o", "-"]).stderr
+    )
+
+
+def test_a_head_cut_in_separate_projections_is_not_called_a_fused_qkv(runner: CliRunner, tmp_path: Path) -> None:
+    model = _model(tmp_path / "gemma2", "gemma2", heads=4, kv_heads=2, head_dim=16)
+    result = runner.invoke(main, ["convert", str(model), "-n", "8", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    error = result.stderr.splitlines()[-1]
+    assert "segment 0 holds 4 units of 16 (4 heads of head_dim 16); 4 is not divisible by num_shards=8" in error
+    assert "fused" not in error

@@ -336,9 +336,25 @@ def _plain(value: object, depth: int = 0) -> bool:
     return False
 
 
+HEAD_STEPS = frozenset({"shard_funcs.shard_segments", "shard_funcs.reorder_segments"})
+"""Steps that split whole heads: their problems are the model's own head counts, which no option changes."""
+
+
+def _blocking_rank(problem: ShardloadError) -> int:
+    """Which problem a failed plan reports first: one of the file or of a head split (as ``shardload plan -n N``
+    says, from config.json's head counts), then the rest, and last a padding step's (a choice: --vocab-padding)."""
+    if problem.step is None or problem.func in HEAD_STEPS:
+        return 0
+    try:
+        pads = isinstance(problem.func, str) and lookup(problem.func).pads
+    except StepArgumentError:
+        pads = False
+    return 2 if pads else 1
+
+
 def _finish(plan: ModelPlan, strict: bool) -> ModelPlan:
     if strict and plan.problems:
-        first = plan.problems[0]
+        first = min(plan.problems, key=_blocking_rank)  # the first of the lowest rank
         more = len(plan.problems) - 1
         if more:
             first.reason += f" (and {more} more problem{'s' if more > 1 else ''}; see {_report_command(plan)})"
