@@ -101,3 +101,80 @@ def test_a_head_cut_in_separate_projections_is_not_called_a_fused_qkv(runner: Cl
     error = result.stderr.splitlines()[-1]
     assert "segment 0 holds 4 units of 16 (4 heads of head_dim 16); 4 is not divisible by num_shards=8" in error
     assert "fused" not in error
+
+
+def test_share_reads_refused_on_another_n_does_not_sound_missing(example_dir: Path, tmp_path: Path) -> None:
+    import shardload
+    from shardload.errors import ShardloadError
+
+    out = tmp_path / "tp2"
+    shardload.convert(example_dir, 2, out)
+    with pytest.raises(ShardloadError) as err:
+        shardload.load_rank(out, 0, 4, mmap=True)
+    assert str(err.value) == (
+        f"{out}: was converted for num_shards=2: loading it for dp=1,pp=1,tp=4 reads boxes of several rank files; "
+        "share_reads and mmap do not apply there (load without them)"
+    )
+
+
+def test_the_hint_after_the_first_problem_names_what_to_validate(example_dir: Path) -> None:
+    import shardload
+    from shardload.errors import PlanError
+    from shardload.format.shard_info import ShardInfo
+    from shardload.planning.plan import build_plan
+
+    file = example_dir / "shard_info.json"
+    with pytest.raises(PlanError) as err:
+        build_plan(ShardInfo.load(file), None, 3)
+    assert str(err.value).endswith(f"more problems; see `shardload validate {file} -n 3`)"), str(err.value)
+    with pytest.raises(PlanError) as err:
+        shardload.plan_model(example_dir, 3, shard_info=json.loads(file.read_text()))
+    assert str(err.value).endswith(
+        "more problems; see `shardload.validate(shard_info, model, num_shards=3)`, which lists them)"
+    ), str(err.value)
+
+
+def test_an_interrupted_convert_names_the_output_it_removed(
+    runner: CliRunner, example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shardload.engine.convert
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shardload.engine.convert, "convert", interrupted)
+    out = tmp_path / "out"
+    result = runner.invoke(main, ["convert", str(example_dir), "-n", "2", "-o", str(out)])
+    assert result.exit_code == 130
+    assert result.stderr == f"interrupted: {out} was not written (the partial output was removed)\n"
+
+
+def test_a_bad_verify_root_is_told_in_the_command_lines_terms(
+    runner: CliRunner, example_dir: Path, tmp_path: Path
+) -> None:
+    out = str(tmp_path / "o")
+    result = runner.invoke(main, ["convert", str(example_dir), "-n", "2", "-o", out, "--verify", "0000"])
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "error: --verify takes a 64-digit root hash from `shardload hash` (or no value: check MODEL's record), "
+        "got '0000'\n"
+    )
+
+
+def test_convert_counts_only_the_companion_files_it_copied(
+    runner: CliRunner, example_dir: Path, tmp_path: Path
+) -> None:
+    result = runner.invoke(main, ["convert", str(example_dir), "-n", "2", "-o", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    companions = sorted(p.name for p in example_dir.iterdir() if p.suffix == ".json" and p.name != "shard_info.json")
+    assert len(companions) == 3  # config, generation_config, tokenizer_config
+    assert result.output.endswith(f"wrote 2 rank files and 3 copied file(s) to {tmp_path / 'o'}\n")
+
+
+def test_example_help_says_what_example_builds(runner: CliRunner) -> None:
+    from shardload.cli.example import EXAMPLE_CONFIG
+
+    assert EXAMPLE_CONFIG["model_type"] == "phi3"
+    text = " ".join(runner.invoke(main, ["example", "--help"]).output.split())
+    assert "tiny Phi-3" in text and "Llama" not in text
+    assert "a tiny Phi-3" in Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()

@@ -141,16 +141,24 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
                 _echo_failure({"kind": type(err).__name__, "message": message}, 1)
             _fail(message)
         except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
+            click.echo(_stopped("interrupted", kwargs.get("out_dir")), err=True)
             sys.exit(130)
         except _Terminated as err:
-            click.echo(f"terminated by {signal.Signals(err.signum).name}", err=True)
+            click.echo(_stopped(f"terminated by {signal.Signals(err.signum).name}", kwargs.get("out_dir")), err=True)
             sys.exit(128 + err.signum)
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
     return wrapper
+
+
+def _stopped(what: str, out_dir: Path | None) -> str:
+    """The line a command stopped by a signal prints: what stopped it and, for one that writes a directory, which
+    (its staging directory is removed on the way out; an existing OUT stays as it was)."""
+    if out_dir is None:
+        return what
+    return printable(f"{what}: {out_dir} was not written (the partial output was removed)")
 
 
 class _ProgressBar:
@@ -278,7 +286,7 @@ def _show_plan_notes() -> None:
 @click.option("--multi-file", is_flag=True, help="Split weights over two files with an index.json.")
 @_guarded
 def example(out_dir: Path, overwrite: bool, multi_file: bool) -> None:
-    """Write the built-in example model (Llama-shaped, fused QKV with GQA, float16) to OUT_DIR."""
+    """Write the built-in example model (a tiny Phi-3: fused QKV with GQA, fused gate_up, float16) to OUT_DIR."""
     from .example import write_example
 
     out = write_example(out_dir, overwrite=overwrite, multi_file=multi_file)
@@ -343,6 +351,9 @@ def convert(
     from ..engine.convert import convert as run_convert
     from .report import format_table, human_bytes
 
+    if verify not in (None, "record") and not _root_hash(verify):
+        raise BadArgument(f"--verify takes a 64-digit root hash from `shardload hash` (or no value: check MODEL's "
+                          f"record), got {verify!r}")  # fmt: skip
     if layout_name == "vllm":
         checked = verify == "record" or verify or False
         _convert_vllm(model, num_shards, out_dir, shard_info, overwrite, fsync, quiet, as_json, mesh, checked,
@@ -381,8 +392,19 @@ def convert(
     headers = ["pp", "rank"] if len(stages) > 1 else ["rank"]
     right = tuple(range(len(headers))) + tuple(i + len(headers) for i in (1, 2, 3))
     click.echo(format_table([*headers, "file", "tensors", "size", "bytes", "sha256"], rows, right=right))
-    extra = f" and {len(result.other_files)} copied file(s)" if result.other_files else ""
+    from ..engine.output import MARKER
+    from ..format.hash_record import RECORD_NAME
+    from ..sources.checkpoint import MANIFEST_NAME
+
+    copied = [f for f in result.other_files if f.path not in (MARKER, RECORD_NAME, MANIFEST_NAME)]  # not our own
+    extra = f" and {len(copied)} copied file(s)" if copied else ""
     click.echo(f"\nwrote {len(result.rank_files)} rank files{extra} to {result.out_dir}")
+
+
+def _root_hash(text: str) -> bool:
+    """Whether ``text`` reads as a root hash (64 hex digits), as load(verify=ROOT) takes it."""
+    pin = text.strip().lower()
+    return len(pin) == 64 and all(c in "0123456789abcdef" for c in pin)
 
 
 def _source_bytes(model: Path) -> int:

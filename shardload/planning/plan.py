@@ -357,22 +357,29 @@ def _finish(plan: ModelPlan, strict: bool) -> ModelPlan:
         first = min(plan.problems, key=_blocking_rank)  # the first of the lowest rank
         more = len(plan.problems) - 1
         if more:
-            first.reason += f" (and {more} more problem{'s' if more > 1 else ''}; see {_report_command(plan)})"
+            command = _report_command(plan)
+            see = f"; see {command}" if command else ""
+            first.reason += f" (and {more} more problem{'s' if more > 1 else ''}{see})"
             first.args = (first.message,)
         raise first
     return plan
 
 
-def _report_command(plan: ModelPlan) -> str:
+def _report_command(plan: ModelPlan) -> str | None:
     """The command that lists every problem of ``plan``: ``validate`` of its file, or, for a plan made in memory
-    from config.json (no file to validate), ``plan -o -``, which prints it and the N it works for, writing nothing."""
+    from config.json (no file to validate), ``plan -o -``, which prints it and the N it works for, writing nothing;
+    for a dict given in Python, :func:`shardload.validate`; None for a shard_info shardload made from rank files."""
     from shlex import quote
 
     source, checkpoint = plan.shard_info.source, plan.checkpoint
     if source.startswith("<planned from ") and checkpoint is not None:
         return f"`shardload plan {quote(checkpoint.name)} -o -`, which prints this plan and the N it works for"
-    if source.startswith("<") or checkpoint is None:
-        return "`shardload validate`"
+    if source == "<shard_info dict>":  # given in Python: no file to name
+        return f"`shardload.validate(shard_info, model, num_shards={plan.num_shards})`, which lists them"
+    if source.startswith("<"):  # made by shardload from rank files: no file of the user's to validate
+        return None
+    if checkpoint is None:
+        return f"`shardload validate {quote(source)} -n {plan.num_shards}`"
     return f"`shardload validate {quote(source)} --model {quote(checkpoint.name)} -n {plan.num_shards}`"
 
 
