@@ -553,7 +553,7 @@ def plan(
 
 @main.command()
 @_plugin_option
-@click.argument("shard_info_path", metavar="SHARD_INFO", type=click.Path(path_type=Path))
+@click.argument("shard_info_paths", metavar="SHARD_INFO...", type=click.Path(path_type=Path), nargs=-1, required=True)
 @click.option("--model", type=MODEL, help="Check against this checkpoint's tensors.")
 @click.option("-n", "--num-shards", "num_shards", type=click.IntRange(min=1), multiple=True,
               help="N to check (repeatable). Default: the file's N, else the N it records it plans for "
@@ -566,7 +566,7 @@ def plan(
 @_mesh_options
 @_guarded
 def validate(
-    shard_info_path: Path,
+    shard_info_paths: tuple[Path, ...],
     model: Path | None,
     num_shards: tuple[int, ...],
     list_valid_n: bool,
@@ -576,21 +576,34 @@ def validate(
     world_size: int | None,
     pp_layers: str | None,
 ) -> None:
-    """Check SHARD_INFO against the schema, then plan it for each N and report every problem.
+    """Check each SHARD_INFO against the schema, then plan it for each N and report every problem.
 
-    With --mesh the N is the mesh's tp, and (with --model) the pipeline stages are checked too.
+    With --mesh the N is the mesh's tp, and (with --model) the pipeline stages are checked too. Several files (as a
+    pre-commit hook passes them) are checked one after the other; the exit code is 1 when any fails.
     """
-    from ..planning.validate import validate_file
-
     layout = _mesh_arg(mesh, world_size, pp_layers)
     if layout is not None and (list_valid_n or (num_shards and set(num_shards) != {layout.tp})):
         raise click.UsageError(f"--mesh fixes N to its tp={layout.tp}: drop --num-shards / --list-valid-n")
     ns = list(num_shards) or (list(range(1, MAX_LISTED_N + 1)) if list_valid_n else None)
-    if not (shard_info_path.exists() or shard_info_path.is_symlink()) or shard_info_path.is_dir():
-        what = "is a directory: give the shard_info.json file" if shard_info_path.is_dir() else "no such file"
-        raise BadArgument(f"{shard_info_path}: {what} (and the model with --model)")
+    if as_json and len(shard_info_paths) > 1:
+        raise click.UsageError("--json reports on one SHARD_INFO: give one file (or run validate once per file)")
+    for shard_info_path in shard_info_paths:
+        if not (shard_info_path.exists() or shard_info_path.is_symlink()) or shard_info_path.is_dir():
+            what = "is a directory: give the shard_info.json file" if shard_info_path.is_dir() else "no such file"
+            raise BadArgument(f"{shard_info_path}: {what} (and the model with --model)")
     if isinstance(model, Path) and not (model.exists() or model.is_symlink()):
         raise BadArgument(f"{model}: no such file or directory")
+    results = [_validate_one(path, model, ns, layout, list_valid_n, as_json, strict) for path in shard_info_paths]
+    sys.exit(0 if all(results) else 1)
+
+
+def _validate_one(
+    shard_info_path: Path, model: Path | None, ns: list[int] | None, layout: Any, list_valid_n: bool, as_json: bool,
+    strict: bool,
+) -> bool:  # fmt: skip
+    """``validate`` of one file: print its report; whether it passes."""
+    from ..planning.validate import validate_file
+
     report = validate_file(shard_info_path, model, ns, mesh=layout)
     ok = bool(report["valid_for"]) if list_valid_n else report["valid"]
     ok = ok and not (strict and report["warnings"])
@@ -618,7 +631,7 @@ def validate(
             click.echo(f"{shard_info_path}: valid for {what}")
         elif report["valid"]:
             click.echo(f"{shard_info_path}: {len(report['warnings'])} warning(s), which fail --strict", err=True)
-    sys.exit(0 if ok else 1)
+    return ok
 
 
 @main.command()
