@@ -89,8 +89,9 @@ def _segment_layout(
     for i, seg in enumerate(segments):
         if seg % num_shards:
             if unit != 1:
+                fused = "in a fused QKV: " if len(segments) > 1 else ""  # one segment: a projection of its own
                 raise StepArgumentError(
-                    f"segment {i} holds {seg} units of {unit} (in a fused QKV: {seg} heads of head_dim {unit}); "
+                    f"segment {i} holds {seg} units of {unit} ({fused}{seg} heads of head_dim {unit}); "
                     f"{seg} is not divisible by num_shards={num_shards}, so a head would be cut"
                 )
             raise StepArgumentError(f"segment {i} of size {seg} is not divisible by num_shards={num_shards}")

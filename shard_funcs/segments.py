@@ -59,8 +59,9 @@ def segment_runs(
                 f"{with_q}"
             )
         elif unit != 1:
+            fused = "in a fused QKV: " if len(segments) > 1 else ""  # one segment: a projection of its own
             raise StepArgumentError(
-                f"segment {i} holds {count} units of {unit} (in a fused QKV: {count} heads of head_dim {unit}); "
+                f"segment {i} holds {count} units of {unit} ({fused}{count} heads of head_dim {unit}); "
                 f"{count} is not divisible by num_shards={num_shards}, so a head would be cut"
             )
         else:

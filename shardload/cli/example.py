@@ -1,4 +1,4 @@
-"""The built-in example: a small, deterministic Llama-shaped float16 checkpoint with its shard_info.
+"""The built-in example: a tiny, deterministic Phi-3 float16 checkpoint (config.json says phi3) with its shard_info.
 
 It has what real tensor-parallel checkpoints have: a fused ``qkv_proj`` with grouped-query
 attention (Phi-3 naming), a fused ``gate_up_proj``, ``o_proj``/``down_proj`` (row parallel),

@@ -141,16 +141,24 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
                 _echo_failure({"kind": type(err).__name__, "message": message}, 1)
             _fail(message)
         except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
+            click.echo(_stopped("interrupted", kwargs.get("out_dir")), err=True)
             sys.exit(130)
         except _Terminated as err:
-            click.echo(f"terminated by {signal.Signals(err.signum).name}", err=True)
+            click.echo(_stopped(f"terminated by {signal.Signals(err.signum).name}", kwargs.get("out_dir")), err=True)
             sys.exit(128 + err.signum)
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
     return wrapper
+
+
+def _stopped(what: str, out_dir: Path | None) -> str:
+    """The line a command stopped by a signal prints: what stopped it and, for one that writes a directory, which
+    (its staging directory is removed on the way out; an existing OUT stays as it was)."""
+    if out_dir is None:
+        return what
+    return printable(f"{what}: {out_dir} was not written (the partial output was removed)")
 
 
 class _ProgressBar:
@@ -278,7 +286,7 @@ def _show_plan_notes() -> None:
 @click.option("--multi-file", is_flag=True, help="Split weights over two files with an index.json.")
 @_guarded
 def example(out_dir: Path, overwrite: bool, multi_file: bool) -> None:
-    """Write the built-in example model (Llama-shaped, fused QKV with GQA, float16) to OUT_DIR."""
+    """Write the built-in example model (a tiny Phi-3: fused QKV with GQA, fused gate_up, float16) to OUT_DIR."""
     from .example import write_example
 
     out = write_example(out_dir, overwrite=overwrite, multi_file=multi_file)
@@ -343,6 +351,9 @@ def convert(
     from ..engine.convert import convert as run_convert
     from .report import format_table, human_bytes
 
+    if verify not in (None, "record") and not _root_hash(verify):
+        raise BadArgument(f"--verify takes a 64-digit root hash from `shardload hash` (or no value: check MODEL's "
+                          f"record), got {verify!r}")  # fmt: skip
     if layout_name == "vllm":
         checked = verify == "record" or verify or False
         _convert_vllm(model, num_shards, out_dir, shard_info, overwrite, fsync, quiet, as_json, mesh, checked,
@@ -381,8 +392,19 @@ def convert(
     headers = ["pp", "rank"] if len(stages) > 1 else ["rank"]
     right = tuple(range(len(headers))) + tuple(i + len(headers) for i in (1, 2, 3))
     click.echo(format_table([*headers, "file", "tensors", "size", "bytes", "sha256"], rows, right=right))
-    extra = f" and {len(result.other_files)} copied file(s)" if result.other_files else ""
+    from ..engine.output import MARKER
+    from ..format.hash_record import RECORD_NAME
+    from ..sources.checkpoint import MANIFEST_NAME
+
+    copied = [f for f in result.other_files if f.path not in (MARKER, RECORD_NAME, MANIFEST_NAME)]  # not our own
+    extra = f" and {len(copied)} copied file(s)" if copied else ""
     click.echo(f"\nwrote {len(result.rank_files)} rank files{extra} to {result.out_dir}")
+
+
+def _root_hash(text: str) -> bool:
+    """Whether ``text`` reads as a root hash (64 hex digits), as load(verify=ROOT) takes it."""
+    pin = text.strip().lower()
+    return len(pin) == 64 and all(c in "0123456789abcdef" for c in pin)
 
 
 def _source_bytes(model: Path) -> int:
@@ -531,10 +553,11 @@ def plan(
 
 @main.command()
 @_plugin_option
-@click.argument("shard_info_path", metavar="SHARD_INFO", type=click.Path(path_type=Path))
+@click.argument("shard_info_paths", metavar="SHARD_INFO...", type=click.Path(path_type=Path), nargs=-1, required=True)
 @click.option("--model", type=MODEL, help="Check against this checkpoint's tensors.")
 @click.option("-n", "--num-shards", "num_shards", type=click.IntRange(min=1), multiple=True,
-              help="N to check (repeatable). Default: the file's N, or 1, 2, 4, 8 for an N-agnostic file.")  # fmt: skip
+              help="N to check (repeatable). Default: the file's N, else the N it records it plans for "
+                   "(shardload plan writes them), else 1, 2, 4, 8.")  # fmt: skip
 @click.option("--list-valid-n", is_flag=True,
               help=f"Check every N in 1..{MAX_LISTED_N} (or the -n values), print each failing N's first problem "
                    "and the N that work; exit 0 when some N works.")  # fmt: skip
@@ -543,7 +566,7 @@ def plan(
 @_mesh_options
 @_guarded
 def validate(
-    shard_info_path: Path,
+    shard_info_paths: tuple[Path, ...],
     model: Path | None,
     num_shards: tuple[int, ...],
     list_valid_n: bool,
@@ -553,21 +576,34 @@ def validate(
     world_size: int | None,
     pp_layers: str | None,
 ) -> None:
-    """Check SHARD_INFO against the schema, then plan it for each N and report every problem.
+    """Check each SHARD_INFO against the schema, then plan it for each N and report every problem.
 
-    With --mesh the N is the mesh's tp, and (with --model) the pipeline stages are checked too.
+    With --mesh the N is the mesh's tp, and (with --model) the pipeline stages are checked too. Several files (as a
+    pre-commit hook passes them) are checked one after the other; the exit code is 1 when any fails.
     """
-    from ..planning.validate import validate_file
-
     layout = _mesh_arg(mesh, world_size, pp_layers)
     if layout is not None and (list_valid_n or (num_shards and set(num_shards) != {layout.tp})):
         raise click.UsageError(f"--mesh fixes N to its tp={layout.tp}: drop --num-shards / --list-valid-n")
     ns = list(num_shards) or (list(range(1, MAX_LISTED_N + 1)) if list_valid_n else None)
-    if not (shard_info_path.exists() or shard_info_path.is_symlink()) or shard_info_path.is_dir():
-        what = "is a directory: give the shard_info.json file" if shard_info_path.is_dir() else "no such file"
-        raise BadArgument(f"{shard_info_path}: {what} (and the model with --model)")
+    if as_json and len(shard_info_paths) > 1:
+        raise click.UsageError("--json reports on one SHARD_INFO: give one file (or run validate once per file)")
+    for shard_info_path in shard_info_paths:
+        if not (shard_info_path.exists() or shard_info_path.is_symlink()) or shard_info_path.is_dir():
+            what = "is a directory: give the shard_info.json file" if shard_info_path.is_dir() else "no such file"
+            raise BadArgument(f"{shard_info_path}: {what} (and the model with --model)")
     if isinstance(model, Path) and not (model.exists() or model.is_symlink()):
         raise BadArgument(f"{model}: no such file or directory")
+    results = [_validate_one(path, model, ns, layout, list_valid_n, as_json, strict) for path in shard_info_paths]
+    sys.exit(0 if all(results) else 1)
+
+
+def _validate_one(
+    shard_info_path: Path, model: Path | None, ns: list[int] | None, layout: Any, list_valid_n: bool, as_json: bool,
+    strict: bool,
+) -> bool:  # fmt: skip
+    """``validate`` of one file: print its report; whether it passes."""
+    from ..planning.validate import validate_file
+
     report = validate_file(shard_info_path, model, ns, mesh=layout)
     ok = bool(report["valid_for"]) if list_valid_n else report["valid"]
     ok = ok and not (strict and report["warnings"])
@@ -595,7 +631,7 @@ def validate(
             click.echo(f"{shard_info_path}: valid for {what}")
         elif report["valid"]:
             click.echo(f"{shard_info_path}: {len(report['warnings'])} warning(s), which fail --strict", err=True)
-    sys.exit(0 if ok else 1)
+    return ok
 
 
 @main.command()

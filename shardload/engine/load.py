@@ -347,6 +347,8 @@ def _mesh_rank(mesh: Any, rank: int | None, num_shards: int | None) -> tuple[Mes
 
 _BOXES_READ_OPTIONS = "{what}, which read_options does not steer (leave read_options out)"
 """The refusal of ``read_options`` where a rank is assembled from boxes of rank files (``engine/reshard.py``)."""
+_NO_SHARE_READS = "share_reads and mmap do not apply there (load without them)"
+"""The refusal of share_reads and mmap there (said so, not "without share_reads", which reads as if it were missing)."""
 
 
 @records_inputs
@@ -442,7 +444,7 @@ def load_rank(
             raise CheckpointError(f"rank {rank} is out of range for {layout}", file=str(model))
         boxes = "a sharded_state directory is read in boxes of vLLM's rank files"
         if mmap or (share_reads is not False and share_reads is not None):
-            raise ShardloadError(f"{boxes}, without share_reads or mmap", file=str(model))
+            raise ShardloadError(f"{boxes}; {_NO_SHARE_READS}", file=str(model))
         if params is not None or out is not None:
             raise ShardloadError(f"{boxes}, without params or out (load the rank, then copy)", file=str(model))
         if read_options is not None:
@@ -491,8 +493,8 @@ def load_rank(
             boxes = (f"was converted for num_shards={checkpoint.manifest['num_shards']}: loading it for {layout} "
                      "reads boxes of several rank files")  # fmt: skip
             if shared or mmap or fill:
-                without = "params or out" if fill else "share_reads or mmap"
-                raise ShardloadError(f"{boxes}, without {without}", file=str(model))
+                without = ", without params or out" if fill else f"; {_NO_SHARE_READS}"
+                raise ShardloadError(f"{boxes}{without}", file=str(model))
             if read_options is not None:
                 raise ShardloadError(_BOXES_READ_OPTIONS.format(what=boxes), file=str(model))
             shards = open_shards(checkpoint, verify=shards_verify(verify, checkpoint.name))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import unicodedata
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -33,6 +34,23 @@ MAX_RANKS = 1 << 16
 """Cap on num_shards (in a file or asked for) and on a mesh's ranks, checked before anything loops over ranks: the
 largest deployments run a model on a few thousand GPUs."""
 DOCUMENT_KEYS = ("version", "params", "num_shards", "$schema", "description")
+_RECORDED_NS = re.compile(r"plans for num_shards ((?:\d+, )*\d+|none) \(checked 1\.\.(\d+)\)")
+
+
+def plans_for_text(supported: list[int], checked_up_to: int) -> str:
+    """How a generated file's description records the N it plans for (read back by :func:`recorded_num_shards`)."""
+    return f"plans for num_shards {', '.join(map(str, supported)) or 'none'} (checked 1..{checked_up_to})"
+
+
+def recorded_num_shards(description: str | None) -> tuple[list[int], int] | None:
+    """The N a description records the file plans for, and the N it was checked up to, as ``shardload plan`` writes
+    them (:func:`plans_for_text`); None when it records none."""
+    found = _RECORDED_NS.search(description or "")
+    if found is None:
+        return None
+    listed = found.group(1)
+    return ([] if listed == "none" else [int(n) for n in listed.split(", ")]), int(found.group(2))
+
 
 Dim = int | str
 
@@ -56,7 +74,8 @@ class StepSpec:
 class ShardInfo:
     """A parsed shard_info file: parameter name -> ordered steps; absent parameters are replicated.
 
-    ``num_shards`` is None for an N-agnostic file. ``source`` names the file in error messages.
+    ``num_shards`` is None for an N-agnostic file. ``source`` names the file in error messages. ``description`` is
+    the document's own (where ``shardload plan`` records the N it plans for: :func:`recorded_num_shards`).
     """
 
     params: dict[str, list[StepSpec]] = field(default_factory=dict)
@@ -64,6 +83,7 @@ class ShardInfo:
     version: int = FORMAT_VERSION
     form: str = "document"
     source: str = "shard_info.json"
+    description: str | None = field(default=None, compare=False)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -120,7 +140,7 @@ class ShardInfo:
             n = obj.get("num_shards")
             if n is not None and n > MAX_RANKS:
                 raise FormatError(f"num_shards={n} is over the limit of {MAX_RANKS}", file=source)
-            return cls(params, n, FORMAT_VERSION, "document", source)
+            return cls(params, n, FORMAT_VERSION, "document", source, obj.get("description"))
         params = {k: [_step(s) for s in v] for k, v in obj.items()}
         _check_spellings(params, source)
         return cls(params, _seed_num_shards(params, source), FORMAT_VERSION, "seed", source)

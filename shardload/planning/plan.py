@@ -336,27 +336,50 @@ def _plain(value: object, depth: int = 0) -> bool:
     return False
 
 
+HEAD_STEPS = frozenset({"shard_funcs.shard_segments", "shard_funcs.reorder_segments"})
+"""Steps that split whole heads: their problems are the model's own head counts, which no option changes."""
+
+
+def _blocking_rank(problem: ShardloadError) -> int:
+    """Which problem a failed plan reports first: one of the file or of a head split (as ``shardload plan -n N``
+    says, from config.json's head counts), then the rest, and last a padding step's (a choice: --vocab-padding)."""
+    if problem.step is None or problem.func in HEAD_STEPS:
+        return 0
+    try:
+        pads = isinstance(problem.func, str) and lookup(problem.func).pads
+    except StepArgumentError:
+        pads = False
+    return 2 if pads else 1
+
+
 def _finish(plan: ModelPlan, strict: bool) -> ModelPlan:
     if strict and plan.problems:
-        first = plan.problems[0]
+        first = min(plan.problems, key=_blocking_rank)  # the first of the lowest rank
         more = len(plan.problems) - 1
         if more:
-            first.reason += f" (and {more} more problem{'s' if more > 1 else ''}; see {_report_command(plan)})"
+            command = _report_command(plan)
+            see = f"; see {command}" if command else ""
+            first.reason += f" (and {more} more problem{'s' if more > 1 else ''}{see})"
             first.args = (first.message,)
         raise first
     return plan
 
 
-def _report_command(plan: ModelPlan) -> str:
+def _report_command(plan: ModelPlan) -> str | None:
     """The command that lists every problem of ``plan``: ``validate`` of its file, or, for a plan made in memory
-    from config.json (no file to validate), ``plan -o -``, which prints it and the N it works for, writing nothing."""
+    from config.json (no file to validate), ``plan -o -``, which prints it and the N it works for, writing nothing;
+    for a dict given in Python, :func:`shardload.validate`; None for a shard_info shardload made from rank files."""
     from shlex import quote
 
     source, checkpoint = plan.shard_info.source, plan.checkpoint
     if source.startswith("<planned from ") and checkpoint is not None:
         return f"`shardload plan {quote(checkpoint.name)} -o -`, which prints this plan and the N it works for"
-    if source.startswith("<") or checkpoint is None:
-        return "`shardload validate`"
+    if source == "<shard_info dict>":  # given in Python: no file to name
+        return f"`shardload.validate(shard_info, model, num_shards={plan.num_shards})`, which lists them"
+    if source.startswith("<"):  # made by shardload from rank files: no file of the user's to validate
+        return None
+    if checkpoint is None:
+        return f"`shardload validate {quote(source)} -n {plan.num_shards}`"
     return f"`shardload validate {quote(source)} --model {quote(checkpoint.name)} -n {plan.num_shards}`"
 
 

@@ -10,8 +10,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import ShardloadError
-from ..format.shard_info import ShardInfo
+from ..errors import PlanError, ShardloadError
+from ..format.shard_info import ShardInfo, recorded_num_shards
 from ..sources.checkpoint import Checkpoint, open_checkpoint
 from .consistency import placement_warnings
 from .mesh import Mesh, stage_plans
@@ -29,7 +29,9 @@ def validate_file(
 ) -> dict[str, Any]:
     """Check ``path`` (against ``model``'s header when given) for each N; return a JSON-ready report.
 
-    Without ``num_shards`` the file's own N is checked, or 1, 2, 4 and 8 for an N-agnostic file. Against a model,
+    Without ``num_shards`` the file's own N is checked, or for an N-agnostic file the N its description records it
+    plans for (as ``shardload plan`` writes it), else 1, 2, 4 and 8. Without a model, an N outside that record is a
+    problem (a generated file's steps cannot tell, without the tensors, that N would cut a head). Against a model,
     ``warnings`` lists placements that plan but cannot compute (:mod:`.consistency`).
     A problem seen for only some N has those N appended to its message. With a ``mesh`` the N
     is its ``tp``, and against a model its pipeline stages must be splittable too.
@@ -43,13 +45,23 @@ def validate_file(
         return report
     if mesh is not None:
         num_shards = [mesh.tp]
-    ns = list(num_shards) if num_shards else ([info.num_shards] if info.num_shards else list(DEFAULT_NS))
+    recorded = recorded_num_shards(info.description) if info.num_shards is None else None
+    if num_shards:
+        ns = list(num_shards)
+    elif info.num_shards:
+        ns = [info.num_shards]
+    else:
+        ns = list(recorded[0]) if recorded and recorded[0] else list(DEFAULT_NS)
     found: dict[str, dict[str, Any]] = {}
     warned: dict[str, dict[str, Any]] = {}
     valid_for = []
     for n in ns:
         plan = build_plan(info, checkpoint, n, strict=False)
         problems = plan.problems
+        if checkpoint is None and not problems and recorded is not None and n not in recorded[0]:
+            listed = ", ".join(map(str, recorded[0])) or "none"
+            reason = f"num_shards={n} is not among the N this file records it plans for (num_shards {listed}; "
+            problems = [PlanError(f"{reason}checked 1..{recorded[1]} by `shardload plan`)", file=str(path))]
         if checkpoint is not None and not problems:
             for warning in placement_warnings(plan):
                 warned.setdefault(warning.message, {**warning.to_dict(), "num_shards": []})["num_shards"].append(n)

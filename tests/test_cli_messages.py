@@ -1,0 +1,180 @@
+"""What the command line tells a user when an N, a file or an option does not fit (issue 44): the reason that blocks,
+the file it is about, and the N a generated shard_info records. Models here are tiny numpy checkpoints (no
+transformers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from safetensors.numpy import save_file
+
+from shardload.cli.main import main
+
+HIDDEN = 64
+
+
+def _model(directory: Path, model_type: str, heads: int, kv_heads: int, head_dim: int, vocab: int = 256) -> Path:
+    """A one-layer checkpoint with separate q/k/v projections (biases for qwen2) and its config.json."""
+    attn = "model.layers.0.self_attn."
+    shapes = {
+        "model.embed_tokens.weight": (vocab, HIDDEN),
+        attn + "q_proj.weight": (heads * head_dim, HIDDEN),
+        attn + "k_proj.weight": (kv_heads * head_dim, HIDDEN),
+        attn + "v_proj.weight": (kv_heads * head_dim, HIDDEN),
+        attn + "o_proj.weight": (HIDDEN, heads * head_dim),
+        "model.layers.0.mlp.gate_proj.weight": (128, HIDDEN),
+        "model.layers.0.mlp.up_proj.weight": (128, HIDDEN),
+        "model.layers.0.mlp.down_proj.weight": (HIDDEN, 128),
+        "lm_head.weight": (vocab, HIDDEN),
+    }
+    if model_type == "qwen2":
+        shapes |= {attn + f"{p}_proj.bias": (shapes[attn + f"{p}_proj.weight"][0],) for p in "qkv"}
+    directory.mkdir(parents=True)
+    save_file({k: np.ones(s, dtype=np.float16) for k, s in shapes.items()}, str(directory / "model.safetensors"))
+    config = {
+        "model_type": model_type, "hidden_size": HIDDEN, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "vocab_size": vocab, "num_hidden_layers": 1,
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture()
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def test_validate_without_model_refuses_an_n_the_file_records_it_does_not_plan_for(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    model = _model(tmp_path / "gemma2", "gemma2", heads=4, kv_heads=2, head_dim=16)
+    plan_file = tmp_path / "gemma2-plan.json"
+    written = runner.invoke(main, ["plan", str(model), "-o", str(plan_file)])
+    assert written.exit_code == 0 and "num_shards 1, 2, 4\n" in written.output, written.output
+    result = runner.invoke(main, ["validate", str(plan_file), "-n", "64"])
+    assert result.exit_code == 1
+    assert result.output.splitlines() == [
+        f"{plan_file}: num_shards=64 is not among the N this file records it plans for "
+        "(num_shards 1, 2, 4; checked 1..64 by `shardload plan`)"
+    ]
+    report = json.loads(runner.invoke(main, ["validate", str(plan_file), "-n", "64", "--json"]).output)
+    assert report["verdict"] == "fail" and report["valid_for"] == []
+    assert runner.invoke(main, ["validate", str(plan_file), "-n", "4"]).exit_code == 0
+    listed = runner.invoke(main, ["validate", str(plan_file), "--list-valid-n"])
+    assert listed.exit_code == 0 and listed.output.endswith(f"{plan_file}: valid for num_shards 1, 2, 4\n")
+
+
+def test_validate_checks_the_n_the_file_records_by_default(runner: CliRunner, tmp_path: Path) -> None:
+    model = _model(tmp_path / "qwen2p", "qwen2", heads=4, kv_heads=2, head_dim=16)
+    assert runner.invoke(main, ["plan", str(model)]).exit_code == 0
+    for extra in ([], ["--model", str(model)]):
+        result = runner.invoke(main, ["validate", str(model / "shard_info.json"), *extra])
+        assert result.exit_code == 0, result.output
+        assert result.output == f"{model / 'shard_info.json'}: valid for num_shards 1, 2, 4\n"
+
+
+def test_a_plan_made_in_memory_blames_the_heads_before_the_vocabulary_padding(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    model = _model(tmp_path / "llama", "llama", heads=8, kv_heads=8, head_dim=8, vocab=250)  # 250 pads to 256
+    result = runner.invoke(main, ["convert", str(model), "-n", "3", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    error = result.stderr.splitlines()[-1]
+    first = error.split(" (and ")[0]
+    assert "self_attn." in first and "(shard_funcs.shard_segments)" in first, error
+    assert first.endswith(("so a head would be cut", "neither divides its 8 KV heads nor is a multiple of them"))
+    assert "pad" not in first
+    assert (
+        "num_attention_heads=8 is not divisible by num_shards=3"
+        in runner.invoke(main, ["plan", str(model), "-n", "3", "-o", "-"]).stderr
+    )
+
+
+def test_a_head_cut_in_separate_projections_is_not_called_a_fused_qkv(runner: CliRunner, tmp_path: Path) -> None:
+    model = _model(tmp_path / "gemma2", "gemma2", heads=4, kv_heads=2, head_dim=16)
+    result = runner.invoke(main, ["convert", str(model), "-n", "8", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    error = result.stderr.splitlines()[-1]
+    assert "segment 0 holds 4 units of 16 (4 heads of head_dim 16); 4 is not divisible by num_shards=8" in error
+    assert "fused" not in error
+
+
+def test_share_reads_refused_on_another_n_does_not_sound_missing(example_dir: Path, tmp_path: Path) -> None:
+    import shardload
+    from shardload.errors import ShardloadError
+
+    out = tmp_path / "tp2"
+    shardload.convert(example_dir, 2, out)
+    with pytest.raises(ShardloadError) as err:
+        shardload.load_rank(out, 0, 4, mmap=True)
+    assert str(err.value) == (
+        f"{out}: was converted for num_shards=2: loading it for dp=1,pp=1,tp=4 reads boxes of several rank files; "
+        "share_reads and mmap do not apply there (load without them)"
+    )
+
+
+def test_the_hint_after_the_first_problem_names_what_to_validate(example_dir: Path) -> None:
+    import shardload
+    from shardload.errors import PlanError
+    from shardload.format.shard_info import ShardInfo
+    from shardload.planning.plan import build_plan
+
+    file = example_dir / "shard_info.json"
+    with pytest.raises(PlanError) as err:
+        build_plan(ShardInfo.load(file), None, 3)
+    assert str(err.value).endswith(f"more problems; see `shardload validate {file} -n 3`)"), str(err.value)
+    with pytest.raises(PlanError) as err:
+        shardload.plan_model(example_dir, 3, shard_info=json.loads(file.read_text()))
+    assert str(err.value).endswith(
+        "more problems; see `shardload.validate(shard_info, model, num_shards=3)`, which lists them)"
+    ), str(err.value)
+
+
+def test_an_interrupted_convert_names_the_output_it_removed(
+    runner: CliRunner, example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shardload.engine.convert
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shardload.engine.convert, "convert", interrupted)
+    out = tmp_path / "out"
+    result = runner.invoke(main, ["convert", str(example_dir), "-n", "2", "-o", str(out)])
+    assert result.exit_code == 130
+    assert result.stderr == f"interrupted: {out} was not written (the partial output was removed)\n"
+
+
+def test_a_bad_verify_root_is_told_in_the_command_lines_terms(
+    runner: CliRunner, example_dir: Path, tmp_path: Path
+) -> None:
+    out = str(tmp_path / "o")
+    result = runner.invoke(main, ["convert", str(example_dir), "-n", "2", "-o", out, "--verify", "0000"])
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "error: --verify takes a 64-digit root hash from `shardload hash` (or no value: check MODEL's record), "
+        "got '0000'\n"
+    )
+
+
+def test_convert_counts_only_the_companion_files_it_copied(
+    runner: CliRunner, example_dir: Path, tmp_path: Path
+) -> None:
+    result = runner.invoke(main, ["convert", str(example_dir), "-n", "2", "-o", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    companions = sorted(p.name for p in example_dir.iterdir() if p.suffix == ".json" and p.name != "shard_info.json")
+    assert len(companions) == 3  # config, generation_config, tokenizer_config
+    assert result.output.endswith(f"wrote 2 rank files and 3 copied file(s) to {tmp_path / 'o'}\n")
+
+
+def test_example_help_says_what_example_builds(runner: CliRunner) -> None:
+    from shardload.cli.example import EXAMPLE_CONFIG
+
+    assert EXAMPLE_CONFIG["model_type"] == "phi3"
+    text = " ".join(runner.invoke(main, ["example", "--help"]).output.split())
+    assert "tiny Phi-3" in text and "Llama" not in text
+    assert "a tiny Phi-3" in Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
