@@ -111,3 +111,40 @@ def test_a_file_replaced_during_a_load_is_an_error(tmp_path: Path) -> None:
     assert "replaced" in str(err.value), err.value
     info = json.loads((model / "shard_info.json").read_text())
     assert info["params"]  # the model is intact apart from its replaced weights
+
+
+GUARD = textwrap.dedent(
+    """
+    import mmap, os, sys
+    import numpy as np
+    from shardload.sources import fault_guard
+    from shardload.sources.reader import FileMaps
+    path, which = sys.argv[1], sys.argv[2]
+    with open(path, "wb") as f:
+        f.write(bytes(range(256)) * 4096 * 4)  # 4 MiB
+    maps = FileMaps()
+    guarded = maps.array(path)
+    assert guarded is not None and fault_guard.install()
+    os.truncate(path, 4096)
+    if which == "guarded":
+        copy = np.array(guarded[: 1 << 20])  # past the cut: zeros, no signal
+        print("CUT" if fault_guard.cut(path) else "NOT CUT", int(copy[8192:].max()), int(copy[:4096].sum() > 0))
+    else:  # a mapping of someone else's: its SIGBUS is not swallowed
+        with open(path, "rb") as f:
+            other = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        os.truncate(path, 0)
+        print("TOUCH", flush=True)
+        print(other[100])
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard is for Linux")
+def test_the_fault_guard_zeroes_its_own_mappings_and_leaves_other_faults_alone(tmp_path: Path) -> None:
+    ours = subprocess.run([sys.executable, "-c", GUARD, str(tmp_path / "f"), "guarded"], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert ours.returncode == 0 and ours.stdout.split() == ["CUT", "0", "1"], (ours.returncode, ours.stdout,
+                                                                              ours.stderr[-1000:])  # fmt: skip
+    other = subprocess.run([sys.executable, "-c", GUARD, str(tmp_path / "g"), "other"], capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+    assert other.returncode == -7 and other.stdout.strip() == "TOUCH", (other.returncode, other.stdout)  # SIGBUS

@@ -178,3 +178,13 @@ def test_example_help_says_what_example_builds(runner: CliRunner) -> None:
     text = " ".join(runner.invoke(main, ["example", "--help"]).output.split())
     assert "tiny Phi-3" in text and "Llama" not in text
     assert "a tiny Phi-3" in Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
+
+
+def test_load_rank_with_no_shards_names_the_model(tmp_path: Path) -> None:
+    """``load_rank(model, 0, 0)`` is one line that says where (the model) and what (num_shards)."""
+    import shardload
+    from shardload.errors import ShardloadError
+
+    with pytest.raises(ShardloadError) as err:
+        shardload.load_rank(tmp_path / "ex", 0, 0)
+    assert str(err.value).startswith(str(tmp_path / "ex")) and "num_shards must be a positive integer" in str(err.value)

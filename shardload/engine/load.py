@@ -437,6 +437,8 @@ def load_rank(
         layout, rank = _mesh_rank(mesh, rank, num_shards)
     else:
         rank, num_shards = _dist_defaults(rank, num_shards)
+        if type(num_shards) is not int or num_shards < 1:
+            raise ShardloadError(f"num_shards must be a positive integer, got {num_shards!r}", file=str(model))
         layout = Mesh(tp=num_shards)
     sharded = _sharded_state(model, shard_info, verify)
     if sharded is not None:  # vLLM's layout: this rank reads its boxes of the vLLM rank files

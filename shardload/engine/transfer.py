@@ -608,3 +608,4 @@ def _intact_then(filemaps: FileMaps, path: Path, end: int, job: Callable[[], Non
     """Run a copy job out of ``path``'s mapping once the file still holds its ``end`` bytes."""
     filemaps.intact(path, end)
     job()
+    filemaps.intact(path, end)  # cut during the job: it read zeros past the cut (fault_guard), never returned

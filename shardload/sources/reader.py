@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
+from . import fault_guard
 
 if TYPE_CHECKING:
     import numpy as np
@@ -399,6 +400,8 @@ class FileMaps:
                     with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is, on purpose
                         warnings.simplefilter("ignore", UserWarning)
                         self._maps[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8), np.frombuffer(mm, np.uint8))
+                    fault_guard.forget(str(path))
+                    fault_guard.guard(mm, self._maps[path][2].ctypes.data, len(mm), str(path))
                 except (OSError, ValueError):  # empty, or not mappable: the caller reads instead
                     self._maps[path] = None
             return self._maps[path]
@@ -421,7 +424,7 @@ class FileMaps:
             size = entry[0].size()
         except (OSError, ValueError):
             return
-        if size < end:
+        if fault_guard.cut(str(path)) or size < end:
             raise CheckpointError(
                 f"changed while it was being loaded (truncated to {size} bytes); nothing was returned: load it again "
                 "once nothing writes to it",
