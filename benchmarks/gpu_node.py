@@ -60,6 +60,7 @@ LOADERS = ("default", "shardload", "presharded", "instanttensor", "fastsafetenso
 PEERS = ("instanttensor", "fastsafetensors", "safetensors")
 CHUNK = 16 << 20
 GIB = 1 << 30
+CHILD_TIMEOUT_S = 120  # one hung loader costs its cell, not the run
 
 
 # --- the child: one rank, one loader, one fresh process --------------------------------------------------------
@@ -194,7 +195,12 @@ def ready_line(proc: Any) -> bool:
 
 
 def collect(proc: Any, loader: str, rank: int) -> dict[str, Any]:
-    out, _ = proc.communicate()
+    try:
+        out, _ = proc.communicate(timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return {"loader": loader, "rank": rank, "error": f"no result in {CHILD_TIMEOUT_S} s (killed)"}
     lines = out.strip().splitlines()
     try:
         return json.loads(lines[-1])
