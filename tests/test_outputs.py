@@ -244,7 +244,8 @@ def test_sigterm_and_sighup_clean_up(
         monkeypatch.setattr(shardload.engine.convert, "write_rank_files", hit)
     before = signal.getsignal(signum)
     result = CliRunner().invoke(main, WRITERS[command](model, tmp_path / "out"))
-    said = f"terminated by {signal.Signals(signum).name}: {tmp_path / 'out'} was not written (the partial output was removed)\n"
+    removed = "was not written (the partial output was removed)"
+    said = f"terminated by {signal.Signals(signum).name}: {tmp_path / 'out'} {removed}\n"
     assert result.exit_code == 128 + signum and result.stderr == said, result.stderr
     assert any(n.startswith(".out.shardload-tmp-") for n in seen[0]), "the signal came mid-write"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["models"]

@@ -24,7 +24,7 @@ from ..errors import CheckpointError
 from ..format import input_log
 from ..sources.dtypes import to_torch
 from ..sources.object_reader import reader_for
-from ..sources.reader import PAGE, FileMaps, Mappings, RunReader, count_requested
+from ..sources.reader import PAGE, FileMaps, Mappings, RunReader, count_mapped, count_requested
 from .copy_jobs import CopyJob, copy_program, mapped_copy_jobs, rows_fit, staged_copy_jobs
 from .read_schedule import ReadSchedule, StagedBatch, StructureKey, StructureRuns, build_schedule
 from .read_strategy import ReadOptions, ReadStrategy, Way
@@ -40,6 +40,11 @@ if TYPE_CHECKING:
 
 JOB_BYTES = 8 << 20
 """Bytes per thread-pool job (``preadv`` jobs into CPU tensors, and strided copies out of a mapping)."""
+SMALL_BYTES = 64 << 10
+"""A whole tensor up to this size copied out of a mapping joins a batch of its file's small tensors, one job per
+:data:`SMALL_BATCH` of them (or :data:`JOB_BYTES`), instead of a job of its own: a file of 200,000 norms and scales
+then costs a few dozen jobs, not 200,000 closures and futures."""
+SMALL_BATCH = 4096
 STAGE_BYTES = 16 << 20
 """Bytes per staging buffer; ``threads + 1`` of them cycle between reads and uploads."""
 
@@ -138,6 +143,8 @@ class Transfer:
         self.held: list[tuple[Callable[[], None], bool]] | None = [] if defer else None
         self.broken: BaseException | None = None
         """The failure of a ``wait``: the transfer's tensors are incomplete from then on."""
+        self.small: dict[Any, list[tuple[int, int, torch.Tensor]]] = {}
+        """Per file, small whole tensors waiting to be copied out of its mapping as one job (:data:`SMALL_BYTES`)."""
         self.log = input_log.current()
         self.sources: set[Any] = set()
         """The files read: each checked after the last read against its identity when its header was parsed."""
@@ -205,6 +212,12 @@ class Transfer:
                 got = self._planned(plan, ranks[0], key, devs[0], None if out is None else out[0])
             if got is not None:
                 return [got]
+        small = plan.replicated and plan.source.nbytes <= SMALL_BYTES and plan.source.decode is None
+        if small and self.strategy is None and len(ranks) == 1 and devs[0].type == "cpu":
+            # a reader that cannot map (verifying, object storage): small whole tensors read as one batch of runs
+            dest = torch.empty(plan.shape, dtype=to_torch(plan.dtype)) if out is None else out[0]
+            self._copy_small(plan.source.file, plan.source.offset, plan.source.nbytes, dest)
+            return [dest]
         if key in self.schedules:
             schedule = self.schedules[key]
         else:
@@ -246,7 +259,7 @@ class Transfer:
         data = self.filemaps.bytes(source.file)
         if data is None:
             return None
-        if source.offset + source.nbytes > len(data):
+        if source.offset + source.nbytes > data.numel():
             raise CheckpointError(
                 "file is shorter than its header says (changed while loading?)", file=str(source.file)
             )
@@ -257,6 +270,9 @@ class Transfer:
         if not direct and not rows_fit(pieces, dtype.itemsize, STAGE_BYTES):
             return None  # a GPU rank stages whole rows (or elements): each must fit a staging buffer
         dest = torch.empty(plan.shape, dtype=dtype, device=device) if out is None else out
+        if direct and plan.replicated and source.nbytes <= SMALL_BYTES and source.decode is None:
+            self._copy_small(source.file, source.offset, source.nbytes, dest)
+            return dest
         fill_padding(plan, rank, dest)
         if direct:
             program = self.programs.get(key)
@@ -271,6 +287,23 @@ class Transfer:
         for job in jobs:
             self._submit(job)
         return dest
+
+    def _copy_small(self, path: Any, offset: int, nbytes: int, dest: torch.Tensor) -> None:
+        """Queue a small whole tensor's copy out of ``path``'s mapping; a full batch becomes one job."""
+        batch = self.small.setdefault(path, [])
+        batch.append((offset, nbytes, dest))
+        if len(batch) >= SMALL_BATCH:
+            self._submit(self._small_job(path, self.small.pop(path)))
+
+    def _small_job(self, path: Any, batch: list[tuple[int, int, torch.Tensor]]) -> Callable[[], None]:
+        if self.filemaps is not None:
+            return partial(_copy_batch, self.filemaps, path, batch)
+        return partial(_read_batch, self.reader, path, batch)
+
+    def _flush_small(self) -> None:
+        small, self.small = self.small, {}
+        for path, batch in small.items():
+            self._submit(self._small_job(path, batch))
 
     def _planned(
         self, plan: ParamPlan, rank: int, key: StructureKey, device: torch.device, out: torch.Tensor | None = None
@@ -453,6 +486,8 @@ class Transfer:
             raise
 
     def _finish(self) -> None:
+        if self.small:
+            self._flush_small()
         if self.held:
             held, self.held = self.held, None  # None while they are handed out: _submit must not hold them again
             try:
@@ -609,3 +644,32 @@ def _intact_then(filemaps: FileMaps, path: Path, end: int, job: Callable[[], Non
     filemaps.intact(path, end)
     job()
     filemaps.intact(path, end)  # cut during the job: it read zeros past the cut (fault_guard), never returned
+
+
+def _copy_batch(filemaps: FileMaps, path: Path, batch: list[tuple[int, int, torch.Tensor]]) -> None:
+    """Copy small whole tensors ``(offset, nbytes, dest)`` out of ``path``'s mapping (checked intact around it)."""
+    import numpy as np
+    import torch
+
+    mapping = filemaps.array(path)
+    assert mapping is not None  # mapped when the batch was queued
+    end = max(o + n for o, n, _ in batch)
+    filemaps.intact(path, end)
+    for offset, nbytes, dest in batch:
+        if nbytes:
+            np.copyto(dest.reshape(-1).view(torch.uint8).numpy(), mapping[offset : offset + nbytes], casting="no")
+    filemaps.intact(path, end)
+    count_mapped(path, sum(n for _, n, _ in batch))
+
+
+def _read_batch(reader: RunReader, path: Path, batch: list[tuple[int, int, torch.Tensor]]) -> None:
+    """Read small whole tensors ``(offset, nbytes, dest)`` of ``path`` with one ``read_runs`` call (sorted runs)."""
+    import numpy as np
+
+    batch = sorted((b for b in batch if b[1]), key=lambda b: b[0])
+    if not batch:
+        return
+    src = np.array([o for o, _, _ in batch], dtype=np.int64)
+    length = np.array([n for _, n, _ in batch], dtype=np.int64)
+    buf = np.arange(len(batch), dtype=np.int64)
+    reader.read_runs(path, src, length, buf, np.zeros(len(batch), dtype=np.int64), [d for _, _, d in batch])

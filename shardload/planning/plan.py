@@ -75,7 +75,9 @@ class ParamPlan:
 
         A stored tensor that needs decoding (a TVM ``f32-to-bf16`` record) is read whole instead.
         """
-        return self.source.decode is None and all(s.func.remap for s in self.steps)
+        if self.source.decode is not None:
+            return False
+        return not self.steps or all(s.func.remap for s in self.steps)
 
     @property
     def rank_nbytes(self) -> int:
@@ -102,7 +104,7 @@ class ParamPlan:
     @property
     def pads(self) -> bool:
         """True when a step may leave padding (zeros no stored byte maps to) in the rank tensors."""
-        return any(s.func.pads for s in self.steps)
+        return bool(self.steps) and any(s.func.pads for s in self.steps)
 
     def zeros(self, rank: int) -> list[Box]:
         """The boxes of ``rank``'s tensor that are padding: zeros, written without reading anything.

@@ -105,6 +105,11 @@ def install() -> bool:
         return True
 
 
+def installed() -> bool:
+    """Whether the handler is in place now (a fault in a guarded mapping is then caught, not fatal)."""
+    return _installed
+
+
 def guard(owner: mmap.mmap, address: int, size: int, name: str) -> None:
     """Guard ``size`` bytes of file ``name`` mapped at ``address`` for as long as the mapping object ``owner``
     lives."""

@@ -415,16 +415,23 @@ class FileMaps:
         return None if entry is None else entry[1]
 
     def intact(self, path: Path, end: int) -> None:
-        """Refuse to copy out of ``path``'s mapping when the file is now shorter than ``end`` bytes (cut while a load
-        reads it): checked before each copy job, so a file truncated between jobs is one error, not a SIGBUS."""
+        """Refuse to copy out of ``path``'s mapping when the file was found cut under it (:mod:`.fault_guard`), or,
+        where no guard is installed, when it is now shorter than ``end`` bytes: asked around each copy job, so a
+        file truncated while a load reads it is one error, never a SIGBUS or a returned tensor of zeros."""
+        if fault_guard.cut(str(path)):
+            raise CheckpointError(
+                "changed while it was being loaded (truncated under its mapping); nothing was returned: load it again "
+                "once nothing writes to it",
+                file=str(path),
+            )
         entry = self._maps.get(path)
-        if entry is None:
+        if entry is None or fault_guard.installed():
             return
         try:
             size = entry[0].size()
         except (OSError, ValueError):
             return
-        if fault_guard.cut(str(path)) or size < end:
+        if size < end:
             raise CheckpointError(
                 f"changed while it was being loaded (truncated to {size} bytes); nothing was returned: load it again "
                 "once nothing writes to it",
