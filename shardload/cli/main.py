@@ -1,4 +1,4 @@
-"""The ``shardload`` command line: example, plan, convert, validate, inspect, verify, quantize, hash.
+"""The ``shardload`` command line: example, plan, preflight, convert, validate, inspect, verify, quantize, hash.
 
 Bad input prints one line per problem (``file: parameter: step K (function): reason``) and
 exits 1; usage errors exit 2; no tracebacks for anything shardload can name.
@@ -549,6 +549,63 @@ def plan(
     counts = f"{result.sharded} sharded, {result.replicated} replicated"
     summary = f"{counts} ({result.style}, experts {experts}); num_shards {ns}"
     click.echo(summary if to_stdout else f"wrote {target}: {summary}", err=to_stdout)
+
+
+@main.command()
+@_plugin_option
+@click.argument("model", type=MODEL)
+@click.option("-n", "--num-shards", "num_shards", type=click.IntRange(min=1), multiple=True,
+              help="N to check (repeatable; exit 1 unless each works). Default: the powers of two up to 64 and the "
+                   "divisors of the head and expert counts.")  # fmt: skip
+@click.option("--style", type=click.Choice(STYLES), default="auto", show_default=True,
+              help="Where the plan made from config.json comes from, as for `shardload plan`.")  # fmt: skip
+@click.option("--vocab-padding", type=click.Choice(list(VOCAB_PADDING)), default=DEFAULT_VOCAB_PADDING,
+              show_default=True, help="How a vocabulary N does not divide is padded (as plan pads it).")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report (always JSON, errors too).")
+@_guarded
+def preflight(model: Path, num_shards: tuple[int, ...], style: str, vocab_padding: str, as_json: bool) -> None:
+    """Which tensor-parallel sizes N (and expert splits) MODEL allows, before downloading any weight.
+
+    Reads config.json, the index and each safetensors header only (a Hub id from the local cache, an s3:// model by
+    range requests), prints each N with the first reason it is refused, and the bytes it read.
+    """
+    from ..models.preflight import preflight as run_preflight
+    from .report import human_bytes
+
+    report = run_preflight(model, num_shards, style=style, vocab_padding=vocab_padding)
+    ok = all(report.works(n) for n in num_shards) if num_shards else any(report.works(n) for n in report.checked)
+    if as_json:
+        click.echo(json.dumps({"ok": ok, "exit_code": 0 if ok else 1, **report.to_dict()}, indent=2))
+        sys.exit(0 if ok else 1)
+    doc = report.to_dict()
+    counts = [f"{k}={doc[k]}" for k in ("num_attention_heads", "num_key_value_heads", "num_experts") if doc[k]]
+    what = f"{doc['model_type'] or 'no model_type'}, {', '.join(counts)}" if counts else doc["model_type"] or "?"
+    click.echo(printable(f"{model}: {what}; planned with {report.plan_source}"))
+    files = ", ".join(f"{report.name(p)} {human_bytes(b)}" + (f" in {c} reads" if c > 1 else "")
+                      for p, (c, b) in report.per_file().items())  # fmt: skip
+    tensors, past = human_bytes(report.checkpoint_bytes), report.tensor_bytes_read
+    data = f"{human_bytes(past)} of the {tensors}" if past else f"none of the {tensors}"
+    click.echo(printable(f"read {human_bytes(report.fetched)} ({files}): {data} of tensor data"))
+    for check in report.checks:
+        if check.experts in report.refused:
+            continue
+        where = f"tp={check.num_shards}" if check.experts is None else (
+            f"tp={check.num_shards} ep={check.ep} (experts {check.experts})")  # fmt: skip
+        if check.ok:
+            kv = f" (each KV head on {check.kv_replicas} ranks)" if check.kv_replicas > 1 else ""
+            click.echo(f"{where}: ok{kv}")
+        else:
+            more = f" (and {len(check.reasons) - 1} more)" if len(check.reasons) > 1 else ""
+            click.echo(printable(f"{where}: refused: {check.reasons[0]}{more}"))
+    checked = ", ".join(map(str, report.checked))
+    for mode in report.modes:
+        label = (
+            "" if mode is None else (" with experts tp (ep=1)" if mode == "tp" else " with experts parallel (ep=tp)")
+        )
+        allowed = ", ".join(map(str, report.allowed(mode))) or "none"
+        why = f": refused for every N: {report.refused[mode]}" if mode in report.refused else ""
+        click.echo(printable(f"allowed{label}: tp {allowed} (checked {checked}){why}"))
+    sys.exit(0 if ok else 1)
 
 
 @main.command()

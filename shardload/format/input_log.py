@@ -27,6 +27,9 @@ class InputLog:
 
     data: dict[str, bytes] = field(default_factory=dict)
     stamps: dict[str, Stamp] = field(default_factory=dict)
+    reads: list[tuple[str, int]] = field(default_factory=list)
+    """Every read made to open and plan the model, in order: path and bytes (a file read twice is listed twice);
+    what ``shardload preflight`` reports as fetched."""
 
 
 _LOG: ContextVar[InputLog | None] = ContextVar("shardload_input_log", default=None)
@@ -43,8 +46,17 @@ def note(path: Any, data: bytes, st: os.stat_result | None = None) -> None:
     log = _LOG.get()
     if log is not None:
         log.data[str(path)] = bytes(data)
+        log.reads.append((str(path), len(data)))
         if st is not None:
             log.stamps[str(path)] = stamp_of(st)
+
+
+def count(path: Any, nbytes: int) -> None:
+    """Record that ``nbytes`` were read from ``path`` to look at, not to parse (a file's first bytes, to tell its
+    kind), if a load is recording."""
+    log = _LOG.get()
+    if log is not None:
+        log.reads.append((str(path), nbytes))
 
 
 def parsed(path: Any) -> bytes | None:

@@ -36,6 +36,7 @@ __all__ = [
     "config_problems",
     "generate",
     "model_placements",
+    "num_shards_problems",
     "plan_problems",
     "resolved_style",
     "shard_info_document",
@@ -158,6 +159,22 @@ def plan_problems(
     return {n: [p.message for p in build_plan(info, checkpoint, n, strict=False).problems] for n in num_shards}
 
 
+def num_shards_problems(
+    config: Mapping[str, Any],
+    placements: Mapping[str, Placement],
+    document: Mapping[str, Any],
+    tensors: Mapping[str, Any],
+    num_shards: Iterable[int],
+) -> dict[int, list[str]]:
+    """For each N, why a generated plan cannot serve it: the reasons in config.json's terms
+    (:func:`config_problems`) first, then every problem of planning ``document`` against the stored tensors
+    (:func:`plan_problems`); empty for an N it serves. What :func:`generate` records as the N a plan serves, and
+    ``shardload preflight`` reports (pure: config and headers only)."""
+    ns = list(num_shards)
+    planned = plan_problems(document, tensors, ns)
+    return {n: config_problems(config, placements, n) + planned[n] for n in ns}
+
+
 @dataclass
 class GeneratedShardInfo:
     """A generated shard_info with its placements, the N it plans for, and notes for the user."""
@@ -242,11 +259,11 @@ def generate(
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise PlanError(f"num_shards={n}: {problems[0]}{more}{padding_hint(problems, vocab_padding)}",
                             file=str(model))  # fmt: skip
-    checked = plan_problems(document, tensors, range(1, check_up_to + 1))
-    supported = [n for n, problems in checked.items() if not problems and not config_problems(config, placements, n)]
+    checked = num_shards_problems(config, placements, document, tensors, range(1, check_up_to + 1))
+    supported = [n for n, problems in checked.items() if not problems]
     if check_up_to > 1 and supported in ([], [1]) and not allow_single:
         n = 2 if supported else 1
-        first = (config_problems(config, placements, n) or checked[n])[0]
+        first = checked[n][0]
         hint = padding_hint(checked[n], vocab_padding)
         raise PlanError(
             f"the plan works for {'num_shards=1 only' if supported else 'no num_shards'} (num_shards={n}: {first})"

@@ -291,6 +291,7 @@ def _is_pickle(path: Path) -> bool:
         with open(path, "rb") as fh:
             exact_reads(fh.fileno())
             head = fh.read(9)
+            input_log.count(path, len(head))
     except OSError:
         return False
     if len(head) == 9 and head[8:] == b"{":  # a safetensors header's length, then its JSON: not a pickle

@@ -110,9 +110,10 @@ def is_revision(revision: str) -> bool:
     return "\\" not in revision and all(part not in ("", ".", "..") for part in parts)
 
 
-def hub_snapshot(value: str) -> Path:
+def hub_snapshot(value: str, *, cache_only: bool = False) -> Path:
     """The local snapshot directory of Hub id ``org/name[@revision]``: downloaded (weights, index, config,
-    tokenizer and shard_info only) when online, from the cache alone when offline."""
+    tokenizer and shard_info only) when online, from the cache alone when offline or ``cache_only`` (nothing is
+    downloaded: ``shardload preflight``)."""
     match = HUB_ID_RE.fullmatch(value)
     assert match is not None
     repo, revision = match["repo"], match["rev"]
@@ -131,18 +132,26 @@ def hub_snapshot(value: str) -> Path:
             "huggingface_hub)",
             file=value,
         ) from None
-    offline = constants.HF_HUB_OFFLINE
+    offline = constants.HF_HUB_OFFLINE or cache_only
     try:
         path = huggingface_hub.snapshot_download(
             repo, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=offline
         )
     except errors.LocalEntryNotFoundError:
-        why = "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached"
-        raise CheckpointError(
+        missing = (
             f"no such file or directory, and the Hugging Face Hub model {repo}"
             f"{'@' + revision if revision else ''} is not in the local cache ({constants.HF_HUB_CACHE})"
-            f" and {why}: download it where the Hub is reachable (`hf download {repo}`), or point HF_HUB_CACHE at a "
-            "cache that holds it",
+        )
+        if cache_only and not constants.HF_HUB_OFFLINE:
+            raise CheckpointError(
+                f"{missing}; preflight takes a Hub model from that cache only (it downloads nothing, and reads no "
+                "headers over the network): check the model where it is cached, or by its s3:// URL",
+                file=value,
+            ) from None
+        why = "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached"
+        raise CheckpointError(
+            f"{missing} and {why}: download it where the Hub is reachable (`hf download {repo}`), or point "
+            "HF_HUB_CACHE at a cache that holds it",
             file=value,
         ) from None
     except errors.RevisionNotFoundError:
