@@ -781,16 +781,26 @@ def _inspect_n(info: Any, checkpoint: Any) -> int:
 )  # fmt: skip
 @click.option("--shard-info", type=click.Path(path_type=Path),
               help="With --source: the shard_info OUT was converted with (default: MODEL's own plan).")  # fmt: skip
+@click.option("--root", "root", metavar="HEX",
+              help="A source checkpoint: fail unless its record's root hash is HEX (`shardload hash`).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report (exit code as without).")
 @_guarded
-def verify(out_dir: Path, source: Path | None, shard_info: Path | None, as_json: bool) -> None:
-    """Recompute every file's sha256 in converted directory OUT against its manifest; list each mismatch."""
+def verify(out_dir: Path, source: Path | None, shard_info: Path | None, root: str | None, as_json: bool) -> None:
+    """Recompute every file's sha256 in converted directory OUT against its manifest; list each mismatch. OUT may
+    be a source checkpoint instead: every file is re-hashed against its integrity record (`shardload hash`)."""
     from ..engine.verify import VerifyReport
     from ..engine.verify_dir import verify_dir
+    from ..sources.checkpoint import MANIFEST_NAME
     from .report import human_bytes
 
     if shard_info is not None and source is None:
         raise click.UsageError("--shard-info goes with --source")
+    converted = source is not None or (out_dir / MANIFEST_NAME).is_file()
+    if root is not None and converted:
+        raise click.UsageError("--root goes with a source checkpoint's integrity record, not a converted directory")
+    if not converted:
+        _verify_source(out_dir, root, as_json)
+        return
     refused: ShardloadError | None = None
     try:
         report = verify_dir(out_dir, source=source, shard_info=shard_info)
@@ -818,6 +828,39 @@ def verify(out_dir: Path, source: Path | None, shard_info: Path | None, as_json:
     click.echo(
         f"{out_dir}: {report.files} files ({human_bytes(report.nbytes)}) match shard_manifest.json "
         f"(num_shards={report.num_shards}){against}"
+    )
+
+
+def _verify_source(model: Path, root: str | None, as_json: bool) -> None:
+    """``shardload verify MODEL`` on a source checkpoint: one line per problem, exit 1 when there is any."""
+    from ..engine.verify_source import SourceReport, verify_source
+    from .report import human_bytes
+
+    refused: ShardloadError | None = None
+    try:
+        report = verify_source(model, root, progress=not as_json)
+    except ShardloadError as err:
+        if not as_json:
+            raise
+        refused, report = err, SourceReport(model, None, "", problems=[err])
+    if as_json:
+        doc = {
+            "model": str(model), "record": None if report.record is None else str(report.record),
+            "root": report.root or None, "ok": report.ok, "files": report.files, "bytes": report.nbytes,
+            "problems": [p.to_dict() for p in report.problems],
+        }  # fmt: skip
+        if refused is not None:
+            doc |= {"exit_code": 1, "error": refused.to_dict()}
+            click.echo(printable(f"error: {refused.message}"), err=True)
+        click.echo(json.dumps(doc, indent=2))
+        sys.exit(0 if report.ok else 1)
+    for problem in report.problems:
+        click.echo(printable(problem.message))
+    if not report.ok:
+        click.echo(f"{model}: {len(report.problems)} problem(s) against {report.record}", err=True)
+        sys.exit(1)
+    click.echo(
+        f"{model}: {report.files} files ({human_bytes(report.nbytes)}) match {report.record} (root {report.root})"
     )
 
 
