@@ -638,15 +638,25 @@ def _validate_one(
 @_plugin_option
 @click.argument("model", type=MODEL)
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Output directory.")
-@click.option("--scheme", type=click.Choice(list(QUANT_SCHEMES)), default="int4-g128", show_default=True,
-              help="int4-gG: 4-bit, a scale per G inputs; int8 and fp8: a scale per output channel.")  # fmt: skip
+@click.option("--scheme", type=click.Choice(["int4", *QUANT_SCHEMES]), default="int4", show_default=True,
+              help="int4-gG: 4-bit, a scale per G inputs; int4: G chosen from the model (128, 64 or 32, the largest "
+                   "that keeps N up to 8); int8 and fp8: a scale per output channel.")  # fmt: skip
 @click.option("--shard-info", type=click.Path(path_type=Path), help="shard_info.json (default MODEL/shard_info.json).")
 @click.option("--overwrite", is_flag=True, help="Replace the output directory if it exists.")
 @_guarded
 def quantize(model: Path, out_dir: Path, scheme: str, shard_info: Path | None, overwrite: bool) -> None:
     """Quantize MODEL's linear weights once (compressed-tensors layout) with an N-agnostic shard_info."""
+    from ..engine.quantize import INT4_MAX_N, resolve_scheme
     from ..engine.quantize import quantize as run_quantize
 
+    chosen, max_n = resolve_scheme(model, scheme)
+    if max_n is not None:
+        ns = ", ".join(str(1 << k) for k in range(max_n.bit_length()))
+        fewer = "" if max_n == INT4_MAX_N else f" only (none of groups 128, 64, 32 keeps N = {INT4_MAX_N})"
+        group = chosen.removeprefix("int4-g")
+        line = f"int4: group size {group} chosen from {model}: every quantized input dim splits into whole groups"
+        click.echo(printable(f"{line} at N = {ns}{fewer} (--scheme int4-gG picks another)"))
+        scheme = chosen
     options = {"shard_info": shard_info, "overwrite": overwrite}
     if sys.stderr.isatty():
         with _ProgressBar("quantizing", lambda: _source_bytes(model)) as progress:
