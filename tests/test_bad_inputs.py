@@ -609,10 +609,11 @@ def test_convert_refuses_to_copy_a_file_linked_from_outside(tmp_path: Path) -> N
     assert_nothing_written(tmp_path, tmp_path / "out")
 
 
-def test_verify_on_a_source_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+def test_verify_on_a_source_checkpoint_without_a_record_says_how_to_make_one(tmp_path: Path) -> None:
     model = model_dir(tmp_path / "m")
     result = CliRunner().invoke(main, ["verify", str(model)])
-    assert result.exit_code == 1 and result.stderr.startswith(f"error: {model}: not a converted directory")
+    assert result.exit_code == 1 and result.stderr.startswith(f"error: {model}: a source checkpoint without an")
+    assert f"`shardload hash {model}`" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert CliRunner().invoke(main, ["verify"]).exit_code == 2
 
 

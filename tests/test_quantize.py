@@ -252,3 +252,38 @@ def test_quantize_and_plan_model_refuse_the_same_outside_shard_info(example_dir:
         with pytest.raises(shardload.ShardloadError, match="outside the model directory"):
             call()
     assert not (tmp_path / "q").exists()
+
+
+def test_default_scheme_keeps_n_up_to_8(example_dir: Path, tmp_path: Path) -> None:
+    """``quantize`` without ``--scheme`` picks int4's group size from the model so N up to 8 stays valid (the
+    example's split input dims are 256 and 512: groups of 32), says so before writing, and ``convert -n 8`` works;
+    an explicit ``--scheme int4-g128`` is kept as given."""
+    runner = CliRunner()
+    out = tmp_path / "q"
+    done = runner.invoke(main, ["quantize", str(example_dir), "-o", str(out)])
+    assert done.exit_code == 0, done.output
+    lines = done.output.splitlines()
+    assert lines[0] == (
+        f"int4: group size 32 chosen from {example_dir}: every quantized input dim splits into whole groups "
+        "at N = 1, 2, 4, 8 (--scheme int4-gG picks another)"
+    ), done.output
+    assert "quantized 8 weights to int4-g32" in lines[1]
+    assert "shard_info.json: valid for num_shards 1, 2, 4, 8 (checked 1..16)" in done.output
+    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qconfig["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    done = runner.invoke(main, ["convert", str(out), "-n", "8", "-o", str(tmp_path / "tp8"), "-q"])
+    assert done.exit_code == 0, done.output
+    done = runner.invoke(main, ["quantize", str(example_dir), "-o", str(tmp_path / "g128"), "--scheme", "int4-g128"])
+    assert done.exit_code == 0 and "chosen" not in done.output and "to int4-g128" in done.output, done.output
+    assert "valid for num_shards 1, 2 " in done.output
+
+
+def test_int4_group_size_follows_the_input_dims() -> None:
+    from shardload.engine.quantize import choose_int4
+
+    assert choose_int4({"a": 4096, "b": 14336}) == ("int4-g128", 8)  # Llama-3-8B: 14336 / 8 = 1792 = 14 x 128
+    assert choose_int4({"a": 4096, "b": 11008}) == ("int4-g32", 8)  # Llama-2-7B: 11008 / 8 = 1376 = 43 x 32
+    assert choose_int4({"a": 256, "b": 512}) == ("int4-g32", 8)  # the example
+    assert choose_int4({"a": 1024, "b": 192}) == ("int4-g32", 2)  # 192 = 6 x 32: halves of whole groups at most
+    assert choose_int4({"a": 160}) == ("int4-g32", 1)
+    assert choose_int4({}) == ("int4-g128", 8)

@@ -129,3 +129,15 @@ def test_converted_directory_padded_by_vllms_rule_fills_and_another_split_is_ref
                            r"vocabulary needs 128 rows per rank") as err:  # fmt: skip
             _converted_vocab({k: plain[k] for k in HEADS}, routes, vocab, rank, "conv-plain")
         assert "\n" not in str(err.value)
+
+
+def test_an_even_split_of_a_divisible_vocabulary_is_refused_with_advice_that_works() -> None:
+    """The default plan splits 250 rows evenly at N=2 (125 per rank, docs/model-plans.md); vLLM wants 128: the
+    refusal points at ``--layout vllm`` or the source, never at the default plan, which gives the same 125 again."""
+    routes = {name: Target(name) for name in HEADS}
+    for rank in range(2):
+        start, stop, per_rank = vocab_range(250, rank, 2)
+        vocab = {name: (start, stop, 250, per_rank) for name in HEADS}
+        with pytest.raises(ShardloadError, match="125 rows per rank") as err:
+            _converted_vocab({k: torch.zeros(125, 4) for k in HEADS}, routes, vocab, rank, "conv")
+        assert "--layout vllm" in str(err.value) and "(the default)" not in str(err.value)

@@ -167,3 +167,37 @@ def test_padding_carries_over_to_quantized_tensors() -> None:
     blocks = {"lm_head.weight": H((250, 256), "float8_e4m3fn"), "lm_head.weight_scale_inv": H((2, 2), "float32")}
     out = companion_steps(placement, blocks, {"weight_block_size": [128, 128]})
     assert [s[0] for s in out["lm_head.weight"]] == ["shard_funcs.shard_dim"]
+
+
+def test_the_default_split_is_the_documented_one(tmp_path: Path) -> None:
+    """With no shard_info (the plan made in memory, as ``plan`` writes it by default), an N that divides the
+    vocabulary splits it evenly (1000 rows at N=2: 500 per rank, where vLLM pads to 1024 and gives 512), and an N
+    that does not gives vLLM's padded partition row for row (1001 rows: 512 per rank, rank 1 rows 512..1000 then 23
+    zeros). docs/model-plans.md says exactly this."""
+    from safetensors.torch import load_file
+
+    from shardload.models.vllm_names import vocab_range
+
+    for vocab, per_rank in ((1000, 500), (1001, 512)):
+        config = {"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2, "vocab_size": vocab}
+        shapes = {"model.embed_tokens.weight": (vocab, 8), "lm_head.weight": (vocab, 8)}
+        model = _fake_model(tmp_path / str(vocab), config, shapes)
+        stored = load_file(str(model / "model.safetensors"))
+        for rank in range(2):
+            state = shardload.load_rank(model, rank, 2)
+            start, stop, vllm_rows = vocab_range(vocab, rank, 2)
+            assert vllm_rows == 512
+            for name in shapes:
+                got = state[name]
+                assert list(got.shape) == [per_rank, 8], (vocab, name)
+                if vocab % 2 == 0:  # an even split, unpadded: not vLLM's rows
+                    assert torch.equal(got, stored[name][rank * per_rank : (rank + 1) * per_rank])
+                else:  # vLLM's partition: its stored rows, then zeros
+                    assert torch.equal(got[: stop - start], stored[name][start:stop])
+                    assert not got[stop - start :].any() and (rank == 0 or per_rank - (stop - start) == 23)
+    text = " ".join((Path(__file__).parents[1] / "docs" / "model-plans.md").read_text().split())
+    assert (
+        "A vocabulary of 1000 rows at N=2 gives each rank 500 rows (`lm_head` `[500, H]`), where vLLM gives 512" in text
+    )
+    assert "one of 1001 rows gives each rank 512 rows, as vLLM does" in text
+    assert "pads nothing" not in text.replace("splits it evenly and pads nothing", "")

@@ -695,15 +695,25 @@ def _validate_one(
 @_plugin_option
 @click.argument("model", type=MODEL)
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Output directory.")
-@click.option("--scheme", type=click.Choice(list(QUANT_SCHEMES)), default="int4-g128", show_default=True,
-              help="int4-gG: 4-bit, a scale per G inputs; int8 and fp8: a scale per output channel.")  # fmt: skip
+@click.option("--scheme", type=click.Choice(["int4", *QUANT_SCHEMES]), default="int4", show_default=True,
+              help="int4-gG: 4-bit, a scale per G inputs; int4: G chosen from the model (128, 64 or 32, the largest "
+                   "that keeps N up to 8); int8 and fp8: a scale per output channel.")  # fmt: skip
 @click.option("--shard-info", type=click.Path(path_type=Path), help="shard_info.json (default MODEL/shard_info.json).")
 @click.option("--overwrite", is_flag=True, help="Replace the output directory if it exists.")
 @_guarded
 def quantize(model: Path, out_dir: Path, scheme: str, shard_info: Path | None, overwrite: bool) -> None:
     """Quantize MODEL's linear weights once (compressed-tensors layout) with an N-agnostic shard_info."""
+    from ..engine.quantize import INT4_MAX_N, resolve_scheme
     from ..engine.quantize import quantize as run_quantize
 
+    chosen, max_n = resolve_scheme(model, scheme)
+    if max_n is not None:
+        ns = ", ".join(str(1 << k) for k in range(max_n.bit_length()))
+        fewer = "" if max_n == INT4_MAX_N else f" only (none of groups 128, 64, 32 keeps N = {INT4_MAX_N})"
+        group = chosen.removeprefix("int4-g")
+        line = f"int4: group size {group} chosen from {model}: every quantized input dim splits into whole groups"
+        click.echo(printable(f"{line} at N = {ns}{fewer} (--scheme int4-gG picks another)"))
+        scheme = chosen
     options = {"shard_info": shard_info, "overwrite": overwrite}
     if sys.stderr.isatty():
         with _ProgressBar("quantizing", lambda: _source_bytes(model)) as progress:
@@ -838,16 +848,26 @@ def _inspect_n(info: Any, checkpoint: Any) -> int:
 )  # fmt: skip
 @click.option("--shard-info", type=click.Path(path_type=Path),
               help="With --source: the shard_info OUT was converted with (default: MODEL's own plan).")  # fmt: skip
+@click.option("--root", "root", metavar="HEX",
+              help="A source checkpoint: fail unless its record's root hash is HEX (`shardload hash`).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report (exit code as without).")
 @_guarded
-def verify(out_dir: Path, source: Path | None, shard_info: Path | None, as_json: bool) -> None:
-    """Recompute every file's sha256 in converted directory OUT against its manifest; list each mismatch."""
+def verify(out_dir: Path, source: Path | None, shard_info: Path | None, root: str | None, as_json: bool) -> None:
+    """Recompute every file's sha256 in converted directory OUT against its manifest; list each mismatch. OUT may
+    be a source checkpoint instead: every file is re-hashed against its integrity record (`shardload hash`)."""
     from ..engine.verify import VerifyReport
     from ..engine.verify_dir import verify_dir
+    from ..sources.checkpoint import MANIFEST_NAME
     from .report import human_bytes
 
     if shard_info is not None and source is None:
         raise click.UsageError("--shard-info goes with --source")
+    converted = source is not None or (out_dir / MANIFEST_NAME).is_file()
+    if root is not None and converted:
+        raise click.UsageError("--root goes with a source checkpoint's integrity record, not a converted directory")
+    if not converted:
+        _verify_source(out_dir, root, as_json)
+        return
     refused: ShardloadError | None = None
     try:
         report = verify_dir(out_dir, source=source, shard_info=shard_info)
@@ -875,6 +895,39 @@ def verify(out_dir: Path, source: Path | None, shard_info: Path | None, as_json:
     click.echo(
         f"{out_dir}: {report.files} files ({human_bytes(report.nbytes)}) match shard_manifest.json "
         f"(num_shards={report.num_shards}){against}"
+    )
+
+
+def _verify_source(model: Path, root: str | None, as_json: bool) -> None:
+    """``shardload verify MODEL`` on a source checkpoint: one line per problem, exit 1 when there is any."""
+    from ..engine.verify_source import SourceReport, verify_source
+    from .report import human_bytes
+
+    refused: ShardloadError | None = None
+    try:
+        report = verify_source(model, root, progress=not as_json)
+    except ShardloadError as err:
+        if not as_json:
+            raise
+        refused, report = err, SourceReport(model, None, "", problems=[err])
+    if as_json:
+        doc = {
+            "model": str(model), "record": None if report.record is None else str(report.record),
+            "root": report.root or None, "ok": report.ok, "files": report.files, "bytes": report.nbytes,
+            "problems": [p.to_dict() for p in report.problems],
+        }  # fmt: skip
+        if refused is not None:
+            doc |= {"exit_code": 1, "error": refused.to_dict()}
+            click.echo(printable(f"error: {refused.message}"), err=True)
+        click.echo(json.dumps(doc, indent=2))
+        sys.exit(0 if report.ok else 1)
+    for problem in report.problems:
+        click.echo(printable(problem.message))
+    if not report.ok:
+        click.echo(f"{model}: {len(report.problems)} problem(s) against {report.record}", err=True)
+        sys.exit(1)
+    click.echo(
+        f"{model}: {report.files} files ({human_bytes(report.nbytes)}) match {report.record} (root {report.root})"
     )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,6 +61,12 @@ SCHEMES: dict[str, Scheme] = {
     "fp8": Scheme("fp8", "float", 8),
 }
 
+AUTO_INT4 = "int4"
+"""The default scheme: int4 with the largest group size in :data:`INT4_GROUPS` that keeps the model's quantized input
+dims splittable into whole groups at N up to :data:`INT4_MAX_N` (:func:`choose_int4`)."""
+INT4_GROUPS = (128, 64, 32)
+INT4_MAX_N = 8
+
 DEFAULT_IGNORE = ("lm_head", "embed", "norm", "wte", "wpe")
 """Modules left unquantized: a module name whose last part contains one of these."""
 
@@ -80,10 +86,35 @@ class QuantizeResult:
     valid_for: list[int] = field(default_factory=list)
 
 
+def choose_int4(input_dims: Mapping[str, int]) -> tuple[str, int]:
+    """The int4 scheme for weights with these input dims (each a multiple of 32) and the largest power-of-two N up
+    to :data:`INT4_MAX_N` at which every dim splits into whole groups: the most N first, then the largest group."""
+    n = INT4_MAX_N
+    while n >= 1:
+        for group in INT4_GROUPS:
+            if all(dim % (group * n) == 0 for dim in input_dims.values()):
+                return f"int4-g{group}", n
+        n //= 2
+    return f"int4-g{INT4_GROUPS[-1]}", 1
+
+
+def resolve_scheme(
+    model: str | os.PathLike[str], scheme: str, ignore: tuple[str, ...] = DEFAULT_IGNORE
+) -> tuple[str, int | None]:
+    """``scheme`` as given, or for ``"int4"`` the group size :func:`choose_int4` picks from ``model``'s linear weights
+    (its headers only), with the largest power-of-two N that group keeps (None for a scheme given in full)."""
+    if scheme != AUTO_INT4:
+        return scheme, None
+    smallest = SCHEMES[f"int4-g{INT4_GROUPS[-1]}"]
+    tensors = open_checkpoint(model).tensors
+    dims = {n: t.shape[1] for n, t in tensors.items() if _skip_reason(n, t.shape, t.dtype, smallest, ignore) is None}
+    return choose_int4(dims)
+
+
 def quantize(
     model: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
-    scheme: str = "int4-g128",
+    scheme: str = AUTO_INT4,
     *,
     shard_info: Any = None,
     overwrite: bool = False,
@@ -91,6 +122,8 @@ def quantize(
     progress: Callable[[int, str], None] | None = None,
 ) -> QuantizeResult:
     """Write ``model``'s linear weights quantized with ``scheme`` to ``out_dir`` (compressed-tensors layout).
+    ``"int4"`` (the default) is int4 with the group size :func:`resolve_scheme` picks from the model (128, 64 or
+    32: the largest that keeps N up to 8); a scheme given in full (``"int4-g128"``) is used as given.
 
     Every 2-d floating ``*.weight`` whose module is not in ``ignore`` and whose input dim fits the
     scheme is quantized (one with a zero dim is refused); other tensors are copied. ``shard_info`` (default
@@ -105,8 +138,9 @@ def quantize(
         shardload.quantize("llama-dir", "llama-int4", "int4-g128")
         shards = shardload.load("llama-int4", num_shards=4)
     """
-    if scheme not in SCHEMES:
-        raise ShardloadError(f"unknown scheme {scheme!r} (choose from {', '.join(SCHEMES)})")
+    if scheme not in SCHEMES and scheme != AUTO_INT4:
+        raise ShardloadError(f"unknown scheme {scheme!r} (choose from {', '.join([AUTO_INT4, *SCHEMES])})")
+    scheme, _ = resolve_scheme(model, scheme, ignore)
     spec = SCHEMES[scheme]
     out = as_path(out_dir, "out_dir")
     checkpoint = open_checkpoint(model)

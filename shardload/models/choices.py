@@ -15,5 +15,6 @@ EXPERT_MODES = ("tp", "parallel")
 VOCAB_PADDING: dict[str, int | str | None] = {"vllm": VLLM_VOCAB_MULTIPLE, "plain": "num_shards", "none": None}
 """How a vocabulary N does not divide is padded (``pad_to`` of its placements): ``vllm`` to a multiple of 64 as
 vLLM's ``pad_vocab_size`` does (the default: rank r then holds vLLM's rows), ``plain`` to a multiple of N (the
-least padding; every N), ``none`` not at all (such an N fails). An N that divides the vocabulary pads nothing."""
+least padding; every N), ``none`` not at all (such an N fails). Under every rule an N that divides the vocabulary
+splits it evenly, unpadded, where vLLM would still pad it to a multiple of 64 (docs/model-plans.md)."""
 DEFAULT_VOCAB_PADDING = "vllm"

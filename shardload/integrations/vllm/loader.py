@@ -35,6 +35,7 @@ from ...models.vllm_names import (
     SHAPE_SUFFIX,
     SKIPPED_SUFFIXES,
     Target,
+    padded_vocab,
     vllm_target,
 )
 from ...planning.plan import ModelPlan, ParamPlan, build_plan
@@ -277,12 +278,17 @@ def _converted_vocab(
     for name in set(spans) - narrow:
         if stored[name].shape[0] in (_rows(spans[name]), spans[name][3]):
             continue
-        start, stop, _, per_rank = spans[name]
+        start, stop, rows, per_rank = spans[name]
+        num_shards = padded_vocab(rows) // per_rank
+        plan = (
+            ""
+            if rows % num_shards == 0
+            else "a plan made with `shardload plan --vocab-padding vllm` (the default), or "
+        )
         raise ShardloadError(
             f"this directory splits the vocabulary into {stored[name].shape[0]} rows per rank; vLLM's padded "
             f"vocabulary needs {per_rank} rows per rank (stored rows {start}..{stop} on rank {rank}, then zeros): "
-            "load the source checkpoint with load_format='shardload', or convert with a plan made with "
-            "`shardload plan --vocab-padding vllm` (the default), or with --layout vllm",
+            f"load the source checkpoint with load_format='shardload', or convert with {plan}--layout vllm",
             file=where,
             param=name,
         )

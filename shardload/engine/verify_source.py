@@ -1,0 +1,198 @@
+"""Auditing a source checkpoint against its integrity record (``shardload verify MODEL``): every file the record
+lists is re-hashed with the regions the record lists (each file read once, stretches hashed in parallel) and its leaf
+table compared with the record's; a missing file, a weight file the record does not list, a size or a leaf that
+differs is one problem each (see docs/integrity.md)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ShardloadError
+from ..format.hash_record import HASH_BYTES, FileHashes, HashRecord, RecordError, hasher, root_of
+from ..sources.checkpoint import open_checkpoint
+from ..sources.objects import ObjectPath
+from ..sources.verified import IntegrityError
+from .integrity import (
+    _hash_job,
+    _jobs,
+    _names_in,
+    _progress,
+    _size,
+    _tensors_by_file,
+    file_name,
+    load_record,
+    metadata_files,
+    record_path,
+)
+
+__all__ = ["SourceReport", "verify_source"]
+
+
+@dataclass
+class SourceReport:
+    """What :func:`verify_source` checked: the record (its path and root), the files and bytes re-hashed, and every
+    problem found (empty when the checkpoint matches its record)."""
+
+    model: Any
+    record: Any
+    root: str
+    files: int = 0
+    nbytes: int = 0
+    problems: list[ShardloadError] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_source(
+    model: str | os.PathLike[str],
+    root: str | None = None,
+    *,
+    threads: int | None = None,
+    progress: bool | Callable[[int, int], None] = False,
+) -> SourceReport:
+    """Check every file of source checkpoint ``model`` against its integrity record (``shardload hash``): each listed
+    file present with its recorded size and every leaf equal, and no weight file the record does not list (the
+    model's own, and any ``*.safetensors`` in its directory). ``root``
+    (hex) pins the record's root hash. A missing record, or one that is not the pinned one, raises a one-line error.
+
+    Example::
+
+        report = verify_source("llama-dir", root="9f2c...")
+        for problem in report.problems:
+            print(problem)
+    """
+    checkpoint = open_checkpoint(model)
+    if checkpoint.kind == "converted":
+        raise ShardloadError("is a converted directory: `shardload verify` checks it against its shard_manifest.json",
+                             file=str(model))  # fmt: skip
+    path = record_path(checkpoint)
+    if not path.is_file():
+        raise RecordError(
+            f"a source checkpoint without an integrity record ({path}): make one with `shardload hash {model}`, "
+            f"then `shardload verify {model}` checks every file against it (a converted directory has a "
+            "shard_manifest.json)",
+            file=str(model),
+        )
+    record = load_record(checkpoint, root if root is not None else True)
+    report = SourceReport(checkpoint.path, path, root_of(_read(path)))
+    listed = {entry.name for entry in record.files}
+    tensors = _tensors_by_file(checkpoint)
+    stray = sorted(Path(checkpoint.root).glob("*.safetensors")) if isinstance(checkpoint.path, Path) else []
+    stray = stray if checkpoint.path.is_dir() else []  # a directory's weight files, whether its model uses them or not
+    files = (*checkpoint.files, *tensors, *metadata_files(checkpoint), *stray)
+    present = {file_name(checkpoint.root, f): f for f in files}
+    to_hash: list[tuple[FileHashes, Any]] = []
+    for entry in record.files:
+        full = checkpoint.root / entry.name
+        if not full.is_file():
+            report.problems.append(IntegrityError("is listed in the integrity record but missing", file=str(full)))
+            continue
+        size = _size(full)
+        if size != entry.size:
+            report.problems.append(
+                IntegrityError(f"is {size} bytes, the integrity record says {entry.size}", file=str(full))
+            )
+            continue
+        to_hash.append((entry, full))
+    for name in sorted(set(present) - listed):
+        report.problems.append(IntegrityError(
+            "is not in the integrity record (added after `shardload hash`?); hash the checkpoint again if it belongs",
+            file=str(present[name]),
+        ))  # fmt: skip
+    tables = _hash(to_hash, record, threads, progress)
+    for (entry, full), table in zip(to_hash, tables, strict=True):
+        report.files += 1
+        report.nbytes += entry.size
+        if table != entry.leaves:
+            names = _names_in(tensors.get(present.get(entry.name), []))
+            report.problems.append(_leaf_problem(entry, full, table, names))
+    order = {entry.name: i for i, entry in enumerate(record.files)}
+    report.problems.sort(key=lambda p: order.get(_relative(checkpoint.root, p.file), len(order)))
+    return report
+
+
+def _read(path: Any) -> bytes:
+    return path.read_whole(1 << 40, "integrity record") if isinstance(path, ObjectPath) else Path(path).read_bytes()
+
+
+def _relative(root: Any, file: str | None) -> str:
+    prefix = str(root).rstrip("/") + "/"
+    return file[len(prefix) :] if file and file.startswith(prefix) else file or ""
+
+
+def _hash(
+    files: list[tuple[FileHashes, Any]], record: HashRecord, threads: int | None, progress: Any
+) -> list[bytearray]:
+    """Each file's leaf table, hashed with the record's hash function and the regions the record lists."""
+    hash_fn = hasher(record.hash)
+    tables = [bytearray(len(entry.leaves)) for entry, _ in files]
+    jobs = [job for i, (entry, _) in enumerate(files) for job in _jobs(i, entry.regions)]
+    total = sum(entry.size for entry, _ in files)
+    report = _progress(progress, total)
+    lock = threading.Lock()
+    seen = [0]
+
+    def done(n: int) -> None:
+        if report is not None:
+            with lock:
+                seen[0] += n
+                report(seen[0], total)
+
+    fds: list[Any] = []
+    opened: list[int] = []
+    try:
+        for _, full in files:
+            if isinstance(full, ObjectPath):
+                fds.append(full)
+                continue
+            fd = os.open(full, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            opened.append(fd)
+            fds.append(fd)
+        count = threads or min(len(jobs), max(2, os.cpu_count() or 2)) or 1
+        with ThreadPoolExecutor(count, thread_name_prefix="shardload-verify") as pool:
+            futures = [pool.submit(_hash_job, fds[j.file], j, hash_fn, tables[j.file], done) for j in jobs]
+            for job, future in zip(jobs, futures, strict=True):
+                try:
+                    future.result()
+                except IntegrityError as err:
+                    raise IntegrityError(err.reason, file=str(files[job.file][1])) from None
+    except OSError as err:
+        raise ShardloadError(f"cannot read: {err.strerror or err}", file=str(files[len(opened)][1])) from None
+    finally:
+        for fd in opened:
+            os.close(fd)
+    return tables
+
+
+def _leaf_problem(entry: FileHashes, full: Any, table: bytes, names: Callable[[int, int], list[str]]) -> IntegrityError:
+    """The first leaf (in file order) that differs, as its byte range and the tensors it covers."""
+    differ = [
+        k for k in range(len(table) // HASH_BYTES) if entry.leaf(k) != table[k * HASH_BYTES : (k + 1) * HASH_BYTES]
+    ]
+    leaf = differ[0]
+    base = 0
+    for region in entry.regions:
+        if leaf < base + region.leaves:
+            break
+        base += region.leaves
+    index = leaf - base
+    for k in range(len(region.tilings)):
+        tiling = region.tiling(k)
+        if index < tiling.leaves:
+            break
+        index -= tiling.leaves
+    r0, rows, c0, width = tiling.tile(index)
+    lo = region.offset + r0 * region.row_bytes + c0
+    hi = region.offset + (r0 + rows - 1) * region.row_bytes + c0 + width
+    what = ", ".join(names(lo, hi)) or "no tensor"
+    band = f", a column band of {rows} rows" if k and tiling.bands > 1 else ""
+    others = f" ({len(differ)} leaf hashes differ in all)" if len(differ) > 1 else ""
+    return IntegrityError(f"bytes {lo}..{hi} ({what}{band}) differ from the integrity record{others}", file=str(full))
