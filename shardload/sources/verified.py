@@ -43,6 +43,15 @@ class VerifiedFile:
 
         if self.ends is None:
             self.ends = np.array([r.end for r in self.hashes.regions], dtype=np.int64)
+        self._single: Any = None
+
+    def single_leaf(self) -> Any:
+        """Per region, whether it is hashed as one leaf (computed once)."""
+        import numpy as np
+
+        if self._single is None:
+            self._single = np.array([r.leaves == 1 for r in self.hashes.regions], dtype=bool)
+        return self._single
 
 
 def region_bases(hashes: FileHashes) -> list[int]:
@@ -466,11 +475,54 @@ class VerifiedReader(RunReader):
         if bool((ends > entry.ends[ridx]).any()):  # a run across regions: cut it at each region end
             src, length, buf, dst = _cut(src, length, buf, dst, entry)
             ridx = np.searchsorted(entry.starts, src, side="right") - 1
+        if len(ridx) > 8:  # many runs: the ones in regions of a single leaf (small tensors) are checked as a batch
+            single = entry.single_leaf()[ridx]
+            if bool(single.any()):
+                self._single_leaves(path, entry, ridx[single], src[single], length[single], buf[single], dst[single],
+                                    buffers)  # fmt: skip
+                keep = ~single
+                src, length, buf, dst, ridx = src[keep], length[keep], buf[keep], dst[keep], ridx[keep]
+                if not len(src):
+                    return
         order = np.argsort(ridx, kind="stable")
         ridx = ridx[order]
         cuts = np.flatnonzero(np.diff(ridx)) + 1
         for first, part in zip(np.concatenate(([0], cuts)).tolist(), np.split(order, cuts), strict=True):
-            self._region(path, entry, int(ridx[first]), src[part], length[part], buf[part], dst[part], buffers)
+            bufs, own = buf[part], buffers
+            if len(buffers) > 8:  # a batch of many small tensors: hand each region only the buffers it fills
+                used, inverse = np.unique(bufs, return_inverse=True)
+                bufs, own = inverse.astype(np.int64), [buffers[i] for i in used.tolist()]
+            self._region(path, entry, int(ridx[first]), src[part], length[part], bufs, dst[part], own)
+
+    def _single_leaves(
+        self,
+        path: Any,
+        entry: VerifiedFile,
+        ridx: np.ndarray,
+        src: np.ndarray,
+        length: np.ndarray,
+        buf: np.ndarray,
+        dst: np.ndarray,
+        buffers: Sequence[Any],
+    ) -> None:
+        """Runs each inside a region of one leaf (a tensor of at most a tile): every such region read whole with one
+        ``read_runs`` into a scratch buffer, each hashed against its leaf, then the runs copied out of it."""
+        import numpy as np
+        import torch
+
+        regions, at = np.unique(ridx, return_inverse=True)
+        starts = entry.starts[regions]
+        sizes = entry.ends[regions] - starts
+        pos = np.cumsum(sizes) - sizes
+        scratch = torch.empty(int(sizes.sum()), dtype=torch.uint8)
+        zero = np.zeros(len(regions), dtype=np.int64)
+        self.inner.read_runs(path, starts, sizes, zero, pos, [scratch])
+        flat = scratch.numpy()
+        for k, r in enumerate(regions.tolist()):
+            if not self._check(flat[int(pos[k]) : int(pos[k] + sizes[k])], entry, entry.bases[r]):
+                region = entry.hashes.regions[r]
+                raise self._mismatch(path, entry, region, region.tiling(0), 0)
+        copy_runs(flat, pos[at] + (src - starts[at]), [buffer_array(t) for t in buffers], buf, dst, length)
 
     def _region(
         self,
