@@ -313,7 +313,7 @@ def test_config_json_is_read_like_a_local_one(endpoint: S3, example_dir: Path, t
     bare = tmp_path / "bare"
     shutil.copytree(example_dir, bare)
     (bare / "shard_info.json").unlink()
-    uri = endpoint.upload_dir(bare, "bare")
+    uri = endpoint.upload_dir(bare, "bare-config")  # moto's buckets live as long as the process: a prefix of its own
     remote, how = plan_shard_info(open_checkpoint(uri), None)
     local, _ = plan_shard_info(open_checkpoint(bare), None)
     assert "config.json" in how and remote.source == f"<planned from {uri}/config.json>"
