@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import shardload
+from helpers.checkpoints import write_model
 from helpers.verified import N, offset_of, tampered
 from shardload.engine.integrity import hash_model
 from shardload.errors import ShardloadError
@@ -574,3 +575,76 @@ def test_warm_verified_jobs_on_the_reader_pool_catch_a_flip(tmp_path: Path, name
     with pytest.raises(ShardloadError) as excinfo:
         shardload.load_rank(model, 1, 4, verify=True)
     assert name in one_line_error(excinfo) and "hash mismatch" in one_line_error(excinfo)
+
+
+def _tiling_model(directory: Path) -> Path:
+    """Tensors whose tiles take every shape a record has, several write chunks long: rows wider than a leaf, column
+    bands (an uneven last one), row counts that are not powers of two, int8, float32, a 1-D tensor."""
+
+    def split(shape: list[int], dim: int, dtype: str) -> list:
+        out: list = ["num_shards", *shape]
+        out[dim + 1] = f"{shape[dim]} // num_shards"
+        return ["shard_funcs.shard_dim", [out, dtype], dim, "num_shards"]
+
+    rng = np.random.default_rng(5)
+    tensors = {
+        "wide.weight": rng.standard_normal((6, 100_000)).astype(np.float16),
+        "col.weight": rng.standard_normal((1000, 1536)).astype(np.float16),
+        "row.weight": rng.standard_normal((2048, 1024)).astype(np.float16),
+        "odd.weight": rng.standard_normal((700, 1499)).astype(np.float16),
+        "int8.weight": rng.integers(-100, 100, (512, 5000), dtype=np.int8),
+        "fp32.weight": rng.standard_normal((257, 640)).astype(np.float32),
+        "norm.weight": rng.standard_normal(3000).astype(np.float16),
+    }
+    info = {
+        "version": 1,
+        "num_shards": None,
+        "params": {
+            "wide.weight": [split([6, 100_000], 1, "float16")],
+            "col.weight": [split([1000, 1536], 1, "float16")],
+            "row.weight": [split([2048, 1024], 0, "float16")],
+            "int8.weight": [split([512, 5000], 0, "int8")],
+        },
+    }
+    return write_model(directory, tensors, info)
+
+
+def test_leaf_stream_gives_the_leaves_of_the_finished_file(tmp_path: Path) -> None:
+    """A file's leaves hashed from its bytes as they pass, in pieces of any size (one byte, a tile and a bit, whole
+    rows, the whole file), are the leaves hashing the finished file gives: the same entry, byte for byte."""
+    from shardload.engine.integrity import LeafStream, hash_files
+
+    model = _tiling_model(tmp_path / "m")
+    path = model / "model.safetensors"
+    data = path.read_bytes()
+    want = hash_files(model, [path], {path: list(read_header(path).values())}).files[0]
+    assert {len(r.tilings) for r in want.regions} == {1, 2} and any(r.tilings[0][0] == 1 < r.rows for r in want.regions)
+    header = data[: 8 + struct.unpack("<Q", data[:8])[0]]
+    rng = np.random.default_rng(0)
+    for sizes in ([len(data)], [1, 7, LEAF_BYTES + 3, 4096], [3000, 1 << 20, 5000 * 3], "random"):
+        stream = LeafStream(path, header)
+        at, k = 0, 0
+        while at < len(data):
+            step = int(rng.integers(1, 3 << 20)) if sizes == "random" else sizes[k % len(sizes)]
+            stream.update(memoryview(data)[at : at + step])
+            at, k = at + step, k + 1
+        got = stream.hashes()
+        assert (got.size, got.regions, got.leaves) == (want.size, want.regions, want.leaves), sizes
+    cut = LeafStream(path, header)
+    cut.update(data[:-1])
+    with pytest.raises(ShardloadError, match="cut short"):
+        cut.hashes()
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_converts_record_is_hashed_as_written(tmp_path: Path, n: int) -> None:
+    """convert hashes its rank files' leaves as it writes them (never reading one back): its record is byte for byte
+    the one hashing the finished rank files gives (the same regions, leaves and order)."""
+    from shardload.engine.integrity import output_record
+
+    model = _tiling_model(tmp_path / "m")
+    done = shardload.convert(model, n, tmp_path / "out")
+    got = (done.out_dir / RECORD_NAME).read_bytes()
+    assert got == output_record(done.out_dir, [f.path for f in done.rank_files])
+    assert [f.name for f in parse_record(got, "record").files] == [f.path for f in done.rank_files]
+    assert json.loads((done.out_dir / "shard_manifest.json").read_text())["integrity"]["root"] == root_of(got)

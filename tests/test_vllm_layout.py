@@ -450,3 +450,16 @@ def test_gpt_oss_rank_files_are_transposed_and_renamed_as_vllm_keeps_them(tmp_pa
         assert torch.equal(got["model.embedding.weight"], full["model.embed_tokens.weight"][32 * r : 32 * (r + 1)])
         assert p + "attn.attn._k_scale" in got
     assert not shardload.verify_dir(tmp_path / "out", source=tmp_path / "m").problems
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_record_is_hashed_as_written(tmp_path: Path, n: int) -> None:
+    """--layout vllm hashes its rank files' leaves as it writes them: its record is byte for byte the one hashing the
+    finished files gives."""
+    from shardload.engine.integrity import output_record
+    from shardload.format.hash_record import RECORD_NAME
+
+    build("llama_gqa", tmp_path / "model")
+    files = convert_vllm(tmp_path / "model", n, tmp_path / "out")
+    got = (tmp_path / "out" / RECORD_NAME).read_bytes()
+    assert got == output_record(tmp_path / "out", [f.path for f in files])

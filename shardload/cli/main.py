@@ -374,8 +374,8 @@ def convert(
     if as_json:
         doc = {
             "out_dir": str(result.out_dir), "num_shards": result.layout.tp, "mesh": str(result.layout),
-            "rank_files": [f.__dict__ for f in result.rank_files],
-            "other_files": [f.__dict__ for f in result.other_files],
+            "rank_files": [f.entry() for f in result.rank_files],
+            "other_files": [f.entry() for f in result.other_files],
         }  # fmt: skip
         click.echo(json.dumps(doc, indent=2))
         return
@@ -437,7 +437,7 @@ def _convert_vllm(
                          expert_parallel=expert_parallel)  # fmt: skip
     if as_json:
         click.echo(json.dumps({"out_dir": str(out_dir), "num_shards": num_shards, "layout": "vllm",
-                               "rank_files": [f.__dict__ for f in files]}, indent=2))  # fmt: skip
+                               "rank_files": [f.entry() for f in files]}, indent=2))  # fmt: skip
         return
     if quiet:
         return

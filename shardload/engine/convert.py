@@ -32,7 +32,7 @@ from ..sources.checkpoint import (
 )
 from ..sources.object_reader import reader_for
 from ..version import __version__
-from .integrity import output_record, verifier, wrapped
+from .integrity import verifier, wrapped
 from .load import layout_for, stages_of
 from .output import (
     StagingDir,
@@ -52,7 +52,7 @@ from .reshard import (
     write_shards,
 )
 from .vllm_layout import open_vllm_shards
-from .writer import WrittenFile, new_conversion, write_output_record, write_rank_files
+from .writer import WrittenFile, new_conversion, write_output_record, write_rank_files, written_record
 
 Progress = Callable[[int, str], None]
 """``progress(source_bytes_done, param_name)``, called after each parameter."""
@@ -154,7 +154,7 @@ def convert(
         with StagingDir(out, fsync, synced=durable, overwrite=overwrite) as staging:
             conversion = new_conversion()
             rank_files = _write_ranks(stages, staging.dir, progress, durable, wrap, conversion)
-            record = write_output_record(staging.dir, output_record(staging.dir, [f.path for f in rank_files]), durable)
+            record = write_output_record(staging.dir, written_record(rank_files), durable)  # hashed as written
             manifest = {
                 "format": MANIFEST_FORMAT,
                 "version": MANIFEST_VERSION,

@@ -310,7 +310,7 @@ def publish_with_manifest(
     others = copy_companions(model_root, staging.dir, {SHARD_INFO_NAME, *replaced}, durable)
     assert staging.marker is not None
     others.append(staging.marker)
-    record = {**manifest, "files": [f.__dict__ for f in written + others]}
+    record = {**manifest, "files": [f.entry() for f in written + others]}
     out_file = FileWriter(staging.dir / MANIFEST_NAME, durable=durable)
     try:
         out_file.write((json.dumps(record, indent=2) + "\n").encode())

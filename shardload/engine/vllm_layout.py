@@ -33,7 +33,7 @@ from ..sources.checkpoint import (
 )
 from ..sources.object_reader import reader_for
 from ..version import __version__
-from .integrity import output_record, verifier, wrapped
+from .integrity import verifier, wrapped
 from .load import iter_shards, materialize
 from .output import (
     StagingDir,
@@ -54,7 +54,7 @@ from .vllm_plan import (
     plan_layout,
     rank_path,
 )
-from .writer import FileWriter, WrittenFile, new_conversion, write_output_record
+from .writer import FileWriter, WrittenFile, new_conversion, write_output_record, written_record
 
 __all__ = [
     "FILE_PATTERN",
@@ -198,10 +198,13 @@ def convert_vllm(
     conversion = new_conversion()
     try:
         with StagingDir(out, fsync, synced=durable, overwrite=overwrite) as staging:
-            files = [FileWriter(staging.dir / FILE_PATTERN.format(rank=r), durable=durable) for r in range(num_shards)]
+            files = [
+                FileWriter(staging.dir / FILE_PATTERN.format(rank=r), durable=durable, leaves=True)
+                for r in range(num_shards)
+            ]
             try:
                 for r, f in enumerate(files):
-                    f.write(layout.header(r, num_shards, conversion))
+                    f.write_header(layout.header(r, num_shards, conversion))
                 for _, tensors in rank_tensors(layout, num_shards, shards, wrap):
                     for f, shard in zip(files, tensors, strict=True):
                         f.write(memoryview(shard.contiguous().reshape(-1).view(_u8()).numpy()))
@@ -221,7 +224,7 @@ def convert_vllm(
                 "source": {"files": [{"path": f.name, "size": st[2]} for f, st in stamps]},
                 RECORD_KEY: _record(layout, shards),
             }
-            record = write_output_record(staging.dir, output_record(staging.dir, [f.path for f in written]), durable)
+            record = write_output_record(staging.dir, written_record(written), durable)  # hashed as written
             manifest["integrity"] = {"record": record.path, "root": record.sha256}
             config = _gptq_config(checkpoint)
             own = [_write_file(staging.dir / CONFIG_NAME, config, durable)] if config is not None else []

@@ -3,7 +3,8 @@
 Each rank's safetensors header is known from the plan and written first. The ranks are split into
 groups, one per worker thread, and each worker streams its ranks' bytes in chunks: scatter-read from
 the checkpoint (``preadv``, reading through small holes), write and feed each file's
-sha256 while the chunk is still in cache. Workers never wait for each other, so hashing (the bulk of
+sha256 and the tiles of its integrity record (:class:`~shardload.engine.integrity.LeafStream`) while the chunk is
+still in cache. Workers never wait for each other, so hashing (the bulk of
 the work) spreads over the cores. Durable files (see :func:`shardload.convert`'s ``fsync``) have their
 writeback started as data is written (``sync_file_range`` where the platform has it) and are fsynced
 at the end. Memory stays at a few MiB per worker,
@@ -20,16 +21,16 @@ import queue
 import struct
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..errors import PlanError
-from ..format.hash_record import RECORD_NAME, root_of
+from ..format.hash_record import RECORD_NAME, FileHashes, root_of
 from ..sources.checkpoint import MAX_HEADER_BYTES
 from ..sources.dtypes import DTYPES, itemsize, to_torch
 from ..sources.reader import RunReader, buffer_view, libc_function
-from .integrity import wrapped
+from .integrity import LeafStream, streamed_record, wrapped
 from .transfer import reader_for_plan
 
 if TYPE_CHECKING:
@@ -56,6 +57,13 @@ class WrittenFile:
     path: str
     size: int
     sha256: str
+    leaves: FileHashes | None = field(default=None, compare=False, repr=False)
+    """Its entry in the output's integrity record, hashed as it was written (a :class:`FileWriter` made with
+    ``leaves=True``); not part of :meth:`entry`."""
+
+    def entry(self) -> dict[str, Any]:
+        """The file as a manifest (or ``--json``) lists it: path, size and sha256."""
+        return {"path": self.path, "size": self.size, "sha256": self.sha256}
 
 
 def file_order(plan: ModelPlan) -> list[ParamPlan]:
@@ -133,11 +141,14 @@ def _create(path: Path) -> BinaryIO:
 
 class FileWriter:
     """One output file: appended to by one task at a time, hashed as written; ``durable`` ones are fsynced on
-    finish."""
+    finish. With ``leaves``, a safetensors file whose header :meth:`write_header` writes first: its integrity
+    record's leaves are hashed as its bytes pass too (:class:`LeafStream`), so it is never read back."""
 
-    def __init__(self, path: Path, *, durable: bool = True) -> None:
+    def __init__(self, path: Path, *, durable: bool = True, leaves: bool = False) -> None:
         self.path = path
         self.durable = durable
+        self.leaves = leaves
+        self.stream: LeafStream | None = None
         self.hash = hashlib.sha256()
         self.size = 0
         self.flushed = 0
@@ -146,9 +157,18 @@ class FileWriter:
         except OSError as err:
             raise OSError(err.errno, err.strerror, str(path)) from None
 
+    def write_header(self, header: bytes) -> None:
+        """Write a safetensors file's header (its first bytes), from which the file's tiles are known."""
+        assert self.fh is not None and self.size == 0
+        if self.leaves:
+            self.stream = LeafStream(self.path, header)
+        self.write(header)
+
     def write(self, data: bytes | memoryview) -> None:
-        """Append ``data`` to the file and add it to the hash."""
+        """Append ``data`` to the file and add it to the hash (and to its tiles' leaves)."""
         assert self.fh is not None
+        if self.leaves and self.stream is None:
+            raise RuntimeError("a FileWriter made with leaves=True is written its header first (write_header)")
         view = memoryview(data).cast("B")
         try:
             while len(view):
@@ -157,6 +177,8 @@ class FileWriter:
         except OSError as err:
             raise OSError(err.errno, err.strerror, str(self.path)) from None
         self.hash.update(data)
+        if self.stream is not None:
+            self.stream.update(data)
         self.size += memoryview(data).nbytes
         if self.durable and _SYNC_FILE_RANGE is not None and self.size - self.flushed >= WRITEBACK_BYTES:
             _SYNC_FILE_RANGE(self.fh.fileno(), self.flushed, self.size - self.flushed, SYNC_FILE_RANGE_WRITE)
@@ -172,7 +194,8 @@ class FileWriter:
         except OSError as err:
             raise OSError(err.errno, err.strerror, str(self.path)) from None
         self.close()
-        return WrittenFile(self.path.name, self.size, self.hash.hexdigest())
+        leaves = self.stream.hashes() if self.stream is not None else None
+        return WrittenFile(self.path.name, self.size, self.hash.hexdigest(), leaves)
 
     def close(self) -> None:
         """Close without raising (after an error the file is removed with its directory)."""
@@ -246,9 +269,9 @@ def write_rank_files(
     params = file_order(plan)
     try:
         for path in names:
-            files.append(FileWriter(path, durable=durable))
+            files.append(FileWriter(path, durable=durable, leaves=True))
         for r, f in enumerate(files):
-            f.write(rank_header(plan, r, stage, stages, conversion))
+            f.write_header(rank_header(plan, r, stage, stages, conversion))
         with wrapped(reader_for_plan(params), wrap) as reader:
             shared = _Shared(workers)
 
@@ -378,6 +401,17 @@ def _write_group(
         passed(i)
     for r in ranks:
         results[r] = files[r].finish()
+
+
+def written_record(files: list[WrittenFile]) -> bytes:
+    """The integrity record (its bytes) of output files whose leaves were hashed as they were written: the same
+    bytes :func:`shardload.engine.integrity.output_record` gives by reading them back."""
+    entries = [f.leaves for f in files]
+    if any(e is None for e in entries):
+        raise RuntimeError("an output file was written without its leaves (FileWriter(leaves=True))")
+    from ..format.hash_record import default_hash
+
+    return streamed_record([e for e in entries if e is not None], default_hash())
 
 
 def write_output_record(directory: Path, data: bytes, durable: bool) -> WrittenFile:

@@ -517,6 +517,16 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     return read_header_and_metadata(path)[0]
 
 
+def header_tensors(path: Path, header: bytes) -> dict[str, TensorInfo]:
+    """The tensors of a safetensors file about to be written at ``path``, from its whole header (the 8-byte length
+    included), parsed and checked as :func:`read_header` would parse the finished file."""
+    import json
+
+    raw = header[8:]
+    ends = [e["data_offsets"][1] for k, e in json.loads(raw).items() if k != "__metadata__"]
+    return _parse_header(path, raw, len(raw), len(header) + max(ends, default=0))[0]
+
+
 def read_header_and_metadata(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Like :func:`read_header`, also returning the header's ``__metadata__`` strings."""
     name = str(path)
