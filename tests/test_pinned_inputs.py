@@ -258,3 +258,64 @@ def test_plain_rank_files_out_of_place_are_refused(tmp_path: Path, how: str) -> 
         with pytest.raises(ShardloadError) as err:
             shardload.load_rank(d, rank, n)
         _one_line(err, "rank-00001-of-00004.safetensors")
+
+
+def test_an_index_of_another_name_is_pinned_too(tmp_path: Path) -> None:
+    """A model opened by an index with its own name (given by path) has that index in its record: rewritten, it
+    is refused like model.safetensors.index.json would be."""
+    from safetensors.numpy import save_file
+
+    model = tmp_path / "m"
+    model.mkdir()
+    t = _tensors()
+    save_file({"a.weight": t["a.weight"]}, str(model / "one.safetensors"))
+    save_file({"b.weight": t["b.weight"], "norm.weight": t["norm.weight"]}, str(model / "two.safetensors"))
+    (model / "shard_info.json").write_text(json.dumps(SPLIT))
+    index = model / "model.fp16.index.json"
+    weight_map = {"a.weight": "one.safetensors", "b.weight": "two.safetensors", "norm.weight": "two.safetensors"}
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    root = hash_model(index).root
+    assert set(shardload.load_rank(index, 1, 2, verify=root)) == set(weight_map)
+    index.write_text(json.dumps({"weight_map": weight_map}, indent=1))  # same map, other bytes
+    with pytest.raises(ShardloadError) as err:
+        shardload.load_rank(index, 1, 2, verify=root)
+    _one_line(err, "model.fp16.index.json", "differs from the integrity record")
+
+
+@pytest.mark.slow
+def test_pinned_roots_across_sources_equal_an_independent_reference(
+    s3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pinned root over every kind of source (a local model, the same in S3, a converted directory local and in
+    S3): each rank equals numpy's own split of the arrays. Resharding a converted directory for another N under a
+    pinned root is refused in one line (its record covers the old rank files, not the new ranks' plan)."""
+    pytest.importorskip("boto3")
+    from helpers.s3 import use_endpoint
+
+    use_endpoint(monkeypatch, s3.url, tmp_path)
+    arrays = _tensors()
+    model = write_model(tmp_path / "m", arrays, SPLIT)
+    root = hash_model(model).root
+    out = tmp_path / "tp2"
+    shardload.convert(model, 2, out)
+    out_root = json.loads((out / "shard_manifest.json").read_text())["integrity"]["root"]
+    sources = {
+        "local": (model, root),
+        "s3": (s3.upload_dir(model, "matrix-src"), root),
+        "converted": (out, out_root),
+        "converted-s3": (s3.upload_dir(out, "matrix-tp2"), out_root),
+    }
+    for what, (where, pin) in sources.items():
+        for rank in range(2):
+            got = shardload.load_rank(where, rank, 2, verify=pin)
+            want = {
+                "a.weight": np.split(arrays["a.weight"], 2, axis=0)[rank],
+                "b.weight": arrays["b.weight"],
+                "norm.weight": arrays["norm.weight"],
+            }
+            assert got.keys() == want.keys(), what
+            for k, v in want.items():
+                assert np.array_equal(got[k].numpy(), v), (what, rank, k)
+    with pytest.raises(ShardloadError) as err:
+        shardload.load_rank(out, 0, 1, verify=out_root)
+    _one_line(err, "verify=<root hash> is not supported")

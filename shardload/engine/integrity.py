@@ -378,7 +378,16 @@ checked whole at every verified load (a tampered TVM table or shard_info could p
 def metadata_files(checkpoint: Checkpoint) -> list[Any]:
     """The checkpoint's :data:`METADATA_NAMES` files that exist (for a directory or prefix model)."""
     root = checkpoint.root
-    return [root / name for name in METADATA_NAMES if (root / name).is_file()]
+    return [root / name for name in metadata_names(checkpoint) if (root / name).is_file()]
+
+
+def metadata_names(checkpoint: Checkpoint) -> tuple[str, ...]:
+    """:data:`METADATA_NAMES`, and the index the model was opened by when it has another name (an
+    ``*.index.json`` given by path)."""
+    name = checkpoint.path.name
+    if name.endswith(".index.json") and name not in METADATA_NAMES:
+        return (*METADATA_NAMES, name)
+    return METADATA_NAMES
 
 
 def check_metadata(checkpoint: Checkpoint, record: HashRecord, *, source: bool = True) -> None:
@@ -388,7 +397,7 @@ def check_metadata(checkpoint: Checkpoint, record: HashRecord, *, source: bool =
     directory's rank files, whose record lists only them): files the record does not list are not looked at."""
     hash_fn = hasher(record.hash)
     listed = {f.name: f for f in record.files}
-    for name in METADATA_NAMES:
+    for name in metadata_names(checkpoint):
         entry = listed.get(name)
         path = checkpoint.root / name
         present = path.is_file()
@@ -438,7 +447,7 @@ def check_complete(checkpoint: Checkpoint, record: HashRecord) -> None:
     now = {file_name(checkpoint.root, f) for f in checkpoint.files}
     now |= {file_name(checkpoint.root, f) for f in _tensors_by_file(checkpoint)}
     for entry in record.files:
-        if entry.name not in now and entry.name not in METADATA_NAMES:
+        if entry.name not in now and entry.name not in metadata_names(checkpoint):
             raise IntegrityError("is listed in the integrity record but missing from the model (deleted, "
                                  "moved or renamed)", file=str(checkpoint.root / entry.name))  # fmt: skip
 
