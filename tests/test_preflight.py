@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -207,9 +208,136 @@ def test_hub_id_from_the_cache_alone_never_downloading(hub: Path, monkeypatch: p
     assert {r["file"]: r["bytes"] for r in doc["fetched"]["reads"]} == expected
     assert doc["fetched"]["tensor_bytes"] == 0
 
+    # offline, an id not in the cache is the cache's error (online it is read over HTTP: below)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     code, doc = _run("shardload-test/not-cached")
     assert code == 1 and [c.get("local_files_only") for c in calls[1:]] == [True]
-    assert "preflight takes a Hub model from that cache only (it downloads nothing" in doc["error"]["message"]
+    assert "is not in the local cache" in doc["error"]["message"] and "HF_HUB_OFFLINE is set" in doc["error"]["message"]
+
+
+# -- a Hub id not in the cache: over HTTP from a fake Hub on loopback
+
+COMMIT = "d" * 40
+
+
+@pytest.fixture
+def fake_hub(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, models: dict[str, Path], example_multi_dir: Path
+) -> Iterator[Any]:
+    """The fake Hub serving the GQA Llama, the stacked-expert Mixtral and the two-file example (an index, two
+    shards and a shard_info.json), a gated, a private and a forbidden model; huggingface_hub pointed at it, online,
+    with an empty cache under tmp_path."""
+    pytest.importorskip("huggingface_hub")
+    from helpers.fake_hub import FakeHub, use_fake_hub
+
+    hub = FakeHub()
+    try:
+        for name, source in {"gqa": models["gqa"], "moe": models["moe"], "example": example_multi_dir}.items():
+            hub.add(f"shardload-test/{name}", source, COMMIT)
+        hub.add("shardload-test/gated", models["gqa"], COMMIT, gated=True)
+        hub.add("shardload-test/private", models["gqa"], COMMIT, private=True)
+        hub.add("shardload-test/forbidden", models["gqa"], COMMIT, forbidden=True)
+        use_fake_hub(monkeypatch, hub.url, tmp_path / "hf")
+        monkeypatch.chdir(tmp_path)  # the ids name no local path here
+        yield hub
+    finally:
+        hub.close()
+
+
+LOCAL = {"gqa": "gqa", "moe": "moe", "example": None}
+
+
+@pytest.mark.parametrize("name", ["gqa", "moe", "example"])
+def test_hub_id_not_cached_reads_config_index_and_headers_over_http(
+    fake_hub: Any, name: str, models: dict[str, Path], example_multi_dir: Path, tmp_path: Path
+) -> None:
+    local = models[name] if name != "example" else example_multi_dir
+    code, doc = _run(f"shardload-test/{name}")
+    assert code == 0, doc
+    # the same answer as the directory the Hub serves
+    _, here = _run(str(local))
+    assert doc["modes"] == here["modes"] and doc["plan_source"] == here["plan_source"]
+    root = f"{fake_hub.url}/shardload-test/{name}/resolve/{COMMIT}"
+    assert [(r["num_shards"], r["experts"], r["ok"], r["reason"]) for r in doc["results"]] == [
+        (r["num_shards"], r["experts"], r["ok"], r["reason"] and r["reason"].replace(str(local), root))
+        for r in here["results"]
+    ]  # a reason naming a file names it by its URL
+    # each safetensors file: ranged GETs inside its header; the JSON files whole; nothing else, never a HEAD
+    gets = fake_hub.resolved("GET")
+    assert gets and not fake_hub.resolved("HEAD")
+    served: dict[str, int] = {}
+    for s in gets:
+        assert s.path.startswith(f"/shardload-test/{name}/resolve/{COMMIT}/"), s  # pinned to the commit
+        if s.file.endswith(".safetensors"):
+            assert s.status == 206 and s.range is not None and s.range[1] < _header_end(local / s.file), s
+        else:
+            assert s.range is None and s.file in ("config.json", "model.safetensors.index.json", "shard_info.json")
+        served[s.file] = served.get(s.file, 0) + s.nbytes
+    expected = {f.name: (_header_end(f) if f.suffix == ".safetensors" else f.stat().st_size)
+                for f in local.iterdir() if f.name in served or f.suffix == ".safetensors"}  # fmt: skip
+    assert served == expected  # every safetensors file's 8 + header bytes exactly, the JSON files whole
+    assert {r["file"]: r["bytes"] for r in doc["fetched"]["reads"]} == served
+    assert doc["fetched"]["bytes"] == sum(served.values()) and doc["fetched"]["tensor_bytes"] == 0
+    assert doc["fetched"]["checkpoint_tensor_bytes"] == here["fetched"]["checkpoint_tensor_bytes"]
+    assert {r["path"] for r in doc["fetched"]["reads"]} == {f"{root}/{f}" for f in served}
+    if name == "example":
+        assert {"shard_info.json", "model.safetensors.index.json"} <= served.keys()
+    # nothing went into the Hub cache
+    cache = tmp_path / "hf" / "hub"
+    assert not cache.exists() or not any(p.is_file() for p in cache.rglob("*"))
+
+
+def test_hub_text_report_and_revision(fake_hub: Any, models: dict[str, Path]) -> None:
+    result = CliRunner().invoke(main, ["preflight", f"shardload-test/gqa@{COMMIT}", "-n", "8"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"shardload-test/gqa@{COMMIT}: llama, num_attention_heads=8")
+    from shardload.cli.report import human_bytes
+
+    config, header = (models["gqa"] / "config.json").stat().st_size, _header_end(models["gqa"] / "model.safetensors")
+    assert lines[1].startswith(f"read {human_bytes(config + header)} (config.json {human_bytes(config)}, "
+                               f"model.safetensors {human_bytes(header)}): none of the ")  # fmt: skip
+    assert lines[1].endswith(" of tensor data") and "none of the" in lines[1]
+    assert lines[2:] == ["tp=8: ok (each KV head on 4 ranks)", "allowed: tp 8 (checked 8)"]
+    code, doc = _run("shardload-test/gqa@main")
+    assert code == 0 and doc["modes"][0]["allowed"] == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("shardload-test/missing", "no such file or directory, and no Hugging Face Hub model shardload-test/missing"),
+        ("shardload-test/gqa@nope", "the Hugging Face Hub model shardload-test/gqa has no revision 'nope'"),
+        ("shardload-test/private", "no Hugging Face Hub model shardload-test/private (or it is private: log in"),
+        ("shardload-test/gated", "the Hugging Face Hub model shardload-test/gated is gated: accept its terms"),
+        ("shardload-test/forbidden", "the Hugging Face Hub refused access to shardload-test/forbidden (HTTP 403)"),
+    ],
+)
+def test_hub_errors_are_one_line(fake_hub: Any, model: str, message: str) -> None:
+    result = CliRunner().invoke(main, ["preflight", model])
+    assert result.exit_code == 1 and result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: {model}: ") and message in line
+    assert not [s for s in fake_hub.resolved("GET") if s.file.endswith(".safetensors")]
+
+
+def test_hub_unreachable_offline_and_range_ignored(fake_hub: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    fake_hub.ignore_range = True  # a proxy that answers 200 and the whole file: refused, the body not read
+    code, doc = _run("shardload-test/gqa")
+    assert code == 1 and "answered a range request with HTTP 200, not 206" in doc["error"]["message"]
+    fake_hub.reset()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    code, doc = _run("shardload-test/gqa")
+    assert code == 1 and "is not in the local cache" in doc["error"]["message"]
+    assert "HF_HUB_OFFLINE is set" in doc["error"]["message"] and fake_hub.served == []
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    url = fake_hub.url
+    fake_hub.close()  # nothing listens there now
+    result = CliRunner().invoke(main, ["preflight", "shardload-test/gqa"])
+    assert result.exit_code == 1 and len(result.stderr.splitlines()) == 1
+    assert f"error: shardload-test/gqa: cannot reach the Hugging Face Hub at {url} (ConnectError" in result.stderr
 
 
 # -- an s3:// model: the proxy shows what was fetched

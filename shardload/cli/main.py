@@ -566,8 +566,9 @@ def plan(
 def preflight(model: Path, num_shards: tuple[int, ...], style: str, vocab_padding: str, as_json: bool) -> None:
     """Which tensor-parallel sizes N (and expert splits) MODEL allows, before downloading any weight.
 
-    Reads config.json, the index and each safetensors header only (a Hub id from the local cache, an s3:// model by
-    range requests), prints each N with the first reason it is refused, and the bytes it read.
+    Reads config.json, the index and each safetensors header only (a Hub id from the local cache, else over HTTP by
+    range requests; an s3:// model by range requests), prints each N with the first reason it is refused, and the
+    bytes it read.
     """
     from ..models.preflight import preflight as run_preflight
     from .report import human_bytes

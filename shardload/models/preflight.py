@@ -12,12 +12,13 @@ expert counts, every stored tensor's steps: quantization groups and packs, FP8 b
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import PlanError
+from ..errors import PlanError, ShardloadError
 from ..format import input_log
 from .choices import DEFAULT_VOCAB_PADDING
 
@@ -159,20 +160,43 @@ def preflight(
     vocab_padding: str = DEFAULT_VOCAB_PADDING,
 ) -> Preflight:
     """Check which N ``model`` allows, reading config.json, the index, shard_info.json when there is one, and each
-    safetensors file's header only (a Hub id from the local cache alone, never downloading; an ``s3://`` model by
-    range requests). ``num_shards``: the N to check (default :func:`default_num_shards`)."""
-    from ..planning.plan import _blocking_rank, build_plan, resolve_shard_info
-    from ..sources.checkpoint import open_checkpoint, read_config
-    from ..sources.location import hub_snapshot, model_kind
-    from .generated import generate, num_shards_problems
+    safetensors file's header only (a Hub id from the local cache when it is there, else over HTTP by range
+    requests, never downloading a weight; an ``s3://`` model by range requests). ``num_shards``: the N to check
+    (default :func:`default_num_shards`)."""
+    from ..sources.location import NotCachedError, hub_snapshot, model_kind
 
     for n in num_shards:
         if type(n) is not int or n < 1:
             raise PlanError(f"num_shards must be a positive integer, got {n!r}", file=str(model))
-    target: Any = hub_snapshot(str(model), cache_only=True) if model_kind(model) == "hub" else model
+    if model_kind(model) != "hub":
+        return _preflight(model, model, num_shards, style, vocab_padding)
+    try:
+        target = hub_snapshot(str(model), cache_only=True)
+    except NotCachedError:  # online, not cached: config, index and headers over HTTP
+        from ..sources.hub_remote import open_hub
+
+        with tempfile.TemporaryDirectory(prefix="shardload-preflight-") as work:
+            remote = open_hub(str(model), Path(work))
+            try:
+                return _preflight(model, remote, num_shards, style, vocab_padding)
+            except ShardloadError as err:
+                raise remote.relabel(err) from None
+    return _preflight(model, target, num_shards, style, vocab_padding)
+
+
+def _preflight(
+    model: str | os.PathLike[str], target: Any, num_shards: Sequence[int], style: str, vocab_padding: str
+) -> Preflight:
+    """:func:`preflight` of ``target``: a path or URI to open, or a Hub model opened over HTTP."""
+    from ..planning.plan import _blocking_rank, build_plan, resolve_shard_info
+    from ..sources.checkpoint import open_checkpoint, read_config
+    from ..sources.hub_remote import HubRemote
+    from .generated import generate, num_shards_problems
+
+    remote = target if isinstance(target, HubRemote) else None
     with input_log.recording() as log:
         start = len(log.reads)  # an enclosing recording's earlier reads are not this check's
-        checkpoint = open_checkpoint(target)
+        checkpoint = remote.checkpoint if remote else open_checkpoint(target)
         if checkpoint.kind == "converted":
             raise PlanError("this is a converted directory; check the source checkpoint instead", file=str(model))
         if not checkpoint.plain_safetensors:
@@ -225,8 +249,13 @@ def preflight(
     for path in checkpoint.files:
         starts = [t.offset for t in checkpoint.tensors.values() if t.file == path]
         if starts:
-            header_ends[str(path)] = min(starts)
+            header_ends[remote.url(path) if remote else str(path)] = min(starts)
     root = str(checkpoint.root)
+    if remote:  # what came over HTTP, not the reads of the JSON files it was written to; files named by URL
+        reads, root = list(remote.reads), remote.root
+        for check in checks:
+            check.reasons = [remote.text(r) for r in check.reasons]
+        refused = {mode: remote.text(r) for mode, r in refused.items()}
     return Preflight(
         str(model), source, config, ns, checks, modes, reads, header_ends, checkpoint.nbytes, root, refused
     )

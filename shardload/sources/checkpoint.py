@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import pairwise
 from math import prod
@@ -299,10 +299,15 @@ def _is_pickle(path: Path) -> bool:
     return head.startswith(b"PK\x03\x04") or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5)
 
 
-def _open_files(path: Path, root: Path, files: list[Path]) -> Checkpoint:
+def _open_files(
+    path: Path, root: Path, files: list[Path], read: Callable[[Path], dict[str, TensorInfo]] | None = None
+) -> Checkpoint:
+    """A checkpoint of safetensors ``files``, each header read by ``read`` (a Hub model not downloaded reads them by
+    range requests: :mod:`shardload.sources.hub_remote`; default :func:`read_header`)."""
+    read = read or read_header
     tensors: dict[str, TensorInfo] = {}
     for f in files:
-        for name, info in read_header(f).items():
+        for name, info in read(f).items():
             if name in tensors:
                 raise CheckpointError(
                     f"tensor is stored in two files: {tensors[name].file.name} and {f.name}", file=str(f), param=name
@@ -311,7 +316,15 @@ def _open_files(path: Path, root: Path, files: list[Path]) -> Checkpoint:
     return Checkpoint(path, root, "safetensors", tensors, list(files))
 
 
-def _open_index(root: Path, index: Path) -> Checkpoint:
+def _open_index(
+    root: Path,
+    index: Path,
+    locate: Callable[[Path, str, Path], Path] | None = None,
+    read: Callable[[Path], dict[str, TensorInfo]] | None = None,
+) -> Checkpoint:
+    """A checkpoint by its index: each file it names found by ``locate`` (default :func:`resolve_inside`) and its
+    header read by ``read`` (default :func:`read_header`)."""
+    locate = locate or resolve_inside
     doc = read_json(index, "index")
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -320,8 +333,8 @@ def _open_index(root: Path, index: Path) -> Checkpoint:
         raise CheckpointError("'weight_map' lists no tensors", file=str(index))
     files: dict[str, Path] = {}
     for file_name in dict.fromkeys(weight_map.values()):
-        files[file_name] = resolve_inside(root, file_name, index)
-    ckpt = _open_files(index, root, list(files.values()))
+        files[file_name] = locate(root, file_name, index)
+    ckpt = _open_files(index, root, list(files.values()), read)
     for name, file_name in weight_map.items():
         info = ckpt.tensors.get(name)
         if info is None:

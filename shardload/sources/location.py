@@ -110,10 +110,13 @@ def is_revision(revision: str) -> bool:
     return "\\" not in revision and all(part not in ("", ".", "..") for part in parts)
 
 
-def hub_snapshot(value: str, *, cache_only: bool = False) -> Path:
-    """The local snapshot directory of Hub id ``org/name[@revision]``: downloaded (weights, index, config,
-    tokenizer and shard_info only) when online, from the cache alone when offline or ``cache_only`` (nothing is
-    downloaded: ``shardload preflight``)."""
+class NotCachedError(CheckpointError):
+    """A Hub id asked of the cache alone (``cache_only``) while online, and not in it: ``shardload preflight`` then
+    reads its config and headers over HTTP (:mod:`shardload.sources.hub_remote`)."""
+
+
+def split_hub_id(value: str) -> tuple[str, str | None]:
+    """``org/name[@revision]`` as (repository, revision or None), the revision checked by :func:`is_revision`."""
     match = HUB_ID_RE.fullmatch(value)
     assert match is not None
     repo, revision = match["repo"], match["rev"]
@@ -123,6 +126,14 @@ def hub_snapshot(value: str, *, cache_only: bool = False) -> Path:
             "or trailing '/', no backslash)",
             file=value,
         )
+    return repo, revision
+
+
+def hub_snapshot(value: str, *, cache_only: bool = False) -> Path:
+    """The local snapshot directory of Hub id ``org/name[@revision]``: downloaded (weights, index, config,
+    tokenizer and shard_info only) when online, from the cache alone when offline or ``cache_only`` (nothing is
+    downloaded; online and not cached, :class:`NotCachedError`: ``shardload preflight`` then reads over HTTP)."""
+    repo, revision = split_hub_id(value)
     try:
         import huggingface_hub
         from huggingface_hub import constants, errors
@@ -143,11 +154,7 @@ def hub_snapshot(value: str, *, cache_only: bool = False) -> Path:
             f"{'@' + revision if revision else ''} is not in the local cache ({constants.HF_HUB_CACHE})"
         )
         if cache_only and not constants.HF_HUB_OFFLINE:
-            raise CheckpointError(
-                f"{missing}; preflight takes a Hub model from that cache only (it downloads nothing, and reads no "
-                "headers over the network): check the model where it is cached, or by its s3:// URL",
-                file=value,
-            ) from None
+            raise NotCachedError(missing, file=value) from None
         why = "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached"
         raise CheckpointError(
             f"{missing} and {why}: download it where the Hub is reachable (`hf download {repo}`), or point "
