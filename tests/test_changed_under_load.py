@@ -128,7 +128,8 @@ GUARD = textwrap.dedent(
     os.truncate(path, 4096)
     if which == "guarded":
         copy = np.array(guarded[: 1 << 20])  # past the cut: zeros, no signal
-        print("CUT" if fault_guard.cut(path) else "NOT CUT", int(copy[8192:].max()), int(copy[:4096].sum() > 0))
+        cut = fault_guard.cut(maps._guards[path])
+        print("CUT" if cut else "NOT CUT", int(copy[8192:].max()), int(copy[:4096].sum() > 0))
     else:  # a mapping of someone else's: its SIGBUS is not swallowed
         with open(path, "rb") as f:
             other = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -148,3 +149,44 @@ def test_the_fault_guard_zeroes_its_own_mappings_and_leaves_other_faults_alone(t
     other = subprocess.run([sys.executable, "-c", GUARD, str(tmp_path / "g"), "other"], capture_output=True,
                            text=True, timeout=60)  # fmt: skip
     assert other.returncode == -7 and other.stdout.strip() == "TOUCH", (other.returncode, other.stdout)  # SIGBUS
+
+
+RESHARD = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    import numpy as np
+    import shardload
+    from shardload.engine import reshard
+    from shardload.errors import ShardloadError
+    out = Path(sys.argv[1])
+    real = reshard._copy_mapped
+    def cut_then_copy(maps, info, parts, dest):
+        if info.name == "col.weight" and not getattr(cut_then_copy, "done", False):
+            maps.array(info.file)  # mapped before the cut, as a load in flight holds it
+            cut_then_copy.done = True
+            os.truncate(info.file, (info.offset + 4095) // 4096 * 4096)
+        return real(maps, info, parts, dest)
+    reshard._copy_mapped = cut_then_copy
+    try:
+        shardload.load_rank(out, 0, 4)
+    except ShardloadError as err:
+        print("ERROR", err)
+        sys.exit(3)
+    print("LOADED", getattr(cut_then_copy, "done", False))
+    """
+)
+
+
+def test_a_rank_file_cut_while_a_load_reshards_it_is_an_error(tmp_path: Path) -> None:
+    """Reading a converted directory for another N copies column slices out of the rank files' mappings: a rank
+    file cut meanwhile is an error, never a tensor of zeros (the guard's zero pages) nor a SIGBUS."""
+    rng = np.random.default_rng(5)
+    tensors = {"col.weight": rng.standard_normal((96, 1024)).astype(np.float16)}  # the last (only) bytes read
+    info = {"version": 1, "num_shards": None, "params": {"col.weight": [shard([96, 1024], 1)]}}
+    model = write_model(tmp_path / "m", tensors, info)
+    shardload.convert(model, 2, tmp_path / "c2")
+    done = subprocess.run([sys.executable, "-c", RESHARD, str(tmp_path / "c2")], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 3, (done.returncode, done.stdout, done.stderr[-2000:])
+    assert "changed while it was being loaded" in done.stdout and "rank-00000-of-00002" in done.stdout, done.stdout

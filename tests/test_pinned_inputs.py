@@ -319,3 +319,24 @@ def test_pinned_roots_across_sources_equal_an_independent_reference(
     with pytest.raises(ShardloadError) as err:
         shardload.load_rank(out, 0, 1, verify=out_root)
     _one_line(err, "verify=<root hash> is not supported")
+
+
+def test_a_companion_changed_after_its_check_is_not_published(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """convert --verify checks config.json against the record, then copies it beside the rank files: a config.json
+    rewritten in between is read twice with different bytes, an error, and nothing is published."""
+    import shardload.engine.output as output
+
+    model = write_model(tmp_path / "m", _tensors(), SPLIT)
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 256}))
+    root = hash_model(model).root
+    real = output.copy_companions
+
+    def swapped_first(*args, **kwargs):
+        (model / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 999}))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(output, "copy_companions", swapped_first)
+    with pytest.raises(ShardloadError) as err:
+        shardload.convert(model, 2, tmp_path / "out", verify=root)
+    _one_line(err, "config.json", "changed while it was being loaded")
+    assert not (tmp_path / "out").exists()

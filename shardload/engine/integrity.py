@@ -382,10 +382,10 @@ def metadata_files(checkpoint: Checkpoint) -> list[Any]:
 
 
 def metadata_names(checkpoint: Checkpoint) -> tuple[str, ...]:
-    """:data:`METADATA_NAMES`, and the index the model was opened by when it has another name (an
-    ``*.index.json`` given by path)."""
+    """:data:`METADATA_NAMES`, and the table the model was opened by when it has another name (an ``*.index.json``
+    or a TVM cache table given by path): it says where every tensor is."""
     name = checkpoint.path.name
-    if name.endswith(".index.json") and name not in METADATA_NAMES:
+    if name.endswith(".json") and name not in METADATA_NAMES and checkpoint.path.parent == checkpoint.root:
         return (*METADATA_NAMES, name)
     return METADATA_NAMES
 

@@ -218,11 +218,13 @@ def _copy_mapped(maps: FileMaps, info: TensorInfo, parts: Sequence[OldPart], des
     raw = maps.array(info.file)
     if raw is None or info.offset % size or info.offset + info.nbytes > len(raw):
         return False
+    maps.intact(info.file, info.offset + info.nbytes)
     old = raw[info.offset : info.offset + info.nbytes].view(_words(dest).dtype).reshape(info.shape)
     out = _words(dest)
     for part in parts:
         target = out[tuple(slice(a, b) for a, b in part.dst)]
         np.copyto(target, old[tuple(slice(a, b) for a, b in part.src)].reshape(target.shape))
+    maps.intact(info.file, info.offset + info.nbytes)  # cut during the copy: zeros were read, never returned
     count_mapped(info.file, nbytes)
     return True
 
@@ -422,8 +424,12 @@ def load_ranks(
 ) -> list[dict[str, torch.Tensor]]:
     """Global ranks ``ranks`` of ``layout`` (rank ``ranks[k]`` on ``devices[k]``), read out of ``source`` (a
     directory converted for another layout, a pre-sharded cache); each rank reads only the boxes it needs."""
+    from ..format import input_log
+    from .transfer import check_unchanged
+
     stages = source.plan(layout)
     out: list[dict[str, torch.Tensor]] = []
+    log = input_log.current()
     with reader_for(source.checkpoint.path) as reader:
         for rank, device in zip(ranks, devices, strict=True):
             coord = layout.coord(rank)
@@ -431,6 +437,7 @@ def load_ranks(
             for param in stages[coord.pp].params.values():
                 state[param.name] = source.tensor(param, coord.tp, reader).to(device)
             out.append(state)
+    check_unchanged(set(source.files.values()), log)  # a rank file rewritten, cut or replaced meanwhile: an error
     return out
 
 

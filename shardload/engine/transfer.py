@@ -567,7 +567,7 @@ class Transfer:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        left = bool(self.held or self.futures or self.copies) or self.broken is not None
+        left = bool(self.held or self.futures or self.copies or self.small) or self.broken is not None
         self.close()
         if exc_type is None and left:  # tensors whose reads never ran (or failed) must not reach the caller
             raise RuntimeError("shardload: read jobs were left unfinished or failed at the end of a load (a bug); "

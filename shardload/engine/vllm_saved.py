@@ -125,13 +125,12 @@ def _check_written_for(path: Path, metadata: dict[str, str], rank: int, n: int, 
     if said != (None, None) and said != (str(rank), str(n)):
         raise CheckpointError(f"its header says rank {said[0]} of {said[1]}, not rank {rank} of {n} (a rank file "
                               "copied or swapped under another rank's name)", file=str(path))  # fmt: skip
-    conversion = metadata.get("shardload.conversion")
-    if conversion is not None:
-        other = next((p for c, p in seen.items() if c != conversion), None)
-        if other is not None:
-            raise CheckpointError(f"was written by another conversion than {other.name} (a rank file copied in from "
-                                  "another convert)", file=str(path))  # fmt: skip
-        seen.setdefault(conversion, path)
+    conversion = metadata.get("shardload.conversion", "")  # "": none (vLLM's own save, an older shardload)
+    other = next((p for c, p in seen.items() if c != conversion), None)
+    if other is not None:
+        raise CheckpointError(f"was written by another conversion than {other.name} (a rank file copied in from "
+                              "another convert or save)", file=str(path))  # fmt: skip
+    seen.setdefault(conversion, path)
 
 
 def _stored_header(root: Path, config: dict[str, Any], rank0: dict[str, TensorInfo], n: int) -> Checkpoint:

@@ -14,6 +14,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ..errors import CheckpointError
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 Stamp = tuple[int, int, int, int, int]
@@ -44,11 +46,19 @@ def note(path: Any, data: bytes, st: os.stat_result | None = None) -> None:
     """Record that ``data`` (the file's bytes from offset 0) was read from ``path`` to be parsed, and the file's
     ``stat`` then, if a load is recording."""
     log = _LOG.get()
-    if log is not None:
-        log.data[str(path)] = bytes(data)
-        log.reads.append((str(path), len(data)))
-        if st is not None:
-            log.stamps[str(path)] = stamp_of(st)
+    if log is None:
+        return
+    key = str(path)
+    before = log.data.get(key)
+    stamp = None if st is None else stamp_of(st)
+    if (before is not None and before != data) or (stamp is not None and log.stamps.get(key, stamp) != stamp):
+        # read twice in one load with different bytes (a plan input, or a companion copied after it was checked)
+        raise CheckpointError("changed while it was being loaded (read twice, with different bytes); nothing was "
+                              "returned: load it again once nothing writes to it", file=key)  # fmt: skip
+    log.data[key] = bytes(data)
+    log.reads.append((key, len(data)))
+    if stamp is not None:
+        log.stamps[key] = stamp
 
 
 def count(path: Any, nbytes: int) -> None:

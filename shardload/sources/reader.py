@@ -380,6 +380,8 @@ class FileMaps:
 
     def __init__(self) -> None:
         self._maps: dict[Path, tuple[mmap.mmap, torch.Tensor, np.ndarray] | None] = {}
+        self._guards: dict[Path, int] = {}
+        """Each mapping's key in :mod:`.fault_guard` (0: not guarded)."""
         self._warm: dict[Path, bool] = {}
         self._lock = threading.Lock()
 
@@ -400,8 +402,7 @@ class FileMaps:
                     with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is, on purpose
                         warnings.simplefilter("ignore", UserWarning)
                         self._maps[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8), np.frombuffer(mm, np.uint8))
-                    fault_guard.forget(str(path))
-                    fault_guard.guard(mm, self._maps[path][2].ctypes.data, len(mm), str(path))
+                    self._guards[path] = fault_guard.guard(mm, self._maps[path][2].ctypes.data, len(mm), str(path))
                 except (OSError, ValueError):  # empty, or not mappable: the caller reads instead
                     self._maps[path] = None
             return self._maps[path]
@@ -418,7 +419,7 @@ class FileMaps:
         """Refuse to copy out of ``path``'s mapping when the file was found cut under it (:mod:`.fault_guard`), or,
         where no guard is installed, when it is now shorter than ``end`` bytes: asked around each copy job, so a
         file truncated while a load reads it is one error, never a SIGBUS or a returned tensor of zeros."""
-        if fault_guard.cut(str(path)):
+        if fault_guard.cut(self._guards.get(path, 0)):
             raise CheckpointError(
                 "changed while it was being loaded (truncated under its mapping); nothing was returned: load it again "
                 "once nothing writes to it",
