@@ -280,11 +280,18 @@ def _timeout() -> float:
 def _network_errors() -> tuple[type[BaseException], ...]:
     """Failures to reach the Hub: OSError (requests' errors are OSErrors), and httpx's transport errors."""
     found: list[type[BaseException]] = [OSError]
-    for module in ("httpx2", "httpx"):
-        try:
-            found.append(__import__(module).TransportError)
-        except (ImportError, AttributeError):
-            pass
+    try:  # huggingface_hub 2.x speaks HTTP through httpx2
+        import httpx2
+
+        found.append(httpx2.TransportError)
+    except (ImportError, AttributeError):
+        pass
+    try:  # older ones through httpx (or requests, whose errors are OSErrors)
+        import httpx
+
+        found.append(httpx.TransportError)
+    except (ImportError, AttributeError):
+        pass
     return tuple(found)
 
 
