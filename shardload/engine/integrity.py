@@ -331,7 +331,7 @@ def hash_model(
     if checkpoint.kind == "converted":
         raise ShardloadError("a converted directory carries its record already (convert writes it); hash the "
                              "source checkpoint", file=str(model))  # fmt: skip
-    tensors_by_file = _tensors_by_file(checkpoint)
+    tensors_by_file = tensors_by_file_of(checkpoint)
     files = sorted(set(tensors_by_file) | set(checkpoint.files) | set(metadata_files(checkpoint)), key=str)
     record = hash_files(checkpoint.root, files, tensors_by_file, threads=threads, progress=progress)
     data = record.to_bytes()
@@ -445,14 +445,15 @@ def check_complete(checkpoint: Checkpoint, record: HashRecord) -> None:
     """Every weight file the record lists is part of the model now: one deleted or moved away is an error naming it,
     never a smaller model."""
     now = {file_name(checkpoint.root, f) for f in checkpoint.files}
-    now |= {file_name(checkpoint.root, f) for f in _tensors_by_file(checkpoint)}
+    now |= {file_name(checkpoint.root, f) for f in tensors_by_file_of(checkpoint)}
     for entry in record.files:
         if entry.name not in now and entry.name not in metadata_names(checkpoint):
             raise IntegrityError("is listed in the integrity record but missing from the model (deleted, "
                                  "moved or renamed)", file=str(checkpoint.root / entry.name))  # fmt: skip
 
 
-def _tensors_by_file(checkpoint: Checkpoint) -> dict[Any, list[TensorInfo]]:
+def tensors_by_file_of(checkpoint: Checkpoint) -> dict[Any, list[TensorInfo]]:
+    """The checkpoint's stored tensors by file (a pre-sharded one's parts too): their shapes choose the tilings."""
     out: dict[Any, list[TensorInfo]] = {}
     for t in checkpoint.tensors.values():
         out.setdefault(t.file, []).append(t)
@@ -480,7 +481,7 @@ def hash_files(
         for f in files:
             if isinstance(f, ObjectPath):
                 fds.append(f)
-                sizes.append(_size(f))
+                sizes.append(file_size(f))
                 continue
             fd = os.open(f, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             opened.append(fd)
@@ -489,29 +490,8 @@ def hash_files(
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         regions = [regions_for(size, tensors_by_file.get(f, [])) for f, size in zip(files, sizes, strict=True)]
-        tables = [bytearray(sum(r.leaves for r in regs) * HASH_BYTES) for regs in regions]
-        jobs = [job for i, regs in enumerate(regions) for job in _jobs(i, regs)]
         hash_name = default_hash()
-        hash_fn = hasher(hash_name)
-        total = sum(sizes)
-        report = _progress(progress, total)
-        lock = threading.Lock()
-        seen = [0]
-
-        def done(n: int) -> None:
-            if report is not None:
-                with lock:
-                    seen[0] += n
-                    report(seen[0], total)
-
-        count = threads or min(len(jobs), max(2, os.cpu_count() or 2)) or 1
-        with ThreadPoolExecutor(count, thread_name_prefix="shardload-hash") as pool:
-            futures = [pool.submit(_hash_job, fds[j.file], j, hash_fn, tables[j.file], done) for j in jobs]
-            for job, future in zip(jobs, futures, strict=True):
-                try:
-                    future.result()
-                except IntegrityError as err:
-                    raise IntegrityError(err.reason, file=str(files[job.file])) from None
+        tables = leaf_tables(fds, files, regions, sizes, hash_name, threads=threads, progress=progress)
     except OSError as err:
         raise ShardloadError(f"cannot hash: {err.strerror or err}", file=str(root)) from None
     finally:
@@ -520,6 +500,44 @@ def hash_files(
     return HashRecord(hash_name, LEAF_BYTES, [
         FileHashes(n, s, regs, bytes(t)) for n, s, regs, t in zip(names, sizes, regions, tables, strict=True)
     ])  # fmt: skip
+
+
+def leaf_tables(
+    fds: Sequence[Any],
+    files: Sequence[Any],
+    regions: Sequence[Sequence[Region]],
+    sizes: Sequence[int],
+    hash_name: str,
+    *,
+    threads: int | None = None,
+    progress: bool | Callable[[int, int], None] = False,
+) -> list[bytearray]:
+    """Each file's leaf table for ``regions``, hashed with ``hash_name`` in parallel stretches (``fds``: open file
+    descriptors, or object paths, of ``files``); what ``shardload hash`` writes and ``shardload verify MODEL``
+    compares."""
+    tables = [bytearray(sum(r.leaves for r in regs) * HASH_BYTES) for regs in regions]
+    jobs = [job for i, regs in enumerate(regions) for job in _jobs(i, regs)]
+    hash_fn = hasher(hash_name)
+    total = sum(sizes)
+    report = _progress(progress, total)
+    lock = threading.Lock()
+    seen = [0]
+
+    def done(n: int) -> None:
+        if report is not None:
+            with lock:
+                seen[0] += n
+                report(seen[0], total)
+
+    count = threads or min(len(jobs), max(2, os.cpu_count() or 2)) or 1
+    with ThreadPoolExecutor(count, thread_name_prefix="shardload-hash") as pool:
+        futures = [pool.submit(_hash_job, fds[j.file], j, hash_fn, tables[j.file], done) for j in jobs]
+        for job, future in zip(jobs, futures, strict=True):
+            try:
+                future.result()
+            except IntegrityError as err:
+                raise IntegrityError(err.reason, file=str(files[job.file])) from None
+    return tables
 
 
 def _progress(progress: Any, total: int) -> Callable[[int, int], None] | None:
@@ -562,7 +580,7 @@ def load_record(
             f"{checkpoint.path}` (or shardload.hash_checkpoint)",
             file=str(checkpoint.path),
         )
-    limit = (64 << 20) + sum(_size(f) for f in checkpoint.files) // 512
+    limit = (64 << 20) + sum(file_size(f) for f in checkpoint.files) // 512
     if isinstance(path, ObjectPath):
         try:
             data = path.read_whole(limit, "integrity record")
@@ -580,7 +598,8 @@ def load_record(
     return parse_record(data, str(path))
 
 
-def _size(path: Any) -> int:
+def file_size(path: Any) -> int:
+    """A local file's or an object's size (0 when it cannot be had)."""
     if isinstance(path, ObjectPath):
         return path.size() or 0
     try:
@@ -589,7 +608,7 @@ def _size(path: Any) -> int:
         return 0
 
 
-def _names_in(tensors: Sequence[TensorInfo]) -> Callable[[int, int], list[str]]:
+def names_in(tensors: Sequence[TensorInfo]) -> Callable[[int, int], list[str]]:
     """Names of the tensors overlapping a byte range of one file (``header`` for bytes before the first)."""
     spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors)
     first = spans[0][0] if spans else None
@@ -607,7 +626,7 @@ def verified_files(checkpoint: Checkpoint, record: HashRecord) -> dict[Any, Veri
     """Each checkpoint file with its record entry; a file missing from the record, or of another size, is an error."""
     import numpy as np
 
-    by_file = _tensors_by_file(checkpoint)
+    by_file = tensors_by_file_of(checkpoint)
     out: dict[Any, VerifiedFile] = {}
     for f in checkpoint.files:
         name = file_name(checkpoint.root, f)
@@ -615,13 +634,13 @@ def verified_files(checkpoint: Checkpoint, record: HashRecord) -> dict[Any, Veri
         if entry is None:
             raise IntegrityError(f"not in the integrity record (which lists {len(record.files)} other files: "
                                  "a record for another checkpoint?)", file=str(f))  # fmt: skip
-        size = _size(f)
+        size = file_size(f)
         if size != entry.size:
             what = "truncated" if size < entry.size else "extended"
             raise IntegrityError(f"is {size} bytes, the integrity record says {entry.size} ({what} or replaced)",
                                  file=str(f))  # fmt: skip
         starts = np.array([r.offset for r in entry.regions], dtype=np.int64)
-        out[f] = VerifiedFile(entry, starts, region_bases(entry), _names_in(by_file.get(f, [])))
+        out[f] = VerifiedFile(entry, starts, region_bases(entry), names_in(by_file.get(f, [])))
     return out
 
 

@@ -6,29 +6,25 @@ differs is one problem each (see docs/integrity.md)."""
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import ShardloadError
-from ..format.hash_record import HASH_BYTES, FileHashes, HashRecord, RecordError, hasher, root_of
+from ..format.hash_record import HASH_BYTES, FileHashes, HashRecord, RecordError, root_of
 from ..sources.checkpoint import open_checkpoint
 from ..sources.objects import ObjectPath
 from ..sources.verified import IntegrityError
 from .integrity import (
-    _hash_job,
-    _jobs,
-    _names_in,
-    _progress,
-    _size,
-    _tensors_by_file,
     file_name,
+    file_size,
+    leaf_tables,
     load_record,
     metadata_files,
+    names_in,
     record_path,
+    tensors_by_file_of,
 )
 
 __all__ = ["SourceReport", "verify_source"]
@@ -84,7 +80,7 @@ def verify_source(
     record = load_record(checkpoint, root if root is not None else True)
     report = SourceReport(checkpoint.path, path, root_of(_read(path)))
     listed = {entry.name for entry in record.files}
-    tensors = _tensors_by_file(checkpoint)
+    tensors = tensors_by_file_of(checkpoint)
     stray = sorted(Path(checkpoint.root).glob("*.safetensors")) if isinstance(checkpoint.path, Path) else []
     stray = stray if checkpoint.path.is_dir() else []  # a directory's weight files, whether its model uses them or not
     files = (*checkpoint.files, *tensors, *metadata_files(checkpoint), *stray)
@@ -95,7 +91,7 @@ def verify_source(
         if not full.is_file():
             report.problems.append(IntegrityError("is listed in the integrity record but missing", file=str(full)))
             continue
-        size = _size(full)
+        size = file_size(full)
         if size != entry.size:
             report.problems.append(
                 IntegrityError(f"is {size} bytes, the integrity record says {entry.size}", file=str(full))
@@ -112,7 +108,7 @@ def verify_source(
         report.files += 1
         report.nbytes += entry.size
         if table != entry.leaves:
-            names = _names_in(tensors.get(present.get(entry.name), []))
+            names = names_in(tensors.get(present.get(entry.name), []))
             report.problems.append(_leaf_problem(entry, full, table, names))
     order = {entry.name: i for i, entry in enumerate(record.files)}
     report.problems.sort(key=lambda p: order.get(_relative(checkpoint.root, p.file), len(order)))
@@ -132,20 +128,6 @@ def _hash(
     files: list[tuple[FileHashes, Any]], record: HashRecord, threads: int | None, progress: Any
 ) -> list[bytearray]:
     """Each file's leaf table, hashed with the record's hash function and the regions the record lists."""
-    hash_fn = hasher(record.hash)
-    tables = [bytearray(len(entry.leaves)) for entry, _ in files]
-    jobs = [job for i, (entry, _) in enumerate(files) for job in _jobs(i, entry.regions)]
-    total = sum(entry.size for entry, _ in files)
-    report = _progress(progress, total)
-    lock = threading.Lock()
-    seen = [0]
-
-    def done(n: int) -> None:
-        if report is not None:
-            with lock:
-                seen[0] += n
-                report(seen[0], total)
-
     fds: list[Any] = []
     opened: list[int] = []
     try:
@@ -156,20 +138,15 @@ def _hash(
             fd = os.open(full, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             opened.append(fd)
             fds.append(fd)
-        count = threads or min(len(jobs), max(2, os.cpu_count() or 2)) or 1
-        with ThreadPoolExecutor(count, thread_name_prefix="shardload-verify") as pool:
-            futures = [pool.submit(_hash_job, fds[j.file], j, hash_fn, tables[j.file], done) for j in jobs]
-            for job, future in zip(jobs, futures, strict=True):
-                try:
-                    future.result()
-                except IntegrityError as err:
-                    raise IntegrityError(err.reason, file=str(files[job.file][1])) from None
+        regions = [entry.regions for entry, _ in files]
+        sizes = [entry.size for entry, _ in files]
+        return leaf_tables(fds, [full for _, full in files], regions, sizes, record.hash, threads=threads,
+                           progress=progress)  # fmt: skip
     except OSError as err:
         raise ShardloadError(f"cannot read: {err.strerror or err}", file=str(files[len(opened)][1])) from None
     finally:
         for fd in opened:
             os.close(fd)
-    return tables
 
 
 def _leaf_problem(entry: FileHashes, full: Any, table: bytes, names: Callable[[int, int], list[str]]) -> IntegrityError:
