@@ -66,7 +66,7 @@ def test_converted_directory_onto_gpu(example_dir: Path, tmp_path: Path) -> None
 
 
 # Every dtype a checkpoint may hold, in tensors large enough that a rank's column slice goes through the pinned
-# staging buffers (16 MiB each, a 64 KiB slice at least) and several buffers are cycled per tensor.
+# staging buffers (4 MiB each, a 64 KiB slice at least) and several buffers are cycled per tensor.
 DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,

@@ -45,8 +45,11 @@ SMALL_BYTES = 64 << 10
 :data:`SMALL_BATCH` of them (or :data:`JOB_BYTES`), instead of a job of its own: a file of 200,000 norms and scales
 then costs a few dozen jobs, not 200,000 closures and futures."""
 SMALL_BATCH = 4096
-STAGE_BYTES = 16 << 20
-"""Bytes per staging buffer; ``threads + 1`` of them cycle between reads and uploads."""
+STAGE_BYTES = 4 << 20
+"""Bytes per staging buffer; ``threads + 1`` of them cycle between reads and uploads. Page-locking them is most of a
+fresh process's first GPU load: on an H100 host, rank 3 of 8 of 1 GiB (page cache warm) took 0.19 s median with
+16 MiB buffers, 0.10 s with 4 MiB and 0.13 s with 1 MiB (three interleaved rounds; the second load in the process
+0.08, 0.05 and 0.10 s); docs/benchmarks.md, session 15."""
 
 
 @dataclass(frozen=True)
