@@ -48,7 +48,7 @@ from .checkpoint import (
     _parse_header,
     read_json,
 )
-from .location import split_hub_id
+from .location import hub_refusal, split_hub_id
 
 SMALL_FILES = {CONFIG_NAME: MAX_CONFIG_BYTES, INDEX_NAME: MAX_HEADER_BYTES, SHARD_INFO_NAME: MAX_HEADER_BYTES}
 """The JSON files fetched whole (those the repository has), and the cap on each."""
@@ -304,20 +304,8 @@ def _hub_errors(value: str, repo: str, revision: str | None, endpoint: str) -> I
         yield
     except ShardloadError:
         raise
-    except errors.GatedRepoError:
-        raise CheckpointError(
-            f"the Hugging Face Hub model {repo} is gated: accept its terms on the Hub and log in (`hf auth login`, or "
-            "HF_TOKEN)",
-            file=value,
-        ) from None
-    except errors.RevisionNotFoundError:
-        raise CheckpointError(f"the Hugging Face Hub model {repo} has no revision {revision!r}", file=value) from None
-    except errors.RepositoryNotFoundError:
-        raise CheckpointError(
-            f"no such file or directory, and no Hugging Face Hub model {repo} (or it is private: log in with "
-            "`hf auth login`, or set HF_TOKEN)",
-            file=value,
-        ) from None
+    except (errors.GatedRepoError, errors.RevisionNotFoundError, errors.RepositoryNotFoundError) as err:
+        raise hub_refusal(err, value, repo, revision) from None
     except errors.HfHubHTTPError as err:
         status = getattr(getattr(err, "response", None), "status_code", None)
         if status in (401, 403):

@@ -161,22 +161,24 @@ def hub_snapshot(value: str, *, cache_only: bool = False) -> Path:
             "HF_HUB_CACHE at a cache that holds it",
             file=value,
         ) from None
-    except errors.RevisionNotFoundError:
-        raise CheckpointError(f"the Hugging Face Hub model {repo} has no revision {revision!r}", file=value) from None
-    except errors.GatedRepoError:
-        raise CheckpointError(
-            f"the Hugging Face Hub model {repo} is gated: accept its terms on the Hub and log in (`hf auth login`)",
-            file=value,
-        ) from None
-    except errors.RepositoryNotFoundError:
-        raise CheckpointError(
-            f"no such file or directory, and no Hugging Face Hub model {repo} (or it is private: log in with "
-            "`hf auth login`)",
-            file=value,
-        ) from None
+    except (errors.GatedRepoError, errors.RevisionNotFoundError, errors.RepositoryNotFoundError) as err:
+        raise hub_refusal(err, value, repo, revision) from None
     except (errors.HfHubHTTPError, OSError, ValueError) as err:
         raise CheckpointError(f"cannot fetch from the Hugging Face Hub: {type(err).__name__}", file=value) from None
     return Path(path)
+
+
+def hub_refusal(err: Exception, value: str, repo: str, revision: str | None) -> CheckpointError:
+    """The one line for the Hub's refusals of a model: gated, no such revision, no such (or a private) repository."""
+    from huggingface_hub import errors
+
+    if isinstance(err, errors.GatedRepoError):  # a RepositoryNotFoundError too: asked first
+        return CheckpointError(f"the Hugging Face Hub model {repo} is gated: accept its terms on the Hub and log in "
+                               "(`hf auth login`, or HF_TOKEN)", file=value)  # fmt: skip
+    if isinstance(err, errors.RevisionNotFoundError):
+        return CheckpointError(f"the Hugging Face Hub model {repo} has no revision {revision!r}", file=value)
+    return CheckpointError(f"no such file or directory, and no Hugging Face Hub model {repo} (or it is private: log "
+                           "in with `hf auth login`, or set HF_TOKEN)", file=value)  # fmt: skip
 
 
 def hub_cache_dir() -> Path | None:
