@@ -60,17 +60,22 @@ def test_a_hashed_plan_input_removed_is_refused(tmp_path: Path) -> None:
     _one_line(err, "shard_info.json", "missing")
 
 
-def test_a_hashed_weight_file_deleted_is_refused(tmp_path: Path) -> None:
-    """A directory of several safetensors files (no index): one of them deleted after hashing is not a smaller
-    model, it is an error naming the file."""
+def _two_files(model: Path) -> Path:
+    """The tensors split over one.safetensors and two.safetensors (no index), with SPLIT as shard_info.json."""
     from safetensors.numpy import save_file
 
-    model = tmp_path / "m"
     model.mkdir()
     t = _tensors()
     save_file({"a.weight": t["a.weight"]}, str(model / "one.safetensors"))
     save_file({"b.weight": t["b.weight"], "norm.weight": t["norm.weight"]}, str(model / "two.safetensors"))
     (model / "shard_info.json").write_text(json.dumps(SPLIT))
+    return model
+
+
+def test_a_hashed_weight_file_deleted_is_refused(tmp_path: Path) -> None:
+    """A directory of several safetensors files (no index): one of them deleted after hashing is not a smaller
+    model, it is an error naming the file."""
+    model = _two_files(tmp_path / "m")
     root = hash_model(model).root
     assert set(shardload.load_rank(model, 0, 2, verify=root)) == {"a.weight", "b.weight", "norm.weight"}
     (model / "two.safetensors").unlink()
@@ -263,14 +268,7 @@ def test_plain_rank_files_out_of_place_are_refused(tmp_path: Path, how: str) -> 
 def test_an_index_of_another_name_is_pinned_too(tmp_path: Path) -> None:
     """A model opened by an index with its own name (given by path) has that index in its record: rewritten, it
     is refused like model.safetensors.index.json would be."""
-    from safetensors.numpy import save_file
-
-    model = tmp_path / "m"
-    model.mkdir()
-    t = _tensors()
-    save_file({"a.weight": t["a.weight"]}, str(model / "one.safetensors"))
-    save_file({"b.weight": t["b.weight"], "norm.weight": t["norm.weight"]}, str(model / "two.safetensors"))
-    (model / "shard_info.json").write_text(json.dumps(SPLIT))
+    model = _two_files(tmp_path / "m")
     index = model / "model.fp16.index.json"
     weight_map = {"a.weight": "one.safetensors", "b.weight": "two.safetensors", "norm.weight": "two.safetensors"}
     index.write_text(json.dumps({"weight_map": weight_map}))
