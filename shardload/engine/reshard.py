@@ -425,7 +425,6 @@ def load_ranks(
     """Global ranks ``ranks`` of ``layout`` (rank ``ranks[k]`` on ``devices[k]``), read out of ``source`` (a
     directory converted for another layout, a pre-sharded cache); each rank reads only the boxes it needs."""
     from ..format import input_log
-    from .transfer import check_unchanged
 
     stages = source.plan(layout)
     out: list[dict[str, torch.Tensor]] = []
@@ -437,7 +436,9 @@ def load_ranks(
             for param in stages[coord.pp].params.values():
                 state[param.name] = source.tensor(param, coord.tp, reader).to(device)
             out.append(state)
-    check_unchanged(set(source.files.values()), log)  # a rank file rewritten, cut or replaced meanwhile: an error
+    input_log.check_unchanged(
+        set(source.files.values()), log
+    )  # a rank file rewritten, cut or replaced meanwhile: an error
     return out
 
 

@@ -11,7 +11,6 @@ structure's runs, schedule and copy program are computed once and reused for eve
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
@@ -215,8 +214,7 @@ class Transfer:
                 got = self._planned(plan, ranks[0], key, devs[0], None if out is None else out[0])
             if got is not None:
                 return [got]
-        small = plan.replicated and plan.source.nbytes <= SMALL_BYTES and plan.source.decode is None
-        if small and self.strategy is None and len(ranks) == 1 and devs[0].type == "cpu":
+        if _small(plan) and self.strategy is None and len(ranks) == 1 and devs[0].type == "cpu":
             # a reader that cannot map (verifying, object storage): small whole tensors read as one batch of runs
             dest = torch.empty(plan.shape, dtype=to_torch(plan.dtype)) if out is None else out[0]
             self._copy_small(plan.source.file, plan.source.offset, plan.source.nbytes, dest)
@@ -273,7 +271,7 @@ class Transfer:
         if not direct and not rows_fit(pieces, dtype.itemsize, STAGE_BYTES):
             return None  # a GPU rank stages whole rows (or elements): each must fit a staging buffer
         dest = torch.empty(plan.shape, dtype=dtype, device=device) if out is None else out
-        if direct and plan.replicated and source.nbytes <= SMALL_BYTES and source.decode is None:
+        if direct and _small(plan):
             self._copy_small(source.file, source.offset, source.nbytes, dest)
             return dest
         fill_padding(plan, rank, dest)
@@ -517,7 +515,7 @@ class Transfer:
         copies, self.copies = self.copies, []
         for c in copies:
             _apply_copies(c.copies, c.dests)
-        check_unchanged(self.sources, self.log)
+        input_log.check_unchanged(self.sources, self.log)
 
     def _run_all(self, jobs: list[Callable[[], None]]) -> None:
         """Run ``jobs`` on the reader threads and this one, each taking the next job none has taken: one hand-off
@@ -612,36 +610,6 @@ def _apply_copies(copies: Copies, dests: list[torch.Tensor]) -> None:
         flat[b][b_off : b_off + n].copy_(flat[a][a_off : a_off + n])
 
 
-def _how_changed(before: input_log.Stamp, now: input_log.Stamp | None) -> str:
-    if now is None:
-        return "removed"
-    if now[:2] != before[:2]:
-        return "replaced"
-    if now[2] != before[2]:
-        return "truncated" if now[2] < before[2] else "extended"
-    return "rewritten in place"
-
-
-def check_unchanged(files: Iterable[Any], log: input_log.InputLog | None) -> None:
-    """After a load's last read: every local file read is still the file whose header the load parsed (same device,
-    inode, size, modification and change time); one rewritten in place, truncated or replaced meanwhile is an error,
-    never a tensor of mixed bytes."""
-    if log is None or not log.stamps:
-        return
-    for path in files:
-        before = log.stamps.get(str(path))
-        if before is None:
-            continue
-        try:
-            now = input_log.stamp_of(os.stat(path))
-        except OSError:
-            now = None
-        if now != before:
-            what = _how_changed(before, now)
-            raise CheckpointError(f"changed while it was being loaded ({what}); nothing was returned: load it again "
-                                  "once nothing writes to it", file=str(path))  # fmt: skip
-
-
 def _intact_then(filemaps: FileMaps, path: Path, end: int, job: Callable[[], None]) -> None:
     """Run a copy job out of ``path``'s mapping once the file still holds its ``end`` bytes."""
     filemaps.intact(path, end)
@@ -676,3 +644,8 @@ def _read_batch(reader: RunReader, path: Path, batch: list[tuple[int, int, torch
     length = np.array([n for _, n, _ in batch], dtype=np.int64)
     buf = np.arange(len(batch), dtype=np.int64)
     reader.read_runs(path, src, length, buf, np.zeros(len(batch), dtype=np.int64), [d for _, _, d in batch])
+
+
+def _small(plan: ParamPlan) -> bool:
+    """Whether ``plan`` is a small tensor every rank reads whole, as stored: one of a batch (:data:`SMALL_BYTES`)."""
+    return plan.replicated and plan.source.nbytes <= SMALL_BYTES and plan.source.decode is None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -104,3 +104,33 @@ def records_inputs(fn: F) -> F:
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _how_changed(before: Stamp, now: Stamp | None) -> str:
+    if now is None:
+        return "removed"
+    if now[:2] != before[:2]:
+        return "replaced"
+    if now[2] != before[2]:
+        return "truncated" if now[2] < before[2] else "extended"
+    return "rewritten in place"
+
+
+def check_unchanged(files: Iterable[Any], log: InputLog | None) -> None:
+    """After a load's last read: every local file read is still the file whose header the load parsed (same device,
+    inode, size, modification and change time); one rewritten in place, truncated or replaced meanwhile is an error,
+    never a tensor of mixed bytes."""
+    if log is None or not log.stamps:
+        return
+    for path in files:
+        before = log.stamps.get(str(path))
+        if before is None:
+            continue
+        try:
+            now = stamp_of(os.stat(path))
+        except OSError:
+            now = None
+        if now != before:
+            what = _how_changed(before, now)
+            raise CheckpointError(f"changed while it was being loaded ({what}); nothing was returned: load it again "
+                                  "once nothing writes to it", file=str(path))  # fmt: skip
