@@ -421,24 +421,21 @@ def check_metadata(checkpoint: Checkpoint, record: HashRecord, *, source: bool =
                 )
             except ShardloadError as err:
                 raise IntegrityError(err.reason, file=str(path)) from None
-        if not _same_leaves(data, 0, entry, hash_fn, record.leaf_bytes):
+        if not _same_leaves(data, entry, hash_fn):
             raise IntegrityError("differs from the integrity record (changed or replaced)", file=str(path))
 
 
-def _same_leaves(data: bytes, region: int, entry: FileHashes, hash_fn: Any, leaf_bytes: int) -> bool:
-    """Whether ``data`` is exactly region ``region`` of ``entry`` when that region is hashed linearly (a whole small
-    file, or a safetensors header): same length, same leaves."""
-    if region >= len(entry.regions) and not (region == 0 and not data and entry.size == 0):
-        return False
-    if entry.size == 0:
-        return not data
-    r = entry.regions[region]
+def _same_leaves(data: bytes, entry: FileHashes, hash_fn: Any) -> bool:
+    """Whether ``data`` is exactly the first region of ``entry``, hashed linearly (a whole small file, or a safetensors
+    header): same length, same leaves."""
+    if not entry.regions:
+        return entry.size == 0 and not data
+    r = entry.regions[0]
     if r.rows != 1 or r.length != len(data):
         return False
-    first = sum(x.leaves for x in entry.regions[:region])
     step = r.tilings[0][1]
     got = b"".join(hash_fn(data[k : k + step]).digest() for k in range(0, len(data), step))
-    return got == entry.leaves[first * HASH_BYTES : (first + r.leaves) * HASH_BYTES]
+    return got == entry.leaves[: r.leaves * HASH_BYTES]
 
 
 def check_complete(checkpoint: Checkpoint, record: HashRecord) -> None:
@@ -446,8 +443,9 @@ def check_complete(checkpoint: Checkpoint, record: HashRecord) -> None:
     never a smaller model."""
     now = {file_name(checkpoint.root, f) for f in checkpoint.files}
     now |= {file_name(checkpoint.root, f) for f in tensors_by_file_of(checkpoint)}
+    now |= set(metadata_names(checkpoint))  # checked by check_metadata
     for entry in record.files:
-        if entry.name not in now and entry.name not in metadata_names(checkpoint):
+        if entry.name not in now:
             raise IntegrityError("is listed in the integrity record but missing from the model (deleted, "
                                  "moved or renamed)", file=str(checkpoint.root / entry.name))  # fmt: skip
 
@@ -654,13 +652,12 @@ def verified_reader(
 
     reader = VerifiedReader(inner, verified_files(checkpoint, record), record.hash)
     check_metadata(checkpoint, record, source=source)
-    hash_fn = hasher(record.hash)
     for f, entry in reader.files.items():
         first = entry.hashes.regions[0] if entry.hashes.regions else None
         n = first.length if first is not None and first.rows == 1 else 0
         parsed = input_log.parsed(f)
         if parsed is not None:  # the header this load parsed: checked from those very bytes, not read again
-            if not _same_leaves(parsed, 0, entry.hashes, hash_fn, record.leaf_bytes):
+            if not _same_leaves(parsed, entry.hashes, reader.hash):
                 raise IntegrityError(
                     "its header as read for this load differs from the integrity record (changed, or a store that "
                     "answered differently)",
