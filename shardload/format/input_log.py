@@ -37,6 +37,12 @@ class InputLog:
 _LOG: ContextVar[InputLog | None] = ContextVar("shardload_input_log", default=None)
 
 
+def changed(path: Any, how: str) -> CheckpointError:
+    """The one line for a file that changed while a load read it (``how``: rewritten, truncated, ...)."""
+    return CheckpointError(f"changed while it was being loaded ({how}); nothing was returned: load it again once "
+                           "nothing writes to it", file=str(path))  # fmt: skip
+
+
 def stamp_of(st: os.stat_result) -> Stamp:
     """The :data:`Stamp` of a ``stat`` result."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
@@ -53,8 +59,7 @@ def note(path: Any, data: bytes, st: os.stat_result | None = None) -> None:
     stamp = None if st is None else stamp_of(st)
     if (before is not None and before != data) or (stamp is not None and log.stamps.get(key, stamp) != stamp):
         # read twice in one load with different bytes (a plan input, or a companion copied after it was checked)
-        raise CheckpointError("changed while it was being loaded (read twice, with different bytes); nothing was "
-                              "returned: load it again once nothing writes to it", file=key)  # fmt: skip
+        raise changed(key, "read twice, with different bytes")
     log.data[key] = bytes(data)
     log.reads.append((key, len(data)))
     if stamp is not None:
@@ -131,6 +136,4 @@ def check_unchanged(files: Iterable[Any], log: InputLog | None) -> None:
         except OSError:
             now = None
         if now != before:
-            what = _how_changed(before, now)
-            raise CheckpointError(f"changed while it was being loaded ({what}); nothing was returned: load it again "
-                                  "once nothing writes to it", file=str(path))  # fmt: skip
+            raise changed(path, _how_changed(before, now))

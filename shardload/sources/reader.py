@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
+from ..format import input_log
 from . import fault_guard
 
 if TYPE_CHECKING:
@@ -420,11 +421,7 @@ class FileMaps:
         where no guard is installed, when it is now shorter than ``end`` bytes: asked around each copy job, so a
         file truncated while a load reads it is one error, never a SIGBUS or a returned tensor of zeros."""
         if fault_guard.cut(self._guards.get(path, 0)):
-            raise CheckpointError(
-                "changed while it was being loaded (truncated under its mapping); nothing was returned: load it again "
-                "once nothing writes to it",
-                file=str(path),
-            )
+            raise input_log.changed(path, "truncated under its mapping")
         entry = self._maps.get(path)
         if entry is None or fault_guard.installed():
             return
@@ -433,11 +430,7 @@ class FileMaps:
         except (OSError, ValueError):
             return
         if size < end:
-            raise CheckpointError(
-                f"changed while it was being loaded (truncated to {size} bytes); nothing was returned: load it again "
-                "once nothing writes to it",
-                file=str(path),
-            )
+            raise input_log.changed(path, f"truncated to {size} bytes")
 
     def array(self, path: Path) -> np.ndarray | None:
         """The same bytes as a read-only numpy uint8 array (slicing one costs a fraction of a torch view's time)."""
