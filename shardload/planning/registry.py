@@ -15,11 +15,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import os
-import re
-import site
-import sys
-import sysconfig
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +22,7 @@ from typing import Any
 
 from ..errors import StepArgumentError
 from ..format import expr
+from ..sources.plugins import PluginError, run_entry_points
 
 Shape = tuple[int, ...]
 Box = tuple[tuple[int, int], ...]
@@ -260,51 +256,16 @@ def load_entry_points() -> None:
     An entry point names a module (importing it registers its steps) or a callable (called with no
     arguments). Which code runs is decided by what is installed, never by a name in a shard_info file:
     all of them load together, at the first lookup of a name not registered yet, whatever that name is.
-    Installed means found in :func:`installed_paths`: a ``*.dist-info`` in the current directory or beside the
-    running script (a model directory one runs from) is never read.
+    Installed means found in :func:`~shardload.sources.plugins.installed_paths`: a ``*.dist-info`` in the current
+    directory or beside the running script (a model directory one runs from) is never read.
     """
     global _entry_points_loaded
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
-    from importlib.metadata import distributions
-
-    seen: set[str] = set()
-    for dist in distributions(path=installed_paths()):
-        name = re.sub(r"[-_.]+", "-", str(dist.metadata["Name"] or "")).lower()
-        if name in seen:  # the first of a name on the path is the one Python imports
-            continue
-        seen.add(name)
-        for ep in dist.entry_points.select(group=ENTRY_POINT_GROUP):
-            try:
-                loaded = ep.load()
-                if callable(loaded):
-                    loaded()
-            except Exception as err:
-                raise StepArgumentError(
-                    f"the installed {ENTRY_POINT_GROUP} entry point {ep.name!r} ({ep.value}) failed to load: "
-                    f"{type(err).__name__}: {err}"
-                ) from None
+    try:
+        run_entry_points(ENTRY_POINT_GROUP)
+    except PluginError as err:
+        raise StepArgumentError(str(err)) from None
 
 
-def installed_paths() -> list[str]:
-    """The ``sys.path`` entries entry points are read from: every one but the current directory (``''``, ``.``
-    or its full path, as ``-c``, ``-m`` and ``PYTHONPATH=.`` put it there) and the directory of the running script;
-    site-packages directories (the interpreter's, a virtualenv's, the user's) always count."""
-    sites = {os.path.realpath(p) for p in site.getsitepackages() if p} if hasattr(site, "getsitepackages") else set()
-    sites |= {os.path.realpath(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")}
-    if site.ENABLE_USER_SITE:
-        sites.add(os.path.realpath(site.getusersitepackages()))
-    denied = {os.path.realpath(os.getcwd())}
-    if sys.path and not getattr(sys.flags, "safe_path", False):
-        denied.add(os.path.realpath(sys.path[0] or os.getcwd()))
-    if sys.argv and sys.argv[0] and os.path.isfile(sys.argv[0]):
-        denied.add(os.path.dirname(os.path.realpath(sys.argv[0])))
-    kept = []
-    for entry in sys.path:
-        if not isinstance(entry, str) or not entry:
-            continue
-        real = os.path.realpath(entry)
-        if real in sites or real not in denied:
-            kept.append(entry)
-    return kept

@@ -1,0 +1,286 @@
+"""What an opened model is: one type per kind of source, and the one table of which load options each type takes.
+
+:func:`open_source` is the one place a model is told apart. It asks the registered split formats first (a server's
+own per-rank layout, such as vLLM's ``sharded_state``, registered by its integration), then opens the checkpoint, and
+returns one of:
+
+- :class:`WholeTensors`: a source checkpoint storing each tensor whole (safetensors, GGUF, a TVM cache): planned,
+  then each rank reads its own runs;
+- :class:`RankFiles`: a directory ``convert`` wrote, loaded at the layout it was written for: each rank reads its own
+  file;
+- :class:`SplitRecords`: a TVM/MLC cache pre-sharded for N, loaded at that N: each rank reads its own records;
+- :class:`Boxes`: stored splits of another layout, each rank assembled from boxes of them: :class:`ConvertedBoxes`
+  (a directory converted for another layout), :class:`PreshardedBoxes` (a pre-sharded cache at another N) and
+  :class:`SavedBoxes` (a registered split format).
+
+:data:`SUPPORT` is the table of source type x option: a cell is None where the type takes the option, else the
+refusal (a format string over the source's :meth:`Source.words`). :data:`EXCLUSIONS` are the pairs of options that
+exclude each other on any source. Code above this package asks the type (``isinstance``) and the table, never a
+kind's name.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from ..errors import ShardloadError
+from .checkpoint import Checkpoint, manifest_stages, open_checkpoint
+from .objects import ObjectPath
+from .plugins import PluginError, run_entry_points
+
+OPTIONS = ("shard_info", "verify_root", "verify", "group", "mmap", "read_options", "into", "stages")
+"""The options a load may be refused on, in the order they are checked: ``shard_info`` (a plan given), ``verify_root``
+(a pinned root), ``verify`` (any check), ``group`` (reads shared by a process group), ``mmap`` (the ``"view"`` read
+strategy), ``read_options`` (any other read option), ``into`` (destination tensors or a subset of names), ``stages``
+(pipeline stages)."""
+
+_CARRIES = "{what} carries its own shard_info; do not pass one"
+_BOX_VERIFY = (
+    "verify=<root hash> is not supported when a converted or sharded_state directory is read for another N: load it "
+    "with verify=True (every rank file's sha256 against its manifest), or at its own N"
+)
+_NOT_THERE = "{boxes}; share_reads and mmap do not apply there (load without them)"
+_NOT_STEERED = "{boxes}, which read_options does not steer (leave read_options out)"
+_RANK_BY_RANK = (
+    "share_reads works on a source checkpoint or a converted directory; a pre-sharded one is read rank by rank (load "
+    "it without share_reads)"
+)
+
+
+class Layout(Protocol):
+    """What a source is classified against: a mesh's tensor-parallel size, stage count and layers per stage."""
+
+    tp: int
+    pp: int
+    pp_layers: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class Source:
+    """An opened model. ``checkpoint`` is its header-level view (for :class:`SavedBoxes`, the stored tensors its
+    rank files were planned from)."""
+
+    checkpoint: Checkpoint
+    what: ClassVar[str] = "a checkpoint"
+    """How a message names this kind of source."""
+    splits: ClassVar[bool] = False
+    """True when the model is stored already split (no shard_info of the caller's applies, nothing to hash or plan)."""
+
+    @property
+    def name(self) -> str:
+        return str(self.checkpoint.path)
+
+    def words(self, layout: Layout | None) -> dict[str, str]:
+        """The values this source's refusals are formatted with."""
+        return {"what": self.what, "boxes": self.what}
+
+    def refusal(self, option: str, layout: Layout | None) -> str | None:
+        """Why this source refuses ``option`` (None: it takes it), from :data:`SUPPORT`."""
+        cell = SUPPORT[type(self)].get(option)
+        return None if cell is None else cell.format(**self.words(layout))
+
+
+@dataclass(frozen=True)
+class WholeTensors(Source):
+    """A source checkpoint whose tensors are stored whole: planned, then each rank reads only its runs."""
+
+    what: ClassVar[str] = "a source checkpoint"
+
+
+@dataclass(frozen=True)
+class RankFiles(Source):
+    """A directory ``convert`` wrote, at the layout it was written for: each rank reads its own rank file."""
+
+    what: ClassVar[str] = "a converted directory"
+    splits: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class SplitRecords(Source):
+    """A cache pre-sharded for N (``NAME_shard-K-of-N`` records), at that N: each rank reads its own records."""
+
+    what: ClassVar[str] = "a pre-sharded checkpoint"
+    splits: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class Boxes(Source):
+    """Stored splits of another layout: each rank is assembled from boxes of them (resharding: more read items)."""
+
+    splits: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class ConvertedBoxes(Boxes):
+    """A directory ``convert`` wrote for another layout than the one asked for."""
+
+    what: ClassVar[str] = "a converted directory"
+
+    def words(self, layout: Layout | None) -> dict[str, str]:
+        n = (self.checkpoint.manifest or {}).get("num_shards")
+        boxes = f"was converted for num_shards={n}: loading it for {layout} reads boxes of several rank files"
+        return {"what": self.what, "boxes": boxes}
+
+
+@dataclass(frozen=True)
+class PreshardedBoxes(Boxes):
+    """A cache pre-sharded for another N than the one asked for."""
+
+    what: ClassVar[str] = "a pre-sharded checkpoint"
+
+    def words(self, layout: Layout | None) -> dict[str, str]:
+        n = self.checkpoint.presharded
+        return {"what": self.what, "boxes": f"is pre-sharded for num_shards={n}: loading it for {layout} reads boxes "
+                                            "of several records"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SavedBoxes(Boxes):
+    """A registered split format (a server's per-rank layout): ``opened`` is what its opener returned (the stored
+    tensors, the old plan and every rank file's header, checked), read as boxes at any N."""
+
+    opened: Any = None
+    format: SplitFormat | None = None
+    where: str = ""
+    """The model as the caller named it."""
+
+    @property
+    def name(self) -> str:
+        return self.where
+
+    @property
+    def what(self) -> str:  # type: ignore[override]
+        return self.format.what if self.format is not None else "a split directory"
+
+    def words(self, layout: Layout | None) -> dict[str, str]:
+        files = self.format.files if self.format is not None else "its"
+        return {"what": self.what, "boxes": f"{self.what} is read in boxes of {files} rank files"}
+
+
+_BOXES = {
+    "shard_info": None,
+    "verify_root": _BOX_VERIFY,
+    "group": _NOT_THERE,
+    "mmap": _NOT_THERE,
+    "read_options": _NOT_STEERED,
+    "into": "{boxes}, without params or out",
+}
+SUPPORT: dict[type[Source], dict[str, str | None]] = {
+    WholeTensors: {},
+    RankFiles: {"shard_info": _CARRIES},
+    SplitRecords: {"group": _RANK_BY_RANK, "stages": "pipeline stages of a pre-sharded checkpoint are not supported"},
+    ConvertedBoxes: {**_BOXES, "shard_info": _CARRIES},
+    PreshardedBoxes: {
+        "group": _RANK_BY_RANK,
+        "verify": "verify is not supported when a pre-sharded cache is read for another N: load it at its own N with "
+        "verify, or convert the whole checkpoint",
+        "mmap": "{boxes}, without mmap",
+        "read_options": _NOT_STEERED,
+        "into": "{boxes}, without params or out",
+    },
+    SavedBoxes: {**_BOXES, "shard_info": _CARRIES, "into": "{boxes}, without params or out (load the rank, then copy)"},
+}
+"""Source type x option: None (or absent) where the type takes the option, else its refusal."""
+
+EXCLUSIONS: dict[frozenset[str], str] = {
+    frozenset({"group", "mmap"}): "share_reads and mmap=True exclude each other (views of a file are not exchanged)",
+    frozenset({"group", "read_options"}): "read_options applies to a rank reading for itself; share_reads reads each "
+    "chunk as exact runs (leave read_options out)",
+    frozenset({"group", "into"}): "params= and out= apply to a rank reading its own tensors; share_reads exchanges a "
+    "group's chunks (one or the other)",
+    frozenset({"mmap", "out"}): "params= and out= apply to a rank reading its own tensors; mmap=True returns views of "
+    "the file (one or the other)",
+    frozenset({"verify", "mmap"}): "verify and mmap=True exclude each other (a view of the file is not a checked copy)",
+}
+"""Pairs of options that exclude each other on any source, with the refusal."""
+
+
+def check_options(source: Source, given: Mapping[str, bool], layout: Layout | None) -> None:
+    """Raise the table's refusal for the first option in ``given`` (option -> whether it was given) that
+    ``source`` does not take, then for the first pair of given options that exclude each other."""
+    for option in OPTIONS:
+        if given.get(option):
+            reason = source.refusal(option, layout)
+            if reason is not None:
+                raise ShardloadError(reason, file=source.name)
+    for pair, reason in EXCLUSIONS.items():
+        if all(given.get(option) for option in pair):
+            raise ShardloadError(reason, file=source.name)
+
+
+@dataclass(frozen=True)
+class SplitFormat:
+    """A server's per-rank layout registered as a source (vLLM's ``sharded_state``): how messages name it, and an
+    opener that returns what it opened (read as boxes at any N) or None when the model is not of this format."""
+
+    name: str
+    what: str
+    """How a message names such a model: ``"a sharded_state directory"``."""
+    files: str
+    """Whose rank files it holds, for messages: ``"vLLM's"``."""
+    open: Callable[[Any, bool], Any]
+    """``(model, checksums) -> opened or None``: ``checksums`` checks every rank file's sha256 as it opens."""
+    stored: Callable[[Any], Checkpoint]
+    """The stored tensors an opened model was planned from (shapes and dtypes; no file is behind them)."""
+
+
+_SPLIT_FORMATS: dict[str, SplitFormat] = {}
+SPLIT_FORMAT_GROUP = "shardload.split_formats"
+"""The entry point group a package registers a split format in: each entry point names a callable that calls
+:func:`register_split_format`."""
+_entry_points_loaded = False
+
+
+def register_split_format(fmt: SplitFormat) -> None:
+    """Add (or replace) a split format; :func:`open_source` asks each before opening a checkpoint."""
+    _SPLIT_FORMATS[fmt.name] = fmt
+
+
+def split_formats() -> list[SplitFormat]:
+    """Every registered split format, the entry points of installed packages loaded once."""
+    global _entry_points_loaded
+    if not _entry_points_loaded:
+        _entry_points_loaded = True
+        try:
+            run_entry_points(SPLIT_FORMAT_GROUP)
+        except PluginError as err:
+            raise ShardloadError(str(err)) from None
+    return list(_SPLIT_FORMATS.values())
+
+
+def open_source(
+    model: str | os.PathLike[str] | Checkpoint, layout: Layout | None = None, *, checksums: bool = False
+) -> Source:
+    """Open ``model`` as the type of source it is for ``layout`` (None: its own layout); ``checksums`` checks a split
+    format's rank files whole as they are opened."""
+    if not isinstance(model, Checkpoint):
+        for fmt in split_formats():
+            opened = fmt.open(model, checksums)
+            if opened is not None:
+                return SavedBoxes(fmt.stored(opened), opened=opened, format=fmt, where=str(model))
+    checkpoint = model if isinstance(model, Checkpoint) else open_checkpoint(model)
+    if checkpoint.kind == "converted":
+        if layout is not None and needs_reshard(checkpoint, layout):
+            return ConvertedBoxes(checkpoint)
+        return RankFiles(checkpoint)
+    if checkpoint.presharded is not None:
+        if layout is not None and checkpoint.presharded != layout.tp:
+            return PreshardedBoxes(checkpoint)
+        return SplitRecords(checkpoint)
+    return WholeTensors(checkpoint)
+
+
+def needs_reshard(checkpoint: Checkpoint, layout: Layout) -> bool:
+    """Whether a converted directory was written for another layout than ``layout`` (tp, pp, layers per stage)."""
+    manifest = checkpoint.manifest or {}
+    stored_layers = (manifest.get("mesh") or {}).get("pp_layers")
+    same_layers = layout.pp_layers is None or list(layout.pp_layers) == stored_layers
+    return manifest.get("num_shards") != layout.tp or manifest_stages(manifest) != layout.pp or not same_layers
+
+
+def remote(source: Source) -> bool:
+    """True when the source's files are in object storage (nothing to map)."""
+    return isinstance(source.checkpoint.path, ObjectPath)
