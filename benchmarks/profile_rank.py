@@ -42,8 +42,10 @@ def child(model: str, rank: int, num_shards: int, mmap: bool) -> None:
 
     import shardload.engine.steps
     import shardload.planning.runs  # noqa: F401
-    from shardload.engine.load import Mesh, shard_info_for, stages_of
+    from shardload.engine.run import stages_of
     from shardload.engine.transfer import Transfer, reader_for_plan
+    from shardload.models.plan_source import shard_info_for
+    from shardload.planning.mesh import Mesh
     from shardload.planning.plan import build_plan
     from shardload.sources.checkpoint import open_checkpoint
 

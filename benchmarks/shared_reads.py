@@ -8,7 +8,7 @@ Usage::
 Four processes under ``torchrun`` (gloo, CPU) load a random Llama-shaped float16 checkpoint as a dp=2 x tp=2 mesh,
 from a store throttled to a fixed bandwidth shared by every reader. The throttle is a token bucket kept in a
 file under a file lock (``flock``), wrapped around shardload's reader by this script only (``ThrottledReader``,
-plugged in where the engine picks readers: ``reader_for`` in ``shardload.engine.load`` and ``.transfer``): before
+plugged in where the engine picks readers: ``reader_for`` in ``shardload.engine.routes`` and ``.transfer``): before
 a read of ``n`` bytes a process books the next
 ``n / bandwidth`` seconds of the shared link and sleeps until its booking ends, then reads (from the page cache).
 So the four processes together never read faster than ``--mb-per-s``, as through a throttling proxy in front of
@@ -87,7 +87,7 @@ def worker(model: str, bucket: str, rate: float, repeats: int, warmup: int) -> N
     import torch.distributed as dist
 
     import shardload
-    import shardload.engine.load as load
+    import shardload.engine.routes as load
     import shardload.engine.transfer as transfer
     from shardload.sources.reader import count_reads
 

@@ -4,7 +4,7 @@ The public surface::
 
     shards = shardload.load("model-dir", num_shards=8)            # N state dicts, shard r on device r
     state = shardload.load_rank("model-dir", rank=3, num_shards=8)  # just this rank's tensors
-    shardload.load_rank("model-dir", 3, 8, out=params)              # into your tensors, in place
+    shardload.load_rank("model-dir", 3, 8, into=params)             # into your tensors, in place
     shardload.convert("model-dir", 8, "model-tp8")                  # pre-sharded files + manifest
     shardload.quantize("model-dir", "model-int4", "int4-g128")      # quantize once, load at any N
     info = shardload.ShardInfo.load("shard_info.json")              # parse and check against the schema
@@ -34,6 +34,7 @@ import shard_funcs as _builtin_steps  # noqa: F401  (registers the built-in step
 from .engine.convert import ConvertResult, convert
 from .engine.integrity import hash_checkpoint
 from .engine.load import load, load_rank
+from .engine.load_options import Destination, Verify
 from .engine.quantize import quantize
 from .engine.read_strategy import ReadOptions
 from .engine.verify import VerifyReport
@@ -56,6 +57,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "ConvertResult",
+    "Destination",
     "FormatError",
     "IoModel",
     "Mesh",
@@ -68,6 +70,7 @@ __all__ = [
     "ShardInfo",
     "ShardloadError",
     "StepSpec",
+    "Verify",
     "VerifyReport",
     "__version__",
     "convert",

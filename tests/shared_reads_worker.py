@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 import shardload
 import shardload.engine.exchange as exchange
-import shardload.engine.load as load
+import shardload.engine.routes as load
 import shardload.engine.transfer as transfer
 from shardload.engine.fingerprint import plan_samples
 from shardload.sources.checkpoint import open_checkpoint, read_header

@@ -34,7 +34,7 @@ from shardload.errors import ShardloadError
         (lambda m: shardload.load_rank(m, 0, mesh="pp=2,tp=100000"), "over the limit of 65536"),
         (
             lambda m: shardload.load_rank(m, 0, 2, read_options=shardload.ReadOptions(strategy="fast")),
-            "read strategy must be one of auto, map, read, plan, got 'fast'",
+            "read strategy must be one of auto, map, read, plan, view, got 'fast'",
         ),
         (
             lambda m: shardload.load(m, 2, read_options=shardload.ReadOptions(threads=-1)),

@@ -262,7 +262,7 @@ def test_mmap_needs_the_cpu(example_dir: Path) -> None:
 
 def test_mmap_of_a_file_cut_short_is_a_clear_error(example_dir: Path, tmp_path: Path) -> None:
     """A file cut short after planning is a CheckpointError (never SIGBUS from a view past the end)."""
-    from shardload.engine.load import run_plan
+    from shardload.engine.run import run_plan
 
     model = tmp_path / "m"
     model.mkdir()

@@ -170,7 +170,7 @@ def test_bytes_read_per_rank_follow_the_mesh(models: dict) -> None:
     plan = shardload.plan_model(model_dir, 2)
     mesh = Mesh.parse("pp=2,tp=2")
     layer_bytes = sum(p.source.nbytes for n, p in plan.params.items() if ".layers." in n)
-    from shardload.engine.load import stages_of
+    from shardload.engine.run import stages_of
 
     for pp, stage in enumerate(stages_of(plan, mesh)):
         for t in range(2):

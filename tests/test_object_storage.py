@@ -190,7 +190,7 @@ def test_a_measured_cost_probes_the_store_once(endpoint: S3, uris: dict, tmp_pat
 
 def test_staged_reads_from_s3(endpoint: S3, uris: dict) -> None:
     """The path a GPU destination takes (reads into staging buffers, then copies), run on the CPU."""
-    from shardload.engine.load import run_plan
+    from shardload.engine.run import run_plan
 
     local, uri = uris["multi"]
     plan = shardload.plan_model(uri, 4)

@@ -20,7 +20,7 @@ import shardload.engine.transfer as transfer
 import shardload.engine.writer as writer
 from helpers import reference as ref
 from helpers.checkpoints import random_array, write_model
-from shardload.engine.load import run_plan
+from shardload.engine.run import run_plan
 from shardload.engine.steps import run_steps
 from shardload.engine.transfer import Transfer
 from shardload.errors import PlanError

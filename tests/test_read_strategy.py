@@ -43,7 +43,7 @@ def test_strategies_match_reference(example_dir: Path, strategy: str, n: int) ->
 def test_staged_copy_out_matches_reference(example_dir: Path, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU route, run on the CPU: strided copies out of the mapping gather a rank's bytes into small staging
     buffers (cycled many times per tensor), each then copied to the rank's tensor."""
-    from shardload.engine.load import run_plan
+    from shardload.engine.run import run_plan
 
     monkeypatch.setattr(transfer, "STAGE_BYTES", 4096)
     want = reference_shards(example_dir, n)
@@ -318,7 +318,7 @@ def test_file_cut_short_is_an_error_not_sigbus(tmp_path: Path) -> None:
     with open(path, "r+b") as fh:
         fh.truncate(path.stat().st_size - 1024)
     with pytest.raises(shardload.CheckpointError, match="shorter than its header says"):
-        shardload.engine.load.run_plan(plan, [0], ["cpu"], read_options=shardload.ReadOptions(strategy="map"))
+        shardload.engine.run.run_plan(plan, [0], ["cpu"], read_options=shardload.ReadOptions(strategy="map"))
 
 
 def test_warm_file_is_probed_once_a_partly_cached_one_per_parameter(
@@ -407,7 +407,7 @@ def test_read_options_from_a_servers_json_config(example_dir: Path) -> None:
         ({"threads": 2.0}, "read_options.threads: expected an integer >= 0"),
         ({"io_depth": "8"}, "read_options.io_depth: expected an integer >= 0"),
         ({"io_depth": None}, "read_options.io_depth: expected an integer >= 0, got None"),
-        ({"strategy": "mmap"}, "read_options.strategy: expected one of auto, map, read, plan, got 'mmap'"),
+        ({"strategy": "mmap"}, "read_options.strategy: expected one of auto, map, read, plan, view, got 'mmap'"),
         ({"max_waste": 10**400}, "read_options.max_waste: int too large to convert to float"),
         ({"io_model": "request_s=1e-4"}, "read_options.io_model: expected request_s and bandwidth, as a mapping"),
         ({"io_model": "request_s=1,request_s=2,bandwidth=1e9"}, "read_options.io_model: expected request_s and"),

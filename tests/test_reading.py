@@ -25,7 +25,7 @@ from helpers import reference as ref
 from helpers.checkpoints import parallel_model, random_array, write_model
 from helpers.reading import check_reads_into_slots
 from helpers.step_cases import CASES, valid
-from shardload.engine.load import run_plan
+from shardload.engine.run import run_plan
 from shardload.engine.transfer import Transfer
 from shardload.errors import CheckpointError, PlanError
 from shardload.format.shard_info import ShardInfo

@@ -323,7 +323,7 @@ def test_inspect_presharded_cache_at_another_n(tmp_path: Path) -> None:
         assert got["totals"] == want["totals"], n
         rows = [sorted(doc["rows"], key=lambda row: row["parameter"]) for doc in (got, want)]  # records' order
         assert rows[0] == rows[1], n
-        assert shards.stderr.startswith("note: a cache pre-sharded for num_shards=2"), shards.stderr
+        assert shards.stderr.startswith("note: a pre-sharded checkpoint for num_shards=2"), shards.stderr
     refused = runner.invoke(main, ["inspect", str(path), "-n", "4"])
     assert refused.exit_code == 1 and refused.stderr.count("\n") == 1, refused.stderr
     assert "param_0: is pre-sharded for num_shards=2; loading it for another N needs a shard_info" in refused.stderr
@@ -362,7 +362,7 @@ def test_vllm_layout_from_shards(models: dict[str, Model], tmp_path: Path) -> No
 def test_own_n_keeps_the_fast_path(models: dict[str, Model], monkeypatch: pytest.MonkeyPatch) -> None:
     """At the N it was converted for, a directory is read file by file as before: the resharding source is never
     opened, and share_reads or mmap at another N is one line."""
-    import shardload.engine.load as load_module
+    import shardload.engine.routes as load_module
 
     out = models["llama_gqa"].converted(2)
     assert out is not None

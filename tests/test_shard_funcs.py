@@ -16,7 +16,7 @@ import torch
 from helpers import reference as ref
 from helpers.checkpoints import random_array, write_model
 from helpers.step_cases import CASES, step, valid
-from shardload.engine.load import materialize
+from shardload.engine.run import materialize
 from shardload.engine.steps import run_steps
 from shardload.errors import PlanError
 from shardload.format.shard_info import ShardInfo

@@ -25,7 +25,7 @@ import shardload
 from helpers import tiny_models
 from helpers.checkpoints import write_model
 from shardload.cli.main import main
-from shardload.engine.load import _rank_progress
+from shardload.engine.routes import progress_for as _rank_progress
 from shardload.planning.group_reads import GroupReads, choose_chunk, file_bases, slot_needs, strided
 from shardload.planning.mesh import Mesh, stage_plans
 from shardload.planning.plan import build_plan, resolve_shard_info

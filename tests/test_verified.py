@@ -388,7 +388,7 @@ def test_quantized_scale_flip_caught(example_dir: Path, tmp_path: Path) -> None:
 def test_received_bytes_are_checked(split_model: Path) -> None:
     """What share_reads does after the exchange, without the exchange: a rank's tensors as a peer sent them."""
     from shardload.engine.integrity import load_record, verified_reader
-    from shardload.engine.load import check_received
+    from shardload.engine.routes import check_received
     from shardload.sources.reader import Reader
 
     ckpt = open_checkpoint(split_model)

@@ -381,7 +381,7 @@ def convert(
         return
     if quiet:
         return
-    from ..engine.load import stages_of
+    from ..engine.run import stages_of
 
     stages = stages_of(result.plan, result.layout)
     rows = []
@@ -769,7 +769,6 @@ def inspect(
     """
     from ..models.plan_source import shard_info_for
     from ..planning.plan import build_plan
-    from ..sources.checkpoint import open_checkpoint
     from .report import inspect_rows, inspect_text, mesh_rows, mesh_text, totals
 
     layout = _mesh_arg(mesh, world_size, pp_layers)
@@ -778,33 +777,22 @@ def inspect(
             raise click.UsageError(f"--num-shards disagrees with the mesh's tp={layout.tp}")
         num_shards = layout.tp
 
-    from ..engine.vllm_plan import open_vllm_shards
+    from ..engine.routes import open_boxes
+    from ..planning.mesh import Mesh
+    from ..sources.source_types import Boxes, PreshardedBoxes, RankFiles, SplitRecords, open_source
 
-    sharded = open_vllm_shards(model)
-    if sharded is not None:  # vLLM's layout: planned again over the stored tensors it was made from
-        if shard_info is not None:
-            raise ShardloadError("a sharded_state directory carries its own shard_info; do not pass one",
-                                 file=str(model))  # fmt: skip
-        click.echo(f"note: vLLM's sharded_state layout for num_shards={sharded.old.num_shards}: each rank reads its "
-                   "boxes out of those rank files", err=True)  # fmt: skip
-        checkpoint, info = sharded.stored, sharded.shard_info
-    elif (checkpoint := open_checkpoint(model)).kind == "converted":  # planned over its manifest's stored tensors
-        from ..engine.reshard import open_shards
-
-        if shard_info is not None:
-            raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
-        shards = open_shards(checkpoint)
-        click.echo(f"note: a directory converted for num_shards={shards.old.num_shards}: each rank reads its "
-                   "boxes out of those rank files", err=True)  # fmt: skip
-        checkpoint, info = shards.stored, shards.shard_info
-    elif checkpoint.presharded is not None and num_shards not in (None, checkpoint.presharded):
-        from ..engine.reshard import open_presharded  # cut for another N: planned over the whole parameters
-
-        presharded = open_presharded(checkpoint, shard_info_for(checkpoint, shard_info))
-        click.echo(f"note: a cache pre-sharded for num_shards={checkpoint.presharded}: each rank reads its boxes "
-                   "out of those records", err=True)  # fmt: skip
-        checkpoint, info = presharded.stored, presharded.shard_info
+    source = open_source(model, layout or (Mesh(tp=num_shards) if num_shards else None))
+    if isinstance(source, (RankFiles, Boxes)) and not isinstance(source, SplitRecords):
+        refusal = source.refusal("shard_info", None) if shard_info is not None else None
+        if refusal is not None:
+            raise ShardloadError(refusal, file=str(model))
+        boxes = open_boxes(source, False, shard_info)  # planned again over the stored tensors it was made from
+        held = "records" if isinstance(source, PreshardedBoxes) else "rank files"
+        click.echo(f"note: {source.what} for num_shards={boxes.old.num_shards}: each rank reads its boxes out of "
+                   f"those {held}", err=True)  # fmt: skip
+        checkpoint, info = boxes.stored, boxes.shard_info
     else:
+        checkpoint = source.checkpoint
         info = shard_info_for(checkpoint, shard_info)
     n = num_shards or info.num_shards or _inspect_n(info, checkpoint)
     plan = build_plan(info, checkpoint, n)

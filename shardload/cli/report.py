@@ -98,7 +98,7 @@ def inspect_text(plan: ModelPlan) -> str:
 
 def mesh_rows(plan: ModelPlan, layout: Mesh) -> list[dict[str, Any]]:
     """One row per (pipeline stage, tensor rank): global ranks, layers, tensors, bytes held and read."""
-    from ..engine.load import stages_of
+    from ..engine.run import stages_of
 
     rows = []
     for pp, stage in enumerate(stages_of(plan, layout)):

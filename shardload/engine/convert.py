@@ -27,13 +27,13 @@ from ..sources.checkpoint import (
     MANIFEST_FORMAT,
     MANIFEST_VERSION,
     as_path,
-    open_checkpoint,
     rank_file_name,
 )
 from ..sources.object_reader import reader_for
+from ..sources.source_types import Boxes, SplitRecords, as_boxes, check_options, open_source
 from ..version import __version__
 from .integrity import verifier, wrapped
-from .load import layout_for, stages_of
+from .load import layout_for
 from .output import (
     StagingDir,
     check_output,
@@ -42,16 +42,9 @@ from .output import (
     stamp_sources,
     write_error,
 )
-from .reshard import (
-    RECORD_KEY,
-    open_presharded,
-    open_shards,
-    presharded_verify,
-    shards_verify,
-    source_record,
-    write_shards,
-)
-from .vllm_layout import open_vllm_shards
+from .reshard import RECORD_KEY, source_record, write_shards
+from .routes import open_boxes
+from .run import stages_of
 from .writer import WrittenFile, new_conversion, write_output_record, write_rank_files, written_record
 
 Progress = Callable[[int, str], None]
@@ -110,40 +103,25 @@ def convert(
         state = shardload.load_rank("llama-tp8", rank=0, num_shards=8)
     """
     out = as_path(out_dir, "out_dir")
-    vllm = open_vllm_shards(model, verify=verify is True)  # vLLM's sharded_state layout (convert --layout vllm)
-    if vllm is not None:
-        shards_verify(verify, str(model))  # a pinned root cannot be checked here: refused, not skipped
-        if shard_info is not None:
-            raise ShardloadError("a sharded_state directory carries its own shard_info; do not pass one",
-                                 file=str(model))  # fmt: skip
-        layout = layout_for(num_shards, mesh, None)
-        done = write_shards(vllm, layout, out, overwrite=overwrite, fsync=fsync, progress=progress)
-        return ConvertResult(out, done.plan, done.rank_files, done.other_files, layout)
-    checkpoint = open_checkpoint(model)
-    stamps = stamp_sources(checkpoint.files)
     layout = layout_for(num_shards, mesh, None)
-    if checkpoint.kind == "converted":  # another N (or the same): read out of its rank files
-        if shard_info is not None:
-            raise ShardloadError(
-                "a converted directory carries its own shard_info; do not pass one", file=checkpoint.name
-            )
-        shards = open_shards(checkpoint, verify=shards_verify(verify, checkpoint.name))
+    source = as_boxes(open_source(model, layout, checksums=verify is True))
+    given = {"shard_info": shard_info is not None, "verify_root": isinstance(verify, str), "verify": bool(verify)}
+    if isinstance(source, Boxes):  # already split (another conversion, a pre-sharded cache, a server's layout)
+        check_options(source, given, layout)
+        shards = open_boxes(source, verify, shard_info)
         done = write_shards(shards, layout, out, overwrite=overwrite, fsync=fsync, progress=progress)
         return ConvertResult(out, done.plan, done.rank_files, done.other_files, layout)
+    if isinstance(source, SplitRecords):
+        raise ShardloadError(
+            f"is already pre-sharded for num_shards={layout.tp}: load it directly (load_rank reads each rank's own "
+            "records); convert splits a checkpoint stored whole",
+            file=source.name,
+        )
+    checkpoint = source.checkpoint
+    stamps = stamp_sources(checkpoint.files)
     info = shard_info_for(checkpoint, shard_info)
-    if checkpoint.presharded is not None and checkpoint.presharded != layout.tp:  # cut for another N: reshard
-        presharded_verify(verify, checkpoint.name)
-        source = open_presharded(checkpoint, info)
-        done = write_shards(source, layout, out, overwrite=overwrite, fsync=fsync, progress=progress)
-        return ConvertResult(out, done.plan, done.rank_files, done.other_files, layout)
     wrap = verifier(checkpoint, verify, checkpoint.name)
     plan = build_plan(info, checkpoint, layout.tp)
-    if checkpoint.presharded is not None:
-        raise ShardloadError(
-            f"is already pre-sharded for num_shards={checkpoint.presharded}: load it directly (load_rank reads each "
-            "rank's own records); convert splits a checkpoint stored whole",
-            file=checkpoint.name,
-        )
     stages = stages_of(plan, layout)
     sources = source_paths(checkpoint.root, checkpoint.files)
     if Path(info.source).exists():

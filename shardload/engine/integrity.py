@@ -43,6 +43,7 @@ from ..sources.checkpoint import (
 from ..sources.dtypes import itemsize as itemsize_of
 from ..sources.objects import ObjectPath
 from ..sources.reader import RunReader
+from ..sources.source_types import open_source
 from ..sources.tvm_cache import CACHE_NAMES
 from ..sources.verified import IntegrityError, VerifiedFile, VerifiedReader, region_bases
 
@@ -327,10 +328,11 @@ def hash_model(
 ) -> HashResult:
     """Hash every file of ``model`` once (in parallel) into an integrity record, written atomically; the same
     checkpoint always gives the same record and root."""
-    checkpoint = open_checkpoint(model)
-    if checkpoint.kind == "converted":
-        raise ShardloadError("a converted directory carries its record already (convert writes it); hash the "
-                             "source checkpoint", file=str(model))  # fmt: skip
+    source = open_source(open_checkpoint(model), where=str(model))
+    if source.derived:
+        raise ShardloadError(f"{source.what} carries its record already (convert writes it); hash the source "
+                             "checkpoint", file=str(model))  # fmt: skip
+    checkpoint = source.checkpoint
     tensors_by_file = tensors_by_file_of(checkpoint)
     files = sorted(set(tensors_by_file) | set(checkpoint.files) | set(metadata_files(checkpoint)), key=str)
     record = hash_files(checkpoint.root, files, tensors_by_file, threads=threads, progress=progress)

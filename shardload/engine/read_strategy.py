@@ -46,19 +46,21 @@ warm-path changes"; fresh destinations measured the same either way). Shorter ru
 IO_DEPTH = 8
 """Planned cold reads a single rank keeps in flight by default (threads blocked on storage use no CPU)."""
 
-Strategy = Literal["auto", "map", "read", "plan"]
-STRATEGIES: tuple[Strategy, ...] = ("auto", "map", "read", "plan")
+Strategy = Literal["auto", "map", "read", "plan", "view"]
+STRATEGIES: tuple[Strategy, ...] = ("auto", "map", "read", "plan", "view")
 
 
 @dataclass(frozen=True)
 class ReadOptions:
     """How a load reads: ``strategy`` picks a single rank's way (``"auto"``: per parameter, from its runs and the
     page cache; ``"map"``: always copy out of a mapping; ``"read"``: always ``preadv`` the exact runs; ``"plan"``:
-    always the planned reads of cold storage), ``threads`` the reader threads (None: the reader's own number, else
-    :data:`READ_THREADS`; 0: read in the calling thread). Cold reads are planned with ``io_model`` (None: measured
-    once per file system), merging gaps within ``max_waste`` (a fraction of the page floor), ``io_depth`` of them
-    in flight (0: by the reader threads). ``object_cost`` is what a request to an object store costs, which decides
-    its ranged GETs (an :class:`~shardload.sources.objects.ObjectCost`; ``"measure"``: timed once per store; None:
+    always the planned reads of cold storage; ``"view"``: a CPU rank's tensor that is one contiguous stretch of
+    its file comes back as a view of a private mapping, no copy, the rest as ``"auto"``), ``threads`` the reader
+    threads (None: the reader's own number, else :data:`READ_THREADS`; 0: read in the calling thread). Cold reads
+    are planned with ``io_model`` (None: measured once per file system), merging gaps within ``max_waste`` (a
+    fraction of the page floor), ``io_depth`` of them in flight (0: by the reader threads). ``object_cost`` is what
+    a request to an object store costs, which decides its ranged GETs (an
+    :class:`~shardload.sources.objects.ObjectCost`; ``"measure"``: timed once per store; None:
     ``SHARDLOAD_S3_COST``, else the default)."""
 
     strategy: Strategy = "auto"

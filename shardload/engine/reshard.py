@@ -76,14 +76,6 @@ def _u8() -> Any:
     return torch.uint8
 
 
-def needs_reshard(checkpoint: Checkpoint, layout: Mesh) -> bool:
-    """Whether a converted directory was written for another layout than ``layout`` (tp, pp, layers per stage)."""
-    manifest = checkpoint.manifest or {}
-    stored_layers = (manifest.get("mesh") or {}).get("pp_layers")
-    same_layers = layout.pp_layers is None or list(layout.pp_layers) == stored_layers
-    return manifest.get("num_shards") != layout.tp or manifest_stages(manifest) != layout.pp or not same_layers
-
-
 @dataclass
 class ShardsSource:
     """A converted directory opened as a source: its old plan, every old rank file's header, checked."""
@@ -520,7 +512,7 @@ def open_presharded(checkpoint: Checkpoint, shard_info: ShardInfo) -> ShardsSour
     """A TVM/MLC cache pre-sharded for N_old (``NAME_shard-K-of-N`` records) as a source for another N:
     ``shard_info`` says how each whole parameter splits (its form for any N); each pre-sharded parameter's whole
     shape is the one whose plan for N_old gives exactly its records' shape."""
-    n_old = checkpoint.presharded
+    n_old = checkpoint.split_for
     assert n_old is not None
     where = shard_info.source
     stored: dict[str, TensorInfo] = {}

@@ -22,6 +22,7 @@ from ..sources.checkpoint import (
     read_json,
     short_repr,
 )
+from ..sources.source_types import open_source
 from .load import load_rank
 from .verify import VerifyReport, check_entry
 from .vllm_layout import FILE_PATTERN, VllmLayout, check_vllm_manifest, plan_layout, rank_tensors
@@ -115,10 +116,10 @@ def _plan_differences(recorded: Any, given: dict[str, Any], where: str) -> list[
 
 def _source_plan(source: Any, num_shards: int, shard_info: Any) -> ModelPlan:
     """The plan ``source`` itself gives for ``num_shards`` ranks (``shard_info`` when given)."""
-    checkpoint = open_checkpoint(source)
-    if checkpoint.kind == "converted":
-        raise CheckpointError("is a converted directory; --source names the checkpoint it was made from",
-                              file=str(source))  # fmt: skip
+    opened = open_source(source)
+    if opened.derived:
+        raise CheckpointError(f"is {opened.what}; --source names the checkpoint it was made from", file=str(source))
+    checkpoint = opened.checkpoint
     return build_plan(shard_info_for(checkpoint, shard_info), checkpoint, num_shards)
 
 

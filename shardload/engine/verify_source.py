@@ -15,6 +15,7 @@ from ..errors import ShardloadError
 from ..format.hash_record import HASH_BYTES, FileHashes, HashRecord, RecordError, root_of
 from ..sources.checkpoint import open_checkpoint
 from ..sources.objects import ObjectPath
+from ..sources.source_types import open_source
 from ..sources.verified import IntegrityError
 from .integrity import (
     file_name,
@@ -65,10 +66,11 @@ def verify_source(
         for problem in report.problems:
             print(problem)
     """
-    checkpoint = open_checkpoint(model)
-    if checkpoint.kind == "converted":
-        raise ShardloadError("is a converted directory: `shardload verify` checks it against its shard_manifest.json",
+    source = open_source(open_checkpoint(model), where=str(model))
+    if source.derived:
+        raise ShardloadError(f"is {source.what}: `shardload verify` checks it against its shard_manifest.json",
                              file=str(model))  # fmt: skip
+    checkpoint = source.checkpoint
     path = record_path(checkpoint)
     if not path.is_file():
         raise RecordError(

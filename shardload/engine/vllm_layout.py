@@ -34,7 +34,6 @@ from ..sources.checkpoint import (
 from ..sources.object_reader import reader_for
 from ..version import __version__
 from .integrity import verifier, wrapped
-from .load import iter_shards, materialize
 from .output import (
     StagingDir,
     check_output,
@@ -44,6 +43,7 @@ from .output import (
     write_error,
 )
 from .reshard import RECORD_KEY, VALUE_BYTES, ShardsSource, open_shards, record_of, shards_verify, source_record
+from .run import iter_shards, materialize
 from .transfer import reader_for_plan
 from .vllm_plan import (
     FILE_PATTERN,

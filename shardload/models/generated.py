@@ -226,15 +226,17 @@ def generate(
     (None: read here).
     """
     from ..sources.checkpoint import Checkpoint, open_checkpoint
+    from ..sources.source_types import open_source
 
     opened = model if isinstance(model, Checkpoint) else None
     model = opened.path if opened is not None else model
     for n in num_shards:
         if type(n) is not int or n < 1:
             raise PlanError(f"num_shards must be a positive integer, got {n!r}", file=str(model))
-    checkpoint = opened if opened is not None else open_checkpoint(model)
-    if checkpoint.kind == "converted":
-        raise PlanError("this is a converted directory; plan the source checkpoint instead", file=checkpoint.name)
+    source = open_source(opened if opened is not None else open_checkpoint(model))
+    if source.derived:
+        raise PlanError(f"this is {source.what}; plan the source checkpoint instead", file=source.name)
+    checkpoint = source.checkpoint
     config_path = str(checkpoint.config_file())
     config = dict(checkpoint.model_config() if config is None else config)
     fmt = checkpoint.source_format

@@ -34,7 +34,7 @@ def plan_shard_info(checkpoint: Checkpoint, shard_info: Any) -> tuple[ShardInfo,
     (no config.json, or an architecture no plan source knows), saying how to proceed.
     """
     default = checkpoint.default_shard_info()
-    if shard_info is not None or default.exists() or default.is_symlink() or checkpoint.presharded is not None:
+    if shard_info is not None or default.exists() or default.is_symlink() or checkpoint.split_for is not None:
         info = resolve_shard_info(checkpoint, shard_info)
         return info, f"shard_info {info.source}"
     config = checkpoint.config_file()
@@ -114,9 +114,10 @@ def plan_model(
         p = shardload.plan_model("llama-dir", 8)
         print(p.params["model.embed_tokens.weight"].shape)   # per-rank shape
     """
-    from ..sources.checkpoint import open_checkpoint
+    from ..sources.source_types import open_source
 
-    checkpoint = open_checkpoint(model)
-    if checkpoint.kind == "converted":
-        raise PlanError("this is a converted directory; plan the source checkpoint instead", file=checkpoint.name)
+    source = open_source(model)
+    if source.derived:
+        raise PlanError(f"this is {source.what}; plan the source checkpoint instead", file=source.checkpoint.name)
+    checkpoint = source.checkpoint
     return build_plan(shard_info_for(checkpoint, shard_info), checkpoint, num_shards)

@@ -191,14 +191,16 @@ def _preflight(
     from ..planning.plan import _blocking_rank, build_plan, resolve_shard_info
     from ..sources.checkpoint import open_checkpoint, read_config
     from ..sources.hub_remote import HubRemote
+    from ..sources.source_types import open_source
     from .generated import generate, num_shards_problems
 
     remote = target if isinstance(target, HubRemote) else None
     with input_log.recording() as log:
         start = len(log.reads)  # an enclosing recording's earlier reads are not this check's
-        checkpoint = remote.checkpoint if remote else open_checkpoint(target)
-        if checkpoint.kind == "converted":
-            raise PlanError("this is a converted directory; check the source checkpoint instead", file=str(model))
+        source = open_source(remote.checkpoint if remote else open_checkpoint(target))
+        if source.derived:
+            raise PlanError(f"this is {source.what}; check the source checkpoint instead", file=str(model))
+        checkpoint = source.checkpoint
         if not checkpoint.plain_safetensors:
             raise PlanError(
                 f"preflight checks a safetensors checkpoint (this is {checkpoint.kind}: plan it with `shardload plan`)",

@@ -232,8 +232,8 @@ def build_plan(
                 file=src,
             )
         )
-    if checkpoint is not None and checkpoint.presharded is not None:
-        presharded = checkpoint.presharded
+    if checkpoint is not None and checkpoint.split_for is not None:
+        presharded = checkpoint.split_for
         if num_shards != presharded:
             plan.problems.append(
                 PlanError(
@@ -462,7 +462,7 @@ def resolve_shard_info(checkpoint: Checkpoint, shard_info: ShardInfo | dict[str,
     info = shard_info_beside(checkpoint)
     if info is not None:
         return info
-    if checkpoint.presharded is not None:
+    if checkpoint.split_for is not None:
         return ShardInfo(source="<pre-sharded: no steps>")  # already split: nothing to run
     raise PlanError(
         f"no shard_info given and {checkpoint.default_shard_info()} does not exist; write one from config.json with "

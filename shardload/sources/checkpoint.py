@@ -106,7 +106,7 @@ class Checkpoint:
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     files: list[Path] = field(default_factory=list)
     manifest: dict[str, Any] | None = None
-    presharded: int | None = None
+    split_for: int | None = None
     """For a source stored already split for one N (a TVM cache of ``NAME_shard-K-of-N`` records): that N."""
     shards: dict[str, list[TensorInfo]] = field(default_factory=dict)
     """For a pre-sharded source: parameter name -> its stored part for each rank, rank order."""
@@ -142,7 +142,7 @@ class Checkpoint:
         vllm`` read (not another format, a pre-sharded source or a converted directory)."""
         fmt = self.source_format
         plain = self.kind == "safetensors" or (fmt is not None and fmt.plain_safetensors)
-        return plain and self.presharded is None
+        return plain and self.split_for is None
 
     def rank_view(self, rank: int) -> Checkpoint:
         """A pre-sharded source as rank ``rank`` sees it: its own part of every split parameter, under the

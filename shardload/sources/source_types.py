@@ -44,6 +44,10 @@ _BOX_VERIFY = (
 )
 _NOT_THERE = "{boxes}; share_reads and mmap do not apply there (load without them)"
 _NOT_STEERED = "{boxes}, which read_options does not steer (leave read_options out)"
+_PRESHARDED_VERIFY = (
+    "verify is not supported when a pre-sharded cache is read for another N: load it at its own N with verify, or "
+    "convert the whole checkpoint"
+)
 _RANK_BY_RANK = (
     "share_reads works on a source checkpoint or a converted directory; a pre-sharded one is read rank by rank (load "
     "it without share_reads)"
@@ -64,14 +68,22 @@ class Source:
     rank files were planned from)."""
 
     checkpoint: Checkpoint
+    where: str = ""
+    """The model as the caller named it (messages name it so); empty: the checkpoint's path."""
     what: ClassVar[str] = "a checkpoint"
     """How a message names this kind of source."""
     splits: ClassVar[bool] = False
     """True when the model is stored already split (no shard_info of the caller's applies, nothing to hash or plan)."""
+    derived: ClassVar[bool] = False
+    """True when the model was written from another checkpoint for some layout (a conversion, a server's save):
+    hashing, planning and pre-flight checks apply to that checkpoint, not to this one."""
+    whole_file_checks: ClassVar[bool] = False
+    """True when ``verify=True`` checks each file whole (its sha256) before a byte of it is used, rather than every
+    byte as it is read: then a view of the file is a checked one."""
 
     @property
     def name(self) -> str:
-        return str(self.checkpoint.path)
+        return self.where or str(self.checkpoint.path)
 
     def words(self, layout: Layout | None) -> dict[str, str]:
         """The values this source's refusals are formatted with."""
@@ -96,6 +108,8 @@ class RankFiles(Source):
 
     what: ClassVar[str] = "a converted directory"
     splits: ClassVar[bool] = True
+    derived: ClassVar[bool] = True
+    whole_file_checks: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -118,6 +132,7 @@ class ConvertedBoxes(Boxes):
     """A directory ``convert`` wrote for another layout than the one asked for."""
 
     what: ClassVar[str] = "a converted directory"
+    derived: ClassVar[bool] = True
 
     def words(self, layout: Layout | None) -> dict[str, str]:
         n = (self.checkpoint.manifest or {}).get("num_shards")
@@ -132,7 +147,7 @@ class PreshardedBoxes(Boxes):
     what: ClassVar[str] = "a pre-sharded checkpoint"
 
     def words(self, layout: Layout | None) -> dict[str, str]:
-        n = self.checkpoint.presharded
+        n = self.checkpoint.split_for
         return {"what": self.what, "boxes": f"is pre-sharded for num_shards={n}: loading it for {layout} reads boxes "
                                             "of several records"}  # fmt: skip
 
@@ -144,12 +159,7 @@ class SavedBoxes(Boxes):
 
     opened: Any = None
     format: SplitFormat | None = None
-    where: str = ""
-    """The model as the caller named it."""
-
-    @property
-    def name(self) -> str:
-        return self.where
+    derived: ClassVar[bool] = True
 
     @property
     def what(self) -> str:  # type: ignore[override]
@@ -174,9 +184,9 @@ SUPPORT: dict[type[Source], dict[str, str | None]] = {
     SplitRecords: {"group": _RANK_BY_RANK, "stages": "pipeline stages of a pre-sharded checkpoint are not supported"},
     ConvertedBoxes: {**_BOXES, "shard_info": _CARRIES},
     PreshardedBoxes: {
+        "verify_root": _PRESHARDED_VERIFY,
+        "verify": _PRESHARDED_VERIFY,
         "group": _RANK_BY_RANK,
-        "verify": "verify is not supported when a pre-sharded cache is read for another N: load it at its own N with "
-        "verify, or convert the whole checkpoint",
         "mmap": "{boxes}, without mmap",
         "read_options": _NOT_STEERED,
         "into": "{boxes}, without params or out",
@@ -187,28 +197,38 @@ SUPPORT: dict[type[Source], dict[str, str | None]] = {
 
 EXCLUSIONS: dict[frozenset[str], str] = {
     frozenset({"group", "mmap"}): "share_reads and mmap=True exclude each other (views of a file are not exchanged)",
+    frozenset({"mmap", "remote"}): "mmap=True maps local files; this model is in object storage (load without mmap, "
+    "or convert it to a local directory first)",
+    frozenset({"mmap", "device"}): "mmap=True maps files into host memory; it needs device='cpu', not {device!r}",
     frozenset({"group", "read_options"}): "read_options applies to a rank reading for itself; share_reads reads each "
     "chunk as exact runs (leave read_options out)",
     frozenset({"group", "into"}): "params= and out= apply to a rank reading its own tensors; share_reads exchanges a "
     "group's chunks (one or the other)",
     frozenset({"mmap", "out"}): "params= and out= apply to a rank reading its own tensors; mmap=True returns views of "
     "the file (one or the other)",
-    frozenset({"verify", "mmap"}): "verify and mmap=True exclude each other (a view of the file is not a checked copy)",
+    frozenset(
+        {"checked_reads", "mmap"}
+    ): "verify and mmap=True exclude each other (a view of the file is not a checked copy)",
 }
-"""Pairs of options that exclude each other on any source, with the refusal."""
+"""Pairs of options (or an option and a fact of the load: ``remote``, files in object storage; ``device``, a rank on
+another device than the CPU; ``checked_reads``, a verify that checks bytes as they are read) that exclude each other
+on any source, with the refusal."""
 
 
-def check_options(source: Source, given: Mapping[str, bool], layout: Layout | None) -> None:
+def check_options(source: Source, given: Mapping[str, bool], layout: Layout | None, **words: Any) -> None:
     """Raise the table's refusal for the first option in ``given`` (option -> whether it was given) that
-    ``source`` does not take, then for the first pair of given options that exclude each other."""
+    ``source`` does not take, then for the first pair of given options that exclude each other (formatted with
+    ``words``)."""
     for option in OPTIONS:
         if given.get(option):
             reason = source.refusal(option, layout)
             if reason is not None:
                 raise ShardloadError(reason, file=source.name)
+    checked = given.get("verify_root") or (given.get("verify") and not source.whole_file_checks)
+    given = {**given, "checked_reads": bool(checked)}
     for pair, reason in EXCLUSIONS.items():
         if all(given.get(option) for option in pair):
-            raise ShardloadError(reason, file=source.name)
+            raise ShardloadError(reason.format(**words), file=source.name)
 
 
 @dataclass(frozen=True)
@@ -252,25 +272,37 @@ def split_formats() -> list[SplitFormat]:
 
 
 def open_source(
-    model: str | os.PathLike[str] | Checkpoint, layout: Layout | None = None, *, checksums: bool = False
+    model: str | os.PathLike[str] | Checkpoint,
+    layout: Layout | None = None,
+    *,
+    checksums: bool = False,
+    where: str | None = None,
 ) -> Source:
     """Open ``model`` as the type of source it is for ``layout`` (None: its own layout); ``checksums`` checks a split
-    format's rank files whole as they are opened."""
+    format's rank files whole as they are opened. An opened :class:`Checkpoint` is classified as it is (no split
+    format is asked); ``where`` names it in messages."""
     if not isinstance(model, Checkpoint):
         for fmt in split_formats():
             opened = fmt.open(model, checksums)
             if opened is not None:
-                return SavedBoxes(fmt.stored(opened), opened=opened, format=fmt, where=str(model))
+                return SavedBoxes(fmt.stored(opened), str(model), opened=opened, format=fmt)
     checkpoint = model if isinstance(model, Checkpoint) else open_checkpoint(model)
+    where = where or (checkpoint.name if isinstance(model, Checkpoint) else str(model))
     if checkpoint.kind == "converted":
         if layout is not None and needs_reshard(checkpoint, layout):
-            return ConvertedBoxes(checkpoint)
-        return RankFiles(checkpoint)
-    if checkpoint.presharded is not None:
-        if layout is not None and checkpoint.presharded != layout.tp:
-            return PreshardedBoxes(checkpoint)
-        return SplitRecords(checkpoint)
-    return WholeTensors(checkpoint)
+            return ConvertedBoxes(checkpoint, where)
+        return RankFiles(checkpoint, where)
+    if checkpoint.split_for is not None:
+        if layout is not None and checkpoint.split_for != layout.tp:
+            return PreshardedBoxes(checkpoint, where)
+        return SplitRecords(checkpoint, where)
+    return WholeTensors(checkpoint, where)
+
+
+def as_boxes(source: Source) -> Source:
+    """``source`` as a writer reads it: a converted directory is read as boxes at any layout (at its own, each box a
+    whole rank file); every other type as it is."""
+    return ConvertedBoxes(source.checkpoint, source.where) if isinstance(source, RankFiles) else source
 
 
 def needs_reshard(checkpoint: Checkpoint, layout: Layout) -> bool:

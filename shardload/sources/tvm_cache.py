@@ -173,7 +173,7 @@ def _split_presharded(ckpt: Checkpoint, table: Path) -> None:
         for part in parts.values():
             del ckpt.tensors[part.name]
         ckpt.tensors[base] = ckpt.shards[base][0]  # the plan of a pre-sharded cache: every rank holds a part this size
-    ckpt.presharded = count
+    ckpt.split_for = count
 
 
 register_source(

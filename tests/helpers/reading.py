@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 import shardload
-from shardload.engine.load import run_plan
+from shardload.engine.run import run_plan
 from shardload.engine.transfer import Transfer
 from shardload.sources.reader import Reader
 

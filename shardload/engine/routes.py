@@ -1,0 +1,338 @@
+"""How each type of source loads ranks: one function per type of :mod:`shardload.sources.source_types`.
+
+:func:`load_source` is the one route ``load`` and ``load_rank`` share: the options were checked against the
+source-type table already, so a route only reads. Whole tensors are planned and read run by run (or their reading
+shared by a process group); rank files are read whole; split records are a rank's own part; every kind of boxes
+(another conversion's rank files, a pre-sharded cache at another N, a registered split format) is opened as old rank
+tensors and each rank assembled from its boxes of them (:mod:`.reshard`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ShardloadError
+from ..format.shard_info import ShardInfo
+from ..models.plan_source import shard_info_for
+from ..planning.mesh import Mesh, MeshCoord
+from ..planning.plan import ModelPlan, ParamPlan, build_plan
+from ..sources.checkpoint import Checkpoint, read_header
+from ..sources.object_reader import reader_for
+from ..sources.source_types import (
+    Boxes,
+    ConvertedBoxes,
+    PreshardedBoxes,
+    RankFiles,
+    SavedBoxes,
+    Source,
+    SplitRecords,
+    WholeTensors,
+)
+from .integrity import converted_verifier, verifier, wrapped
+from .load_options import LoadOptions
+from .reshard import ShardsSource, load_ranks, open_presharded, open_shards
+from .run import materialize, run_plan, stages_of
+from .transfer import Transfer, reader_for_plan
+from .verify import rank_file
+
+if TYPE_CHECKING:
+    import torch
+
+
+States = list[dict[str, "torch.Tensor"]]
+
+
+def load_source(
+    source: Source, layout: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions, label: str
+) -> States:
+    """Global ranks ``ranks`` of ``layout`` (rank ``ranks[k]`` on ``devices[k]``) read out of ``source`` by the
+    route of its type; ``label`` names the load on a progress line."""
+    for kind in type(source).__mro__:
+        if kind in _ROUTES:
+            return _ROUTES[kind](source, layout, ranks, devices, options, label)
+    raise TypeError(f"no route loads a {type(source).__name__}")
+
+
+def open_boxes(source: Source, verify: bool | str, shard_info: Any = None) -> ShardsSource:
+    """The old rank tensors of a split source, opened (and with ``verify`` each rank file's sha256 checked) for
+    boxes to be read out of them: rank files (a converted directory, at any layout), a pre-sharded cache, or what a
+    registered split format opened."""
+    if isinstance(source, SavedBoxes):
+        return source.opened
+    if isinstance(source, (RankFiles, ConvertedBoxes)):
+        return open_shards(source.checkpoint, verify=verify is True)
+    if isinstance(source, (PreshardedBoxes, SplitRecords)):
+        return open_presharded(source.checkpoint, shard_info_for(source.checkpoint, shard_info))
+    raise ShardloadError(f"{source.what} is not stored split; nothing to read boxes of", file=source.name)
+
+
+def _boxes(source: Source, layout: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
+           label: str) -> States:  # fmt: skip
+    """Each rank assembled from its boxes of the old rank tensors."""
+    return load_ranks(open_boxes(source, options.verify, options.shard_info), layout, ranks, devices)
+
+
+def _whole(source: Source, layout: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
+           label: str) -> States:  # fmt: skip
+    """A source of whole tensors: planned for ``layout``, each pipeline stage's ranks read together (each byte once;
+    data-parallel replicas copied), or one rank's reading shared by a process group."""
+    checkpoint = source.checkpoint
+    wrap = verifier(checkpoint, options.verify, source.name)
+    plan = build_plan(shard_info_for(checkpoint, options.shard_info), checkpoint, layout.tp)
+    stages = stages_of(plan, layout)
+    if options.group is not None:
+        (rank,) = ranks
+        return [_whole_shared(source, plan, stages, layout, layout.coord(rank), devices[0], options, wrap, label)]
+    return _by_stage(stages, plan, layout, ranks, devices, options, wrap, label)
+
+
+def _by_stage(stages: list[ModelPlan], plan: ModelPlan, layout: Mesh, ranks: Sequence[int], devices: Sequence[Any],
+              options: LoadOptions, wrap: Any, label: str) -> States:  # fmt: skip
+    """``ranks`` read stage by stage: the distinct tensor-parallel ranks of a stage in one pass (one at a time for
+    views of the files), a data-parallel replica copied from the first rank of its tensor-parallel rank."""
+    result: dict[int, dict[str, torch.Tensor]] = {}
+    by_pp: dict[int, list[int]] = {}
+    for rank in ranks:
+        by_pp.setdefault(layout.coord(rank).pp, []).append(rank)
+    for pp, members in by_pp.items():
+        first: dict[int, int] = {}  # tp -> the first of ranks holding it
+        for rank in members:
+            first.setdefault(layout.coord(rank).tp, rank)
+        groups = [[tp] for tp in first] if options.mmap else [list(first)]
+        where = f"{label} stage {pp}" if len(by_pp) > 1 or (layout.pp > 1 and len(ranks) > 1) else label
+        for tps in groups:
+            devs = [devices[ranks.index(first[tp])] for tp in tps]
+            states = _read_stage(stages[pp], plan, tps, devs, options, wrap, progress_for(options.progress, where))
+            for tp, state in zip(tps, states, strict=True):
+                result[first[tp]] = state
+        for rank in members:
+            if rank not in result:
+                state = result[first[layout.coord(rank).tp]]
+                device = devices[ranks.index(rank)]
+                result[rank] = {k: t.to(device, copy=True) for k, t in state.items()}
+    return [result[rank] for rank in ranks]
+
+
+def _read_stage(stage: ModelPlan, plan: ModelPlan, tps: list[int], devices: list[Any], options: LoadOptions,
+                wrap: Any, progress: Any) -> States:  # fmt: skip
+    """One stage's ranks ``tps`` read; with a destination (one rank), narrowed to it and read into its tensors."""
+    fill = options.into
+    if fill is None:
+        return run_plan(stage, tps, devices, mmap=options.mmap, progress=progress, wrap=wrap,
+                        read_options=options.read_options)  # fmt: skip
+    stage = fill.select(stage, plan)
+    dests = fill.destinations(stage)
+    out = {n: t.detach() for n, t in dests.items()}
+    state = run_plan(stage, tps, devices, mmap=options.mmap, progress=progress, wrap=wrap,
+                     read_options=options.read_options, out=out)[0]  # fmt: skip
+    return [{**state, **dests}]  # the caller's own tensors, not their detached aliases
+
+
+def _whole_shared(source: Source, plan: ModelPlan, stages: list[ModelPlan], layout: Mesh, coord: MeshCoord,
+                  device: Any, options: LoadOptions, wrap: Any, label: str) -> dict[str, torch.Tensor]:  # fmt: skip
+    """One rank of a source of whole tensors, the reading of the group's chunks shared (:mod:`.exchange`); with a
+    verifier, what the peers sent is checked too."""
+    from ..planning.group_reads import plan_digest
+    from .exchange import load_shared
+
+    group = share_group(options.group, source.name)
+
+    def slot_params(key: tuple[int, int]) -> tuple[list[ParamPlan], int]:
+        return list(stages[key[0]].params.values()), key[1]
+
+    digest = plan_digest(plan, stages) + str(layout).encode()
+    progress = progress_for(options.progress, label, "exchange rounds")
+    with wrapped(reader_for_plan(plan.params.values()), wrap) as reader:
+        state = load_shared(slot_params, digest, (coord.pp, coord.tp), device, reader, group, progress, source.name)
+        if wrap is not None:  # what the peers sent is checked too: a broken or hostile peer cannot inject bytes
+            check_received(stages[coord.pp].params.values(), coord.tp, state, reader)
+        return state
+
+
+def _rank_files(source: Source, layout: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
+                label: str) -> States:  # fmt: skip
+    """A converted directory at its own layout: each rank's own file read whole (or shared by a group)."""
+    checkpoint = source.checkpoint
+    if options.group is not None:
+        (rank,) = ranks
+        progress = progress_for(options.progress, label, "exchange rounds")
+        return [_rank_files_shared(checkpoint, layout, layout.coord(rank), devices[0], options.verify,
+                                   share_group(options.group, source.name), progress)]  # fmt: skip
+    return [
+        _rank_file(checkpoint, layout, layout.coord(rank), device, options)
+        for rank, device in zip(ranks, devices, strict=True)
+    ]
+
+
+def _rank_file(
+    checkpoint: Checkpoint, layout: Mesh, coord: MeshCoord, device: Any, options: LoadOptions
+) -> dict[str, torch.Tensor]:
+    """One rank's file of a converted directory: its tensors (a destination: those named, or into its tensors)."""
+    verify, fill, read_options = options.verify, options.into, options.read_options
+    wrap = converted_verifier(checkpoint, verify)
+    path = rank_file(checkpoint, coord.tp, layout, stage=coord.pp, checksum=verify is True and wrap is None)
+    infos = list(read_header(path).values())
+    if fill is not None and fill.params is not None:
+        fill.known({info.name for info in infos})
+        infos = [info for info in infos if info.name in fill.params]
+    with (
+        wrapped(
+            reader_for(path, read_options and read_options.object_cost), wrap and (lambda r: wrap(r, {path: infos}))
+        ) as reader,
+        Transfer(reader, read_options=read_options, defer=True, mapped=options.mmap) as transfer,
+    ):
+        if fill is not None and fill.out is not None:  # whole stored tensors, each read into its destination
+            from ..planning.group_reads import whole_tensors
+
+            plans = {p.name: p for p in whole_tensors(infos)}
+            dests = fill.destinations(ModelPlan(1, ShardInfo(source="<a rank file>"), None, plans))
+            state = {n: transfer.param(p, [0], [device], out=[dests[n].detach()] if n in dests else None)[0]
+                     for n, p in plans.items()}  # fmt: skip
+            transfer.wait()
+            return {**state, **dests}
+        tensors = transfer.tensors(infos, device)
+        transfer.wait()
+    return {info.name: t for info, t in zip(infos, tensors, strict=True)}
+
+
+def _rank_files_shared(
+    checkpoint: Checkpoint,
+    layout: Mesh,
+    coord: MeshCoord,
+    device: Any,
+    verify: bool | str,
+    group: Any,
+    progress: Callable[[int, int], None] | None,
+) -> dict[str, torch.Tensor]:
+    """A rank of a converted directory, the reading of the group's rank files shared (dp replicas read each once).
+    ``verify=True`` checks this rank's own file's sha256 (reading it once more); a pinned root checks every byte
+    read through the output's record, and what peers sent too. Every file's size is checked."""
+    from ..planning.group_reads import whole_tensors
+    from .exchange import load_shared
+
+    own = (coord.pp, coord.tp)
+    wrap = converted_verifier(checkpoint, verify)
+
+    def slot_params(key: tuple[int, int]) -> tuple[list[ParamPlan], int]:
+        path = rank_file(checkpoint, key[1], layout, stage=key[0], checksum=verify is True and key == own)
+        return whole_tensors(read_header(path).values()), 0
+
+    manifest = json.dumps(checkpoint.manifest, sort_keys=True, default=str).encode()
+    digest = hashlib.sha256(manifest + str(layout).encode()).digest()
+    files: dict[Any, list[Any]] = {}
+    if wrap is not None:  # every rank file a peer may read for this rank (headers only: a few KiB each)
+        keys = [(pp, tp) for pp in range(layout.pp) for tp in range(layout.tp)]
+        files = {path: list(read_header(path).values()) for path in (rank_file(checkpoint, tp, layout, stage=pp)
+                                                                     for pp, tp in keys)}  # fmt: skip
+    with wrapped(reader_for(checkpoint.path), wrap and (lambda r: wrap(r, files))) as reader:
+        state = load_shared(slot_params, digest, own, device, reader, group, progress, str(checkpoint.path))
+        if wrap is not None:  # the bytes peers sent for this rank's file are checked against the record too
+            check_received(slot_params(own)[0], 0, state, reader)
+        return state
+
+
+def _split_records(source: Source, layout: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
+                   label: str) -> States:  # fmt: skip
+    """A cache pre-sharded for this N: each rank's own part of every split parameter, and every tensor stored whole."""
+    checkpoint = source.checkpoint
+    wrap = verifier(checkpoint, options.verify, source.name)
+    build_plan(shard_info_for(checkpoint, options.shard_info), checkpoint, layout.tp)  # checks N and the steps
+    result = []
+    for rank, device in zip(ranks, devices, strict=True):
+        tp = layout.coord(rank).tp
+        view = checkpoint.rank_view(tp)
+        plan = build_plan(ShardInfo(source=f"<rank {tp}'s part of {checkpoint.name}>"), view, 1)
+        result.extend(_read_stage(plan, plan, [0], [device], options, wrap, None))
+    return result
+
+
+_ROUTES: Mapping[type[Source], Callable[..., States]] = {
+    WholeTensors: _whole,
+    RankFiles: _rank_files,
+    SplitRecords: _split_records,
+    Boxes: _boxes,
+}
+"""Each type of source, the function that loads its ranks (a subclass takes its nearest base's)."""
+
+
+def share_group(group: Any, where: str) -> Any:
+    """The process group ``group`` names (True: the default group; returned as None), checked to be usable."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ShardloadError("share_reads needs an initialised torch.distributed process group", file=where)
+    if group is True:
+        return None
+    if isinstance(group, dist.ProcessGroup):
+        if dist.get_rank(group) < 0:
+            raise ShardloadError("share_reads names a process group this rank is not a member of", file=where)
+        return group
+    raise ShardloadError(f"share_reads must be True, False or a torch.distributed ProcessGroup, got {group!r}",
+                         file=where)  # fmt: skip
+
+
+def progress_for(progress: Any, label: str, unit: str = "read jobs") -> Callable[[int, int], None] | None:
+    """The progress callback of a load: a callable as given; True draws a line on a terminal, under
+    torch.distributed only on the node's first rank (``LOCAL_RANK`` 0, else global rank 0)."""
+    if callable(progress):
+        return progress
+    if progress is not True:
+        return None
+    import torch.distributed as dist
+
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None:
+        first = local == "0"
+    else:
+        first = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return progress_line(label, unit) if first else None
+
+
+def progress_line(label: str, unit: str = "read jobs") -> Callable[[int, int], None] | None:
+    """A callback drawing ``label: done/total unit (pct)`` on stderr, or None when stderr is not a terminal."""
+    import sys
+
+    if not sys.stderr.isatty():
+        return None
+
+    def draw(done: int, total: int) -> None:
+        sys.stderr.write(f"\r{label}: {done}/{total} {unit} ({100 * done // total}%)")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return draw
+
+
+def check_received(params: Iterable[ParamPlan], rank: int, state: Mapping[str, torch.Tensor], reader: Any) -> None:
+    """Check a rank's tensors, received from its ``share_reads`` group, against the integrity record ``reader`` (a
+    :class:`~shardload.sources.verified.VerifiedReader`) checks with: each tile covering the rank's runs is hashed
+    from the received bytes (completed from storage where a tile reaches past them); a tensor read whole (a
+    compute step) is read again, checked, and compared."""
+    import numpy as np
+    import torch
+
+    from ..planning.runs import param_runs
+    from ..sources.verified import IntegrityError, ReceivedBytes, VerifiedReader, buffer_array
+
+    culprit = "a peer of the share_reads group sent bytes that differ from the checkpoint"
+    for p in params:
+        got = state[p.name]
+        runs = param_runs(p, [rank])
+        if runs is not None and not len(runs.src):
+            continue
+        if runs is None:
+            expected = materialize(p, reader, [rank])[0]
+            if not torch.equal(expected, got.cpu()):
+                raise IntegrityError(f"bytes received for this parameter: {culprit}", file=str(p.source.file),
+                                     param=p.name)  # fmt: skip
+            continue
+        cpu = got.detach().cpu().contiguous()
+        inner = ReceivedBytes(runs.src, runs.length, runs.dst, buffer_array(cpu), reader.inner)
+        check = VerifiedReader(inner, reader.files, reader.hash_name)
+        check.culprit = culprit
+        check.read_runs(p.source.file, runs.src, runs.length, np.zeros(len(runs.src), dtype=np.int64), runs.dst, [cpu])
