@@ -69,3 +69,23 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers.quant_llama import write_ct_llama
 
     return write_ct_llama(tmp_path_factory.mktemp("llama") / "tiny-llama-w4a16")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def declared_entry_points() -> None:
+    """Register what this checkout's pyproject.toml declares in the ``shardload.*`` entry point groups (split formats,
+    ``convert --layout`` targets), as an install of it would: an editable install's metadata is the pyproject's of
+    when it was installed, and may lack a group added since. Each declared value is loaded and called as
+    :func:`shardload.sources.plugins.run_entry_points` would (test_entry_points.py checks the declarations)."""
+    import importlib
+
+    import tomllib
+
+    groups = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["entry-points"]
+    for group, entries in groups.items():
+        if group.startswith("shardload.") and group != "shardload.steps":
+            for value in entries.values():
+                module, _, attr = value.partition(":")
+                loaded = importlib.import_module(module)
+                if attr:
+                    getattr(loaded, attr)()

@@ -31,6 +31,7 @@ from ..sources.checkpoint import (
     rank_file_name,
 )
 from ..sources.object_reader import reader_for
+from ..sources.source_types import open_split as open_vllm_shards
 from ..version import __version__
 from .integrity import verifier, wrapped
 from .load import layout_for, stages_of
@@ -51,7 +52,6 @@ from .reshard import (
     source_record,
     write_shards,
 )
-from .vllm_layout import open_vllm_shards
 from .writer import WrittenFile, new_conversion, write_output_record, write_rank_files, written_record
 
 Progress = Callable[[int, str], None]

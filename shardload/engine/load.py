@@ -24,6 +24,7 @@ from ..sources.dtypes import to_torch
 from ..sources.object_reader import reader_for
 from ..sources.objects import ObjectPath
 from ..sources.reader import RunReader
+from ..sources.source_types import open_split as open_vllm_shards
 from .devices import resolve_device
 from .integrity import converted_verifier, verifier, wrapped
 from .read_strategy import ReadOptions
@@ -38,7 +39,6 @@ from .reshard import (
 )
 from .transfer import Transfer, reader_for_plan
 from .verify import rank_file
-from .vllm_plan import open_vllm_shards
 
 if TYPE_CHECKING:
     import torch

@@ -164,7 +164,7 @@ class ShardsSource:
         return torch.frombuffer(bytearray(raw), dtype=to_torch(info.dtype)).reshape(info.shape).clone()
 
     def _held(self, name: str) -> bool:
-        """Whether the old rank files hold ``name`` at all (vLLM's layout keeps no compressed-tensors
+        """Whether the old rank files hold ``name`` at all (a server's layout may keep no compressed-tensors
         ``weight_shape``: the manifest records its value instead)."""
         return any(name in header for header in self.headers.values())
 

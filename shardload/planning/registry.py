@@ -267,5 +267,3 @@ def load_entry_points() -> None:
         run_entry_points(ENTRY_POINT_GROUP)
     except PluginError as err:
         raise StepArgumentError(str(err)) from None
-
-

@@ -251,6 +251,19 @@ def split_formats() -> list[SplitFormat]:
     return list(_SPLIT_FORMATS.values())
 
 
+def open_split(model: Any, verify: bool = False) -> Any:
+    """What the first registered split format that knows ``model`` opened (``verify``: each rank file's sha256
+    checked as it opens), or None when none does: a server's per-rank layout as a source, for code that reads it as
+    boxes without the rest of :func:`open_source`."""
+    if isinstance(model, Checkpoint):
+        return None
+    for fmt in split_formats():
+        opened = fmt.open(model, verify)
+        if opened is not None:
+            return opened
+    return None
+
+
 def open_source(
     model: str | os.PathLike[str] | Checkpoint, layout: Layout | None = None, *, checksums: bool = False
 ) -> Source:
