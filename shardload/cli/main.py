@@ -59,6 +59,9 @@ class _LayoutChoice(click.Choice):
     def choices(self, value: Any) -> None:
         pass
 
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return value if value == BUILT_IN_LAYOUT else super().convert(value, param, ctx)
+
 
 INSPECT_N = 8
 MAX_LISTED_N = 16
