@@ -550,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--repeats and --tp take positive numbers")
     from importlib.metadata import version
 
-    from shardload.engine.vllm_layout import convert_vllm
+    from shardload.integrations.vllm.writer import convert_vllm
 
     load_start = os.getloadavg()
     root = args.keep or Path(tempfile.mkdtemp(prefix="shardload-vllm-bench-"))

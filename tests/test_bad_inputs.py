@@ -642,7 +642,7 @@ def _vllm_out(tmp_path: Path, shard_info: Path | None = None) -> tuple[Path, Pat
     """A tiny llama converted with ``--layout vllm`` for 2 ranks: (model, out)."""
     pytest.importorskip("transformers")
     from helpers.tiny_models import build
-    from shardload.engine.vllm_layout import convert_vllm
+    from shardload.integrations.vllm.writer import convert_vllm
 
     model = tmp_path / "model"
     if not model.exists():

@@ -29,6 +29,7 @@ DEEP_IMPORTS_ALLOWED: dict[str, tuple[frozenset[str], str]] = {
         "quantized companions planned layer by layer (model-plans.md, quantized.md)",
     ),
     "shardload.sources.checkpoint": (frozenset({"read_config"}), "a model's config as planning reads it"),
+    "shardload.integrations.fill": (frozenset({"Target", "copy_into"}), "the server-neutral fill code (extending.md)"),
 }
 """Deep imports the docs may teach: module -> (names, why). Anything else a user needs is exported by the root."""
 

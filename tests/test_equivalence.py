@@ -105,8 +105,8 @@ from helpers import hub, matrix_sources, tp_split
 from helpers.vllm_saved import fake_vllm_save
 from shardload.cli.main import main
 from shardload.engine.integrity import hash_model
-from shardload.engine.vllm_layout import convert_vllm
 from shardload.errors import ShardloadError
+from shardload.integrations.vllm.writer import convert_vllm
 from shardload.sources import objects, read_plan
 from shardload.sources.object_reader import ObjectReader
 from shardload.sources.verified import VerifiedReader

@@ -13,8 +13,9 @@ from safetensors.numpy import save_file
 
 import shardload
 from shardload.errors import PlanError
+from shardload.integrations.vllm.families import VLLM_FAMILIES, VllmFamily, register_vllm_family, vllm_packing
 from shardload.models import families
-from shardload.models.families import Family, family_for, register_family, vllm_packing
+from shardload.models.families import Family, family_for, register_family
 from shardload.models.generated import generate
 
 TOY_ROLES = {
@@ -104,11 +105,22 @@ def test_a_model_type_stays_in_one_family(registry: list[Family]) -> None:
         Family("bad", ("bad_lm",), {"ffn.down": "rows"})
 
 
-def test_vllm_packing_comes_from_the_family(registry: list[Family]) -> None:
+def test_vllm_packing_comes_from_the_family(registry: list[Family], monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's fusion of a model type is its family's entry in the vLLM integration's table, else Llama's."""
+    monkeypatch.setattr("shardload.integrations.vllm.families.VLLM_FAMILIES", dict(VLLM_FAMILIES))
     assert vllm_packing("llama")["qkv_proj"] == ("q_proj", "k_proj", "v_proj")
-    register_family(Family("fused", ("fused_lm",), TOY_ROLES, vllm_packed={"wqkv": ("wq", "wk", "wv")}))
+    register_family(Family("fused", ("fused_lm",), TOY_ROLES))
+    assert vllm_packing("fused_lm") == vllm_packing("llama")
+    register_vllm_family("fused", VllmFamily(packed={"wqkv": ("wq", "wk", "wv")}))
     assert vllm_packing("fused_lm") == {"wqkv": ("wq", "wk", "wv")}
     assert vllm_packing("unknown_lm") == vllm_packing("llama")
+
+
+def test_every_vllm_family_entry_names_a_family() -> None:
+    """Each entry of the vLLM integration's table is keyed by a known family's name (a typo would go unused)."""
+    from shardload.models.families import FAMILIES
+
+    assert set(VLLM_FAMILIES) <= {f.name for f in FAMILIES}
 
 
 def test_gguf_architectures_map_to_their_family_model_type() -> None:

@@ -205,14 +205,15 @@ def test_a_converted_directory_in_s3_verifies_against_its_pinned_root(
 def vllm_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     pytest.importorskip("transformers")
     from helpers.tiny_models import build
+    from shardload.integrations.vllm.writer import convert_vllm
 
     base = tmp_path_factory.mktemp("vllm-copies")
     llama = base / "llama"
     build("llama", llama, seed=0)
     other = base / "llama-other"
     build("llama", other, seed=1)
-    shardload.engine.vllm_layout.convert_vllm(llama, 4, base / "v4")
-    shardload.engine.vllm_layout.convert_vllm(other, 4, base / "o4")
+    convert_vllm(llama, 4, base / "v4")
+    convert_vllm(other, 4, base / "o4")
     return base / "v4", base / "o4"
 
 

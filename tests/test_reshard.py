@@ -499,7 +499,7 @@ def test_sharded_state_grid(models: dict[str, Model], kind: str, layout: str, tm
     """A ``sharded_state`` directory made for N_old in 2, 4, 8 (``convert --layout vllm``, or as vLLM's
     ``save_model`` writes it) loads at every N_new the model allows: every rank equal to the original's."""
     from helpers.vllm_saved import fake_vllm_save
-    from shardload.engine.vllm_layout import convert_vllm
+    from shardload.integrations.vllm.writer import convert_vllm
 
     model = models[kind]
     cells = 0
@@ -528,7 +528,7 @@ def test_compressed_sharded_state_to_another_n(
     """``convert --layout vllm -n 2`` of the compressed-tensors int4 Llama, loaded at N = 1 and 4: every rank equal
     to the original's (vLLM's files hold no ``weight_shape``: the manifest records it); a manifest without that
     record is one line."""
-    from shardload.engine.vllm_layout import convert_vllm
+    from shardload.integrations.vllm.writer import convert_vllm
 
     model = models.setdefault("compressed", Model(request.getfixturevalue("tiny_llama")))
     convert_vllm(model.path, 2, tmp_path / "vllm2")

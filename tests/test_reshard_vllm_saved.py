@@ -24,8 +24,8 @@ import shardload
 from helpers.checkpoints import rank_bytes
 from helpers.vllm_saved import fake_vllm_save
 from shardload.cli.main import main
-from shardload.engine.vllm_layout import convert_vllm
 from shardload.errors import ShardloadError
+from shardload.integrations.vllm.writer import convert_vllm
 from shardload.sources.reader import count_reads
 
 KINDS = {"llama_gqa": {}, "qwen2": {"vocab_size": 250}, "mixtral": {}}

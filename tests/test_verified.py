@@ -476,7 +476,7 @@ def test_swapped_files_of_an_index_caught(example_multi_dir: Path, tmp_path: Pat
 
 
 def test_vllm_layout_carries_a_record_and_verifies_its_source(split_model: Path, tmp_path: Path) -> None:
-    from shardload.engine.vllm_layout import convert_vllm
+    from shardload.integrations.vllm.writer import convert_vllm
 
     root = hash_model(split_model).root
     out = tmp_path / "vllm"

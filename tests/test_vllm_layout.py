@@ -19,9 +19,10 @@ from safetensors.torch import load_file, save_file
 
 import shardload
 from shardload.cli.main import main
-from shardload.engine.vllm_layout import convert_vllm, rank_path
 from shardload.errors import CheckpointError, ShardloadError
-from shardload.models.vllm_names import Target, vllm_target
+from shardload.integrations.vllm.names import Target, vllm_target
+from shardload.integrations.vllm.sharded_state import rank_path
+from shardload.integrations.vllm.writer import convert_vllm
 
 pytest.importorskip("transformers")
 from helpers.tiny_models import build

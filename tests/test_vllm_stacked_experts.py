@@ -8,7 +8,7 @@ import pytest
 from shardload.errors import ShardloadError
 from shardload.format.shard_info import ShardInfo
 from shardload.integrations.vllm.loader import _stacked_experts_by_rank
-from shardload.models.vllm_names import Target
+from shardload.integrations.vllm.names import Target
 
 NAME = "model.layers.0.mlp.experts.gate_up_proj"
 PARAM = "model.layers.0.mlp.experts.routed_experts.w13_weight"

@@ -3,7 +3,7 @@ fills vLLM's padded vocabulary shard (stored rows, then zeros), read in place; a
 detected and read whole, then narrowed; a converted directory is taken when padded by vLLM's rule and refused
 when split another way; ``convert --layout vllm`` writes the same rows as the plan.
 
-vLLM's row ranges come from :func:`shardload.models.vllm_names.vocab_range` (vLLM's ``pad_vocab_size`` rule,
+vLLM's row ranges come from :func:`shardload.integrations.vllm.names.vocab_range` (vLLM's ``pad_vocab_size`` rule,
 which ``tests_vllm/`` checks against vLLM's own ``VocabParallelEmbedding``); the parameters are plain tensors
 of vLLM's per-rank shape. vLLM serving such a model through this path is proven in ``tests_vllm/``.
 """
@@ -19,11 +19,13 @@ from safetensors.torch import load_file
 
 import shardload
 from shardload.cli.main import main
-from shardload.engine.vllm_layout import convert_vllm, rank_path
 from shardload.errors import ShardloadError
-from shardload.integrations.vllm.loader import FillReport, _converted_vocab, _copy_into, _read_planned
+from shardload.integrations.fill import FillReport, copy_into
+from shardload.integrations.vllm.loader import _converted_vocab, _read_planned
+from shardload.integrations.vllm.names import Target, vocab_range
+from shardload.integrations.vllm.sharded_state import rank_path
+from shardload.integrations.vllm.writer import convert_vllm
 from shardload.models.plan_source import plan_shard_info
-from shardload.models.vllm_names import Target, vocab_range
 from shardload.sources.checkpoint import open_checkpoint
 
 pytest.importorskip("transformers")
@@ -62,7 +64,7 @@ def _fill(
 
     tensors, direct, narrow, routes = _read_planned(checkpoint, info, rank, N, route, targets, vocab, report)
     assert set(tensors) == set(HEADS)
-    filled = _copy_into(targets, tensors, routes, vocab, narrow, str(model_dir), direct)
+    filled = copy_into(targets, tensors, routes, vocab, narrow, str(model_dir), direct, server="vLLM")
     assert filled == set(HEADS)
     return {k: v.data for k, v in targets.items()}, direct, report
 
@@ -119,7 +121,7 @@ def test_converted_directory_padded_by_vllms_rule_fills_and_another_split_is_ref
         narrow = _converted_vocab(stored, routes, vocab, rank, "conv-vllm")
         assert narrow == set()
         targets = {n: torch.nn.Parameter(torch.full((per_rank, 64), float("nan")), requires_grad=False) for n in HEADS}
-        assert _copy_into(targets, stored, routes, vocab, narrow, "conv-vllm") == set(HEADS)
+        assert copy_into(targets, stored, routes, vocab, narrow, "conv-vllm", server="vLLM") == set(HEADS)
         for name in HEADS:
             want = torch.zeros(per_rank, 64)
             want[: stop - start] = state[name][start:stop]

@@ -176,7 +176,7 @@ def test_the_default_split_is_the_documented_one(tmp_path: Path) -> None:
     zeros). docs/model-plans.md says exactly this."""
     from safetensors.torch import load_file
 
-    from shardload.models.vllm_names import vocab_range
+    from shardload.integrations.vllm.names import vocab_range
 
     for vocab, per_rank in ((1000, 500), (1001, 512)):
         config = {"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2, "vocab_size": vocab}

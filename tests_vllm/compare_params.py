@@ -177,7 +177,7 @@ def run_job(job: dict[str, Any], results: dict[str, Any]) -> None:
                 base = build(job["model"], "auto", tp, ep, dtype)
                 load(base, "auto")
                 expected = state(base.model)
-                from shardload.models.vllm_names import OPTIONAL_SUFFIXES
+                from shardload.integrations.vllm.names import OPTIONAL_SUFFIXES
 
                 blank = unfilled(base.model)
                 defaulted = frozenset(n for n in blank if n.endswith(OPTIONAL_SUFFIXES))  # vLLM sets them later

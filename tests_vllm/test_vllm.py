@@ -28,7 +28,8 @@ import vllm  # noqa: F401  (in CI a missing vLLM is a failure, not a skip)
 from vllm.config.load import LoadConfig
 
 import shardload
-from shardload.engine.vllm_layout import convert_vllm, rank_path
+from shardload.integrations.vllm.sharded_state import rank_path
+from shardload.integrations.vllm.writer import convert_vllm
 
 HERE = Path(__file__).parent
 MODELS = ["llama", "llama_kv1", "qwen2", "mixtral", "w8a8"]

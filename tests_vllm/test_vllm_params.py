@@ -22,8 +22,8 @@ if os.environ.get("CI") != "true":
     pytest.importorskip("vllm", reason="vLLM runs in its own virtualenv: .ci/vllm-venv DIR")
 import make_models
 
-from shardload.engine.vllm_layout import convert_vllm
 from shardload.errors import ShardloadError
+from shardload.integrations.vllm.writer import convert_vllm
 
 HERE = Path(__file__).parent
 FAMILIES = [*make_models.FAMILIES, "qwen2", *make_models.QUANTIZED]

@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 import shardload
-from shardload.engine.vllm_layout import convert_vllm
+from shardload.integrations.vllm.writer import convert_vllm
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent

@@ -19,6 +19,8 @@ from typing import Any
 
 import click
 
+from ..engine.convert_targets import BUILT_IN as BUILT_IN_LAYOUT
+from ..engine.convert_targets import LayoutTarget, layout_names, layouts
 from ..engine.quantize import SCHEMES as QUANT_SCHEMES
 from ..errors import ShardloadError, printable
 from ..models.choices import DEFAULT_VOCAB_PADDING, EXPERT_MODES, STYLES, VOCAB_PADDING
@@ -40,6 +42,27 @@ class ModelArgument(click.ParamType):
 
 
 MODEL = ModelArgument()
+
+
+class _LayoutChoice(click.Choice):
+    """``convert --layout``'s choices: the built-in layout and every registered target, read when first asked (the
+    installed integrations' entry points load then, not when the command line starts)."""
+
+    def __init__(self) -> None:
+        super().__init__([BUILT_IN_LAYOUT])
+
+    @property  # type: ignore[override]
+    def choices(self) -> tuple[str, ...]:
+        return layout_names()
+
+    @choices.setter
+    def choices(self, value: Any) -> None:
+        pass
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return value if value == BUILT_IN_LAYOUT else super().convert(value, param, ctx)
+
+
 INSPECT_N = 8
 MAX_LISTED_N = 16
 
@@ -310,11 +333,11 @@ def example(out_dir: Path, overwrite: bool, multi_file: bool) -> None:
 @click.option(
     "--layout",
     "layout_name",
-    type=click.Choice(["shardload", "vllm"]),
+    type=_LayoutChoice(),
     default="shardload",
     show_default=True,
-    help="shardload: rank files + manifest (load_rank, load_format='shardload'); vllm: vLLM's sharded_state "
-    "files, served by stock vLLM with load_format='sharded_state'.",
+    help="shardload: rank files + manifest (load_rank, load_format='shardload'); another: a server's own layout, "
+    "from its integration (vllm: vLLM's sharded_state files, served by stock vLLM with load_format='sharded_state').",
 )
 @click.option(
     "--verify", "verify", is_flag=False, flag_value="record", default=None, metavar="[ROOT]",
@@ -354,13 +377,13 @@ def convert(
     if verify not in (None, "record") and not _root_hash(verify):
         raise BadArgument(f"--verify takes a 64-digit root hash from `shardload hash` (or no value: check MODEL's "
                           f"record), got {verify!r}")  # fmt: skip
-    if layout_name == "vllm":
+    if layout_name != BUILT_IN_LAYOUT:
         checked = verify == "record" or verify or False
-        _convert_vllm(model, num_shards, out_dir, shard_info, overwrite, fsync, quiet, as_json, mesh, checked,
-                      expert_parallel)  # fmt: skip
+        _convert_to(layouts()[layout_name], model, num_shards, out_dir, shard_info, overwrite, fsync, quiet, as_json,
+                    mesh, checked, expert_parallel)  # fmt: skip
         return
     if expert_parallel:
-        raise click.UsageError("--expert-parallel goes with --layout vllm")
+        raise click.UsageError(_expert_parallel_refusal())
     layout = _mesh_arg(mesh, world_size, pp_layers)
     if layout is None and num_shards is None:
         raise click.UsageError("give --num-shards (or --mesh)")
@@ -414,7 +437,18 @@ def _source_bytes(model: Path) -> int:
     return open_checkpoint(model).nbytes
 
 
-def _convert_vllm(
+def _expert_parallel_refusal() -> str:
+    """``--expert-parallel`` given with a layout that does not take it: the layouts that do."""
+    taking = [name for name, target in sorted(layouts().items()) if target.expert_parallel]
+    return (
+        f"--expert-parallel goes with --layout {' or '.join(taking)}"
+        if taking
+        else "no --layout takes --expert-parallel"
+    )
+
+
+def _convert_to(
+    target: LayoutTarget,
     model: Path,
     num_shards: int | None,
     out_dir: Path,
@@ -427,27 +461,24 @@ def _convert_vllm(
     verify: bool | str = False,
     expert_parallel: bool = False,
 ) -> None:
-    """``convert --layout vllm``: vLLM's sharded_state files for ``num_shards`` tensor-parallel ranks."""
-    from ..engine.vllm_layout import convert_vllm
+    """``convert --layout NAME`` of a registered target (a server's own per-rank files, ``num_shards`` ranks)."""
     from .report import format_table, human_bytes
 
     if mesh is not None or num_shards is None:
-        raise click.UsageError("--layout vllm takes --num-shards (vLLM's tensor-parallel size) and no --mesh")
-    files = convert_vllm(model, num_shards, out_dir, shard_info, overwrite=overwrite, fsync=fsync, verify=verify,
-                         expert_parallel=expert_parallel)  # fmt: skip
+        raise click.UsageError(target.mesh_refusal)
+    if expert_parallel and not target.expert_parallel:
+        raise click.UsageError(_expert_parallel_refusal())
+    files = target.convert(model, num_shards, out_dir, shard_info, overwrite=overwrite, fsync=fsync, verify=verify,
+                           expert_parallel=expert_parallel)  # fmt: skip
     if as_json:
-        click.echo(json.dumps({"out_dir": str(out_dir), "num_shards": num_shards, "layout": "vllm",
+        click.echo(json.dumps({"out_dir": str(out_dir), "num_shards": num_shards, "layout": target.name,
                                "rank_files": [f.entry() for f in files]}, indent=2))  # fmt: skip
         return
     if quiet:
         return
     rows = [(r, f.path, human_bytes(f.size), f.size, f.sha256[:16]) for r, f in enumerate(files)]
     click.echo(format_table(["rank", "file", "size", "bytes", "sha256"], rows, right=(0, 2, 3)))
-    ep = " --enable-expert-parallel" if expert_parallel else ""
-    click.echo(
-        f"\nwrote vLLM's sharded_state layout for tensor_parallel_size={num_shards} to {out_dir}; serve it with "
-        f"`vllm serve {out_dir} --load-format sharded_state --tensor-parallel-size {num_shards}{ep}`"
-    )
+    click.echo(f"\n{target.served(out_dir, num_shards, expert_parallel)}")
 
 
 @main.command()

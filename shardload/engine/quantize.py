@@ -1,6 +1,6 @@
 """Quantize a safetensors model once into the compressed-tensors layout, with an N-agnostic shard_info.
 
-The output is what vLLM and transformers read as compressed-tensors: ``int4-g*`` and ``int8`` are
+The output is what inference servers and transformers read as compressed-tensors: ``int4-g*`` and ``int8`` are
 ``pack-quantized`` (symmetric integers packed 8 or 4 per int32 along the input dim, one scale
 per group of the input dim or per output channel, and ``weight_shape``), ``fp8`` is
 ``float-quantized`` (``float8_e4m3fn`` weights with one scale per output channel). The

@@ -38,7 +38,7 @@ are read with ``preadv`` into the pinned buffers (measured on an H100 host: whol
 against 0.079 s through the mapping, column slices 0.050 s against 0.305 s)."""
 CACHED_READ_RUN = 1 << 20
 """A CPU rank reads cached runs averaging at least this many bytes with ``preadv`` (the kernel's copy out of the
-page cache) instead of copying them out of a mapping: no file pages to fault in and tear down, which on a vLLM
+page cache) instead of copying them out of a mapping: no file pages to fault in and tear down, which on a server's
 model loaded again into its parameters was as much CPU as the copy itself (docs/benchmarks.md, "After this round's
 warm-path changes"; fresh destinations measured the same either way). Shorter runs (column slices) stay mapped:
 ``preadv`` would pay a call per row."""
@@ -87,7 +87,7 @@ class ReadOptions:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], where: str = "read_options") -> ReadOptions:
-        """The options a JSON mapping names (a server's config, e.g. vLLM's ``model_loader_extra_config``): keys
+        """The options a JSON mapping names (a server's config, e.g. its loader's extra config): keys
         ``strategy``, ``threads``, ``max_waste`` (a number or ``"inf"``), ``io_depth``, ``io_model`` (``{"request_s":
         S, "bandwidth": B}`` or ``"request_s=S,bandwidth=B"``) and ``object_cost`` (as ``SHARDLOAD_S3_COST``, or a
         mapping of its fields). An unknown key or a bad value raises one line naming ``where`` and the key."""

@@ -156,7 +156,7 @@ class ShardsSource:
         return torch.frombuffer(bytearray(raw), dtype=to_torch(info.dtype)).reshape(info.shape).clone()
 
     def _held(self, name: str) -> bool:
-        """Whether the old rank files hold ``name`` at all (vLLM's layout keeps no compressed-tensors
+        """Whether the old rank files hold ``name`` at all (a server's layout may keep no compressed-tensors
         ``weight_shape``: the manifest records its value instead)."""
         return any(name in header for header in self.headers.values())
 
@@ -278,31 +278,6 @@ def record_of(source: ShardsSource) -> dict[str, Any]:
 
 def _steps_key(plan: ParamPlan) -> tuple[object, ...]:
     return tuple((s.name, repr(s.args), s.in_shape, s.in_dtype) for s in plan.steps)
-
-
-def shards_verify(verify: bool | str | None, where: str) -> bool:
-    """What ``verify`` asks of a read out of another conversion's rank files: True checks each rank file whole against
-    its manifest's sha256; a pinned root (a string) is refused here rather than checked less than it asks."""
-    if verify is None or verify is False:
-        return False
-    if verify is True:
-        return True
-    raise ShardloadError(
-        "verify=<root hash> is not supported when a converted or sharded_state directory is read for another N: "
-        "load it with verify=True (every rank file's sha256 against its manifest), or at its own N",
-        file=where,
-    )
-
-
-def presharded_verify(verify: bool | str | None, where: str) -> None:
-    """Refuse ``verify`` for a pre-sharded cache read for another N (its records are not read through the verifying
-    reader there), rather than load it unchecked."""
-    if verify is not None and verify is not False:
-        raise ShardloadError(
-            "verify is not supported when a pre-sharded cache is read for another N: load it at its own N with "
-            "verify, or convert the whole checkpoint",
-            file=where,
-        )
 
 
 def open_shards(checkpoint: Checkpoint, *, verify: bool = False) -> ShardsSource:

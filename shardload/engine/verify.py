@@ -64,8 +64,8 @@ def check_entry(
     root: Path, entry: dict[str, Any], checksum: bool, manifest: dict[str, Any] | None = None, rank: int | None = None
 ) -> tuple[Path, CheckpointError | None]:
     """Check one manifest entry's file: present, inside the directory, right size, a rank file's header
-    written for its rank (``rank``: a vLLM-layout file's) by the conversion ``manifest`` names, and the sha256 when
-    ``checksum``."""
+    written for its rank (``rank``: the rank of a server's layout's file) by the conversion ``manifest`` names, and
+    the sha256 when ``checksum``."""
     manifest = manifest or {}
     conversion = manifest.get(CONVERSION_KEY)
     name = entry["path"]
@@ -83,7 +83,7 @@ def check_entry(
     try:
         if match:
             _check_rank_header(full, int(match[3]), int(match[4]), int(match[1] or 0), int(match[2] or 1), conversion)
-        elif rank is not None and conversion is not None:  # a vLLM-layout file this shardload wrote
+        elif rank is not None and conversion is not None:  # a server's-layout file this shardload wrote
             _check_rank_header(full, rank, manifest["num_shards"], conversion=conversion)
     except CheckpointError as err:
         return full, err

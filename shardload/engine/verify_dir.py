@@ -13,19 +13,11 @@ from ..errors import CheckpointError, ShardloadError
 from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh
 from ..planning.plan import ModelPlan, build_plan
-from ..sources.checkpoint import (
-    MANIFEST_NAME,
-    VLLM_MANIFEST_FORMAT,
-    TensorInfo,
-    open_checkpoint,
-    read_header,
-    read_json,
-    short_repr,
-)
+from ..sources.checkpoint import MANIFEST_NAME, open_checkpoint, read_json, short_repr
 from ..sources.source_types import open_source
+from .convert_targets import LayoutTarget, layout_for_manifest
 from .load import load_rank
 from .verify import VerifyReport, check_entry
-from .vllm_layout import FILE_PATTERN, VllmLayout, check_vllm_manifest, plan_layout, rank_tensors
 
 
 def verify_dir(
@@ -43,11 +35,12 @@ def verify_dir(
         for problem in report.problems:
             print(problem)
     """
-    vllm = _vllm_manifest(Path(path))
-    if vllm is not None:
-        report = _check_files(VerifyReport(Path(path), vllm["num_shards"]), Path(path), vllm)
-        if source is not None and report.ok:
-            report.problems += _vllm_against_source(Path(path), source, vllm, shard_info)
+    found = _target_manifest(Path(path))
+    if found is not None:  # a registered convert --layout target's output: its own manifest and source checks
+        target, own = found
+        report = _check_files(VerifyReport(Path(path), own["num_shards"]), Path(path), own)
+        if source is not None and report.ok and target.against_source is not None:
+            report.problems += target.against_source(Path(path), source, own, shard_info)
         return report
     checkpoint = open_checkpoint(path)
     if checkpoint.kind != "converted" or checkpoint.manifest is None:
@@ -59,16 +52,19 @@ def verify_dir(
     return report
 
 
-def _vllm_manifest(path: Path) -> dict | None:
-    """The manifest of a directory written by ``convert --layout vllm`` (checked), or None for anything else."""
+def _target_manifest(path: Path) -> tuple[LayoutTarget, dict] | None:
+    """The target and manifest (checked) of a directory a registered ``convert --layout`` target wrote, or None
+    for anything else."""
     manifest_path = path / MANIFEST_NAME
     if not path.is_dir() or not manifest_path.is_file():
         return None
     manifest = read_json(manifest_path, "manifest")
-    if not isinstance(manifest, dict) or manifest.get("format") != VLLM_MANIFEST_FORMAT:
+    target = layout_for_manifest(manifest)
+    if target is None:
         return None
-    check_vllm_manifest(manifest, manifest_path)
-    return manifest
+    if target.check_manifest is not None:
+        target.check_manifest(manifest, manifest_path)
+    return target, manifest
 
 
 def _check_files(report: VerifyReport, root: Path, manifest: dict) -> VerifyReport:
@@ -90,7 +86,7 @@ MAX_PLAN_DIFFERENCES = 20
 """Parameters whose plans differ that ``verify --source`` names one by one; the rest are counted."""
 
 
-def _plan_differences(recorded: Any, given: dict[str, Any], where: str) -> list[CheckpointError]:
+def plan_differences(recorded: Any, given: dict[str, Any], where: str) -> list[CheckpointError]:
     """Each parameter whose steps in the manifest's plan (``recorded``) differ from the source's (``given``)."""
     if not isinstance(recorded, dict) or not isinstance(recorded.get("params"), dict):
         return [CheckpointError("the manifest records no plan to compare with the source's", file=where)]
@@ -134,7 +130,7 @@ def _against_source(out: Path, source: Any, manifest: dict, shard_info: Any) -> 
     except ShardloadError as err:
         return [CheckpointError(f"cannot plan the source for num_shards={tp}: {err.message}", file=str(source))]
     given = plan.resolved_shard_info()
-    differences = _plan_differences(manifest.get("shard_info"), given, str(out / MANIFEST_NAME))
+    differences = plan_differences(manifest.get("shard_info"), given, str(out / MANIFEST_NAME))
     if differences:
         return differences
     record = manifest.get("mesh")
@@ -161,68 +157,3 @@ def _against_source(out: Path, source: Any, manifest: dict, shard_info: Any) -> 
                 problems.append(CheckpointError(f"{name!r} differs from the source's bytes", file=where))
         del want, got
     return problems
-
-
-def _vllm_against_source(out: Path, source: Any, manifest: dict, shard_info: Any) -> list[CheckpointError]:
-    """A ``sharded_state`` output against ``source``: the manifest's plan against the source's, then every rank
-    file's tensors (names, dtypes, shapes, bytes) against the ones ``convert --layout vllm`` makes from it now."""
-    n = manifest["num_shards"]
-    try:
-        layout = plan_layout(
-            open_checkpoint(source), n, shard_info, expert_parallel=manifest.get("expert_parallel") is True
-        )
-    except ShardloadError as err:
-        return [CheckpointError(f"cannot plan the source for num_shards={n}: {err.message}", file=str(source))]
-    differences = _plan_differences(manifest.get("shard_info"), layout.plan.resolved_shard_info(),
-                                    str(out / MANIFEST_NAME))  # fmt: skip
-    if differences:
-        return differences
-    try:
-        headers = [read_header(out / FILE_PATTERN.format(rank=r)) for r in range(n)]
-    except CheckpointError as err:
-        return [err]
-    try:
-        return _vllm_rank_differences(out, layout, headers)
-    except ShardloadError as err:
-        return [CheckpointError(f"cannot read the source: {err.message}", file=str(source))]
-
-
-def _vllm_rank_differences(
-    out: Path, layout: VllmLayout, headers: list[dict[str, TensorInfo]]
-) -> list[CheckpointError]:
-    """Every rank file's tensors (``headers``, rank order) against the ones ``layout`` makes from the source."""
-    n = len(headers)
-    problems: list[CheckpointError] = []
-    wanted = {t.name for t in layout.tensors}
-    for r, header in enumerate(headers):
-        for name in sorted(header.keys() - wanted):
-            problems.append(CheckpointError(f"{name!r} is in the output but not in the source's layout",
-                                            file=str(out / f"rank {r}")))  # fmt: skip
-    for t, shards in rank_tensors(layout, n):
-        for r, (header, shard) in enumerate(zip(headers, shards, strict=True)):
-            where = str(out / f"rank {r}")
-            info = header.get(t.name)
-            if info is None:
-                problems.append(CheckpointError(f"{t.name!r} is in the source's layout but not in the output",
-                                                file=where))  # fmt: skip
-                continue
-            want = shard.contiguous().reshape(-1).view(_u8()).numpy().tobytes()
-            if (info.dtype, info.shape) != (t.dtype, tuple(shard.shape)):
-                what = f"source {t.dtype} {tuple(shard.shape)}, output {info.dtype} {info.shape}"
-                problems.append(CheckpointError(f"{t.name!r} differs: {what}", file=where))
-            elif _read_bytes(info.file, info.offset, info.nbytes) != want:
-                problems.append(CheckpointError(f"{t.name!r} differs from the source's bytes", file=where))
-    return problems
-
-
-def _read_bytes(path: Path, offset: int, nbytes: int) -> bytes:
-    """``nbytes`` bytes of ``path`` from ``offset`` (one tensor of a rank file)."""
-    with open(path, "rb") as fh:
-        fh.seek(offset)
-        return fh.read(nbytes)
-
-
-def _u8() -> Any:
-    import torch
-
-    return torch.uint8

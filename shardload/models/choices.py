@@ -1,18 +1,17 @@
 """The named choices of a generated shard_info (``shardload plan``'s ``--style``, ``--experts``, ``--vocab-padding``).
 
-Standard library only (and :mod:`.vllm_names`, which is too), so the command line lists them at start without
-importing the planning code.
+Standard library only, so the command line lists them at start without importing the planning code.
 """
 
 from __future__ import annotations
-
-from .vllm_names import VOCAB_PADDING as VLLM_VOCAB_MULTIPLE
 
 STYLES = ("auto", "megatron", "hf")
 """Where placements come from: ``hf`` transformers' TP tables, ``megatron`` the family presets, ``auto`` either."""
 EXPERT_MODES = ("tp", "parallel")
 """How mixture-of-experts weights are split: inside each expert (``tp``) or whole experts per rank."""
-VOCAB_PADDING: dict[str, int | str | None] = {"vllm": VLLM_VOCAB_MULTIPLE, "plain": "num_shards", "none": None}
+SERVER_VOCAB_MULTIPLE = 64
+"""The row multiple vLLM and SGLang pad a vocabulary-parallel embedding or LM head to before splitting it."""
+VOCAB_PADDING: dict[str, int | str | None] = {"vllm": SERVER_VOCAB_MULTIPLE, "plain": "num_shards", "none": None}
 """How a vocabulary N does not divide is padded (``pad_to`` of its placements): ``vllm`` to a multiple of 64 as
 vLLM's ``pad_vocab_size`` does (the default: rank r then holds vLLM's rows), ``plain`` to a multiple of N (the
 least padding; every N), ``none`` not at all (such an N fails). Under every rule an N that divides the vocabulary

@@ -1,8 +1,8 @@
 """Which shard_info a model is planned with: the one given, the model's file, or a plan made from config.json.
 
 Every entry point that plans a source checkpoint (``load``, ``load_rank``, ``convert``, ``plan_model``, the
-``inspect`` command, vLLM's loader) asks :func:`plan_shard_info`. A shard_info given by the caller wins, then a
-``shard_info.json`` beside the weights; without either, the model is planned in memory from its config.json
+``inspect`` command, a server integration's loader) asks :func:`plan_shard_info`. A shard_info given by the caller
+wins, then a ``shard_info.json`` beside the weights; without either, the model is planned in memory from its config.json
 (or a GGUF file's metadata) exactly as ``shardload plan`` would write it, and :func:`shard_info_for` logs one
 INFO line on the ``shardload.plan`` logger naming that source (the command line prints it as a note).
 """
@@ -71,7 +71,7 @@ def plan_shard_info(checkpoint: Checkpoint, shard_info: Any) -> tuple[ShardInfo,
 
 
 KEPT_PLANS = 8
-"""Shard_infos made from a config that a process keeps: loading the same model again (vLLM's ``reload_weights``,
+"""Shard_infos made from a config that a process keeps: loading the same model again (a server reloading its weights,
 another rank in the same process) skips making it (milliseconds a load)."""
 _generated: OrderedDict[tuple[Any, ...], tuple[str, str]] = OrderedDict()
 _lock = threading.Lock()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from shardload.engine.vllm_layout import convert_vllm
+from shardload.integrations.vllm.writer import convert_vllm
 
 
 def fake_vllm_save(model: Path, num_shards: int, out: Path, expert_parallel: bool = False) -> Path:

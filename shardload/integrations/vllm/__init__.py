@@ -1,11 +1,19 @@
-"""vLLM integration: a ``shardload`` load format for vLLM, and vLLM's ``sharded_state`` layout as a convert target.
+"""vLLM integration: everything shardload knows of vLLM, in one package.
 
-``pip install "shardload[vllm]"`` installs nothing of vLLM's (its builds are platform specific); with vLLM
-present, the ``vllm.general_plugins`` entry point calls :func:`register` in every vLLM process, which adds
-``load_format="shardload"`` (:mod:`.loader`), the only module of shardload that imports vLLM. How checkpoint
-names become vLLM's parameters is :mod:`shardload.models.vllm_names`; ``shardload convert --layout vllm`` is
-:mod:`shardload.engine.vllm_layout` (neither needs vLLM).
-May import: ``shardload.engine`` and every layer below it.
+- :mod:`.loader`: ``load_format="shardload"`` for vLLM, the only module of shardload that imports vLLM. With vLLM
+  present, the ``vllm.general_plugins`` entry point calls :func:`register` in every vLLM process, which adds it.
+  Copying a rank into vLLM's parameters is the server-neutral :mod:`shardload.integrations.fill`.
+- :mod:`.names`: checkpoint names -> vLLM's parameters (fusion, stacked experts, padded vocabulary);
+  :mod:`.families`: what vLLM's model of each model family fuses and how it names its state.
+- :mod:`.layout`: vLLM's ``sharded_state`` layout planned (which tensors each rank file holds).
+- :mod:`.writer`: ``shardload convert --layout vllm`` (registered by :mod:`.target`, the ``shardload.layouts``
+  entry point); :mod:`.verify`: ``shardload verify --source`` of its output.
+- :mod:`.sharded_state`: a ``sharded_state`` directory read back as a source for any N (the ``shardload.split_formats``
+  entry point); :mod:`.saved`: one vLLM's own ``save_model`` wrote.
+
+``pip install "shardload[vllm]"`` installs nothing of vLLM's (its builds are platform specific); only
+:mod:`.loader` needs vLLM. May import: ``shardload.engine`` and every layer below it; the loader uses the public API
+and :mod:`shardload.integrations.api`.
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@ slice is one contiguous stretch of one (else into a scratch tensor, then copied)
 (``qkv_proj``, ``gate_up_proj``) assembled from their parts along the output dim, MoE experts into their
 stacked parameters, padded vocabularies filled row for row with zeros after the stored rows. A parameter
 left unfilled, a stored tensor with no place in vLLM's model, or a shape that differs is a
-:class:`~shardload.errors.ShardloadError` naming it: a model is never served half loaded. Imports vLLM (only
-this module of shardload does).
+:class:`~shardload.errors.ShardloadError` naming it: a model is never served half loaded. What is vLLM's is here
+(its names, its model's attributes, its placement of experts); copying a rank into the parameters is the
+server-neutral :mod:`shardload.integrations.fill`. Uses the public API and :mod:`shardload.integrations.api` only.
+Imports vLLM (only this module of shardload does).
 """
 
 from __future__ import annotations
@@ -16,31 +18,37 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ...engine.load import load_rank
-from ...engine.read_strategy import ReadOptions
-from ...engine.vllm_plan import open_vllm_shards
-from ...errors import ShardloadError
-from ...format.input_log import records_inputs
-from ...format.shard_info import ShardInfo, StepSpec
-from ...models.families import vllm_names
-from ...models.plan_source import plan_shard_info
-from ...models.vllm_names import (
-    DEFAULT_PACKED,
-    EXPERTS_MODULE,
-    OPTIONAL_SUFFIXES,
-    SHAPE_SUFFIX,
-    SKIPPED_SUFFIXES,
-    Target,
-    padded_vocab,
-    vllm_target,
+from ... import (
+    Checkpoint,
+    Destination,
+    Mesh,
+    ModelPlan,
+    ReadOptions,
+    ShardInfo,
+    ShardloadError,
+    StepSpec,
+    Verify,
+    load_rank,
 )
-from ...planning.plan import ModelPlan, ParamPlan, build_plan
-from ...sources.checkpoint import Checkpoint, open_checkpoint
-from ...sources.dtypes import to_torch
+from ..api import ConvertedBoxes, RankFiles, SavedBoxes, build_plan, open_source, plan_shard_info, records_inputs
+from ..fill import (
+    SHAPE_SUFFIX,
+    FillReport,
+    Target,
+    copy_into,
+    expert_maps,
+    place_slots,
+    vocab_mismatches,
+    vocab_ranges,
+)
+from ..fill import rows as _rows
+from . import sharded_state
+from .families import vllm_names
+from .names import DEFAULT_PACKED, EXPERTS_MODULE, OPTIONAL_SUFFIXES, SKIPPED_SUFFIXES, padded_vocab, vllm_target
 
 if TYPE_CHECKING:
     import torch
@@ -132,22 +140,6 @@ def _model_dir(model_config: Any) -> str:
     return str(path)
 
 
-@dataclass
-class FillReport:
-    """What :func:`fill_model` did: parameters filled, stored tensors used, and where the plan came from."""
-
-    filled: int = 0
-    tensors: int = 0
-    source: str = ""
-    notes: list[str] = field(default_factory=list)
-
-
-@dataclass
-class _Fused:
-    parts: list[torch.Tensor | None]
-    names: list[str | None]
-
-
 @records_inputs
 def fill_model(
     model: nn.Module,
@@ -170,8 +162,10 @@ def fill_model(
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     if mapper is not None and hasattr(mapper, "get_rename_mapper"):
         mapper = mapper.get_rename_mapper()  # renames only: fusion is ours, part by part
-    sharded = open_vllm_shards(model_dir) is not None  # vLLM's sharded_state (ours or save_model's): read as converted
-    checkpoint = None if sharded else open_checkpoint(model_dir)
+    sharded_state.register()  # read vLLM's sharded_state whether or not shardload's entry points are installed
+    source = open_source(model_dir, Mesh(tp=num_shards))
+    sharded = isinstance(source, SavedBoxes)  # vLLM's sharded_state (ours or save_model's): read as converted
+    checkpoint = None if sharded else source.checkpoint
     report = FillReport()
 
     def route(name: str) -> Target | None:
@@ -206,15 +200,15 @@ def fill_model(
             f"no parameter {target.name!r} in vLLM's {type(model).__name__} to take it", file=where, param=name
         )
 
-    vocab = _vocab_ranges(model, targets)
-    experts = _expert_maps(model)
+    vocab = vocab_ranges(model, targets, _vocab_parallel_embedding())
+    experts = expert_maps(model, _expert_map)
     stacked_ep: set[str] = set()
     adjust = (
         _adjustments(checkpoint, rank, expert_parallel=bool(experts))
         if checkpoint is not None
         else (lambda name: None)  # a sharded_state directory's tensors are read back under the source's names
     )
-    if checkpoint is None or checkpoint.kind == "converted":
+    if isinstance(source, (SavedBoxes, RankFiles, ConvertedBoxes)):
         if experts:
             what = "a sharded_state directory is read as" if sharded else "a converted directory holds"
             raise ShardloadError(
@@ -223,12 +217,13 @@ def fill_model(
                 file=where,
             )
         if shard_info is not None:
-            raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=where)
+            raise ShardloadError(source.refusal("shard_info", None) or "", file=where)
         report.source = (
             "sharded_state directory, boxes of its rank files" if sharded else f"converted directory, rank file {rank}"
         )
-        mmap = not sharded and not isinstance(verify, str)  # sharded_state: read in boxes, never mapped
-        stored = load_rank(model_dir, rank, num_shards, verify=verify, mmap=mmap, read_options=read_options)
+        if isinstance(source, RankFiles) and not isinstance(verify, str):  # its own file, mapped: views, no copy
+            read_options = replace(read_options or ReadOptions(), strategy="view")  # boxes are read, never mapped
+        stored = load_rank(model_dir, rank, num_shards, verify=_verify(verify), read_options=read_options)
         embed = next((n for n in stored if n.endswith("embed_tokens.weight")), None)
         if sharded and embed and "lm_head.weight" in targets and "lm_head.weight" not in stored:
             stored = {**stored, "lm_head.weight": stored[embed]}  # vLLM unties the tied head its files hold
@@ -237,6 +232,7 @@ def fill_model(
         tensors: Mapping[str, torch.Tensor] = stored
         direct: set[str] = set()
     else:
+        assert checkpoint is not None
         info, report.source = plan_shard_info(checkpoint, shard_info)
         for name in checkpoint.tensors:  # route every stored name now: stacked experts change the plan
             route(name)
@@ -248,7 +244,7 @@ def fill_model(
     for note in report.notes:
         log.warning("shardload: %s", note)
     report.tensors = len(tensors)
-    filled = _copy_into(targets, tensors, routes, vocab, narrow, where, direct, adjust)
+    filled = copy_into(targets, tensors, routes, vocab, narrow, where, direct, adjust, server="vLLM")
     report.filled = len(filled)
     missing = [
         n for n in targets
@@ -326,7 +322,7 @@ def _read_planned(
         kept = {k: v for k, v in info.params.items() if k not in unsplit}
         info = ShardInfo(kept, info.num_shards, info.version, info.form, info.source)
         plan = build_plan(info, checkpoint, num_shards)
-    mismatched = _vocab_mismatches(plan, routes, vocab, rank)
+    mismatched = vocab_mismatches(plan, routes, vocab, rank)
     if mismatched:
         kept = {k: v for k, v in info.params.items() if k not in mismatched}
         info = ShardInfo(kept, info.num_shards, info.version, info.form, info.source)
@@ -343,63 +339,10 @@ def _read_planned(
     # verify checks every byte against the integrity record; names ``adjust`` changes are read, then changed, so
     # never read in place
     kept_routes = {n: (None if adjust(n) else t) for n, t in routes.items()}
-    slots = _slots(needed, targets, kept_routes, vocab, narrow)
-    tensors = load_rank(checkpoint.path, rank, num_shards, shard_info=info, verify=verify, params=needed.params,
-                        out=slots, read_options=read_options)  # fmt: skip
+    slots = place_slots(needed, targets, kept_routes, vocab, narrow)
+    tensors = load_rank(checkpoint.path, rank, num_shards, shard_info=info, verify=_verify(verify),
+                        into=Destination(slots, only=needed.params), read_options=read_options)  # fmt: skip
     return tensors, set(slots), narrow, routes
-
-
-def _slots(
-    plan: ModelPlan,
-    targets: Mapping[str, Any],
-    routes: Mapping[str, Target | None],
-    vocab: Mapping[str, tuple[int, int, int, int]],
-    narrow: set[str],
-) -> dict[str, torch.Tensor]:
-    """For each stored tensor whose rank slice fits its place in a vLLM parameter exactly: that place (a view)."""
-
-    def fits(view: torch.Tensor, name: str) -> bool:
-        p = plan.params[name]
-        return tuple(view.shape) == tuple(p.shape) and view.dtype == to_torch(p.dtype) and view.is_contiguous()
-
-    slots: dict[str, torch.Tensor] = {}
-    fused: dict[str, dict[int, str]] = {}
-    for name, target in routes.items():
-        if target is None or name not in plan.params:
-            continue
-        data = targets[target.name].data
-        if target.expert is not None:
-            if target.expert < data.shape[0]:
-                view = data[target.expert]
-                rows = view.shape[0] // target.parts
-                view = view.narrow(0, target.part * rows, rows)
-                if fits(view, name):
-                    slots[name] = view
-        elif target.fused:
-            fused.setdefault(target.name, {})[target.part] = name
-        elif target.name in vocab and name not in narrow:
-            rows = plan.params[name].shape[0] if plan.params[name].shape else 0  # stored rows, then any padding
-            if 0 < rows <= data.shape[0] and fits(data[:rows], name):
-                slots[name] = data[:rows]
-        elif fits(data, name):
-            slots[name] = data
-    for vname, parts in fused.items():
-        param = targets[vname]
-        dim = getattr(param, "output_dim", None)
-        names = [parts.get(i) for i in range(routes[next(iter(parts.values()))].parts)]  # type: ignore[union-attr]
-        if dim not in (0, None) or any(n is None for n in names):
-            continue  # assembled by concatenation (and checked) after the reads
-        views, at = {}, 0
-        for n in names:
-            assert n is not None
-            rows = plan.params[n].shape[0] if plan.params[n].shape else 0
-            if at + rows > param.data.shape[0]:
-                break
-            views[n] = param.data.narrow(0, at, rows)
-            at += rows
-        if at == param.data.shape[0] and len(views) == len(names) and all(fits(v, n) for n, v in views.items()):
-            slots.update(views)
-    return slots
 
 
 def _adjustments(
@@ -472,198 +415,21 @@ def _stacked_experts_by_rank(
     return ShardInfo(params, info.num_shards, info.version, info.form, info.source)
 
 
-def _expert_maps(model: nn.Module) -> dict[str, list[int]]:
-    """Under expert parallelism: each stacked expert parameter -> its layer's map of global expert -> this rank's
-    slot (-1: another rank's), as vLLM placed them. Empty without expert parallelism."""
-    maps: dict[str, list[int]] = {}
-    for prefix, module in model.named_modules():
-        manager = getattr(module, "expert_map_manager", None)
-        table = getattr(manager, "expert_map", None) if manager is not None else None
-        if table is None:
-            continue
-        slots = [int(x) for x in table.tolist()]
-        for pname, _ in module.named_parameters(recurse=False):
-            maps[f"{prefix}.{pname}" if prefix else pname] = slots
-    return maps
-
-
-def _vocab_ranges(model: nn.Module, targets: Mapping[str, Any]) -> dict[str, tuple[int, int, int, int]]:
-    """For each vocabulary-parallel parameter: ``(first stored row on this rank, stop, stored rows in all, padded
-    rows per rank)``: vLLM pads the vocabulary to a multiple of 64, then splits it evenly."""
+def _vocab_parallel_embedding() -> type:
+    """vLLM's vocabulary-parallel embedding class (its LM head is one too): it pads the vocabulary to a multiple of
+    64, then splits it evenly."""
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    ranges = {}
-    for prefix, module in model.named_modules():
-        if not isinstance(module, VocabParallelEmbedding):
-            continue
-        name = f"{prefix}.weight" if prefix else "weight"
-        if name in targets:
-            si = module.shard_indices
-            ranges[name] = (si.org_vocab_start_index, si.org_vocab_end_index, module.org_vocab_size,
-                            si.num_org_elements_padded)  # fmt: skip
-    return ranges
+    return VocabParallelEmbedding
 
 
-def _rows(span: tuple[int, ...]) -> int:
-    return span[1] - span[0]
+def _expert_map(module: Any) -> Any:
+    """A vLLM MoE layer's map of global expert -> this rank's slot (None: the module keeps none)."""
+    manager = getattr(module, "expert_map_manager", None)
+    return getattr(manager, "expert_map", None) if manager is not None else None
 
 
-def _vocab_mismatches(
-    plan: ModelPlan, routes: Mapping[str, Target | None], vocab: Mapping[str, tuple[int, int, int, int]], rank: int
-) -> set[str]:
-    """Stored vocabulary tensors whose planned rank slice is not vLLM's row range, then only padding (they are read
-    whole instead): a padding rule other than vLLM's moves the rows."""
-    wrong = set()
-    for name, param in plan.params.items():
-        target = routes[name]
-        if target is None or target.name not in vocab or param.replicated:
-            continue
-        if _row_span(param, rank) != vocab[target.name][:2]:
-            wrong.add(name)
-    return wrong
-
-
-def _row_span(param: ParamPlan, rank: int) -> tuple[int, int] | None:
-    """The stored rows ``rank`` gets when its slice is whole rows, in order, followed by nothing but whole rows of
-    padding (zeros, :meth:`ParamPlan.zeros`); else None."""
-    pieces = param.pieces(rank)
-    if not pieces:
-        return None
-    full = [(0, n) for n in param.source.shape[1:]]
-    rows = sorted((p.src[0], p.dst[0]) for p in pieces)
-    if any(list(p.src[1:]) != full for p in pieces) or param.shape[1:] != param.source.shape[1:]:
-        return None
-    start, stop = rows[0][0][0], rows[0][0][0]
-    for src, dst in rows:
-        if src[0] != stop or dst[0] != stop - start:
-            return None
-        stop = src[1]
-    at = stop - start
-    for box in sorted(param.zeros(rank)):
-        if list(box[1:]) != full or box[0][0] != at:
-            return None
-        at = box[0][1]
-    return (start, stop) if at == param.shape[0] else None
-
-
-def _copy_into(
-    targets: Mapping[str, Any],
-    tensors: Mapping[str, torch.Tensor],
-    routes: Mapping[str, Target | None],
-    vocab: Mapping[str, tuple[int, int, int, int]],
-    narrow: set[str],
-    where: str,
-    direct: set[str] = frozenset(),  # type: ignore[assignment]
-    adjust: Callable[[str], Callable[[torch.Tensor], torch.Tensor] | None] = lambda name: None,
-) -> set[str]:
-    """Copy each rank tensor into its vLLM parameter (those in ``direct`` were read there; those ``adjust`` names
-    changed first); return the parameters filled."""
-    import torch
-
-    filled: set[str] = set()
-    fused: dict[str, _Fused] = {}
-    experts: dict[str, set[tuple[int, int]]] = {}
-    for name, tensor in tensors.items():
-        target = routes.get(name)
-        if target is None:
-            continue
-        change = adjust(name)
-        tensor = tensor if change is None else change(tensor)
-        param = targets[target.name]
-        if target.expert is not None:
-            seen = experts.setdefault(target.name, set())
-            if (target.expert, target.part) in seen:
-                raise ShardloadError(f"a second stored tensor for expert {target.expert} of {target.name!r}",
-                                     file=where, param=name)  # fmt: skip
-            if name not in direct:
-                _fill_expert(param, tensor, target, where, name)
-            seen.add((target.expert, target.part))
-            if len(seen) == param.shape[0] * target.parts:
-                filled.add(target.name)
-            continue
-        if target.name in filled:
-            raise ShardloadError(f"a second stored tensor for vLLM parameter {target.name!r}", file=where, param=name)
-        if not target.fused:
-            if target.name in vocab:
-                _fill_vocab(param, tensor, vocab[target.name], name in narrow, where, name, name in direct)
-            elif name not in direct:
-                _check_shape(param, tensor.shape, where, name, target.name)
-                param.data.copy_(tensor)
-            filled.add(target.name)
-            continue
-        group = fused.setdefault(target.name, _Fused([None] * target.parts, [None] * target.parts))
-        if group.parts[target.part] is not None:
-            raise ShardloadError(f"a second stored tensor for part {target.part} of {target.name!r}", file=where,
-                                 param=name)  # fmt: skip
-        group.parts[target.part], group.names[target.part] = tensor, name
-        if all(n in direct for n in group.names):
-            del fused[target.name]
-            filled.add(target.name)
-        elif all(p is not None for p in group.parts):
-            dim = getattr(param, "output_dim", None)
-            dim = 0 if dim is None else dim
-            parts = [p for p in group.parts if p is not None]
-            whole = parts[-1] if target.name.endswith(SHAPE_SUFFIX) else torch.cat(parts, dim=dim)
-            _check_shape(param, whole.shape, where, " + ".join(n for n in group.names if n), target.name)
-            param.data.copy_(whole)
-            del fused[target.name]
-            filled.add(target.name)
-    for vname, seen in experts.items():
-        if vname not in filled:
-            absent = sorted({e for e in range(targets[vname].shape[0]) for p in (0, 1) if (e, p) not in seen})
-            raise ShardloadError(f"expert(s) {absent[:8]} of vLLM's stacked parameter {vname!r} are not all in the "
-                                 "checkpoint", file=where)  # fmt: skip
-    for vname, group in fused.items():
-        absent = [i for i, p in enumerate(group.parts) if p is None]
-        raise ShardloadError(f"part(s) {absent} of vLLM's fused parameter {vname!r} are not in the checkpoint",
-                             file=where, param=next(n for n in group.names if n))  # fmt: skip
-    return filled
-
-
-def _fill_expert(param: Any, tensor: torch.Tensor, target: Target, where: str, name: str) -> None:
-    """One expert's projection into vLLM's stacked parameter: ``w13`` = [gate rows; up rows], ``w2`` whole."""
-    assert target.expert is not None
-    if target.expert >= param.shape[0]:
-        raise ShardloadError(
-            f"vLLM's {target.name!r} holds {param.shape[0]} experts on this rank, not expert {target.expert}",
-            file=where,
-            param=name,
-        )
-    dest = param.data[target.expert]
-    if target.parts > 1:
-        rows = dest.shape[0] // target.parts
-        dest = dest.narrow(0, target.part * rows, rows)
-    _check_shape(dest, tensor.shape, where, name, f"{target.name}[{target.expert}]")
-    dest.copy_(tensor)
-
-
-def _check_shape(param: Any, shape: Sequence[int], where: str, name: str, vname: str) -> None:
-    if tuple(param.shape) != tuple(shape):
-        raise ShardloadError(
-            f"vLLM's {vname!r} on this rank is {list(param.shape)}, the plan gives {list(shape)} (is the shard_info's "
-            "split vLLM's?)",
-            file=where,
-            param=name,
-        )
-
-
-def _fill_vocab(
-    param: Any, tensor: torch.Tensor, span: tuple[int, int, int, int], whole: bool, where: str, name: str, placed: bool
-) -> None:
-    """A padded vocabulary shard: the stored rows ``span`` covers (already there when ``placed``), then zeros.
-    ``tensor`` is the whole vocabulary when ``whole``, else this rank's stored rows, perhaps followed by padding."""
-    start, stop, _, _ = span
-    if placed:
-        param.data[stop - start :].zero_()
-        return
-    rows = tensor.narrow(0, start, stop - start) if whole else tensor[: stop - start]
-    fits = rows.shape[0] == stop - start <= param.shape[0] and tuple(rows.shape[1:]) == tuple(param.shape[1:])
-    if not fits:
-        raise ShardloadError(
-            f"vLLM's vocabulary shard is {list(param.shape)} holding stored rows {start}..{stop}; the plan gives "
-            f"{list(tensor.shape)}",
-            file=where,
-            param=name,
-        )
-    param.data[: rows.shape[0]].copy_(rows)
-    param.data[rows.shape[0] :].zero_()
+def _verify(verify: bool | str) -> bool | Verify:
+    """The loader's ``verify`` setting (True, False, or a pinned root from the server's config) as ``load_rank``
+    takes it."""
+    return Verify(root=verify) if isinstance(verify, str) else verify

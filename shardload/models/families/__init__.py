@@ -7,13 +7,10 @@ one at run time (a plugin, a test).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from ...errors import PlanError
-from ..vllm_names import DEFAULT_PACKED
 from .bert import BERT
 from .deepseek import DEEPSEEK
-from .family import ROLES, Family, VllmNames
+from .family import ROLES, Family
 from .gpt_oss import GPT_OSS
 from .llama import llama_named
 
@@ -21,14 +18,11 @@ __all__ = [
     "FAMILIES",
     "ROLES",
     "Family",
-    "VllmNames",
     "family_for",
     "gguf_model_type",
     "llama_named",
     "model_types",
     "register_family",
-    "vllm_names",
-    "vllm_packing",
 ]
 
 FAMILIES: list[Family] = [
@@ -38,24 +32,9 @@ FAMILIES: list[Family] = [
     llama_named("qwen3", "qwen3"),
     llama_named("phi3", "phi3", gguf_overrides={"ffn_up": "gate_up"}),  # Phi-3 stores gate and up fused
     llama_named("mixtral", "mixtral"),
-    llama_named("gemma2", "gemma2", vllm=VllmNames(tied_head=False)),  # vLLM's Gemma 2 has no lm_head
-    llama_named(
-        "qwen2_moe",
-        "qwen2_moe",
-        gguf_architectures={"qwen2moe": "qwen2_moe"},
-        vllm=VllmNames(
-            state_names={
-                ".mlp.shared_expert.": ".mlp.experts._shared_experts._layer.",
-                ".mlp.shared_expert_gate.": ".mlp.experts._shared_experts._layer.expert_gate.",
-            }
-        ),
-    ),
-    llama_named(
-        "qwen3_moe",
-        "qwen3_moe",
-        gguf_architectures={"qwen3moe": "qwen3_moe"},
-        vllm=VllmNames(state_names={".mlp.gate.weight": ".mlp.experts.gate.weight"}),
-    ),
+    llama_named("gemma2", "gemma2"),
+    llama_named("qwen2_moe", "qwen2_moe", gguf_architectures={"qwen2moe": "qwen2_moe"}),
+    llama_named("qwen3_moe", "qwen3_moe", gguf_architectures={"qwen3moe": "qwen3_moe"}),
     DEEPSEEK,
     GPT_OSS,
     BERT,
@@ -86,15 +65,3 @@ def register_family(family: Family) -> Family:
         raise PlanError(f"model family {family.name!r}: model type(s) {taken} already belong to a family")
     FAMILIES.append(family)
     return family
-
-
-def vllm_names(model_type: object) -> VllmNames:
-    """How vLLM's model of ``model_type`` names its state: its family's, else Llama's."""
-    family = family_for(model_type)
-    return VllmNames() if family is None else family.vllm
-
-
-def vllm_packing(model_type: object) -> Mapping[str, tuple[str, ...]]:
-    """vLLM's ``packed_modules_mapping`` for ``model_type``: its family's, else Llama's."""
-    family = family_for(model_type)
-    return DEFAULT_PACKED if family is None else family.vllm_packed

@@ -3,7 +3,7 @@ as ``[experts, in, out]`` with gate and up interleaved along ``out``."""
 
 from __future__ import annotations
 
-from .family import Family, VllmNames
+from .family import Family
 
 ROLES: dict[str, str] = {
     "embed_tokens": "vocab",
@@ -19,23 +19,8 @@ ROLES: dict[str, str] = {
 }
 """Path suffixes -> role. One sink per head: split like the heads (N divides them). ``gate_up_proj`` [experts,
 hidden, 2 x intermediate], gate and up interleaved (g0, u0, g1, u1, ...): a rank's run of the last dim is its
-intermediate rows' pairs, as vLLM splits it; its bias the same along dim 1; ``down_proj`` [experts, intermediate,
+intermediate rows' pairs, as servers split it; its bias the same along dim 1; ``down_proj`` [experts, intermediate,
 hidden] by rows; ``down_proj_bias`` and the router whole."""
 
-GPT_OSS = Family(
-    "gpt_oss",
-    ("gpt_oss",),
-    ROLES,
-    vllm_packed={"qkv_proj": ("q_proj", "k_proj", "v_proj")},
-    vllm=VllmNames(
-        state_names={
-            ".self_attn.": ".attn.",
-            ".embed_tokens.": ".embedding.",
-            ".experts.gate_up_proj_bias": ".experts.routed_experts.w13_bias",
-            ".experts.down_proj_bias": ".experts.routed_experts.w2_bias",
-        },
-        transposed=("experts.gate_up_proj", "experts.down_proj"),
-        first_rank_only=("experts.down_proj_bias",),
-    ),
-)
-"""OpenAI's GPT-OSS (unquantized: vLLM's loader transposes the experts, and keeps the down bias on rank 0 only)."""
+GPT_OSS = Family("gpt_oss", ("gpt_oss",), ROLES)
+"""OpenAI's GPT-OSS."""

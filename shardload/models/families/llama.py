@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .family import Family, VllmNames
+from .family import Family
 
 ROLES: dict[str, str] = {
     "embed_tokens": "vocab",
@@ -61,9 +61,8 @@ def llama_named(
     *model_types: str,
     gguf_overrides: Mapping[str, str] | None = None,
     gguf_architectures: Mapping[str, str] | None = None,
-    vllm: VllmNames | None = None,
 ) -> Family:
     """A family that keeps Llama's tensor names (``gguf_overrides``: the GGUF names whose role differs;
-    ``gguf_architectures``: GGUF architecture names -> model type where they differ; ``vllm``: vLLM's names)."""
+    ``gguf_architectures``: GGUF architecture names -> model type where they differ."""
     gguf = {**GGUF_ROLES, **(gguf_overrides or {})}
-    return Family(name, model_types, ROLES, gguf, dict(gguf_architectures or {}), vllm=vllm or VllmNames())
+    return Family(name, model_types, ROLES, gguf, dict(gguf_architectures or {}))

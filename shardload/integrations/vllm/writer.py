@@ -8,7 +8,8 @@ by columns, embeddings and the LM head padded with zero rows to a multiple of 64
 split by rows (a tied LM head is stored once, under ``lm_head.weight``, the key vLLM keeps). The rank tensors come
 from the model's shard_info (or a plan made in memory from config.json), streamed one parameter at a time; the
 output is staged and published like :func:`shardload.convert`'s, with a manifest so ``shardload verify`` checks
-it. Never imports vLLM.
+it. The source is any :func:`~shardload.sources.source_types.open_source` opens: a checkpoint, a converted directory,
+or a ``sharded_state`` directory (:mod:`.sharded_state`). Never imports vLLM.
 """
 
 from __future__ import annotations
@@ -19,22 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ShardloadError
-from ..format.input_log import records_inputs
-from ..models.vllm_names import vocab_range
-from ..planning.plan import ParamPlan
-from ..sources.checkpoint import (
-    CONVERSION_KEY,
-    VLLM_MANIFEST_FORMAT,
-    Checkpoint,
-    as_path,
-    open_checkpoint,
-    read_config,
-)
-from ..sources.object_reader import reader_for
-from ..version import __version__
-from .integrity import verifier, wrapped
-from .output import (
+from ...engine.integrity import verifier, wrapped
+from ...engine.output import (
     StagingDir,
     check_output,
     publish_with_manifest,
@@ -42,32 +29,28 @@ from .output import (
     stamp_sources,
     write_error,
 )
-from .reshard import RECORD_KEY, VALUE_BYTES, ShardsSource, open_shards, record_of, shards_verify, source_record
-from .run import iter_shards, materialize
-from .transfer import reader_for_plan
-from .vllm_plan import (
-    FILE_PATTERN,
-    VllmLayout,
-    VllmTensor,
-    check_vllm_manifest,
-    open_vllm_shards,
-    plan_layout,
-    rank_path,
+from ...engine.reshard import (
+    RECORD_KEY,
+    VALUE_BYTES,
+    ShardsSource,
+    record_of,
+    source_record,
 )
-from .writer import FileWriter, WrittenFile, new_conversion, write_output_record, written_record
-
-__all__ = [
-    "FILE_PATTERN",
-    "VllmLayout",
-    "VllmTensor",
-    "check_vllm_manifest",
-    "convert_vllm",
-    "open_vllm_shards",
-    "plan_layout",
-    "rank_path",
-    "rank_tensors",
-]
-"""The planning half lives in :mod:`.vllm_plan` (below :mod:`.load`); its names are re-exported here."""
+from ...engine.routes import open_boxes
+from ...engine.run import iter_shards, materialize
+from ...engine.transfer import reader_for_plan
+from ...engine.writer import FileWriter, WrittenFile, new_conversion, write_output_record, written_record
+from ...errors import ShardloadError
+from ...format.input_log import records_inputs
+from ...planning.plan import ParamPlan
+from ...sources.checkpoint import CONVERSION_KEY, VLLM_MANIFEST_FORMAT, Checkpoint, as_path, read_config
+from ...sources.object_reader import reader_for
+from ...sources.source_types import ConvertedBoxes, SavedBoxes, as_boxes, check_options, open_source
+from ...version import __version__
+from . import sharded_state
+from .layout import VllmLayout, VllmTensor, plan_layout
+from .names import vocab_range
+from .sharded_state import FILE_PATTERN
 
 if TYPE_CHECKING:
     import torch
@@ -172,19 +155,14 @@ def convert_vllm(
     out = as_path(out_dir, "out_dir")
     if type(num_shards) is not int or num_shards < 1:
         raise ShardloadError(f"num_shards must be a positive integer, got {num_shards!r}", file=str(model))
-    shards = open_vllm_shards(model, verify=verify is True)
-    checkpoint = shards.stored if shards is not None else open_checkpoint(model)
-    if shards is not None:
-        shards_verify(verify, str(model))  # a pinned root cannot be checked here: refused, not skipped
-        if shard_info is not None:
-            raise ShardloadError("a sharded_state directory carries its own shard_info; do not pass one",
-                                 file=str(model))  # fmt: skip
-        shard_info = shards.shard_info
-        checkpoint.files = sorted(set(shards.files.values()))
-    elif checkpoint.kind == "converted":  # a directory converted for some N: each rank read out of its rank files
-        if shard_info is not None:
-            raise ShardloadError("a converted directory carries its own shard_info; do not pass one", file=str(model))
-        shards = open_shards(checkpoint, verify=shards_verify(verify, checkpoint.name))
+    sharded_state.register()  # this integration's own source format, whether or not its entry points are installed
+    source = as_boxes(open_source(model, checksums=verify is True))
+    shards: ShardsSource | None = None
+    checkpoint = source.checkpoint
+    if isinstance(source, (SavedBoxes, ConvertedBoxes)):  # stored split: each rank read out of its files
+        given = {"shard_info": shard_info is not None, "verify_root": isinstance(verify, str), "verify": bool(verify)}
+        check_options(source, given, None)
+        shards = open_boxes(source, verify)
         checkpoint, shard_info = shards.stored, shards.shard_info
         checkpoint.files = sorted(set(shards.files.values()))
     stamps = stamp_sources(checkpoint.files)

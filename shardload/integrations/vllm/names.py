@@ -4,13 +4,31 @@ vLLM fuses a layer's projections into one parameter (``q_proj``, ``k_proj``, ``v
 ``gate_proj``, ``up_proj`` -> ``gate_up_proj``), concatenating each rank's parts along the output dim in the
 mapping's order, and stacks a mixture-of-experts layer's experts into two parameters (``experts.w13_weight``:
 [experts, gate rows + up rows, hidden]; ``experts.w2_weight``: [experts, hidden, down columns]). Pure: names
-only, no vLLM import, so ``convert --layout vllm`` works without vLLM installed.
+only, no vLLM import, so ``convert --layout vllm`` works without vLLM installed. A :class:`Target` is the
+server-neutral one of :mod:`shardload.integrations.fill`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+
+from ..fill import SHAPE_SUFFIX, Target
+
+__all__ = [
+    "DEFAULT_PACKED",
+    "EXPERTS_MODULE",
+    "EXPERT_PROJECTIONS",
+    "OPTIONAL_SUFFIXES",
+    "SHAPE_SUFFIX",
+    "SKIPPED_SUFFIXES",
+    "STACKED_EXPERTS",
+    "VOCAB_PADDING",
+    "Target",
+    "is_vocab",
+    "padded_vocab",
+    "vllm_target",
+    "vocab_range",
+]
 
 DEFAULT_PACKED: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -37,27 +55,8 @@ STACKED_EXPERTS: dict[str, str] = {"gate_up_proj": "w13_weight", "down_proj": "w
 EXPERTS_MODULE = "routed_experts"
 """The submodule of a vLLM MoE layer's ``experts`` that holds the stacked parameters (vLLM 0.32; older: none)."""
 
-SHAPE_SUFFIX = ".weight_shape"
-"""compressed-tensors' packed weights' logical shape: vLLM keeps the stored (unsplit) value, and for a fused
-parameter one vector, its last part's (what its own loader leaves there)."""
-
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 """Buffers some checkpoints store that vLLM recomputes; its own loader skips them too."""
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where a stored tensor goes in vLLM: the parameter, its part among ``parts`` fused ones (0 of 1: unfused)."""
-
-    name: str
-    part: int = 0
-    parts: int = 1
-    expert: int | None = None
-    """For a stacked expert parameter: the expert (the index into its first dim)."""
-
-    @property
-    def fused(self) -> bool:
-        return self.parts > 1
 
 
 def vllm_target(name: str, packed: Mapping[str, Sequence[str]] = DEFAULT_PACKED) -> Target:

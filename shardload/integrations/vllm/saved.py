@@ -4,7 +4,7 @@ was loaded from.
 Such a directory holds ``model-rank-{rank}-part-{part}.safetensors`` files and nothing else: vLLM's names, its
 fused ``qkv_proj``/``gate_up_proj``, stacked experts and padded vocabulary, no manifest. From the model's
 config.json (copied beside the files) and rank 0's headers this module rebuilds the original checkpoint's header:
-Hugging Face names, whole shapes and dtypes. :func:`~shardload.engine.vllm_plan.open_vllm_shards` then plans it
+Hugging Face names, whole shapes and dtypes. :func:`~.sharded_state.open_vllm_shards` then plans it
 for the directory's own N exactly as ``convert --layout vllm`` would have and checks every rank file against that
 plan (names, shapes, dtypes), so a wrong guess of the header is one located line there. The files' contents are
 only sampled (:func:`check_contents`): vLLM writes no checksums, so two rank files of one save swapped by name are
@@ -19,13 +19,13 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, ShardloadError
-from ..format.shard_info import MAX_RANKS, ShardInfo
-from ..models.families import vllm_names, vllm_packing
-from ..models.vllm_names import EXPERTS_MODULE, is_vocab
-from ..sources.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo, read_config, read_header_and_metadata
-from ..sources.dtypes import itemsize
-from .reshard import STORED, stored_shape
+from ...engine.reshard import STORED, stored_shape
+from ...errors import CheckpointError, ShardloadError
+from ...format.shard_info import MAX_RANKS, ShardInfo
+from ...sources.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo, read_config, read_header_and_metadata
+from ...sources.dtypes import itemsize
+from .families import vllm_names, vllm_packing
+from .names import EXPERTS_MODULE, is_vocab
 
 SAVED_FILE_RE = re.compile(r"model-rank-(0|[1-9][0-9]{0,8})-part-(0|[1-9][0-9]{0,8})\.safetensors")
 """vLLM's default ``save_model`` file name at tensor parallelism only (its ``TP_ONLY_PATTERN``)."""
@@ -222,7 +222,7 @@ def _stored_header(root: Path, config: dict[str, Any], rank0: dict[str, TensorIn
 
 def saved_shard_info(stored: Checkpoint, n: int) -> ShardInfo:
     """The shard_info planned from config.json for the rebuilt checkpoint ``stored`` of a save for ``n`` ranks."""
-    from ..models.generated import generate
+    from ...models.generated import generate
 
     try:
         generated = generate(stored, check_up_to=0)
@@ -289,8 +289,8 @@ def check_contents(save: VllmSave, replicated: list[str], split: str | None) -> 
     (else one file is a copy of another's)."""
     import torch
 
-    from ..sources.object_reader import reader_for
-    from ..sources.reader import Reader
+    from ...sources.object_reader import reader_for
+    from ...sources.reader import Reader
 
     def read(reader: Reader, info: TensorInfo, nbytes: int) -> torch.Tensor:
         out = torch.empty(nbytes, dtype=torch.uint8)

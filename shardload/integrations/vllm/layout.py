@@ -1,52 +1,26 @@
-"""vLLM's ``sharded_state`` layout, planned: which vLLM tensors each rank file holds (:func:`plan_layout`), and a
-``sharded_state`` directory opened as a source for any N (:func:`open_vllm_shards`), whether ``convert --layout
-vllm`` or vLLM's own ``save_model`` wrote it. Below :mod:`.load`, so loading can read such a directory; writing one
-is :mod:`.vllm_layout`'s. Never imports vLLM.
+"""vLLM's ``sharded_state`` layout, planned: which vLLM tensors each rank file holds, and how each is made from the
+stored tensors (:func:`plan_layout`; headers only, no tensor data). Writing the files is :mod:`.writer`'s, reading
+such a directory back as a source for any N :mod:`.sharded_state`'s. Never imports vLLM.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, ShardloadError
-from ..format.shard_info import MAX_RANKS, ShardInfo, StepSpec
-from ..models.families import VllmNames, vllm_names, vllm_packing
-from ..models.plan_source import plan_shard_info
-from ..models.vllm_names import (
-    SHAPE_SUFFIX,
-    SKIPPED_SUFFIXES,
-    STACKED_EXPERTS,
-    Target,
-    is_vocab,
-    vllm_target,
-    vocab_range,
-)
-from ..planning.plan import ModelPlan, build_plan
-from ..sources.checkpoint import (
-    VLLM_MANIFEST_FORMAT,
-    Checkpoint,
-    TensorInfo,
-    check_conversion,
-    manifest_file_entry,
-    read_config,
-    short_repr,
-)
-from ..sources.dtypes import DTYPES, itemsize
-from ..version import __version__
-from .reshard import RECORD_KEY, ShardsSource, read_record
-from .vllm_saved import check_contents, read_vllm_save, saved_shard_info
+from ...errors import ShardloadError
+from ...format.shard_info import ShardInfo, StepSpec
+from ...models.plan_source import plan_shard_info
+from ...planning.plan import ModelPlan, build_plan
+from ...sources.checkpoint import Checkpoint, read_config
+from ...sources.dtypes import DTYPES, itemsize
+from ...version import __version__
+from .families import VllmNames, vllm_names, vllm_packing
+from .names import SHAPE_SUFFIX, SKIPPED_SUFFIXES, STACKED_EXPERTS, Target, is_vocab, vllm_target, vocab_range
 
-FILE_PATTERN = "model-rank-{rank}-part-0.safetensors"
-"""vLLM's ``ShardedStateLoader`` file name for tensor-parallel rank ``rank`` (one part per rank)."""
-_RANK_FILE_RE = re.compile(r"model-rank-(0|[1-9][0-9]{0,8})-part-(0|[1-9][0-9]{0,8})\.safetensors")
-"""A file vLLM's ``ShardedStateLoader`` reads: rank, part (shardload writes part 0 only)."""
 ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 """Float32 scalars (1.0 unless a checkpoint quantizes the KV cache) each vLLM attention layer keeps in its state."""
 ATTENTION_WEIGHTS = tuple(
@@ -344,187 +318,3 @@ def _stacked_by_expert(checkpoint: Checkpoint, stored: list[str], num_shards: in
 
 def _only(checkpoint: Checkpoint, tensors: dict[str, Any]) -> Checkpoint:
     return Checkpoint(checkpoint.path, checkpoint.root, checkpoint.kind, tensors, checkpoint.files)
-
-
-def check_vllm_manifest(manifest: Any, where: Path) -> None:
-    """Check a ``sharded_state`` output's manifest as :func:`~shardload.sources.checkpoint.check_manifest` checks
-    the plain layout's: num_shards within the rank cap, plain file names listed once, every rank's file listed
-    exactly once and no rank file of another N."""
-
-    def bad(reason: str) -> CheckpointError:
-        return CheckpointError(f"inconsistent manifest: {reason}", file=str(where))
-
-    if not isinstance(manifest, dict) or manifest.get("format") != VLLM_MANIFEST_FORMAT:
-        raise bad(f"'format' is not {VLLM_MANIFEST_FORMAT!r}")
-    if manifest.get("version") != 1 or type(manifest.get("version")) is not int:
-        raise bad(f"unsupported version {short_repr(manifest.get('version'))} (this shardload reads 1)")
-    n, files = manifest.get("num_shards"), manifest.get("files")
-    if type(n) is not int or n < 1 or not isinstance(files, list):
-        raise bad("needs an integer 'num_shards' >= 1 and a 'files' list")
-    if n > MAX_RANKS:
-        raise bad(f"num_shards={n} is over the limit of {MAX_RANKS}")
-    check_conversion(manifest, bad)
-    seen: set[str] = set()
-    ranks: set[int] = set()
-    for entry in files:
-        path = manifest_file_entry(entry, seen, where)
-        match = _RANK_FILE_RE.fullmatch(path)
-        if match:
-            if match[2] != "0" or int(match[1]) >= n:
-                raise bad(f"lists {path}, which is not a rank file of num_shards={n}")
-            ranks.add(int(match[1]))
-    missing = [r for r in range(n) if r not in ranks]
-    if missing:
-        name = FILE_PATTERN.format(rank=missing[0])
-        raise bad(f"lists no file {name} ({len(missing)} of {n} rank files unlisted)")
-
-
-def open_vllm_shards(model: Any, verify: bool = False) -> ShardsSource | None:
-    """A ``sharded_state`` directory ``convert --layout vllm`` or vLLM's own ``save_model`` wrote, as a source for
-    any N (None when ``model`` is no such directory): its record (or the header rebuilt from config.json) planned
-    again for its own N says which rows of which vLLM rank tensor hold each plain rank tensor (fused parts and
-    stacked experts are row blocks; the vocabulary is padded per vLLM's rule). Every rank file is checked (listed,
-    size, each tensor's shape and dtype; with ``verify`` its sha256) before any tensor byte is read."""
-    from ..sources.checkpoint import MANIFEST_NAME, read_header, read_json
-    from .verify import check_entry
-
-    if not isinstance(model, (str, os.PathLike)) or not Path(model).is_dir():
-        return None
-    root = Path(model)
-    where = root / MANIFEST_NAME
-    if not where.is_file():
-        return _open_vllm_save(root, verify)
-    manifest = read_json(where, "manifest")
-    if not isinstance(manifest, dict) or manifest.get("format") != VLLM_MANIFEST_FORMAT:
-        return None
-    check_vllm_manifest(manifest, where)
-    n_old = manifest["num_shards"]
-    if manifest.get("expert_parallel") is True:
-        raise CheckpointError(
-            f"is vLLM's sharded_state layout for num_shards={n_old} with expert parallelism: not a source for "
-            "another N or layout yet; serve it with load_format='sharded_state' at that N, or convert the source",
-            file=str(where),
-        )
-    record = manifest.get(RECORD_KEY)
-    if not isinstance(record, dict):
-        raise CheckpointError(
-            f"is vLLM's sharded_state layout for num_shards={n_old} without a source record (written by vLLM itself "
-            "or an older shardload): serve it with load_format='sharded_state' at that N, or convert the source "
-            "checkpoint",
-            file=str(where),
-        )
-    shell = Checkpoint(root, root, "converted", {}, [], manifest)
-    info, stored, values = read_record(record, shell, str(where))
-    entries = {e["path"]: e for e in manifest["files"]}
-    found: dict[int, dict[str, TensorInfo]] = {}
-    for r in range(n_old):
-        path, problem = check_entry(root, entries[FILE_PATTERN.format(rank=r)], verify, manifest, rank=r)
-        if problem is not None:
-            raise problem
-        found[r] = read_header(path)
-    return _vllm_source(shell, info, stored, values, n_old, found, [where], "the manifest's plan")
-
-
-def _open_vllm_save(root: Path, verify: bool) -> ShardsSource | None:
-    """A directory vLLM's own ``save_model`` wrote (no manifest; config.json copied beside it) as a source for any
-    N: the original checkpoint's header rebuilt (:mod:`.vllm_saved`), planned for the directory's N as ``convert
-    --layout vllm`` plans it, every rank file checked against that plan (None: ``root`` holds no such files)."""
-    save = read_vllm_save(root)
-    if save is None:
-        return None
-    if verify:
-        raise ShardloadError(
-            "verify=True checks rank files against a manifest's sha256, and vLLM's save_model writes none: convert "
-            "without verify (every rank file's shapes and dtypes are still checked), or convert the original",
-            file=str(root),
-        )
-    info = saved_shard_info(save.stored, save.num_shards)
-    shell = Checkpoint(root, root, "converted", {}, [])
-    extra = [p for paths in save.files.values() for p in paths[1:]] + [root / "config.json"]
-    source = _vllm_source(shell, info, save.stored, {}, save.num_shards, save.headers, extra, "config.json")
-    layout = plan_layout(save.stored, save.num_shards, info)
-    body = [t for t in layout.tensors if not t.vocab and t.constant is None]
-    whole = [t.name for t in body if all(layout.plan.params[p].replicated for p in t.parts)]
-    split = next((t.name for t in body if t.name not in whole), None)
-    check_contents(save, whole, split if save.num_shards > 1 else None)
-    return source
-
-
-def _vllm_source(
-    shell: Checkpoint,
-    info: ShardInfo,
-    stored: Checkpoint,
-    values: dict[str, bytes],
-    n_old: int,
-    found: dict[int, dict[str, TensorInfo]],
-    extra: list[Path],
-    said_by: str,
-) -> ShardsSource:
-    """A ``sharded_state`` directory of ``n_old`` ranks as a source for any N: ``stored`` planned for ``n_old`` as
-    ``convert --layout vllm`` plans it, each rank's tensors ``found`` checked against that plan (every tensor, of
-    its shape and dtype, nothing else), and each plain rank tensor located as rows of a vLLM rank tensor."""
-    from ..planning.mesh import Mesh
-    from ..planning.plan import ModelPlan, Piece
-    from ..planning.registry import Box
-    from ..planning.reshard import FixedPlan
-
-    layout = plan_layout(stored, n_old, info)
-    across = next((t.name for t in layout.tensors if t.dim or t.transposed or t.first_rank_only), None)
-    if across is not None:  # its parts are columns of the rank tensor, not row blocks, or not the stored values
-        raise CheckpointError(
-            f"is vLLM's sharded_state layout for num_shards={n_old} of a GPTQ, AWQ or GPT-OSS model, whose rank "
-            "tensors join their parts along the columns or change them: not a source for another N or layout yet; "
-            "convert the source checkpoint",
-            file=str(extra[0] if extra else stored.path),
-            param=across,
-        )
-    files: dict[tuple[int, int], Path] = {}
-    headers: dict[tuple[int, int], dict[str, TensorInfo]] = {}
-    expected = {t.name for t in layout.tensors}
-    for r in range(n_old):
-        own: dict[str, TensorInfo] = {}
-        first = min((t.file for t in found[r].values()), default=None)
-        for name, got in found[r].items():
-            if name not in expected:
-                raise CheckpointError(f"is no tensor of {said_by}'s plan for num_shards={n_old}", file=str(got.file),
-                                      param=name)  # fmt: skip
-        for t in layout.tensors:
-            got = found[r].get(t.name)
-            if got is None or (got.shape, got.dtype) != (tuple(t.shape), t.dtype):
-                said = "missing" if got is None else f"{got.dtype} {list(got.shape)}"
-                path = got.file if got is not None else first
-                raise CheckpointError(f"is {said}, but {said_by}'s plan gives {t.dtype} {list(t.shape)}",
-                                      file=str(path), param=t.name)  # fmt: skip
-            if t.vocab:
-                own[t.parts[0]] = got
-                continue
-            offset = got.offset
-            per = len(t.parts) // max(1, t.experts)
-            for k, name in enumerate(t.parts):
-                part = layout.plan.params[name]
-                nbytes = part.rank_nbytes
-                own[name] = TensorInfo(name, part.dtype, tuple(part.shape), got.file, offset, nbytes)
-                offset += nbytes
-                if t.experts and (k + 1) % per == 0:
-                    offset = got.offset + (k + 1) // per * (got.nbytes // t.experts)
-        if first is not None:
-            files[(0, r)] = first
-        headers[(0, r)] = own
-    old_params: dict[str, Any] = dict(layout.plan.params)
-    for name, whole_info in layout.vocab_plan.params.items():
-        rows = whole_info.source.shape[0]
-        rest: Box = tuple((0, n) for n in whole_info.source.shape[1:])
-        boxes = []
-        for r in range(n_old):
-            start, stop, _ = vocab_range(rows, r, n_old)
-            boxes.append([Piece(((start, stop), *rest), ((0, stop - start), *rest))] if stop > start else [])
-        shape = (vocab_range(rows, 0, n_old)[2], *whole_info.source.shape[1:])
-        old_params[name] = FixedPlan(name, whole_info.source, n_old, shape, whole_info.dtype, boxes)
-    old = ModelPlan(n_old, info, stored, old_params)
-    holder = dict.fromkeys(old_params, 0)
-    return ShardsSource(shell, info, stored, old, Mesh(tp=n_old), files, headers, holder, values, extra)
-
-
-def rank_path(out_dir: str | os.PathLike[str], rank: int) -> Path:
-    """The file vLLM reads for tensor-parallel rank ``rank`` of a ``sharded_state`` directory."""
-    return Path(out_dir) / FILE_PATTERN.format(rank=rank)

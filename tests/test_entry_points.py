@@ -1,0 +1,68 @@
+"""The package's own ``shardload.*`` entry points: what pyproject.toml declares loads and registers, the command line's
+``convert --layout`` choices come from the registered targets, and ``engine``/``models`` name no server."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+from click.testing import CliRunner
+
+from shardload.cli.main import main
+from shardload.engine.convert_targets import LayoutTarget, layout_for_manifest, layout_names, layouts, register_layout
+from shardload.errors import ShardloadError
+from shardload.sources.checkpoint import VLLM_MANIFEST_FORMAT
+from shardload.sources.source_types import WholeTensors, open_source, split_formats
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def declared(group: str) -> dict[str, str]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][group]
+
+
+def load(value: str) -> None:
+    module, _, attr = value.partition(":")
+    getattr(importlib.import_module(module), attr)()
+
+
+def test_the_vllm_layout_is_declared_and_registers_itself() -> None:
+    """``shardload.layouts``' vllm entry registers ``--layout vllm``, which knows its outputs' manifests."""
+    load(declared("shardload.layouts")["vllm"])
+    target = layouts()["vllm"]
+    assert target.expert_parallel and layout_names()[0] == "shardload" and "vllm" in layout_names()
+    assert layout_for_manifest({"format": VLLM_MANIFEST_FORMAT}) is target
+    assert layout_for_manifest({"format": "something else"}) is None
+
+
+def test_the_vllm_split_format_is_declared_and_registers_itself(example_dir: Path) -> None:
+    load(declared("shardload.split_formats")["vllm"])
+    assert "vllm-sharded-state" in [f.name for f in split_formats()]
+    assert type(open_source(example_dir)) is WholeTensors  # a plain checkpoint is no sharded_state directory
+
+
+def test_convert_layout_choices_come_from_the_registry() -> None:
+    result = CliRunner().invoke(main, ["convert", "--help"])
+    assert result.exit_code == 0 and "[shardload|vllm]" in result.output
+    result = CliRunner().invoke(main, ["convert", "m", "-n", "2", "-o", "out", "--layout", "nope"])
+    assert result.exit_code == 2 and "'nope' is not one of 'shardload', 'vllm'" in result.output
+
+
+def test_the_built_in_layout_cannot_be_replaced() -> None:
+    target = LayoutTarget("shardload", convert=lambda *a, **k: [], served=lambda *a: "", mesh_refusal="")
+    with pytest.raises(ShardloadError, match="is built in"):
+        register_layout(target)
+
+
+def test_engine_and_models_import_no_integration() -> None:
+    """Importing the engine and the model layer brings in no server integration (they name none)."""
+    code = (
+        "import sys, shardload.engine.convert, shardload.engine.verify_dir, shardload.models.families;"
+        "print(sorted(m for m in sys.modules if m.startswith('shardload.integrations')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
