@@ -26,6 +26,7 @@ from ..sources.objects import ObjectPath
 from ..sources.reader import RunReader
 from .devices import resolve_device
 from .integrity import converted_verifier, verifier, wrapped
+from .paths import data_path_for
 from .read_strategy import ReadOptions
 from .reshard import (
     ShardsSource,
@@ -280,11 +281,9 @@ def run_plan(
         wrapped(reader_for_plan(plan.params.values(), read_options), wrap) as reader,
         Transfer(
             reader,
+            path=data_path_for(devices, mmap=mmap, one_rank=one_rank, staged=staged),
             read_options=read_options,
-            staged=staged,
             defer=True,  # every parameter set up, then read (cold reads at once): see Transfer
-            mapped=mmap,
-            copy_out=one_rank,
             progress=progress,
         ) as transfer,
     ):
@@ -689,7 +688,7 @@ def _load_converted_rank(
         wrapped(
             reader_for(path, read_options and read_options.object_cost), wrap and (lambda r: wrap(r, {path: infos}))
         ) as reader,
-        Transfer(reader, read_options=read_options, defer=True, mapped=mmap) as transfer,
+        Transfer(reader, path=data_path_for([device], mmap=mmap), read_options=read_options, defer=True) as transfer,
     ):
         if fill is not None and fill.out is not None:  # whole stored tensors, each read into its destination
             from ..planning.group_reads import whole_tensors
