@@ -42,6 +42,7 @@ def child(model: str, rank: int, num_shards: int, mmap: bool) -> None:
 
     import shardload.engine.steps
     import shardload.planning.runs  # noqa: F401
+    from shardload.engine.paths import data_path_for
     from shardload.engine.run import stages_of
     from shardload.engine.transfer import Transfer, reader_for_plan
     from shardload.models.plan_source import shard_info_for
@@ -63,7 +64,7 @@ def child(model: str, rank: int, num_shards: int, mmap: bool) -> None:
     marks.append(time.thread_time())
     out = {}
     with reader_for_plan(stage.params.values()) as reader:
-        transfer = Transfer(reader, defer=True, mapped=mmap, copy_out=True)
+        transfer = Transfer(reader, path=data_path_for(["cpu"], mmap=mmap, one_rank=True), defer=True)
         for param in stage.params.values():
             out[param.name] = transfer.param(param, [rank], ["cpu"])[0]
         marks.append(time.thread_time())

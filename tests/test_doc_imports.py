@@ -30,6 +30,10 @@ DEEP_IMPORTS_ALLOWED: dict[str, tuple[frozenset[str], str]] = {
     ),
     "shardload.sources.checkpoint": (frozenset({"read_config"}), "a model's config as planning reads it"),
     "shardload.integrations.fill": (frozenset({"Target", "copy_into"}), "the server-neutral fill code (extending.md)"),
+    "shardload.engine.paths": (
+        frozenset({"HostPath", "MappedPath", "StagedPath", "data_path_for"}),
+        "the data-path seam (extending.md)",
+    ),
 }
 """Deep imports the docs may teach: module -> (names, why). Anything else a user needs is exported by the root."""
 

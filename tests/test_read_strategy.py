@@ -238,6 +238,7 @@ class _Remote(shardload.sources.reader.Reader):
 
 def test_unmappable_reader_is_only_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A reader that says its files cannot be mapped gets read_runs calls only, for every kind of run."""
+    from shardload.engine.paths import data_path_for
     from shardload.engine.transfer import Transfer
     from shardload.sources import reader as reader_module
 
@@ -249,7 +250,8 @@ def test_unmappable_reader_is_only_read(tmp_path: Path, monkeypatch: pytest.Monk
     model, rows, cols = _two_kinds(tmp_path / "m")
     plan = shardload.plan_model(model, 4)
     for mapped in (False, True):
-        with count_reads() as seen, _Remote() as files, Transfer(files, copy_out=True, mapped=mapped) as t:
+        path = data_path_for(["cpu"], mmap=mapped, one_rank=True)
+        with count_reads() as seen, _Remote() as files, Transfer(files, path=path) as t:
             got = {name: t.param(p, [2])[0] for name, p in plan.params.items()}
             t.wait()
         np.testing.assert_array_equal(got["rows"].numpy(), rows[256:384])
@@ -438,16 +440,18 @@ def test_planned_reads_tally_used_moved_and_page_floor(tmp_path: Path, waste: fl
     """A transfer's planned reads report the bytes the rank uses, the page floor of them and the bytes moved: the
     budget 0 moves exactly the floor; an unbounded one under a model where every gap pays moves more, never
     less; either way the tensors are the rank's slices."""
+    from shardload.engine.paths import data_path_for
     from shardload.engine.transfer import Transfer
     from shardload.sources.reader import Reader
 
     model, rows, cols = _two_kinds(tmp_path / "m")
     plan = shardload.plan_model(model, 4)
     options = shardload.ReadOptions(strategy="plan", max_waste=waste, io_model=shardload.IoModel(1.0, 1e9))
-    with count_reads() as seen, Reader() as files, Transfer(files, read_options=options, copy_out=True) as t:
+    path = data_path_for(["cpu"], one_rank=True)
+    with count_reads() as seen, Reader() as files, Transfer(files, path=path, read_options=options) as t:
         got = {name: t.param(p, [1])[0] for name, p in plan.params.items()}
         t.wait()
-        tally = t.io
+        tally = t.path.io  # type: ignore[attr-defined]
     np.testing.assert_array_equal(got["rows"].numpy(), rows[128:256])
     np.testing.assert_array_equal(got["cols"].numpy(), cols[:, 256:512])
     assert tally.used == seen.bytes == (rows.nbytes + cols.nbytes) // 4 and tally.reads > 0
@@ -459,6 +463,7 @@ def test_planned_reads_tally_used_moved_and_page_floor(tmp_path: Path, waste: fl
 def test_planned_reads_fill_given_tensors_in_place(tmp_path: Path, strategy: str) -> None:
     """A server's own parameter memory (``out=``, as vLLM passes it) is filled in place by planned cold reads, both
     the long runs read with ``preadv`` and the short ones copied out of the mapping."""
+    from shardload.engine.paths import data_path_for
     from shardload.engine.transfer import Transfer
     from shardload.sources.reader import Reader
 
@@ -467,7 +472,7 @@ def test_planned_reads_fill_given_tensors_in_place(tmp_path: Path, strategy: str
     _drop_cache(model / "model.safetensors")
     outs = {name: torch.full(p.shape, 7, dtype=torch.float16) for name, p in plan.params.items()}
     options = shardload.ReadOptions(strategy=strategy)
-    with Reader() as files, Transfer(files, read_options=options, copy_out=True) as t:
+    with Reader() as files, Transfer(files, path=data_path_for(["cpu"], one_rank=True), read_options=options) as t:
         for name, p in plan.params.items():
             assert t.param(p, [2], out=[outs[name]])[0] is outs[name]
         t.wait()

@@ -25,6 +25,7 @@ from helpers import reference as ref
 from helpers.checkpoints import parallel_model, random_array, write_model
 from helpers.reading import check_reads_into_slots
 from helpers.step_cases import CASES, valid
+from shardload.engine.paths import data_path_for
 from shardload.engine.run import run_plan
 from shardload.engine.transfer import Transfer
 from shardload.errors import CheckpointError, PlanError
@@ -266,7 +267,7 @@ def test_converted_file_through_staging(example_dir: Path, tmp_path: Path) -> No
     shardload.convert(example_dir, 2, tmp_path / "out")
     path = tmp_path / "out" / "rank-00001-of-00002.safetensors"
     infos = list(read_header(path).values())
-    with Reader() as reader, Transfer(reader, staged=True) as transfer:
+    with Reader() as reader, Transfer(reader, path=data_path_for(["cpu"], staged=True)) as transfer:
         tensors = transfer.tensors(infos, "cpu")
         transfer.wait()
     want = shardload.load_rank(tmp_path / "out", 1, 2)

@@ -34,6 +34,7 @@ from ..sources.source_types import (
 )
 from .integrity import converted_verifier, verifier, wrapped
 from .load_options import LoadOptions
+from .paths import data_path_for
 from .reshard import ShardsSource, load_ranks, open_presharded, open_shards
 from .run import materialize, run_plan, stages_of
 from .transfer import Transfer, reader_for_plan
@@ -183,7 +184,9 @@ def _rank_file(
         wrapped(
             reader_for(path, read_options and read_options.object_cost), wrap and (lambda r: wrap(r, {path: infos}))
         ) as reader,
-        Transfer(reader, read_options=read_options, defer=True, mapped=options.mmap) as transfer,
+        Transfer(
+            reader, path=data_path_for([device], mmap=options.mmap), read_options=read_options, defer=True
+        ) as transfer,
     ):
         if fill is not None and fill.out is not None:  # whole stored tensors, each read into its destination
             from ..planning.group_reads import whole_tensors

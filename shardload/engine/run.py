@@ -14,6 +14,7 @@ from ..planning.mesh import Mesh, stage_plans
 from ..planning.plan import ModelPlan, ParamPlan
 from ..sources.reader import RunReader
 from .integrity import wrapped
+from .paths import data_path_for
 from .read_strategy import ReadOptions
 from .transfer import Transfer, reader_for_plan
 
@@ -75,11 +76,9 @@ def run_plan(
         wrapped(reader_for_plan(plan.params.values(), read_options), wrap) as reader,
         Transfer(
             reader,
+            path=data_path_for(devices, mmap=mmap, one_rank=one_rank, staged=staged),
             read_options=read_options,
-            staged=staged,
             defer=True,  # every parameter set up, then read (cold reads at once): see Transfer
-            mapped=mmap,
-            copy_out=one_rank,
             progress=progress,
         ) as transfer,
     ):

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 import shardload
+from shardload.engine.paths import data_path_for
 from shardload.engine.run import run_plan
 from shardload.engine.transfer import Transfer
 from shardload.sources.reader import Reader
@@ -19,7 +20,10 @@ def check_reads_into_slots(model: Path, device: str, copy_out: bool, strategy: s
     want = run_plan(plan, [2], ["cpu"])[0]
     slots = {}
     options = shardload.ReadOptions(strategy=strategy)
-    with Reader() as reader, Transfer(reader, read_options=options, defer=True, copy_out=copy_out) as transfer:
+    with (
+        Reader() as reader,
+        Transfer(reader, path=data_path_for([device], one_rank=copy_out), read_options=options, defer=True) as transfer,
+    ):
         for name, param in plan.params.items():
             backing = torch.full((param.rank_nbytes + 16,), 7, dtype=torch.uint8, device=device)
             slot = backing[8 : 8 + param.rank_nbytes].view(want[name].dtype).view(want[name].shape)
