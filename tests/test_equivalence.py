@@ -54,10 +54,12 @@ Coverage, and why it is enough:
 - sources made for another N are rows of their own (``test_resharded_source_equals_reference``): a converted
   directory, a ``convert --layout vllm`` directory, a vLLM-style ``save_model`` directory
   (``helpers/vllm_saved.py``) and an MLC-LLM pre-sharded TVM cache (records cut by ``tp_split``), each made for
-  N_old and read at every N of the matrix (``load`` at even N, ``load_rank`` at odd N): phi3 from 4 ways (2 at
-  N = 4; its TVM cache from 2 ways, 4 at N = 2), llama from 6 ways (each KV head on two ranks), and llama from 3
-  ways (vocabulary padded on the old side) at N = 1. The documented one-line refusals are cells too: vLLM's own
-  save of a phi3, and a pre-sharded cache whose records cannot be told apart from another whole shape (KV heads
+  N_old and read at every N of the matrix through both ``load`` (all ranks under one open, one plan and one
+  reader) and ``load_rank`` (each rank opened, planned and checked alone; the second of the two costs about 1 s
+  over all the rows): phi3 from 4 ways (2 at N = 4; its TVM cache from 2 ways, 4 at N = 2), llama from 6 ways
+  (each KV head on two ranks), and llama from 3 ways (vocabulary padded on the old side) at N = 1. The
+  documented one-line refusals are cells too, each refused by ``load_rank`` and ``load`` alike: vLLM's own save
+  of a phi3, and a pre-sharded cache whose records cannot be told apart from another whole shape (KV heads
   replicated; padded vocabularies);
 - ``verify`` runs for every source and N, threads rotated as on ``load_rank``; a third of its cells pin the
   record's root (``verify="<root>"``, cell ids ``-pinned``: every source and every N has some), the rest pass
@@ -478,20 +480,23 @@ def test_resharded_source_equals_reference(
     world: World, source: str, model: str, n_old: int, n: int, tmp_path: Path
 ) -> None:
     """A source made for N_old alone (a converted directory, our ``--layout vllm`` directory, a vLLM-style
-    ``save_model`` directory, an MLC-LLM pre-sharded TVM cache) read at N: every rank equals the reference (``load``
-    at even N, ``load_rank`` at odd N), or the documented refusal is one line and nothing is returned."""
+    ``save_model`` directory, an MLC-LLM pre-sharded TVM cache) read at N: every rank equals the reference through
+    both ``load_rank`` (rank by rank) and ``load`` (all ranks), or both refuse with the documented line."""
     path = world.resharded(source, model, n_old)
     reason = RESHARD_REFUSED.get((source, model, n_old, n))
     if reason is not None:
-        with pytest.raises(ShardloadError, match=re.escape(reason)) as err:
-            shardload.load_rank(path, 0, n)
-        assert "\n" not in str(err.value)
+        calls = {
+            "load_rank": lambda: shardload.load_rank(path, 0, n),
+            "load": lambda: shardload.load(path, n, devices=["cpu"] * n),
+        }
+        for how, call in calls.items():
+            with pytest.raises(ShardloadError, match=re.escape(reason)) as err:
+                call()
+            assert "\n" not in str(err.value), how
         return
-    if n % 2:
-        got = [shardload.load_rank(path, r, n) for r in range(n)]
-    else:
-        got = shardload.load(path, n, devices=["cpu"] * n)
-    assert_ranks(got, world.reference(n, model=model), f"{source} {n_old} -> {n}")
+    want = world.reference(n, model=model)
+    assert_ranks([shardload.load_rank(path, r, n) for r in range(n)], want, f"{source} {n_old} -> {n}: load_rank")
+    assert_ranks(shardload.load(path, n, devices=["cpu"] * n), want, f"{source} {n_old} -> {n}: load")
 
 
 def test_model_refuses_n(world: World, request: pytest.FixtureRequest, tmp_path: Path) -> None:
