@@ -57,7 +57,7 @@ Coverage, and why it is enough:
 - on ``load_rank`` and ``mmap`` (one rank per call: threads only share that rank's jobs) the thread count is
   covered pairwise: cell (source, path, N) gets ``THREADS[(source + path + N) % 3]`` (indices in the axis
   tuples), so every (source, threads), (path, threads) and (N, threads) pair occurs;
-- destination x source x N is the full product too (141 cells, about 12 s: S3's are most of it): the
+- destination x source x N is the full product too (141 cells, about 10 s on 2 cores, two thirds of it S3's): the
   destination is filled by a different reader for each kind of source (a source's planned runs, a converted
   directory's whole stored tensors, a pre-sharded cache's rank view, S3's and the Hub's object readers), and N
   decides the shapes and whether a vocabulary is padded (N = 3, 6, 8: zero rows the load must write into the
@@ -78,7 +78,7 @@ Coverage, and why it is enough:
   directory, a ``convert --layout vllm`` directory, a vLLM-style ``save_model`` directory
   (``helpers/vllm_saved.py``) and an MLC-LLM pre-sharded TVM cache (records cut by ``tp_split``), each made for
   N_old and read at every N of the matrix through both ``load`` (all ranks under one open, one plan and one
-  reader) and ``load_rank`` (each rank opened, planned and checked alone; the second of the two costs about 1 s
+  reader) and ``load_rank`` (each rank opened, planned and checked alone; the second of the two costs under 1 s
   over all the rows): phi3 from 4 ways (2 at N = 4; its TVM cache from 2 ways, 4 at N = 2), llama from 6 ways
   (each KV head on two ranks), and llama from 3 ways (vocabulary padded on the old side) at N = 1. The
   documented one-line refusals are cells too, each refused by ``load_rank`` and ``load`` alike: vLLM's own save
