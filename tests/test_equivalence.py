@@ -31,6 +31,14 @@ Axes:
   checking reader against the source's integrity record (``shardload hash``, made once per source and session;
   an S3 model's is hashed from the objects and put beside them by ``hash`` itself; a converted directory checks
   the record convert wrote, or its rank files' sha256 for True);
+- destination: where ``load_rank`` puts a rank's tensors: fresh tensors (every path above), or the caller's own
+  (``params=``/``out=``, a server's parameter memory): ``out_mapping`` (``out=`` a mapping holding a tensor for
+  every name), ``out_callable`` (``out=`` a callable giving a tensor for half the names, None, a fresh tensor, for
+  the others) and ``out_params`` (``params=`` half the stored names, ``out=`` a tensor for each of them); the half
+  alternates with the rank. Every destination starts as 0xFF bytes (a float32 NaN) in one buffer with guard
+  bytes between them (``helpers/destinations.py``), so a byte left unwritten (a padded vocabulary's zero rows
+  included) differs from the reference, and a byte written outside a destination shows as a changed guard; the
+  returned dict must hold the caller's very objects (``is``) for every name given;
 - N in 1, 2, 3, 4, 6, 8;
 - threads in 1, 2, 8: reader threads (``ReadOptions(threads=)`` of ``load`` and ``load_rank``; for the CLI's
   ``convert``, which takes no read options, the defaults ``read_strategy.READ_THREADS`` and an S3 reader's
@@ -49,15 +57,32 @@ Coverage, and why it is enough:
 - on ``load_rank`` and ``mmap`` (one rank per call: threads only share that rank's jobs) the thread count is
   covered pairwise: cell (source, path, N) gets ``THREADS[(source + path + N) % 3]`` (indices in the axis
   tuples), so every (source, threads), (path, threads) and (N, threads) pair occurs;
+- destination x source x N is the full product too (141 cells, about 10 s on 2 cores, two thirds of it S3's): the
+  destination is filled by a different reader for each kind of source (a source's planned runs, a converted
+  directory's whole stored tensors, a pre-sharded cache's rank view, S3's and the Hub's object readers), and N
+  decides the shapes and whether a vocabulary is padded (N = 3, 6, 8: zero rows the load must write into the
+  caller's tensor). Its sources are the seven above plus an MLC-LLM cache pre-sharded for the cell's N itself
+  (``tvm_presharded``, at N = 2 to 8: cut 1 way it is the tvm row's cache), as MLC-LLM writes it, with no
+  shard_info.json beside it (with the whole model's plan beside it, which reading it at another N takes, its own
+  N is refused: "lists steps, but the checkpoint is already pre-sharded"). Threads are rotated pairwise, as on
+  ``load_rank`` (every (source, threads), (destination, threads) and (N, threads) pair occurs). ``out`` applies to
+  ``load_rank`` alone (``load`` takes none). The destination cells that do not apply are refused, and are not
+  cells here: a sharded_state directory (``convert --layout vllm``, vLLM's ``save_model``) at any N, and a
+  converted directory or a pre-sharded cache read for another N than it was cut for (boxes of several files or
+  records), as are ``out`` with ``mmap=True`` or ``share_reads``. A destination's own checks (shape, dtype,
+  layout, device, aliasing, unknown names) and the refusals with ``mmap=True`` and of a converted directory read
+  for another N are tests/test_fill_api.py's, a vLLM ``save_model`` directory's test_reshard_vllm_saved.py's;
 - a converted directory is also loaded at another N (``test_converted_directory_serves_another_n``; the
   full N_old x N_new matrix is ``tests/test_reshard.py``);
 - sources made for another N are rows of their own (``test_resharded_source_equals_reference``): a converted
   directory, a ``convert --layout vllm`` directory, a vLLM-style ``save_model`` directory
   (``helpers/vllm_saved.py``) and an MLC-LLM pre-sharded TVM cache (records cut by ``tp_split``), each made for
-  N_old and read at every N of the matrix (``load`` at even N, ``load_rank`` at odd N): phi3 from 4 ways (2 at
-  N = 4; its TVM cache from 2 ways, 4 at N = 2), llama from 6 ways (each KV head on two ranks), and llama from 3
-  ways (vocabulary padded on the old side) at N = 1. The documented one-line refusals are cells too: vLLM's own
-  save of a phi3, and a pre-sharded cache whose records cannot be told apart from another whole shape (KV heads
+  N_old and read at every N of the matrix through both ``load`` (all ranks under one open, one plan and one
+  reader) and ``load_rank`` (each rank opened, planned and checked alone; the second of the two costs under 1 s
+  over all the rows): phi3 from 4 ways (2 at N = 4; its TVM cache from 2 ways, 4 at N = 2), llama from 6 ways
+  (each KV head on two ranks), and llama from 3 ways (vocabulary padded on the old side) at N = 1. The
+  documented one-line refusals are cells too, each refused by ``load_rank`` and ``load`` alike: vLLM's own save
+  of a phi3, and a pre-sharded cache whose records cannot be told apart from another whole shape (KV heads
   replicated; padded vocabularies);
 - ``verify`` runs for every source and N, threads rotated as on ``load_rank``; a third of its cells pin the
   record's root (``verify="<root>"``, cell ids ``-pinned``: every source and every N has some), the rest pass
@@ -86,6 +111,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -94,6 +120,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
@@ -101,7 +128,7 @@ import shardload
 import shardload.engine.read_strategy as read_strategy
 import shardload.engine.transfer as transfer
 import shardload.engine.writer as writer
-from helpers import hub, matrix_sources, tp_split
+from helpers import destinations, hub, matrix_sources, tp_split
 from helpers.vllm_saved import fake_vllm_save
 from shardload.cli.main import main
 from shardload.engine.integrity import hash_model
@@ -278,6 +305,20 @@ class World:
             matrix_sources.write_tvm_presharded(single, out, built["plan"], ranks)
         built[key] = out
         return out
+
+    def presharded_own(self, n: int) -> Path:
+        """The model that serves N as an MLC-LLM cache pre-sharded for N itself, as MLC-LLM writes it: the records
+        alone, no shard_info.json beside them (with the whole model's plan beside it, which reading it at another N
+        takes, the load at its own N is refused: "lists steps, but the checkpoint is already pre-sharded")."""
+        built = self.model(MODEL_OF_N[n])
+        key = f"tvm_presharded_own-{n}"
+        if key not in built:
+            cache = self.resharded("tvm_presharded", MODEL_OF_N[n], n)
+            out = built["base"] / key
+            shutil.copytree(cache, out)
+            (out / "shard_info.json").unlink()
+            built[key] = out
+        return built[key]
 
 
 @pytest.fixture(scope="module")
@@ -478,20 +519,94 @@ def test_resharded_source_equals_reference(
     world: World, source: str, model: str, n_old: int, n: int, tmp_path: Path
 ) -> None:
     """A source made for N_old alone (a converted directory, our ``--layout vllm`` directory, a vLLM-style
-    ``save_model`` directory, an MLC-LLM pre-sharded TVM cache) read at N: every rank equals the reference (``load``
-    at even N, ``load_rank`` at odd N), or the documented refusal is one line and nothing is returned."""
+    ``save_model`` directory, an MLC-LLM pre-sharded TVM cache) read at N: every rank equals the reference through
+    both ``load_rank`` (rank by rank) and ``load`` (all ranks), or both refuse with the documented line."""
     path = world.resharded(source, model, n_old)
     reason = RESHARD_REFUSED.get((source, model, n_old, n))
     if reason is not None:
-        with pytest.raises(ShardloadError, match=re.escape(reason)) as err:
-            shardload.load_rank(path, 0, n)
-        assert "\n" not in str(err.value)
+        calls = {
+            "load_rank": lambda: shardload.load_rank(path, 0, n),
+            "load": lambda: shardload.load(path, n, devices=["cpu"] * n),
+        }
+        for how, call in calls.items():
+            with pytest.raises(ShardloadError, match=re.escape(reason)) as err:
+                call()
+            assert "\n" not in str(err.value), how
         return
-    if n % 2:
-        got = [shardload.load_rank(path, r, n) for r in range(n)]
-    else:
-        got = shardload.load(path, n, devices=["cpu"] * n)
-    assert_ranks(got, world.reference(n, model=model), f"{source} {n_old} -> {n}")
+    want = world.reference(n, model=model)
+    assert_ranks([shardload.load_rank(path, r, n) for r in range(n)], want, f"{source} {n_old} -> {n}: load_rank")
+    assert_ranks(shardload.load(path, n, devices=["cpu"] * n), want, f"{source} {n_old} -> {n}: load")
+
+
+# --- destination tensors: load_rank(params=, out=) ------------------------------------------------------------
+
+FILL_SOURCES = (*SOURCES, "tvm_presharded")
+DESTINATIONS = ("mapping", "callable", "params")
+
+
+def fill_threads(source: str, destination: str, n: int) -> int:
+    """The reader threads of a destination cell: every (source, threads), (destination, threads) and (N, threads)
+    pair occurs."""
+    index = FILL_SOURCES.index(source) + DESTINATIONS.index(destination) + NS.index(n)
+    return THREADS[index % len(THREADS)]
+
+
+def _fill_cells() -> list[Any]:
+    cells = []
+    for source in FILL_SOURCES:
+        for destination in DESTINATIONS:
+            for n in NS[1:] if source == "tvm_presharded" else NS:  # cut 1 way, it is the tvm row's cache
+                threads = fill_threads(source, destination, n)
+                ident = f"{source}-out_{destination}-n{n}-t{threads}"
+                cells.append(pytest.param(source, destination, n, threads, id=ident))
+    return cells
+
+
+def _asking(views: dict[str, torch.Tensor], asked: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> Any:
+    """An ``out`` callable giving ``views[name]``, None (a fresh tensor) for any other name, noting what it was
+    asked."""
+
+    def out(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        asked[name] = (tuple(shape), dtype)
+        return views.get(name)
+
+    return out
+
+
+@pytest.mark.parametrize(("source", "destination", "n", "threads"), _fill_cells())
+def test_destination_tensors_equal_reference(
+    world: World,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    source: str,
+    destination: str,
+    n: int,
+    threads: int,
+) -> None:
+    """Every rank filled into caller-owned tensors equals the reference: ``out=`` a mapping for every tensor, ``out=``
+    a callable giving a tensor for half the names and None for the others, or ``params=`` half the names with
+    ``out=`` for them. The destinations start as 0xFF bytes (NaN) in one buffer with guard bytes between them
+    (helpers/destinations.py): the returned tensors for the names given are the caller's very objects, every element
+    equals the reference's, and no byte outside them was written. Which half alternates with the rank."""
+    model = world.presharded_own(n) if source == "tvm_presharded" else world.source(request, source, n)
+    options = use_threads(monkeypatch, threads, remote=source == "s3")
+    got, want = [], []
+    for r, ref in enumerate(world.reference(n)):
+        names = sorted(ref)
+        half = names[r % 2 :: 2]
+        held = destinations.slab(ref, names if destination == "mapping" else half)
+        asked: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        out = _asking(held.views, asked) if destination == "callable" else held.views
+        params = half if destination == "params" else None
+        state = shardload.load_rank(model, r, n, read_options=options, params=params, out=out)
+        mine = [name for name, t in held.views.items() if state.get(name) is not t]
+        assert not mine, f"rank {r}: not the caller's own tensors: {mine}"
+        assert held.guards_intact(), f"rank {r}: bytes outside the destinations were written"
+        if destination == "callable":
+            assert asked == {name: (tuple(t.shape), t.dtype) for name, t in ref.items()}, f"rank {r}: asked {asked}"
+        got.append(state)
+        want.append({name: ref[name] for name in half} if destination == "params" else ref)
+    assert_ranks(got, want, f"out={destination}")
 
 
 def test_model_refuses_n(world: World, request: pytest.FixtureRequest, tmp_path: Path) -> None:
