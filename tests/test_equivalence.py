@@ -32,9 +32,10 @@ Axes:
   an S3 model's is hashed from the objects and put beside them by ``hash`` itself; a converted directory checks
   the record convert wrote, or its rank files' sha256 for True);
 - destination: where ``load_rank`` puts a rank's tensors: fresh tensors (every path above), or the caller's own
-  (``params=``/``out=``, a server's parameter memory): ``out_mapping`` (``out=`` a mapping holding a tensor for
-  every name), ``out_callable`` (``out=`` a callable giving a tensor for half the names, None, a fresh tensor, for
-  the others) and ``out_params`` (``params=`` half the stored names, ``out=`` a tensor for each of them); the half
+  (``into=Destination(tensors, only=names)``, a server's parameter memory): ``out_mapping`` (``tensors`` a mapping
+  holding a tensor for every name), ``out_callable`` (``tensors`` a callable giving a tensor for half the names,
+  None, a fresh tensor, for the others) and ``out_params`` (``only`` half the stored names, ``tensors`` a tensor for
+  each of them); the half
   alternates with the rank. Every destination starts as 0xFF bytes (a float32 NaN) in one buffer with guard
   bytes between them (``helpers/destinations.py``), so a byte left unwritten (a padded vocabulary's zero rows
   included) differs from the reference, and a byte written outside a destination shows as a changed guard; the
@@ -111,7 +112,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -307,18 +307,10 @@ class World:
         return out
 
     def presharded_own(self, n: int) -> Path:
-        """The model that serves N as an MLC-LLM cache pre-sharded for N itself, as MLC-LLM writes it: the records
-        alone, no shard_info.json beside them (with the whole model's plan beside it, which reading it at another N
-        takes, the load at its own N is refused: "lists steps, but the checkpoint is already pre-sharded")."""
-        built = self.model(MODEL_OF_N[n])
-        key = f"tvm_presharded_own-{n}"
-        if key not in built:
-            cache = self.resharded("tvm_presharded", MODEL_OF_N[n], n)
-            out = built["base"] / key
-            shutil.copytree(cache, out)
-            (out / "shard_info.json").unlink()
-            built[key] = out
-        return built[key]
+        """The model that serves N as an MLC-LLM cache pre-sharded for N itself, with the whole model's plan beside it
+        (which reading it at another N takes): at its own N the records are the ranks' tensors, the plan checked
+        against them. (Without the plan, as MLC-LLM writes it, is tests/test_tvm_cache.py's.)"""
+        return self.resharded("tvm_presharded", MODEL_OF_N[n], n)
 
 
 @pytest.fixture(scope="module")
@@ -538,7 +530,7 @@ def test_resharded_source_equals_reference(
     assert_ranks(shardload.load(path, n, devices=["cpu"] * n), want, f"{source} {n_old} -> {n}: load")
 
 
-# --- destination tensors: load_rank(params=, out=) ------------------------------------------------------------
+# --- destination tensors: load_rank(into=) ------------------------------------------------------------------
 
 FILL_SOURCES = (*SOURCES, "tvm_presharded")
 DESTINATIONS = ("mapping", "callable", "params")
@@ -583,11 +575,11 @@ def test_destination_tensors_equal_reference(
     n: int,
     threads: int,
 ) -> None:
-    """Every rank filled into caller-owned tensors equals the reference: ``out=`` a mapping for every tensor, ``out=``
-    a callable giving a tensor for half the names and None for the others, or ``params=`` half the names with
-    ``out=`` for them. The destinations start as 0xFF bytes (NaN) in one buffer with guard bytes between them
-    (helpers/destinations.py): the returned tensors for the names given are the caller's very objects, every element
-    equals the reference's, and no byte outside them was written. Which half alternates with the rank."""
+    """Every rank filled into caller-owned tensors equals the reference: a mapping for every tensor, a callable giving
+    a tensor for half the names and None for the others, or ``only`` half the names with a tensor for each. The
+    destinations start as 0xFF bytes (NaN) in one buffer with guard bytes between them (helpers/destinations.py):
+    the returned tensors for the names given are the caller's very objects, every element equals the reference's,
+    and no byte outside them was written. Which half alternates with the rank."""
     model = world.presharded_own(n) if source == "tvm_presharded" else world.source(request, source, n)
     options = use_threads(monkeypatch, threads, remote=source == "s3")
     got, want = [], []
@@ -598,7 +590,7 @@ def test_destination_tensors_equal_reference(
         asked: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         out = _asking(held.views, asked) if destination == "callable" else held.views
         params = half if destination == "params" else None
-        state = shardload.load_rank(model, r, n, read_options=options, params=params, out=out)
+        state = shardload.load_rank(model, r, n, read_options=options, into=shardload.Destination(out, only=params))
         mine = [name for name, t in held.views.items() if state.get(name) is not t]
         assert not mine, f"rank {r}: not the caller's own tensors: {mine}"
         assert held.guards_intact(), f"rank {r}: bytes outside the destinations were written"

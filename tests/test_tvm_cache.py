@@ -292,3 +292,19 @@ def test_presharded_cache(tmp_path: Path) -> None:
         shardload.load_rank(path, 0, 4)
     result = CliRunner().invoke(main, ["inspect", str(path), "-n", "4"])
     assert result.exit_code == 1 and "pre-sharded for num_shards=2" in result.output
+
+
+def test_presharded_cache_at_its_own_n_with_a_plan_beside(tmp_path: Path) -> None:
+    """The plan of the whole parameters beside a pre-sharded cache (which reading it at another N takes) leaves its own
+    N as it is: each rank gets its records; steps for a tensor the cache stores whole are one line, not a guess."""
+    path, split = presharded(tmp_path, 2)
+    plan = {"param_0": [["shard_funcs.shard_dim", [[2, 32, 128], "float16"], 0, "num_shards"]],
+            "param_1": [["shard_funcs.shard_dim", [[2, 32, 64], "float32"], 1, "num_shards"]]}  # fmt: skip
+    (path / "shard_info.json").write_text(json.dumps(plan))
+    for r in range(2):
+        got = shardload.load_rank(path, r, 2)
+        for name in ("param_0", "param_1"):
+            np.testing.assert_array_equal(got[name].numpy(), split[name][r])
+    (path / "shard_info.json").write_text(json.dumps({"norm": [["shard_funcs.shard_dim", [[2, 8], "float16"], 0, 2]]}))
+    with pytest.raises(shardload.PlanError, match="norm: lists steps for a tensor this cache stores whole"):
+        shardload.load_rank(path, 0, 2)

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ShardloadError
+from ..errors import PlanError, ShardloadError
 from ..format.shard_info import ShardInfo
 from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh, MeshCoord
@@ -243,7 +243,7 @@ def _split_records(source: Source, layout: Mesh, ranks: Sequence[int], devices: 
     """A cache pre-sharded for this N: each rank's own part of every split parameter, and every tensor stored whole."""
     checkpoint = source.checkpoint
     wrap = verifier(checkpoint, options.verify, source.name)
-    build_plan(shard_info_for(checkpoint, options.shard_info), checkpoint, layout.tp)  # checks N and the steps
+    build_plan(records_plan(checkpoint, options.shard_info), checkpoint, layout.tp)  # checks N and the steps
     result = []
     for rank, device in zip(ranks, devices, strict=True):
         tp = layout.coord(rank).tp
@@ -251,6 +251,25 @@ def _split_records(source: Source, layout: Mesh, ranks: Sequence[int], devices: 
         plan = build_plan(ShardInfo(source=f"<rank {tp}'s part of {checkpoint.name}>"), view, 1)
         result.extend(_read_stage(plan, plan, [0], [device], options, wrap, None))
     return result
+
+
+def records_plan(checkpoint: Checkpoint, shard_info: Any) -> ShardInfo:
+    """The shard_info of a cache pre-sharded for the N it is loaded at: one saying how its whole parameters split
+    (the plan beside it, which reading it at another N takes) has nothing to run here, where each rank's records are
+    its tensors as written; steps for a tensor the cache stores whole are refused (its split would be a guess)."""
+    info = shard_info_for(checkpoint, shard_info)
+    listed = sorted(name for name, steps in info.params.items() if steps)
+    if not listed:
+        return info
+    whole = [name for name in listed if name not in checkpoint.shards]
+    if whole:
+        raise PlanError(
+            f"lists steps for a tensor this cache stores whole, pre-sharded for num_shards={checkpoint.split_for}: "
+            "load it without that shard_info at this N",
+            file=info.source,
+            param=whole[0],
+        )
+    return ShardInfo({k: v for k, v in info.params.items() if not v}, source=info.source)
 
 
 _ROUTES: Mapping[type[Source], Callable[..., States]] = {
