@@ -86,6 +86,8 @@ from shardload.sources.reader import count_reads
 ST_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 SAMPLE_INTERVAL_S = 0.01
 PEER_RANKS = 2
+VIEWS = shardload.ReadOptions(strategy="view")
+"""``load_rank``'s views of the file (what ``mmap=True`` was), the rows labelled mmap."""
 GROUPS = {"load": 1, "bytes": 2, "convert": 3, "peer": 4, "gpu": 5, "rank": 6}
 """``--only`` row groups and the rows they measure."""
 HERE = Path(__file__).resolve()
@@ -324,7 +326,7 @@ def child_tp(kind: str, model: str, check: str) -> None:
 
         loaded: Any = AutoModelForCausalLM.from_pretrained(model, tp_plan="auto", dtype=torch.float16)
     else:
-        loaded = shardload.load_rank(model, mmap=kind == "shardload-mmap")
+        loaded = shardload.load_rank(model, read_options=VIEWS if kind == "shardload-mmap" else None)
     dist.barrier()
     elapsed = time.perf_counter() - t0
     local = loaded.state_dict().values() if kind == "hf" else loaded.values()
@@ -337,7 +339,7 @@ def child_tp(kind: str, model: str, check: str) -> None:
         theirs = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in loaded.state_dict().items()}
         bad = []
         for mapped in (False, True):
-            ours = shardload.load_rank(model, mmap=mapped)
+            ours = shardload.load_rank(model, read_options=VIEWS if mapped else None)
             bad += [k for k in ours if k not in theirs or not torch.equal(ours[k], theirs[k].detach())]
         result["compared"] = len(ours)
         flags = [None] * dist.get_world_size()
@@ -455,9 +457,9 @@ def child_slice(kind: str, model: str, rank: str, num_shards: str, cold: str) ->
                     box.copy_(src[tuple(slice(a, b) for a, b in pc.src)].reshape(box.shape))
                 state[name] = dest
         elif kind in ("shardload", "shardload-mmap"):
-            state = shardload.load_rank(model, r, n, mmap=kind == "shardload-mmap")
+            state = shardload.load_rank(model, r, n, read_options=VIEWS if kind == "shardload-mmap" else None)
         elif kind == "whole-shardload-mmap":
-            state = shardload.load_rank(model, 0, 1, mmap=True)
+            state = shardload.load_rank(model, 0, 1, read_options=VIEWS)
         elif kind == "whole-shardload":
             state = shardload.load(model, 1, devices=["cpu"])[0]
         elif kind == "whole-load-file":

@@ -110,7 +110,7 @@ def worker(model: str, bucket: str, rate: float, repeats: int, warmup: int) -> N
             start = time.monotonic()
             with count_reads() as seen:
                 if mode == "shared":
-                    state = shardload.load_rank(model, mesh=MESH, share_reads=True)
+                    state = shardload.load_rank(model, mesh=MESH, group=True)
                 else:
                     state = shardload.load_rank(model, mesh=MESH, read_options=exact)
             took = torch.tensor([time.monotonic() - start], dtype=torch.float64)

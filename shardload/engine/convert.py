@@ -33,7 +33,7 @@ from ..sources.object_reader import reader_for
 from ..sources.source_types import Boxes, SplitRecords, as_boxes, check_options, open_source
 from ..version import __version__
 from .integrity import verifier, wrapped
-from .load import layout_for
+from .load import mesh_for
 from .output import (
     StagingDir,
     check_output,
@@ -103,17 +103,17 @@ def convert(
         state = shardload.load_rank("llama-tp8", rank=0, num_shards=8)
     """
     out = as_path(out_dir, "out_dir")
-    layout = layout_for(num_shards, mesh, None)
-    source = as_boxes(open_source(model, layout, checksums=verify is True))
+    resolved = mesh_for(num_shards, mesh, None)
+    source = as_boxes(open_source(model, resolved, checksums=verify is True))
     given = {"shard_info": shard_info is not None, "verify_root": isinstance(verify, str), "verify": bool(verify)}
     if isinstance(source, Boxes):  # already split (another conversion, a pre-sharded cache, a server's layout)
-        check_options(source, given, layout)
+        check_options(source, given, resolved)
         shards = open_boxes(source, verify, shard_info)
-        done = write_shards(shards, layout, out, overwrite=overwrite, fsync=fsync, progress=progress)
-        return ConvertResult(out, done.plan, done.rank_files, done.other_files, layout)
+        done = write_shards(shards, resolved, out, overwrite=overwrite, fsync=fsync, progress=progress)
+        return ConvertResult(out, done.plan, done.rank_files, done.other_files, resolved)
     if isinstance(source, SplitRecords):
         raise ShardloadError(
-            f"is already pre-sharded for num_shards={layout.tp}: load it directly (load_rank reads each rank's own "
+            f"is already pre-sharded for num_shards={resolved.tp}: load it directly (load_rank reads each rank's own "
             "records); convert splits a checkpoint stored whole",
             file=source.name,
         )
@@ -121,8 +121,8 @@ def convert(
     stamps = stamp_sources(checkpoint.files)
     info = shard_info_for(checkpoint, shard_info)
     wrap = verifier(checkpoint, verify, checkpoint.name)
-    plan = build_plan(info, checkpoint, layout.tp)
-    stages = stages_of(plan, layout)
+    plan = build_plan(info, checkpoint, resolved.tp)
+    stages = stages_of(plan, resolved)
     sources = source_paths(checkpoint.root, checkpoint.files)
     if Path(info.source).exists():
         sources.append(Path(info.source))
@@ -137,9 +137,9 @@ def convert(
                 "format": MANIFEST_FORMAT,
                 "version": MANIFEST_VERSION,
                 "shardload_version": __version__,
-                "num_shards": layout.tp,
+                "num_shards": resolved.tp,
                 CONVERSION_KEY: conversion,
-                "mesh": _mesh_record(layout, stages),
+                "mesh": _mesh_record(resolved, stages),
                 "shard_info": plan.resolved_shard_info(),
                 "source": {"files": [{"path": f.name, "size": st[2]} for f, st in stamps]},
                 "integrity": {"record": record.path, "root": record.sha256},
@@ -150,15 +150,15 @@ def convert(
                                                      durable)]  # fmt: skip
     except OSError as err:
         raise write_error(err, out) from None
-    return ConvertResult(out, plan, rank_files, others, layout)
+    return ConvertResult(out, plan, rank_files, others, resolved)
 
 
-def _mesh_record(layout: Mesh, stages: list[ModelPlan]) -> dict[str, Any] | None:
+def _mesh_record(mesh: Mesh, stages: list[ModelPlan]) -> dict[str, Any] | None:
     """What the manifest says about pipeline stages (None for a plain tensor-parallel convert)."""
-    if layout.pp == 1:
+    if mesh.pp == 1:
         return None
     counts = [len(s.layers) if s.layers is not None else 0 for s in stages]
-    return {"pp": layout.pp, "tp": layout.tp, "pp_layers": counts}
+    return {"pp": mesh.pp, "tp": mesh.tp, "pp_layers": counts}
 
 
 def _write_ranks(

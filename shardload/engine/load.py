@@ -58,19 +58,19 @@ def load(
         shards = shardload.load("llama-dir", 8)          # cuda:0..7 when present, else CPU
         shards[3]["model.layers.0.self_attn.qkv_proj.weight"].shape
     """
-    layout = layout_for(num_shards, mesh, len(devices) if devices is not None else None)
-    world = layout.world_size
+    resolved = mesh_for(num_shards, mesh, len(devices) if devices is not None else None)
+    world = resolved.world_size
     if devices is not None and (isinstance(devices, (str, bytes)) or not hasattr(devices, "__len__")):
         raise ShardloadError(f"devices must be a list of {world} devices, got {devices!r}", file=str(model))
     devices = [resolve_device(d, str(model)) for d in devices] if devices is not None else default_devices(world)
     if len(devices) != world:
-        what = f"num_shards={layout.tp}" if mesh is None else f"{world} ranks ({layout})"
+        what = f"num_shards={resolved.tp}" if mesh is None else f"{world} ranks ({resolved})"
         raise ShardloadError(f"got {len(devices)} devices for {what}", file=str(model))
     options = load_options(str(model), shard_info=shard_info, verify=verify, group=None, read_options=read_options,
                            into=None, progress=progress, legacy={})  # fmt: skip
-    source = open_source(model, layout, checksums=options.verify is True)
-    options.check(source, layout, devices)
-    return load_source(source, layout, range(world), devices, options, "loading")
+    source = open_source(model, resolved, checksums=options.verify is True)
+    options.check(source, resolved, devices)
+    return load_source(source, resolved, range(world), devices, options, "loading")
 
 
 @records_inputs
@@ -100,89 +100,91 @@ def load_rank(
         num_shards (`int`, *optional*):
             N, the tensor-parallel size. Default: the group's world size (or the mesh's ``tp``).
         device (`str` or `torch.device`, defaults to ``"cpu"``):
-            Where fresh tensors are made (tensors given by ``out`` stay on their own devices).
+            Where fresh tensors are made (tensors given by ``into`` stay on their own devices).
         shard_info (`str`, `dict` or :class:`ShardInfo`, *optional*):
             The plan's shard_info; default: ``shard_info.json`` beside the weights, else one made from config.json.
         mesh (:class:`Mesh`, `str`, mapping or torch ``DeviceMesh``, *optional*):
             A dp/pp/tp mesh (``"pp=2,tp=4"``): only this rank's pipeline stage is read.
-        verify (`bool` or `str`, defaults to `False`):
-            A converted file's sha256; for a source checkpoint, True (or the root hash ``shardload hash`` prints,
-            which pins the record) checks every tile covering this rank's bytes before any byte is returned.
-        mmap (`bool`, defaults to `False`):
-            CPU only: a tensor that is one contiguous stretch of its file (a dim-0 shard, a replicated tensor,
-            every tensor of a converted directory) comes back as a copy-on-write view of a private file mapping,
-            no copy and no new memory; the rest is read as usual. The file must not be truncated or rewritten
-            in place while the views live (SIGBUS), which a directory written by :func:`convert` never is.
-        share_reads (`bool` or a torch.distributed ``ProcessGroup``, defaults to `False`):
+        verify (`bool` or :class:`Verify`, defaults to `False`):
+            True checks what the source can check before any byte is returned: a rank file's sha256, or for a
+            source checkpoint every tile covering this rank's bytes against its integrity record;
+            ``Verify(root=...)`` (the root ``shardload hash`` prints) pins that record.
+        group (`True` or a torch.distributed ``ProcessGroup``, *optional*):
             The ranks of the group (True: the default group), all making this call with their own rank, split
             the reading: each byte any of them needs is read by one rank and exchanged over collectives (gloo on
             CPU, NCCL on GPU), within ``shardload.engine.exchange.EXCHANGE_BYTES`` of memory; a rank that dies
             or hangs fails the others within ``EXCHANGE_TIMEOUT`` seconds, and ranks that planned other
             checkpoints or hold other bytes under the same headers are refused before any byte moves.
+        into (:class:`Destination`, mapping or callable, *optional*):
+            Where the rank's tensors go: ``Destination(tensors, only=names)`` fills the caller's tensors in place
+            (a mapping ``name -> tensor``, or a callable ``(name, shape, dtype) -> tensor or None`` asked once per
+            tensor with this rank's shape and torch dtype; None: a fresh tensor) and reads only the stored tensors
+            ``only`` names (default: all); a mapping or callable alone is ``Destination(tensors)``. Each tensor must
+            be contiguous, share no memory with another, and be of exactly that shape and dtype; a mismatch, or a
+            name this rank does not read, raises before any byte is read. If the load raises later, the
+            destinations' contents are unspecified.
         progress (`bool` or callable, defaults to `False`):
             True draws a line on stderr when it is a terminal (one rank per node); a callable gets
             ``(done, total)`` read jobs or exchange rounds.
         read_options (:class:`ReadOptions`, *optional*):
-            How the rank gets its bytes (``strategy="map"``, ``"read"``, ``"auto"``) and the reader threads; not
-            with ``share_reads``, nor where the rank is assembled from boxes of rank files (a sharded_state
-            directory, a directory converted for another N).
-        params (collection of `str`, *optional*):
-            The stored tensors to read (default: all). The others are neither read nor returned; a name the
-            checkpoint does not hold is an error.
-        out (mapping or callable, *optional*):
-            Caller-owned tensors to fill in place instead of fresh ones (a server's parameter memory): a mapping
-            ``name -> tensor``, or a callable ``(name, shape, dtype) -> tensor or None`` called once per tensor
-            with this rank's shape and torch dtype (None: a fresh tensor). Each must be contiguous, share no
-            memory with another, and be of exactly that shape and dtype; a mismatch, or a name this rank does not
-            read, raises before any byte is read.
-            Not with ``mmap`` or ``share_reads``, nor on a checkpoint read for another N than it was cut for.
-            If the load raises later, the destinations' contents are unspecified.
+            How the rank gets its bytes and the reader threads. ``strategy="view"`` (CPU only) returns a tensor
+            that is one contiguous stretch of its file (a dim-0 shard, a replicated tensor, every tensor of a
+            converted directory) as a copy-on-write view of a private file mapping, no copy and no new memory;
+            the file must not be truncated or rewritten in place while the views live (SIGBUS), which a
+            directory written by :func:`convert` never is.
+        **deprecated:
+            ``mmap``, ``share_reads``, ``params`` and ``out``, the spellings of one release ago, still work with a
+            DeprecationWarning.
+
+    Which sources take which options is one table (docs/python-api.md, "Options by source"); a refused one is a
+    one-line error before any byte is read.
 
     Returns:
         `dict[str, torch.Tensor]`: this rank's tensors under the checkpoint's names, with per-rank shapes; those
-        ``out`` gave are the caller's own tensors, filled.
+        ``into`` gave are the caller's own tensors, filled.
 
     Example::
 
         state = shardload.load_rank("llama-dir", rank=1, num_shards=4, device="cuda:1")
-        shared = shardload.load_rank("llama-dir", mesh="dp=2,tp=4", share_reads=True)  # under torchrun
+        shared = shardload.load_rank("llama-dir", mesh="dp=2,tp=4", group=True)  # under torchrun
         stage = shardload.load_rank("llama-dir", rank=5, mesh="pp=2,tp=4")   # stage 1, tp rank 1
-        cpu = shardload.load_rank("llama-tp8", rank=0, num_shards=8, mmap=True)  # views of rank 0's file
+        views = shardload.ReadOptions(strategy="view")
+        cpu = shardload.load_rank("llama-tp8", rank=0, num_shards=8, read_options=views)  # views of its file
         mine = {"model.norm.weight": module.norm.weight.data}
-        shardload.load_rank("llama-dir", 1, 4, params=mine, out=mine)  # one tensor, read into the module
+        shardload.load_rank("llama-dir", 1, 4, into=shardload.Destination(mine, only=mine))  # into the module
     """
     device = resolve_device(device, str(model))
     if rank is not None and type(rank) is not int:
         raise ShardloadError(f"rank must be an int, got {rank!r}", file=str(model))
     if mesh is not None:
-        layout, rank = _mesh_rank(mesh, rank, num_shards)
+        resolved, rank = _mesh_rank(mesh, rank, num_shards)
     else:
         rank, num_shards = _dist_defaults(rank, num_shards)
         if type(num_shards) is not int or num_shards < 1:
             raise ShardloadError(f"num_shards must be a positive integer, got {num_shards!r}", file=str(model))
-        layout = Mesh(tp=num_shards)
+        resolved = Mesh(tp=num_shards)
     options = load_options(str(model), shard_info=shard_info, verify=verify, group=group, read_options=read_options,
                            into=into, progress=progress, legacy=deprecated)  # fmt: skip
-    source = open_source(model, layout, checksums=options.verify is True)
-    if type(rank) is not int or not 0 <= rank < layout.world_size:
-        what = f"num_shards={layout.tp}" if mesh is None else f"a mesh of {layout.world_size} ranks ({layout})"
+    source = open_source(model, resolved, checksums=options.verify is True)
+    if type(rank) is not int or not 0 <= rank < resolved.world_size:
+        what = f"num_shards={resolved.tp}" if mesh is None else f"a mesh of {resolved.world_size} ranks ({resolved})"
         raise (CheckpointError if source.splits else ShardloadError)(f"rank {rank} is out of range for {what}",
                                                                      file=str(model))  # fmt: skip
-    options.check(source, layout, [device])
-    return load_source(source, layout, [rank], [device], options, f"loading rank {rank}")[0]
+    options.check(source, resolved, [device])
+    return load_source(source, resolved, [rank], [device], options, f"loading rank {rank}")[0]
 
 
-def layout_for(num_shards: int | None, mesh: Any, world_size: int | None) -> Mesh:
+def mesh_for(num_shards: int | None, mesh: Any, world_size: int | None) -> Mesh:
     """The mesh to work on: ``mesh`` when given (checked against ``num_shards``), else ``tp=num_shards``."""
     if mesh is None:
         if num_shards is None:
             raise ShardloadError("give num_shards (or a mesh)")
         return Mesh(tp=num_shards)
-    layout = as_mesh(mesh, world_size)
-    assert layout is not None
-    if num_shards is not None and num_shards != layout.tp:
-        raise ShardloadError(f"num_shards={num_shards} disagrees with the mesh's tp={layout.tp}")
-    return layout
+    resolved = as_mesh(mesh, world_size)
+    assert resolved is not None
+    if num_shards is not None and num_shards != resolved.tp:
+        raise ShardloadError(f"num_shards={num_shards} disagrees with the mesh's tp={resolved.tp}")
+    return resolved
 
 
 def _dist_defaults(rank: int | None, num_shards: int | None) -> tuple[int, int]:
@@ -198,7 +200,7 @@ def _dist_defaults(rank: int | None, num_shards: int | None) -> tuple[int, int]:
 def _mesh_rank(mesh: Any, rank: int | None, num_shards: int | None) -> tuple[Mesh, int]:
     """Resolve ``mesh`` (Mesh, string, mapping or torch DeviceMesh) and this process's global rank."""
     if hasattr(mesh, "get_coordinate") and hasattr(mesh, "mesh_dim_names"):
-        layout, own = Mesh.from_device_mesh(mesh)
+        resolved, own = Mesh.from_device_mesh(mesh)
         if rank is not None and rank != own:
             raise ShardloadError(f"rank={rank} disagrees with the DeviceMesh's rank {own}")
         rank = own
@@ -206,11 +208,11 @@ def _mesh_rank(mesh: Any, rank: int | None, num_shards: int | None) -> tuple[Mes
         import torch.distributed as dist
 
         group = dist.is_available() and dist.is_initialized()
-        layout = layout_for(None, mesh, dist.get_world_size() if group else None)
+        resolved = mesh_for(None, mesh, dist.get_world_size() if group else None)
         if rank is None:
             if not group:
                 raise ShardloadError("rank is required when no torch.distributed process group is initialised")
             rank = dist.get_rank()
-    if num_shards is not None and num_shards != layout.tp:
-        raise ShardloadError(f"num_shards={num_shards} disagrees with the mesh's tp={layout.tp}")
-    return layout, rank
+    if num_shards is not None and num_shards != resolved.tp:
+        raise ShardloadError(f"num_shards={num_shards} disagrees with the mesh's tp={resolved.tp}")
+    return resolved, rank

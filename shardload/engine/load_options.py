@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from ..errors import ShardloadError
 from ..sources.dtypes import to_torch
-from ..sources.source_types import Layout, Source, check_options, remote
+from ..sources.source_types import MeshShape, Source, check_options, remote
 from .read_strategy import ReadOptions
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class LoadOptions:
     into: Fill | None = None
     progress: Any = False
 
-    def check(self, source: Source, layout: Layout, devices: Collection[Any]) -> None:
+    def check(self, source: Source, mesh: MeshShape, devices: Collection[Any]) -> None:
         """Refuse, in today's words, an option ``source`` does not take or a pair of options that exclude each
         other (the source-type table), before any byte is read."""
         given = {
@@ -79,12 +79,12 @@ class LoadOptions:
             "read_options": self.read_options is not None,
             "into": self.into is not None,
             "out": self.into is not None and self.into.out is not None,
-            "stages": layout.pp != 1,
+            "stages": mesh.pp != 1,
             "remote": remote(source),
             "device": any(_device_type(d) != "cpu" for d in devices),
         }
         device = next((d for d in devices if _device_type(d) != "cpu"), "cpu")
-        check_options(source, given, layout, device=device)
+        check_options(source, given, mesh, device=device)
 
 
 def load_options(

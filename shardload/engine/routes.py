@@ -48,19 +48,19 @@ States = list[dict[str, "torch.Tensor"]]
 
 
 def load_source(
-    source: Source, layout: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions, label: str
+    source: Source, mesh: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions, label: str
 ) -> States:
-    """Global ranks ``ranks`` of ``layout`` (rank ``ranks[k]`` on ``devices[k]``) read out of ``source`` by the
+    """Global ranks ``ranks`` of ``mesh`` (rank ``ranks[k]`` on ``devices[k]``) read out of ``source`` by the
     route of its type; ``label`` names the load on a progress line."""
     for kind in type(source).__mro__:
         if kind in _ROUTES:
-            return _ROUTES[kind](source, layout, ranks, devices, options, label)
+            return _ROUTES[kind](source, mesh, ranks, devices, options, label)
     raise TypeError(f"no route loads a {type(source).__name__}")
 
 
 def open_boxes(source: Source, verify: bool | str, shard_info: Any = None) -> ShardsSource:
     """The old rank tensors of a split source, opened (and with ``verify`` each rank file's sha256 checked) for
-    boxes to be read out of them: rank files (a converted directory, at any layout), a pre-sharded cache, or what a
+    boxes to be read out of them: rank files (a converted directory, at any mesh), a pre-sharded cache, or what a
     registered split format opened."""
     if isinstance(source, SavedBoxes):
         return source.opened
@@ -71,40 +71,40 @@ def open_boxes(source: Source, verify: bool | str, shard_info: Any = None) -> Sh
     raise ShardloadError(f"{source.what} is not stored split; nothing to read boxes of", file=source.name)
 
 
-def _boxes(source: Source, layout: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
+def _boxes(source: Source, mesh: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
            label: str) -> States:  # fmt: skip
     """Each rank assembled from its boxes of the old rank tensors."""
-    return load_ranks(open_boxes(source, options.verify, options.shard_info), layout, ranks, devices)
+    return load_ranks(open_boxes(source, options.verify, options.shard_info), mesh, ranks, devices)
 
 
-def _whole(source: Source, layout: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
+def _whole(source: Source, mesh: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
            label: str) -> States:  # fmt: skip
-    """A source of whole tensors: planned for ``layout``, each pipeline stage's ranks read together (each byte once;
+    """A source of whole tensors: planned for ``mesh``, each pipeline stage's ranks read together (each byte once;
     data-parallel replicas copied), or one rank's reading shared by a process group."""
     checkpoint = source.checkpoint
     wrap = verifier(checkpoint, options.verify, source.name)
-    plan = build_plan(shard_info_for(checkpoint, options.shard_info), checkpoint, layout.tp)
-    stages = stages_of(plan, layout)
+    plan = build_plan(shard_info_for(checkpoint, options.shard_info), checkpoint, mesh.tp)
+    stages = stages_of(plan, mesh)
     if options.group is not None:
         (rank,) = ranks
-        return [_whole_shared(source, plan, stages, layout, layout.coord(rank), devices[0], options, wrap, label)]
-    return _by_stage(stages, plan, layout, ranks, devices, options, wrap, label)
+        return [_whole_shared(source, plan, stages, mesh, mesh.coord(rank), devices[0], options, wrap, label)]
+    return _by_stage(stages, plan, mesh, ranks, devices, options, wrap, label)
 
 
-def _by_stage(stages: list[ModelPlan], plan: ModelPlan, layout: Mesh, ranks: Sequence[int], devices: Sequence[Any],
+def _by_stage(stages: list[ModelPlan], plan: ModelPlan, mesh: Mesh, ranks: Sequence[int], devices: Sequence[Any],
               options: LoadOptions, wrap: Any, label: str) -> States:  # fmt: skip
     """``ranks`` read stage by stage: the distinct tensor-parallel ranks of a stage in one pass (one at a time for
     views of the files), a data-parallel replica copied from the first rank of its tensor-parallel rank."""
     result: dict[int, dict[str, torch.Tensor]] = {}
     by_pp: dict[int, list[int]] = {}
     for rank in ranks:
-        by_pp.setdefault(layout.coord(rank).pp, []).append(rank)
+        by_pp.setdefault(mesh.coord(rank).pp, []).append(rank)
     for pp, members in by_pp.items():
         first: dict[int, int] = {}  # tp -> the first of ranks holding it
         for rank in members:
-            first.setdefault(layout.coord(rank).tp, rank)
+            first.setdefault(mesh.coord(rank).tp, rank)
         groups = [[tp] for tp in first] if options.mmap else [list(first)]
-        where = f"{label} stage {pp}" if len(by_pp) > 1 or (layout.pp > 1 and len(ranks) > 1) else label
+        where = f"{label} stage {pp}" if len(by_pp) > 1 or (mesh.pp > 1 and len(ranks) > 1) else label
         for tps in groups:
             devs = [devices[ranks.index(first[tp])] for tp in tps]
             states = _read_stage(stages[pp], plan, tps, devs, options, wrap, progress_for(options.progress, where))
@@ -112,7 +112,7 @@ def _by_stage(stages: list[ModelPlan], plan: ModelPlan, layout: Mesh, ranks: Seq
                 result[first[tp]] = state
         for rank in members:
             if rank not in result:
-                state = result[first[layout.coord(rank).tp]]
+                state = result[first[mesh.coord(rank).tp]]
                 device = devices[ranks.index(rank)]
                 result[rank] = {k: t.to(device, copy=True) for k, t in state.items()}
     return [result[rank] for rank in ranks]
@@ -133,7 +133,7 @@ def _read_stage(stage: ModelPlan, plan: ModelPlan, tps: list[int], devices: list
     return [{**state, **dests}]  # the caller's own tensors, not their detached aliases
 
 
-def _whole_shared(source: Source, plan: ModelPlan, stages: list[ModelPlan], layout: Mesh, coord: MeshCoord,
+def _whole_shared(source: Source, plan: ModelPlan, stages: list[ModelPlan], mesh: Mesh, coord: MeshCoord,
                   device: Any, options: LoadOptions, wrap: Any, label: str) -> dict[str, torch.Tensor]:  # fmt: skip
     """One rank of a source of whole tensors, the reading of the group's chunks shared (:mod:`.exchange`); with a
     verifier, what the peers sent is checked too."""
@@ -145,7 +145,7 @@ def _whole_shared(source: Source, plan: ModelPlan, stages: list[ModelPlan], layo
     def slot_params(key: tuple[int, int]) -> tuple[list[ParamPlan], int]:
         return list(stages[key[0]].params.values()), key[1]
 
-    digest = plan_digest(plan, stages) + str(layout).encode()
+    digest = plan_digest(plan, stages) + str(mesh).encode()
     progress = progress_for(options.progress, label, "exchange rounds")
     with wrapped(reader_for_plan(plan.params.values()), wrap) as reader:
         state = load_shared(slot_params, digest, (coord.pp, coord.tp), device, reader, group, progress, source.name)
@@ -154,28 +154,28 @@ def _whole_shared(source: Source, plan: ModelPlan, stages: list[ModelPlan], layo
         return state
 
 
-def _rank_files(source: Source, layout: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
+def _rank_files(source: Source, mesh: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
                 label: str) -> States:  # fmt: skip
-    """A converted directory at its own layout: each rank's own file read whole (or shared by a group)."""
+    """A converted directory at its own mesh: each rank's own file read whole (or shared by a group)."""
     checkpoint = source.checkpoint
     if options.group is not None:
         (rank,) = ranks
         progress = progress_for(options.progress, label, "exchange rounds")
-        return [_rank_files_shared(checkpoint, layout, layout.coord(rank), devices[0], options.verify,
+        return [_rank_files_shared(checkpoint, mesh, mesh.coord(rank), devices[0], options.verify,
                                    share_group(options.group, source.name), progress)]  # fmt: skip
     return [
-        _rank_file(checkpoint, layout, layout.coord(rank), device, options)
+        _rank_file(checkpoint, mesh, mesh.coord(rank), device, options)
         for rank, device in zip(ranks, devices, strict=True)
     ]
 
 
 def _rank_file(
-    checkpoint: Checkpoint, layout: Mesh, coord: MeshCoord, device: Any, options: LoadOptions
+    checkpoint: Checkpoint, mesh: Mesh, coord: MeshCoord, device: Any, options: LoadOptions
 ) -> dict[str, torch.Tensor]:
     """One rank's file of a converted directory: its tensors (a destination: those named, or into its tensors)."""
     verify, fill, read_options = options.verify, options.into, options.read_options
     wrap = converted_verifier(checkpoint, verify)
-    path = rank_file(checkpoint, coord.tp, layout, stage=coord.pp, checksum=verify is True and wrap is None)
+    path = rank_file(checkpoint, coord.tp, mesh, stage=coord.pp, checksum=verify is True and wrap is None)
     infos = list(read_header(path).values())
     if fill is not None and fill.params is not None:
         fill.known({info.name for info in infos})
@@ -204,7 +204,7 @@ def _rank_file(
 
 def _rank_files_shared(
     checkpoint: Checkpoint,
-    layout: Mesh,
+    mesh: Mesh,
     coord: MeshCoord,
     device: Any,
     verify: bool | str,
@@ -221,15 +221,15 @@ def _rank_files_shared(
     wrap = converted_verifier(checkpoint, verify)
 
     def slot_params(key: tuple[int, int]) -> tuple[list[ParamPlan], int]:
-        path = rank_file(checkpoint, key[1], layout, stage=key[0], checksum=verify is True and key == own)
+        path = rank_file(checkpoint, key[1], mesh, stage=key[0], checksum=verify is True and key == own)
         return whole_tensors(read_header(path).values()), 0
 
     manifest = json.dumps(checkpoint.manifest, sort_keys=True, default=str).encode()
-    digest = hashlib.sha256(manifest + str(layout).encode()).digest()
+    digest = hashlib.sha256(manifest + str(mesh).encode()).digest()
     files: dict[Any, list[Any]] = {}
     if wrap is not None:  # every rank file a peer may read for this rank (headers only: a few KiB each)
-        keys = [(pp, tp) for pp in range(layout.pp) for tp in range(layout.tp)]
-        files = {path: list(read_header(path).values()) for path in (rank_file(checkpoint, tp, layout, stage=pp)
+        keys = [(pp, tp) for pp in range(mesh.pp) for tp in range(mesh.tp)]
+        files = {path: list(read_header(path).values()) for path in (rank_file(checkpoint, tp, mesh, stage=pp)
                                                                      for pp, tp in keys)}  # fmt: skip
     with wrapped(reader_for(checkpoint.path), wrap and (lambda r: wrap(r, files))) as reader:
         state = load_shared(slot_params, digest, own, device, reader, group, progress, str(checkpoint.path))
@@ -238,15 +238,15 @@ def _rank_files_shared(
         return state
 
 
-def _split_records(source: Source, layout: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
+def _split_records(source: Source, mesh: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
                    label: str) -> States:  # fmt: skip
     """A cache pre-sharded for this N: each rank's own part of every split parameter, and every tensor stored whole."""
     checkpoint = source.checkpoint
     wrap = verifier(checkpoint, options.verify, source.name)
-    build_plan(records_plan(checkpoint, options.shard_info), checkpoint, layout.tp)  # checks N and the steps
+    build_plan(records_plan(checkpoint, options.shard_info), checkpoint, mesh.tp)  # checks N and the steps
     result = []
     for rank, device in zip(ranks, devices, strict=True):
-        tp = layout.coord(rank).tp
+        tp = mesh.coord(rank).tp
         view = checkpoint.rank_view(tp)
         plan = build_plan(ShardInfo(source=f"<rank {tp}'s part of {checkpoint.name}>"), view, 1)
         result.extend(_read_stage(plan, plan, [0], [device], options, wrap, None))

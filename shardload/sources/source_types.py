@@ -6,11 +6,11 @@ returns one of:
 
 - :class:`WholeTensors`: a source checkpoint storing each tensor whole (safetensors, GGUF, a TVM cache): planned,
   then each rank reads its own runs;
-- :class:`RankFiles`: a directory ``convert`` wrote, loaded at the layout it was written for: each rank reads its own
+- :class:`RankFiles`: a directory ``convert`` wrote, loaded at the mesh it was written for: each rank reads its own
   file;
 - :class:`SplitRecords`: a TVM/MLC cache pre-sharded for N, loaded at that N: each rank reads its own records;
-- :class:`Boxes`: stored splits of another layout, each rank assembled from boxes of them: :class:`ConvertedBoxes`
-  (a directory converted for another layout), :class:`PreshardedBoxes` (a pre-sharded cache at another N) and
+- :class:`Boxes`: stored splits of another mesh, each rank assembled from boxes of them: :class:`ConvertedBoxes`
+  (a directory converted for another mesh), :class:`PreshardedBoxes` (a pre-sharded cache at another N) and
   :class:`SavedBoxes` (a registered split format).
 
 :data:`SUPPORT` is the table of source type x option: a cell is None where the type takes the option, else the
@@ -54,7 +54,7 @@ _RANK_BY_RANK = (
 )
 
 
-class Layout(Protocol):
+class MeshShape(Protocol):
     """What a source is classified against: a mesh's tensor-parallel size, stage count and layers per stage."""
 
     tp: int
@@ -75,7 +75,7 @@ class Source:
     splits: ClassVar[bool] = False
     """True when the model is stored already split (no shard_info of the caller's applies, nothing to hash or plan)."""
     derived: ClassVar[bool] = False
-    """True when the model was written from another checkpoint for some layout (a conversion, a server's save):
+    """True when the model was written from another checkpoint for some mesh (a conversion, a server's save):
     hashing, planning and pre-flight checks apply to that checkpoint, not to this one."""
     whole_file_checks: ClassVar[bool] = False
     """True when ``verify=True`` checks each file whole (its sha256) before a byte of it is used, rather than every
@@ -85,14 +85,14 @@ class Source:
     def name(self) -> str:
         return self.where or str(self.checkpoint.path)
 
-    def words(self, layout: Layout | None) -> dict[str, str]:
+    def words(self, mesh: MeshShape | None) -> dict[str, str]:
         """The values this source's refusals are formatted with."""
         return {"what": self.what, "boxes": self.what}
 
-    def refusal(self, option: str, layout: Layout | None) -> str | None:
+    def refusal(self, option: str, mesh: MeshShape | None) -> str | None:
         """Why this source refuses ``option`` (None: it takes it), from :data:`SUPPORT`."""
         cell = SUPPORT[type(self)].get(option)
-        return None if cell is None else cell.format(**self.words(layout))
+        return None if cell is None else cell.format(**self.words(mesh))
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class WholeTensors(Source):
 
 @dataclass(frozen=True)
 class RankFiles(Source):
-    """A directory ``convert`` wrote, at the layout it was written for: each rank reads its own rank file."""
+    """A directory ``convert`` wrote, at the mesh it was written for: each rank reads its own rank file."""
 
     what: ClassVar[str] = "a converted directory"
     splits: ClassVar[bool] = True
@@ -122,21 +122,21 @@ class SplitRecords(Source):
 
 @dataclass(frozen=True)
 class Boxes(Source):
-    """Stored splits of another layout: each rank is assembled from boxes of them (resharding: more read items)."""
+    """Stored splits of another mesh: each rank is assembled from boxes of them (resharding: more read items)."""
 
     splits: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
 class ConvertedBoxes(Boxes):
-    """A directory ``convert`` wrote for another layout than the one asked for."""
+    """A directory ``convert`` wrote for another mesh than the one asked for."""
 
     what: ClassVar[str] = "a converted directory"
     derived: ClassVar[bool] = True
 
-    def words(self, layout: Layout | None) -> dict[str, str]:
+    def words(self, mesh: MeshShape | None) -> dict[str, str]:
         n = (self.checkpoint.manifest or {}).get("num_shards")
-        boxes = f"was converted for num_shards={n}: loading it for {layout} reads boxes of several rank files"
+        boxes = f"was converted for num_shards={n}: loading it for {mesh} reads boxes of several rank files"
         return {"what": self.what, "boxes": boxes}
 
 
@@ -146,9 +146,9 @@ class PreshardedBoxes(Boxes):
 
     what: ClassVar[str] = "a pre-sharded checkpoint"
 
-    def words(self, layout: Layout | None) -> dict[str, str]:
+    def words(self, mesh: MeshShape | None) -> dict[str, str]:
         n = self.checkpoint.split_for
-        return {"what": self.what, "boxes": f"is pre-sharded for num_shards={n}: loading it for {layout} reads boxes "
+        return {"what": self.what, "boxes": f"is pre-sharded for num_shards={n}: loading it for {mesh} reads boxes "
                                             "of several records"}  # fmt: skip
 
 
@@ -165,7 +165,7 @@ class SavedBoxes(Boxes):
     def what(self) -> str:  # type: ignore[override]
         return self.format.what if self.format is not None else "a split directory"
 
-    def words(self, layout: Layout | None) -> dict[str, str]:
+    def words(self, mesh: MeshShape | None) -> dict[str, str]:
         files = self.format.files if self.format is not None else "its"
         return {"what": self.what, "boxes": f"{self.what} is read in boxes of {files} rank files"}
 
@@ -215,13 +215,13 @@ another device than the CPU; ``checked_reads``, a verify that checks bytes as th
 on any source, with the refusal."""
 
 
-def check_options(source: Source, given: Mapping[str, bool], layout: Layout | None, **words: Any) -> None:
+def check_options(source: Source, given: Mapping[str, bool], mesh: MeshShape | None, **words: Any) -> None:
     """Raise the table's refusal for the first option in ``given`` (option -> whether it was given) that
     ``source`` does not take, then for the first pair of given options that exclude each other (formatted with
     ``words``)."""
     for option in OPTIONS:
         if given.get(option):
-            reason = source.refusal(option, layout)
+            reason = source.refusal(option, mesh)
             if reason is not None:
                 raise ShardloadError(reason, file=source.name)
     checked = given.get("verify_root") or (given.get("verify") and not source.whole_file_checks)
@@ -273,12 +273,12 @@ def split_formats() -> list[SplitFormat]:
 
 def open_source(
     model: str | os.PathLike[str] | Checkpoint,
-    layout: Layout | None = None,
+    mesh: MeshShape | None = None,
     *,
     checksums: bool = False,
     where: str | None = None,
 ) -> Source:
-    """Open ``model`` as the type of source it is for ``layout`` (None: its own layout); ``checksums`` checks a split
+    """Open ``model`` as the type of source it is for ``mesh`` (None: its own mesh); ``checksums`` checks a split
     format's rank files whole as they are opened. An opened :class:`Checkpoint` is classified as it is (no split
     format is asked); ``where`` names it in messages."""
     if not isinstance(model, Checkpoint):
@@ -289,28 +289,28 @@ def open_source(
     checkpoint = model if isinstance(model, Checkpoint) else open_checkpoint(model)
     where = where or (checkpoint.name if isinstance(model, Checkpoint) else str(model))
     if checkpoint.kind == "converted":
-        if layout is not None and needs_reshard(checkpoint, layout):
+        if mesh is not None and needs_reshard(checkpoint, mesh):
             return ConvertedBoxes(checkpoint, where)
         return RankFiles(checkpoint, where)
     if checkpoint.split_for is not None:
-        if layout is not None and checkpoint.split_for != layout.tp:
+        if mesh is not None and checkpoint.split_for != mesh.tp:
             return PreshardedBoxes(checkpoint, where)
         return SplitRecords(checkpoint, where)
     return WholeTensors(checkpoint, where)
 
 
 def as_boxes(source: Source) -> Source:
-    """``source`` as a writer reads it: a converted directory is read as boxes at any layout (at its own, each box a
+    """``source`` as a writer reads it: a converted directory is read as boxes at any mesh (at its own, each box a
     whole rank file); every other type as it is."""
     return ConvertedBoxes(source.checkpoint, source.where) if isinstance(source, RankFiles) else source
 
 
-def needs_reshard(checkpoint: Checkpoint, layout: Layout) -> bool:
-    """Whether a converted directory was written for another layout than ``layout`` (tp, pp, layers per stage)."""
+def needs_reshard(checkpoint: Checkpoint, mesh: MeshShape) -> bool:
+    """Whether a converted directory was written for another mesh than ``mesh`` (tp, pp, layers per stage)."""
     manifest = checkpoint.manifest or {}
     stored_layers = (manifest.get("mesh") or {}).get("pp_layers")
-    same_layers = layout.pp_layers is None or list(layout.pp_layers) == stored_layers
-    return manifest.get("num_shards") != layout.tp or manifest_stages(manifest) != layout.pp or not same_layers
+    same_layers = mesh.pp_layers is None or list(mesh.pp_layers) == stored_layers
+    return manifest.get("num_shards") != mesh.tp or manifest_stages(manifest) != mesh.pp or not same_layers
 
 
 def remote(source: Source) -> bool:
