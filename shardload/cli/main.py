@@ -377,8 +377,11 @@ def convert(
     if verify not in (None, "record") and not _root_hash(verify):
         raise BadArgument(f"--verify takes a 64-digit root hash from `shardload hash` (or no value: check MODEL's "
                           f"record), got {verify!r}")  # fmt: skip
+    from ..engine.load_options import Verify
+
+    pinned = Verify(root=verify.strip().lower()) if verify and verify != "record" else None
     if layout_name != BUILT_IN_LAYOUT:
-        checked = verify == "record" or verify or False
+        checked = pinned or verify == "record"
         _convert_to(layouts()[layout_name], model, num_shards, out_dir, shard_info, overwrite, fsync, quiet, as_json,
                     mesh, checked, expert_parallel)  # fmt: skip
         return
@@ -387,7 +390,7 @@ def convert(
     layout = _mesh_arg(mesh, world_size, pp_layers)
     if layout is None and num_shards is None:
         raise click.UsageError("give --num-shards (or --mesh)")
-    options = {"overwrite": overwrite, "mesh": layout, "fsync": fsync, "verify": verify == "record" or verify or False}
+    options = {"overwrite": overwrite, "mesh": layout, "fsync": fsync, "verify": pinned or verify == "record"}
 
     if not quiet and not as_json and sys.stderr.isatty():
         with _ProgressBar("converting", lambda: _source_bytes(model)) as progress:

@@ -34,6 +34,7 @@ from ..sources.source_types import Boxes, SplitRecords, as_boxes, check_options,
 from ..version import __version__
 from .integrity import verifier, wrapped
 from .load import mesh_for
+from .load_options import Verify, verify_value
 from .output import (
     StagingDir,
     check_output,
@@ -74,7 +75,7 @@ def convert(
     overwrite: bool = False,
     fsync: bool | None = None,
     progress: Progress | None = None,
-    verify: bool | str = False,
+    verify: bool | Verify = False,
 ) -> ConvertResult:
     """Write ``model`` pre-sharded for ``num_shards`` ranks into ``out_dir``.
 
@@ -103,6 +104,7 @@ def convert(
         state = shardload.load_rank("llama-tp8", rank=0, num_shards=8)
     """
     out = as_path(out_dir, "out_dir")
+    verify = verify_value(verify, str(model))
     resolved = mesh_for(num_shards, mesh, None)
     source = as_boxes(open_source(model, resolved, checksums=verify is True))
     given = {"shard_info": shard_info is not None, "verify_root": isinstance(verify, str), "verify": bool(verify)}

@@ -125,11 +125,11 @@ def load_options(
         mmap = True
         plain = replace(read_options, strategy="auto")
         read_options = None if plain == ReadOptions() else plain
-    return LoadOptions(shard_info, _verify_value(verify, where), group, mmap, read_options, Fill.of(into, where),
+    return LoadOptions(shard_info, verify_value(verify, where), group, mmap, read_options, Fill.of(into, where),
                        progress)  # fmt: skip
 
 
-def _verify_value(verify: Any, where: str) -> bool | str:
+def verify_value(verify: Any, where: str) -> bool | str:
     """``verify`` as False, True or a pinned root (a :class:`Verify`, or the old spelling: the root as a string)."""
     if verify is None or verify is False or verify is True:
         return bool(verify)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...engine.integrity import verifier, wrapped
+from ...engine.load_options import Verify, verify_value
 from ...engine.output import (
     StagingDir,
     check_output,
@@ -139,7 +140,7 @@ def convert_vllm(
     *,
     overwrite: bool = False,
     fsync: bool | None = None,
-    verify: bool | str = False,
+    verify: bool | Verify = False,
     expert_parallel: bool = False,
 ) -> list[WrittenFile]:
     """Write ``model`` in vLLM's ``sharded_state`` layout for ``num_shards`` ranks into ``out_dir``; return the files.
@@ -153,6 +154,7 @@ def convert_vllm(
         # vllm serve llama-vllm-tp2 --load-format sharded_state --tensor-parallel-size 2
     """
     out = as_path(out_dir, "out_dir")
+    verify = verify_value(verify, str(model))
     if type(num_shards) is not int or num_shards < 1:
         raise ShardloadError(f"num_shards must be a positive integer, got {num_shards!r}", file=str(model))
     sharded_state.register()  # this integration's own source format, whether or not its entry points are installed
