@@ -66,3 +66,34 @@ def test_engine_and_models_import_no_integration() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_a_broken_entry_points_file_fails_every_load_naming_it(
+    tmp_path: Path, example_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An installed package whose entry_points.txt does not parse is named in one line, by every load (not once, after
+    which split formats would go missing), and a duplicate name or a [DEFAULT] section is read as importlib reads it."""
+    import shardload
+    from shardload.sources import plugins, source_types
+
+    site = tmp_path / "site"
+    (site / "bad_pkg-1.0.dist-info").mkdir(parents=True)
+    (site / "bad_pkg-1.0.dist-info" / "entry_points.txt").write_text("[shardload.split_formats]\nno delimiter here\n")
+    monkeypatch.setattr(plugins, "installed_paths", lambda: [str(site)])
+    monkeypatch.setattr(source_types, "_entry_points_loaded", False)
+    for _ in range(2):
+        with pytest.raises(ShardloadError, match=r"bad_pkg-1.0.dist-info/entry_points.txt: cannot be read as entry"):
+            shardload.load_rank(example_dir, 0, 2)
+    (site / "bad_pkg-1.0.dist-info" / "entry_points.txt").write_text(
+        "[DEFAULT]\nleak = nowhere:x\n[shardload.split_formats]\nx = json:dumps\nx = json:loads\n"
+    )
+    assert plugins._entry_points("shardload.split_formats") == [("x", "json:loads")]
+
+
+def test_a_pinned_root_is_read_as_a_file_holds_it() -> None:
+    from shardload import Verify
+
+    root = "AB" * 32
+    assert Verify(root=root + "\n").root == root.lower()
+    with pytest.raises(ShardloadError, match="must be 64 hex digits"):
+        Verify(root="ab" * 31)

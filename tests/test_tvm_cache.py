@@ -296,7 +296,8 @@ def test_presharded_cache(tmp_path: Path) -> None:
 
 def test_presharded_cache_at_its_own_n_with_a_plan_beside(tmp_path: Path) -> None:
     """The plan of the whole parameters beside a pre-sharded cache (which reading it at another N takes) leaves its own
-    N as it is: each rank gets its records; steps for a tensor the cache stores whole are one line, not a guess."""
+    N as it is: each rank gets its records, the plan checked against them; a plan that does not describe them, or
+    steps for a tensor the cache stores whole, are one line, not a guess."""
     path, split = presharded(tmp_path, 2)
     plan = {"param_0": [["shard_funcs.shard_dim", [[2, 32, 128], "float16"], 0, "num_shards"]],
             "param_1": [["shard_funcs.shard_dim", [[2, 32, 64], "float32"], 1, "num_shards"]]}  # fmt: skip
@@ -305,6 +306,10 @@ def test_presharded_cache_at_its_own_n_with_a_plan_beside(tmp_path: Path) -> Non
         got = shardload.load_rank(path, r, 2)
         for name in ("param_0", "param_1"):
             np.testing.assert_array_equal(got[name].numpy(), split[name][r])
+    wrong = {**plan, "param_1": [["shard_funcs.shard_dim", [[2, 16, 128], "float32"], 0, "num_shards"]]}
+    with pytest.raises(shardload.PlanError, match=r"param_1: its steps give each of 2 ranks \[16, 128\] float32, "
+                                                  r"but its records are \[32, 64\] float32"):  # fmt: skip
+        shardload.load_rank(path, 0, 2, shard_info=wrong)  # a plan that does not describe the records: not ignored
     (path / "shard_info.json").write_text(json.dumps({"norm": [["shard_funcs.shard_dim", [[2, 8], "float16"], 0, 2]]}))
     with pytest.raises(shardload.PlanError, match="norm: lists steps for a tensor this cache stores whole"):
         shardload.load_rank(path, 0, 2)

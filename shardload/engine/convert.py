@@ -106,10 +106,11 @@ def convert(
     out = as_path(out_dir, "out_dir")
     verify = verify_value(verify, str(model))
     resolved = mesh_for(num_shards, mesh, None)
-    source = as_boxes(open_source(model, resolved, checksums=verify is True))
+    source = as_boxes(open_source(model, resolved))
     given = {"shard_info": shard_info is not None, "verify_root": isinstance(verify, str), "verify": bool(verify)}
     if isinstance(source, Boxes):  # already split (another conversion, a pre-sharded cache, a server's layout)
-        check_options(source, given, resolved)
+        check_options(source, given, resolved)  # before any file is hashed
+        source = source.checked() if verify is True else source
         shards = open_boxes(source, verify, shard_info)
         done = write_shards(shards, resolved, out, overwrite=overwrite, fsync=fsync, progress=progress)
         return ConvertResult(out, done.plan, done.rank_files, done.other_files, resolved)

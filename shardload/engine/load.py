@@ -68,8 +68,9 @@ def load(
         raise ShardloadError(f"got {len(devices)} devices for {what}", file=str(model))
     options = load_options(str(model), shard_info=shard_info, verify=verify, group=None, read_options=read_options,
                            into=None, progress=progress, legacy={})  # fmt: skip
-    source = open_source(model, resolved, checksums=options.verify is True)
-    options.check(source, resolved, devices)
+    source = open_source(model, resolved)
+    options.check(source, resolved, devices)  # before any file is hashed
+    source = source.checked() if options.verify is True else source
     return load_source(source, resolved, range(world), devices, options, "loading")
 
 
@@ -165,12 +166,13 @@ def load_rank(
         resolved = Mesh(tp=num_shards)
     options = load_options(str(model), shard_info=shard_info, verify=verify, group=group, read_options=read_options,
                            into=into, progress=progress, legacy=deprecated)  # fmt: skip
-    source = open_source(model, resolved, checksums=options.verify is True)
+    source = open_source(model, resolved)
     if type(rank) is not int or not 0 <= rank < resolved.world_size:
         what = f"num_shards={resolved.tp}" if mesh is None else f"a mesh of {resolved.world_size} ranks ({resolved})"
         raise (CheckpointError if source.splits else ShardloadError)(f"rank {rank} is out of range for {what}",
                                                                      file=str(model))  # fmt: skip
-    options.check(source, resolved, [device])
+    options.check(source, resolved, [device])  # before any file is hashed
+    source = source.checked() if options.verify is True else source
     return load_source(source, resolved, [rank], [device], options, f"loading rank {rank}")[0]
 
 

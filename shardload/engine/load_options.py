@@ -39,6 +39,8 @@ class Verify:
     root: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.root, str):  # as read from a file or a config: a trailing newline, upper case
+            object.__setattr__(self, "root", self.root.strip().lower())
         if self.root is not None and not (isinstance(self.root, str) and _ROOT_RE.fullmatch(self.root)):
             raise ShardloadError(f"Verify(root=) must be 64 hex digits (shardload hash prints it), got {self.root!r}")
 

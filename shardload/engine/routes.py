@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError, ShardloadError
+from ..format.expr import evaluate
 from ..format.shard_info import ShardInfo
 from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh, MeshCoord
@@ -255,8 +256,9 @@ def _split_records(source: Source, mesh: Mesh, ranks: Sequence[int], devices: Se
 
 def records_plan(checkpoint: Checkpoint, shard_info: Any) -> ShardInfo:
     """The shard_info of a cache pre-sharded for the N it is loaded at: one saying how its whole parameters split
-    (the plan beside it, which reading it at another N takes) has nothing to run here, where each rank's records are
-    its tensors as written; steps for a tensor the cache stores whole are refused (its split would be a guess)."""
+    (the plan beside it, which reading it at another N takes) is checked against the records, then has nothing to
+    run, each rank's records being its tensors as written; steps for a tensor the cache stores whole are refused (its
+    split would be a guess)."""
     info = shard_info_for(checkpoint, shard_info)
     listed = sorted(name for name, steps in info.params.items() if steps)
     if not listed:
@@ -269,7 +271,30 @@ def records_plan(checkpoint: Checkpoint, shard_info: Any) -> ShardInfo:
             file=info.source,
             param=whole[0],
         )
+    for name in listed:
+        _check_records(name, info, checkpoint)
     return ShardInfo({k: v for k, v in info.params.items() if not v}, source=info.source)
+
+
+def _check_records(name: str, info: ShardInfo, checkpoint: Checkpoint) -> None:
+    """Raise unless ``info``'s steps for pre-sharded parameter ``name`` give each rank exactly its records' shape and
+    dtype, as the last step declares them. Steps that declare no shape (a plan made for any N) are not checked here:
+    the whole shape they would start from is not in the cache (KV heads replicated over ranks make it no multiple of
+    the records), and the records are what each rank gets either way."""
+    parts = checkpoint.shards[name]
+    n, record = len(parts), parts[0]
+    last = info.params[name][-1]
+    if last.shape is None:
+        return
+    shape = [evaluate(d, n) for d in last.shape]
+    dtype = last.dtype or record.logical_dtype
+    if shape != [n, *record.shape] or dtype != record.logical_dtype:
+        raise PlanError(
+            f"its steps give each of {n} ranks {shape[1:]} {dtype}, but its records are {list(record.shape)} "
+            f"{record.logical_dtype}: this shard_info does not describe this cache",
+            file=info.source,
+            param=name,
+        )
 
 
 _ROUTES: Mapping[type[Source], Callable[..., States]] = {

@@ -26,7 +26,7 @@ def run_entry_points(group: str) -> None:
     (one naming a module registers by being imported)."""
     for name, value in _entry_points(group):
         try:
-            module, _, attr = value.partition(":")
+            module, _, attr = value.split("[")[0].partition(":")
             loaded: Any = importlib.import_module(module.strip())
             for part in filter(None, attr.split("[")[0].strip().split(".")):
                 loaded = getattr(loaded, part)
@@ -63,11 +63,20 @@ def _entry_points(group: str) -> list[tuple[str, str]]:
                 continue
             if header not in text:  # most packages: nothing to parse
                 continue
-            parser = configparser.ConfigParser(delimiters=("=",), interpolation=None)
-            parser.optionxform = str  # type: ignore[assignment,method-assign]  (entry point names keep their case)
-            parser.read_string(text)
-            found.extend(parser.items(group))
+            found.extend(_group_entries(os.path.join(entry, folder, "entry_points.txt"), text, group))
     return found
+
+
+def _group_entries(path: str, text: str, group: str) -> list[tuple[str, str]]:
+    """``(name, value)`` of ``group`` in an ``entry_points.txt``; a file that does not parse is a :class:`PluginError`
+    naming it (as a broken package is named, not skipped)."""
+    parser = configparser.ConfigParser(delimiters=("=",), interpolation=None, strict=False, default_section="\0")
+    parser.optionxform = str  # type: ignore[assignment,method-assign]  (entry point names keep their case)
+    try:
+        parser.read_string(text, source=path)
+    except configparser.Error as err:
+        raise PluginError(f"{path}: cannot be read as entry points: {str(err).splitlines()[0]}") from None
+    return list(parser[group].items()) if parser.has_section(group) else []
 
 
 def installed_paths() -> list[str]:

@@ -89,6 +89,11 @@ class Source:
         """The values this source's refusals are formatted with."""
         return {"what": self.what, "boxes": self.what}
 
+    def checked(self) -> Source:
+        """This source with ``verify=True``'s whole-file checks made where opening makes them (a split format's
+        rank files hashed as they are opened again); itself for every other type, whose loads check as they read."""
+        return self
+
     def refusal(self, option: str, mesh: MeshShape | None) -> str | None:
         """Why this source refuses ``option`` (None: it takes it), from :data:`SUPPORT`."""
         cell = SUPPORT[type(self)].get(option)
@@ -164,6 +169,11 @@ class SavedBoxes(Boxes):
     @property
     def what(self) -> str:  # type: ignore[override]
         return self.format.what if self.format is not None else "a split directory"
+
+    def checked(self) -> Source:
+        if self.format is None:
+            return self
+        return SavedBoxes(self.checkpoint, self.where, opened=self.format.open(self.where, True), format=self.format)
 
     def words(self, mesh: MeshShape | None) -> dict[str, str]:
         files = self.format.files if self.format is not None else "its"
@@ -263,11 +273,11 @@ def split_formats() -> list[SplitFormat]:
     """Every registered split format, the entry points of installed packages loaded once."""
     global _entry_points_loaded
     if not _entry_points_loaded:
-        _entry_points_loaded = True
         try:
             run_entry_points(SPLIT_FORMAT_GROUP)
-        except PluginError as err:
+        except PluginError as err:  # raised again by every call: no load goes on with a format missing
             raise ShardloadError(str(err)) from None
+        _entry_points_loaded = True
     return list(_SPLIT_FORMATS.values())
 
 

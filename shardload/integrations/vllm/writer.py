@@ -158,12 +158,13 @@ def convert_vllm(
     if type(num_shards) is not int or num_shards < 1:
         raise ShardloadError(f"num_shards must be a positive integer, got {num_shards!r}", file=str(model))
     sharded_state.register()  # this integration's own source format, whether or not its entry points are installed
-    source = as_boxes(open_source(model, checksums=verify is True))
+    source = as_boxes(open_source(model))
     shards: ShardsSource | None = None
     checkpoint = source.checkpoint
     if isinstance(source, (SavedBoxes, ConvertedBoxes)):  # stored split: each rank read out of its files
         given = {"shard_info": shard_info is not None, "verify_root": isinstance(verify, str), "verify": bool(verify)}
-        check_options(source, given, None)
+        check_options(source, given, None)  # before any file is hashed
+        source = source.checked() if verify is True else source
         shards = open_boxes(source, verify)
         checkpoint, shard_info = shards.stored, shards.shard_info
         checkpoint.files = sorted(set(shards.files.values()))
