@@ -417,7 +417,7 @@ def convert(
     click.echo(format_table([*headers, "file", "tensors", "size", "bytes", "sha256"], rows, right=right))
     from ..engine.output import MARKER
     from ..format.hash_record import RECORD_NAME
-    from ..sources.checkpoint import MANIFEST_NAME
+    from ..sources.manifest import MANIFEST_NAME
 
     copied = [f for f in result.other_files if f.path not in (MARKER, RECORD_NAME, MANIFEST_NAME)]  # not our own
     extra = f" and {len(copied)} copied file(s)" if copied else ""
@@ -877,7 +877,7 @@ def verify(out_dir: Path, source: Path | None, shard_info: Path | None, root: st
     be a source checkpoint instead: every file is re-hashed against its integrity record (`shardload hash`)."""
     from ..engine.verify import VerifyReport
     from ..engine.verify_dir import verify_dir
-    from ..sources.checkpoint import MANIFEST_NAME
+    from ..sources.manifest import MANIFEST_NAME
     from .report import human_bytes
 
     if shard_info is not None and source is None:
@@ -958,7 +958,7 @@ def _verify_source(model: Path, root: str | None, as_json: bool) -> None:
 @_guarded
 def hash_command(model: Path, out: Path | None, quiet: bool) -> None:
     """Write MODEL's integrity record (shardload.hashes) and print its root hash, for load(verify=ROOT)."""
-    from ..engine.integrity import hash_model
+    from ..engine.hashing import hash_model
     from .report import human_bytes
 
     result = hash_model(model, out, progress=not quiet)

@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     import torch
 
     from ..planning.reshard import OldPart
-    from ..sources.checkpoint import TensorInfo
     from ..sources.reader import FileMaps, RunReader
+    from ..sources.tensor_info import TensorInfo
 
 SHORT_RUN = 16 << 10
 """Parts whose rows average less than this are copied out of a mapping of the old file, not read row by row."""

@@ -22,20 +22,20 @@ from ..format.shard_info import ShardInfo
 from ..planning.mesh import Mesh, stage_plans
 from ..planning.plan import ModelPlan, ParamPlan, build_plan
 from ..planning.reshard import OldPart, boxes_copyable, old_parts, whole
-from ..sources.checkpoint import (
+from ..sources.checkpoint import Checkpoint
+from ..sources.dtypes import DTYPES, itemsize, to_torch
+from ..sources.manifest import (
     CONVERSION_KEY,
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     MANIFEST_VERSION,
-    Checkpoint,
-    TensorInfo,
     manifest_stages,
     rank_file_name,
-    read_header,
 )
-from ..sources.dtypes import DTYPES, itemsize, to_torch
 from ..sources.object_reader import reader_for
 from ..sources.reader import FileMaps, Reader
+from ..sources.safetensors_header import read_header
+from ..sources.tensor_info import TensorInfo
 from .box_reads import read_parts
 from .verify import check_entry
 
