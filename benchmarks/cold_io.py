@@ -147,7 +147,7 @@ def main() -> int:
     model = args.work / "llama"
     ensure_checkpoint(model, args.size_gib, N)
     if not (model / "shardload.hashes").exists():
-        from shardload.engine.integrity import hash_model
+        from shardload.engine.hashing import hash_model
 
         hash_model(model)
     own, floor = page_floor(model)

@@ -106,7 +106,7 @@ def llama_checkpoint(model: Path, out: Path) -> None:
 def vllm_saved_rows(model: Path, work: Path, olds: list[int], news: list[int], repeats: int) -> tuple[list[str], bool]:
     """The second table's rows (and whether a byte ratio missed its target)."""
     from shardload.integrations.vllm.writer import convert_vllm
-    from shardload.sources.checkpoint import read_header
+    from shardload.sources.safetensors_header import read_header
 
     llama = work / "llama"
     llama_checkpoint(model, llama)

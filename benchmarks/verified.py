@@ -154,7 +154,7 @@ def main() -> int:
         return 0
     model = args.work / "llama"
     ensure_checkpoint(model, args.size_gib, N)
-    from shardload.engine.integrity import hash_model
+    from shardload.engine.hashing import hash_model
 
     result = hash_model(model)
     size = (model / MODEL_FILE).stat().st_size

@@ -32,7 +32,7 @@ from __future__ import annotations
 import shard_funcs as _builtin_steps  # noqa: F401  (registers the built-in steps: the one place that does)
 
 from .engine.convert import ConvertResult, convert
-from .engine.integrity import hash_checkpoint
+from .engine.hashing import hash_checkpoint
 from .engine.load import load, load_rank
 from .engine.load_options import Destination, Verify
 from .engine.quantize import quantize

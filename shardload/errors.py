@@ -7,6 +7,7 @@ reason, so a CLI can print it as a single line: ``file: param: step K (func): re
 from __future__ import annotations
 
 import unicodedata
+from typing import Any
 
 _BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
@@ -25,6 +26,12 @@ def printable(text: str) -> str:
             code = ord(ch)
             out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
     return "".join(out)
+
+
+def short_repr(value: Any, limit: int = 120) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for a value taken from a file that may be huge."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class ShardloadError(Exception):

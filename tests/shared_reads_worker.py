@@ -39,8 +39,9 @@ import shardload.engine.exchange as exchange
 import shardload.engine.routes as load
 import shardload.engine.transfer as transfer
 from shardload.engine.fingerprint import plan_samples
-from shardload.sources.checkpoint import open_checkpoint, read_header
+from shardload.sources.checkpoint import open_checkpoint
 from shardload.sources.reader import Reader, count_reads
+from shardload.sources.safetensors_header import read_header
 
 
 class DyingReader(Reader):

@@ -24,7 +24,7 @@ from click.testing import CliRunner
 import shardload
 from shardload.cli.main import main
 from shardload.errors import CheckpointError, ShardloadError
-from shardload.sources import checkpoint as checkpoint_module
+from shardload.sources import safetensors_header
 from shardload.sources.checkpoint import TMP_MARKER
 
 RNG = np.random.default_rng(6)
@@ -462,7 +462,7 @@ def test_bad_checkpoint(tmp_path: Path, build: Builder, file_part: str, reason: 
 
 
 def test_real_header_over_the_cap(tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr(checkpoint_module, "MAX_HEADER_BYTES", 64)
+    monkeypatch.setattr(safetensors_header, "MAX_HEADER_BYTES", 64)
     model = model_dir(tmp_path / "m", good())
     with pytest.raises(CheckpointError, match=r"model\.safetensors: header of \d+ bytes exceeds the 64 byte cap"):
         shardload.load_rank(model, 0, 2)

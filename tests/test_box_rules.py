@@ -142,7 +142,8 @@ def test_pad_then_shard_plan_covers_every_rank(case: tuple) -> None:
     from shardload.format.shard_info import ShardInfo
     from shardload.planning.plan import build_plan
     from shardload.planning.runs import param_runs
-    from shardload.sources.checkpoint import Checkpoint, TensorInfo
+    from shardload.sources.checkpoint import Checkpoint
+    from shardload.sources.tensor_info import TensorInfo
 
     shape, dim, multiple, n = case
     x = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape) + 1

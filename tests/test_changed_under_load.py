@@ -17,7 +17,7 @@ import pytest
 import shardload
 from helpers.checkpoints import write_model
 from helpers.verified import shard
-from shardload.engine.integrity import hash_model
+from shardload.engine.hashing import hash_model
 from shardload.errors import ShardloadError
 
 
@@ -157,17 +157,17 @@ RESHARD = textwrap.dedent(
     from pathlib import Path
     import numpy as np
     import shardload
-    from shardload.engine import reshard
+    from shardload.engine import box_reads
     from shardload.errors import ShardloadError
     out = Path(sys.argv[1])
-    real = reshard._copy_mapped
+    real = box_reads._copy_mapped
     def cut_then_copy(maps, info, parts, dest):
         if info.name == "col.weight" and not getattr(cut_then_copy, "done", False):
             maps.array(info.file)  # mapped before the cut, as a load in flight holds it
             cut_then_copy.done = True
             os.truncate(info.file, (info.offset + 4095) // 4096 * 4096)
         return real(maps, info, parts, dest)
-    reshard._copy_mapped = cut_then_copy
+    box_reads._copy_mapped = cut_then_copy
     try:
         shardload.load_rank(out, 0, 4)
     except ShardloadError as err:

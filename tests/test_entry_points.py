@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from shardload.cli.main import main
 from shardload.engine.convert_targets import LayoutTarget, layout_for_manifest, layout_names, layouts, register_layout
 from shardload.errors import ShardloadError
-from shardload.sources.checkpoint import VLLM_MANIFEST_FORMAT
+from shardload.sources.manifest import VLLM_MANIFEST_FORMAT
 from shardload.sources.source_types import WholeTensors, open_source, split_formats
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -131,7 +131,7 @@ import shardload.engine.writer as writer
 from helpers import destinations, hub, matrix_sources, tp_split
 from helpers.vllm_saved import fake_vllm_save
 from shardload.cli.main import main
-from shardload.engine.integrity import hash_model
+from shardload.engine.hashing import hash_model
 from shardload.errors import ShardloadError
 from shardload.integrations.vllm.writer import convert_vllm
 from shardload.sources import objects, read_plan

@@ -21,8 +21,10 @@ from hypothesis import strategies as st
 from shardload.errors import CheckpointError, ShardloadError
 from shardload.format.shard_info import ShardInfo
 from shardload.planning.plan import build_plan
-from shardload.sources.checkpoint import Checkpoint, TensorInfo, read_header
+from shardload.sources.checkpoint import Checkpoint
 from shardload.sources.dtypes import DTYPES, itemsize
+from shardload.sources.safetensors_header import read_header
+from shardload.sources.tensor_info import TensorInfo
 
 DOC_EXAMPLES = 2500
 RANDOM_EXAMPLES = 500

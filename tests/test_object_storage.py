@@ -33,8 +33,9 @@ from helpers.checkpoints import write_model
 from helpers.s3 import BUCKET, S3, use_endpoint
 from shardload.cli.main import main
 from shardload.sources import objects
-from shardload.sources.checkpoint import open_checkpoint, read_header
+from shardload.sources.checkpoint import open_checkpoint
 from shardload.sources.objects import ObjectCost
+from shardload.sources.safetensors_header import read_header
 
 
 @pytest.fixture(scope="module")

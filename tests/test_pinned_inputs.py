@@ -16,7 +16,7 @@ import torch
 import shardload
 from helpers.checkpoints import write_model
 from helpers.verified import shard
-from shardload.engine.integrity import hash_model
+from shardload.engine.hashing import hash_model
 from shardload.errors import ShardloadError
 
 

@@ -108,7 +108,7 @@ def test_plans_for_other_n_are_their_own(mixed_model: Path, monkeypatch: pytest.
 def test_arguments_that_are_not_plain_values_are_not_shared() -> None:
     """A step argument that is not a JSON value (a ShardInfo built in Python can hold anything) gets no key."""
     from shardload.format.shard_info import StepSpec
-    from shardload.sources.checkpoint import TensorInfo
+    from shardload.sources.tensor_info import TensorInfo
 
     class Dim(int):
         def __repr__(self) -> str:

@@ -220,9 +220,9 @@ def test_quantize_fsyncs_only_what_replaces_an_output(
 def test_converted_quantized_ranks_map_whole(quantized: dict[str, Path], tmp_path: Path) -> None:
     """Rank files hold their widest elements first, so every tensor of a mixed-dtype rank file is aligned
     and load_rank(mmap=True) maps all of it (reads nothing) with the same values as a plain load."""
-    from shardload.sources.checkpoint import read_header
     from shardload.sources.dtypes import itemsize
     from shardload.sources.reader import count_reads
+    from shardload.sources.safetensors_header import read_header
 
     out = tmp_path / "tp2"
     shardload.convert(quantized["int4-g32"], 2, out)

@@ -31,8 +31,9 @@ from shardload.engine.transfer import Transfer
 from shardload.errors import CheckpointError, PlanError
 from shardload.format.shard_info import ShardInfo
 from shardload.planning.plan import build_plan
-from shardload.sources.checkpoint import open_checkpoint, read_header
+from shardload.sources.checkpoint import open_checkpoint
 from shardload.sources.reader import Reader, count_reads
+from shardload.sources.safetensors_header import read_header
 
 PATHS = ("direct", "portable", "staged", "staged_flat", "convert")
 

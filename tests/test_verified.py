@@ -15,11 +15,12 @@ import torch
 import shardload
 from helpers.checkpoints import write_model
 from helpers.verified import N, offset_of, tampered
-from shardload.engine.integrity import hash_model
+from shardload.engine.hashing import hash_model
 from shardload.errors import ShardloadError
 from shardload.format.hash_record import LEAF_BYTES, RECORD_NAME, Tiling, parse_record, root_of, tensor_region
-from shardload.sources.checkpoint import open_checkpoint, read_header
+from shardload.sources.checkpoint import open_checkpoint
 from shardload.sources.reader import count_reads
+from shardload.sources.safetensors_header import read_header
 
 
 def one_line_error(excinfo: pytest.ExceptionInfo) -> str:
@@ -612,7 +613,8 @@ def _tiling_model(directory: Path) -> Path:
 def test_leaf_stream_gives_the_leaves_of_the_finished_file(tmp_path: Path) -> None:
     """A file's leaves hashed from its bytes as they pass, in pieces of any size (one byte, a tile and a bit, whole
     rows, the whole file), are the leaves hashing the finished file gives: the same entry, byte for byte."""
-    from shardload.engine.integrity import LeafStream, hash_files
+    from shardload.engine.hashing import hash_files
+    from shardload.engine.leaf_stream import LeafStream
 
     model = _tiling_model(tmp_path / "m")
     path = model / "model.safetensors"
@@ -640,7 +642,7 @@ def test_leaf_stream_gives_the_leaves_of_the_finished_file(tmp_path: Path) -> No
 def test_converts_record_is_hashed_as_written(tmp_path: Path, n: int) -> None:
     """convert hashes its rank files' leaves as it writes them (never reading one back): its record is byte for byte
     the one hashing the finished rank files gives (the same regions, leaves and order)."""
-    from shardload.engine.integrity import output_record
+    from shardload.engine.hashing import output_record
 
     model = _tiling_model(tmp_path / "m")
     done = shardload.convert(model, n, tmp_path / "out")

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 import shardload
 from shardload.cli.main import main
-from shardload.engine.integrity import hash_model
+from shardload.engine.hashing import hash_model
 from shardload.errors import ShardloadError
 from shardload.format.hash_record import RECORD_NAME
 

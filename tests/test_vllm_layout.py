@@ -457,7 +457,7 @@ def test_gpt_oss_rank_files_are_transposed_and_renamed_as_vllm_keeps_them(tmp_pa
 def test_record_is_hashed_as_written(tmp_path: Path, n: int) -> None:
     """--layout vllm hashes its rank files' leaves as it writes them: its record is byte for byte the one hashing the
     finished files gives."""
-    from shardload.engine.integrity import output_record
+    from shardload.engine.hashing import output_record
     from shardload.format.hash_record import RECORD_NAME
 
     build("llama_gqa", tmp_path / "model")

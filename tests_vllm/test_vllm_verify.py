@@ -17,8 +17,8 @@ if os.environ.get("CI") != "true":
     pytest.importorskip("vllm", reason="vLLM runs in its own virtualenv: .ci/vllm-venv DIR")
 import make_models
 
-from shardload.engine.integrity import hash_model
-from shardload.sources.checkpoint import read_header
+from shardload.engine.hashing import hash_model
+from shardload.sources.safetensors_header import read_header
 
 HERE = Path(__file__).parent
 

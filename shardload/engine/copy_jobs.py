@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..planning.plan import Piece
-    from ..sources.checkpoint import TensorInfo
+    from ..sources.tensor_info import TensorInfo
     from .staging import StagingBuffers
 
 Job = Callable[[], None]

@@ -28,8 +28,8 @@ from ..errors import CheckpointError
 from ..sources.objects import ObjectPath
 
 if TYPE_CHECKING:
-    from ..sources.checkpoint import TensorInfo
     from ..sources.reader import RunReader
+    from ..sources.tensor_info import TensorInfo
 
 SAMPLES_PER_FILE = 64
 """Blocks sampled in every file (so a file's fingerprint is read with at most this many reads, 256 KiB)."""

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ShardloadError
-from ..sources.checkpoint import MANIFEST_NAME, SHARD_INFO_NAME, TMP_MARKER, read_small_file
+from ..sources.checkpoint import SHARD_INFO_NAME, TMP_MARKER, read_small_file
 from ..sources.companions import companion_files
+from ..sources.manifest import MANIFEST_NAME
 from ..sources.objects import ObjectPath
 from .writer import FileWriter, WrittenFile, fsync_dir, fsync_tree
 

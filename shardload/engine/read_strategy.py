@@ -12,8 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..errors import ShardloadError
-from ..sources.checkpoint import short_repr
+from ..errors import ShardloadError, short_repr
 from ..sources.objects import COST_FIELDS, ObjectCost, parse_fields
 from ..sources.read_plan import MAX_WASTE, IoModel
 from ..sources.reader import PAGE, probes

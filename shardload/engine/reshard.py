@@ -4,7 +4,8 @@
 every stored tensor's shape and dtype, and the values of the few small tensors a compute step rewrites). From it
 the old plan (N_old) and the new plan (any N the shard_info allows) are rebuilt over the same stored tensors, and
 :mod:`shardload.planning.reshard` intersects their boxes. Every old rank file is checked (present, its size, the
-rank its header names, each tensor's shape and dtype against the old plan) before a byte of data is read.
+rank its header names, each tensor's shape and dtype against the old plan) before a byte of data is read; the
+reads of the boxes themselves are :mod:`.box_reads`'.
 """
 
 from __future__ import annotations
@@ -21,24 +22,24 @@ from ..format.shard_info import ShardInfo
 from ..planning.mesh import Mesh, stage_plans
 from ..planning.plan import ModelPlan, ParamPlan, build_plan
 from ..planning.reshard import OldPart, boxes_copyable, old_parts, whole
-from ..sources.checkpoint import (
+from ..sources.checkpoint import Checkpoint
+from ..sources.dtypes import DTYPES, itemsize, to_torch
+from ..sources.manifest import (
     CONVERSION_KEY,
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     MANIFEST_VERSION,
-    Checkpoint,
-    TensorInfo,
     manifest_stages,
     rank_file_name,
-    read_header,
 )
-from ..sources.dtypes import DTYPES, itemsize, to_torch
 from ..sources.object_reader import reader_for
-from ..sources.reader import FileMaps, Reader, count_mapped
+from ..sources.reader import FileMaps, Reader
+from ..sources.safetensors_header import read_header
+from ..sources.tensor_info import TensorInfo
+from .box_reads import read_parts
 from .verify import check_entry
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
     from ..sources.reader import RunReader
@@ -48,8 +49,6 @@ RECORD_KEY = "source_plan"
 STORED = "<stored tensors>"
 """The file name of a stored tensor known by its shape and dtype only (no file is behind it)."""
 """The manifest key of a converted directory's source record."""
-SHORT_RUN = 16 << 10
-"""Parts whose rows average less than this are copied out of a mapping of the old file, not read row by row."""
 VALUE_BYTES = 4096
 """A stored tensor a compute step rewrites is recorded whole in the manifest up to this size (a ``weight_shape``)."""
 
@@ -162,11 +161,6 @@ class ShardsSource:
 
     def _read(self, name: str, parts: Sequence[OldPart], dest: torch.Tensor, reader: RunReader) -> None:
         """Read ``parts`` of the old rank files into ``dest`` (a contiguous CPU tensor), one run list per file."""
-        import numpy as np
-
-        from ..planning.runs import box_runs
-
-        size = dest.element_size()
         stage = self.holder[name]
         populate = {"populate": True} if isinstance(reader, Reader) else {}  # map dest's pages in one call
         maps = self._maps if isinstance(reader, Reader) and reader.can_map else None
@@ -174,99 +168,7 @@ class ShardsSource:
         for part in parts:
             by_rank.setdefault(part.rank, []).append(part)
         for rank, group in sorted(by_rank.items()):
-            info = self.headers[(stage, rank)][name]
-            if maps is not None and _copy_mapped(maps, info, group, dest):  # many short runs: copies from a map
-                continue
-            srcs, dsts, lengths = [], [], []
-            for part in group:
-                src, dst, run = box_runs(info.shape, part.src, tuple(dest.shape), part.dst)
-                if len(src) > 1 and _contiguous(info.shape, part.src):  # one run in the file, many in dest
-                    _gather(reader, info, part, dest, **populate)
-                    continue
-                srcs.append(src * size + info.offset)
-                dsts.append(dst * size)
-                lengths.append(np.full(len(src), run * size, dtype=np.int64))
-            if not srcs:
-                continue
-            src, dst, length = (np.concatenate(x) for x in (srcs, dsts, lengths))
-            order = np.argsort(src, kind="stable")
-            buf = np.zeros(len(src), dtype=np.int64)
-            reader.read_runs(info.file, src[order], length[order], buf, dst[order], [dest], **populate)
-
-
-def _copy_mapped(maps: FileMaps, info: TensorInfo, parts: Sequence[OldPart], dest: torch.Tensor) -> bool:
-    """Copy ``parts`` of old tensor ``info`` into ``dest`` out of a read-only mapping of its file, counted as read,
-    when they are many short rows (a column slice: one ``preadv`` iovec per row costs more); False otherwise, or
-    when the file cannot be mapped."""
-    import numpy as np
-
-    from ..planning.runs import contiguous_run
-
-    size = dest.element_size()
-    rows = sum(prod(b - a for a, b in p.src) // max(1, contiguous_run(info.shape, p.src)) for p in parts)
-    nbytes = sum(prod(b - a for a, b in p.src) for p in parts) * size
-    if rows < 2 or nbytes >= SHORT_RUN * rows:
-        return False
-    raw = maps.array(info.file)
-    if raw is None or info.offset % size or info.offset + info.nbytes > len(raw):
-        return False
-    maps.intact(info.file, info.offset + info.nbytes)
-    old = raw[info.offset : info.offset + info.nbytes].view(_words(dest).dtype).reshape(info.shape)
-    out = _words(dest)
-    for part in parts:
-        target = out[tuple(slice(a, b) for a, b in part.dst)]
-        np.copyto(target, old[tuple(slice(a, b) for a, b in part.src)].reshape(target.shape))
-    maps.intact(info.file, info.offset + info.nbytes)  # cut during the copy: zeros were read, never returned
-    count_mapped(info.file, nbytes)
-    return True
-
-
-def _contiguous(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> bool:
-    """Whether ``box`` is one contiguous stretch of a row-major tensor of ``shape``."""
-    inner = False  # once a dim is cut, every dim before it must have extent 1
-    for (a, b), n in zip(reversed(box), reversed(shape), strict=True):
-        if inner and b - a != 1:
-            return False
-        if b - a != n:
-            inner = True
-    return True
-
-
-def _gather(reader: RunReader, info: TensorInfo, part: OldPart, dest: torch.Tensor, populate: bool = False) -> None:
-    """Read ``part`` (one contiguous stretch of old tensor ``info``) with one read, then copy it into its strided
-    place in ``dest`` (one system call instead of one per row)."""
-    import numpy as np
-    import torch
-
-    target = dest[tuple(slice(a, b) for a, b in part.dst)]
-    scratch = torch.empty(target.numel(), dtype=dest.dtype)
-    start = (
-        info.offset
-        + sum(a * st for (a, _), st in zip(part.src, _strides(info.shape), strict=True)) * dest.element_size()
-    )
-    reader.read_tensor(info.file, start, scratch)
-    np.copyto(_words(target), _words(scratch).reshape(target.shape))
-
-
-def _words(t: torch.Tensor) -> np.ndarray:
-    """``t``'s elements as a numpy array of same-size integers (no copy; numpy has no bfloat16): numpy's strided
-    copies beat torch's here, whose intra-op threads contend with the readers."""
-    return t.view(_int_dtype(t.element_size())).numpy()
-
-
-def _int_dtype(size: int) -> Any:
-    """The torch integer dtype of ``size`` bytes."""
-    import torch
-
-    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
-
-
-def _strides(shape: tuple[int, ...]) -> list[int]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return out[::-1]
+            read_parts(reader, self.headers[(stage, rank)][name], group, dest, maps, populate)
 
 
 def record_of(source: ShardsSource) -> dict[str, Any]:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from ..planning.plan import ParamPlan
     from ..planning.runs import Copies, Runs
-    from ..sources.checkpoint import TensorInfo
+    from ..sources.tensor_info import TensorInfo
 
 JOB_BYTES = 8 << 20
 """Bytes per thread-pool job (``preadv`` jobs into CPU tensors, and strided copies out of a mapping)."""

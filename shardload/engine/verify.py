@@ -13,17 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
-from ..sources.checkpoint import (
-    CONVERSION_KEY,
-    MANIFEST_NAME,
-    RANK_FILE_RE,
-    Checkpoint,
-    manifest_stages,
-    rank_file_name,
-    read_header_and_metadata,
-    resolve_inside,
-)
+from ..sources.checkpoint import Checkpoint, resolve_inside
+from ..sources.manifest import CONVERSION_KEY, MANIFEST_NAME, RANK_FILE_RE, manifest_stages, rank_file_name
 from ..sources.objects import ObjectPath
+from ..sources.safetensors_header import read_header_and_metadata
 
 if TYPE_CHECKING:
     from ..planning.mesh import Mesh

@@ -9,11 +9,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, ShardloadError
+from ..errors import CheckpointError, ShardloadError, short_repr
 from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh
 from ..planning.plan import ModelPlan, build_plan
-from ..sources.checkpoint import MANIFEST_NAME, open_checkpoint, read_json, short_repr
+from ..sources.checkpoint import open_checkpoint, read_json
+from ..sources.manifest import MANIFEST_NAME
 from ..sources.source_types import open_source
 from .convert_targets import LayoutTarget, layout_for_manifest
 from .load import load_rank

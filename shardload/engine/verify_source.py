@@ -17,16 +17,8 @@ from ..sources.checkpoint import open_checkpoint
 from ..sources.objects import ObjectPath
 from ..sources.source_types import open_source
 from ..sources.verified import IntegrityError
-from .integrity import (
-    file_name,
-    file_size,
-    leaf_tables,
-    load_record,
-    metadata_files,
-    names_in,
-    record_path,
-    tensors_by_file_of,
-)
+from .hashing import file_name, file_size, leaf_tables, metadata_files, record_path, tensors_by_file_of
+from .integrity import load_record, names_in
 
 __all__ = ["SourceReport", "verify_source"]
 

@@ -3,7 +3,7 @@
 Each rank's safetensors header is known from the plan and written first. The ranks are split into
 groups, one per worker thread, and each worker streams its ranks' bytes in chunks: scatter-read from
 the checkpoint (``preadv``, reading through small holes), write and feed each file's
-sha256 and the tiles of its integrity record (:class:`~shardload.engine.integrity.LeafStream`) while the chunk is
+sha256 and the tiles of its integrity record (:class:`~shardload.engine.leaf_stream.LeafStream`) while the chunk is
 still in cache. Workers never wait for each other, so hashing (the bulk of
 the work) spreads over the cores. Durable files (see :func:`shardload.convert`'s ``fsync``) have their
 writeback started as data is written (``sync_file_range`` where the platform has it) and are fsynced
@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..errors import PlanError
 from ..format.hash_record import RECORD_NAME, FileHashes, root_of
-from ..sources.checkpoint import MAX_HEADER_BYTES
 from ..sources.dtypes import DTYPES, itemsize, to_torch
 from ..sources.reader import RunReader, buffer_view, libc_function
-from .integrity import LeafStream, streamed_record, wrapped
+from ..sources.safetensors_header import MAX_HEADER_BYTES
+from .integrity import wrapped
+from .leaf_stream import LeafStream, streamed_record
 from .transfer import reader_for_plan
 
 if TYPE_CHECKING:
@@ -405,7 +406,7 @@ def _write_group(
 
 def written_record(files: list[WrittenFile]) -> bytes:
     """The integrity record (its bytes) of output files whose leaves were hashed as they were written: the same
-    bytes :func:`shardload.engine.integrity.output_record` gives by reading them back."""
+    bytes :func:`shardload.engine.hashing.output_record` gives by reading them back."""
     entries = [f.leaves for f in files]
     if any(e is None for e in entries):
         raise RuntimeError("an output file was written without its leaves (FileWriter(leaves=True))")

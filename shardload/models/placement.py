@@ -25,7 +25,7 @@ stacked ``[num_experts, ...]`` tensor per rank; replicated: every rank holds the
 
 
 class TensorHeader(Protocol):
-    """What planning needs of a tensor (``shardload.sources.checkpoint.TensorInfo`` and :class:`Header` have it)."""
+    """What planning needs of a tensor (``shardload.sources.tensor_info.TensorInfo`` and :class:`Header` have it)."""
 
     @property
     def shape(self) -> tuple[int, ...]: ...

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..sources.checkpoint import TensorInfo
+from ..sources.tensor_info import TensorInfo
 from .plan import ModelPlan, ParamPlan
 from .runs import Runs, param_runs
 

@@ -17,9 +17,10 @@ from typing import Any
 from ..errors import PlanError, ShardloadError, StepArgumentError
 from ..format import expr
 from ..format.shard_info import MAX_FILE_BYTES, MAX_RANKS, ShardInfo, StepSpec
-from ..sources.checkpoint import Checkpoint, TensorInfo, as_path, resolve_inside
+from ..sources.checkpoint import Checkpoint, as_path, resolve_inside
 from ..sources.dtypes import DTYPES, itemsize
 from ..sources.objects import ObjectPath
+from ..sources.tensor_info import TensorInfo
 from .registry import Box, Shape, StepFunction, lookup
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import PlanError
-from ..sources.checkpoint import TensorInfo
+from ..sources.tensor_info import TensorInfo
 from .plan import ParamPlan, Piece
 from .registry import Box, Shape
 

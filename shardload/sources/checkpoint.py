@@ -1,4 +1,6 @@
-"""Checkpoint reading: safetensors headers (single file, HF indexed multi-file, converted output).
+"""Checkpoint reading: a model's files found and opened, headers only (single file, HF indexed multi-file,
+converted output, registered formats); the headers themselves are :mod:`.safetensors_header`'s, a converted
+directory's manifest :mod:`.manifest`'s.
 
 Opening a checkpoint reads headers only; tensor bytes are read by the executor, run by run,
 through :class:`shardload.sources.reader.Reader`.
@@ -7,46 +9,39 @@ through :class:`shardload.sources.reader.Reader`.
 from __future__ import annotations
 
 import os
-import re
-import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import pairwise
-from math import prod
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, printable
 from ..format import input_log, strictjson
-from ..format.shard_info import MAX_RANKS
 from ..format.smallfile import read_small
-from .dtypes import DTYPES, FROM_SAFETENSORS
 from .formats import SourceFormat, format_for_dir, format_for_file, source_format
 from .location import resolve_model
+from .manifest import (  # noqa: F401  (some re-exported for engine/convert.py, sources/source_types.py)
+    CONVERSION_KEY,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    RANK_FILE_RE,
+    check_manifest,
+    manifest_stages,
+    rank_file_name,
+)
 from .objects import ObjectPath
+from .safetensors_header import MAX_HEADER_BYTES, exact_reads, read_header
+from .tensor_info import TensorInfo
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-MANIFEST_NAME = "shard_manifest.json"
 SHARD_INFO_NAME = "shard_info.json"
 CONFIG_NAME = "config.json"
-MANIFEST_FORMAT = "shardload.converted"
-MANIFEST_VERSION = 1
-CONVERSION_KEY = "conversion"
-"""The manifest key (and ``shardload.conversion`` in each rank file's metadata) naming one convert run: a rank file
-copied in from another conversion is refused by it."""
-CONVERSION_RE = re.compile(r"[0-9a-f]{32}")
-VLLM_MANIFEST_FORMAT = "shardload.vllm-sharded-state"
-"""The manifest format of a directory in vLLM's ``sharded_state`` layout (``convert --layout vllm``)."""
-MAX_HEADER_BYTES = 100 << 20
-"""Cap on a safetensors header and on index/manifest JSON files (real headers are a few MB at most)."""
 MAX_CONFIG_BYTES = 16 << 20
 """Cap on config.json (real ones are a few KB; a multimodal one with a vocabulary inside, a few MB)."""
 TMP_MARKER = ".shardload-tmp-"
 """Part of the name of every temporary entry ``convert`` makes; such a path is never read as a model."""
-RANK_FILE_RE = re.compile(r"(?:pp-([0-9]{5,9})-of-([0-9]{5,9})-)?rank-([0-9]{5,9})-of-([0-9]{5,9})\.safetensors")
-"""A converted rank file; groups: pipeline stage and stage count (absent for one stage), rank, N."""
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "embed_in.weight", "word_embeddings.weight")
 
 
@@ -55,39 +50,6 @@ def as_path(value: Any, what: str) -> Path:
     if not isinstance(value, (str, os.PathLike)) or (isinstance(value, str) and not value):
         raise CheckpointError(f"{what} must be a path (str or os.PathLike), got {value!r}")
     return Path(value)
-
-
-def rank_file_name(rank: int, num_shards: int, stage: int = 0, stages: int = 1) -> str:
-    """A rank's file in a converted directory: ``rank-00003-of-00008.safetensors``, or with
-    pipeline stages ``pp-00001-of-00002-rank-00003-of-00004.safetensors``."""
-    name = f"rank-{rank:05d}-of-{num_shards:05d}.safetensors"
-    return name if stages == 1 else f"pp-{stage:05d}-of-{stages:05d}-{name}"
-
-
-def manifest_stages(manifest: dict[str, Any]) -> int:
-    """Number of pipeline stages a converted directory was written for (1 without a mesh)."""
-    mesh = manifest.get("mesh")
-    return mesh["pp"] if isinstance(mesh, dict) else 1
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one stored tensor lives: file, absolute byte offset, dtype and shape."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: Path
-    offset: int
-    nbytes: int
-    decode: str | None = None
-    """The dtype the stored values decode to when it is not ``dtype`` (a TVM ``f32-to-bf16`` record: stored
-    as bfloat16, read as float32); planning and the ranks see the decoded dtype."""
-
-    @property
-    def logical_dtype(self) -> str:
-        """The dtype of the tensor a step function sees: the decoded one, else the stored one."""
-        return self.decode or self.dtype
 
 
 @dataclass
@@ -385,88 +347,6 @@ def _open_converted(root: Path) -> Checkpoint:
     return Checkpoint(root, root, "converted", {}, [], manifest)
 
 
-def check_manifest(manifest: Any, where: Path) -> None:
-    """Check a converted directory's manifest for consistency (not the files: see :func:`shardload.verify_dir`)."""
-
-    def bad(reason: str) -> CheckpointError:
-        return CheckpointError(f"inconsistent manifest: {reason}", file=str(where))
-
-    if not isinstance(manifest, dict):
-        raise bad("not a JSON object")
-    if isinstance(manifest, dict) and manifest.get("format") == VLLM_MANIFEST_FORMAT:
-        raise CheckpointError(
-            "is in vLLM's sharded_state layout (convert --layout vllm): serve it with vLLM's "
-            "load_format='sharded_state'; `shardload verify` checks its files",
-            file=str(where.parent),
-        )
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise bad(f"'format' is {manifest.get('format')!r}, not {MANIFEST_FORMAT!r}")
-    if manifest.get("version") != MANIFEST_VERSION or type(manifest.get("version")) is not int:
-        raise bad(f"unsupported version {manifest.get('version')!r} (this shardload reads {MANIFEST_VERSION})")
-    n, files = manifest.get("num_shards"), manifest.get("files")
-    if type(n) is not int or n < 1 or not isinstance(files, list):
-        raise bad("needs an integer 'num_shards' >= 1 and a 'files' list")
-    if n > MAX_RANKS:
-        raise bad(f"num_shards={n} is over the limit of {MAX_RANKS}")
-    check_conversion(manifest, bad)
-    info = manifest.get("shard_info")
-    if not isinstance(info, dict) or info.get("num_shards") != n:
-        raise bad(f"'shard_info' must be an object for num_shards={n}")
-    mesh = manifest.get("mesh")
-    if mesh is not None:
-        pp, layers = (mesh.get("pp"), mesh.get("pp_layers")) if isinstance(mesh, dict) else (None, None)
-        ok = type(pp) is int and pp >= 1 and mesh.get("tp") == n and isinstance(layers, list) and len(layers) == pp
-        if type(pp) is int and pp * n > MAX_RANKS:
-            raise bad(f"'mesh' of pp={pp} x tp={n} has {pp * n} ranks, over the limit of {MAX_RANKS}")
-        if not ok or not all(type(c) is int and c >= 0 for c in layers):
-            raise bad("'mesh' must hold pp >= 1, tp equal to num_shards and pp_layers, one count per stage")
-    stages = manifest_stages(manifest)
-    seen: set[str] = set()
-    ranks: set[tuple[int, int]] = set()
-    for entry in files:
-        path = manifest_file_entry(entry, seen, where)
-        rank_match = RANK_FILE_RE.fullmatch(path)
-        if rank_match:
-            s, s_of = int(rank_match[1] or 0), int(rank_match[2] or 1)
-            r, of = int(rank_match[3]), int(rank_match[4])
-            if of != n or r >= n or s_of != stages or s >= stages:
-                raise bad(f"lists {path}, which is not a rank file of num_shards={n} with {stages} stage(s)")
-            ranks.add((s, r))
-    missing = [(s, r) for s in range(stages) for r in range(n) if (s, r) not in ranks]
-    if missing:
-        total = n * stages
-        name = rank_file_name(missing[0][1], n, missing[0][0], stages)
-        raise bad(f"lists no file {name} ({len(missing)} of {total} rank files unlisted)")
-
-
-def check_conversion(manifest: dict[str, Any], bad: Any) -> None:
-    """A manifest's conversion id, when it has one, must be 32 hex digits (older manifests have none)."""
-    conversion = manifest.get(CONVERSION_KEY)
-    if conversion is not None and not (isinstance(conversion, str) and CONVERSION_RE.fullmatch(conversion)):
-        raise bad(f"'{CONVERSION_KEY}' must be 32 hex digits, got {short_repr(conversion)}")
-
-
-def manifest_file_entry(entry: Any, seen: set[str], where: Path) -> str:
-    """Check one ``files`` entry of a manifest (either layout): path, size and sha256 present, a plain file name,
-    listed once (``seen`` collects the names); return its path."""
-    ok = isinstance(entry, dict) and isinstance(entry.get("path"), str) and type(entry.get("size")) is int
-    if not ok or entry["size"] < 0 or not _SHA256_RE.fullmatch(str(entry.get("sha256"))):
-        raise CheckpointError(
-            f"inconsistent manifest: bad 'files' entry {short_repr(entry)} (needs path, size >= 0 and a hex sha256)",
-            file=str(where),
-        )
-    path = entry["path"]
-    if path in seen:
-        raise CheckpointError(f"inconsistent manifest: file {printable(path)!r} is listed twice", file=str(where))
-    if not path or "/" in path or "\\" in path or path in (".", "..") or "\0" in path:
-        raise CheckpointError(
-            f"inconsistent manifest: file {printable(path)!r} is not a plain file name in the directory",
-            file=str(where),
-        )
-    seen.add(path)
-    return path
-
-
 def check_disjoint(tensors: Iterable[TensorInfo], where: str | None = None) -> None:
     """Refuse stored tensors that share bytes (two records or tensor infos over one range of a file, or of two
     names for one file), so a model never claims more bytes than its files hold. ``where`` names the file that
@@ -498,12 +378,6 @@ def _in(before: TensorInfo, t: TensorInfo) -> str:
     return "" if before.file == t.file else f" in {before.file.name}"
 
 
-def short_repr(value: Any, limit: int = 120) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for a value taken from a file that may be huge."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def read_small_file(path: Path | ObjectPath, limit: int, what: str) -> bytes:
     """The bytes of a small file of a checkpoint (at most ``limit``), local or in object storage."""
     if isinstance(path, ObjectPath):
@@ -523,162 +397,3 @@ def read_json(path: Path, what: str, limit: int = MAX_HEADER_BYTES) -> Any:
         raise CheckpointError(f"{what} has the key {dup.key!r} twice in one object", file=str(path)) from None
     except (ValueError, RecursionError) as err:
         raise CheckpointError(f"{what} is not valid JSON: {err}", file=str(path)) from None
-
-
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and check one safetensors file's header: dtypes, shapes, byte ranges tiling the data exactly."""
-    return read_header_and_metadata(path)[0]
-
-
-def header_tensors(path: Path, header: bytes) -> dict[str, TensorInfo]:
-    """The tensors of a safetensors file about to be written at ``path``, from its whole header (the 8-byte length
-    included), parsed and checked as :func:`read_header` would parse the finished file."""
-    import json
-
-    raw = header[8:]
-    ends = [e["data_offsets"][1] for k, e in json.loads(raw).items() if k != "__metadata__"]
-    return _parse_header(path, raw, len(raw), len(header) + max(ends, default=0))[0]
-
-
-def read_header_and_metadata(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Like :func:`read_header`, also returning the header's ``__metadata__`` strings."""
-    name = str(path)
-    if isinstance(path, ObjectPath):
-        raw, header_len, size = _object_header(path)
-    else:
-        raw, header_len, size = _file_header(path)
-    if len(raw) != header_len:
-        raise CheckpointError("file shrank while its header was read", file=name)
-    return _parse_header(path, raw, header_len, size)
-
-
-def _object_header(path: ObjectPath) -> tuple[bytes, int, int]:
-    """A safetensors object's header by two range requests: its 8-byte length, then the header itself."""
-    name = str(path)
-    size = path.size()
-    if size is None:
-        raise CheckpointError("no such object", file=name)
-    _check_size(size, name)
-    first = path.store.read(path.key, 0, 8)
-    header_len = _header_length(first, size, name)
-    raw = path.store.read(path.key, 8, 8 + header_len)
-    input_log.note(path, first + raw)
-    return raw, header_len, size
-
-
-def _check_size(size: int, name: str) -> None:
-    if size < 8:
-        raise CheckpointError(f"file of {size} bytes is too short for a safetensors header", file=name)
-
-
-def _header_length(first: bytes, size: int, name: str) -> int:
-    """The header length the first 8 bytes of a safetensors file give, checked against the cap and the file size."""
-    (header_len,) = struct.unpack("<Q", first)
-    if header_len > MAX_HEADER_BYTES:
-        raise CheckpointError(f"header of {header_len} bytes exceeds the {MAX_HEADER_BYTES} byte cap", file=name)
-    if 8 + header_len > size:
-        raise CheckpointError(
-            f"header length {header_len} runs past the end of the {size}-byte file (truncated?)", file=name
-        )
-    return header_len
-
-
-def exact_reads(fd: int) -> None:
-    """Read just the pages asked for through ``fd`` (no readahead; best effort). A header read with readahead leaves
-    the kernel's readahead mark on a page past it, and whichever read touches that page later, even through
-    another descriptor with readahead off, pulls in a whole readahead window of tensor bytes no rank asked for."""
-    if hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        except OSError:
-            pass
-
-
-def _file_header(path: Path) -> tuple[bytes, int, int]:
-    """A local safetensors file's raw header, its length and the file's size."""
-    name = str(path)
-    try:
-        with open(path, "rb") as fh:
-            exact_reads(fh.fileno())
-            st = os.fstat(fh.fileno())
-            size = st.st_size
-            _check_size(size, name)
-            first = fh.read(8)
-            header_len = _header_length(first, size, name)
-            raw = fh.read(header_len)
-            input_log.note(path, first + raw, st)
-    except OSError as err:
-        raise CheckpointError(f"cannot read: {err.strerror or err}", file=name) from None
-    return raw, header_len, size
-
-
-def _parse_header(path: Any, raw: bytes, header_len: int, size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Check a raw safetensors header against the file's size: dtypes, shapes, byte ranges tiling the data."""
-    name = str(path)
-    try:
-        header = strictjson.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise CheckpointError(f"safetensors header is not UTF-8 text (byte {8 + err.start})", file=name) from None
-    except strictjson.DuplicateKeyError as dup:
-        raise CheckpointError("tensor is listed twice in the safetensors header", file=name, param=dup.key) from None
-    except (ValueError, RecursionError):
-        raise CheckpointError("safetensors header is not valid JSON", file=name) from None
-    if not isinstance(header, dict):
-        raise CheckpointError("safetensors header is not a JSON object", file=name)
-    metadata = header.pop("__metadata__", None)
-    metadata = {} if metadata is None else metadata
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CheckpointError("safetensors '__metadata__' must be an object of strings", file=name)
-    data_start = 8 + header_len
-    data_size = size - data_start
-    tensors: dict[str, TensorInfo] = {}
-    for key, entry in header.items():
-        tensors[key] = _tensor_entry(path, key, entry, data_start, data_size)
-    _check_tiling(name, tensors, data_start, data_size)
-    return tensors, metadata
-
-
-def _check_tiling(name: str, tensors: dict[str, TensorInfo], data_start: int, data_size: int) -> None:
-    """Tensor byte ranges must tile the data section exactly: no overlap, no gap, no trailing bytes."""
-    end, last = 0, None
-    for begin, stop, key in sorted((t.offset - data_start, t.offset - data_start + t.nbytes, t.name)
-                                   for t in tensors.values() if t.nbytes):  # fmt: skip
-        if begin < end:
-            raise CheckpointError(f"data overlaps tensor {last!r}", file=name, param=key)
-        if begin > end:
-            raise CheckpointError(
-                f"bytes {end}..{begin} of the data section belong to no tensor (gap before this tensor)",
-                file=name, param=key,
-            )  # fmt: skip
-        end, last = stop, key
-    if end != data_size:
-        raise CheckpointError(
-            f"{data_size - end} trailing bytes after the last tensor's data (file longer than its header says)",
-            file=name,
-        )
-
-
-def _tensor_entry(path: Path, key: str, entry: Any, data_start: int, data_size: int) -> TensorInfo:
-    def bad(reason: str) -> CheckpointError:
-        return CheckpointError(reason, file=str(path), param=key)
-
-    if not isinstance(entry, dict):
-        raise bad("header entry is not an object")
-    code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(code, str) or code not in FROM_SAFETENSORS:
-        raise bad(f"unknown dtype {short_repr(code)}")
-    if not isinstance(shape, list) or len(shape) > 64 or not all(type(d) is int and d >= 0 for d in shape):
-        raise bad(f"bad shape {short_repr(shape)}")
-    ok = isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)
-    if not ok or offsets[0] > offsets[1]:
-        raise bad(f"bad data_offsets {short_repr(offsets)}")
-    if offsets[1] > data_size:
-        raise bad(f"data_offsets {offsets} run past the end of the data ({data_size} bytes; truncated file?)")
-    dtype = FROM_SAFETENSORS[code]
-    nbytes = prod(shape) * DTYPES[dtype][1]
-    if offsets[1] - offsets[0] != nbytes:
-        raise bad(
-            f"shape {short_repr(shape)} of {dtype} needs {nbytes} bytes, "
-            f"but data_offsets span {offsets[1] - offsets[0]}"
-        )
-    return TensorInfo(key, dtype, tuple(shape), path, data_start + offsets[0], nbytes)

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from .checkpoint import MAX_HEADER_BYTES, Checkpoint, TensorInfo, check_disjoint
+from .checkpoint import Checkpoint, check_disjoint
 from .formats import SourceFormat, register_source
+from .safetensors_header import MAX_HEADER_BYTES
+from .tensor_info import TensorInfo
 
 GGUF_SUFFIX = ".gguf"
 

@@ -7,7 +7,7 @@ cannot mix two commits. Then ``config.json``, the index and ``shard_info.json``,
 GET each into a temporary directory (never the Hub cache: a snapshot holding config.json alone would pass for a
 cached model later), and of each safetensors file its 8-byte header length and its header, by two range requests
 (``Range: bytes=0-7``, then ``bytes=8-(7+length)``), answered ``206`` or refused; never a tensor byte. The headers
-become :class:`~shardload.sources.checkpoint.TensorInfo` records as a local file's do, their ``file`` a path in the
+become :class:`~shardload.sources.tensor_info.TensorInfo` records as a local file's do, their ``file`` a path in the
 temporary directory that names the file and is never read.
 
 huggingface_hub does the talking: its HTTP session (the user's token, proxy and redirect settings, its offline
@@ -31,24 +31,20 @@ from ..errors import CheckpointError, ShardloadError
 from .checkpoint import (
     CONFIG_NAME,
     INDEX_NAME,
-    MANIFEST_NAME,
     MAX_CONFIG_BYTES,
-    MAX_HEADER_BYTES,
     PICKLE_REFUSED,
     PICKLE_SUFFIXES,
-    RANK_FILE_RE,
     SHARD_INFO_NAME,
     SINGLE_NAME,
     Checkpoint,
-    TensorInfo,
-    _check_size,
-    _header_length,
     _open_files,
     _open_index,
-    _parse_header,
     read_json,
 )
 from .location import hub_refusal, split_hub_id
+from .manifest import MANIFEST_NAME, RANK_FILE_RE
+from .safetensors_header import MAX_HEADER_BYTES, _check_size, _header_length, _parse_header
+from .tensor_info import TensorInfo
 
 SMALL_FILES = {CONFIG_NAME: MAX_CONFIG_BYTES, INDEX_NAME: MAX_HEADER_BYTES, SHARD_INFO_NAME: MAX_HEADER_BYTES}
 """The JSON files fetched whole (those the repository has), and the cap on each."""

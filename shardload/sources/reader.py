@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Self
 
-    from .checkpoint import TensorInfo
+    from .tensor_info import TensorInfo
 
 IOV_MAX = 1024  # POSIX minimum is 16; Linux and the BSDs allow 1024
 

@@ -7,7 +7,7 @@ records packed end to end::
                   "records": [{"name", "shape", "dtype", "format": "raw" | "f32-to-bf16",
                                "nbytes", "byteOffset"}, ...]}, ...]}
 
-Every record becomes a :class:`~shardload.sources.checkpoint.TensorInfo`, a byte range of its data
+Every record becomes a :class:`~shardload.sources.tensor_info.TensorInfo`, a byte range of its data
 file read like any safetensors tensor. An ``f32-to-bf16`` record of a float32 tensor stores the upper
 16 bits of each value (bfloat16); as TVM's reader does, it is decoded to float32, so planning and the
 ranks see float32 (such a tensor is read whole, then decoded and split). A cache pre-sharded by
@@ -23,10 +23,11 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
-from .checkpoint import Checkpoint, TensorInfo, check_disjoint, read_json, resolve_inside, short_repr
+from ..errors import CheckpointError, short_repr
+from .checkpoint import Checkpoint, check_disjoint, read_json, resolve_inside
 from .dtypes import DTYPES, itemsize
 from .formats import SourceFormat, register_source
+from .tensor_info import TensorInfo
 
 CACHE_NAMES = ("tensor-cache.json", "ndarray-cache.json")
 """The table's name since TVM 0.22, and before it; a directory is read through the first one present."""

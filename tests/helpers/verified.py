@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from helpers.checkpoints import write_model
-from shardload.engine.integrity import hash_model
-from shardload.sources.checkpoint import read_header
+from shardload.engine.hashing import hash_model
+from shardload.sources.safetensors_header import read_header
 
 N = 4
 

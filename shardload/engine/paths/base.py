@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     import torch
 
     from ...planning.plan import ParamPlan
-    from ...sources.checkpoint import TensorInfo
     from ...sources.reader import RunReader
+    from ...sources.tensor_info import TensorInfo
     from ..read_schedule import StagedBatch, StructureKey, StructureRuns
     from ..read_strategy import ReadOptions
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from ...planning.plan import ParamPlan
-    from ...sources.checkpoint import TensorInfo
+    from ...sources.tensor_info import TensorInfo
     from ..read_schedule import StructureKey
 
 

@@ -22,8 +22,10 @@ from typing import Any
 from ...engine.reshard import STORED, stored_shape
 from ...errors import CheckpointError, ShardloadError
 from ...format.shard_info import MAX_RANKS, ShardInfo
-from ...sources.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo, read_config, read_header_and_metadata
+from ...sources.checkpoint import CONFIG_NAME, Checkpoint, read_config
 from ...sources.dtypes import itemsize
+from ...sources.safetensors_header import read_header_and_metadata
+from ...sources.tensor_info import TensorInfo
 from .families import vllm_names, vllm_packing
 from .names import EXPERTS_MODULE, is_vocab
 

@@ -12,17 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from ...engine.reshard import RECORD_KEY, ShardsSource, read_record
-from ...errors import CheckpointError, ShardloadError
+from ...errors import CheckpointError, ShardloadError, short_repr
 from ...format.shard_info import MAX_RANKS, ShardInfo
-from ...sources.checkpoint import (
-    VLLM_MANIFEST_FORMAT,
-    Checkpoint,
-    TensorInfo,
-    check_conversion,
-    manifest_file_entry,
-    short_repr,
-)
+from ...sources.checkpoint import Checkpoint
+from ...sources.manifest import VLLM_MANIFEST_FORMAT, check_conversion, manifest_file_entry
 from ...sources.source_types import SplitFormat, register_split_format
+from ...sources.tensor_info import TensorInfo
 from .layout import plan_layout
 from .names import vocab_range
 from .saved import check_contents, read_vllm_save, saved_shard_info
@@ -34,7 +29,7 @@ _RANK_FILE_RE = re.compile(r"model-rank-(0|[1-9][0-9]{0,8})-part-(0|[1-9][0-9]{0
 
 
 def check_vllm_manifest(manifest: Any, where: Path) -> None:
-    """Check a ``sharded_state`` output's manifest as :func:`~shardload.sources.checkpoint.check_manifest` checks
+    """Check a ``sharded_state`` output's manifest as :func:`~shardload.sources.manifest.check_manifest` checks
     the plain layout's: num_shards within the rank cap, plain file names listed once, every rank's file listed
     exactly once and no rank file of another N."""
 
@@ -73,7 +68,9 @@ def open_vllm_shards(model: Any, verify: bool = False) -> ShardsSource | None:
     stacked experts are row blocks; the vocabulary is padded per vLLM's rule). Every rank file is checked (listed,
     size, each tensor's shape and dtype; with ``verify`` its sha256) before any tensor byte is read."""
     from ...engine.verify import check_entry
-    from ...sources.checkpoint import MANIFEST_NAME, read_header, read_json
+    from ...sources.checkpoint import read_json
+    from ...sources.manifest import MANIFEST_NAME
+    from ...sources.safetensors_header import read_header
 
     if not isinstance(model, (str, os.PathLike)) or not Path(model).is_dir():
         return None

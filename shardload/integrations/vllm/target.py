@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...sources.checkpoint import VLLM_MANIFEST_FORMAT
+from ...sources.manifest import VLLM_MANIFEST_FORMAT
 from ..api import LayoutTarget, register_layout
 
 

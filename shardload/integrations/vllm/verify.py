@@ -10,7 +10,10 @@ from typing import Any
 
 from ...engine.verify_dir import plan_differences
 from ...errors import CheckpointError, ShardloadError
-from ...sources.checkpoint import MANIFEST_NAME, TensorInfo, open_checkpoint, read_header
+from ...sources.checkpoint import open_checkpoint
+from ...sources.manifest import MANIFEST_NAME
+from ...sources.safetensors_header import read_header
+from ...sources.tensor_info import TensorInfo
 from .layout import VllmLayout, plan_layout
 from .sharded_state import FILE_PATTERN
 from .writer import rank_tensors

@@ -44,7 +44,8 @@ from ...engine.writer import FileWriter, WrittenFile, new_conversion, write_outp
 from ...errors import ShardloadError
 from ...format.input_log import records_inputs
 from ...planning.plan import ParamPlan
-from ...sources.checkpoint import CONVERSION_KEY, VLLM_MANIFEST_FORMAT, Checkpoint, as_path, read_config
+from ...sources.checkpoint import Checkpoint, as_path, read_config
+from ...sources.manifest import CONVERSION_KEY, VLLM_MANIFEST_FORMAT
 from ...sources.object_reader import reader_for
 from ...sources.source_types import ConvertedBoxes, SavedBoxes, as_boxes, check_options, open_source
 from ...version import __version__

@@ -1,0 +1,236 @@
+"""What the command modules share: the MODEL argument, one-line failures and ``--json`` documents, the guard
+every command runs under (signals, errors, partial outputs), the progress bar, mesh and plugin options."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..engine.convert_targets import BUILT_IN as BUILT_IN_LAYOUT
+from ..engine.convert_targets import layout_names
+from ..errors import ShardloadError, printable
+
+
+class ModelArgument(click.ParamType):
+    """A MODEL argument: a local path (a Path, as before), or kept as typed when it is an object-store URI
+    (``s3://bucket/prefix``) or a Hugging Face Hub id (``org/name[@revision]``) that names no local path."""
+
+    name = "model"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from ..sources.location import model_kind
+
+        if isinstance(value, Path) or model_kind(value) == "local":
+            return Path(value)
+        return value
+
+
+MODEL = ModelArgument()
+
+
+class _LayoutChoice(click.Choice):
+    """``convert --layout``'s choices: the built-in layout and every registered target, read when first asked (the
+    installed integrations' entry points load then, not when the command line starts)."""
+
+    def __init__(self) -> None:
+        super().__init__([BUILT_IN_LAYOUT])
+
+    @property  # type: ignore[override]
+    def choices(self) -> tuple[str, ...]:
+        return layout_names()
+
+    @choices.setter
+    def choices(self, value: Any) -> None:
+        pass
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return value if value == BUILT_IN_LAYOUT else super().convert(value, param, ctx)
+
+
+MAX_LISTED_N = 16
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(1)
+
+
+def _json_requested(args: list[str]) -> bool:
+    """Whether the command line asks for ``--json`` (before any ``--``)."""
+    return "--json" in (args[: args.index("--")] if "--" in args else args)
+
+
+def _echo_failure(error: dict[str, Any], exit_code: int) -> None:
+    """The ``--json`` document of a command that failed: ``{"ok": false, "exit_code": ..., "error": {...}}``."""
+    click.echo(json.dumps({"ok": False, "exit_code": exit_code, "error": error}, indent=2))
+
+
+class BadArgument(click.ClickException):
+    """A usage error shown as one ``error:`` line (a missing file or model), exit 2."""
+
+    exit_code = 2
+
+    def show(self, file: Any = None) -> None:
+        """Print ``error: MESSAGE`` on stderr."""
+        click.echo(printable(f"error: {self.format_message()}"), err=True)
+
+
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: unwinds like Ctrl-C, so every partial output is removed on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_STOP_SIGNALS = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise _Terminated(signum)
+
+
+def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn shardload and OS errors into a one-line message and exit 1 (with ``--json``, a JSON document on stdout
+    too); SIGINT, SIGTERM and SIGHUP (Kubernetes, Slurm and ``timeout`` stop a job with SIGTERM) clean up and
+    exit 128 + the signal number."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in _STOP_SIGNALS:
+                previous[signum] = signal.signal(signum, _terminate)
+        as_json = bool(kwargs.get("as_json"))
+        try:
+            return fn(*args, **kwargs)
+        except ShardloadError as err:
+            if as_json:
+                _echo_failure(err.to_dict(), 1)
+            _fail(err.message)
+        except BrokenPipeError:  # `| head` closed the pipe: stop quietly, as a command killed by SIGPIPE would
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(128 + 13)
+        except OSError as err:
+            where = f"{err.filename}: " if err.filename else ""
+            message = printable(f"{where}{err.strerror or err}")
+            if as_json:
+                _echo_failure({"kind": type(err).__name__, "message": message}, 1)
+            _fail(message)
+        except KeyboardInterrupt:
+            click.echo(_stopped("interrupted", kwargs.get("out_dir")), err=True)
+            sys.exit(130)
+        except _Terminated as err:
+            click.echo(_stopped(f"terminated by {signal.Signals(err.signum).name}", kwargs.get("out_dir")), err=True)
+            sys.exit(128 + err.signum)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    return wrapper
+
+
+def _stopped(what: str, out_dir: Path | None) -> str:
+    """The line a command stopped by a signal prints: what stopped it and, for one that writes a directory, which
+    (its staging directory is removed on the way out; an existing OUT stays as it was)."""
+    if out_dir is None:
+        return what
+    return printable(f"{what}: {out_dir} was not written (the partial output was removed)")
+
+
+class _ProgressBar:
+    """Bytes done, on stderr; the bar first appears at the first update, after planning, so a note printed while
+    planning (a plan made from config.json) stands on its own line above it."""
+
+    def __init__(self, label: str, total: Callable[[], int]) -> None:
+        self.label, self.total = label, total
+        self.bar: Any = None
+        self.done = 0
+
+    def __call__(self, done: int, name: str) -> None:
+        if self.bar is None:
+            self.bar = click.progressbar(length=self.total(), label=self.label, file=sys.stderr, show_pos=False)
+            self.bar.__enter__()
+        self.bar.update(done - self.done)
+        self.done = done
+
+    def __enter__(self) -> _ProgressBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+
+SUMMARY_AFTER = 3
+"""``validate`` prints a reason seen for many parameters this many times, then one line counting the rest."""
+
+
+def summarised(problems: list[dict[str, Any]]) -> list[str]:
+    """Problem lines, each reason printed for at most :data:`SUMMARY_AFTER` parameters, then counted."""
+    seen: dict[str, int] = {}
+    lines = []
+    for problem in problems:
+        key = f"{problem.get('step')}|{problem.get('function')}|{problem['reason']}|{problem.get('num_shards')}"
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] <= SUMMARY_AFTER:
+            lines.append(problem["message"])
+    for key, count in seen.items():
+        if count > SUMMARY_AFTER:
+            reason = key.split("|", 3)[2]
+            lines.append(f"... and {count - SUMMARY_AFTER} more parameters with the same problem ({reason})")
+    return lines
+
+
+def _mesh_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Add --mesh, --world-size and --pp-layers to a command."""
+    fn = click.option(
+        "--pp-layers", help="Decoder layers per pipeline stage, e.g. 10,14 (default: as even as possible)."
+    )(fn)
+    fn = click.option("--world-size", type=click.IntRange(min=1), help="Number of ranks, to infer a -1 mesh axis.")(fn)
+    return click.option("--mesh", help="Device mesh, e.g. pp=2,tp=4 (axes dp, pp, tp; one may be -1).")(fn)
+
+
+def _mesh_arg(mesh: str | None, world_size: int | None, pp_layers: str | None) -> Any:
+    """The Mesh the options describe, or None when --mesh is absent."""
+    from ..planning.mesh import Mesh
+
+    if mesh is None:
+        if world_size is not None or pp_layers is not None:
+            raise click.UsageError("--world-size and --pp-layers need --mesh")
+        return None
+    return Mesh.parse(mesh, world_size, pp_layers)
+
+
+def _load_plugins(ctx: click.Context, param: click.Parameter, modules: tuple[str, ...]) -> None:
+    """Import the --plugin modules (they register step functions) before the command runs."""
+    from .plugins import PluginError, load_plugin
+
+    for module in modules:
+        try:
+            load_plugin(module)
+        except PluginError as err:
+            raise click.UsageError(str(err)) from None
+
+
+_PLUGIN_HELP = (
+    "Import MODULE (a dotted name, or a .py file) first, so the step functions it registers can be used; "
+    "repeatable. Installed packages register theirs through the 'shardload.steps' entry point group."
+)
+
+
+def _plugin_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Add --plugin to a command (also accepted before the command name)."""
+    return click.option(
+        "--plugin", "plugins", metavar="MODULE", multiple=True, expose_value=False, is_eager=True,
+        callback=_load_plugins, help=_PLUGIN_HELP,
+    )(fn)  # fmt: skip

@@ -1,0 +1,119 @@
+"""A converted directory's names and manifest: rank file names, the manifest's format, version and conversion id,
+and ``check_manifest``, the check of its contents (the files themselves: :mod:`shardload.engine.verify`)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, printable, short_repr
+from ..format.shard_info import MAX_RANKS
+
+MANIFEST_NAME = "shard_manifest.json"
+MANIFEST_FORMAT = "shardload.converted"
+MANIFEST_VERSION = 1
+CONVERSION_KEY = "conversion"
+"""The manifest key (and ``shardload.conversion`` in each rank file's metadata) naming one convert run: a rank file
+copied in from another conversion is refused by it."""
+CONVERSION_RE = re.compile(r"[0-9a-f]{32}")
+VLLM_MANIFEST_FORMAT = "shardload.vllm-sharded-state"
+"""The manifest format of a directory in vLLM's ``sharded_state`` layout (``convert --layout vllm``)."""
+RANK_FILE_RE = re.compile(r"(?:pp-([0-9]{5,9})-of-([0-9]{5,9})-)?rank-([0-9]{5,9})-of-([0-9]{5,9})\.safetensors")
+"""A converted rank file; groups: pipeline stage and stage count (absent for one stage), rank, N."""
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def rank_file_name(rank: int, num_shards: int, stage: int = 0, stages: int = 1) -> str:
+    """A rank's file in a converted directory: ``rank-00003-of-00008.safetensors``, or with
+    pipeline stages ``pp-00001-of-00002-rank-00003-of-00004.safetensors``."""
+    name = f"rank-{rank:05d}-of-{num_shards:05d}.safetensors"
+    return name if stages == 1 else f"pp-{stage:05d}-of-{stages:05d}-{name}"
+
+
+def manifest_stages(manifest: dict[str, Any]) -> int:
+    """Number of pipeline stages a converted directory was written for (1 without a mesh)."""
+    mesh = manifest.get("mesh")
+    return mesh["pp"] if isinstance(mesh, dict) else 1
+
+
+def check_manifest(manifest: Any, where: Path) -> None:
+    """Check a converted directory's manifest for consistency (not the files: see :func:`shardload.verify_dir`)."""
+
+    def bad(reason: str) -> CheckpointError:
+        return CheckpointError(f"inconsistent manifest: {reason}", file=str(where))
+
+    if not isinstance(manifest, dict):
+        raise bad("not a JSON object")
+    if isinstance(manifest, dict) and manifest.get("format") == VLLM_MANIFEST_FORMAT:
+        raise CheckpointError(
+            "is in vLLM's sharded_state layout (convert --layout vllm): serve it with vLLM's "
+            "load_format='sharded_state'; `shardload verify` checks its files",
+            file=str(where.parent),
+        )
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise bad(f"'format' is {manifest.get('format')!r}, not {MANIFEST_FORMAT!r}")
+    if manifest.get("version") != MANIFEST_VERSION or type(manifest.get("version")) is not int:
+        raise bad(f"unsupported version {manifest.get('version')!r} (this shardload reads {MANIFEST_VERSION})")
+    n, files = manifest.get("num_shards"), manifest.get("files")
+    if type(n) is not int or n < 1 or not isinstance(files, list):
+        raise bad("needs an integer 'num_shards' >= 1 and a 'files' list")
+    if n > MAX_RANKS:
+        raise bad(f"num_shards={n} is over the limit of {MAX_RANKS}")
+    check_conversion(manifest, bad)
+    info = manifest.get("shard_info")
+    if not isinstance(info, dict) or info.get("num_shards") != n:
+        raise bad(f"'shard_info' must be an object for num_shards={n}")
+    mesh = manifest.get("mesh")
+    if mesh is not None:
+        pp, layers = (mesh.get("pp"), mesh.get("pp_layers")) if isinstance(mesh, dict) else (None, None)
+        ok = type(pp) is int and pp >= 1 and mesh.get("tp") == n and isinstance(layers, list) and len(layers) == pp
+        if type(pp) is int and pp * n > MAX_RANKS:
+            raise bad(f"'mesh' of pp={pp} x tp={n} has {pp * n} ranks, over the limit of {MAX_RANKS}")
+        if not ok or not all(type(c) is int and c >= 0 for c in layers):
+            raise bad("'mesh' must hold pp >= 1, tp equal to num_shards and pp_layers, one count per stage")
+    stages = manifest_stages(manifest)
+    seen: set[str] = set()
+    ranks: set[tuple[int, int]] = set()
+    for entry in files:
+        path = manifest_file_entry(entry, seen, where)
+        rank_match = RANK_FILE_RE.fullmatch(path)
+        if rank_match:
+            s, s_of = int(rank_match[1] or 0), int(rank_match[2] or 1)
+            r, of = int(rank_match[3]), int(rank_match[4])
+            if of != n or r >= n or s_of != stages or s >= stages:
+                raise bad(f"lists {path}, which is not a rank file of num_shards={n} with {stages} stage(s)")
+            ranks.add((s, r))
+    missing = [(s, r) for s in range(stages) for r in range(n) if (s, r) not in ranks]
+    if missing:
+        total = n * stages
+        name = rank_file_name(missing[0][1], n, missing[0][0], stages)
+        raise bad(f"lists no file {name} ({len(missing)} of {total} rank files unlisted)")
+
+
+def check_conversion(manifest: dict[str, Any], bad: Any) -> None:
+    """A manifest's conversion id, when it has one, must be 32 hex digits (older manifests have none)."""
+    conversion = manifest.get(CONVERSION_KEY)
+    if conversion is not None and not (isinstance(conversion, str) and CONVERSION_RE.fullmatch(conversion)):
+        raise bad(f"'{CONVERSION_KEY}' must be 32 hex digits, got {short_repr(conversion)}")
+
+
+def manifest_file_entry(entry: Any, seen: set[str], where: Path) -> str:
+    """Check one ``files`` entry of a manifest (either layout): path, size and sha256 present, a plain file name,
+    listed once (``seen`` collects the names); return its path."""
+    ok = isinstance(entry, dict) and isinstance(entry.get("path"), str) and type(entry.get("size")) is int
+    if not ok or entry["size"] < 0 or not _SHA256_RE.fullmatch(str(entry.get("sha256"))):
+        raise CheckpointError(
+            f"inconsistent manifest: bad 'files' entry {short_repr(entry)} (needs path, size >= 0 and a hex sha256)",
+            file=str(where),
+        )
+    path = entry["path"]
+    if path in seen:
+        raise CheckpointError(f"inconsistent manifest: file {printable(path)!r} is listed twice", file=str(where))
+    if not path or "/" in path or "\\" in path or path in (".", "..") or "\0" in path:
+        raise CheckpointError(
+            f"inconsistent manifest: file {printable(path)!r} is not a plain file name in the directory",
+            file=str(where),
+        )
+    seen.add(path)
+    return path
