@@ -132,7 +132,7 @@ def hash_vs_cat(model: Path) -> tuple[float, float]:
     subprocess.run(f"cat {path} > /dev/null", shell=True, check=True)
     cat = time.perf_counter() - t0
     drop(path)
-    code = "import sys, time; from shardload.engine.integrity import hash_model; t = time.perf_counter(); " \
+    code = "import sys, time; from shardload.engine.hashing import hash_model; t = time.perf_counter(); " \
            "hash_model(sys.argv[1]); print(time.perf_counter() - t)"  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code, str(model)], check=True, capture_output=True, text=True)
     return cat, float(out.stdout.strip())

@@ -288,7 +288,7 @@ def _check_headers(
     return holder
 
 
-def load_ranks(
+def assemble_ranks(
     source: ShardsSource, layout: Mesh, ranks: Sequence[int], devices: Sequence[Any]
 ) -> list[dict[str, torch.Tensor]]:
     """Global ranks ``ranks`` of ``layout`` (rank ``ranks[k]`` on ``devices[k]``), read out of ``source`` (a

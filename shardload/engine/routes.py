@@ -36,7 +36,7 @@ from ..sources.source_types import (
 from .integrity import converted_verifier, verifier, wrapped
 from .load_options import LoadOptions
 from .paths import data_path_for
-from .reshard import ShardsSource, load_ranks, open_presharded, open_shards
+from .reshard import ShardsSource, assemble_ranks, open_presharded, open_shards
 from .run import materialize, run_plan, stages_of
 from .transfer import Transfer, reader_for_plan
 from .verify import rank_file
@@ -75,7 +75,7 @@ def open_boxes(source: Source, verify: bool | str, shard_info: Any = None) -> Sh
 def _boxes(source: Source, mesh: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
            label: str) -> States:  # fmt: skip
     """Each rank assembled from its boxes of the old rank tensors."""
-    return load_ranks(open_boxes(source, options.verify, options.shard_info), mesh, ranks, devices)
+    return assemble_ranks(open_boxes(source, options.verify, options.shard_info), mesh, ranks, devices)
 
 
 def _whole(source: Source, mesh: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
