@@ -151,4 +151,4 @@ def test_no_plan_source_is_one_line_saying_how_to_proceed(tmp_path: Path) -> Non
     (model_dir / "config.json").unlink()  # nothing to plan from: the hint to write one
     with pytest.raises(PlanError, match=r"no shard_info given and .*shard_info.json does not exist; write one"):
         shardload.load_rank(model_dir, 0, 2)
-    assert choices.VOCAB_PADDING["vllm"] == 64
+    assert choices.VOCAB_PADDING["server"] == 64

@@ -10,8 +10,16 @@ from typing import Any
 import click
 
 from ..errors import ShardloadError, printable
-from ..models.choices import DEFAULT_VOCAB_PADDING, EXPERT_MODES, STYLES, VOCAB_PADDING
+from ..models.choices import EXPERT_MODES, STYLES, VOCAB_PADDING
 from .common import MAX_LISTED_N, MODEL, BadArgument, _guarded, _mesh_arg, _mesh_options, _plugin_option, summarised
+
+PADDING_CHOICES = {"vllm": "server", **{rule: rule for rule in VOCAB_PADDING if rule != "server"}}
+"""``--vocab-padding``'s values, as users know them (``vllm``: the servers' multiple of 64), -> the models' rules."""
+
+
+def _padding_rule(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """``--vocab-padding``'s value as the models' rule."""
+    return PADDING_CHOICES[value]
 
 
 @click.command()
@@ -48,9 +56,10 @@ from .common import MAX_LISTED_N, MODEL, BadArgument, _guarded, _mesh_arg, _mesh
 )
 @click.option(
     "--vocab-padding",
-    type=click.Choice(list(VOCAB_PADDING)),
-    default=DEFAULT_VOCAB_PADDING,
+    type=click.Choice(list(PADDING_CHOICES)),
+    default="vllm",
     show_default=True,
+    callback=_padding_rule,
     help="A vocabulary N does not divide gets zero rows: vllm to a multiple of 64 (vLLM's rows per rank), "
     "plain to a multiple of N, none not at all (such an N fails).",
 )
@@ -123,8 +132,14 @@ def plan(
                    "divisors of the head and expert counts.")  # fmt: skip
 @click.option("--style", type=click.Choice(STYLES), default="auto", show_default=True,
               help="Where the plan made from config.json comes from, as for `shardload plan`.")  # fmt: skip
-@click.option("--vocab-padding", type=click.Choice(list(VOCAB_PADDING)), default=DEFAULT_VOCAB_PADDING,
-              show_default=True, help="How a vocabulary N does not divide is padded (as plan pads it).")  # fmt: skip
+@click.option(
+    "--vocab-padding",
+    type=click.Choice(list(PADDING_CHOICES)),
+    default="vllm",
+    show_default=True,
+    callback=_padding_rule,
+    help="How a vocabulary N does not divide is padded (as plan pads it).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report (always JSON, errors too).")
 @_guarded
 def preflight(model: Path, num_shards: tuple[int, ...], style: str, vocab_padding: str, as_json: bool) -> None:
