@@ -22,24 +22,23 @@ Axes:
   (the index, served by the suite's moto server on loopback, the ``s3`` fixture of ``conftest.py``), a Hugging
   Face Hub id (an offline cache laid out as huggingface_hub does). Safetensors sources are
   planned in memory from config.json; TVM and GGUF carry the shard_info.json ``shardload plan`` wrote;
-- path: ``load`` (all ranks), ``load_rank``, ``load_rank(mmap=True)``, ``load_rank`` by planned cold reads
-  (``planned``: ``ReadOptions(strategy="plan")``, one-page reads, ``io_depth`` = the cell's threads, a model
-  under which every gap is worth reading, the byte budget 0 or unbounded by N's parity; then again with the
-  pinned ``verify`` root, the checking reader's tiles read as planned cold reads), ``convert`` (the CLI)
-  then the rank files read back, ``convert --layout vllm`` (the CLI) against vLLM's per-rank layout,
+- path: ``load`` (all ranks), ``load_rank``, ``load_rank`` with ``ReadOptions(strategy="view")`` (``mmap``),
+  ``load_rank`` by planned cold reads (``planned``: ``ReadOptions(strategy="plan")``, one-page reads, ``io_depth`` =
+  the cell's threads, a model under which every gap is worth reading, the byte budget 0 or unbounded by N's parity;
+  then again with the pinned ``verify`` root, the checking reader's tiles read as planned cold reads), ``convert``
+  (the CLI) then the rank files read back, ``convert --layout vllm`` (the CLI) against vLLM's per-rank layout,
   ``load_rank(share_reads=True)`` under torchrun (gloo), and ``verify``: ``load_rank(verify=...)`` through the
-  checking reader against the source's integrity record (``shardload hash``, made once per source and session;
-  an S3 model's is hashed from the objects and put beside them by ``hash`` itself; a converted directory checks
-  the record convert wrote, or its rank files' sha256 for True);
+  checking reader against the source's integrity record (``shardload hash``, made once per source and session; an S3
+  model's is hashed from the objects and put beside them by ``hash`` itself; a converted directory checks the record
+  convert wrote, or its rank files' sha256 for True);
 - destination: where ``load_rank`` puts a rank's tensors: fresh tensors (every path above), or the caller's own
   (``into=Destination(tensors, only=names)``, a server's parameter memory): ``out_mapping`` (``tensors`` a mapping
   holding a tensor for every name), ``out_callable`` (``tensors`` a callable giving a tensor for half the names,
   None, a fresh tensor, for the others) and ``out_params`` (``only`` half the stored names, ``tensors`` a tensor for
-  each of them); the half
-  alternates with the rank. Every destination starts as 0xFF bytes (a float32 NaN) in one buffer with guard
-  bytes between them (``helpers/destinations.py``), so a byte left unwritten (a padded vocabulary's zero rows
-  included) differs from the reference, and a byte written outside a destination shows as a changed guard; the
-  returned dict must hold the caller's very objects (``is``) for every name given;
+  each of them); the half alternates with the rank. Every destination starts as 0xFF bytes (a float32 NaN) in one
+  buffer with guard bytes between them (``helpers/destinations.py``), so a byte left unwritten (a padded
+  vocabulary's zero rows included) differs from the reference, and a byte written outside a destination shows as a
+  changed guard; the returned dict must hold the caller's very objects (``is``) for every name given;
 - N in 1, 2, 3, 4, 6, 8;
 - threads in 1, 2, 8: reader threads (``ReadOptions(threads=)`` of ``load`` and ``load_rank``; for the CLI's
   ``convert``, which takes no read options, the defaults ``read_strategy.READ_THREADS`` and an S3 reader's
@@ -86,14 +85,15 @@ Coverage, and why it is enough:
   of a phi3, and a pre-sharded cache whose records cannot be told apart from another whole shape (KV heads
   replicated; padded vocabularies);
 - ``verify`` runs for every source and N, threads rotated as on ``load_rank``; a third of its cells pin the
-  record's root (``verify="<root>"``, cell ids ``-pinned``: every source and every N has some), the rest pass
+  record's root (``Verify(root=...)``, cell ids ``-pinned``: every source and every N has some), the rest pass
   True. The share_reads launches load every source a second time with ``verify`` (pinned by the same rule), so
   the receivers' checks of what peers sent run on every source too;
 - ``share_reads`` costs a torchrun launch (N processes importing torch), so it runs at N = 2 and N = 3 only, one
   launch each, every source in the same launch (one cell per source and N), threads rotated as above;
 - a path that does not apply to a source is a cell asserting its documented one-line refusal, with nothing
   written: ``--layout vllm`` converts safetensors sources and converted directories only (not TVM, GGUF),
-  ``mmap=True`` maps local files only (S3) and is no checked copy (``verify`` with ``mmap``). A source whose
+  the view strategy maps local files only (S3) and is no checked copy (``verify`` with it): those refusals are read
+  from the option table (``sources/source_types.py``, ``EXCLUSIONS``). A source whose
   package is missing skips its cells with the reason (never in CI, which installs them all).
 
 No cell is marked as a known failure. The matrix found three bugs: when it was written, convert from S3 gave a
@@ -108,6 +108,7 @@ into few GETs; exact fetching (a GET per row, seconds per cell) is tested in tes
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -136,6 +137,7 @@ from shardload.errors import ShardloadError
 from shardload.integrations.vllm.writer import convert_vllm
 from shardload.sources import objects, read_plan
 from shardload.sources.object_reader import ObjectReader
+from shardload.sources.source_types import EXCLUSIONS
 from shardload.sources.verified import VerifiedReader
 
 try:  # boto3 and moto serve conftest.py's `s3` (module-scoped), requested by the S3 cells only
@@ -166,7 +168,7 @@ MODEL_OF_N = {1: "phi3", 2: "phi3", 3: "llama", 4: "phi3", 6: "phi3", 8: "phi3"}
 REFUSED = {  # (source, path) -> the documented refusal
     ("tvm", "vllm"): "--layout vllm converts a safetensors source checkpoint",
     ("gguf", "vllm"): "--layout vllm converts a safetensors source checkpoint",
-    ("s3", "mmap"): "mmap=True maps local files; this model is in object storage",
+    ("s3", "mmap"): EXCLUSIONS[frozenset({"mmap", "remote"})],  # the option table's refusal, read from it
 }
 PACKAGES = {"tvm": "tvm", "gguf": "gguf", "hub": "huggingface_hub", "s3": "moto"}
 
@@ -370,7 +372,9 @@ def test_rank_tensors_equal_reference(
         got = shardload.load(model, n, devices=["cpu"] * n, read_options=options)
         assert_ranks(got, want, "load")
     elif path in ("load_rank", "mmap"):
-        got = [shardload.load_rank(model, r, n, mmap=path == "mmap", read_options=options) for r in range(n)]
+        if path == "mmap":  # views of the file where a tensor is one stretch of it
+            options = dataclasses.replace(options or shardload.ReadOptions(), strategy="view")
+        got = [shardload.load_rank(model, r, n, read_options=options) for r in range(n)]
         assert_ranks(got, want, path)
     elif path == "planned":
         monkeypatch.setattr(read_plan, "MAX_READ", read_plan.PAGE)  # many reads, each its own job's share
@@ -380,7 +384,8 @@ def test_rank_tensors_equal_reference(
         assert_ranks(got, want, path)
         root = world.record_root(request, source, n)
         monkeypatch.setattr(VerifiedReader, "_cached", lambda *args: False)  # tiles read as from cold storage
-        checked = [shardload.load_rank(model, r, n, verify=root, read_options=planned) for r in range(n)]
+        pin = shardload.Verify(root=root)
+        checked = [shardload.load_rank(model, r, n, verify=pin, read_options=planned) for r in range(n)]
         assert_ranks(checked, want, "planned, verify")
     else:
         out = tmp_path / "out"
@@ -404,8 +409,8 @@ def test_path_that_does_not_apply_is_refused(
     model = world.source(request, source, n)
     out = tmp_path / "out"
     if path == "mmap":
-        with pytest.raises(ShardloadError, match=REFUSED[source, path]) as err:
-            shardload.load_rank(model, 0, n, mmap=True)
+        with pytest.raises(ShardloadError, match=re.escape(REFUSED[source, path])) as err:
+            shardload.load_rank(model, 0, n, read_options=shardload.ReadOptions(strategy="view"))
         assert "\n" not in str(err.value)
     else:
         layout = ["--layout", "vllm"] if path == "vllm" else []
@@ -440,14 +445,14 @@ def test_verified_rank_tensors_equal_reference(
     model = world.source(request, source, n)
     root = world.record_root(request, source, n)
     options = use_threads(monkeypatch, threads, remote=source == "s3")
-    verify: bool | str = root if pinned(source, n) else True
+    verify: bool | shardload.Verify = shardload.Verify(root=root) if pinned(source, n) else True
     got = [shardload.load_rank(model, r, n, verify=verify, read_options=options) for r in range(n)]
     assert_ranks(got, world.reference(n), f"verify={verify!r}")
 
 
 VERIFY_REFUSED = {  # (source, verify) -> the documented refusal of a verified path that does not apply
-    ("single", "mmap"): "verify and mmap=True exclude each other",
-    ("converted", "mmap"): "verify and mmap=True exclude each other",
+    ("single", "mmap"): EXCLUSIONS[frozenset({"checked_reads", "mmap"})],  # the option table's refusal, read from it
+    ("converted", "mmap"): EXCLUSIONS[frozenset({"checked_reads", "mmap"})],
 }
 
 
@@ -460,8 +465,10 @@ def test_verified_path_that_does_not_apply_is_refused(
     n = 2
     model = world.source(request, source, n)
     root = world.record_root(request, source, n)
-    with pytest.raises(ShardloadError, match=VERIFY_REFUSED[source, path]) as err:
-        shardload.load_rank(model, 0, n, verify=root, mmap=True)
+    with pytest.raises(ShardloadError, match=re.escape(VERIFY_REFUSED[source, path])) as err:
+        shardload.load_rank(
+            model, 0, n, verify=shardload.Verify(root=root), read_options=shardload.ReadOptions(strategy="view")
+        )
     assert "\n" not in str(err.value)
 
 
