@@ -22,6 +22,12 @@ def _padding_rule(ctx: click.Context, param: click.Parameter, value: str) -> str
     return PADDING_CHOICES[value]
 
 
+def _vocab_padding_option(text: str) -> Any:
+    """``--vocab-padding`` (as users know its values; the models' rule reaches the command), with its help."""
+    return click.option("--vocab-padding", type=click.Choice(list(PADDING_CHOICES)), default="vllm",
+                        show_default=True, callback=_padding_rule, help=text)  # fmt: skip
+
+
 @click.command()
 @_plugin_option
 @click.argument("model", type=MODEL)
@@ -54,14 +60,9 @@ def _padding_rule(ctx: click.Context, param: click.Parameter, value: str) -> str
     multiple=True,
     help="Fail, writing nothing, unless the plan works for N (repeatable).",
 )
-@click.option(
-    "--vocab-padding",
-    type=click.Choice(list(PADDING_CHOICES)),
-    default="vllm",
-    show_default=True,
-    callback=_padding_rule,
-    help="A vocabulary N does not divide gets zero rows: vllm to a multiple of 64 (vLLM's rows per rank), "
-    "plain to a multiple of N, none not at all (such an N fails).",
+@_vocab_padding_option(
+    "A vocabulary N does not divide gets zero rows: vllm to a multiple of 64 (vLLM's rows per rank), plain to a "
+    "multiple of N, none not at all (such an N fails)."
 )
 @click.option(
     "--allow-single", is_flag=True, help="Write the file even when it works for num_shards=1 only (else exit 1)."
@@ -132,14 +133,7 @@ def plan(
                    "divisors of the head and expert counts.")  # fmt: skip
 @click.option("--style", type=click.Choice(STYLES), default="auto", show_default=True,
               help="Where the plan made from config.json comes from, as for `shardload plan`.")  # fmt: skip
-@click.option(
-    "--vocab-padding",
-    type=click.Choice(list(PADDING_CHOICES)),
-    default="vllm",
-    show_default=True,
-    callback=_padding_rule,
-    help="How a vocabulary N does not divide is padded (as plan pads it).",
-)
+@_vocab_padding_option("How a vocabulary N does not divide is padded (as plan pads it).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report (always JSON, errors too).")
 @_guarded
 def preflight(model: Path, num_shards: tuple[int, ...], style: str, vocab_padding: str, as_json: bool) -> None:

@@ -37,6 +37,18 @@ def manifest_stages(manifest: dict[str, Any]) -> int:
     return mesh["pp"] if isinstance(mesh, dict) else 1
 
 
+def manifest_ranks(manifest: dict[str, Any], bad: Any) -> tuple[int, list[Any]]:
+    """A manifest's ``num_shards`` (an int within the rank cap) and ``files`` list, and its conversion id checked;
+    ``bad(reason)`` makes the error raised (every layout's manifest has these)."""
+    n, files = manifest.get("num_shards"), manifest.get("files")
+    if type(n) is not int or n < 1 or not isinstance(files, list):
+        raise bad("needs an integer 'num_shards' >= 1 and a 'files' list")
+    if n > MAX_RANKS:
+        raise bad(f"num_shards={n} is over the limit of {MAX_RANKS}")
+    check_conversion(manifest, bad)
+    return n, files
+
+
 def check_manifest(manifest: Any, where: Path) -> None:
     """Check a converted directory's manifest for consistency (not the files: see :func:`shardload.verify_dir`)."""
 
@@ -55,12 +67,7 @@ def check_manifest(manifest: Any, where: Path) -> None:
         raise bad(f"'format' is {manifest.get('format')!r}, not {MANIFEST_FORMAT!r}")
     if manifest.get("version") != MANIFEST_VERSION or type(manifest.get("version")) is not int:
         raise bad(f"unsupported version {manifest.get('version')!r} (this shardload reads {MANIFEST_VERSION})")
-    n, files = manifest.get("num_shards"), manifest.get("files")
-    if type(n) is not int or n < 1 or not isinstance(files, list):
-        raise bad("needs an integer 'num_shards' >= 1 and a 'files' list")
-    if n > MAX_RANKS:
-        raise bad(f"num_shards={n} is over the limit of {MAX_RANKS}")
-    check_conversion(manifest, bad)
+    n, files = manifest_ranks(manifest, bad)
     info = manifest.get("shard_info")
     if not isinstance(info, dict) or info.get("num_shards") != n:
         raise bad(f"'shard_info' must be an object for num_shards={n}")

@@ -13,9 +13,9 @@ from typing import Any
 
 from ...engine.reshard import RECORD_KEY, ShardsSource, read_record
 from ...errors import CheckpointError, ShardloadError, short_repr
-from ...format.shard_info import MAX_RANKS, ShardInfo
+from ...format.shard_info import ShardInfo
 from ...sources.checkpoint import Checkpoint
-from ...sources.manifest import VLLM_MANIFEST_FORMAT, check_conversion, manifest_file_entry
+from ...sources.manifest import VLLM_MANIFEST_FORMAT, manifest_file_entry, manifest_ranks
 from ...sources.source_types import SplitFormat, register_split_format
 from ...sources.tensor_info import TensorInfo
 from .layout import plan_layout
@@ -40,12 +40,7 @@ def check_vllm_manifest(manifest: Any, where: Path) -> None:
         raise bad(f"'format' is not {VLLM_MANIFEST_FORMAT!r}")
     if manifest.get("version") != 1 or type(manifest.get("version")) is not int:
         raise bad(f"unsupported version {short_repr(manifest.get('version'))} (this shardload reads 1)")
-    n, files = manifest.get("num_shards"), manifest.get("files")
-    if type(n) is not int or n < 1 or not isinstance(files, list):
-        raise bad("needs an integer 'num_shards' >= 1 and a 'files' list")
-    if n > MAX_RANKS:
-        raise bad(f"num_shards={n} is over the limit of {MAX_RANKS}")
-    check_conversion(manifest, bad)
+    n, files = manifest_ranks(manifest, bad)
     seen: set[str] = set()
     ranks: set[int] = set()
     for entry in files:
