@@ -306,6 +306,10 @@ def test_presharded_cache_at_its_own_n_with_a_plan_beside(tmp_path: Path) -> Non
         got = shardload.load_rank(path, r, 2)
         for name in ("param_0", "param_1"):
             np.testing.assert_array_equal(got[name].numpy(), split[name][r])
+    shown = CliRunner().invoke(main, ["inspect", str(path), "-n", "2", "--json"])
+    assert shown.exit_code == 0, shown.output  # inspect reads it as load does
+    rows = {row["parameter"]: row for row in json.loads(shown.output)["rows"]}
+    assert rows["param_1"]["rank_shape"] == [32, 64], rows["param_1"]
     wrong = {**plan, "param_1": [["shard_funcs.shard_dim", [[2, 16, 128], "float32"], 0, "num_shards"]]}
     with pytest.raises(shardload.PlanError, match=r"param_1: its steps give each of 2 ranks \[16, 128\] float32, "
                                                   r"but its records are \[32, 64\] float32"):  # fmt: skip

@@ -50,12 +50,12 @@ def inspect(
             raise click.UsageError(f"--num-shards disagrees with the mesh's tp={layout.tp}")
         num_shards = layout.tp
 
-    from ..engine.routes import open_boxes
+    from ..engine.routes import open_boxes, records_plan
     from ..planning.mesh import Mesh
     from ..sources.source_types import Boxes, PreshardedBoxes, RankFiles, SplitRecords, open_source
 
     source = open_source(model, layout or (Mesh(tp=num_shards) if num_shards else None))
-    if isinstance(source, (RankFiles, Boxes)) and not isinstance(source, SplitRecords):
+    if isinstance(source, (RankFiles, Boxes)):
         refusal = source.refusal("shard_info", None) if shard_info is not None else None
         if refusal is not None:
             raise ShardloadError(refusal, file=str(model))
@@ -64,6 +64,8 @@ def inspect(
         click.echo(f"note: {source.what} for num_shards={boxes.old.num_shards}: each rank reads its boxes out of "
                    f"those {held}", err=True)  # fmt: skip
         checkpoint, info = boxes.stored, boxes.shard_info
+    elif isinstance(source, SplitRecords):  # at its own N each rank's records are its tensors (a plan beside: checked)
+        checkpoint, info = source.checkpoint, records_plan(source.checkpoint, shard_info)
     else:
         checkpoint = source.checkpoint
         info = shard_info_for(checkpoint, shard_info)

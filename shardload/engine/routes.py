@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import PlanError, ShardloadError
 from ..format.expr import evaluate
@@ -64,7 +64,7 @@ def open_boxes(source: Source, verify: bool | str, shard_info: Any = None) -> Sh
     boxes to be read out of them: rank files (a converted directory, at any mesh), a pre-sharded cache, or what a
     registered split format opened."""
     if isinstance(source, SavedBoxes):
-        return source.opened
+        return cast("ShardsSource", source.opened)  # what a split format opens is a ShardsSource (OpenedSplit)
     if isinstance(source, (RankFiles, ConvertedBoxes)):
         return open_shards(source.checkpoint, verify=verify is True)
     if isinstance(source, (PreshardedBoxes, SplitRecords)):

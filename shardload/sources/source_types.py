@@ -54,6 +54,16 @@ _RANK_BY_RANK = (
 )
 
 
+class OpenedSplit(Protocol):
+    """What a split format's opener returns (an engine ``ShardsSource``): the stored tensors its rank files were
+    planned from (shapes and dtypes; no file behind them), that plan's shard_info, and the rank files by (stage,
+    rank), every one checked before a tensor byte is read."""
+
+    stored: Checkpoint
+    shard_info: Any
+    files: Mapping[tuple[int, int], Any]
+
+
 class MeshShape(Protocol):
     """What a source is classified against: a mesh's tensor-parallel size, stage count and layers per stage."""
 
@@ -162,7 +172,7 @@ class SavedBoxes(Boxes):
     """A registered split format (a server's per-rank layout): ``opened`` is what its opener returned (the stored
     tensors, the old plan and every rank file's header, checked), read as boxes at any N."""
 
-    opened: Any = None
+    opened: OpenedSplit | None = None
     format: SplitFormat | None = None
     derived: ClassVar[bool] = True
 
@@ -251,9 +261,9 @@ class SplitFormat:
     """How a message names such a model: ``"a sharded_state directory"``."""
     files: str
     """Whose rank files it holds, for messages: ``"vLLM's"``."""
-    open: Callable[[Any, bool], Any]
+    open: Callable[[Any, bool], OpenedSplit | None]
     """``(model, checksums) -> opened or None``: ``checksums`` checks every rank file's sha256 as it opens."""
-    stored: Callable[[Any], Checkpoint]
+    stored: Callable[[OpenedSplit], Checkpoint]
     """The stored tensors an opened model was planned from (shapes and dtypes; no file is behind them)."""
 
 
