@@ -88,7 +88,7 @@ def convert(
                           f"record), got {verify!r}")  # fmt: skip
     from ..engine.load_options import Verify
 
-    pinned = Verify(root=verify.strip().lower()) if verify and verify != "record" else None
+    pinned = Verify(root=verify) if verify and verify != "record" else None
     if layout_name != BUILT_IN_LAYOUT:
         checked = pinned or verify == "record"
         _convert_to(layouts()[layout_name], model, num_shards, out_dir, shard_info, overwrite, fsync, quiet, as_json,

@@ -52,13 +52,11 @@ def inspect(
 
     from ..engine.routes import open_boxes, records_plan
     from ..planning.mesh import Mesh
-    from ..sources.source_types import Boxes, PreshardedBoxes, RankFiles, SplitRecords, open_source
+    from ..sources.source_types import Boxes, PreshardedBoxes, RankFiles, SplitRecords, check_options, open_source
 
     source = open_source(model, layout or (Mesh(tp=num_shards) if num_shards else None))
     if isinstance(source, (RankFiles, Boxes)):
-        refusal = source.refusal("shard_info", None) if shard_info is not None else None
-        if refusal is not None:
-            raise ShardloadError(refusal, file=str(model))
+        check_options(source, {"shard_info": shard_info is not None}, None)
         boxes = open_boxes(source, False, shard_info)  # planned again over the stored tensors it was made from
         held = "records" if isinstance(source, PreshardedBoxes) else "rank files"
         click.echo(f"note: {source.what} for num_shards={boxes.old.num_shards}: each rank reads its boxes out of "

@@ -30,7 +30,7 @@ from ..sources.checkpoint import (
     rank_file_name,
 )
 from ..sources.object_reader import reader_for
-from ..sources.source_types import Boxes, SplitRecords, as_boxes, check_options, open_source
+from ..sources.source_types import Boxes, SplitRecords, as_boxes, open_source
 from ..version import __version__
 from .integrity import verifier, wrapped
 from .load import mesh_for
@@ -44,7 +44,7 @@ from .output import (
     write_error,
 )
 from .reshard import RECORD_KEY, source_record, write_shards
-from .routes import open_boxes
+from .routes import boxes_to_write
 from .run import stages_of
 from .writer import WrittenFile, new_conversion, write_output_record, write_rank_files, written_record
 
@@ -107,11 +107,8 @@ def convert(
     verify = verify_value(verify, str(model))
     resolved = mesh_for(num_shards, mesh, None)
     source = as_boxes(open_source(model, resolved))
-    given = {"shard_info": shard_info is not None, "verify_root": isinstance(verify, str), "verify": bool(verify)}
     if isinstance(source, Boxes):  # already split (another conversion, a pre-sharded cache, a server's layout)
-        check_options(source, given, resolved)  # before any file is hashed
-        source = source.checked() if verify is True else source
-        shards = open_boxes(source, verify, shard_info)
+        shards = boxes_to_write(source, verify, shard_info, resolved)
         done = write_shards(shards, resolved, out, overwrite=overwrite, fsync=fsync, progress=progress)
         return ConvertResult(out, done.plan, done.rank_files, done.other_files, resolved)
     if isinstance(source, SplitRecords):

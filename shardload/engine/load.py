@@ -69,8 +69,7 @@ def load(
     options = load_options(str(model), shard_info=shard_info, verify=verify, group=None, read_options=read_options,
                            into=None, progress=progress, legacy={})  # fmt: skip
     source = open_source(model, resolved)
-    options.check(source, resolved, devices)  # before any file is hashed
-    source = source.checked() if options.verify is True else source
+    options.check(source, resolved, devices)
     return load_source(source, resolved, range(world), devices, options, "loading")
 
 
@@ -171,8 +170,7 @@ def load_rank(
         what = f"num_shards={resolved.tp}" if mesh is None else f"a mesh of {resolved.world_size} ranks ({resolved})"
         raise (CheckpointError if source.splits else ShardloadError)(f"rank {rank} is out of range for {what}",
                                                                      file=str(model))  # fmt: skip
-    options.check(source, resolved, [device])  # before any file is hashed
-    source = source.checked() if options.verify is True else source
+    options.check(source, resolved, [device])
     return load_source(source, resolved, [rank], [device], options, f"loading rank {rank}")[0]
 
 

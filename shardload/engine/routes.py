@@ -32,6 +32,7 @@ from ..sources.source_types import (
     Source,
     SplitRecords,
     WholeTensors,
+    check_options,
 )
 from .integrity import converted_verifier, verifier, wrapped
 from .load_options import LoadOptions
@@ -52,7 +53,9 @@ def load_source(
     source: Source, mesh: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions, label: str
 ) -> States:
     """Global ranks ``ranks`` of ``mesh`` (rank ``ranks[k]`` on ``devices[k]``) read out of ``source`` by the
-    route of its type; ``label`` names the load on a progress line."""
+    route of its type (its options checked already; a split format's rank files hashed now, after that check, for
+    ``verify=True``); ``label`` names the load on a progress line."""
+    source = source.checked() if options.verify is True else source
     for kind in type(source).__mro__:
         if kind in _ROUTES:
             return _ROUTES[kind](source, mesh, ranks, devices, options, label)
@@ -70,6 +73,15 @@ def open_boxes(source: Source, verify: bool | str, shard_info: Any = None) -> Sh
     if isinstance(source, (PreshardedBoxes, SplitRecords)):
         return open_presharded(source.checkpoint, shard_info_for(source.checkpoint, shard_info))
     raise ShardloadError(f"{source.what} is not stored split; nothing to read boxes of", file=source.name)
+
+
+def boxes_to_write(source: Source, verify: bool | str, shard_info: Any, mesh: Mesh | None) -> ShardsSource:
+    """A split source opened for a writer (``convert``, a ``--layout`` target) to read every rank's boxes of: the
+    options a writer takes checked against the source-type table first, then its rank files (with ``verify=True``
+    each hashed whole)."""
+    given = {"shard_info": shard_info is not None, "verify_root": isinstance(verify, str), "verify": bool(verify)}
+    check_options(source, given, mesh)  # before any file is hashed
+    return open_boxes(source.checked() if verify is True else source, verify, shard_info)
 
 
 def _boxes(source: Source, mesh: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,

@@ -8,8 +8,8 @@ Each name, in one line:
 - :func:`build_plan`: a checkpoint planned with a shard_info for N ranks, without reading tensor data (what
   :func:`shardload.plan_model` does after opening the model);
 - :func:`open_source`: a model opened as the kind of source it is, one type per kind (:class:`WholeTensors`,
-  :class:`RankFiles`, :class:`ConvertedBoxes`, :class:`SavedBoxes`, ...); a type's :meth:`Source.refusal` says why it
-  refuses an option;
+  :class:`RankFiles`, :class:`ConvertedBoxes`, :class:`SavedBoxes`, ...); :func:`check_options` refuses, in one line,
+  an option the source's type does not take (the source-type table);
 - :class:`SplitFormat`, :func:`register_split_format`: a server's own per-rank layout registered as a source
   (``shardload.split_formats`` entry point group);
 - :class:`LayoutTarget`, :func:`register_layout`: a server's layout registered as a ``convert --layout`` target
@@ -35,6 +35,7 @@ from ..sources.source_types import (
     SplitFormat,
     SplitRecords,
     WholeTensors,
+    check_options,
     open_source,
     register_split_format,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "SplitRecords",
     "WholeTensors",
     "build_plan",
+    "check_options",
     "open_source",
     "plan_shard_info",
     "records_inputs",

@@ -28,7 +28,7 @@ def run_entry_points(group: str) -> None:
         try:
             module, _, attr = value.split("[")[0].partition(":")
             loaded: Any = importlib.import_module(module.strip())
-            for part in filter(None, attr.split("[")[0].strip().split(".")):
+            for part in filter(None, attr.strip().split(".")):
                 loaded = getattr(loaded, part)
             if callable(loaded) and not isinstance(loaded, types.ModuleType):
                 loaded()

@@ -263,7 +263,6 @@ class SplitFormat:
     """Whose rank files it holds, for messages: ``"vLLM's"``."""
     open: Callable[[Any, bool], OpenedSplit | None]
     """``(model, checksums) -> opened or None``: ``checksums`` checks every rank file's sha256 as it opens."""
-    stored: Callable[[OpenedSplit], Checkpoint]
     """The stored tensors an opened model was planned from (shapes and dtypes; no file is behind them)."""
 
 
@@ -305,7 +304,7 @@ def open_source(
         for fmt in split_formats():
             opened = fmt.open(model, checksums)
             if opened is not None:
-                return SavedBoxes(fmt.stored(opened), str(model), opened=opened, format=fmt)
+                return SavedBoxes(opened.stored, str(model), opened=opened, format=fmt)
     checkpoint = model if isinstance(model, Checkpoint) else open_checkpoint(model)
     where = where or (checkpoint.name if isinstance(model, Checkpoint) else str(model))
     if checkpoint.kind == "converted":

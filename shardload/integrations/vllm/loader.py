@@ -34,7 +34,16 @@ from ... import (
     Verify,
     load_rank,
 )
-from ..api import ConvertedBoxes, RankFiles, SavedBoxes, build_plan, open_source, plan_shard_info, records_inputs
+from ..api import (
+    ConvertedBoxes,
+    RankFiles,
+    SavedBoxes,
+    build_plan,
+    check_options,
+    open_source,
+    plan_shard_info,
+    records_inputs,
+)
 from ..fill import (
     SHAPE_SUFFIX,
     FillReport,
@@ -216,8 +225,7 @@ def fill_model(
                 "(enable_expert_parallel) load the source checkpoint",
                 file=where,
             )
-        if shard_info is not None:
-            raise ShardloadError(source.refusal("shard_info", None) or "", file=where)
+        check_options(source, {"shard_info": shard_info is not None}, None)
         report.source = (
             "sharded_state directory, boxes of its rank files" if sharded else f"converted directory, rank file {rank}"
         )

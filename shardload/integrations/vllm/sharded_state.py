@@ -214,7 +214,6 @@ SHARDED_STATE = SplitFormat(
     what="a sharded_state directory",
     files="vLLM's",
     open=open_vllm_shards,
-    stored=lambda opened: opened.stored,
 )
 """vLLM's ``sharded_state`` layout as a split format (:func:`~shardload.sources.source_types.open_source`)."""
 

@@ -37,7 +37,7 @@ from ...engine.reshard import (
     record_of,
     source_record,
 )
-from ...engine.routes import open_boxes
+from ...engine.routes import boxes_to_write
 from ...engine.run import iter_shards, materialize
 from ...engine.transfer import reader_for_plan
 from ...engine.writer import FileWriter, WrittenFile, new_conversion, write_output_record, written_record
@@ -47,7 +47,7 @@ from ...planning.plan import ParamPlan
 from ...sources.checkpoint import Checkpoint, as_path, read_config
 from ...sources.manifest import CONVERSION_KEY, VLLM_MANIFEST_FORMAT
 from ...sources.object_reader import reader_for
-from ...sources.source_types import ConvertedBoxes, SavedBoxes, as_boxes, check_options, open_source
+from ...sources.source_types import ConvertedBoxes, SavedBoxes, as_boxes, open_source
 from ...version import __version__
 from . import sharded_state
 from .layout import VllmLayout, VllmTensor, plan_layout
@@ -163,10 +163,7 @@ def convert_vllm(
     shards: ShardsSource | None = None
     checkpoint = source.checkpoint
     if isinstance(source, (SavedBoxes, ConvertedBoxes)):  # stored split: each rank read out of its files
-        given = {"shard_info": shard_info is not None, "verify_root": isinstance(verify, str), "verify": bool(verify)}
-        check_options(source, given, None)  # before any file is hashed
-        source = source.checked() if verify is True else source
-        shards = open_boxes(source, verify)
+        shards = boxes_to_write(source, verify, shard_info, None)
         checkpoint, shard_info = shards.stored, shards.shard_info
         checkpoint.files = sorted(set(shards.files.values()))
     stamps = stamp_sources(checkpoint.files)
