@@ -25,15 +25,20 @@ In the first round every loader's result is compared with shardload's CPU result
 
 The floors come first: the file's cold sequential read speed (after a drop, 16 MiB reads), a parallel cold read
 (threads ``pread``-ing 16 MiB stripes), pinned and pageable host-to-device copies (CUDA only), and one thread's
-``memcpy``. With ``--device cpu`` the "device" is the CPU: the copies are CPU copies and the H2D floors are skipped.
+``memcpy``. With ``--device cpu`` the "device" is the CPU: the copies are CPU copies and the H2D floors are skipped;
+``--stand-in`` then sends shardload's loads through the GPU's data path (spans read into staging buffers, one upload
+each, cut on the "device"), and a line per rank gives that path's spans, host bytes copied per byte delivered,
+uploads and device cuts (printed on CUDA too).
 
 Run: ``PYTHONPATH=$PWD python benchmarks/gpu_node.py [--device cuda|cpu] [--size-gib 2] [--tp 2 8]
-[--modes turn together warm] [--loaders default shardload ...] [--ranks K] [--work DIR] [--repeats 1]``.
+[--modes turn together warm] [--loaders default shardload ...] [--ranks K] [--work DIR] [--repeats 1]
+[--stand-in]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import importlib.util
@@ -58,6 +63,8 @@ HERE = Path(__file__).resolve()
 MODES = ("turn", "together", "warm")
 LOADERS = ("default", "shardload", "presharded", "instanttensor", "fastsafetensors", "safetensors")
 PEERS = ("instanttensor", "fastsafetensors", "safetensors")
+STAND_IN = "SHARDLOAD_BENCH_STAND_IN"
+"""Set to 1 (``--stand-in``): shardload's loads on the CPU take the GPU's data path, the CPU as its "device"."""
 CHUNK = 16 << 20
 GIB = 1 << 30
 CHILD_TIMEOUT_S = 120  # one hung loader costs its cell, not the run
@@ -149,10 +156,19 @@ def child(loader: str, model: str, rank_file: str, rank: str, num_shards: str, d
     gc.collect()
     print("ready", flush=True)
     sys.stdin.readline()  # the parent drops the page cache (cold modes), then says go
+    try:  # the device path's tally (absent from a tree older than it)
+        from shardload.engine.paths.device import count_device
+    except ImportError:
+        count_device = contextlib.nullcontext
+    if os.environ.get(STAND_IN) == "1":  # the GPU's data path with the CPU as its "device"
+        import shardload.engine.run as run
+        from shardload.engine import paths
+
+        run.data_path_for = lambda devices, **kw: paths.data_path_for(devices, **{**kw, "staged": True})
     io0, cpu0, start = read_io(), cpu_seconds(), time.time()
     t0 = time.perf_counter()
     try:
-        with count_reads() as seen:
+        with count_reads() as seen, count_device() as device_moved:
             state = load(loader, Path(model), Path(rank_file), plan, r, n, dev)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
@@ -166,6 +182,8 @@ def child(loader: str, model: str, rank_file: str, rank: str, num_shards: str, d
     out.update(wall=time.perf_counter() - t0, start=start, end=time.time(), cpu=cpu_seconds() - cpu0)
     out.update(read_bytes=read_io() - io0, own=plan.rank_nbytes(r), moved=seen.moved, counted=seen.bytes)
     out["delivered"] = sum(t.numel() * t.element_size() for t in state.values())
+    if device_moved is not None and device_moved.spans:
+        out["device"] = {k: getattr(device_moved, k) for k in ("spans", "read_bytes", "uploads", "cuts")}
     if check == "1":
         ref = shardload.load_rank(model, r, n)
         bad = sorted(set(ref) ^ set(state))
@@ -358,8 +376,15 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/shardload-gpu-node"))
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--prepare", action="store_true", help="write the checkpoint and the rank files, then stop")
+    parser.add_argument(
+        "--stand-in",
+        action="store_true",
+        help="with --device cpu: shardload takes the GPU's data path (spans, uploads, cuts) on the CPU",
+    )
     parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.stand_in:
+        os.environ[STAND_IN] = "1"  # the children inherit it
     if args.child:
         child(*args.child)
         return 0
@@ -415,6 +440,12 @@ def main() -> int:
         if loader == "shardload" and all("error" not in r for r in runs):
             per = ", ".join(f"rank {r['rank']} {r['moved'] / r['delivered']:.3f}" for r in runs)
             print(f"shardload on {device}, N = {n}, {mode}: host bytes its readers moved per byte delivered: {per}")
+            for r in runs:
+                if "device" in r:
+                    d = r["device"]
+                    print(f"  rank {r['rank']}: device path: {d['spans']} spans read into staging "
+                          f"({d['read_bytes'] / r['delivered']:.3f} host bytes copied per byte delivered), "
+                          f"{d['uploads']} uploads, {d['cuts']} device cuts")  # fmt: skip
     mismatches = [(key, r) for key, runs in firsts.items() for r in runs if r.get("mismatches")]
     for (n, _mode, loader), r in mismatches:
         print(f"MISMATCH: {loader} rank {r['rank']} of {n}: {r['mismatches']} of {r['compared']} tensors differ from "

@@ -93,7 +93,8 @@ PYTEST=("$PY" -m pytest -q -x -p no:cacheprovider)
 if [ "$CUDA" = 1 ]; then
     step test_cuda 60 "${PYTEST[@]}" tests/test_cuda.py
     step cuda_cases 60 "${PYTEST[@]}" -k "cuda or gpu" tests/test_load.py tests/test_fill_api.py \
-        tests/test_padding.py tests/test_quantize.py tests/test_api_args.py tests/test_shared_reads.py
+        tests/test_padding.py tests/test_quantize.py tests/test_api_args.py tests/test_shared_reads.py \
+        $( [ -f tests/test_device_path.py ] && echo tests/test_device_path.py )
     step quant_formats 45 "${PYTEST[@]}" tests/test_quant_formats.py # every case also loads onto cuda:0
 else
     for name in test_cuda cuda_cases quant_formats; do skip "$name" "no CUDA"; done
@@ -146,7 +147,7 @@ fi
     [ -f "$LOGS/env.log" ] && grep -E 'MISSING|^gpu|^torch' "$LOGS/env.log"
     if [ -f "$LOGS/gpu_node.log" ]; then
         echo "-- gpu_node.py"
-        grep -E '^(checkpoint|cold|pinned|pageable|memcpy|loader|\||shardload on|MISMATCH|load average)' "$LOGS/gpu_node.log"
+        grep -E '^(checkpoint|cold|pinned|pageable|memcpy|loader|\||shardload on|  rank .*device path|MISMATCH|load average)' "$LOGS/gpu_node.log"
         grep -E 'Error|error:' "$LOGS/gpu_node.log" | grep -v '^|' | tail -n 3
     fi
     if [ -f "$LOGS/run_gpu.log" ]; then

@@ -31,7 +31,7 @@ DEEP_IMPORTS_ALLOWED: dict[str, tuple[frozenset[str], str]] = {
     "shardload.sources.checkpoint": (frozenset({"read_config"}), "a model's config as planning reads it"),
     "shardload.integrations.fill": (frozenset({"Target", "copy_into"}), "the server-neutral fill code (extending.md)"),
     "shardload.engine.paths": (
-        frozenset({"HostPath", "MappedPath", "StagedPath", "data_path_for"}),
+        frozenset({"DevicePath", "HostPath", "MappedPath", "data_path_for"}),
         "the data-path seam (extending.md)",
     ),
 }

@@ -127,12 +127,15 @@ from safetensors.torch import load_file
 
 import shardload
 import shardload.engine.read_strategy as read_strategy
+import shardload.engine.run as run
 import shardload.engine.transfer as transfer
 import shardload.engine.writer as writer
 from helpers import destinations, hub, matrix_sources, tp_split
 from helpers.vllm_saved import fake_vllm_save
 from shardload.cli.main import main
+from shardload.engine import paths
 from shardload.engine.hashing import hash_model
+from shardload.engine.paths.device import count_device
 from shardload.errors import ShardloadError
 from shardload.integrations.vllm.writer import convert_vllm
 from shardload.sources import objects, read_plan
@@ -152,7 +155,7 @@ pytest.importorskip("transformers")
 from helpers import tiny_models
 
 SOURCES = ("single", "index", "converted", "tvm", "gguf", "s3", "hub")
-PATHS = ("load", "load_rank", "mmap", "convert", "vllm", "share_reads", "verify", "planned")
+PATHS = ("load", "load_rank", "mmap", "convert", "vllm", "share_reads", "verify", "planned", "device", "device_load")
 NS = (1, 2, 3, 4, 6, 8)
 THREADS = (1, 2, 8)
 FULL_THREADS = ("load", "convert", "vllm")
@@ -350,6 +353,11 @@ def assert_ranks(got: list[tp_split.State], want: list[tp_split.State], what: st
     assert not problems, f"{what}: {len(problems)} wrong tensors:\n  " + "\n  ".join(problems)
 
 
+def stand_in(devices: Any, **kw: Any) -> paths.DataPath:
+    """The data path a load onto a GPU takes, for CPU tensors (the CPU as its device)."""
+    return paths.data_path_for(devices, **kw | {"staged": True})
+
+
 def cli(*args: str) -> Any:
     return CliRunner().invoke(main, [str(a) for a in args])
 
@@ -368,7 +376,19 @@ def test_rank_tensors_equal_reference(
     model = world.source(request, source, n)
     want = world.reference(n, "vllm" if path == "vllm" else "plain")
     options = use_threads(monkeypatch, threads, remote=source == "s3", cli=path in ("convert", "vllm"))
-    if path == "load":
+    if path.startswith("device"):  # the GPU's data path with a CPU "device": spans, one upload each, cuts
+        monkeypatch.setattr(transfer, "STAGE_BYTES", read_plan.PAGE)  # spans of one page: many per tensor
+        monkeypatch.setattr(
+            run, "data_path_for", lambda devices, **kw: paths.data_path_for(devices, **kw | {"staged": True})
+        )
+        with count_device() as moved:
+            if path == "device":
+                got = [shardload.load_rank(model, r, n, read_options=options) for r in range(n)]
+            else:  # every rank on one device: the union of their spans read once, each rank cut from it
+                got = shardload.load(model, n, devices=["cpu"] * n, read_options=options)
+        assert_ranks(got, want, path)
+        assert moved.spans or source == "converted", "the device path read nothing"  # rank files: whole tensors
+    elif path == "load":
         got = shardload.load(model, n, devices=["cpu"] * n, read_options=options)
         assert_ranks(got, want, "load")
     elif path in ("load_rank", "mmap"):

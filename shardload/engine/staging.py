@@ -1,12 +1,16 @@
-"""Host staging buffers for ranks whose tensors are not filled directly: a few reusable buffers (page-locked for
-CUDA) that reader threads fill and hand on to non-blocking uploads on a side stream per device. A buffer is
-reused once the event recorded behind its uploads has completed, so reading overlaps host-to-device copies.
+"""Host staging buffers for ranks whose tensors are not filled directly: reusable buffers (page-locked for CUDA)
+that reader threads fill and hand on to non-blocking uploads on a side stream per device. A buffer is reused once
+the event recorded behind its uploads has completed, so reading overlaps host-to-device copies.
+
+One pool per buffer size lives as long as the process (:func:`shared_staging`): page-locking memory is most of a
+fresh process's first GPU load, so it is paid once, and only for the buffers a load keeps in flight.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -14,23 +18,35 @@ if TYPE_CHECKING:
 
 
 class StagingBuffers:
-    """``depth`` host buffers of ``size`` bytes (page-locked with ``pin``) cycled between reads and uploads."""
+    """Up to ``depth`` host buffers of ``size`` bytes (page-locked with ``pin``), made as they are first needed and
+    cycled between reads and uploads."""
 
     def __init__(self, size: int, depth: int, *, pin: bool) -> None:
-        import torch
-
         self.size = size
+        self.depth = depth
         self.pin = pin
+        self.made = 0
         self.free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self.events: dict[int, list[Any]] = {}
         self.streams: dict[Any, Any] = {}
         self.lock = threading.Lock()
-        for _ in range(depth):
-            self.free.put(torch.empty(size, dtype=torch.uint8, pin_memory=pin))
+
+    def grow(self, depth: int) -> None:
+        """Allow up to ``depth`` buffers (a load with more reader threads than the pool has served)."""
+        with self.lock:
+            self.depth = max(self.depth, depth)
 
     def acquire(self) -> torch.Tensor:
-        """A free buffer whose earlier uploads have completed."""
-        buf = self.free.get()
+        """A free buffer whose earlier uploads have completed (a new one while fewer than ``depth`` exist)."""
+        import torch
+
+        try:
+            buf = self.free.get_nowait()
+        except queue.Empty:
+            with self.lock:
+                new = self.made < self.depth
+                self.made += new
+            buf = torch.empty(self.size, dtype=torch.uint8, pin_memory=self.pin) if new else self.free.get()
         with self.lock:
             events = self.events.pop(buf.data_ptr(), [])
         for event in events:
@@ -41,7 +57,8 @@ class StagingBuffers:
         """Hand a buffer back (its uploads may still be in flight: their events guard its reuse)."""
         self.free.put(buf)
 
-    def _stream(self, device: Any) -> Any:
+    def stream(self, device: Any) -> Any:
+        """The side stream uploads to ``device`` go on, made once per process."""
         import torch
 
         with self.lock:
@@ -59,22 +76,43 @@ class StagingBuffers:
     def copy(self, buf: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy ``src`` (a view of ``buf``) into ``dst``: on a CUDA device a non-blocking copy on a side stream,
         with an event that keeps ``buf`` from reuse until it completes."""
+        self.on_device(buf, dst.device, lambda: dst.copy_(src, non_blocking=self.pin))
+
+    def on_device(self, buf: torch.Tensor, device: Any, work: Callable[[], Any]) -> None:
+        """Run ``work`` (copies out of ``buf`` to ``device``, and work on the device after them): for a CUDA
+        device with page-locked buffers, queued on its side stream behind the work already queued on its default
+        stream (which allocated the destinations), with an event that keeps ``buf`` from reuse until it has run."""
         import torch
 
-        if dst.device.type == "cuda" and self.pin:
-            stream = self._stream(dst.device)
-            # ``dest`` was allocated on the default stream, whose queued work may still use its memory's last owner
-            stream.wait_stream(torch.cuda.default_stream(dst.device))
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-            with self.lock:
-                self.events.setdefault(buf.data_ptr(), []).append(event)
-        else:
-            dst.copy_(src)
+        if not (self.pin and torch.device(device).type == "cuda"):
+            work()
+            return
+        stream = self.stream(device)
+        stream.wait_stream(torch.cuda.default_stream(device))
+        with torch.cuda.stream(stream):
+            work()
+            event = torch.cuda.Event()
+            event.record(stream)
+        with self.lock:
+            self.events.setdefault(buf.data_ptr(), []).append(event)
 
     def sync(self) -> None:
         """Wait for every upload issued so far."""
-        for stream in self.streams.values():
+        with self.lock:
+            streams = list(self.streams.values())
+        for stream in streams:
             stream.synchronize()
+
+
+_SHARED: dict[tuple[int, bool], StagingBuffers] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_staging(size: int, depth: int, *, pin: bool) -> StagingBuffers:
+    """This process's pool of ``size``-byte staging buffers (page-locked with ``pin``), allowed ``depth`` of them."""
+    with _SHARED_LOCK:
+        pool = _SHARED.get((size, pin))
+        if pool is None:
+            pool = _SHARED[(size, pin)] = StagingBuffers(size, depth, pin=pin)
+    pool.grow(depth)
+    return pool

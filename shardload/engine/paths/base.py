@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..staging import StagingBuffers
+from ..staging import StagingBuffers, shared_staging
 
 if TYPE_CHECKING:
     import torch
@@ -87,9 +87,10 @@ class DataPath:
         return None
 
     def staging(self, *, pin: bool) -> StagingBuffers:
-        """The staging buffers, made on first use (page-locked with ``pin``)."""
+        """The staging buffers: this process's pool (:func:`~shardload.engine.staging.shared_staging`, page-locked
+        with ``pin``), taken on first use."""
         if self.staging_buffers is None:
-            self.staging_buffers = StagingBuffers(self.ctx.stage_bytes, max(2, self.ctx.threads + 1), pin=pin)
+            self.staging_buffers = shared_staging(self.ctx.stage_bytes, max(2, self.ctx.threads + 1), pin=pin)
         return self.staging_buffers
 
     def read_staged(

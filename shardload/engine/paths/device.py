@@ -1,0 +1,374 @@
+"""The device path: a rank's bytes reach a GPU as the page-aligned spans of the file that hold them, each read by
+one ``preadv`` into a page-locked buffer and uploaded in one copy; the device then cuts each span into the rank's
+tensors with strided copies, so the CPU never gathers a column slice row by row. A span that carries one
+contiguous stretch of a tensor (replicated and row-split tensors) is uploaded straight into it.
+
+A parameter structure's spans and cuts are computed once (:func:`span_plan`, pure) and shared by every layer. The
+same path runs with a CPU "device" in tests (``data_path_for(..., staged=True)``): the upload is then a host copy
+into a scratch buffer and the cuts are CPU strided copies. :class:`DeviceTally` counts what moved.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...sources.reader import PAGE
+from .base import fill_padding
+from .host import HostPath
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from ...planning.plan import ParamPlan
+    from ...planning.runs import Runs
+    from ...sources.read_plan import IoModel
+    from ..read_schedule import StructureKey
+    from ..staging import StagingBuffers
+
+STRAIGHT_CUTS = 4
+"""A span whose cuts are all contiguous, and at most this many, is uploaded piece by piece straight into its tensors;
+any other span is uploaded whole into a device scratch buffer and cut there."""
+SPAN_S = 50e-6
+"""What one more span costs besides its request to storage: a read call, an upload, its cuts, and the Python that
+issues them (tens of microseconds each). A gap between a rank's pages is read through when reading it costs less
+than a span and a request (the file system's measured :class:`~shardload.sources.read_plan.IoModel`)."""
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """Strided copies out of one span, as parallel int64 arrays: copy ``k`` moves ``count[k]`` blocks of
+    ``length[k]`` bytes from byte ``src[k] + i * src_step[k]`` of the span to byte ``dst[k] + i * dst_step[k]`` of
+    destination tensor ``tensor[k]``."""
+
+    tensor: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+    count: np.ndarray
+    src_step: np.ndarray
+    dst_step: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One read: ``length`` bytes at ``offset`` (relative to the stored tensor's first byte), and its cuts."""
+
+    offset: int
+    length: int
+    cuts: Cuts
+    straight: bool
+    """Whether its cuts go straight from the page-locked buffer into the tensors (no scratch, no device cut)."""
+
+
+@dataclass(frozen=True)
+class SpanPlan:
+    """A parameter structure's spans for the ranks on one device, and the byte counts they move."""
+
+    spans: list[Span]
+    used: int
+    """Bytes the ranks' runs copy (each rank's bytes once per rank)."""
+    moved: int
+    """Bytes the spans read from the file."""
+
+
+@dataclass
+class DeviceTally:
+    """What device-path loads moved inside :func:`count_device`: spans read (and their bytes), uploads, device cuts,
+    and the bytes delivered into tensors."""
+
+    spans: int = 0
+    read_bytes: int = 0
+    uploads: int = 0
+    upload_bytes: int = 0
+    cuts: int = 0
+    delivered: int = 0
+
+    def add(self, spans: int, read: int, uploads: int, uploaded: int, cuts: int, delivered: int) -> None:
+        """Record one span's work."""
+        with _tally_lock:
+            self.spans += spans
+            self.read_bytes += read
+            self.uploads += uploads
+            self.upload_bytes += uploaded
+            self.cuts += cuts
+            self.delivered += delivered
+
+
+_tally: DeviceTally | None = None
+_tally_lock = threading.Lock()
+
+
+@contextmanager
+def count_device() -> Iterator[DeviceTally]:
+    """Count what every device-path load inside this block moves (all threads)."""
+    global _tally
+    outer, _tally = _tally, DeviceTally()
+    try:
+        yield _tally
+    finally:
+        _tally = outer
+
+
+def span_plan(runs: Runs, limit: int, model: IoModel | None, *, max_read: int, max_waste: float, skew: int) -> SpanPlan:
+    """The spans that read ``runs`` (offsets relative to a stored tensor of ``limit`` bytes starting ``skew`` bytes
+    into a page): the runs' pages merged across gaps cheaper to read than one more span (:data:`SPAN_S`) and one
+    more request (``model``; None: no request cost) within ``max_waste`` of the page floor, cut at ``max_read`` bytes
+    and at the tensor's edges; each span's runs folded into as few strided cuts as their layout allows."""
+    import numpy as np
+
+    from ...sources.read_plan import IoModel, plan_reads
+
+    order = np.argsort(runs.src, kind="stable")
+    src, length, buf, dst = runs.src[order], runs.length[order], runs.buf[order], runs.dst[order]
+    model = IoModel(request_s=SPAN_S + (0.0 if model is None else model.request_s),
+                    bandwidth=1e9 if model is None else model.bandwidth)  # fmt: skip
+    reads = plan_reads(src + skew, src + length + skew, model, max_waste=max_waste, max_read=max_read,
+                       limit=limit + skew).reads  # fmt: skip
+    lo = np.maximum(np.array([r.offset for r in reads], dtype=np.int64) - skew, 0)  # no byte before the tensor
+    hi = np.array([r.end for r in reads], dtype=np.int64) - skew
+    # runs cut at the reads' edges (a long run spans several reads)
+    first = np.searchsorted(lo, src, side="right") - 1
+    last = np.searchsorted(lo, src + length - 1, side="right") - 1
+    counts = last - first + 1
+    owner = np.repeat(np.arange(len(src)), counts)
+    which = np.repeat(first, counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    a = np.maximum(src[owner], lo[which])
+    b = np.minimum(src[owner] + length[owner], hi[which])
+    cut_len, cut_buf, cut_dst, cut_src = b - a, buf[owner], dst[owner] + (a - src[owner]), a - lo[which]
+    order = np.lexsort((cut_src, cut_buf, which))  # per read, per tensor, by offset: how cuts fold
+    which, cut_len, cut_buf, cut_dst, cut_src = (x[order] for x in (which, cut_len, cut_buf, cut_dst, cut_src))
+    bounds = np.searchsorted(which, np.arange(len(lo) + 1), side="left").tolist()
+    spans = []
+    for k in range(len(lo)):
+        s = slice(bounds[k], bounds[k + 1])
+        cuts = strided_cuts(cut_buf[s], cut_src[s], cut_dst[s], cut_len[s])
+        straight = len(cuts) <= STRAIGHT_CUTS and bool((cuts.count == 1).all())
+        spans.append(Span(int(lo[k]), int(hi[k] - lo[k]), cuts, straight))
+    return SpanPlan(spans, int(length.sum()), int((hi - lo).sum()))
+
+
+def strided_cuts(buf: np.ndarray, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Cuts:
+    """Runs (sorted by buffer, then source offset) folded into strided copies: consecutive runs of one buffer with
+    equal lengths and equal, positive steps in source and destination become one copy of ``count`` blocks."""
+    import numpy as np
+
+    n = len(src)
+    if n == 0:
+        z = np.zeros(0, dtype=np.int64)
+        return Cuts(z, z, z, z, z, z, z)
+    ds, dd = np.diff(src), np.diff(dst)
+    link = (buf[1:] == buf[:-1]) & (length[1:] == length[:-1]) & (ds >= length[:-1]) & (dd >= length[:-1])
+    # a block from run p goes on while each next step links and repeats the first: ``go[j]``, step j+1 repeats j
+    go = link[1:] & link[:-1] & (ds[1:] == ds[:-1]) & (dd[1:] == dd[:-1])
+    stops = np.flatnonzero(~go)  # the steps after which a streak of repeats ends
+    starts, ends = [], []
+    p = 0
+    links = link.tolist()
+    while p < n:
+        q = p
+        if p < n - 1 and links[p]:
+            k = int(np.searchsorted(stops, p, side="left"))
+            q = (int(stops[k]) if k < len(stops) else n - 2) + 1
+        starts.append(p)
+        ends.append(q)
+        p = q + 1
+    at = np.array(starts, dtype=np.int64)
+    count = np.array(ends, dtype=np.int64) - at + 1
+    src_step = np.where(count > 1, np.append(ds, 0)[at], 0)
+    dst_step = np.where(count > 1, np.append(dd, 0)[at], 0)
+    return Cuts(buf[at], src[at], dst[at], length[at], count, src_step, dst_step)
+
+
+class DevicePath(HostPath):
+    """Spans read into page-locked buffers, uploaded whole, cut on the device, for every rank not on the CPU
+    (``stand_in``: CPU ranks too, for tests). A forced ``ReadOptions.strategy`` of ``map`` or ``read``, a compute
+    step and a tensor of more runs than are listed take the host path's ways."""
+
+    def __init__(self, *, one_rank: bool = False, stand_in: bool = False) -> None:
+        super().__init__(one_rank=one_rank)
+        self.stand_in = stand_in
+        self.plans: dict[tuple[StructureKey, int, int], SpanPlan | None] = {}
+        self.models: dict[Path, IoModel | None] = {}
+        self.scratch: dict[Any, queue.SimpleQueue[torch.Tensor]] = {}
+        self.span_buffers: StagingBuffers | None = None
+        """The staging pool spans are read into (whole pages; the host path's staged batches have their own)."""
+
+    def direct(self, device: torch.device) -> bool:
+        """Host memory is filled in place, except in a stand-in run, where every tensor takes the device's way."""
+        return device.type == "cpu" and not self.stand_in
+
+    @property
+    def span_bytes(self) -> int:
+        """Bytes per span at most: the staging buffer's size in whole pages."""
+        return max(PAGE, self.ctx.stage_bytes // PAGE * PAGE)
+
+    def param(
+        self,
+        plan: ParamPlan,
+        ranks: Sequence[int],
+        devices: Sequence[torch.device],
+        key: StructureKey,
+        out: Sequence[torch.Tensor] | None,
+    ) -> list[torch.Tensor] | None:
+        """``plan``'s tensors for ``ranks`` filled from spans cut on their devices, or (a CPU rank, a forced
+        strategy, a compute step) the host path's way."""
+        import torch
+
+        from ...sources.dtypes import to_torch
+
+        if self.ctx.options.strategy in ("map", "read") or any(self.direct(d) for d in devices):
+            return super().param(plan, ranks, devices, key, out)
+        runs = self.ctx.runs.get(plan, ranks, key)
+        if runs is None:
+            return super().param(plan, ranks, devices, key, out)
+        source = plan.source
+        dests = list(out) if out is not None else [
+            torch.empty(plan.shape, dtype=to_torch(plan.dtype), device=d) for d in devices]  # fmt: skip
+        for r, t in zip(ranks, dests, strict=True):
+            fill_padding(plan, r, t)
+        if not len(runs):
+            return dests
+        skew = source.offset % PAGE
+        staging = self.staging_for(devices)
+        for g, device in enumerate(dict.fromkeys(devices)):  # the ranks of each device read their union once
+            pkey = (key, g, skew)
+            if pkey not in self.plans:
+                mine = [k for k, d in enumerate(devices) if d == device]
+                import numpy as np
+
+                sel = runs.take(np.isin(runs.buf, mine)) if len(mine) < len(devices) else runs
+                # spans read through every gap cheaper than a span: bytes over the page floor are bounded by
+                # max_waste only where the caller asked for planned cold reads
+                waste = self.ctx.options.max_waste if self.ctx.options.strategy == "plan" else math.inf
+                self.plans[pkey] = span_plan(sel, source.nbytes, self._model(source.file), max_read=self.span_bytes,
+                                             max_waste=waste, skew=skew)  # fmt: skip
+            spans = self.plans[pkey]
+            assert spans is not None
+            for span in spans.spans:
+                self.ctx.submit(partial(self._span, staging, source.file, source.offset, span, device, dests))
+        return dests
+
+    def staging_for(self, devices: Sequence[torch.device]) -> StagingBuffers:
+        """The page-locked buffers (for CUDA) the spans are read into, one process-wide pool."""
+        from ..staging import shared_staging
+
+        if self.span_buffers is None:
+            pin = any(d.type == "cuda" for d in devices)
+            self.span_buffers = shared_staging(self.span_bytes, max(2, self.ctx.threads + 1), pin=pin)
+        return self.span_buffers
+
+    def sync(self) -> None:
+        """Wait for every upload and cut issued so far (spans', and the host path's staged batches')."""
+        super().sync()
+        if self.span_buffers is not None:
+            self.span_buffers.sync()
+
+    def _model(self, path: Path) -> IoModel | None:
+        """The I/O model spans are merged by: the caller's, else the file system's (measured once), else none."""
+        if self.ctx.options.io_model is not None:
+            return self.ctx.options.io_model
+        if path not in self.models:
+            model = None
+            if self.ctx.reader.can_map:
+                from ...sources.io_model import io_model
+
+                model = io_model(path)
+            self.models[path] = model
+        return self.models[path]
+
+    def _span(
+        self, staging: StagingBuffers, path: Path, offset: int, span: Span, device: torch.device, dests: list[Any]
+    ) -> None:
+        """Read one span into a page-locked buffer, upload it, and cut it into ``dests`` on ``device``."""
+        import numpy as np
+
+        buf = staging.acquire()
+        try:
+            one = np.ones(1, dtype=np.int64)
+            self.ctx.reader.read_runs(path, one * (offset + span.offset), one * span.length, one * 0, one * 0, [buf])
+            cuts = span.cuts
+            if span.straight:
+                staging.on_device(buf, device, partial(_straight, buf, cuts, dests, staging.pin))
+                uploads, uploaded = len(cuts), int(cuts.length.sum())
+            else:
+                scratch = self._scratch(device, staging.size)
+                try:
+                    upload = partial(_upload_and_cut, buf, span.length, scratch, cuts, dests, staging.pin)
+                    staging.on_device(buf, device, upload)
+                finally:
+                    self.scratch[device].put(scratch)  # in stream order: the next upload into it waits for the cuts
+                uploads, uploaded = 1, span.length
+            if _tally is not None:
+                used = int((cuts.length * cuts.count).sum())
+                _tally.add(1, span.length, uploads, uploaded, 0 if span.straight else len(cuts), used)
+        finally:
+            staging.release(buf)
+
+    def _scratch(self, device: torch.device, size: int) -> torch.Tensor:
+        """A device buffer of ``size`` bytes for one span, from this load's pool (made on first use)."""
+        import torch
+
+        pool = self.scratch.setdefault(device, queue.SimpleQueue())
+        try:
+            return pool.get_nowait()
+        except queue.Empty:
+            return torch.empty(size, dtype=torch.uint8, device=device)
+
+
+def _straight(buf: torch.Tensor, cuts: Cuts, dests: list[torch.Tensor], pinned: bool) -> None:
+    """Copy each contiguous cut from the page-locked buffer straight into its tensor (an upload each)."""
+    import torch
+
+    for t, s, d, n in zip(cuts.tensor.tolist(), cuts.src.tolist(), cuts.dst.tolist(), cuts.length.tolist(),
+                          strict=True):  # fmt: skip
+        dests[t].reshape(-1).view(torch.uint8)[d : d + n].copy_(buf[s : s + n], non_blocking=pinned)
+
+
+def _upload_and_cut(
+    buf: torch.Tensor, n: int, scratch: torch.Tensor, cuts: Cuts, dests: list[torch.Tensor], pinned: bool
+) -> None:
+    """Upload a span's ``n`` bytes into ``scratch`` in one copy, then cut them into the tensors on the device."""
+    scratch[:n].copy_(buf[:n], non_blocking=pinned)
+    rows = zip(*(x.tolist() for x in (cuts.tensor, cuts.src, cuts.dst, cuts.length, cuts.count, cuts.src_step,
+                                      cuts.dst_step)), strict=True)  # fmt: skip
+    for t, s, d, n_, c, ss, dst_step in rows:
+        dest = dests[t]
+        word = _word(dest, s, d, n_, ss, dst_step)
+        w = word.itemsize
+        to = _flat(dest, word)
+        frm = scratch.view(word)
+        to.as_strided((c, n_ // w), (dst_step // w, 1), to.storage_offset() + d // w).copy_(
+            frm.as_strided((c, n_ // w), (ss // w, 1), frm.storage_offset() + s // w)
+        )
+
+
+def _flat(dest: torch.Tensor, word: torch.dtype) -> torch.Tensor:
+    """``dest``'s bytes as a flat tensor of ``word``."""
+    import torch
+
+    return dest.reshape(-1).view(torch.uint8).view(word)
+
+
+def _word(dest: torch.Tensor, *sizes: int) -> torch.dtype:
+    """The widest integer type dividing every offset, length and step of a cut and ``dest``'s size and address:
+    a strided copy moves words, not bytes."""
+    import torch
+
+    nbytes = dest.numel() * dest.element_size()
+    for word in (torch.int64, torch.int32, torch.int16):
+        w = word.itemsize
+        if nbytes % w == 0 and dest.data_ptr() % w == 0 and all(x % w == 0 for x in sizes):
+            return word
+    return torch.uint8

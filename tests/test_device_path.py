@@ -1,0 +1,210 @@
+"""The device data path (``engine/paths/device.py``): spans of the file read into staging buffers, uploaded whole,
+cut on the device by strided copies. Run here with a CPU "device" (``staged=True``), the way a GPU load goes; the
+loads are compared element for element with plain numpy slicing of the stored tensors. (Every source x N x
+threads is in tests/test_equivalence.py, paths ``device`` and ``device_load``; the CUDA runs in test_cuda.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import shardload
+import shardload.engine.transfer as transfer
+from helpers.checkpoints import parallel_model, random_array, write_model
+from shardload.engine import staging
+from shardload.engine.paths import DevicePath, data_path_for
+from shardload.engine.paths.device import count_device, span_plan, strided_cuts
+from shardload.engine.run import run_plan
+from shardload.errors import CheckpointError
+from shardload.planning.runs import Runs
+from shardload.sources.read_plan import IoModel
+from shardload.sources.reader import PAGE
+
+SHARD_DIM = "shard_funcs.shard_dim"
+
+
+def _expand(buf: np.ndarray, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> set[tuple[int, int, int]]:
+    """Every byte a set of runs moves, as (tensor, source byte, destination byte)."""
+    return {(int(b), int(s) + i, int(d) + i) for b, s, d, n in zip(buf, src, dst, length, strict=True)
+            for i in range(int(n))}  # fmt: skip
+
+
+def _cut_bytes(cuts: object, base: int = 0) -> list[tuple[int, int, int]]:
+    out = []
+    for t, s, d, n, c, ss, ds in zip(*(getattr(cuts, f).tolist() for f in
+                                       ("tensor", "src", "dst", "length", "count", "src_step", "dst_step")),
+                                     strict=True):  # fmt: skip
+        out += [(t, base + s + k * ss + i, d + k * ds + i) for k in range(c) for i in range(n)]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_strided_cuts_move_exactly_the_runs_bytes(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    parts = []
+    for t in range(int(rng.integers(1, 4))):  # regular stretches (column slices) and irregular runs, mixed
+        src = int(rng.integers(0, 50))
+        for _ in range(int(rng.integers(1, 5))):
+            rows, n = int(rng.integers(1, 9)), int(rng.integers(1, 6))
+            ss, ds = n + int(rng.integers(0, 7)), n + int(rng.integers(0, 3))
+            dst = int(rng.integers(0, 40))
+            if rng.random() < 0.3:  # a regular source step, an irregular destination one: must not fold
+                at = dst + np.concatenate(([0], np.cumsum(n + rng.integers(0, 2, size=rows - 1))))
+                parts += [(t, src + k * ss, int(at[k]), n) for k in range(rows)]
+            else:
+                parts += [(t, src + k * ss, dst + k * ds, n) for k in range(rows)]
+            src += rows * ss + int(rng.integers(0, 5))
+    buf, src, dst, length = (np.array(x, dtype=np.int64) for x in zip(*sorted(parts), strict=True))
+    cuts = strided_cuts(buf, src, dst, length)
+    moved = _cut_bytes(cuts)
+    assert len(moved) == len(set(moved)) == int(length.sum())
+    assert set(moved) == _expand(buf, src, dst, length)
+    assert len(cuts) <= len(src)
+
+
+def test_a_column_slice_folds_into_one_cut() -> None:
+    rows, width, stride = 1000, 256, 2048
+    src = np.arange(rows, dtype=np.int64) * stride + 512
+    cuts = strided_cuts(np.zeros(rows, dtype=np.int64), src, np.arange(rows, dtype=np.int64) * width,
+                        np.full(rows, width, dtype=np.int64))  # fmt: skip
+    assert (len(cuts), int(cuts.count[0]), int(cuts.src_step[0]), int(cuts.dst_step[0])) == (1, rows, stride, width)
+
+
+@pytest.mark.parametrize("skew", (0, 100, PAGE - 8))
+@pytest.mark.parametrize("gap_s", (0.0, 1.0))
+def test_span_plan_reads_every_run_once_within_the_tensor(skew: int, gap_s: float) -> None:
+    rng = np.random.default_rng(skew)
+    limit = 300_000
+    starts = np.sort(rng.choice(limit - 2000, 40, replace=False)).astype(np.int64)
+    length = rng.integers(1, 1500, size=40).astype(np.int64)
+    length = np.minimum(length, np.append(np.diff(starts), limit - starts[-1]))  # disjoint
+    buf = rng.integers(0, 2, size=40).astype(np.int64)
+    dst = np.cumsum(length) - length
+    runs = Runs(starts, length, buf, dst)
+    plan = span_plan(runs, limit, IoModel(gap_s, 1e9), max_read=4 * PAGE, max_waste=float("inf"), skew=skew)
+    moved = []
+    for k, span in enumerate(plan.spans):
+        assert 0 <= span.offset and span.offset + span.length <= limit and 0 < span.length <= 4 * PAGE
+        assert k == 0 or (span.offset + skew) % PAGE == 0  # page-aligned in the file, but never before the tensor
+        assert k == 0 or span.offset >= plan.spans[k - 1].offset + plan.spans[k - 1].length
+        moved += _cut_bytes(span.cuts, span.offset)
+        assert all(span.offset <= s < span.offset + span.length for _, s, _ in _cut_bytes(span.cuts, span.offset))
+    assert sorted(moved) == sorted(_expand(buf, starts, dst, length))
+    assert plan.used == int(length.sum()) and plan.moved == sum(s.length for s in plan.spans)
+    if gap_s:  # every gap is worth reading through: one stretch, cut only at max_read
+        assert all(b.offset == a.offset + a.length for a, b in zip(plan.spans, plan.spans[1:], strict=False))
+
+
+def _column_model(tmp_path: Path, rows: int = 512, cols: int = 1024) -> tuple[Path, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(3)
+    tensors = {"col": random_array(rng, (rows, cols), "float16"), "row": random_array(rng, (rows, cols), "float16"),
+               "norm": random_array(rng, (cols,), "float32")}  # fmt: skip
+    info = {"version": 1, "params": {"col": [[SHARD_DIM, [None, None], 1, "num_shards"]],
+                                     "row": [[SHARD_DIM, [None, None], 0, "num_shards"]]}}  # fmt: skip
+    return write_model(tmp_path / "m", tensors, info), tensors
+
+
+def _want(tensors: dict[str, np.ndarray], n: int, r: int) -> dict[str, np.ndarray]:
+    col, row = tensors["col"], tensors["row"]
+    c, h = col.shape[1] // n, row.shape[0] // n
+    return {"col": col[:, r * c : (r + 1) * c], "row": row[r * h : (r + 1) * h], "norm": tensors["norm"]}
+
+
+def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, np.ndarray]) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].is_contiguous(), k
+        np.testing.assert_array_equal(got[k].numpy(), v, err_msg=k)
+
+
+@pytest.mark.parametrize("threads", (0, 1, 4))
+@pytest.mark.parametrize("n", (1, 2, 8))
+def test_stand_in_loads_equal_numpy_slices(tmp_path: Path, n: int, threads: int) -> None:
+    model, tensors = _column_model(tmp_path)
+    plan = shardload.plan_model(model, n)
+    options = shardload.ReadOptions(threads=threads)
+    for r in range(n):
+        _assert_equal(run_plan(plan, [r], ["cpu"], staged=True, read_options=options)[0], _want(tensors, n, r))
+    every = run_plan(plan, range(n), ["cpu"] * n, staged=True, read_options=options)
+    for r in range(n):
+        _assert_equal(every[r], _want(tensors, n, r))
+
+
+def test_uploads_and_cuts_grow_with_spans_not_rows(tmp_path: Path) -> None:
+    """A column slice of 512 rows reaches the device as a few spans, each one upload and one cut (a per-row
+    gather would be 512 copies); the host copies each byte once, into the staging buffer."""
+    model, _ = _column_model(tmp_path)
+    plan = shardload.plan_model(model, 8)
+    with count_device() as moved:
+        run_plan(plan, [3], ["cpu"], staged=True)
+    spans_col = -(-512 * 1024 * 2 // (transfer.STAGE_BYTES // PAGE * PAGE))
+    assert moved.uploads == moved.spans <= spans_col + 2 + 2  # col's spans, row's and norm's
+    assert moved.cuts <= spans_col
+    assert moved.delivered == 512 * 128 * 2 + 64 * 1024 * 2 + 1024 * 4
+    assert moved.read_bytes <= 512 * 1024 * 2 + 64 * 1024 * 2 + 1024 * 4 + 2 * PAGE  # col's page floor is all of it
+
+
+def test_into_the_callers_tensors(tmp_path: Path) -> None:
+    model, tensors = _column_model(tmp_path)
+    plan = shardload.plan_model(model, 4)
+    want = _want(tensors, 4, 2)
+    out = {k: torch.full(v.shape, 7, dtype=torch.from_numpy(v).dtype) for k, v in want.items()}
+    got = run_plan(plan, [2], ["cpu"], staged=True, out=out)[0]
+    assert all(got[k] is out[k] for k in out)
+    _assert_equal(out, want)
+
+
+def test_truncated_file_is_one_error_and_nothing_returned(tmp_path: Path) -> None:
+    model = parallel_model(tmp_path / "m")
+    plan = shardload.plan_model(model, 2)
+    path = model / "model.safetensors"
+    with open(path, "r+b") as fh:
+        fh.truncate(path.stat().st_size - 100)
+    with pytest.raises(CheckpointError, match="shorter than its header says"):
+        run_plan(plan, [1], ["cpu"], staged=True)
+    with pytest.raises(CheckpointError, match="shorter than its header says"):
+        run_plan(plan, range(2), ["cpu"] * 2, staged=True)
+
+
+def test_staging_buffers_are_made_once_per_process(tmp_path: Path) -> None:
+    """The second load takes the first one's buffers: no page-locking (on a GPU) after a process's first load."""
+    model, _ = _column_model(tmp_path)
+    plan = shardload.plan_model(model, 2)
+    run_plan(plan, [0], ["cpu"], staged=True, read_options=shardload.ReadOptions(threads=2))
+    pool = staging.shared_staging(transfer.STAGE_BYTES, 1, pin=False)
+    made = pool.made
+    assert 1 <= made <= 3
+    for r in (0, 1, 0):
+        run_plan(plan, [r], ["cpu"], staged=True, read_options=shardload.ReadOptions(threads=2))
+    assert pool.made == made
+
+
+def test_a_gpu_load_takes_the_device_path() -> None:
+    assert type(data_path_for(["cuda:0"])) is DevicePath
+    assert type(data_path_for(["cpu"], staged=True)) is DevicePath
+    assert type(data_path_for(["cpu"])) is not DevicePath
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ("uint8", "float16", "float32"))
+def test_cuda_cuts_equal_numpy_slices(tmp_path: Path, dtype: str) -> None:
+    """Odd widths and offsets (cuts of bytes, not words), every rank on one GPU and each alone, padding included."""
+    rng = np.random.default_rng(5)
+    tensors = {"col": random_array(rng, (37, 30), dtype), "row": random_array(rng, (33, 7), dtype),
+               "norm": random_array(rng, (5,), dtype)}  # fmt: skip
+    info = {"version": 1, "params": {"col": [[SHARD_DIM, [None, None], 1, "num_shards"]],
+                                     "row": [[SHARD_DIM, [None, None], 0, "num_shards"]]}}  # fmt: skip
+    model = write_model(tmp_path / "m", tensors, info)
+    n = 3
+    plan = shardload.plan_model(model, n)
+    want = [{"col": tensors["col"][:, r * 10 : (r + 1) * 10], "row": tensors["row"][r * 11 : (r + 1) * 11],
+             "norm": tensors["norm"]} for r in range(n)]  # fmt: skip
+    every = run_plan(plan, range(n), ["cuda:0"] * n)
+    for r in range(n):
+        _assert_equal({k: v.cpu() for k, v in every[r].items()}, want[r])
+        alone = run_plan(plan, [r], ["cuda:0"])[0]
+        assert all(t.device.type == "cuda" for t in alone.values())
+        _assert_equal({k: v.cpu() for k, v in alone.items()}, want[r])
