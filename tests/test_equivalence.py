@@ -27,7 +27,10 @@ Axes:
   the cell's threads, a model under which every gap is worth reading, the byte budget 0 or unbounded by N's parity;
   then again with the pinned ``verify`` root, the checking reader's tiles read as planned cold reads), ``convert``
   (the CLI) then the rank files read back, ``convert --layout vllm`` (the CLI) against vLLM's per-rank layout,
-  ``load_rank(share_reads=True)`` under torchrun (gloo), and ``verify``: ``load_rank(verify=...)`` through the
+  ``device`` and ``device_load``: ``load_rank`` (then again with the pinned ``verify`` root) and ``load`` through
+  the GPU's data path with the CPU as its device (spans of one page read into staging buffers, uploaded, cut:
+  ``engine/paths/device.py``), ``load_rank(share_reads=True)`` under torchrun (gloo), and ``verify``:
+  ``load_rank(verify=...)`` through the
   checking reader against the source's integrity record (``shardload hash``, made once per source and session; an S3
   model's is hashed from the objects and put beside them by ``hash`` itself; a converted directory checks the record
   convert wrote, or its rank files' sha256 for True);
@@ -65,7 +68,9 @@ Coverage, and why it is enough:
   (``tvm_presharded``, at N = 2 to 8: cut 1 way it is the tvm row's cache), as MLC-LLM writes it, with no
   shard_info.json beside it (with the whole model's plan beside it, which reading it at another N takes, its own
   N is refused: "lists steps, but the checkpoint is already pre-sharded"). Threads are rotated pairwise, as on
-  ``load_rank`` (every (source, threads), (destination, threads) and (N, threads) pair occurs). ``out`` applies to
+  ``load_rank`` (every (source, threads), (destination, threads) and (N, threads) pair occurs), and so is the data
+  path (host memory, or the GPU's with the CPU as its device: spans cut into the caller's tensors, whose storage
+  offsets and alignments the slab varies). ``out`` applies to
   ``load_rank`` alone (``load`` takes none). The destination cells that do not apply are refused, and are not
   cells here: a sharded_state directory (``convert --layout vllm``, vLLM's ``save_model``) at any N, and a
   converted directory or a pre-sharded cache read for another N than it was cut for (boxes of several files or
@@ -388,6 +393,10 @@ def test_rank_tensors_equal_reference(
                 got = shardload.load(model, n, devices=["cpu"] * n, read_options=options)
         assert_ranks(got, want, path)
         assert moved.spans or source == "converted", "the device path read nothing"  # rank files: whole tensors
+        if path == "device":  # the spans read through the checking reader
+            pin = shardload.Verify(root=world.record_root(request, source, n))
+            checked = [shardload.load_rank(model, r, n, verify=pin, read_options=options) for r in range(n)]
+            assert_ranks(checked, want, "device, verify")
     elif path == "load":
         got = shardload.load(model, n, devices=["cpu"] * n, read_options=options)
         assert_ranks(got, want, "load")
@@ -576,8 +585,10 @@ def _fill_cells() -> list[Any]:
         for destination in DESTINATIONS:
             for n in NS[1:] if source == "tvm_presharded" else NS:  # cut 1 way, it is the tvm row's cache
                 threads = fill_threads(source, destination, n)
-                ident = f"{source}-out_{destination}-n{n}-t{threads}"
-                cells.append(pytest.param(source, destination, n, threads, id=ident))
+                # the data path alternates too: host memory, or the GPU's (spans cut into the caller's tensors)
+                data = ("host", "device")[(FILL_SOURCES.index(source) + DESTINATIONS.index(destination) + n) % 2]
+                ident = f"{source}-out_{destination}-n{n}-t{threads}-{data}"
+                cells.append(pytest.param(source, destination, n, threads, data, id=ident))
     return cells
 
 
@@ -592,7 +603,7 @@ def _asking(views: dict[str, torch.Tensor], asked: dict[str, tuple[tuple[int, ..
     return out
 
 
-@pytest.mark.parametrize(("source", "destination", "n", "threads"), _fill_cells())
+@pytest.mark.parametrize(("source", "destination", "n", "threads", "data"), _fill_cells())
 def test_destination_tensors_equal_reference(
     world: World,
     request: pytest.FixtureRequest,
@@ -601,6 +612,7 @@ def test_destination_tensors_equal_reference(
     destination: str,
     n: int,
     threads: int,
+    data: str,
 ) -> None:
     """Every rank filled into caller-owned tensors equals the reference: a mapping for every tensor, a callable giving
     a tensor for half the names and None for the others, or ``only`` half the names with a tensor for each. The
@@ -609,6 +621,9 @@ def test_destination_tensors_equal_reference(
     and no byte outside them was written. Which half alternates with the rank."""
     model = world.presharded_own(n) if source == "tvm_presharded" else world.source(request, source, n)
     options = use_threads(monkeypatch, threads, remote=source == "s3")
+    if data == "device":
+        monkeypatch.setattr(transfer, "STAGE_BYTES", read_plan.PAGE)
+        monkeypatch.setattr(run, "data_path_for", stand_in)
     got, want = [], []
     for r, ref in enumerate(world.reference(n)):
         names = sorted(ref)

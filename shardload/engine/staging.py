@@ -78,23 +78,36 @@ class StagingBuffers:
         with an event that keeps ``buf`` from reuse until it completes."""
         self.on_device(buf, dst.device, lambda: dst.copy_(src, non_blocking=self.pin))
 
-    def on_device(self, buf: torch.Tensor, device: Any, work: Callable[[], Any]) -> None:
+    def on_device(self, buf: torch.Tensor, device: Any, work: Callable[[], Any], after: Any = None) -> None:
         """Run ``work`` (copies out of ``buf`` to ``device``, and work on the device after them): for a CUDA
-        device with page-locked buffers, queued on its side stream behind the work already queued on its default
-        stream (which allocated the destinations), with an event that keeps ``buf`` from reuse until it has run."""
+        device with page-locked buffers, queued on its side stream behind ``after`` (an event recorded where the
+        destinations were allocated; None: behind the device's default stream), with an event that keeps ``buf``
+        from reuse until it has run (recorded even when ``work`` fails part way).
+
+        The calling thread is moved to ``device`` for good, not for the block: moving it back to a device it never
+        used would make a CUDA context there (one per process on GPU 0, with one process per GPU)."""
         import torch
 
-        if not (self.pin and torch.device(device).type == "cuda"):
+        device = torch.device(device)
+        if not (self.pin and device.type == "cuda"):
             work()
             return
+        assert device.index is not None, "a CUDA device with its index (the destination tensor's own device)"
+        if torch.cuda.current_device() != device.index:
+            torch.cuda.set_device(device.index)
         stream = self.stream(device)
-        stream.wait_stream(torch.cuda.default_stream(device))
+        if after is None:
+            stream.wait_stream(torch.cuda.default_stream(device))
+        else:
+            stream.wait_event(after)
         with torch.cuda.stream(stream):
-            work()
-            event = torch.cuda.Event()
-            event.record(stream)
-        with self.lock:
-            self.events.setdefault(buf.data_ptr(), []).append(event)
+            try:
+                work()
+            finally:
+                event = torch.cuda.Event()
+                event.record(stream)
+                with self.lock:
+                    self.events.setdefault(buf.data_ptr(), []).append(event)
 
     def sync(self) -> None:
         """Wait for every upload issued so far."""

@@ -241,14 +241,16 @@ class DevicePath(HostPath):
         if not len(runs):
             return dests
         skew = source.offset % PAGE
-        staging = self.staging_for(devices)
-        for g, device in enumerate(dict.fromkeys(devices)):  # the ranks of each device read their union once
+        devs = [t.device for t in dests]  # with their indices ("cuda" alone means the caller's current device)
+        staging = self.staging_for(devs)
+        for g, device in enumerate(dict.fromkeys(devs)):  # the ranks of each device read their union once
+            after = _ready(device)
             pkey = (key, g, skew)
             if pkey not in self.plans:
-                mine = [k for k, d in enumerate(devices) if d == device]
+                mine = [k for k, d in enumerate(devs) if d == device]
                 import numpy as np
 
-                sel = runs.take(np.isin(runs.buf, mine)) if len(mine) < len(devices) else runs
+                sel = runs.take(np.isin(runs.buf, mine)) if len(mine) < len(devs) else runs
                 # spans read through every gap cheaper than a span: bytes over the page floor are bounded by
                 # max_waste only where the caller asked for planned cold reads
                 waste = self.ctx.options.max_waste if self.ctx.options.strategy == "plan" else math.inf
@@ -257,7 +259,7 @@ class DevicePath(HostPath):
             spans = self.plans[pkey]
             assert spans is not None
             for span in spans.spans:
-                self.ctx.submit(partial(self._span, staging, source.file, source.offset, span, device, dests))
+                self.ctx.submit(partial(self._span, staging, source.file, source.offset, span, device, dests, after))
         return dests
 
     def staging_for(self, devices: Sequence[torch.device]) -> StagingBuffers:
@@ -289,7 +291,14 @@ class DevicePath(HostPath):
         return self.models[path]
 
     def _span(
-        self, staging: StagingBuffers, path: Path, offset: int, span: Span, device: torch.device, dests: list[Any]
+        self,
+        staging: StagingBuffers,
+        path: Path,
+        offset: int,
+        span: Span,
+        device: torch.device,
+        dests: list[Any],
+        after: Any,
     ) -> None:
         """Read one span into a page-locked buffer, upload it, and cut it into ``dests`` on ``device``."""
         import numpy as np
@@ -300,13 +309,13 @@ class DevicePath(HostPath):
             self.ctx.reader.read_runs(path, one * (offset + span.offset), one * span.length, one * 0, one * 0, [buf])
             cuts = span.cuts
             if span.straight:
-                staging.on_device(buf, device, partial(_straight, buf, cuts, dests, staging.pin))
+                staging.on_device(buf, device, partial(_straight, buf, cuts, dests, staging.pin), after)
                 uploads, uploaded = len(cuts), int(cuts.length.sum())
             else:
                 scratch = self._scratch(device, staging.size)
                 try:
                     upload = partial(_upload_and_cut, buf, span.length, scratch, cuts, dests, staging.pin)
-                    staging.on_device(buf, device, upload)
+                    staging.on_device(buf, device, upload, after)
                 finally:
                     self.scratch[device].put(scratch)  # in stream order: the next upload into it waits for the cuts
                 uploads, uploaded = 1, span.length
@@ -325,6 +334,18 @@ class DevicePath(HostPath):
             return pool.get_nowait()
         except queue.Empty:
             return torch.empty(size, dtype=torch.uint8, device=device)
+
+
+def _ready(device: torch.device) -> Any:
+    """An event on ``device``'s current stream in the calling thread (where the destinations were allocated and
+    their padding zeroed), for the side stream to wait on; None off CUDA."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def _straight(buf: torch.Tensor, cuts: Cuts, dests: list[torch.Tensor], pinned: bool) -> None:
