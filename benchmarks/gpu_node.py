@@ -32,7 +32,9 @@ uploads and device cuts (printed on CUDA too).
 
 Run: ``PYTHONPATH=$PWD python benchmarks/gpu_node.py [--device cuda|cpu] [--size-gib 2] [--tp 2 8]
 [--modes turn together warm] [--loaders default shardload ...] [--ranks K] [--work DIR] [--repeats 1]
-[--stand-in]``.
+[--stand-in] [--stripes on|off]``. In ``together`` every child gets ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` as torchrun
+sets them, so shardload's ranks stripe their cold reads (``--stripes off``: ``ReadOptions(local_ranks=None)``, each
+rank alone).
 """
 
 from __future__ import annotations
@@ -98,7 +100,9 @@ def load(loader: str, model: Path, rank_file: Path, plan: Any, rank: int, n: int
     path = str(model / MODEL_FILE)
     params = plan.params
     if loader == "shardload":
-        return shardload.load_rank(model, rank, n, device=dev)
+        off = os.environ.get("GPU_NODE_STRIPES") == "off"  # --stripes off: each rank alone, its own bytes
+        return shardload.load_rank(model, rank, n, device=dev,
+                                   read_options=shardload.ReadOptions(local_ranks=None) if off else None)  # fmt: skip
     if loader == "presharded":
         return load_file(str(rank_file), device=str(dev))
     if loader == "default":  # vLLM: the whole tensor on the CPU, narrowed there, copied into the parameter
@@ -180,7 +184,8 @@ def child(loader: str, model: str, rank_file: str, rank: str, num_shards: str, d
         print(json.dumps({**out, "error": f"{type(err).__name__}: {err}"[:300]}), flush=True)
         return
     out.update(wall=time.perf_counter() - t0, start=start, end=time.time(), cpu=cpu_seconds() - cpu0)
-    out.update(read_bytes=read_io() - io0, own=plan.rank_nbytes(r), moved=seen.moved, counted=seen.bytes)
+    out.update(read_bytes=read_io() - io0, own=plan.rank_nbytes(r), moved=seen.moved, counted=seen.bytes,
+               warmed=seen.warmed)  # fmt: skip
     out["delivered"] = sum(t.numel() * t.element_size() for t in state.values())
     if device_moved is not None and device_moved.spans:
         out["device"] = {k: getattr(device_moved, k) for k in ("spans", "read_bytes", "uploads", "cuts")}
@@ -195,11 +200,17 @@ def child(loader: str, model: str, rank_file: str, rank: str, num_shards: str, d
 # --- the parent ----------------------------------------------------------------------------------------------
 
 
-def launch(loader: str, model: Path, rank_file: Path, rank: int, n: int, device: str, check: bool) -> Any:
+def launch(loader: str, model: Path, rank_file: Path, rank: int, n: int, device: str, check: bool,
+           together: bool = False, stripes: str = "on") -> Any:  # fmt: skip
+    """One child; ``together``: as a launcher starts a host's ranks (torchrun's ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``,
+    which shardload stripes its cold reads by unless ``stripes`` is ``"off"``)."""
     cmd = [sys.executable, str(HERE), "--child", loader, str(model), str(rank_file), str(rank), str(n), device,
            str(int(check))]  # fmt: skip
+    env = {**os.environ, "GPU_NODE_STRIPES": stripes}
+    if together:
+        env.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n))
     err = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     proc.err = err  # type: ignore[attr-defined]
     return proc
 
@@ -229,7 +240,7 @@ def collect(proc: Any, loader: str, rank: int) -> dict[str, Any]:
 
 
 def run_cell(mode: str, loader: str, model: Path, tp_dir: Path, n: int, ranks: list[int], device: str,
-             check: bool) -> list[dict[str, Any]]:  # fmt: skip
+             check: bool, stripes: str = "on") -> list[dict[str, Any]]:  # fmt: skip
     """One cell: the ranks in fresh processes, loading one after another or all at once."""
     files = {r: tp_dir / f"rank-{r:05d}-of-{n:05d}.safetensors" for r in range(n)}
     reads = list(files.values()) if loader == "presharded" else [model / MODEL_FILE]
@@ -238,7 +249,8 @@ def run_cell(mode: str, loader: str, model: Path, tp_dir: Path, n: int, ranks: l
             warm_page_cache(f)
     together = mode == "together"
     # Every process of the cell starts at once and waits at "ready": the imports overlap, the loads never do.
-    procs = {r: launch(loader, model, files[r], r, n, device, check) for r in (range(n) if together else ranks)}
+    procs = {r: launch(loader, model, files[r], r, n, device, check, together, stripes)
+             for r in (range(n) if together else ranks)}  # fmt: skip
     ready = {r: ready_line(p) for r, p in procs.items()}
     results = []
     for group in [list(procs)] if together else [[r] for r in procs]:
@@ -381,6 +393,9 @@ def main() -> int:
         action="store_true",
         help="with --device cpu: shardload takes the GPU's data path (spans, uploads, cuts) on the CPU",
     )
+    parser.add_argument("--stripes", choices=("on", "off"), default="on",
+                        help="together: shardload's ranks stripe cold reads by LOCAL_RANK/LOCAL_WORLD_SIZE (off: "
+                        "local_ranks=None, each rank alone)")  # fmt: skip
     parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.stand_in:
@@ -429,7 +444,8 @@ def main() -> int:
             for loader in loaders:
                 reps = []
                 for rep in range(args.repeats):
-                    runs = run_cell(mode, loader, model, tp_dir, n, ranks, device, rep == 0 and mode == check_mode)
+                    runs = run_cell(mode, loader, model, tp_dir, n, ranks, device, rep == 0 and mode == check_mode,
+                                    args.stripes)  # fmt: skip
                     firsts.setdefault((n, mode, loader), runs)
                     reps.append(summarize(mode, runs))
                 if loader == "default" and all("error" not in c for c in reps):
@@ -446,6 +462,10 @@ def main() -> int:
                     print(f"  rank {r['rank']}: device path: {d['spans']} spans read into staging "
                           f"({d['read_bytes'] / r['delivered']:.3f} host bytes copied per byte delivered), "
                           f"{d['uploads']} uploads, {d['cuts']} device cuts")  # fmt: skip
+            warmed = sum(r.get("warmed", 0) for r in runs)
+            if warmed:
+                print(f"shardload on {device}, N = {n}, {mode}: {warmed / GIB:.3f} GiB read in stripes to warm the "
+                      f"page cache (all ranks)")  # fmt: skip
     mismatches = [(key, r) for key, runs in firsts.items() for r in runs if r.get("mismatches")]
     for (n, _mode, loader), r in mismatches:
         print(f"MISMATCH: {loader} rank {r['rank']} of {n}: {r['mismatches']} of {r['compared']} tensors differ from "

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import enum
 import math
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -16,6 +15,7 @@ from ..errors import ShardloadError, short_repr
 from ..sources.objects import COST_FIELDS, ObjectCost, parse_fields
 from ..sources.read_plan import MAX_WASTE, IoModel
 from ..sources.reader import PAGE, probes
+from .host_group import ALONE, LocalRanks, LocalRanksOption, announce, as_local_ranks, local_ranks, rank_threads
 
 if TYPE_CHECKING:
     import numpy as np
@@ -25,9 +25,10 @@ if TYPE_CHECKING:
     from ..sources.reader import FileMaps, RunReader
     from .read_schedule import StructureKey, StructureRuns
 
-READ_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
-"""Reader threads by default: page-cache copies scale with cores until memory bandwidth is the bound (the cores this
-process may run on: a container or ``taskset`` may allow fewer than the machine has)."""
+READ_THREADS = rank_threads(ALONE)
+"""Reader threads of a rank alone on its host by default: page-cache copies scale with cores until memory bandwidth
+is the bound (the cores this process may run on: a container or ``taskset`` may allow fewer than the machine has).
+Ranks loading together on a host share its cores (:func:`~.host_group.rank_threads`)."""
 RESIDENT_ENOUGH = 0.9
 """``auto`` treats a parameter's bytes as cached when at least this fraction of the pages holding them is (sampled
 with ``mincore``); otherwise it fetches exactly those pages from storage."""
@@ -55,7 +56,10 @@ class ReadOptions:
     page cache; ``"map"``: always copy out of a mapping; ``"read"``: always ``preadv`` the exact runs; ``"plan"``:
     always the planned reads of cold storage; ``"view"``: a CPU rank's tensor that is one contiguous stretch of
     its file comes back as a view of a private mapping, no copy, the rest as ``"auto"``), ``threads`` the reader
-    threads (None: the reader's own number, else :data:`READ_THREADS`; 0: read in the calling thread). Cold reads
+    threads (None: the reader's own number, else the rank's share of the host's cores: :data:`READ_THREADS` alone;
+    0: read in the calling thread). ``local_ranks`` is this process's place among the ranks loading together on its
+    host (``"auto"``: from ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``; None or ``"off"``: alone; ``(index, count)``):
+    together, each reads a stripe of the local files into the page cache (:mod:`~.host_stripes`). Cold reads
     are planned with ``io_model`` (None: measured once per file system), merging gaps within ``max_waste`` (a
     fraction of the page floor), ``io_depth`` of them in flight (0: by the reader threads). ``object_cost`` is what
     a request to an object store costs, which decides its ranged GETs (an
@@ -68,8 +72,10 @@ class ReadOptions:
     max_waste: float = MAX_WASTE
     io_depth: int = IO_DEPTH
     object_cost: ObjectCost | Literal["measure"] | None = None
+    local_ranks: LocalRanksOption = "auto"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "local_ranks", as_local_ranks(self.local_ranks))
         if self.strategy not in STRATEGIES:
             raise ShardloadError(f"read strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         if self.threads is not None and (type(self.threads) is not int or self.threads < 0):
@@ -88,8 +94,9 @@ class ReadOptions:
     def from_config(cls, config: Mapping[str, Any], where: str = "read_options") -> ReadOptions:
         """The options a JSON mapping names (a server's config, e.g. its loader's extra config): keys
         ``strategy``, ``threads``, ``max_waste`` (a number or ``"inf"``), ``io_depth``, ``io_model`` (``{"request_s":
-        S, "bandwidth": B}`` or ``"request_s=S,bandwidth=B"``) and ``object_cost`` (as ``SHARDLOAD_S3_COST``, or a
-        mapping of its fields). An unknown key or a bad value raises one line naming ``where`` and the key."""
+        S, "bandwidth": B}`` or ``"request_s=S,bandwidth=B"``), ``object_cost`` (as ``SHARDLOAD_S3_COST``, or a
+        mapping of its fields) and ``local_ranks`` (``"auto"``, ``"off"``, null or ``[index, count]``). An unknown
+        key or a bad value raises one line naming ``where`` and the key."""
         if not isinstance(config, Mapping):
             raise ShardloadError(f"expected a mapping of read options, got {short_repr(config)}", param=where)
         unknown = sorted(str(k) for k in set(config) - set(_CONFIG_KEYS))
@@ -108,8 +115,16 @@ class ReadOptions:
             raise ShardloadError(err.reason, param=where) from None
 
     def threads_for(self, reader: RunReader) -> int:
-        """The reader threads of a load through ``reader`` (an object store asks for its own number)."""
-        return (reader.threads or READ_THREADS) if self.threads is None else self.threads
+        """The reader threads of a load through ``reader`` (an object store asks for its own number; a local reader's
+        default is the rank's share of its host's cores, announced once with the rank's place on the host)."""
+        if self.threads is not None:
+            return self.threads
+        if reader.threads:
+            return reader.threads
+        local = local_ranks(self.local_ranks)
+        threads = rank_threads(local)
+        announce(local, threads)
+        return threads
 
 
 def _waste(value: Any) -> float:
@@ -128,6 +143,12 @@ def _count(value: Any) -> int:
 
 def _threads(value: Any) -> int | None:
     return None if value is None else _count(value)  # null: the reader's own number, as threads=None
+
+
+def _local_ranks(value: Any) -> LocalRanks | str | None:
+    if isinstance(value, list):
+        value = tuple(value)  # JSON's [index, count]
+    return as_local_ranks(value)
 
 
 def _strategy(value: Any) -> Strategy:
@@ -168,6 +189,7 @@ _CONFIG_KEYS: dict[str, Callable[[Any], Any]] = {
     "io_depth": _count,
     "io_model": _io_model,
     "object_cost": _object_cost,
+    "local_ranks": _local_ranks,
 }
 """The keys :meth:`ReadOptions.from_config` takes, each with the function that reads its JSON value."""
 

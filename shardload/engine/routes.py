@@ -34,6 +34,7 @@ from ..sources.source_types import (
     WholeTensors,
     check_options,
 )
+from .host_stripes import host_stripes
 from .integrity import converted_verifier, verifier, wrapped
 from .load_options import LoadOptions
 from .paths import data_path_for
@@ -93,15 +94,18 @@ def _boxes(source: Source, mesh: Mesh, ranks: Sequence[int], devices: Sequence[A
 def _whole(source: Source, mesh: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
            label: str) -> States:  # fmt: skip
     """A source of whole tensors: planned for ``mesh``, each pipeline stage's ranks read together (each byte once;
-    data-parallel replicas copied), or one rank's reading shared by a process group."""
+    data-parallel replicas copied), or one rank's reading shared by a process group. A rank loading beside others
+    on its host reads its stripe of the files first (:mod:`.host_stripes`), while it plans."""
     checkpoint = source.checkpoint
     wrap = verifier(checkpoint, options.verify, source.name)
-    plan = build_plan(shard_info_for(checkpoint, options.shard_info), checkpoint, mesh.tp)
-    stages = stages_of(plan, mesh)
-    if options.group is not None:
-        (rank,) = ranks
-        return [_whole_shared(source, plan, stages, mesh, mesh.coord(rank), devices[0], options, wrap, label)]
-    return _by_stage(stages, plan, mesh, ranks, devices, options, wrap, label)
+    with host_stripes(source, mesh, ranks, options) as stripes:  # this rank's stripe of the files, read meanwhile
+        plan = build_plan(shard_info_for(checkpoint, options.shard_info), checkpoint, mesh.tp)
+        stages = stages_of(plan, mesh)
+        stripes.wait()
+        if options.group is not None:
+            (rank,) = ranks
+            return [_whole_shared(source, plan, stages, mesh, mesh.coord(rank), devices[0], options, wrap, label)]
+        return _by_stage(stages, plan, mesh, ranks, devices, options, wrap, label)
 
 
 def _by_stage(stages: list[ModelPlan], plan: ModelPlan, mesh: Mesh, ranks: Sequence[int], devices: Sequence[Any],

@@ -41,13 +41,15 @@ class ReadCount:
     """Bytes and read calls seen inside :func:`count_reads`, in total and per file: ``bytes`` the readers delivered
     to destinations (what the ranks use), ``moved`` what they read from the files, bytes read through and thrown
     away included (the gaps of planned cold reads); ``checked`` the bytes a verifying load hashed, in ``tiles``
-    pieces (``verify=True``)."""
+    pieces (``verify=True``); ``warmed`` the bytes a rank read only to bring them into the page cache for the
+    ranks loading beside it on its host (its stripe of the files, not counted in ``moved``)."""
 
     bytes: int = 0
     calls: int = 0
     moved: int = 0
     checked: int = 0
     tiles: int = 0
+    warmed: int = 0
     by_file: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -525,6 +527,13 @@ def count_checked(nbytes: int) -> None:
     """Record one tile of ``nbytes`` hashed by a verifying reader in :func:`count_reads`."""
     if _count is not None:
         _count.add_checked(nbytes)
+
+
+def count_warmed(nbytes: int) -> None:
+    """Record ``nbytes`` read into the page cache for the host's other ranks (a stripe) in :func:`count_reads`."""
+    if _count is not None:
+        with _count._lock:
+            _count.warmed += nbytes
 
 
 def count_requested(path: Path, nbytes: int) -> None:

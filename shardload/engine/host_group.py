@@ -1,0 +1,141 @@
+"""Who shares this host: which of the host's ranks this process is (:class:`LocalRanks`), and the reader threads
+its share of the host's cores gives it. Told by the ``local_ranks`` read option, else by the launcher's
+environment (``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, as torchrun sets them), else by torch.distributed's rank
+when only ``LOCAL_WORLD_SIZE`` is set; otherwise the process is alone. What was chosen is logged once, at INFO,
+on the ``shardload.host`` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+from ..errors import ShardloadError
+
+log = logging.getLogger("shardload.host")
+"""Where the local ranks and reader threads a process chose are announced, once, at INFO."""
+
+MAX_READ_THREADS = 8
+"""Reader threads of a rank alone on its host, at most: page-cache copies scale with cores until memory bandwidth
+is the bound."""
+ENV_RANK = "LOCAL_RANK"
+ENV_COUNT = "LOCAL_WORLD_SIZE"
+
+
+@dataclass(frozen=True)
+class LocalRanks:
+    """This process is local rank ``index`` of the ``count`` ranks loading on its host; ``source`` says who told."""
+
+    index: int
+    count: int
+    source: str = "local_ranks option"
+
+    def __post_init__(self) -> None:
+        if type(self.count) is not int or self.count < 1:
+            raise ShardloadError(f"local_ranks count must be an int >= 1, got {self.count!r}")
+        if type(self.index) is not int or not 0 <= self.index < self.count:
+            raise ShardloadError(f"local_ranks index must be an int in [0, {self.count}), got {self.index!r}")
+
+    @property
+    def alone(self) -> bool:
+        """Whether no other rank loads on this host."""
+        return self.count == 1
+
+
+ALONE = LocalRanks(0, 1, "alone")
+"""A process no other rank loads beside."""
+LocalRanksOption: TypeAlias = "LocalRanks | tuple[int, int] | Literal['auto'] | None"
+"""``ReadOptions.local_ranks``: ``"auto"`` (from the environment), None (alone), or this process's place given."""
+
+
+def as_local_ranks(value: Any) -> LocalRanks | Literal["auto"] | None:
+    """``value`` as the option holds it: ``"auto"``, None (``"off"`` too), or a :class:`LocalRanks` (a pair
+    ``(index, count)`` given); anything else raises one line."""
+    if value is None or value == "off":
+        return None
+    if value == "auto" or isinstance(value, LocalRanks):
+        return value  # type: ignore[no-any-return]
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return LocalRanks(value[0], value[1])
+    raise ShardloadError(f'local_ranks must be "auto", None, "off", a LocalRanks or (index, count), got {value!r}')
+
+
+def local_ranks(option: LocalRanksOption = "auto", environ: Mapping[str, str] | None = None) -> LocalRanks:
+    """This process's place among its host's ranks: the option's, else the environment's (see the module)."""
+    chosen = as_local_ranks(option)
+    if chosen is None:
+        return LocalRanks(0, 1, "local_ranks off")
+    if isinstance(chosen, LocalRanks):
+        return chosen
+    env = os.environ if environ is None else environ
+    count = _env_int(env, ENV_COUNT, minimum=1)
+    if count is None:
+        return LocalRanks(0, 1, f"no {ENV_COUNT}")
+    index = _env_int(env, ENV_RANK, minimum=0)
+    source = f"{ENV_RANK}/{ENV_COUNT}"
+    if index is None:
+        index = _dist_rank()
+        if index is None:
+            return LocalRanks(0, 1, f"{ENV_COUNT} without {ENV_RANK} or a process group")
+        index, source = index % count, f"torch.distributed rank % {ENV_COUNT}"
+    elif index >= count:
+        raise ShardloadError(f"{ENV_RANK}={index} is not below {ENV_COUNT}={count}")
+    return LocalRanks(index, count, source)
+
+
+def _env_int(env: Mapping[str, str], name: str, *, minimum: int) -> int | None:
+    """The integer environment variable ``name`` (None when unset or empty); a bad value raises one line."""
+    text = env.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ShardloadError(f"{name} must be an integer >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise ShardloadError(f"{name} must be an integer >= {minimum}, got {text!r}")
+    return value
+
+
+def _dist_rank() -> int | None:
+    """The global rank of an initialised torch.distributed group (torch only if already imported), else None."""
+    if "torch" not in sys.modules:
+        return None
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+
+
+def host_cores() -> int:
+    """The cores this process may run on (a container or ``taskset`` may allow fewer than the machine has)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def rank_threads(local: LocalRanks, cores: int | None = None) -> int:
+    """A rank's reader threads by default: its share of the host's ``cores`` (at least 1, at most
+    :data:`MAX_READ_THREADS`). Ranks loading together on a host all copy at once: eight ranks each taking eight
+    threads on a 16-core host run 64 threads on 16 cores, each copy waiting its turn, while each rank's share keeps
+    every core busy. A launcher that pins each rank to its own cores makes ``cores`` that share already: it is
+    divided again (a smaller pool, still at least one thread)."""
+    cores = host_cores() if cores is None else cores
+    return max(1, min(MAX_READ_THREADS, cores // local.count))
+
+
+_announced: set[tuple[LocalRanks, int]] = set()
+
+
+def announce(local: LocalRanks, threads: int) -> None:
+    """Log, once per process for each choice, this process's place on its host and its reader threads."""
+    if (local, threads) in _announced:
+        return
+    _announced.add((local, threads))
+    if local.alone:
+        log.info("shardload: alone on this host (%s): reads its own bytes; %d reader threads", local.source, threads)
+    else:
+        log.info("shardload: local rank %d of %d (%s): each reads a stripe of the files; %d reader threads (%d "
+                 "cores / %d local ranks)", local.index, local.count, local.source, threads, host_cores(),
+                 local.count)  # fmt: skip
