@@ -224,6 +224,7 @@ class DevicePath(HostPath):
     ) -> list[torch.Tensor] | None:
         """``plan``'s tensors for ``ranks`` filled from spans cut on their devices, or (a CPU rank, a forced
         strategy, a compute step) the host path's way."""
+        import numpy as np
         import torch
 
         from ...sources.dtypes import to_torch
@@ -248,8 +249,6 @@ class DevicePath(HostPath):
             pkey = (key, g, skew)
             if pkey not in self.plans:
                 mine = [k for k, d in enumerate(devs) if d == device]
-                import numpy as np
-
                 sel = runs.take(np.isin(runs.buf, mine)) if len(mine) < len(devs) else runs
                 # spans read through every gap cheaper than a span: bytes over the page floor are bounded by
                 # max_waste only where the caller asked for planned cold reads
