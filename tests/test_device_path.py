@@ -73,7 +73,7 @@ def test_a_column_slice_folds_into_one_cut() -> None:
     assert (len(cuts), int(cuts.count[0]), int(cuts.src_step[0]), int(cuts.dst_step[0])) == (1, rows, stride, width)
 
 
-@pytest.mark.parametrize("skew", (0, 100, PAGE - 8))
+@pytest.mark.parametrize("skew", (0, 100, 101, PAGE - 8, PAGE - 7))
 @pytest.mark.parametrize("gap_s", (0.0, 1.0))
 def test_span_plan_reads_every_run_once_within_the_tensor(skew: int, gap_s: float) -> None:
     rng = np.random.default_rng(skew)
@@ -84,14 +84,25 @@ def test_span_plan_reads_every_run_once_within_the_tensor(skew: int, gap_s: floa
     buf = rng.integers(0, 2, size=40).astype(np.int64)
     dst = np.cumsum(length) - length
     runs = Runs(starts, length, buf, dst)
-    plan = span_plan(runs, limit, IoModel(gap_s, 1e9), max_read=4 * PAGE, max_waste=float("inf"), skew=skew)
+    devices = [1, 0] if skew % 2 else None  # tensor 0 on the second device, tensor 1 on the first; or one device
+    plan = span_plan(runs, limit, IoModel(gap_s, 1e9), max_read=4 * PAGE, max_waste=float("inf"), skew=skew,
+                     devices=devices)  # fmt: skip
     moved = []
     for k, span in enumerate(plan.spans):
         assert 0 <= span.offset and span.offset + span.length <= limit and 0 < span.length <= 4 * PAGE
         assert k == 0 or (span.offset + skew) % PAGE == 0  # page-aligned in the file, but never before the tensor
         assert k == 0 or span.offset >= plan.spans[k - 1].offset + plan.spans[k - 1].length
-        moved += _cut_bytes(span.cuts, span.offset)
-        assert all(span.offset <= s < span.offset + span.length for _, s, _ in _cut_bytes(span.cuts, span.offset))
+        assert len({p.device for p in span.parts}) == len(span.parts)  # one part per device, each span read once
+        for part in span.parts:
+            # where the part's cuts read: the staging buffer (straight), or its upload into the scratch buffer
+            base = span.offset if part.straight else span.offset + part.lo - part.at
+            got = _cut_bytes(part.cuts, base)
+            lo, hi = (span.offset, span.offset + span.length) if part.straight else (span.offset + part.lo,
+                                                                                     span.offset + part.hi)  # fmt: skip
+            assert all(lo <= s < hi for _, s, _ in got)
+            assert part.straight or (0 <= part.lo < part.hi <= span.length and part.at == (span.offset + part.lo) % 16)
+            assert all((devices or [0, 0])[t] == part.device for t, _, _ in got)
+            moved += got
     assert sorted(moved) == sorted(_expand(buf, starts, dst, length))
     assert plan.used == int(length.sum()) and plan.moved == sum(s.length for s in plan.spans)
     if gap_s:  # every gap is worth reading through: one stretch, cut only at max_read
@@ -202,9 +213,14 @@ def test_cuda_cuts_equal_numpy_slices(tmp_path: Path, dtype: str) -> None:
     plan = shardload.plan_model(model, n)
     want = [{"col": tensors["col"][:, r * 10 : (r + 1) * 10], "row": tensors["row"][r * 11 : (r + 1) * 11],
              "norm": tensors["norm"]} for r in range(n)]  # fmt: skip
-    every = run_plan(plan, range(n), ["cuda:0"] * n)
+    gpus = [f"cuda:{k}" for k in range(torch.cuda.device_count())]
+    # every rank on one GPU; ranks spread over the GPUs there are (each span read once for all of them)
+    for devices in (["cuda:0"] * n, [gpus[r % len(gpus)] for r in range(n)]):
+        every = run_plan(plan, range(n), devices)
+        for r in range(n):
+            assert every[r]["col"].device == torch.device(devices[r])
+            _assert_equal({k: v.cpu() for k, v in every[r].items()}, want[r])
     for r in range(n):
-        _assert_equal({k: v.cpu() for k, v in every[r].items()}, want[r])
-        alone = run_plan(plan, [r], ["cuda:0"])[0]
-        assert all(t.device.type == "cuda" for t in alone.values())
+        alone = run_plan(plan, [r], ["cuda"])[0]  # no index: the current device
+        assert all(t.device == torch.device("cuda", torch.cuda.current_device()) for t in alone.values())
         _assert_equal({k: v.cpu() for k, v in alone.items()}, want[r])

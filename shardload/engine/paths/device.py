@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 STRAIGHT_CUTS = 4
 """A span whose cuts are all contiguous, and at most this many, is uploaded piece by piece straight into its tensors;
 any other span is uploaded whole into a device scratch buffer and cut there."""
+ALIGN = 16
+"""A span's bytes sit in a device scratch buffer at the offset that keeps their alignment in the stored tensor
+modulo this many bytes, so cuts move whole words whatever the tensor's offset in its file (a TVM cache's)."""
 SPAN_S = 50e-6
 """What one more span costs besides its request to storage: a read call, an upload, its cuts, and the Python that
 issues them (tens of microseconds each). A gap between a rank's pages is read through when reading it costs less
@@ -62,19 +65,34 @@ class Cuts:
 
 
 @dataclass(frozen=True)
+class Part:
+    """What one device takes of a span: with ``straight``, its cuts (offsets in the span) copied from the staging
+    buffer into its tensors; else bytes ``[lo, hi)`` of the span uploaded to byte ``at`` of a scratch buffer on the
+    device (``at`` keeps the bytes' alignment in the stored tensor, modulo :data:`ALIGN`) and its cuts (offsets in
+    the scratch buffer) copied there."""
+
+    device: int
+    """Which of the load's devices (in order of first appearance among the destinations)."""
+    lo: int
+    hi: int
+    at: int
+    cuts: Cuts
+    straight: bool
+
+
+@dataclass(frozen=True)
 class Span:
-    """One read: ``length`` bytes at ``offset`` (relative to the stored tensor's first byte), and its cuts."""
+    """One read: ``length`` bytes at ``offset`` (relative to the stored tensor's first byte), read once, and what
+    each device takes of it."""
 
     offset: int
     length: int
-    cuts: Cuts
-    straight: bool
-    """Whether its cuts go straight from the page-locked buffer into the tensors (no scratch, no device cut)."""
+    parts: tuple[Part, ...]
 
 
 @dataclass(frozen=True)
 class SpanPlan:
-    """A parameter structure's spans for the ranks on one device, and the byte counts they move."""
+    """A parameter structure's spans for the ranks of a load (on one device or several), and the bytes they move."""
 
     spans: list[Span]
     used: int
@@ -121,11 +139,22 @@ def count_device() -> Iterator[DeviceTally]:
         _tally = outer
 
 
-def span_plan(runs: Runs, limit: int, model: IoModel | None, *, max_read: int, max_waste: float, skew: int) -> SpanPlan:
+def span_plan(
+    runs: Runs,
+    limit: int,
+    model: IoModel | None,
+    *,
+    max_read: int,
+    max_waste: float,
+    skew: int,
+    devices: Sequence[int] | None = None,
+) -> SpanPlan:
     """The spans that read ``runs`` (offsets relative to a stored tensor of ``limit`` bytes starting ``skew`` bytes
-    into a page): the runs' pages merged across gaps cheaper to read than one more span (:data:`SPAN_S`) and one
-    more request (``model``; None: no request cost) within ``max_waste`` of the page floor, cut at ``max_read`` bytes
-    and at the tensor's edges; each span's runs folded into as few strided cuts as their layout allows."""
+    into a page) once for every device: the runs' pages merged across gaps cheaper to read than one more span
+    (:data:`SPAN_S`) and one more request (``model``; None: no request cost) within ``max_waste`` of the page floor,
+    cut at ``max_read`` bytes and at the tensor's edges. Per span and device (``devices[k]``: the device of runs
+    into buffer ``k``; None: one device), the part of it the device takes, its runs folded into as few strided
+    cuts as their layout allows."""
     import numpy as np
 
     from ...sources.read_plan import IoModel, plan_reads
@@ -149,13 +178,26 @@ def span_plan(runs: Runs, limit: int, model: IoModel | None, *, max_read: int, m
     cut_len, cut_buf, cut_dst, cut_src = b - a, buf[owner], dst[owner] + (a - src[owner]), a - lo[which]
     order = np.lexsort((cut_src, cut_buf, which))  # per read, per tensor, by offset: how cuts fold
     which, cut_len, cut_buf, cut_dst, cut_src = (x[order] for x in (which, cut_len, cut_buf, cut_dst, cut_src))
+    device_of = np.zeros(int(buf.max()) + 1 if len(buf) else 1, dtype=np.int64)
+    if devices is not None:
+        device_of[: len(devices)] = devices
+    cut_dev = device_of[cut_buf]
     bounds = np.searchsorted(which, np.arange(len(lo) + 1), side="left").tolist()
     spans = []
     for k in range(len(lo)):
         s = slice(bounds[k], bounds[k + 1])
-        cuts = strided_cuts(cut_buf[s], cut_src[s], cut_dst[s], cut_len[s])
-        straight = len(cuts) <= STRAIGHT_CUTS and bool((cuts.count == 1).all())
-        spans.append(Span(int(lo[k]), int(hi[k] - lo[k]), cuts, straight))
+        parts = []
+        for g in np.unique(cut_dev[s]).tolist():
+            sel = np.flatnonzero(cut_dev[s] == g) + bounds[k]
+            b, c, d, n = cut_buf[sel], cut_src[sel], cut_dst[sel], cut_len[sel]
+            cuts = strided_cuts(b, c, d, n)
+            if len(cuts) <= STRAIGHT_CUTS and bool((cuts.count == 1).all()):
+                parts.append(Part(g, 0, 0, 0, cuts, True))
+                continue
+            first, end = int(c.min()), int((c + n).max())
+            at = (int(lo[k]) + first) % ALIGN
+            parts.append(Part(g, first, end, at, strided_cuts(b, c - first + at, d, n), False))
+        spans.append(Span(int(lo[k]), int(hi[k] - lo[k]), tuple(parts)))
     return SpanPlan(spans, int(length.sum()), int((hi - lo).sum()))
 
 
@@ -199,7 +241,7 @@ class DevicePath(HostPath):
     def __init__(self, *, one_rank: bool = False, stand_in: bool = False) -> None:
         super().__init__(one_rank=one_rank)
         self.stand_in = stand_in
-        self.plans: dict[tuple[StructureKey, int, int], SpanPlan | None] = {}
+        self.plans: dict[tuple[StructureKey, int], SpanPlan] = {}
         self.models: dict[Path, IoModel | None] = {}
         self.scratch: dict[Any, queue.SimpleQueue[torch.Tensor]] = {}
         self.span_buffers: StagingBuffers | None = None
@@ -224,7 +266,6 @@ class DevicePath(HostPath):
     ) -> list[torch.Tensor] | None:
         """``plan``'s tensors for ``ranks`` filled from spans cut on their devices, or (a CPU rank, a forced
         strategy, a compute step) the host path's way."""
-        import numpy as np
         import torch
 
         from ...sources.dtypes import to_torch
@@ -243,22 +284,19 @@ class DevicePath(HostPath):
             return dests
         skew = source.offset % PAGE
         devs = [t.device for t in dests]  # with their indices ("cuda" alone means the caller's current device)
+        order = list(dict.fromkeys(devs))  # the load's devices: every span is read once, for all of them
         staging = self.staging_for(devs)
-        for g, device in enumerate(dict.fromkeys(devs)):  # the ranks of each device read their union once
-            after = _ready(device)
-            pkey = (key, g, skew)
-            if pkey not in self.plans:
-                mine = [k for k, d in enumerate(devs) if d == device]
-                sel = runs.take(np.isin(runs.buf, mine)) if len(mine) < len(devs) else runs
-                # spans read through every gap cheaper than a span: bytes over the page floor are bounded by
-                # max_waste only where the caller asked for planned cold reads
-                waste = self.ctx.options.max_waste if self.ctx.options.strategy == "plan" else math.inf
-                self.plans[pkey] = span_plan(sel, source.nbytes, self._model(source.file), max_read=self.span_bytes,
-                                             max_waste=waste, skew=skew)  # fmt: skip
-            spans = self.plans[pkey]
-            assert spans is not None
-            for span in spans.spans:
-                self.ctx.submit(partial(self._span, staging, source.file, source.offset, span, device, dests, after))
+        pkey = (key, skew)
+        if pkey not in self.plans:
+            # spans read through every gap cheaper than a span: bytes over the page floor are bounded by max_waste
+            # only where the caller asked for planned cold reads
+            waste = self.ctx.options.max_waste if self.ctx.options.strategy == "plan" else math.inf
+            where = [order.index(d) for d in devs]
+            self.plans[pkey] = span_plan(runs, source.nbytes, self._model(source.file), max_read=self.span_bytes,
+                                         max_waste=waste, skew=skew, devices=where)  # fmt: skip
+        afters = [_ready(d) for d in order]
+        for span in self.plans[pkey].spans:
+            self.ctx.submit(partial(self._span, staging, source.file, source.offset, span, order, dests, afters))
         return dests
 
     def staging_for(self, devices: Sequence[torch.device]) -> StagingBuffers:
@@ -295,32 +333,35 @@ class DevicePath(HostPath):
         path: Path,
         offset: int,
         span: Span,
-        device: torch.device,
+        devices: list[torch.device],
         dests: list[Any],
-        after: Any,
+        afters: list[Any],
     ) -> None:
-        """Read one span into a page-locked buffer, upload it, and cut it into ``dests`` on ``device``."""
+        """Read one span into a page-locked buffer, then for each device its part: uploaded and cut there."""
         import numpy as np
 
         buf = staging.acquire()
         try:
             one = np.ones(1, dtype=np.int64)
             self.ctx.reader.read_runs(path, one * (offset + span.offset), one * span.length, one * 0, one * 0, [buf])
-            cuts = span.cuts
-            if span.straight:
-                staging.on_device(buf, device, partial(_straight, buf, cuts, dests, staging.pin), after)
-                uploads, uploaded = len(cuts), int(cuts.length.sum())
-            else:
-                scratch = self._scratch(device, staging.size)
-                try:
-                    upload = partial(_upload_and_cut, buf, span.length, scratch, cuts, dests, staging.pin)
-                    staging.on_device(buf, device, upload, after)
-                finally:
-                    self.scratch[device].put(scratch)  # in stream order: the next upload into it waits for the cuts
-                uploads, uploaded = 1, span.length
+            for part in span.parts:
+                device, cuts = devices[part.device], part.cuts
+                if part.straight:
+                    staging.on_device(buf, device, partial(_straight, buf, cuts, dests, staging.pin),
+                                      afters[part.device])  # fmt: skip
+                    uploads, uploaded, cut = len(cuts), int(cuts.length.sum()), 0
+                else:
+                    scratch = self._scratch(device, staging.size + ALIGN)
+                    try:
+                        upload = partial(_upload_and_cut, buf, part, scratch, dests, staging.pin)
+                        staging.on_device(buf, device, upload, afters[part.device])
+                    finally:
+                        self.scratch[device].put(scratch)  # stream order: its next upload waits for these cuts
+                    uploads, uploaded, cut = 1, part.hi - part.lo, len(cuts)
+                if _tally is not None:
+                    _tally.add(0, 0, uploads, uploaded, cut, int((cuts.length * cuts.count).sum()))
             if _tally is not None:
-                used = int((cuts.length * cuts.count).sum())
-                _tally.add(1, span.length, uploads, uploaded, 0 if span.straight else len(cuts), used)
+                _tally.add(1, span.length, 0, 0, 0, 0)
         finally:
             staging.release(buf)
 
@@ -357,10 +398,11 @@ def _straight(buf: torch.Tensor, cuts: Cuts, dests: list[torch.Tensor], pinned: 
 
 
 def _upload_and_cut(
-    buf: torch.Tensor, n: int, scratch: torch.Tensor, cuts: Cuts, dests: list[torch.Tensor], pinned: bool
+    buf: torch.Tensor, part: Part, scratch: torch.Tensor, dests: list[torch.Tensor], pinned: bool
 ) -> None:
-    """Upload a span's ``n`` bytes into ``scratch`` in one copy, then cut them into the tensors on the device."""
-    scratch[:n].copy_(buf[:n], non_blocking=pinned)
+    """Upload a device's part of a span into ``scratch`` in one copy, then cut it into the tensors on the device."""
+    cuts = part.cuts
+    scratch[part.at : part.at + part.hi - part.lo].copy_(buf[part.lo : part.hi], non_blocking=pinned)
     rows = zip(*(x.tolist() for x in (cuts.tensor, cuts.src, cuts.dst, cuts.length, cuts.count, cuts.src_step,
                                       cuts.dst_step)), strict=True)  # fmt: skip
     for t, s, d, n_, c, ss, dst_step in rows:
