@@ -394,7 +394,7 @@ def _straight(buf: torch.Tensor, cuts: Cuts, dests: list[torch.Tensor], pinned: 
 
     for t, s, d, n in zip(cuts.tensor.tolist(), cuts.src.tolist(), cuts.dst.tolist(), cuts.length.tolist(),
                           strict=True):  # fmt: skip
-        dests[t].reshape(-1).view(torch.uint8)[d : d + n].copy_(buf[s : s + n], non_blocking=pinned)
+        _copy(dests[t].reshape(-1).view(torch.uint8)[d : d + n], buf[s : s + n], pinned)
 
 
 def _upload_and_cut(
@@ -402,7 +402,7 @@ def _upload_and_cut(
 ) -> None:
     """Upload a device's part of a span into ``scratch`` in one copy, then cut it into the tensors on the device."""
     cuts = part.cuts
-    scratch[part.at : part.at + part.hi - part.lo].copy_(buf[part.lo : part.hi], non_blocking=pinned)
+    _copy(scratch[part.at : part.at + part.hi - part.lo], buf[part.lo : part.hi], pinned)
     rows = zip(*(x.tolist() for x in (cuts.tensor, cuts.src, cuts.dst, cuts.length, cuts.count, cuts.src_step,
                                       cuts.dst_step)), strict=True)  # fmt: skip
     for t, s, d, n_, c, ss, dst_step in rows:
@@ -411,9 +411,23 @@ def _upload_and_cut(
         w = word.itemsize
         to = _flat(dest, word)
         frm = scratch.view(word)
-        to.as_strided((c, n_ // w), (dst_step // w, 1), to.storage_offset() + d // w).copy_(
-            frm.as_strided((c, n_ // w), (ss // w, 1), frm.storage_offset() + s // w)
+        _copy(
+            to.as_strided((c, n_ // w), (dst_step // w, 1), to.storage_offset() + d // w),
+            frm.as_strided((c, n_ // w), (ss // w, 1), frm.storage_offset() + s // w),
+            pinned,
         )
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, pinned: bool) -> None:
+    """``dst.copy_(src)``: on a GPU queued on the current stream; with the CPU as the device (tests, benchmarks'
+    stand-in) by numpy, one thread with the GIL released, as a reader thread's copies are (``copy_jobs.copy_bytes``:
+    torch would start an OpenMP team per copy, fighting the reader threads for the cores)."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        import numpy as np
+
+        np.copyto(dst.numpy(), src.numpy(), casting="no")
+    else:
+        dst.copy_(src, non_blocking=pinned)
 
 
 def _flat(dest: torch.Tensor, word: torch.dtype) -> torch.Tensor:
