@@ -92,8 +92,9 @@ def _progressions(src: np.ndarray, length: np.ndarray, buf: np.ndarray, dst: np.
 
 
 class VerifiedReader(RunReader):
-    """Wraps a reader: each ``read_runs`` reads the tiles covering its runs, checks them against the record,
-    and copies the runs out of the checked bytes. ``files`` maps each readable path to its :class:`VerifiedFile`."""
+    """Wraps a reader: each ``read_runs`` reads the tiles covering its runs (whole ones straight into the
+    destinations), checks every one against the record before it returns, and hands out only checked bytes.
+    ``files`` maps each readable path to its :class:`VerifiedFile`."""
 
     can_map = False  # nothing may bypass the check by reading the file's pages directly
 
