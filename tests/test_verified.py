@@ -650,3 +650,62 @@ def test_converts_record_is_hashed_as_written(tmp_path: Path, n: int) -> None:
     assert got == output_record(done.out_dir, [f.path for f in done.rank_files])
     assert [f.name for f in parse_record(got, "record").files] == [f.path for f in done.rank_files]
     assert json.loads((done.out_dir / "shard_manifest.json").read_text())["integrity"]["root"] == root_of(got)
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["warm", "cold"])
+@pytest.mark.parametrize(
+    "runs",
+    [
+        [((5, 100), (400, 7))],  # long, both ends inside tiles
+        [((40, 8), (41, 96))],  # inside one tile
+        [((30, 8), (34, 96))],  # across one tile edge, no whole tile
+        [((0, 0), (40, 0)), ((40, 0), (96, 8)), ((96, 8), (128, 0))],  # runs sharing edge tiles, in one call
+    ],
+    ids=["long", "in-one-tile", "across-an-edge", "shared-edges"],
+)
+def test_runs_off_tile_edges_read_straight_into_their_destination(
+    split_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached: bool, runs: list
+) -> None:
+    """Runs that start or end inside row-block tiles (a device path's page-aligned span into a staging buffer)
+    are read straight into their destination and their whole tiles hashed there: only the tiles a run covers in
+    part go through scratch, and only the run's bytes of them are copied out (seen copying the whole run out of a
+    private buffer before). The bytes are the file's; a byte flipped in an edge tile outside the runs fails them."""
+    from shardload.engine.integrity import load_record, verified_reader
+    from shardload.sources import verified
+    from shardload.sources.reader import Reader
+
+    monkeypatch.setattr(verified.VerifiedReader, "_cached", lambda *args: cached)
+    spans = [(offset_of(split_model, "row.weight", *a), offset_of(split_model, "row.weight", *b)) for a, b in runs]
+    sizes = [hi - lo for lo, hi in spans]
+    copied = [0]
+    original = verified.copy_runs
+
+    def counted(source, at, outs, buf, dst, length):  # type: ignore[no-untyped-def]
+        copied[0] += int(np.asarray(length).sum())
+        return original(source, at, outs, buf, dst, length)
+
+    monkeypatch.setattr(verified, "copy_runs", counted)
+
+    def read(model: Path) -> torch.Tensor:
+        out = torch.empty(sum(sizes), dtype=torch.uint8)
+        src = np.array([lo for lo, _ in spans], dtype=np.int64)
+        dst = np.cumsum([0, *sizes[:-1]]).astype(np.int64)
+        with verified_reader(Reader(), open_checkpoint(model), load_record(open_checkpoint(model), True)) as reader:
+            reader.read_runs(model / "model.safetensors", src, np.array(sizes), np.zeros_like(src), dst, [out])
+        return out
+
+    got = read(split_model)
+    data = (split_model / "model.safetensors").read_bytes()
+    assert got.numpy().tobytes() == b"".join(data[lo:hi] for lo, hi in spans)
+    tile, base = 32 * 4096, offset_of(split_model, "row.weight", 0, 0)  # row blocks: 32 rows of 4096 bytes
+    rel = [(lo - base, hi - base) for lo, hi in spans]
+    edges = {lo // tile for lo, _ in rel if lo % tile} | {hi // tile for _, hi in rel if hi % tile}
+    assert copied[0] <= len(edges) * tile, f"{copied[0]} bytes copied out of scratch for runs of {sizes}"
+    first, last = rel[0][0], rel[-1][1]
+    outside = {first - first % tile} if first % tile else set()  # bytes of edge tiles outside the runs
+    outside |= {last - last % tile + tile - 1} if last % tile else set()
+    for at in outside:
+        bad = tampered(split_model, tmp_path / f"bad{at}", base + at)
+        with pytest.raises(ShardloadError) as excinfo:
+            read(bad)
+        assert "row.weight" in one_line_error(excinfo) and "hash mismatch" in one_line_error(excinfo)

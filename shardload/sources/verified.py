@@ -1,6 +1,9 @@
 """Verified reading: a reader wrapped so that every byte it hands out lies in a tile whose hash matched the
-integrity record. Only the tiles that cover the requested runs are read (into a private buffer laid out like the
-file), hashed, compared, and only then copied to their destinations, so the bytes returned are the bytes checked."""
+integrity record. Only the tiles that cover the requested runs are read. A tile that lies whole inside a run (or a
+column band the runs hold exactly) is read straight into its destination and hashed there, on the reader thread
+that read it; a tile a run covers only in part is read into a private buffer, hashed, and only then the run's bytes
+of it copied out. Either way the bytes returned are the bytes checked, and every check is made before the read
+returns."""
 
 from __future__ import annotations
 
@@ -89,8 +92,9 @@ def _progressions(src: np.ndarray, length: np.ndarray, buf: np.ndarray, dst: np.
 
 
 class VerifiedReader(RunReader):
-    """Wraps a reader: each ``read_runs`` reads the tiles covering its runs, checks them against the record,
-    and copies the runs out of the checked bytes. ``files`` maps each readable path to its :class:`VerifiedFile`."""
+    """Wraps a reader: each ``read_runs`` reads the tiles covering its runs (whole ones straight into the
+    destinations), checks every one against the record before it returns, and hands out only checked bytes.
+    ``files`` maps each readable path to its :class:`VerifiedFile`."""
 
     can_map = False  # nothing may bypass the check by reading the file's pages directly
 
@@ -156,7 +160,7 @@ class VerifiedReader(RunReader):
         return IntegrityError(f"{span}{feeds}: hash mismatch against the integrity record ({self.culprit})",
                               file=str(path))  # fmt: skip
 
-    def _whole_tiles(
+    def _linear(
         self,
         path: Any,
         entry: VerifiedFile,
@@ -169,37 +173,72 @@ class VerifiedReader(RunReader):
         dst: np.ndarray,
         buffers: Sequence[Any],
     ) -> None:
-        """Runs that are each whole row blocks (dim-0 shards, fused parts): read straight into their destinations
-        and each tile hashed there, so no byte is copied twice."""
+        """Runs under a tiling whose tiles follow one another in the file (row blocks, or the leaves of a one-row
+        region): each run's whole tiles are read straight into its destination and hashed there, so no byte is
+        copied twice; only the tiles a run covers in part (at most two a run: a span cut on pages, not on tiles)
+        are read into this thread's scratch, hashed, and the run's bytes of them copied out."""
         import numpy as np
 
-        B = region.row_bytes
-        outs = [buffer_array(t) for t in buffers]
+        B, L = region.row_bytes, region.length
+        span = tiling.tile_rows * B if tiling.bands == 1 else tiling.tile_bytes
         o = src - region.offset
-        boxes = [(a, b, 0, B) for a, b in zip((o // B).tolist(), (-(-(o + length) // B)).tolist(), strict=True)]
+        e = o + length
+        ia = -(-o // span)  # each run's first whole tile
+        ib = np.maximum(np.where(e == L, -(-e // span), e // span), ia)  # ... and the tile after its last
+        lo_in = np.minimum(ia * span, e)  # its whole tiles' bytes: [lo_in, hi_in)
+        hi_in = np.where(ib > ia, np.minimum(ib * span, L), lo_in)
+        head, tail = o < lo_in, e > hi_in
+        edges = np.unique(np.concatenate((o[head] // span, hi_in[tail] // span)))
+        inner = np.flatnonzero(hi_in > lo_in)
+        outs = [buffer_array(t) for t in buffers]
+        sb, eb = o // span * span, np.minimum(-(-e // span) * span, L)  # the bytes of the tiles each run touches
+        rb = -(-eb // B)
+        boxes = list(zip((sb // B).tolist(), rb.tolist(), (sb % B).tolist(), (eb - (rb - 1) * B).tolist(), strict=True))
         mapped = self.maps.array(path) if self.maps is not None and self._cached(path, region, boxes) else None
+        canvas = self._canvas(len(edges) * span) if len(edges) else None
+        flat = canvas.numpy() if canvas is not None else None
+        sizes = np.minimum(edges * span + span, L) - edges * span
         if mapped is not None:
             self.maps.intact(path, region.end)  # type: ignore[union-attr]
-        if mapped is None:
-            order = np.argsort(src, kind="stable")
+            _populate(buffers, buf, dst, length)
+            count_mapped(path, int((hi_in - lo_in).sum() + sizes.sum()))
+        else:
+            # one call for the whole tiles (into the destinations) and the edge tiles (into scratch), by file offset
+            rsrc = np.concatenate((lo_in[inner], edges * span)) + region.offset
+            rlen = np.concatenate((hi_in[inner] - lo_in[inner], sizes))
+            rbuf = np.concatenate((buf[inner], np.full(len(edges), len(buffers), dtype=np.int64)))
+            rdst = np.concatenate((dst[inner] + lo_in[inner] - o[inner], np.arange(len(edges), dtype=np.int64) * span))
+            order = np.argsort(rsrc, kind="stable")
+            rsrc, rlen, rbuf, rdst = rsrc[order], rlen[order], rbuf[order], rdst[order]
             if self.maps is not None:
                 self.inner.no_readahead(path)  # type: ignore[attr-defined]
-                self.inner.prefetch(path, *_pages(src[order], src[order] + length[order]))  # type: ignore[attr-defined]
-            self.inner.read_runs(path, src[order], length[order], buf[order], dst[order], buffers,  # type: ignore[call-arg]
+                self.inner.prefetch(path, *_pages(rsrc, rsrc + rlen))  # type: ignore[attr-defined]
+            into = [*buffers, canvas] if canvas is not None else list(buffers)
+            self.inner.read_runs(path, rsrc, rlen, rbuf, rdst, into,  # type: ignore[call-arg]
                                  **({"populate": True} if self.maps is not None else {}))  # fmt: skip
-        else:
-            _populate(buffers, buf, dst, length)
-            count_mapped(path, int(length.sum()))
-        span = tiling.tile_rows * B
-        for at, n, b, d in zip(o.tolist(), length.tolist(), buf.tolist(), dst.tolist(), strict=True):
-            for k in range(at // span, -(-(at + n) // span)):
-                lo = d + k * span - at
-                hi = d + min((k + 1) * span, region.length) - at
+        for j, k in enumerate(edges.tolist()):
+            at, n = j * span, int(sizes[j])
+            if mapped is not None:
+                start = region.offset + k * span
+                flat[at : at + n] = mapped[start : start + n]  # type: ignore[index]
+            if not self._check(flat[at : at + n], entry, leaf0 + k):  # type: ignore[index]
+                raise self._mismatch(path, entry, region, tiling, k)
+        for i in inner.tolist():
+            out, d0 = outs[int(buf[i])], int(dst[i]) - int(o[i])
+            for k in range(int(ia[i]), int(ib[i])):
+                lo, hi = d0 + k * span, d0 + min((k + 1) * span, L)
                 if mapped is not None:  # tile by tile, so each is hashed while its copy is still in the cache
-                    start = region.offset + lo - d + at
-                    outs[b][lo:hi] = mapped[start : start + hi - lo]
-                if not self._check(outs[b][lo:hi], entry, leaf0 + k):
+                    start = region.offset + k * span
+                    out[lo:hi] = mapped[start : start + hi - lo]
+                if not self._check(out[lo:hi], entry, leaf0 + k):
                     raise self._mismatch(path, entry, region, tiling, k)
+        if len(edges):  # the runs' bytes outside their whole tiles, out of the checked edge tiles
+            ps = np.concatenate((o[head], hi_in[tail]))
+            pe = np.concatenate((lo_in[head], e[tail]))
+            pb = np.concatenate((buf[head], buf[tail]))
+            pd = np.concatenate((dst[head], dst[tail] + hi_in[tail] - o[tail]))
+            at = np.searchsorted(edges, ps // span) * span + ps % span
+            copy_runs(flat, at, outs, pb, pd, pe - ps)  # type: ignore[arg-type]
 
     def _direct_bands(
         self,
@@ -547,7 +586,7 @@ class VerifiedReader(RunReader):
         ends = o + length
         if first.bands == 1 and bool(((o % span == 0) & ((ends % span == 0) | (ends == region.length))).all()):
             # whole row blocks of the first tiling: read exactly, so no other tiling needs fewer bytes (nor is asked)
-            self._whole_tiles(path, entry, region, first, base, src, length, buf, dst, buffers)
+            self._linear(path, entry, region, first, base, src, length, buf, dst, buffers)
             return
         # the tiling that needs the fewest bytes read for these runs (row blocks for a dim-0 split, bands for columns)
         best = None
@@ -567,8 +606,8 @@ class VerifiedReader(RunReader):
         base = region.offset + first_row * B
         span = h * B
         ends = o + length
-        if tiling.bands == 1 and bool(((o % span == 0) & ((ends % span == 0) | (ends == region.length))).all()):
-            self._whole_tiles(path, entry, region, tiling, leaf0, src, length, buf, dst, buffers)
+        if tiling.bands == 1 or region.rows == 1:  # tiles one after another in the file
+            self._linear(path, entry, region, tiling, leaf0, src, length, buf, dst, buffers)
             return
         if tiling.bands > 1 and self._direct_bands(path, entry, region, tiling, leaf0, need, best[0],
                                                    src, length, buf, dst, buffers):  # fmt: skip
