@@ -105,8 +105,10 @@ def test_span_plan_reads_every_run_once_within_the_tensor(skew: int, gap_s: floa
             moved += got
     assert sorted(moved) == sorted(_expand(buf, starts, dst, length))
     assert plan.used == int(length.sum()) and plan.moved == sum(s.length for s in plan.spans)
-    if gap_s:  # every gap is worth reading through: one stretch, cut only at max_read
-        assert all(b.offset == a.offset + a.length for a, b in zip(plan.spans, plan.spans[1:], strict=False))
+    assert all(span.parts for span in plan.spans)  # a stretch of gap alone is not read
+    if gap_s:  # every gap is worth reading through: one stretch cut at max_read, less the pieces of gap alone
+        assert all((b.offset - a.offset - a.length) % (4 * PAGE) == 0
+                   for a, b in zip(plan.spans, plan.spans[1:], strict=False))  # fmt: skip
 
 
 def _column_model(tmp_path: Path, rows: int = 512, cols: int = 1024) -> tuple[Path, dict[str, np.ndarray]]:
@@ -224,3 +226,34 @@ def test_cuda_cuts_equal_numpy_slices(tmp_path: Path, dtype: str) -> None:
         alone = run_plan(plan, [r], ["cuda"])[0]  # no index: the current device
         assert all(t.device == torch.device("cuda", torch.cuda.current_device()) for t in alone.values())
         _assert_equal({k: v.cpu() for k, v in alone.items()}, want[r])
+
+
+def test_a_checking_reader_checks_the_cuts_bytes_not_the_spans(tmp_path: Path) -> None:
+    """Verifying through the device path hashes the tiles of the bytes the rank takes, as the host path does, not
+    every byte its spans read through (a column slice's spans are the whole tensor)."""
+    from shardload.engine.hashing import hash_model
+    from shardload.sources.reader import count_reads
+
+    model, tensors = _column_model(tmp_path, rows=512, cols=4096)
+    pin = shardload.Verify(root=hash_model(model).root)
+    checked = {}
+    for staged in (False, True):
+        with count_reads() as seen:
+            got = shardload.load_rank(model, 3, 8, verify=pin) if not staged else _stand_in_rank(model, 3, 8, pin)
+        _assert_equal(got, _want(tensors, 8, 3))
+        checked[staged] = seen.checked
+    assert 0 < checked[True] <= 1.25 * checked[False], checked
+
+
+def _stand_in_rank(model: Path, rank: int, n: int, verify: object) -> dict[str, torch.Tensor]:
+    import shardload.engine.run as run
+
+    real = run.data_path_for
+    run.data_path_for = lambda devices, **kw: data_path_for(devices, **kw | {"staged": True})
+    try:
+        with count_device() as moved:
+            got = shardload.load_rank(model, rank, n, verify=verify)
+        assert moved.spans
+        return got
+    finally:
+        run.data_path_for = real

@@ -88,6 +88,9 @@ class Span:
     offset: int
     length: int
     parts: tuple[Part, ...]
+    used: tuple[np.ndarray, np.ndarray]
+    """The bytes of it the cuts take (offsets in the span and lengths, sorted, disjoint): all a checking reader
+    reads and checks of it, the bytes read through between them being no tensor's."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,8 @@ def span_plan(
     spans = []
     for k in range(len(lo)):
         s = slice(bounds[k], bounds[k + 1])
+        if s.start == s.stop:
+            continue  # a stretch of a gap read through (cut at max_read): nothing to read
         parts = []
         for g in np.unique(cut_dev[s]).tolist():
             sel = np.flatnonzero(cut_dev[s] == g) + bounds[k]
@@ -197,8 +202,21 @@ def span_plan(
             first, end = int(c.min()), int((c + n).max())
             at = (int(lo[k]) + first) % ALIGN
             parts.append(Part(g, first, end, at, strided_cuts(b, c - first + at, d, n), False))
-        spans.append(Span(int(lo[k]), int(hi[k] - lo[k]), tuple(parts)))
-    return SpanPlan(spans, int(length.sum()), int((hi - lo).sum()))
+        spans.append(Span(int(lo[k]), int(hi[k] - lo[k]), tuple(parts), _union(cut_src[s], cut_len[s])))
+    return SpanPlan(spans, int(length.sum()), sum(span.length for span in spans))
+
+
+def _union(src: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Byte ranges ``[src, src + length)`` (any order, overlapping where ranks share bytes) as sorted, disjoint
+    starts and lengths."""
+    import numpy as np
+
+    order = np.argsort(src, kind="stable")
+    a, b = src[order], (src + length)[order]
+    top = np.maximum.accumulate(b)
+    heads = np.flatnonzero(np.concatenate(([True], a[1:] > top[:-1])))
+    tails = np.concatenate((heads[1:] - 1, [len(a) - 1]))
+    return a[heads], top[tails] - a[heads]
 
 
 def strided_cuts(buf: np.ndarray, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Cuts:
@@ -342,8 +360,14 @@ class DevicePath(HostPath):
 
         buf = staging.acquire()
         try:
-            one = np.ones(1, dtype=np.int64)
-            self.ctx.reader.read_runs(path, one * (offset + span.offset), one * span.length, one * 0, one * 0, [buf])
+            reader = self.ctx.reader
+            if hasattr(reader, "plan_with"):  # a checking reader: only the bytes the cuts take, each checked
+                at, length = span.used
+                zero = np.zeros(len(at), dtype=np.int64)
+                reader.read_runs(path, at + (offset + span.offset), length, zero, at, [buf])
+            else:  # the whole span in one read
+                one = np.ones(1, dtype=np.int64)
+                reader.read_runs(path, one * (offset + span.offset), one * span.length, one * 0, one * 0, [buf])
             for part in span.parts:
                 device, cuts = devices[part.device], part.cuts
                 if part.straight:
