@@ -138,7 +138,8 @@ def test_a_changed_record_is_caught(split_model: Path, tmp_path: Path) -> None:
     record = out / RECORD_NAME
     _flip(record, record.stat().st_size - 3)
     report = shardload.verify_dir(out)
-    assert [p.file for p in report.problems] == [str(record)]
+    assert report.problems[-1].file == str(record)
+    assert all(p.file == str(record) or RECORD_NAME in p.message for p in report.problems)  # files it cannot check
     with pytest.raises(ShardloadError):
         shardload.load_rank(out, 0, N, verify=root)
 
@@ -153,3 +154,54 @@ def test_an_old_format_directory_reshards_with_verify(split_model: Path, tmp_pat
     with pytest.raises(ShardloadError) as excinfo:
         shardload.load_rank(out, 1, 2, verify=True)
     assert "rank-00003-of-00004.safetensors" in _one_line(excinfo)
+
+
+def test_manifest_names_rank_files_by_their_leaves_unless_sha256_is_asked(split_model: Path, tmp_path: Path) -> None:
+    """convert writes a version-2 manifest: each rank file by the sha256 of its leaves in the output's record (one
+    tiling: a rank file's tensors are read whole), the record and the copied files by their sha256. ``sha256=True``
+    writes the version-1 manifest an older shardload reads, every file by its sha256."""
+    import hashlib
+
+    from shardload.format.hash_record import parse_record
+
+    out = shardload.convert(split_model, N, tmp_path / "out").out_dir
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    record = parse_record((out / RECORD_NAME).read_bytes(), "record")
+    assert manifest["version"] == 2
+    for entry in manifest["files"]:
+        if entry["path"].endswith(".safetensors"):
+            assert set(entry) == {"path", "size", "leaves_sha256"}
+            assert entry["leaves_sha256"] == hashlib.sha256(record.file(entry["path"]).leaves).hexdigest()
+        else:
+            assert entry["sha256"] == hashlib.sha256((out / entry["path"]).read_bytes()).hexdigest()
+    assert all(len(r.tilings) == 1 for f in record.files for r in f.regions)
+    old = shardload.convert(split_model, N, tmp_path / "old", sha256=True).out_dir
+    manifest = json.loads((old / MANIFEST_NAME).read_text())
+    assert manifest["version"] == 1
+    assert all(e["sha256"] == hashlib.sha256((old / e["path"]).read_bytes()).hexdigest() for e in manifest["files"])
+    assert all("leaves_sha256" not in e for e in manifest["files"])
+    assert shardload.verify_dir(old).ok
+    _flip(old / "rank-00001-of-00004.safetensors", 4000)
+    with pytest.raises(ShardloadError, match="sha256"):
+        shardload.load_rank(old, 1, N, verify=True)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m.update(version=1),  # leaves in a version-1 manifest
+        lambda m: m.update(version=3),
+        lambda m: m["files"][0].update(sha256="0" * 64),  # both digests
+        lambda m: m.pop("integrity"),
+        lambda m: m.update(files=[e for e in m["files"] if e["path"] != RECORD_NAME]),
+    ],
+)
+def test_inconsistent_version_2_manifests_are_refused(split_model: Path, tmp_path: Path, edit) -> None:
+    out = shardload.convert(split_model, N, tmp_path / "out").out_dir
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["files"][0]["path"].endswith(".safetensors")
+    edit(manifest)
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ShardloadError) as excinfo:
+        shardload.load_rank(out, 0, N)
+    assert "manifest" in _one_line(excinfo)
