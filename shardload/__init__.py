@@ -10,7 +10,7 @@ The public surface::
     info = shardload.ShardInfo.load("shard_info.json")              # parse and check against the schema
     problems = shardload.validate(info, model="model-dir", num_shards=8)  # [] when every parameter plans
     p = shardload.plan_model("model-dir", 8)                        # the pure plan: shapes, read boxes
-    shardload.verify_dir("model-tp8").problems                      # sha256 of every converted file
+    shardload.verify_dir("model-tp8").problems                      # every converted file vs its manifest
     shardload.hash_checkpoint("model-dir")                          # integrity record, for load(verify=True)
     state = shardload.load_rank("model-dir", rank=5, mesh="pp=2,tp=4")  # a pipeline stage's tensor shard
     with shardload.count_reads() as seen: ...                         # tensor bytes read inside the block

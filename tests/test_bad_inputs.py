@@ -543,7 +543,7 @@ CONVERTED_CASES: list[tuple[str, Callable[[Path], None], int | None, bool, str]]
     ("manifest-bad-size", edit_manifest(lambda m: m["files"][0].update(size=-1)), 0, True, "bad 'files' entry"),
     ("rank-file-missing", lambda o: (o / R1).unlink(), 1, True, "is missing"),
     ("rank-file-size", lambda o: (o / R1).write_bytes((o / R1).read_bytes()[:-3]), 1, True, "the manifest says"),
-    ("rank-file-checksum", flip_last_byte(R1), 1, False, "does not match its sha256"),
+    ("rank-file-checksum", flip_last_byte(R1), 1, False, "does not match its leaves"),
     ("rank-files-swapped", swap_ranks, 0, True, "header says rank 1 of 2, not rank 0 of 2"),
     ("copied-file-checksum", flip_last_byte("config.json"), None, False, "does not match its sha256"),
     ("copied-file-missing", lambda o: (o / "config.json").unlink(), None, False, "is missing"),

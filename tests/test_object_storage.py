@@ -75,7 +75,7 @@ def test_load_rank_from_s3_equals_local(endpoint: S3, uris: dict, kind: str) -> 
     for rank in range(2):
         _equal(shardload.load_rank(uri, rank, 2), shardload.load_rank(local, rank, 2))
     assert endpoint.proxy.get_bytes() > 0  # the loads really went through the server
-    if kind == "converted":  # verify=True streams the rank file through sha256 against the manifest
+    if kind == "converted":  # verify=True re-hashes the rank file's leaves against the record the manifest pins
         _equal(shardload.load_rank(uri, 1, 2, verify=True), shardload.load_rank(local, 1, 2))
 
 
@@ -85,10 +85,10 @@ def test_converted_rank_damaged_in_the_store(endpoint: S3, uris: dict, tmp_path:
     shutil.copytree(local, damaged)
     rank_file = damaged / "rank-00001-of-00002.safetensors"
     data = bytearray(rank_file.read_bytes())
-    data[-1] ^= 0xFF  # same size, one byte changed: only the sha256 can tell
+    data[-1] ^= 0xFF  # same size, one byte changed: only its leaves can tell
     rank_file.write_bytes(bytes(data))
     uri = endpoint.upload_dir(damaged, "damaged")
-    with pytest.raises(CheckpointError, match=r"rank-00001-of-00002.safetensors: does not match its sha256"):
+    with pytest.raises(CheckpointError, match=r"rank-00001-of-00002.safetensors: does not match its leaves"):
         shardload.load_rank(uri, 1, 2, verify=True)
 
 

@@ -279,7 +279,7 @@ def test_converted_output_carries_a_record(split_model: Path, tmp_path: Path) ->
     data[-5] ^= 1
     rank_file.write_bytes(bytes(data))
     shardload.load_rank(out, 1, N, verify=True)  # another rank's file
-    for verify, reason in ((True, "sha256"), (root, "hash mismatch")):
+    for verify, reason in ((True, "does not match its leaves"), (root, "hash mismatch")):
         with pytest.raises(ShardloadError) as excinfo:
             shardload.load_rank(out, 2, N, verify=verify)
         assert "rank-00002-of-00004.safetensors" in one_line_error(excinfo) and reason in str(excinfo.value)
@@ -610,21 +610,25 @@ def _tiling_model(directory: Path) -> Path:
     return write_model(directory, tensors, info)
 
 
-def test_leaf_stream_gives_the_leaves_of_the_finished_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tilings", ["rank file", "both"])
+def test_leaf_stream_gives_the_leaves_of_the_finished_file(tmp_path: Path, tilings: str) -> None:
     """A file's leaves hashed from its bytes as they pass, in pieces of any size (one byte, a tile and a bit, whole
-    rows, the whole file), are the leaves hashing the finished file gives: the same entry, byte for byte."""
-    from shardload.engine.hashing import hash_files
+    rows, the whole file), are the leaves hashing the finished file gives: the same entry, byte for byte; with a
+    rank file's regions (row blocks only) and with a source file's (row blocks and column bands)."""
+    from shardload.engine.hashing import hash_files, output_regions, regions_for
     from shardload.engine.leaf_stream import LeafStream
 
+    regions_of = output_regions if tilings == "rank file" else regions_for
     model = _tiling_model(tmp_path / "m")
     path = model / "model.safetensors"
     data = path.read_bytes()
-    want = hash_files(model, [path], {path: list(read_header(path).values())}).files[0]
-    assert {len(r.tilings) for r in want.regions} == {1, 2} and any(r.tilings[0][0] == 1 < r.rows for r in want.regions)
+    want = hash_files(model, [path], {path: list(read_header(path).values())}, regions_of=regions_of).files[0]
+    assert {len(r.tilings) for r in want.regions} == ({1} if tilings == "rank file" else {1, 2})
+    assert any(r.tilings[0][0] == 1 < r.rows for r in want.regions)
     header = data[: 8 + struct.unpack("<Q", data[:8])[0]]
     rng = np.random.default_rng(0)
     for sizes in ([len(data)], [1, 7, LEAF_BYTES + 3, 4096], [3000, 1 << 20, 5000 * 3], "random"):
-        stream = LeafStream(path, header)
+        stream = LeafStream(path, header, regions_of=regions_of)
         at, k = 0, 0
         while at < len(data):
             step = int(rng.integers(1, 3 << 20)) if sizes == "random" else sizes[k % len(sizes)]

@@ -40,6 +40,13 @@ from .common import (
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary table.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON (no progress bar).")
 @click.option(
+    "--sha256",
+    "sha256",
+    is_flag=True,
+    help="Also hash every rank file with sha256 and write a version-1 manifest listing it, which older shardload "
+    "reads (default: a version-2 manifest naming each rank file by its leaves in the output's integrity record).",
+)
+@click.option(
     "--layout",
     "layout_name",
     type=_LayoutChoice(),
@@ -68,6 +75,7 @@ def convert(
     fsync: bool | None,
     quiet: bool,
     as_json: bool,
+    sha256: bool,
     layout_name: str,
     verify: str | None,
     expert_parallel: bool,
@@ -99,7 +107,8 @@ def convert(
     layout = _mesh_arg(mesh, world_size, pp_layers)
     if layout is None and num_shards is None:
         raise click.UsageError("give --num-shards (or --mesh)")
-    options = {"overwrite": overwrite, "mesh": layout, "fsync": fsync, "verify": pinned or verify == "record"}
+    options = {"overwrite": overwrite, "mesh": layout, "fsync": fsync, "verify": pinned or verify == "record",
+               "sha256": sha256}  # fmt: skip
 
     if not quiet and not as_json and sys.stderr.isatty():
         with _ProgressBar("converting", lambda: _source_bytes(model)) as progress:
@@ -123,10 +132,11 @@ def convert(
     for i, f in enumerate(result.rank_files):
         pp, tp = divmod(i, result.layout.tp)
         where = (pp, tp) if len(stages) > 1 else (tp,)
-        rows.append((*where, f.path, len(stages[pp].params), human_bytes(f.size), f.size, f.sha256[:16]))
+        rows.append((*where, f.path, len(stages[pp].params), human_bytes(f.size), f.size, f.checksum[:16]))
     headers = ["pp", "rank"] if len(stages) > 1 else ["rank"]
+    checksum = "sha256" if all(f.sha256 for f in result.rank_files) else "leaves_sha256"
     right = tuple(range(len(headers))) + tuple(i + len(headers) for i in (1, 2, 3))
-    click.echo(format_table([*headers, "file", "tensors", "size", "bytes", "sha256"], rows, right=right))
+    click.echo(format_table([*headers, "file", "tensors", "size", "bytes", checksum], rows, right=right))
     from ..engine.output import MARKER
     from ..format.hash_record import RECORD_NAME
     from ..sources.manifest import MANIFEST_NAME
@@ -188,7 +198,7 @@ def _convert_to(
         return
     if quiet:
         return
-    rows = [(r, f.path, human_bytes(f.size), f.size, f.sha256[:16]) for r, f in enumerate(files)]
+    rows = [(r, f.path, human_bytes(f.size), f.size, f.checksum[:16]) for r, f in enumerate(files)]
     click.echo(format_table(["rank", "file", "size", "bytes", "sha256"], rows, right=(0, 2, 3)))
     click.echo(f"\n{target.served(out_dir, num_shards, expert_parallel)}")
 

@@ -115,7 +115,7 @@ def _inspect_n(info: Any, checkpoint: Any) -> int:
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report (exit code as without).")
 @_guarded
 def verify(out_dir: Path, source: Path | None, shard_info: Path | None, root: str | None, as_json: bool) -> None:
-    """Recompute every file's sha256 in converted directory OUT against its manifest; list each mismatch. OUT may
+    """Recompute every file's checksum in converted directory OUT against its manifest; list each mismatch. OUT may
     be a source checkpoint instead: every file is re-hashed against its integrity record (`shardload hash`)."""
     from ..engine.verify import VerifyReport
     from ..engine.verify_dir import verify_dir

@@ -1,7 +1,7 @@
 """Conversion: write a pre-sharded directory (one safetensors file per rank + a manifest).
 
 Output is streamed one parameter at a time into a temporary directory next to the target
-(``.OUT.shardload-tmp-PID-XXXX``, locked while in use), checksummed while written, then renamed
+(``.OUT.shardload-tmp-PID-XXXX``, locked while in use), hashed while written, then renamed
 into place: an interrupted convert never leaves a directory that looks complete, and the next
 convert to the same target removes what a killed one left behind. Output that replaces an existing
 directory, or a complete one a killed ``--overwrite`` had moved aside, is flushed to stable storage
@@ -29,6 +29,7 @@ from ..sources.checkpoint import (
     as_path,
     rank_file_name,
 )
+from ..sources.manifest import LEAVES_MANIFEST_VERSION
 from ..sources.object_reader import reader_for
 from ..sources.source_types import Boxes, SplitRecords, as_boxes, open_source
 from ..version import __version__
@@ -76,12 +77,18 @@ def convert(
     fsync: bool | None = None,
     progress: Progress | None = None,
     verify: bool | Verify = False,
+    sha256: bool = False,
 ) -> ConvertResult:
     """Write ``model`` pre-sharded for ``num_shards`` ranks into ``out_dir``.
 
-    Creates ``rank-RRRRR-of-NNNNN.safetensors`` per rank and ``shard_manifest.json`` (format
-    version, num_shards, resolved shard_info, sources, and size + sha256 of every file), and
-    copies config/tokenizer files. An existing ``out_dir`` is refused unless ``overwrite``.
+    Creates ``rank-RRRRR-of-NNNNN.safetensors`` per rank, their integrity record ``shardload.hashes`` and
+    ``shard_manifest.json`` (format version, num_shards, resolved shard_info, sources, and every file's size and
+    checksum: a rank file's ``leaves_sha256``, the sha256 of its leaves in the record, which the manifest lists
+    with its sha256), and copies config/tokenizer files. ``sha256=True`` hashes every rank file's bytes with
+    sha256 too and writes a version-1 manifest listing it, as shardload did before version 2 (older readers read
+    only that; it costs a pass of sha256 over every byte written). A source stored split (a converted directory at
+    another N, a pre-sharded cache) is written with every file's sha256, as before, and no record.
+    An existing ``out_dir`` is refused unless ``overwrite``.
     With a ``mesh`` that has ``pp`` > 1, there is one file per (pipeline stage, tensor rank),
     ``pp-SSSSS-of-PPPPP-rank-RRRRR-of-NNNNN.safetensors``, holding only that stage's
     parameters; ``dp`` replicas share files, and the manifest records the mesh.
@@ -131,11 +138,11 @@ def convert(
     try:
         with StagingDir(out, fsync, synced=durable, overwrite=overwrite) as staging:
             conversion = new_conversion()
-            rank_files = _write_ranks(stages, staging.dir, progress, durable, wrap, conversion)
+            rank_files = _write_ranks(stages, staging.dir, progress, durable, wrap, conversion, sha256)
             record = write_output_record(staging.dir, written_record(rank_files), durable)  # hashed as written
             manifest = {
                 "format": MANIFEST_FORMAT,
-                "version": MANIFEST_VERSION,
+                "version": MANIFEST_VERSION if sha256 else LEAVES_MANIFEST_VERSION,
                 "shardload_version": __version__,
                 "num_shards": resolved.tp,
                 CONVERSION_KEY: conversion,
@@ -168,6 +175,7 @@ def _write_ranks(
     durable: bool,
     wrap: Any = None,
     conversion: str | None = None,
+    sha256: bool = False,
 ) -> list[WrittenFile]:
     """Write every (pipeline stage, tensor rank) file; each stage's parameters are read once."""
     files: list[WrittenFile] = []
@@ -181,6 +189,6 @@ def _write_ranks(
                 progress(base + source_done, name)
 
         files.extend(write_rank_files(plan, names, report, stage=pp, stages=len(stages), durable=durable, wrap=wrap,
-                                      conversion=conversion))  # fmt: skip
+                                      conversion=conversion, sha256=sha256))  # fmt: skip
         done += sum(p.source.nbytes for p in plan.params.values())
     return files

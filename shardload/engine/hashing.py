@@ -1,6 +1,7 @@
 """Integrity records made by reading files: ``hash_checkpoint`` writes a source checkpoint's (every file streamed
 once, files and stretches of files hashed in parallel), ``output_record`` hashes a converted output's rank files
-again by reading them back; each file's regions (see docs/integrity.md)."""
+again by reading them back; each file's regions (see docs/integrity.md): a source file's with two tilings
+(``regions_for``), a rank file's with one (``output_regions``)."""
 
 from __future__ import annotations
 
@@ -94,6 +95,14 @@ def regions_for(size: int, tensors: Sequence[TensorInfo], leaf: int = LEAF_BYTES
     if cursor < size:
         regions.append(linear_region(cursor, size - cursor, leaf))
     return regions
+
+
+def output_regions(size: int, tensors: Sequence[TensorInfo], leaf: int = LEAF_BYTES) -> list[Region]:
+    """A converted output's rank file's regions: :func:`regions_for`'s, each tensor with its row-block tiling only.
+    Every load of a rank file reads each of its tensors whole (at the N it was written for; another N is read with
+    ``verify=True``, each file checked whole), so the column bands would never be asked for: one tiling covers
+    every byte once, and the file is hashed once instead of twice."""
+    return [Region(r.offset, r.length, r.row_bytes, r.tilings[:1]) for r in regions_for(size, tensors, leaf)]
 
 
 @dataclass
@@ -277,9 +286,11 @@ def hash_files(
     *,
     threads: int | None = None,
     progress: bool | Callable[[int, int], None] = False,
+    regions_of: Callable[[int, Sequence[TensorInfo]], list[Region]] = regions_for,
 ) -> HashRecord:
     """The integrity record of ``files`` (named relative to ``root``), each streamed once, stretches of files
-    hashed in parallel; ``tensors_by_file`` gives each file's tensors (their shapes choose the tilings)."""
+    hashed in parallel; ``tensors_by_file`` gives each file's tensors (their shapes choose the tilings, by
+    ``regions_of``: a source checkpoint's two, a converted output's one)."""
     names = [file_name(root, f) for f in files]
     sizes: list[int] = []
     fds: list[Any] = []
@@ -296,7 +307,7 @@ def hash_files(
             sizes.append(os.fstat(fd).st_size)
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        regions = [regions_for(size, tensors_by_file.get(f, [])) for f, size in zip(files, sizes, strict=True)]
+        regions = [regions_of(size, tensors_by_file.get(f, [])) for f, size in zip(files, sizes, strict=True)]
         hash_name = default_hash()
         tables = leaf_tables(fds, files, regions, sizes, hash_name, threads=threads, progress=progress)
     except OSError as err:
@@ -388,4 +399,4 @@ def output_record(directory: Path, names: Sequence[str]) -> bytes:
 
     files = [directory / name for name in names]
     tensors = {f: list(read_header(f).values()) for f in files}
-    return hash_files(directory, files, tensors).to_bytes()
+    return hash_files(directory, files, tensors, regions_of=output_regions).to_bytes()

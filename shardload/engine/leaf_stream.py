@@ -3,7 +3,7 @@ file's integrity record, so the finished file is never read back; ``streamed_rec
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,27 +13,37 @@ from ..format.hash_record import (
     LEAF_BYTES,
     FileHashes,
     HashRecord,
+    Region,
     Tiling,
     default_hash,
     hasher,
 )
 from ..sources.safetensors_header import header_tensors
-from .hashing import regions_for
+from ..sources.tensor_info import TensorInfo
+from .hashing import output_regions
 
 
 class LeafStream:
     """The leaves of one file's integrity record, hashed from its bytes as they are written (in order, in pieces of
-    any size) so the finished file is never read back: the regions :func:`.hashing.regions_for` gives the file its
-    ``header`` describes, and the same leaves :func:`.hashing.hash_files` would hash from it. A tile one piece holds
+    any size) so the finished file is never read back: the regions :func:`.hashing.output_regions` gives the file
+    its ``header`` describes (each tensor's row blocks: a rank file's tensors are always read whole; ``regions_of``
+    gives others, :func:`.hashing.regions_for`'s two tilings too), and the same leaves :func:`.hashing.hash_files`
+    would hash from the finished file. A tile one piece holds
     whole is hashed in one call; one that pieces split is fed to a hasher kept open for it, a column band gathering
     its rows' slices as they pass. At most one row block's tiles per tiling are open at a time, and nothing is kept
     but their hasher states (the gather of a band copies only the piece at hand)."""
 
-    def __init__(self, path: Path, header: bytes, hash_name: str | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        header: bytes,
+        hash_name: str | None = None,
+        regions_of: Callable[[int, Sequence[TensorInfo]], list[Region]] = output_regions,
+    ) -> None:
         tensors = list(header_tensors(path, header).values())
         self.name = path.name
         self.size = len(header) + sum(t.nbytes for t in tensors)
-        self.regions = regions_for(self.size, tensors)
+        self.regions = regions_of(self.size, tensors)
         self.hash_name = hash_name or default_hash()
         self.hash_fn = hasher(self.hash_name)
         self.table = bytearray(sum(r.leaves for r in self.regions) * HASH_BYTES)

@@ -106,7 +106,7 @@ def load_rank(
         mesh (:class:`Mesh`, `str`, mapping or torch ``DeviceMesh``, *optional*):
             A dp/pp/tp mesh (``"pp=2,tp=4"``): only this rank's pipeline stage is read.
         verify (`bool` or :class:`Verify`, defaults to `False`):
-            True checks what the source can check before any byte is returned: a rank file's sha256, or for a
+            True checks what the source can check before any byte is returned: a rank file whole, or for a
             source checkpoint every tile covering this rank's bytes against its integrity record;
             ``Verify(root=...)`` (the root ``shardload hash`` prints) pins that record.
         group (`True` or a torch.distributed ``ProcessGroup``, *optional*):

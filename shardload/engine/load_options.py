@@ -34,7 +34,7 @@ _ROOT_RE = re.compile(r"[0-9a-fA-F]{64}")
 @dataclass(frozen=True)
 class Verify:
     """What a load checks before it returns a tensor: the source's integrity record (a converted directory: each rank
-    file's sha256 from its manifest); ``root`` (the hex root ``shardload hash`` prints) pins that record."""
+    file checked whole against its manifest); ``root`` (the hex root ``shardload hash`` prints) pins that record."""
 
     root: str | None = None
 

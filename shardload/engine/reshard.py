@@ -37,7 +37,7 @@ from ..sources.reader import FileMaps, Reader
 from ..sources.safetensors_header import read_header
 from ..sources.tensor_info import TensorInfo
 from .box_reads import read_parts
-from .verify import check_entry
+from .verify import OutputRecord, check_entry
 
 if TYPE_CHECKING:
     import torch
@@ -184,7 +184,7 @@ def _steps_key(plan: ParamPlan) -> tuple[object, ...]:
 
 def open_shards(checkpoint: Checkpoint, *, verify: bool = False) -> ShardsSource:
     """Open converted directory ``checkpoint`` as a source for another N: its record, its old plan, and every rank
-    file checked against the manifest (present, size, the rank its header names, and with ``verify`` its sha256)
+    file checked against the manifest (present, size, the rank its header names, and with ``verify`` its checksum)
     and against the old plan (each tensor's shape and dtype), before any tensor byte is read."""
     manifest = checkpoint.manifest or {}
     where = str(checkpoint.root / MANIFEST_NAME)
@@ -210,9 +210,11 @@ def open_shards(checkpoint: Checkpoint, *, verify: bool = False) -> ShardsSource
     entries = {e["path"]: e for e in manifest["files"]}
     files: dict[tuple[int, int], Path] = {}
     headers: dict[tuple[int, int], dict[str, TensorInfo]] = {}
+    hashes = OutputRecord(checkpoint.root, manifest)  # read once, for rank files listed by their leaves
     for s in range(stages):
         for r in range(n_old):
-            path, problem = check_entry(checkpoint.root, entries[rank_file_name(r, n_old, s, stages)], verify, manifest)
+            entry = entries[rank_file_name(r, n_old, s, stages)]
+            path, problem = check_entry(checkpoint.root, entry, verify, manifest, record=hashes)
             if problem is not None:
                 raise problem
             files[(s, r)] = path

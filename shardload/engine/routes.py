@@ -64,7 +64,7 @@ def load_source(
 
 
 def open_boxes(source: Source, verify: bool | str, shard_info: Any = None) -> ShardsSource:
-    """The old rank tensors of a split source, opened (and with ``verify`` each rank file's sha256 checked) for
+    """The old rank tensors of a split source, opened (and with ``verify`` each rank file checked whole) for
     boxes to be read out of them: rank files (a converted directory, at any mesh), a pre-sharded cache, or what a
     registered split format opened."""
     if isinstance(source, SavedBoxes):
@@ -229,7 +229,7 @@ def _rank_files_shared(
     progress: Callable[[int, int], None] | None,
 ) -> dict[str, torch.Tensor]:
     """A rank of a converted directory, the reading of the group's rank files shared (dp replicas read each once).
-    ``verify=True`` checks this rank's own file's sha256 (reading it once more); a pinned root checks every byte
+    ``verify=True`` checks this rank's own file whole (reading it once more); a pinned root checks every byte
     read through the output's record, and what peers sent too. Every file's size is checked."""
     from ..planning.group_reads import whole_tensors
     from .exchange import load_shared

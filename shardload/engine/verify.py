@@ -1,4 +1,6 @@
-"""Integrity of converted directories: each file's size and sha256 against ``shard_manifest.json``.
+"""Integrity of converted directories: each file's size and checksum against ``shard_manifest.json``: the sha256
+of its bytes, or (a version-2 manifest's rank files) every leaf of the directory's integrity record, which the
+manifest pins by its sha256.
 
 ``rank_file`` is the per-rank check ``load_rank`` runs before it reads a rank file; ``check_entry`` checks one
 listed file. :mod:`shardload.engine.verify_dir` checks a whole directory with them (``shardload verify OUT``).
@@ -12,16 +14,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ShardloadError
+from ..format.hash_record import RECORD_NAME, HashRecord, parse_record, root_of
+from ..format.smallfile import read_small
 from ..sources.checkpoint import Checkpoint, resolve_inside
-from ..sources.manifest import CONVERSION_KEY, MANIFEST_NAME, RANK_FILE_RE, manifest_stages, rank_file_name
+from ..sources.manifest import (
+    CONVERSION_KEY,
+    LEAVES_KEY,
+    MANIFEST_NAME,
+    RANK_FILE_RE,
+    manifest_stages,
+    rank_file_name,
+)
 from ..sources.objects import ObjectPath
-from ..sources.safetensors_header import read_header_and_metadata
+from ..sources.safetensors_header import read_header, read_header_and_metadata
 
 if TYPE_CHECKING:
     from ..planning.mesh import Mesh
 
-__all__ = ["VerifyReport", "check_entry", "rank_file", "sha256_file"]
+__all__ = ["OutputRecord", "VerifyReport", "check_entry", "rank_file", "sha256_file"]
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
@@ -53,12 +64,79 @@ class VerifyReport:
         return not self.problems
 
 
+class OutputRecord:
+    """A converted directory's integrity record, read once when a file listed by its leaves is checked: the bytes
+    must have the manifest's root (the record's sha256), or every such check fails with why."""
+
+    def __init__(self, root: Path, manifest: dict[str, Any]) -> None:
+        self.root = root
+        self.manifest = manifest
+        self.loaded: HashRecord | CheckpointError | None = None
+
+    def get(self) -> HashRecord | CheckpointError:
+        if self.loaded is None:
+            self.loaded = self._load()
+        return self.loaded
+
+    def _load(self) -> HashRecord | CheckpointError:
+        path = self.root / RECORD_NAME
+        pinned = (self.manifest.get("integrity") or {}).get("root")
+        limit = (64 << 20) + sum(e["size"] for e in self.manifest.get("files", [])) // 512
+        try:
+            if isinstance(path, ObjectPath):
+                data = path.read_whole(limit, "integrity record")
+            else:
+                data = read_small(path, limit, "integrity record", CheckpointError)
+            if root_of(data) != pinned:
+                raise CheckpointError("does not match its sha256 in the manifest (the root of the directory's "
+                                      "integrity record), so no rank file listed by its leaves can be checked",
+                                      file=str(path))  # fmt: skip
+            return parse_record(data, str(path))
+        except ShardloadError as err:
+            if not path.is_file():
+                return CheckpointError("is missing (listed in the manifest; it holds the rank files' leaves)",
+                                       file=str(path))  # fmt: skip
+            return CheckpointError(err.reason, file=str(path))
+
+
+def _check_leaves(full: Any, entry: dict[str, Any], record: OutputRecord) -> CheckpointError | None:
+    """A rank file listed by the sha256 of its leaves: its entry in the record must be those leaves, and the file,
+    re-hashed with the record's regions (one pass, stretches in parallel), must give every one of them."""
+    import hashlib
+
+    from .verify_source import hash_tables, leaf_problem
+
+    loaded = record.get()
+    if isinstance(loaded, CheckpointError):
+        return CheckpointError(f"cannot be checked: {RECORD_NAME} {loaded.reason}", file=str(full))
+    hashes = loaded.file(entry["path"])
+    if hashes is None or hashes.size != entry["size"] or hashlib.sha256(hashes.leaves).hexdigest() != entry[LEAVES_KEY]:
+        return CheckpointError(f"its entry in {RECORD_NAME} is not the one the manifest names (its {LEAVES_KEY} "
+                               "differs)", file=str(full))  # fmt: skip
+    try:
+        (table,) = hash_tables([(hashes, full)], loaded)
+    except ShardloadError as err:
+        return CheckpointError(err.reason, file=str(full))
+    if table == hashes.leaves:
+        return None
+    from .integrity import names_in
+
+    problem = leaf_problem(hashes, full, table, names_in(list(read_header(full).values())))
+    return CheckpointError(f"does not match its leaves in {RECORD_NAME}: {problem.reason}", file=str(full))
+
+
 def check_entry(
-    root: Path, entry: dict[str, Any], checksum: bool, manifest: dict[str, Any] | None = None, rank: int | None = None
+    root: Path,
+    entry: dict[str, Any],
+    checksum: bool,
+    manifest: dict[str, Any] | None = None,
+    rank: int | None = None,
+    record: OutputRecord | None = None,
 ) -> tuple[Path, CheckpointError | None]:
     """Check one manifest entry's file: present, inside the directory, right size, a rank file's header
     written for its rank (``rank``: the rank of a server's layout's file) by the conversion ``manifest`` names, and
-    the sha256 when ``checksum``."""
+    when ``checksum`` its sha256, or its leaves against the directory's record (``record``: that record, read once
+    for several entries)."""
     manifest = manifest or {}
     conversion = manifest.get(CONVERSION_KEY)
     name = entry["path"]
@@ -80,6 +158,8 @@ def check_entry(
             _check_rank_header(full, rank, manifest["num_shards"], conversion=conversion)
     except CheckpointError as err:
         return full, err
+    if checksum and LEAVES_KEY in entry:
+        return full, _check_leaves(full, entry, record or OutputRecord(root, manifest))
     if checksum:
         digest = sha256_file(full)
         if digest != entry["sha256"]:

@@ -18,13 +18,14 @@ from ..sources.manifest import MANIFEST_NAME
 from ..sources.source_types import open_source
 from .convert_targets import LayoutTarget, layout_for_manifest
 from .load import load_rank
-from .verify import VerifyReport, check_entry
+from .verify import OutputRecord, VerifyReport, check_entry
 
 
 def verify_dir(
     path: str | os.PathLike[str], source: str | os.PathLike[str] | None = None, shard_info: Any = None
 ) -> VerifyReport:
-    """Recompute every file's sha256 in a converted directory against its manifest; list each mismatch. With
+    """Recompute every file's checksum in a converted directory against its manifest (its sha256, or its leaves in
+    the directory's integrity record, which the manifest pins); list each mismatch. With
     ``source``, also compare the manifest's plan with the plan the source gives (its shard_info.json, or one
     planned from its config.json; ``shard_info`` when the output was converted with another), then each rank
     with the same rank made from ``source`` (one rank, or one parameter, in memory at a time), so an output
@@ -69,9 +70,10 @@ def _target_manifest(path: Path) -> tuple[LayoutTarget, dict] | None:
 
 
 def _check_files(report: VerifyReport, root: Path, manifest: dict) -> VerifyReport:
-    """Every file the manifest lists (size, sha256, rank header) and any safetensors file it does not."""
+    """Every file the manifest lists (size, checksum, rank header) and any safetensors file it does not."""
+    record = OutputRecord(root, manifest)  # read once, for the files listed by their leaves
     for entry in manifest["files"]:
-        _, problem = check_entry(root, entry, True, manifest)
+        _, problem = check_entry(root, entry, True, manifest, record=record)
         report.files += 1
         report.nbytes += entry["size"]
         if problem is not None:

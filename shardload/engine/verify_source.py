@@ -97,13 +97,13 @@ def verify_source(
             "is not in the integrity record (added after `shardload hash`?); hash the checkpoint again if it belongs",
             file=str(present[name]),
         ))  # fmt: skip
-    tables = _hash(to_hash, record, threads, progress)
+    tables = hash_tables(to_hash, record, threads, progress)
     for (entry, full), table in zip(to_hash, tables, strict=True):
         report.files += 1
         report.nbytes += entry.size
         if table != entry.leaves:
             names = names_in(tensors.get(present.get(entry.name), []))
-            report.problems.append(_leaf_problem(entry, full, table, names))
+            report.problems.append(leaf_problem(entry, full, table, names))
     order = {entry.name: i for i, entry in enumerate(record.files)}
     report.problems.sort(key=lambda p: order.get(_relative(checkpoint.root, p.file), len(order)))
     return report
@@ -118,8 +118,8 @@ def _relative(root: Any, file: str | None) -> str:
     return file[len(prefix) :] if file and file.startswith(prefix) else file or ""
 
 
-def _hash(
-    files: list[tuple[FileHashes, Any]], record: HashRecord, threads: int | None, progress: Any
+def hash_tables(
+    files: list[tuple[FileHashes, Any]], record: HashRecord, threads: int | None = None, progress: Any = False
 ) -> list[bytearray]:
     """Each file's leaf table, hashed with the record's hash function and the regions the record lists."""
     fds: list[Any] = []
@@ -143,7 +143,7 @@ def _hash(
             os.close(fd)
 
 
-def _leaf_problem(entry: FileHashes, full: Any, table: bytes, names: Callable[[int, int], list[str]]) -> IntegrityError:
+def leaf_problem(entry: FileHashes, full: Any, table: bytes, names: Callable[[int, int], list[str]]) -> IntegrityError:
     """The first leaf (in file order) that differs, as its byte range and the tensors it covers."""
     differ = [
         k for k in range(len(table) // HASH_BYTES) if entry.leaf(k) != table[k * HASH_BYTES : (k + 1) * HASH_BYTES]

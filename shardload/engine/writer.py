@@ -2,13 +2,13 @@
 
 Each rank's safetensors header is known from the plan and written first. The ranks are split into
 groups, one per worker thread, and each worker streams its ranks' bytes in chunks: scatter-read from
-the checkpoint (``preadv``, reading through small holes), write and feed each file's
-sha256 and the tiles of its integrity record (:class:`~shardload.engine.leaf_stream.LeafStream`) while the chunk is
-still in cache. Workers never wait for each other, so hashing (the bulk of
-the work) spreads over the cores. Durable files (see :func:`shardload.convert`'s ``fsync``) have their
-writeback started as data is written (``sync_file_range`` where the platform has it) and are fsynced
-at the end. Memory stays at a few MiB per worker,
-whatever the size of the model (compute-step parameters are held whole, once, while written).
+the checkpoint (``preadv``, reading through small holes), write and feed the tiles of each file's integrity
+record (:class:`~shardload.engine.leaf_stream.LeafStream`) while the chunk is still in cache; the manifest
+names each rank file by the sha256 of its leaves (a sha256 of its bytes only where asked for: ``sha256=True``).
+Workers never wait for each other, so hashing (the bulk of the work) spreads over the cores. Durable files (see
+:func:`shardload.convert`'s ``fsync``) have their writeback started as data is written (``sync_file_range``
+where the platform has it) and are fsynced at the end. Memory stays at a few MiB per worker, whatever the size
+of the model (compute-step parameters are held whole, once, while written).
 """
 
 from __future__ import annotations
@@ -53,18 +53,28 @@ SYNC_FILE_RANGE_WRITE = 2
 
 @dataclass(frozen=True)
 class WrittenFile:
-    """A finished output file, as the manifest records it: name in the directory, size and sha256."""
+    """A finished output file, as the manifest records it: name in the directory, size, and the sha256 of its bytes
+    or (a rank file written with its leaves and no sha256) the sha256 of its leaf hashes in the output's record."""
 
     path: str
     size: int
-    sha256: str
+    sha256: str | None
     leaves: FileHashes | None = field(default=None, compare=False, repr=False)
     """Its entry in the output's integrity record, hashed as it was written (a :class:`FileWriter` made with
     ``leaves=True``); not part of :meth:`entry`."""
+    leaves_sha256: str | None = None
+    """The sha256 of its leaf hashes (``leaves.leaves``): listed in place of ``sha256`` when there is none."""
 
     def entry(self) -> dict[str, Any]:
-        """The file as a manifest (or ``--json``) lists it: path, size and sha256."""
+        """The file as a manifest (or ``--json``) lists it: path, size, and sha256 (else leaves_sha256)."""
+        if self.sha256 is None:
+            return {"path": self.path, "size": self.size, "leaves_sha256": self.leaves_sha256}
         return {"path": self.path, "size": self.size, "sha256": self.sha256}
+
+    @property
+    def checksum(self) -> str:
+        """What the manifest checks the file by: its sha256, else its leaves' (``convert``'s table shows it)."""
+        return self.sha256 or self.leaves_sha256 or ""
 
 
 def file_order(plan: ModelPlan) -> list[ParamPlan]:
@@ -143,14 +153,17 @@ def _create(path: Path) -> BinaryIO:
 class FileWriter:
     """One output file: appended to by one task at a time, hashed as written; ``durable`` ones are fsynced on
     finish. With ``leaves``, a safetensors file whose header :meth:`write_header` writes first: its integrity
-    record's leaves are hashed as its bytes pass too (:class:`LeafStream`), so it is never read back."""
+    record's leaves are hashed as its bytes pass too (:class:`LeafStream`), so it is never read back; such a file's
+    sha256 is hashed only with ``sha256`` (the leaves check every byte already, at a quarter of the cost)."""
 
-    def __init__(self, path: Path, *, durable: bool = True, leaves: bool = False) -> None:
+    def __init__(self, path: Path, *, durable: bool = True, leaves: bool = False, sha256: bool = True) -> None:
+        if not (leaves or sha256):
+            raise ValueError("a FileWriter hashes its file one way at least (leaves or sha256)")
         self.path = path
         self.durable = durable
         self.leaves = leaves
         self.stream: LeafStream | None = None
-        self.hash = hashlib.sha256()
+        self.hash = hashlib.sha256() if sha256 else None
         self.size = 0
         self.flushed = 0
         try:
@@ -177,7 +190,8 @@ class FileWriter:
                 view = view[done or 0 :]
         except OSError as err:
             raise OSError(err.errno, err.strerror, str(self.path)) from None
-        self.hash.update(data)
+        if self.hash is not None:
+            self.hash.update(data)
         if self.stream is not None:
             self.stream.update(data)
         self.size += memoryview(data).nbytes
@@ -196,7 +210,9 @@ class FileWriter:
             raise OSError(err.errno, err.strerror, str(self.path)) from None
         self.close()
         leaves = self.stream.hashes() if self.stream is not None else None
-        return WrittenFile(self.path.name, self.size, self.hash.hexdigest(), leaves)
+        digest = self.hash.hexdigest() if self.hash is not None else None
+        of_leaves = hashlib.sha256(leaves.leaves).hexdigest() if leaves is not None else None
+        return WrittenFile(self.path.name, self.size, digest, leaves, of_leaves)
 
     def close(self) -> None:
         """Close without raising (after an error the file is removed with its directory)."""
@@ -252,13 +268,15 @@ def write_rank_files(
     durable: bool = True,
     wrap: Callable[[Any], Any] | None = None,
     conversion: str | None = None,
+    sha256: bool = False,
 ) -> list[WrittenFile]:
     """Write rank r's safetensors file to ``names[r]`` for every rank of ``plan``; new files only.
 
     The ranks are split into one group per worker thread; each worker streams its ranks' bytes through
     its own small buffers: read (through small holes, so a column slice costs one call per chunk, not
     per row), write, hash. ``progress(source_bytes_done, param_name)`` is called after each parameter.
-    ``durable`` fsyncs every file before returning; ``wrap`` wraps the reader (a verifying one).
+    ``durable`` fsyncs every file before returning; ``wrap`` wraps the reader (a verifying one). Each file's
+    leaves are hashed for the output's record; its sha256 too only with ``sha256``.
     """
     n = plan.num_shards
     workers = max(1, min(threads or WRITE_THREADS, n))
@@ -270,7 +288,7 @@ def write_rank_files(
     params = file_order(plan)
     try:
         for path in names:
-            files.append(FileWriter(path, durable=durable, leaves=True))
+            files.append(FileWriter(path, durable=durable, leaves=True, sha256=sha256))
         for r, f in enumerate(files):
             f.write_header(rank_header(plan, r, stage, stages, conversion))
         with wrapped(reader_for_plan(params), wrap) as reader:

@@ -8,11 +8,19 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, printable, short_repr
+from ..format.hash_record import RECORD_NAME
 from ..format.shard_info import MAX_RANKS
 
 MANIFEST_NAME = "shard_manifest.json"
 MANIFEST_FORMAT = "shardload.converted"
 MANIFEST_VERSION = 1
+"""The version of a manifest that lists every file with the sha256 of its bytes (what every shardload reads)."""
+LEAVES_MANIFEST_VERSION = 2
+"""The version of a manifest that lists a rank file by ``leaves_sha256`` instead (the sha256 of its leaf hashes in
+the directory's integrity record, which the manifest lists with its sha256): ``convert``'s, unless asked for
+sha256. A shardload that reads only version 1 refuses it by its version."""
+MANIFEST_VERSIONS = (MANIFEST_VERSION, LEAVES_MANIFEST_VERSION)
+LEAVES_KEY = "leaves_sha256"
 CONVERSION_KEY = "conversion"
 """The manifest key (and ``shardload.conversion`` in each rank file's metadata) naming one convert run: a rank file
 copied in from another conversion is refused by it."""
@@ -65,8 +73,10 @@ def check_manifest(manifest: Any, where: Path) -> None:
         )
     if manifest.get("format") != MANIFEST_FORMAT:
         raise bad(f"'format' is {manifest.get('format')!r}, not {MANIFEST_FORMAT!r}")
-    if manifest.get("version") != MANIFEST_VERSION or type(manifest.get("version")) is not int:
-        raise bad(f"unsupported version {manifest.get('version')!r} (this shardload reads {MANIFEST_VERSION})")
+    version = manifest.get("version")
+    if type(version) is not int or version not in MANIFEST_VERSIONS:
+        reads = " and ".join(str(v) for v in MANIFEST_VERSIONS)
+        raise bad(f"unsupported version {short_repr(version)} (this shardload reads {reads})")
     n, files = manifest_ranks(manifest, bad)
     info = manifest.get("shard_info")
     if not isinstance(info, dict) or info.get("num_shards") != n:
@@ -85,12 +95,22 @@ def check_manifest(manifest: Any, where: Path) -> None:
     for entry in files:
         path = manifest_file_entry(entry, seen, where)
         rank_match = RANK_FILE_RE.fullmatch(path)
+        if LEAVES_KEY in entry and (version < LEAVES_MANIFEST_VERSION or not rank_match):
+            raise bad(f"lists {path} by its {LEAVES_KEY}, which only a version-{LEAVES_MANIFEST_VERSION} manifest's "
+                      "rank files are")  # fmt: skip
         if rank_match:
             s, s_of = int(rank_match[1] or 0), int(rank_match[2] or 1)
             r, of = int(rank_match[3]), int(rank_match[4])
             if of != n or r >= n or s_of != stages or s >= stages:
                 raise bad(f"lists {path}, which is not a rank file of num_shards={n} with {stages} stage(s)")
             ranks.add((s, r))
+    if any(isinstance(e, dict) and LEAVES_KEY in e for e in files):
+        integrity = manifest.get("integrity")
+        record = next((e for e in files if e["path"] == RECORD_NAME), None)
+        if not isinstance(integrity, dict) or integrity.get("record") != RECORD_NAME or record is None \
+                or "sha256" not in record or integrity.get("root") != record["sha256"]:  # fmt: skip
+            raise bad(f"lists rank files by their {LEAVES_KEY} but not the record {RECORD_NAME!r} that holds the "
+                      "leaves (in 'files', its sha256 the 'integrity' root)")  # fmt: skip
     missing = [(s, r) for s in range(stages) for r in range(n) if (s, r) not in ranks]
     if missing:
         total = n * stages
@@ -106,10 +126,12 @@ def check_conversion(manifest: dict[str, Any], bad: Any) -> None:
 
 
 def manifest_file_entry(entry: Any, seen: set[str], where: Path) -> str:
-    """Check one ``files`` entry of a manifest (either layout): path, size and sha256 present, a plain file name,
-    listed once (``seen`` collects the names); return its path."""
+    """Check one ``files`` entry of a manifest (either layout): path, size and one hex digest present (``sha256``,
+    or ``leaves_sha256``: :data:`LEAVES_MANIFEST_VERSION`), a plain file name, listed once (``seen`` collects the
+    names); return its path."""
     ok = isinstance(entry, dict) and isinstance(entry.get("path"), str) and type(entry.get("size")) is int
-    if not ok or entry["size"] < 0 or not _SHA256_RE.fullmatch(str(entry.get("sha256"))):
+    digests = [entry.get(k) for k in ("sha256", LEAVES_KEY) if k in entry] if ok else []
+    if not ok or entry["size"] < 0 or len(digests) != 1 or not _SHA256_RE.fullmatch(str(digests[0])):
         raise CheckpointError(
             f"inconsistent manifest: bad 'files' entry {short_repr(entry)} (needs path, size >= 0 and a hex sha256)",
             file=str(where),

@@ -40,7 +40,7 @@ strategy), ``read_options`` (any other read option), ``into`` (destination tenso
 _CARRIES = "{what} carries its own shard_info; do not pass one"
 _BOX_VERIFY = (
     "verify=<root hash> is not supported when a converted or sharded_state directory is read for another N: load it "
-    "with verify=True (every rank file's sha256 against its manifest), or at its own N"
+    "with verify=True (every rank file checked whole against its manifest), or at its own N"
 )
 _NOT_THERE = "{boxes}; share_reads and mmap do not apply there (load without them)"
 _NOT_STEERED = "{boxes}, which read_options does not steer (leave read_options out)"
@@ -88,7 +88,7 @@ class Source:
     """True when the model was written from another checkpoint for some mesh (a conversion, a server's save):
     hashing, planning and pre-flight checks apply to that checkpoint, not to this one."""
     whole_file_checks: ClassVar[bool] = False
-    """True when ``verify=True`` checks each file whole (its sha256) before a byte of it is used, rather than every
+    """True when ``verify=True`` checks each file whole (its checksum) before a byte of it is used, rather than every
     byte as it is read: then a view of the file is a checked one."""
 
     @property
@@ -262,7 +262,7 @@ class SplitFormat:
     files: str
     """Whose rank files it holds, for messages: ``"vLLM's"``."""
     open: Callable[[Any, bool], OpenedSplit | None]
-    """``(model, checksums) -> opened or None``: ``checksums`` checks every rank file's sha256 as it opens."""
+    """``(model, checksums) -> opened or None``: ``checksums`` checks every rank file whole as it opens."""
     """The stored tensors an opened model was planned from (shapes and dtypes; no file is behind them)."""
 
 
