@@ -72,19 +72,34 @@ def local_ranks(option: LocalRanksOption = "auto", environ: Mapping[str, str] | 
     if isinstance(chosen, LocalRanks):
         return chosen
     env = os.environ if environ is None else environ
-    count = _env_int(env, ENV_COUNT, minimum=1)
-    if count is None:
-        return LocalRanks(0, 1, f"no {ENV_COUNT}")
-    index = _env_int(env, ENV_RANK, minimum=0)
-    source = f"{ENV_RANK}/{ENV_COUNT}"
-    if index is None:
-        index = _dist_rank()
+    try:
+        count = _env_int(env, ENV_COUNT, minimum=1)
+        if count is None:
+            return LocalRanks(0, 1, f"no {ENV_COUNT}")
+        index = _env_int(env, ENV_RANK, minimum=0)
+        source = f"{ENV_RANK}/{ENV_COUNT}"
         if index is None:
-            return LocalRanks(0, 1, f"{ENV_COUNT} without {ENV_RANK} or a process group")
-        index, source = index % count, f"torch.distributed rank % {ENV_COUNT}"
-    elif index >= count:
-        raise ShardloadError(f"{ENV_RANK}={index} is not below {ENV_COUNT}={count}")
+            index = _dist_rank()
+            if index is None:
+                return LocalRanks(0, 1, f"{ENV_COUNT} without {ENV_RANK} or a process group")
+            index, source = index % count, f"torch.distributed rank % {ENV_COUNT}"
+        elif index >= count:
+            raise ShardloadError(f"{ENV_RANK}={index} is not below {ENV_COUNT}={count}")
+    except ShardloadError as err:  # the environment only tunes speed: a stale or bad value must not stop a load
+        _warn_once(f"shardload: {err}; loading as the only rank on this host (ReadOptions(local_ranks=...) says "
+                   "otherwise)")  # fmt: skip
+        return LocalRanks(0, 1, f"bad {ENV_RANK}/{ENV_COUNT}")
     return LocalRanks(index, count, source)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Log ``message`` as a warning, once per process."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
 
 
 def _env_int(env: Mapping[str, str], name: str, *, minimum: int) -> int | None:
@@ -136,6 +151,5 @@ def announce(local: LocalRanks, threads: int) -> None:
     if local.alone:
         log.info("shardload: alone on this host (%s): reads its own bytes; %d reader threads", local.source, threads)
     else:
-        log.info("shardload: local rank %d of %d (%s): each reads a stripe of the files; %d reader threads (%d "
-                 "cores / %d local ranks)", local.index, local.count, local.source, threads, host_cores(),
-                 local.count)  # fmt: skip
+        log.info("shardload: local rank %d of %d (%s): %d reader threads (%d cores / %d local ranks)", local.index,
+                 local.count, local.source, threads, host_cores(), local.count)  # fmt: skip

@@ -186,23 +186,25 @@ class HostStripes:
         return True
 
     def _settle(self) -> None:
-        """Wait while the peers' stripes arrive: until every probed page of each region is cached, or none has
-        arrived for :data:`SETTLE_STALL_S`."""
+        """Wait while the peers' stripes arrive: until every probed page of every region is cached, or none has
+        arrived for :data:`SETTLE_STALL_S`, once for the whole load (a rank whose peers do not load waits that long
+        once, not once per file)."""
         maps = FileMaps()
         try:
-            for stripe in self.stripes:
-                offsets = spread(stripe.region, SETTLE_PROBES)
-                best, since = -1.0, time.perf_counter()
-                while not self.stopped.is_set():
-                    cached = maps.cached(stripe.path, offsets, stripe.region.end)
-                    if cached is None or cached >= 1.0:
-                        break
-                    now = time.perf_counter()
-                    if cached > best:
-                        best, since = cached, now
-                    elif now - since >= SETTLE_STALL_S:
-                        break
-                    time.sleep(SETTLE_POLL_S)
+            probes = [(stripe, spread(stripe.region, SETTLE_PROBES)) for stripe in self.stripes]
+            best, since = -1.0, time.perf_counter()
+            while probes and not self.stopped.is_set():
+                cached = [maps.cached(stripe.path, offsets, stripe.region.end) for stripe, offsets in probes]
+                probes = [p for p, c in zip(probes, cached, strict=True) if c is not None and c < 1.0]
+                if not probes:
+                    break
+                now = time.perf_counter()
+                seen = sum(c for c in cached if c is not None)
+                if seen > best:
+                    best, since = seen, now
+                elif now - since >= SETTLE_STALL_S:
+                    break
+                time.sleep(SETTLE_POLL_S)
         finally:
             maps.release()
 
@@ -229,8 +231,20 @@ def host_stripes(source: Source, mesh: Mesh, ranks: Sequence[int], options: Load
         or remote(source)  # an object store: its reader cannot map (reader.can_map), nothing to cache
     ):
         return HostStripes()
-    local = local_ranks("auto" if read is None else read.local_ranks)
+    option = "auto" if read is None else read.local_ranks
+    local = local_ranks(option)
     if local.alone:
+        return HostStripes()
+    if option == "auto" and local.count != mesh.tp:
+        # the host's ranks are not the tensor-parallel group (tensor parallelism across hosts, several groups on one
+        # host, data-parallel ranks): striping the whole file would read bytes no rank here needs
+        log.info(
+            "shardload: no stripes: %d local ranks (%s) are not this load's %d tensor-parallel ranks (give "
+            "ReadOptions(local_ranks=(index, count)) to stripe anyway)",
+            local.count,
+            local.source,
+            mesh.tp,
+        )
         return HostStripes()
     cold = {path: region for path, region in data_regions(source.checkpoint).items() if _cold(path, region)}
     total = sum(r.nbytes for r in cold.values())
@@ -240,6 +254,9 @@ def host_stripes(source: Source, mesh: Mesh, ranks: Sequence[int], options: Load
                   available / (1 << 30))  # fmt: skip
         return HostStripes()
     stripes = [FileStripe(path, region, stripe_of(region, local.index, local.count)) for path, region in cold.items()]
+    if stripes:
+        log.info("shardload: local rank %d of %d (%s): reads its stripe of %d cold file(s), %.1f GiB in all, for the "
+                 "host's ranks", local.index, local.count, local.source, len(stripes), total / (1 << 30))  # fmt: skip
     return HostStripes(stripes, local)
 
 
