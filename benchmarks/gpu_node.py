@@ -185,7 +185,7 @@ def child(loader: str, model: str, rank_file: str, rank: str, num_shards: str, d
         return
     out.update(wall=time.perf_counter() - t0, start=start, end=time.time(), cpu=cpu_seconds() - cpu0)
     out.update(read_bytes=read_io() - io0, own=plan.rank_nbytes(r), moved=seen.moved, counted=seen.bytes,
-               warmed=seen.warmed)  # fmt: skip
+               warmed=getattr(seen, "warmed", 0))  # fmt: skip
     out["delivered"] = sum(t.numel() * t.element_size() for t in state.values())
     if device_moved is not None and device_moved.spans:
         out["device"] = {k: getattr(device_moved, k) for k in ("spans", "read_bytes", "uploads", "cuts")}
