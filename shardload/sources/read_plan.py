@@ -97,9 +97,9 @@ def plan_reads(
         raise ValueError(f"max_waste must be >= 0, got {max_waste}")
     if not len(starts):
         return ReadPlan([], 0, 0)
-    lo, hi = _union(np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64))
+    lo, hi = union(np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64))
     used = int((hi - lo).sum())
-    plo, phi = _union(lo // page * page, -(-hi // page) * page)
+    plo, phi = union(lo // page * page, -(-hi // page) * page)
     if limit is not None:
         if int(hi[-1]) > limit:
             raise ValueError(f"a run ends at {int(hi[-1])}, past the limit {limit}")
@@ -120,7 +120,7 @@ def plan_reads(
     return ReadPlan(reads, used, floor)
 
 
-def _union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Ranges ``[starts[i], ends[i])`` (sorted by start) with overlapping and touching ones joined."""
     import numpy as np
 

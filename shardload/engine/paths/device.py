@@ -211,12 +211,11 @@ def _union(src: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     starts and lengths."""
     import numpy as np
 
+    from ...sources.read_plan import union
+
     order = np.argsort(src, kind="stable")
-    a, b = src[order], (src + length)[order]
-    top = np.maximum.accumulate(b)
-    heads = np.flatnonzero(np.concatenate(([True], a[1:] > top[:-1])))
-    tails = np.concatenate((heads[1:] - 1, [len(a) - 1]))
-    return a[heads], top[tails] - a[heads]
+    starts, ends = union(src[order], (src + length)[order])
+    return starts, ends - starts
 
 
 def strided_cuts(buf: np.ndarray, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Cuts:
