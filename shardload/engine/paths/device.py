@@ -199,9 +199,9 @@ def span_plan(
             if len(cuts) <= STRAIGHT_CUTS and bool((cuts.count == 1).all()):
                 parts.append(Part(g, 0, 0, 0, cuts, True))
                 continue
-            first, end = int(c.min()), int((c + n).max())
-            at = (int(lo[k]) + first) % ALIGN
-            parts.append(Part(g, first, end, at, strided_cuts(b, c - first + at, d, n), False))
+            start, end = int(c.min()), int((c + n).max())
+            at = (int(lo[k]) + start) % ALIGN
+            parts.append(Part(g, start, end, at, strided_cuts(b, c - start + at, d, n), False))
         spans.append(Span(int(lo[k]), int(hi[k] - lo[k]), tuple(parts), _union(cut_src[s], cut_len[s])))
     return SpanPlan(spans, int(length.sum()), sum(span.length for span in spans))
 
