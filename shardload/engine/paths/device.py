@@ -15,7 +15,7 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -201,7 +201,8 @@ def span_plan(
                 continue
             start, end = int(c.min()), int((c + n).max())
             at = (int(lo[k]) + start) % ALIGN
-            parts.append(Part(g, start, end, at, strided_cuts(b, c - start + at, d, n), False))
+            # offsets in the scratch buffer: folding does not depend on where the runs start, so shift the folds
+            parts.append(Part(g, start, end, at, replace(cuts, src=cuts.src - start + at), False))
         spans.append(Span(int(lo[k]), int(hi[k] - lo[k]), tuple(parts), _union(cut_src[s], cut_len[s])))
     return SpanPlan(spans, int(length.sum()), sum(span.length for span in spans))
 
