@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import shardload
+import shardload.engine.run as run
 import shardload.engine.transfer as transfer
 from helpers.checkpoints import parallel_model, random_array, write_model
+from helpers.reading import stand_in
 from shardload.engine import staging
 from shardload.engine.paths import DevicePath, data_path_for
 from shardload.engine.paths.device import count_device, span_plan, strided_cuts
@@ -228,7 +230,7 @@ def test_cuda_cuts_equal_numpy_slices(tmp_path: Path, dtype: str) -> None:
         _assert_equal({k: v.cpu() for k, v in alone.items()}, want[r])
 
 
-def test_a_checking_reader_checks_the_cuts_bytes_not_the_spans(tmp_path: Path) -> None:
+def test_a_checking_reader_checks_the_cuts_bytes_not_the_spans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Verifying through the device path hashes the tiles of the bytes the rank takes, as the host path does, not
     every byte its spans read through (a column slice's spans are the whole tensor)."""
     from shardload.engine.hashing import hash_model
@@ -238,22 +240,11 @@ def test_a_checking_reader_checks_the_cuts_bytes_not_the_spans(tmp_path: Path) -
     pin = shardload.Verify(root=hash_model(model).root)
     checked = {}
     for staged in (False, True):
-        with count_reads() as seen:
-            got = shardload.load_rank(model, 3, 8, verify=pin) if not staged else _stand_in_rank(model, 3, 8, pin)
+        if staged:
+            monkeypatch.setattr(run, "data_path_for", stand_in)
+        with count_reads() as seen, count_device() as moved:
+            got = shardload.load_rank(model, 3, 8, verify=pin)
+        assert bool(moved.spans) == staged
         _assert_equal(got, _want(tensors, 8, 3))
         checked[staged] = seen.checked
     assert 0 < checked[True] <= 1.25 * checked[False], checked
-
-
-def _stand_in_rank(model: Path, rank: int, n: int, verify: object) -> dict[str, torch.Tensor]:
-    import shardload.engine.run as run
-
-    real = run.data_path_for
-    run.data_path_for = lambda devices, **kw: data_path_for(devices, **kw | {"staged": True})
-    try:
-        with count_device() as moved:
-            got = shardload.load_rank(model, rank, n, verify=verify)
-        assert moved.spans
-        return got
-    finally:
-        run.data_path_for = real

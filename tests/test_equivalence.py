@@ -136,9 +136,9 @@ import shardload.engine.run as run
 import shardload.engine.transfer as transfer
 import shardload.engine.writer as writer
 from helpers import destinations, hub, matrix_sources, tp_split
+from helpers.reading import stand_in
 from helpers.vllm_saved import fake_vllm_save
 from shardload.cli.main import main
-from shardload.engine import paths
 from shardload.engine.hashing import hash_model
 from shardload.engine.paths.device import count_device
 from shardload.errors import ShardloadError
@@ -358,11 +358,6 @@ def assert_ranks(got: list[tp_split.State], want: list[tp_split.State], what: st
     assert not problems, f"{what}: {len(problems)} wrong tensors:\n  " + "\n  ".join(problems)
 
 
-def stand_in(devices: Any, **kw: Any) -> paths.DataPath:
-    """The data path a load onto a GPU takes, for CPU tensors (the CPU as its device)."""
-    return paths.data_path_for(devices, **kw | {"staged": True})
-
-
 def cli(*args: str) -> Any:
     return CliRunner().invoke(main, [str(a) for a in args])
 
@@ -383,9 +378,7 @@ def test_rank_tensors_equal_reference(
     options = use_threads(monkeypatch, threads, remote=source == "s3", cli=path in ("convert", "vllm"))
     if path.startswith("device"):  # the GPU's data path with a CPU "device": spans, one upload each, cuts
         monkeypatch.setattr(transfer, "STAGE_BYTES", read_plan.PAGE)  # spans of one page: many per tensor
-        monkeypatch.setattr(
-            run, "data_path_for", lambda devices, **kw: paths.data_path_for(devices, **kw | {"staged": True})
-        )
+        monkeypatch.setattr(run, "data_path_for", stand_in)
         with count_device() as moved:
             if path == "device":
                 got = [shardload.load_rank(model, r, n, read_options=options) for r in range(n)]

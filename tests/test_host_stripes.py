@@ -26,6 +26,7 @@ import shardload.engine.host_group as host_group
 import shardload.engine.host_stripes as host_stripes
 import shardload.engine.routes as routes
 from helpers.model_reference import reference_shards
+from helpers.reading import drop_from_cache
 from shardload.engine.host_group import LocalRanks, local_ranks, rank_threads
 from shardload.engine.host_stripes import ByteRange, data_regions, stripe_of
 from shardload.errors import ShardloadError
@@ -172,12 +173,7 @@ def test_data_regions_are_the_tensor_bytes(example_multi_dir: Path) -> None:
 def drop(model: Path) -> bool:
     """Evict ``model``'s weights from the page cache; whether they are out now."""
     for f in model.glob("*.safetensors"):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_from_cache(f)
     for f in model.glob("*.safetensors"):
         maps = FileMaps()
         size = f.stat().st_size

@@ -17,6 +17,7 @@ import shardload
 import shardload.engine.transfer as transfer
 from helpers.checkpoints import write_model
 from helpers.model_reference import reference_shards
+from helpers.reading import drop_from_cache
 from shardload.sources.reader import PAGE, FileMaps, count_reads
 
 
@@ -74,12 +75,7 @@ def test_column_slice_of_tall_narrow_tensor(tmp_path: Path, monkeypatch: pytest.
 
 def _drop_cache(path: Path) -> float | None:
     """Drop ``path``'s pages from the page cache; return the cached fraction that is left."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_from_cache(path)
     size = path.stat().st_size
     return FileMaps().resident(path, np.array([0]), np.array([size]))
 

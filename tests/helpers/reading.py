@@ -1,13 +1,16 @@
-"""Reading into a caller's tensors (a server's own parameter memory), checked on any device."""
+"""Reading into a caller's tensors (a server's own parameter memory), checked on any device; the GPU's data path
+with the CPU as its device; files dropped from the page cache."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import shardload
-from shardload.engine.paths import data_path_for
+from shardload.engine.paths import DataPath, data_path_for
 from shardload.engine.run import run_plan
 from shardload.engine.transfer import Transfer
 from shardload.sources.reader import Reader
@@ -37,3 +40,19 @@ def check_reads_into_slots(model: Path, device: str, copy_out: bool, strategy: s
         assert torch.equal(slot.cpu(), want[name]), name
         end = 8 + slot.numel() * slot.element_size()
         assert backing[:8].eq(7).all() and backing[end:].eq(7).all(), name
+
+
+def stand_in(devices: Any, **kw: Any) -> DataPath:
+    """The data path a load onto a GPU takes, for CPU tensors (the CPU as its device): patched over
+    ``shardload.engine.run.data_path_for``, every load takes it."""
+    return data_path_for(devices, **kw | {"staged": True})
+
+
+def drop_from_cache(path: Path) -> None:
+    """Write back and evict ``path``'s pages from the page cache (best effort: tmpfs keeps them)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
