@@ -27,8 +27,9 @@ The floors come first: the file's cold sequential read speed (after a drop, 16 M
 (threads ``pread``-ing 16 MiB stripes), pinned and pageable host-to-device copies (CUDA only), and one thread's
 ``memcpy``. With ``--device cpu`` the "device" is the CPU: the copies are CPU copies and the H2D floors are skipped;
 ``--stand-in`` then sends shardload's loads through the GPU's data path (spans read into staging buffers, one upload
-each, cut on the "device"), and a line per rank gives that path's spans, host bytes copied per byte delivered,
-uploads and device cuts (printed on CUDA too).
+each, cut on the "device"), and a line per rank gives that path's spans (and how many were packed), the bytes it
+read from the file, copied into staging and uploaded per byte delivered, its uploads and device cuts (printed on
+CUDA too).
 
 Run: ``PYTHONPATH=$PWD python benchmarks/gpu_node.py [--device cuda|cpu] [--size-gib 2] [--tp 2 8]
 [--modes turn together warm] [--loaders default shardload ...] [--ranks K] [--work DIR] [--repeats 1]
@@ -188,7 +189,9 @@ def child(loader: str, model: str, rank_file: str, rank: str, num_shards: str, d
                warmed=getattr(seen, "warmed", 0))  # fmt: skip
     out["delivered"] = sum(t.numel() * t.element_size() for t in state.values())
     if device_moved is not None and device_moved.spans:
-        out["device"] = {k: getattr(device_moved, k) for k in ("spans", "read_bytes", "uploads", "cuts")}
+        # a baseline tree's tally lacks the packed spans' counts: its spans staged every byte they read
+        out["device"] = {k: getattr(device_moved, k, None) for k in ("spans", "packed", "read_bytes", "staged_bytes",
+                                                                     "uploads", "upload_bytes", "cuts")}  # fmt: skip
     if check == "1":
         ref = shardload.load_rank(model, r, n)
         bad = sorted(set(ref) ^ set(state))
@@ -459,9 +462,12 @@ def main() -> int:
             for r in runs:
                 if "device" in r:
                     d = r["device"]
-                    print(f"  rank {r['rank']}: device path: {d['spans']} spans read into staging "
-                          f"({d['read_bytes'] / r['delivered']:.3f} host bytes copied per byte delivered), "
-                          f"{d['uploads']} uploads, {d['cuts']} device cuts")  # fmt: skip
+                    staged = d["read_bytes"] if d["staged_bytes"] is None else d["staged_bytes"]
+                    print(f"  rank {r['rank']}: device path: {d['spans']} spans ({d['packed'] or 0} packed); per "
+                          f"byte delivered {d['read_bytes'] / r['delivered']:.3f} read from the file, "
+                          f"{staged / r['delivered']:.3f} copied into staging (the host copy), "
+                          f"{d['upload_bytes'] / r['delivered']:.3f} uploaded; {d['uploads']} uploads, "
+                          f"{d['cuts']} device cuts")  # fmt: skip
             warmed = sum(r.get("warmed", 0) for r in runs)
             if warmed:
                 print(f"shardload on {device}, N = {n}, {mode}: {warmed / GIB:.3f} GiB read in stripes to warm the "

@@ -18,7 +18,7 @@ from helpers.checkpoints import parallel_model, random_array, write_model
 from helpers.reading import stand_in
 from shardload.engine import staging
 from shardload.engine.paths import DevicePath, data_path_for
-from shardload.engine.paths.device import count_device, span_plan, strided_cuts
+from shardload.engine.paths.device import PACK_GAP, count_device, span_plan, strided_cuts
 from shardload.engine.run import run_plan
 from shardload.errors import CheckpointError
 from shardload.planning.runs import Runs
@@ -91,26 +91,59 @@ def test_span_plan_reads_every_run_once_within_the_tensor(skew: int, gap_s: floa
                      devices=devices)  # fmt: skip
     moved = []
     for k, span in enumerate(plan.spans):
-        assert 0 <= span.offset and span.offset + span.length <= limit and 0 < span.length <= 4 * PAGE
+        assert 0 <= span.offset and span.offset + span.length <= limit and 0 < span.length
+        staged = span.read.dst[span.read.buf == 0] + span.read.length[span.read.buf == 0]
+        assert span.length <= 4 * PAGE or span.sink  # a packed span's pages may be more than one buffer's
+        assert int(staged.max()) <= 4 * PAGE  # what it stages is not
         assert k == 0 or (span.offset + skew) % PAGE == 0  # page-aligned in the file, but never before the tensor
         assert k == 0 or span.offset >= plan.spans[k - 1].offset + plan.spans[k - 1].length
         assert len({p.device for p in span.parts}) == len(span.parts)  # one part per device, each span read once
-        for part in span.parts:
-            # where the part's cuts read: the staging buffer (straight), or its upload into the scratch buffer
-            base = span.offset if part.straight else span.offset + part.lo - part.at
-            got = _cut_bytes(part.cuts, base)
-            lo, hi = (span.offset, span.offset + span.length) if part.straight else (span.offset + part.lo,
-                                                                                     span.offset + part.hi)  # fmt: skip
-            assert all(lo <= s < hi for _, s, _ in got)
-            assert part.straight or (0 <= part.lo < part.hi <= span.length and part.at == (span.offset + part.lo) % 16)
-            assert all((devices or [0, 0])[t] == part.device for t, _, _ in got)
-            moved += got
+        moved += _span_bytes(span)
     assert sorted(moved) == sorted(_expand(buf, starts, dst, length))
-    assert plan.used == int(length.sum()) and plan.moved == sum(s.length for s in plan.spans)
+    assert plan.used == int(length.sum()) and plan.moved == sum(int(s.read.length.sum()) for s in plan.spans)
+    packed = [bool(len(u.src) > 1 and int((u.src[1:] - (u.src + u.length)[:-1]).sum()) >= PACK_GAP * len(u.src))
+              for u in (span.used for span in plan.spans)]  # fmt: skip
+    assert [bool(span.sink) for span in plan.spans] == packed and any(packed)  # runs far apart: spans packed
     assert all(span.parts for span in plan.spans)  # a stretch of gap alone is not read
     if gap_s:  # every gap is worth reading through: one stretch cut at max_read, less the pieces of gap alone
+        assert any(span.length > 4 * PAGE for span in plan.spans)  # packed reads joined up to a buffer of pieces
         assert all((b.offset - a.offset - a.length) % (4 * PAGE) == 0
                    for a, b in zip(plan.spans, plan.spans[1:], strict=False))  # fmt: skip
+
+
+def _staged(span: object, runs: Runs, size: int) -> np.ndarray:
+    """The file byte (relative to the tensor) each staging-buffer byte holds after ``runs`` of a span are read
+    (-1: none)."""
+    staged = np.full(size, -1, dtype=np.int64)
+    for s, n, b, d in zip(runs.src.tolist(), runs.length.tolist(), runs.buf.tolist(), runs.dst.tolist(), strict=True):
+        if b == 0:  # buffer 1 is the sink: bytes read through and thrown away
+            staged[d : d + n] = span.offset + s + np.arange(n)  # type: ignore[attr-defined]
+    return staged
+
+
+def _span_bytes(span: object) -> list[tuple[int, int, int]]:
+    """Every byte one span's parts deliver, as (tensor, file byte, destination byte), through the staging buffer as
+    its one read fills it (and as a checking reader's reads of the used bytes alone fill it: the same bytes)."""
+    read, used = span.read, span.used  # type: ignore[attr-defined]
+    ends = read.src + read.length
+    assert int(read.src[0]) >= 0 and bool((read.src[1:] == ends[:-1]).all())  # one stretch of the file: one preadv
+    assert int(ends[-1]) <= span.length  # type: ignore[attr-defined]
+    assert bool((read.buf == 1).any()) == bool(span.sink)  # type: ignore[attr-defined]
+    if span.sink:  # type: ignore[attr-defined]
+        assert int(read.length[read.buf == 1].max()) <= span.sink  # type: ignore[attr-defined]
+    size = int(max((read.dst + read.length).max(), (used.dst + used.length).max()))
+    staged, checked = _staged(span, read, size), _staged(span, used, size)
+    out = []
+    for part in span.parts:  # type: ignore[attr-defined]
+        got = _cut_bytes(part.cuts)  # offsets in the staging buffer (straight) or in the scratch buffer
+        if not part.straight:
+            assert 0 <= part.lo < part.hi <= size and 0 <= part.at < 16
+            assert int(staged[part.lo]) % 16 == part.at  # the part's alignment in the stored tensor is kept
+            got = [(t, s - part.at + part.lo, d) for t, s, d in got]
+            assert all(part.lo <= s < part.hi for _, s, _ in got)
+        assert all(staged[s] >= 0 and staged[s] == checked[s] for _, s, _ in got)
+        out += [(t, int(staged[s]), d) for t, s, d in got]
+    return out
 
 
 def _column_model(tmp_path: Path, rows: int = 512, cols: int = 1024) -> tuple[Path, dict[str, np.ndarray]]:
@@ -160,6 +193,8 @@ def test_uploads_and_cuts_grow_with_spans_not_rows(tmp_path: Path) -> None:
     assert moved.cuts <= spans_col
     assert moved.delivered == 512 * 128 * 2 + 64 * 1024 * 2 + 1024 * 4
     assert moved.read_bytes <= 512 * 1024 * 2 + 64 * 1024 * 2 + 1024 * 4 + 2 * PAGE  # col's page floor is all of it
+    # the other ranks' bytes of col's rows go to the sink: the staging buffers and uploads carry the rank's alone
+    assert moved.staged_bytes == moved.upload_bytes == moved.delivered
 
 
 def test_into_the_callers_tensors(tmp_path: Path) -> None:

@@ -131,6 +131,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 import shardload
+import shardload.engine.paths.device as device_path
 import shardload.engine.read_strategy as read_strategy
 import shardload.engine.run as run
 import shardload.engine.transfer as transfer
@@ -378,6 +379,8 @@ def test_rank_tensors_equal_reference(
     options = use_threads(monkeypatch, threads, remote=source == "s3", cli=path in ("convert", "vllm"))
     if path.startswith("device"):  # the GPU's data path with a CPU "device": spans, one upload each, cuts
         monkeypatch.setattr(transfer, "STAGE_BYTES", read_plan.PAGE)  # spans of one page: many per tensor
+        if n % 2 == 0:  # every span with a gap packed (its pieces side by side, its gaps into the sink)
+            monkeypatch.setattr(device_path, "PACK_GAP", 1)
         monkeypatch.setattr(run, "data_path_for", stand_in)
         with count_device() as moved:
             if path == "device":
@@ -386,6 +389,8 @@ def test_rank_tensors_equal_reference(
                 got = shardload.load(model, n, devices=["cpu"] * n, read_options=options)
         assert_ranks(got, want, path)
         assert moved.spans or source == "converted", "the device path read nothing"  # rank files: whole tensors
+        if path == "device" and n % 2 == 0 and source != "converted":
+            assert moved.packed, "no span was packed"
         if path == "device":  # the spans read through the checking reader
             pin = shardload.Verify(root=world.record_root(request, source, n))
             checked = [shardload.load_rank(model, r, n, verify=pin, read_options=options) for r in range(n)]

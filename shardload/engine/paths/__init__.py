@@ -6,8 +6,8 @@ and handed to the executor (:class:`~shardload.engine.transfer.Transfer`), which
 - :class:`MappedPath` (:mod:`.mapped`, ``mmap=True``): a CPU tensor that is one stretch of its file as a view of a
   private mapping; the rest as the host path.
 - :class:`DevicePath` (:mod:`.device`): every rank not on the CPU (a GPU): the page-aligned spans holding its bytes
-  read into page-locked buffers, uploaded whole and cut on the device; ``staged=True`` sends CPU ranks this way
-  too (tests take the GPU's way on the CPU).
+  read into page-locked buffers (packed where gaps are wide), uploaded and cut on the device; ``staged=True``
+  sends CPU ranks this way too (tests take the GPU's way on the CPU).
 
 A new path is one subclass of :class:`DataPath` (or of :class:`HostPath`, to keep its single-rank strategy for what
 it does not take itself), overriding :meth:`DataPath.param` (and :meth:`DataPath.direct` or

@@ -1,7 +1,9 @@
 """The device path: a rank's bytes reach a GPU as the page-aligned spans of the file that hold them, each read by
 one ``preadv`` into a page-locked buffer and uploaded in one copy; the device then cuts each span into the rank's
-tensors with strided copies, so the CPU never gathers a column slice row by row. A span that carries one
-contiguous stretch of a tensor (replicated and row-split tensors) is uploaded straight into it.
+tensors with strided copies, so the CPU never gathers a column slice row by row. Where a span's gaps are wide (a
+column slice at N > 2) it is packed: the same ``preadv`` puts the pieces the load takes side by side and the gaps in
+a sink, so the buffer and the upload carry only those. A span whose part is a few contiguous stretches of tensors
+(replicated and row-split tensors, a rank's packed column slice) is uploaded straight into them.
 
 A parameter structure's spans and cuts are computed once (:func:`span_plan`, pure) and shared by every layer. The
 same path runs with a CPU "device" in tests (``data_path_for(..., staged=True)``): the upload is then a host copy
@@ -20,7 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...sources.reader import PAGE
+from ...sources.reader import PAGE, Reader
 from .base import fill_padding
 from .host import HostPath
 
@@ -40,6 +42,12 @@ any other span is uploaded whole into a device scratch buffer and cut there."""
 ALIGN = 16
 """A span's bytes sit in a device scratch buffer at the offset that keeps their alignment in the stored tensor
 modulo this many bytes, so cuts move whole words whatever the tensor's offset in its file (a TVM cache's)."""
+PACK_GAP = 512
+"""A span whose bytes no rank of the load takes average at least this many per piece it does take is packed: one
+``preadv`` still reads it, but the pieces land side by side in the staging buffer and the gaps in a small sink that
+stays in the CPU cache (two iovecs a piece, tens of nanoseconds), so the staging buffer and the upload carry the
+load's bytes alone (a column slice at N = 8: an eighth of the span), and one rank's pieces go straight into its
+tensor."""
 SPAN_S = 50e-6
 """What one more span costs besides its request to storage: a read call, an upload, its cuts, and the Python that
 issues them (tens of microseconds each). A gap between a rank's pages is read through when reading it costs less
@@ -82,15 +90,20 @@ class Part:
 
 @dataclass(frozen=True)
 class Span:
-    """One read: ``length`` bytes at ``offset`` (relative to the stored tensor's first byte), read once, and what
-    each device takes of it."""
+    """One read: the pages ``[offset, offset + length)`` of the stored tensor (offsets relative to its first byte)
+    read once into a staging buffer, and what each device takes of it."""
 
     offset: int
     length: int
     parts: tuple[Part, ...]
-    used: tuple[np.ndarray, np.ndarray]
-    """The bytes of it the cuts take (offsets in the span and lengths, sorted, disjoint): all a checking reader
-    reads and checks of it, the bytes read through between them being no tensor's."""
+    read: Runs
+    """The read as runs (offsets relative to :attr:`offset`) of one stretch of the file: into buffer 0, the staging
+    buffer, and (a packed span) buffer 1, a sink of :attr:`sink` bytes for the gaps."""
+    used: Runs
+    """The bytes the cuts take (sorted, disjoint) and where the staging buffer holds them: all that a reader which
+    does not read through gaps (a checking reader, object storage) reads of the span."""
+    sink: int = 0
+    """The longest gap a packed span reads into the sink (0: not packed, every byte at its own offset)."""
 
 
 @dataclass(frozen=True)
@@ -101,26 +114,41 @@ class SpanPlan:
     used: int
     """Bytes the ranks' runs copy (each rank's bytes once per rank)."""
     moved: int
-    """Bytes the spans read from the file."""
+    """Bytes the spans read from the file (gaps read through included)."""
 
 
 @dataclass
 class DeviceTally:
-    """What device-path loads moved inside :func:`count_device`: spans read (and their bytes), uploads, device cuts,
-    and the bytes delivered into tensors."""
+    """What device-path loads moved inside :func:`count_device`: spans read (the bytes the reads moved, and those
+    of them that reached the staging buffers), uploads, device cuts, and the bytes delivered into tensors."""
 
     spans: int = 0
+    packed: int = 0
+    """Spans read packed (gaps into the sink)."""
     read_bytes: int = 0
+    staged_bytes: int = 0
     uploads: int = 0
     upload_bytes: int = 0
     cuts: int = 0
     delivered: int = 0
 
-    def add(self, spans: int, read: int, uploads: int, uploaded: int, cuts: int, delivered: int) -> None:
+    def add(
+        self,
+        spans: int,
+        read: int,
+        staged: int,
+        uploads: int,
+        uploaded: int,
+        cuts: int,
+        delivered: int,
+        packed: int = 0,
+    ) -> None:
         """Record one span's work."""
         with _tally_lock:
             self.spans += spans
+            self.packed += packed
             self.read_bytes += read
+            self.staged_bytes += staged
             self.uploads += uploads
             self.upload_bytes += uploaded
             self.cuts += cuts
@@ -187,36 +215,110 @@ def span_plan(
     cut_dev = device_of[cut_buf]
     bounds = np.searchsorted(which, np.arange(len(lo) + 1), side="left").tolist()
     spans = []
-    for k in range(len(lo)):
-        s = slice(bounds[k], bounds[k + 1])
-        if s.start == s.stop:
-            continue  # a stretch of a gap read through (cut at max_read): nothing to read
+    for k0, k1 in _groups(lo, hi, bounds, cut_src, cut_len, max_read):
+        s = slice(bounds[k0], bounds[k1 + 1])
+        rel = cut_src[s] + (lo[which[s]] - lo[k0])  # offsets in the span
+        order = np.lexsort((rel, cut_buf[s]))  # per tensor, by offset: how cuts fold
+        rel, c_buf, c_dst, c_len, c_dev = (x[order] for x in (rel, cut_buf[s], cut_dst[s], cut_len[s], cut_dev[s]))
+        used, read, sink = _span_read(rel, c_len, pack=True if k1 > k0 else None)
+        at_staged = rel
+        if sink:  # packed: each cut's bytes where the staging buffer holds them
+            j = np.searchsorted(used.src, rel, side="right") - 1
+            at_staged = used.dst[j] + (rel - used.src[j])
         parts = []
-        for g in np.unique(cut_dev[s]).tolist():
-            sel = np.flatnonzero(cut_dev[s] == g) + bounds[k]
-            b, c, d, n = cut_buf[sel], cut_src[sel], cut_dst[sel], cut_len[sel]
-            cuts = strided_cuts(b, c, d, n)
+        for g in np.unique(c_dev).tolist():
+            sel = np.flatnonzero(c_dev == g)
+            b, c, d, n = c_buf[sel], at_staged[sel], c_dst[sel], c_len[sel]
+            cuts = strided_cuts(*_joined(b, c, d, n))
             if len(cuts) <= STRAIGHT_CUTS and bool((cuts.count == 1).all()):
                 parts.append(Part(g, 0, 0, 0, cuts, True))
                 continue
-            start, end = int(c.min()), int((c + n).max())
-            at = (int(lo[k]) + start) % ALIGN
+            first = int(np.argmin(c))
+            start, end = int(c[first]), int((c + n).max())
+            at = (int(lo[k0]) + int(rel[sel][first])) % ALIGN  # its first byte's alignment in the stored tensor
             # offsets in the scratch buffer: folding does not depend on where the runs start, so shift the folds
             parts.append(Part(g, start, end, at, replace(cuts, src=cuts.src - start + at), False))
-        spans.append(Span(int(lo[k]), int(hi[k] - lo[k]), tuple(parts), _union(cut_src[s], cut_len[s])))
-    return SpanPlan(spans, int(length.sum()), sum(span.length for span in spans))
+        spans.append(Span(int(lo[k0]), int(hi[k1] - lo[k0]), tuple(parts), read, used, sink))
+    return SpanPlan(spans, int(length.sum()), sum(int(span.read.length.sum()) for span in spans))
 
 
-def _union(src: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Byte ranges ``[src, src + length)`` (any order, overlapping where ranks share bytes) as sorted, disjoint
-    starts and lengths."""
+def _groups(
+    lo: np.ndarray, hi: np.ndarray, bounds: list[int], src: np.ndarray, length: np.ndarray, max_read: int
+) -> Iterator[tuple[int, int]]:
+    """The reads ``[k0, k1]`` each span reads, skipping reads of a gap alone: one read, or consecutive reads that
+    each pack and go on where the last ended, as long as the bytes they take fit one staging buffer (a packed span
+    stages only those; at N = 8 a column slice's span reads eight buffers' worth of the file)."""
+    k, n = 0, len(lo)
+    while k < n:
+        if bounds[k] == bounds[k + 1]:
+            k += 1
+            continue  # a stretch of a gap read through (cut at max_read): nothing to read
+        starts, ends = _pieces(src[bounds[k] : bounds[k + 1]], length[bounds[k] : bounds[k + 1]])
+        k1, total, packs = k, int((ends - starts).sum()), _packs(starts, ends)
+        while packs and k1 + 1 < n and lo[k1 + 1] == hi[k1] and bounds[k1 + 1] < bounds[k1 + 2]:
+            a, b = bounds[k1 + 1], bounds[k1 + 2]
+            starts, ends = _pieces(src[a:b], length[a:b])
+            more = int((ends - starts).sum())
+            if not _packs(starts, ends) or total + more > max_read:
+                break
+            k1, total = k1 + 1, total + more
+        yield k, k1
+        k = k1 + 1
+
+
+def _pieces(src: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Byte ranges ``[src, src + length)`` (any order, overlapping where ranks share bytes) as the sorted starts and
+    ends of the disjoint pieces they cover."""
     import numpy as np
 
     from ...sources.read_plan import union
 
     order = np.argsort(src, kind="stable")
-    starts, ends = union(src[order], (src + length)[order])
-    return starts, ends - starts
+    return union(src[order], (src + length)[order])
+
+
+def _packs(starts: np.ndarray, ends: np.ndarray) -> bool:
+    """Whether pieces are read packed: the gaps between them average at least :data:`PACK_GAP` bytes a piece."""
+    return len(starts) > 1 and int((starts[1:] - ends[:-1]).sum()) >= PACK_GAP * len(starts)
+
+
+def _span_read(src: np.ndarray, length: np.ndarray, *, pack: bool | None = None) -> tuple[Runs, Runs, int]:
+    """A span's used bytes (its cuts' ``[src, src + length)`` as sorted disjoint runs, and where the staging buffer
+    holds them), the runs of its one read, and its sink's size. Packed (``pack``; None: where :func:`_packs` says):
+    pieces side by side, gaps into the sink; else its first to last used byte, each at its own offset."""
+    import numpy as np
+
+    from ...planning.runs import Runs
+
+    starts, ends = _pieces(src, length)
+    sizes = ends - starts
+    zero = np.zeros(len(starts), dtype=np.int64)
+    if len(starts) > 1 and (pack or (pack is None and _packs(starts, ends))):
+        at = np.cumsum(sizes) - sizes
+        n = 2 * len(starts) - 1
+        read = Runs(np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
+                    np.zeros(n, dtype=np.int64))  # fmt: skip
+        read.src[0::2], read.length[0::2], read.dst[0::2] = starts, sizes, at
+        read.src[1::2], read.length[1::2], read.buf[1::2] = ends[:-1], starts[1:] - ends[:-1], 1
+        return Runs(starts, sizes, zero, at), read, int(read.length[1::2].max())
+    one = np.ones(1, dtype=np.int64)
+    first, last = int(starts[0]), int(ends[-1])
+    return Runs(starts, sizes, zero, starts), Runs(first * one, (last - first) * one, 0 * one, first * one), 0
+
+
+def _joined(buf: np.ndarray, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Runs (sorted by buffer, then source) with each run that goes on where the previous one ends, in source and
+    destination alike, joined to it (a rank's pieces of a packed span are one run)."""
+    import numpy as np
+
+    if len(src) < 2:
+        return buf, src, dst, length
+    goes_on = (buf[1:] == buf[:-1]) & (src[1:] == src[:-1] + length[:-1]) & (dst[1:] == dst[:-1] + length[:-1])
+    if not bool(goes_on.any()):
+        return buf, src, dst, length
+    heads = np.flatnonzero(np.concatenate(([True], ~goes_on)))
+    sizes = np.add.reduceat(length, heads)
+    return buf[heads], src[heads], dst[heads], sizes
 
 
 def strided_cuts(buf: np.ndarray, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Cuts:
@@ -252,9 +354,9 @@ def strided_cuts(buf: np.ndarray, src: np.ndarray, dst: np.ndarray, length: np.n
 
 
 class DevicePath(HostPath):
-    """Spans read into page-locked buffers, uploaded whole, cut on the device, for every rank not on the CPU
-    (``stand_in``: CPU ranks too, for tests). A forced ``ReadOptions.strategy`` of ``map`` or ``read``, a compute
-    step and a tensor of more runs than are listed take the host path's ways."""
+    """Spans read into page-locked buffers (packed where gaps are wide), uploaded, cut on the device, for every rank
+    not on the CPU (``stand_in``: CPU ranks too, for tests). A forced ``ReadOptions.strategy`` of ``map`` or
+    ``read``, a compute step and a tensor of more runs than are listed take the host path's ways."""
 
     def __init__(self, *, one_rank: bool = False, stand_in: bool = False) -> None:
         super().__init__(one_rank=one_rank)
@@ -263,6 +365,7 @@ class DevicePath(HostPath):
         self.models: dict[Path, IoModel | None] = {}
         self.scratch: dict[Any, queue.SimpleQueue[torch.Tensor]] = {}
         self.span_buffers: StagingBuffers | None = None
+        self.sinks = threading.local()
         """The staging pool spans are read into (whole pages; the host path's staged batches have their own)."""
 
     def direct(self, device: torch.device) -> bool:
@@ -356,18 +459,25 @@ class DevicePath(HostPath):
         afters: list[Any],
     ) -> None:
         """Read one span into a page-locked buffer, then for each device its part: uploaded and cut there."""
-        import numpy as np
 
         buf = staging.acquire()
         try:
             reader = self.ctx.reader
-            if hasattr(reader, "plan_with"):  # a checking reader: only the bytes the cuts take, each checked
-                at, length = span.used
-                zero = np.zeros(len(at), dtype=np.int64)
-                reader.read_runs(path, at + (offset + span.offset), length, zero, at, [buf])
-            else:  # the whole span in one read
-                one = np.ones(1, dtype=np.int64)
-                reader.read_runs(path, one * (offset + span.offset), one * span.length, one * 0, one * 0, [buf])
+            base = offset + span.offset
+            if isinstance(reader, Reader) and span.sink:  # one preadv: pieces side by side, gaps into the sink
+                read = span.read
+                reader.read_runs(path, read.src + base, read.length, read.buf, read.dst, [buf, self._sink(span.sink)],
+                                 sink=1)  # fmt: skip
+                moved, staged = int(read.length.sum()), int(span.used.length.sum())
+            elif span.sink or hasattr(reader, "plan_with"):
+                # a checking reader (each byte checked), or a reader of ranged requests: the bytes the cuts take
+                used = span.used
+                reader.read_runs(path, used.src + base, used.length, used.buf, used.dst, [buf])
+                moved = staged = int(used.length.sum())
+            else:  # first to last used byte in one read, each byte at its own offset
+                read = span.read
+                reader.read_runs(path, read.src + base, read.length, read.buf, read.dst, [buf])
+                moved = staged = int(read.length[0])
             for part in span.parts:
                 device, cuts = devices[part.device], part.cuts
                 if part.straight:
@@ -383,11 +493,21 @@ class DevicePath(HostPath):
                         self.scratch[device].put(scratch)  # stream order: its next upload waits for these cuts
                     uploads, uploaded, cut = 1, part.hi - part.lo, len(cuts)
                 if _tally is not None:
-                    _tally.add(0, 0, uploads, uploaded, cut, int((cuts.length * cuts.count).sum()))
+                    _tally.add(0, 0, 0, uploads, uploaded, cut, int((cuts.length * cuts.count).sum()))
             if _tally is not None:
-                _tally.add(1, span.length, 0, 0, 0, 0)
+                _tally.add(1, moved, staged, 0, 0, 0, 0, packed=int(bool(span.sink)))
         finally:
             staging.release(buf)
+
+    def _sink(self, size: int) -> torch.Tensor:
+        """This reader thread's sink for the gaps of packed spans, at least ``size`` bytes (small: it stays in the
+        CPU cache)."""
+        import torch
+
+        sink = getattr(self.sinks, "buf", None)
+        if sink is None or sink.numel() < size:
+            sink = self.sinks.buf = torch.empty(max(size, 64 << 10), dtype=torch.uint8)
+        return sink
 
     def _scratch(self, device: torch.device, size: int) -> torch.Tensor:
         """A device buffer of ``size`` bytes for one span, from this load's pool (made on first use)."""
