@@ -386,3 +386,59 @@ def test_a_rank_whose_peers_never_load_waits_once_not_per_file(monkeypatch: pyte
     files = [host_stripes.FileStripe(Path(f"/nowhere/{k}"), region, region) for k in range(10)]
     host_stripes.HostStripes(files, LocalRanks(0, 2))._settle()
     assert host_stripes.SETTLE_STALL_S <= clock[0] <= host_stripes.SETTLE_STALL_S + 3 * host_stripes.SETTLE_POLL_S
+
+
+def _cgroup(tmp_path: Path, limits: dict[str, tuple[str, int, int]]) -> tuple[Path, Path, Path]:
+    """A fake cgroup v2 tree under ``tmp_path`` (``limits``: group path -> memory.max, memory.current, file bytes
+    in memory.stat), /proc/meminfo saying 64 GiB available, and /proc/self/cgroup naming the deepest group."""
+    root = tmp_path / "cgroup"
+    for group, (most, current, file) in limits.items():
+        d = root / group.strip("/") if group != "/" else root
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "memory.max").write_text(f"{most}\n")
+        (d / "memory.current").write_text(f"{current}\n")
+        (d / "memory.stat").write_text(f"anon 1000\nfile {file}\nkernel 5\n")
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {128 << 20} kB\nMemAvailable: {64 << 20} kB\n")
+    own = tmp_path / "self_cgroup"
+    own.write_text(f"0::{max(limits, key=len)}\n")
+    return meminfo, root, own
+
+
+@pytest.mark.parametrize(
+    ("limits", "want_gib"),
+    [
+        ({"/": ("max", 0, 0)}, 64),  # no limit: the host's MemAvailable
+        ({"/": ("max", 0, 0), "/pod": (str(8 << 30), 6 << 30, 1 << 30)}, 3),  # 8 GiB limit, 6 used, 1 of it cache
+        ({"/": ("max", 0, 0), "/pod": (str(4 << 30), 1 << 30, 0), "/pod/ctr": ("max", 1 << 30, 0)}, 3),  # parent's
+        ({"/": ("max", 0, 0), "/pod": (str(8 << 30), 9 << 30, 0)}, 0),  # over its limit: nothing to spare
+    ],
+)
+def test_memory_available_is_the_containers_not_the_hosts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limits: dict[str, tuple[str, int, int]], want_gib: int
+) -> None:
+    """A rank in a container limited to 8 GiB of a 128 GiB host: the stripes' memory guard takes the limit, less
+    what the container holds that it cannot drop (a parent group's limit counts too), not the host's MemAvailable."""
+    meminfo, root, own = _cgroup(tmp_path, limits)
+    monkeypatch.setattr(host_stripes, "MEMINFO", meminfo)
+    monkeypatch.setattr(host_stripes, "CGROUP_ROOT", root)
+    monkeypatch.setattr(host_stripes, "SELF_CGROUP", own)
+    assert host_stripes.memory_available() == want_gib << 30
+
+
+def test_no_stripes_past_the_containers_memory(
+    cold_rank: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Files larger than half of what the container may still hold are not striped (each rank reads its own)."""
+    size = data_bytes(cold_rank)
+    meminfo, root, own = _cgroup(tmp_path, {"/": ("max", 0, 0), "/pod": (str(size + (1 << 20)), 1 << 20, 0)})
+    monkeypatch.setattr(host_stripes, "MEMINFO", meminfo)
+    monkeypatch.setattr(host_stripes, "CGROUP_ROOT", root)
+    monkeypatch.setattr(host_stripes, "SELF_CGROUP", own)
+    with caplog.at_level(logging.DEBUG, logger="shardload.host"), count_reads() as seen:
+        got = shardload.load_rank(cold_rank, 0, 2)
+    assert seen.warmed == 0
+    assert any("no stripes" in r.getMessage() and "memory" in r.getMessage() for r in caplog.records)
+    want = reference_shards(cold_rank, 2)[0]
+    for name, t in got.items():
+        np.testing.assert_array_equal(t.numpy(), want[name], err_msg=name)

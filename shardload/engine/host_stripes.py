@@ -50,8 +50,13 @@ COLD_BELOW = 0.9
 """A file is striped when fewer than this fraction of :data:`COLD_PROBES` pages over its data region are cached."""
 COLD_PROBES = 64
 MEMORY_SHARE = 0.5
-"""Files striped together take at most this fraction of ``MemAvailable``: the ranks' own reads come after the
-stripes, so what would not stay cached until then is left to them."""
+"""Files striped together take at most this fraction of the memory available (:func:`memory_available`: the
+host's, or a container's limit): the ranks' own reads come after the stripes, so what would not stay cached until
+then is left to them."""
+MEMINFO = Path("/proc/meminfo")
+SELF_CGROUP = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+"""Where the host's available memory and this process's cgroup v2 limits are read (tests point them elsewhere)."""
 SETTLE_PROBES = 1024
 """Pages over a file's data region asked about while the peers' stripes arrive."""
 SETTLE_STALL_S = 0.25
@@ -248,7 +253,7 @@ def host_stripes(source: Source, mesh: Mesh, ranks: Sequence[int], options: Load
         return HostStripes()
     cold = {path: region for path, region in data_regions(source.checkpoint).items() if _cold(path, region)}
     total = sum(r.nbytes for r in cold.values())
-    available = _memory_available()
+    available = memory_available()
     if available is not None and total > MEMORY_SHARE * available:
         log.debug("shardload: no stripes: %.1f GiB of cold files, %.1f GiB of memory available", total / (1 << 30),
                   available / (1 << 30))  # fmt: skip
@@ -270,13 +275,64 @@ def _cold(path: Path, region: ByteRange) -> bool:
     return cached is not None and cached < COLD_BELOW
 
 
-def _memory_available() -> int | None:
+def memory_available() -> int | None:
+    """Bytes this process may still fill with page cache: the host's ``MemAvailable``, or less where a cgroup v2
+    memory limit on its group or a parent group leaves less (``memory.max`` less what the group holds beyond its
+    droppable file pages). None where the host's figure cannot be read (not Linux)."""
+    host = _meminfo_available()
+    if host is None:
+        return None
+    group = _own_cgroup()
+    if group is None:
+        return host
+    least = host
+    for d in (group, *group.parents):
+        if not d.is_relative_to(CGROUP_ROOT):
+            break
+        headroom = _cgroup_headroom(d)
+        if headroom is not None:
+            least = min(least, headroom)
+        if d == CGROUP_ROOT:
+            break
+    return max(0, least)
+
+
+def _meminfo_available() -> int | None:
     """``MemAvailable`` in bytes (Linux), else None."""
     try:
-        with open("/proc/meminfo") as fh:
+        with open(MEMINFO) as fh:
             for line in fh:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def _own_cgroup() -> Path | None:
+    """This process's cgroup v2 directory (``0::`` in ``/proc/self/cgroup``), else None (cgroup v1, not Linux)."""
+    try:
+        for line in SELF_CGROUP.read_text().splitlines():
+            if line.startswith("0::"):
+                return CGROUP_ROOT / line[3:].strip().lstrip("/")
+    except OSError:
+        return None
+    return None
+
+
+def _cgroup_headroom(group: Path) -> int | None:
+    """What ``group``'s memory limit leaves: ``memory.max`` less ``memory.current`` plus its file pages (the kernel
+    drops those first); None without a limit or where the files cannot be read."""
+    try:
+        most = (group / "memory.max").read_text().strip()
+        if most == "max":
+            return None
+        current = int((group / "memory.current").read_text().strip())
+        file = 0
+        for line in (group / "memory.stat").read_text().splitlines():
+            if line.startswith("file "):
+                file = int(line.split()[1])
+                break
+        return int(most) - (current - file)
+    except (OSError, ValueError, IndexError):
+        return None
