@@ -65,3 +65,24 @@ def test_a_type_the_table_lacks_imports_transformers_and_says_so(
     monkeypatch.undo()  # the control: the table knows gemma
     with_table = CliRunner().invoke(main, ["plan", str(model), "-o", "-"])
     assert with_table.exit_code == 0 and "imported" not in with_table.stderr + with_table.stdout
+
+
+_LOAD = """
+import sys
+import shardload
+shardload.load_rank(sys.argv[1], 1, 2)
+print(" ".join(sorted(m for m in sys.modules if m.startswith("shardload.integrations."))))
+"""
+
+
+def test_a_first_load_of_a_plain_checkpoint_imports_no_server_layout(tmp_path: Path) -> None:
+    """A fresh process's first load asks every split format whether the model is one of theirs: vLLM's
+    ``sharded_state`` answers no for a plain checkpoint without importing its reader (its layout planner, vLLM's
+    families and names: tens of milliseconds a server's first load paid)."""
+    from helpers.checkpoints import parallel_model
+
+    model = parallel_model(tmp_path / "m")
+    done = subprocess.run([sys.executable, "-c", _LOAD, str(model)], capture_output=True, text=True, check=True)
+    imported = set(done.stdout.split())
+    heavy = {f"shardload.integrations.vllm.{m}" for m in ("sharded_state", "layout", "families", "names", "saved")}
+    assert not imported & heavy, sorted(imported)

@@ -55,7 +55,7 @@ from ..fill import (
     vocab_ranges,
 )
 from ..fill import rows as _rows
-from . import sharded_state
+from . import split_format
 from .families import vllm_names
 from .names import DEFAULT_PACKED, EXPERTS_MODULE, OPTIONAL_SUFFIXES, SKIPPED_SUFFIXES, padded_vocab, vllm_target
 
@@ -171,7 +171,7 @@ def fill_model(
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     if mapper is not None and hasattr(mapper, "get_rename_mapper"):
         mapper = mapper.get_rename_mapper()  # renames only: fusion is ours, part by part
-    sharded_state.register()  # read vLLM's sharded_state whether or not shardload's entry points are installed
+    split_format.register()  # read vLLM's sharded_state whether or not shardload's entry points are installed
     source = open_source(model_dir, Mesh(tp=num_shards))
     sharded = isinstance(source, SavedBoxes)  # vLLM's sharded_state (ours or save_model's): read as converted
     checkpoint = None if sharded else source.checkpoint

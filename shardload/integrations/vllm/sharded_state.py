@@ -1,5 +1,5 @@
 """vLLM's ``sharded_state`` layout as a source: a directory ``convert --layout vllm`` or vLLM's own ``save_model``
-wrote, opened for any N (:func:`open_vllm_shards`), and registered as a split format (:data:`SHARDED_STATE`), so
+wrote, opened for any N (:func:`open_vllm_shards`), and registered as a split format (:mod:`.split_format`), so
 every entry point (``load``, ``load_rank``, ``convert``, the loader) reads it as boxes of its rank files. Never
 imports vLLM.
 """
@@ -16,7 +16,6 @@ from ...errors import CheckpointError, ShardloadError, short_repr
 from ...format.shard_info import ShardInfo
 from ...sources.checkpoint import Checkpoint
 from ...sources.manifest import VLLM_MANIFEST_FORMAT, manifest_file_entry, manifest_ranks
-from ...sources.source_types import SplitFormat, register_split_format
 from ...sources.tensor_info import TensorInfo
 from .layout import plan_layout
 from .names import vocab_range
@@ -207,19 +206,3 @@ def _vllm_source(
 def rank_path(out_dir: str | os.PathLike[str], rank: int) -> Path:
     """The file vLLM reads for tensor-parallel rank ``rank`` of a ``sharded_state`` directory."""
     return Path(out_dir) / FILE_PATTERN.format(rank=rank)
-
-
-SHARDED_STATE = SplitFormat(
-    name="vllm-sharded-state",
-    what="a sharded_state directory",
-    files="vLLM's",
-    open=open_vllm_shards,
-)
-"""vLLM's ``sharded_state`` layout as a split format (:func:`~shardload.sources.source_types.open_source`)."""
-
-
-def register() -> None:
-    """Register vLLM's ``sharded_state`` layout (the ``shardload.split_formats`` entry point; idempotent). The
-    integration's own entry points (the loader, the convert target) call it too, so they read the layout whether or
-    not the package's entry points are installed."""
-    register_split_format(SHARDED_STATE)

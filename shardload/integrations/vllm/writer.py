@@ -49,7 +49,7 @@ from ...sources.manifest import CONVERSION_KEY, VLLM_MANIFEST_FORMAT
 from ...sources.object_reader import reader_for
 from ...sources.source_types import ConvertedBoxes, SavedBoxes, as_boxes, open_source
 from ...version import __version__
-from . import sharded_state
+from . import split_format
 from .layout import VllmLayout, VllmTensor, plan_layout
 from .names import vocab_range
 from .sharded_state import FILE_PATTERN
@@ -158,7 +158,7 @@ def convert_vllm(
     verify = verify_value(verify, str(model))
     if type(num_shards) is not int or num_shards < 1:
         raise ShardloadError(f"num_shards must be a positive integer, got {num_shards!r}", file=str(model))
-    sharded_state.register()  # this integration's own source format, whether or not its entry points are installed
+    split_format.register()  # this integration's own source format, whether or not its entry points are installed
     source = as_boxes(open_source(model))
     shards: ShardsSource | None = None
     checkpoint = source.checkpoint
