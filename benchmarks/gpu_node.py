@@ -20,7 +20,8 @@ Its wall time runs from just before the load call to after ``torch.cuda.synchron
 every page of the result was read), the first load in the process. It prints one JSON line: wall seconds, CPU seconds
 of all its threads (``getrusage``) and bytes fetched from storage (``/proc/self/io`` read_bytes) over the load, and
 for shardload the bytes its readers moved. A cell's wall time is the sum over its ranks (``turn``, ``warm``) or from
-the first start to the last end (``together``); the table gives medians of ``--repeats`` and ratios to ``default``.
+the first start to the last end (``together``); the table gives medians of ``--repeats`` and ratios to ``default``,
+the ranks' bytes delivered per second of it, and CPU seconds per GB delivered.
 In the first round every loader's result is compared with shardload's CPU result (``torch.equal``).
 
 The floors come first: the file's cold sequential read speed (after a drop, 16 MiB reads), a parallel cold read
@@ -369,13 +370,15 @@ def row(n: int, mode: str, loader: str, ranks: list[int], reps: list[dict[str, A
     which = "all" if mode == "together" or len(ranks) == n else ",".join(map(str, ranks))
     errors = [c["error"] for c in reps if "error" in c]
     if errors:
-        return f"| {n} | {mode} | {loader} | {which} | error: {errors[0]} | | | | | | |"
+        return f"| {n} | {mode} | {loader} | {which} | error: {errors[0]} | | | | | | | | |"
     med = {k: statistics.median(c[k] for c in reps) for k in reps[0]}
     compared = [r.get("mismatches") for r in first]
     checked = "" if compared[0] is None else ("MISMATCH" if any(compared) else "equal")
     wall, cpu = (ratio(med[k], base and base[k]) for k in ("wall", "cpu"))
+    gb = med["own"] / 1e9  # the ranks' bytes delivered
     return (
-        f"| {n} | {mode} | {loader} | {which} | {med['wall']:.3f} | {wall} | {med['cpu']:.2f} | {cpu} "
+        f"| {n} | {mode} | {loader} | {which} | {med['wall']:.3f} | {wall} | {gb / med['wall']:.2f} "
+        f"| {med['cpu']:.2f} | {cpu} | {med['cpu'] / gb:.2f} "
         f"| {med['read_bytes'] / GIB:.3f} | {med['read_bytes'] / med['own']:.2f} | {checked} |"
     )
 
@@ -437,8 +440,9 @@ def main() -> int:
     check_mode = next(m for m in ("warm", "turn", "together") if m in args.modes)
     firsts: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
     print()
-    print("| N | mode | loader | ranks | wall s | vs default | CPU s | vs default | read GiB | read / own | checked |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| N | mode | loader | ranks | wall s | vs default | GB/s delivered | CPU s | vs default | CPU s / GB "
+          "| read GiB | read / own | checked |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for n in args.tp:
         tp_dir = presharded(model, args.work, n)
         ranks = spread(n, args.ranks)
