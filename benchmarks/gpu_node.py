@@ -468,8 +468,8 @@ def main() -> int:
                     d = r["device"]
                     staged = d["read_bytes"] if d["staged_bytes"] is None else d["staged_bytes"]
                     print(f"  rank {r['rank']}: device path: {d['spans']} spans ({d['packed'] or 0} packed); per "
-                          f"byte delivered {d['read_bytes'] / r['delivered']:.3f} read from the file, "
-                          f"{staged / r['delivered']:.3f} copied into staging (the host copy), "
+                          f"byte delivered {d['read_bytes'] / r['delivered']:.3f} read from the file (the "
+                          f"kernel's copies), {staged / r['delivered']:.3f} of it into staging (gaps to a sink), "
                           f"{d['upload_bytes'] / r['delivered']:.3f} uploaded; {d['uploads']} uploads, "
                           f"{d['cuts']} device cuts")  # fmt: skip
             warmed = sum(r.get("warmed", 0) for r in runs)

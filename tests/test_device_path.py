@@ -18,7 +18,7 @@ from helpers.checkpoints import parallel_model, random_array, write_model
 from helpers.reading import stand_in
 from shardload.engine import staging
 from shardload.engine.paths import DevicePath, data_path_for
-from shardload.engine.paths.device import PACK_GAP, count_device, span_plan, strided_cuts
+from shardload.engine.paths.device import PACK_GAP, PACK_JOIN, count_device, span_plan, strided_cuts
 from shardload.engine.run import run_plan
 from shardload.errors import CheckpointError
 from shardload.planning.runs import Runs
@@ -93,7 +93,7 @@ def test_span_plan_reads_every_run_once_within_the_tensor(skew: int, gap_s: floa
     for k, span in enumerate(plan.spans):
         assert 0 <= span.offset and span.offset + span.length <= limit and 0 < span.length
         staged = span.read.dst[span.read.buf == 0] + span.read.length[span.read.buf == 0]
-        assert span.length <= 4 * PAGE or span.sink  # a packed span's pages may be more than one buffer's
+        assert span.length <= 4 * PAGE or (span.sink and span.length <= PACK_JOIN * 4 * PAGE)  # joined, packed
         assert int(staged.max()) <= 4 * PAGE  # what it stages is not
         assert k == 0 or (span.offset + skew) % PAGE == 0  # page-aligned in the file, but never before the tensor
         assert k == 0 or span.offset >= plan.spans[k - 1].offset + plan.spans[k - 1].length
@@ -109,6 +109,25 @@ def test_span_plan_reads_every_run_once_within_the_tensor(skew: int, gap_s: floa
         assert any(span.length > 4 * PAGE for span in plan.spans)  # packed reads joined up to a buffer of pieces
         assert all((b.offset - a.offset - a.length) % (4 * PAGE) == 0
                    for a, b in zip(plan.spans, plan.spans[1:], strict=False))  # fmt: skip
+
+
+@pytest.mark.parametrize("rank", (0, 3, 7))
+def test_a_ranks_column_slice_packs_into_straight_stretches(rank: int) -> None:
+    """Rank r of 8's column slice of 1 KiB rows: pages packed and joined until their pieces fill one buffer, each
+    span one contiguous stretch of the tensor, uploaded straight (no scratch, no device cut)."""
+    rows, row, piece = 256, 1024, 128
+    src = np.arange(rows, dtype=np.int64) * row + rank * piece
+    runs = Runs(src, np.full(rows, piece, dtype=np.int64), np.zeros(rows, dtype=np.int64),
+                np.arange(rows, dtype=np.int64) * piece)  # fmt: skip
+    plan = span_plan(runs, rows * row, None, max_read=PAGE, max_waste=float("inf"), skew=0)
+    assert len(plan.spans) == rows * piece // PAGE  # each span stages one buffer of pieces, from 8 pages of file
+    moved = []
+    for span in plan.spans:
+        assert span.sink and span.length <= 8 * PAGE  # packed; the first span starts at the rank's first piece
+        (part,) = span.parts
+        assert part.straight and len(part.cuts) == 1 and int(part.cuts.length[0]) == PAGE
+        moved += _span_bytes(span)
+    assert sorted(moved) == sorted(_expand(runs.buf, runs.src, runs.dst, runs.length))
 
 
 def _staged(span: object, runs: Runs, size: int) -> np.ndarray:
@@ -132,6 +151,7 @@ def _span_bytes(span: object) -> list[tuple[int, int, int]]:
     if span.sink:  # type: ignore[attr-defined]
         assert int(read.length[read.buf == 1].max()) <= span.sink  # type: ignore[attr-defined]
     size = int(max((read.dst + read.length).max(), (used.dst + used.length).max()))
+    assert len({int(d - s) % 16 for s, d in zip(used.src, used.dst, strict=True)}) == 1  # pieces keep alignment
     staged, checked = _staged(span, read, size), _staged(span, used, size)
     out = []
     for part in span.parts:  # type: ignore[attr-defined]

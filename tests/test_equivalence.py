@@ -380,7 +380,7 @@ def test_rank_tensors_equal_reference(
     if path.startswith("device"):  # the GPU's data path with a CPU "device": spans, one upload each, cuts
         monkeypatch.setattr(transfer, "STAGE_BYTES", read_plan.PAGE)  # spans of one page: many per tensor
         if n % 2 == 0:  # every span with a gap packed (its pieces side by side, its gaps into the sink)
-            monkeypatch.setattr(device_path, "PACK_GAP", 1)
+            monkeypatch.setattr(device_path, "PACK_GAP", 0)
         monkeypatch.setattr(run, "data_path_for", stand_in)
         with count_device() as moved:
             if path == "device":

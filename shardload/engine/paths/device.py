@@ -1,7 +1,7 @@
 """The device path: a rank's bytes reach a GPU as the page-aligned spans of the file that hold them, each read by
 one ``preadv`` into a page-locked buffer and uploaded in one copy; the device then cuts each span into the rank's
 tensors with strided copies, so the CPU never gathers a column slice row by row. Where a span's gaps are wide (a
-column slice at N > 2) it is packed: the same ``preadv`` puts the pieces the load takes side by side and the gaps in
+rank's column slice) it is packed: the same ``preadv`` puts the pieces the load takes side by side and the gaps in
 a sink, so the buffer and the upload carry only those. A span whose part is a few contiguous stretches of tensors
 (replicated and row-split tensors, a rank's packed column slice) is uploaded straight into them.
 
@@ -43,11 +43,17 @@ ALIGN = 16
 """A span's bytes sit in a device scratch buffer at the offset that keeps their alignment in the stored tensor
 modulo this many bytes, so cuts move whole words whatever the tensor's offset in its file (a TVM cache's)."""
 PACK_GAP = 512
-"""A span whose bytes no rank of the load takes average at least this many per piece it does take is packed: one
-``preadv`` still reads it, but the pieces land side by side in the staging buffer and the gaps in a small sink that
-stays in the CPU cache (two iovecs a piece, tens of nanoseconds), so the staging buffer and the upload carry the
-load's bytes alone (a column slice at N = 8: an eighth of the span), and one rank's pieces go straight into its
-tensor."""
+"""A span whose bytes no rank of the load takes average at least this many per piece it does take is packed: its
+one ``preadv`` still reads from its first to its last used byte, but the pieces land side by side in the staging
+buffer (each kept at its alignment modulo :data:`ALIGN`) and the gaps in a per-thread sink as long as the longest
+gap, so the staging buffer and the upload carry the load's bytes alone (a rank's column slice at N = 8: an eighth
+of the pages it lies on, and one stretch of its tensor, uploaded straight). The kernel still copies every gap byte
+(into the sink); the price is two iovecs a piece, which this 512 keeps small beside the gap's bytes (not measured
+on a GPU host)."""
+PACK_JOIN = 8
+"""Consecutive packed reads joined into one span cover at most this many staging buffers' worth of the file: at
+N = 8 a rank's column slice fills a buffer from eight, and a sparser layout still gives the reader threads several
+spans to share (each span one thread's reads, back to back, before its upload)."""
 SPAN_S = 50e-6
 """What one more span costs besides its request to storage: a read call, an upload, its cuts, and the Python that
 issues them (tens of microseconds each). A gap between a rank's pages is read through when reading it costs less
@@ -246,24 +252,42 @@ def _groups(
     lo: np.ndarray, hi: np.ndarray, bounds: list[int], src: np.ndarray, length: np.ndarray, max_read: int
 ) -> Iterator[tuple[int, int]]:
     """The reads ``[k0, k1]`` each span reads, skipping reads of a gap alone: one read, or consecutive reads that
-    each pack and go on where the last ended, as long as the bytes they take fit one staging buffer (a packed span
-    stages only those; at N = 8 a column slice's span reads eight buffers' worth of the file)."""
+    each pack and go on where the last ended, as long as what they stage fits one staging buffer and they cover at
+    most :data:`PACK_JOIN` buffers' worth of the file (a packed span stages only its pieces: at N = 8 a column
+    slice's span reads eight buffers' worth of the file)."""
     k, n = 0, len(lo)
     while k < n:
         if bounds[k] == bounds[k + 1]:
             k += 1
             continue  # a stretch of a gap read through (cut at max_read): nothing to read
         starts, ends = _pieces(src[bounds[k] : bounds[k + 1]], length[bounds[k] : bounds[k + 1]])
-        k1, total, packs = k, int((ends - starts).sum()), _packs(starts, ends)
+        k1, packs = k, _packs(starts, ends)
+        staged, last = _packed_size(starts, ends), int(lo[k] + ends[-1])
         while packs and k1 + 1 < n and lo[k1 + 1] == hi[k1] and bounds[k1 + 1] < bounds[k1 + 2]:
             a, b = bounds[k1 + 1], bounds[k1 + 2]
             starts, ends = _pieces(src[a:b], length[a:b])
-            more = int((ends - starts).sum())
-            if not _packs(starts, ends) or total + more > max_read:
+            more = staged + (int(lo[k1 + 1] + starts[0]) - last) % ALIGN + _packed_size(starts, ends)
+            if not _packs(starts, ends) or more > max_read or hi[k1 + 1] - lo[k] > PACK_JOIN * max_read:
                 break
-            k1, total = k1 + 1, total + more
+            k1, staged, last = k1 + 1, more, int(lo[k1 + 1] + ends[-1])
         yield k, k1
         k = k1 + 1
+
+
+def _packed_at(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Where packed pieces ``[starts, ends)`` (sorted, disjoint) go in the staging buffer: each gap dropped but for
+    its remainder modulo :data:`ALIGN`, so every piece keeps its alignment relative to the first (cuts then move
+    whole words; pieces of whole words, a column slice's rows, end up side by side)."""
+    import numpy as np
+
+    dropped = np.zeros(len(starts), dtype=np.int64)
+    dropped[1:] = (starts[1:] - ends[:-1]) // ALIGN * ALIGN
+    return starts - starts[0] - np.cumsum(dropped)
+
+
+def _packed_size(starts: np.ndarray, ends: np.ndarray) -> int:
+    """Bytes that packed pieces ``[starts, ends)`` take in the staging buffer (:func:`_packed_at`)."""
+    return int(_packed_at(starts, ends)[-1] + ends[-1] - starts[-1])
 
 
 def _pieces(src: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -294,7 +318,7 @@ def _span_read(src: np.ndarray, length: np.ndarray, *, pack: bool | None = None)
     sizes = ends - starts
     zero = np.zeros(len(starts), dtype=np.int64)
     if len(starts) > 1 and (pack or (pack is None and _packs(starts, ends))):
-        at = np.cumsum(sizes) - sizes
+        at = _packed_at(starts, ends)
         n = 2 * len(starts) - 1
         read = Runs(np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
                     np.zeros(n, dtype=np.int64))  # fmt: skip
@@ -365,8 +389,9 @@ class DevicePath(HostPath):
         self.models: dict[Path, IoModel | None] = {}
         self.scratch: dict[Any, queue.SimpleQueue[torch.Tensor]] = {}
         self.span_buffers: StagingBuffers | None = None
-        self.sinks = threading.local()
         """The staging pool spans are read into (whole pages; the host path's staged batches have their own)."""
+        self.sinks = threading.local()
+        """Each reader thread's sink for the gaps of packed spans."""
 
     def direct(self, device: torch.device) -> bool:
         """Host memory is filled in place, except in a stand-in run, where every tensor takes the device's way."""
