@@ -97,3 +97,115 @@ def test_a_pinned_root_is_read_as_a_file_holds_it() -> None:
     assert Verify(root=root + "\n").root == root.lower()
     with pytest.raises(ShardloadError, match="must be 64 hex digits"):
         Verify(root="ab" * 31)
+
+
+def _steps_site(tmp_path: Path, body: str) -> Path:
+    """A site directory holding one installed package whose ``shardload.steps`` entry point is ``body``'s
+    ``register``."""
+    site = tmp_path / "site"
+    dist = site / "late_steps-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "entry_points.txt").write_text("[shardload.steps]\nlate = late_steps:register\n")
+    (site / "late_steps.py").write_text(body)
+    return site
+
+
+_LATE_STEP = """
+import time
+
+from shardload.planning import registry
+
+
+def register():
+    time.sleep(0.3)  # importing a package's steps takes a while; another thread looks a name up meanwhile
+    registry.register("late.step", out=True)(lambda x, out: out.copy_(x))
+"""
+
+
+def test_a_step_from_an_entry_point_is_found_by_every_thread_looking_it_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two threads look up a step an installed package registers: both find it (the second waits for the entry
+    points the first is loading; it is not told the name is unknown)."""
+    import threading
+
+    from shardload.planning import registry
+    from shardload.sources import plugins
+
+    site = _steps_site(tmp_path, _LATE_STEP)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(plugins, "installed_paths", lambda: [str(site)])
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(plugins, "_LOADED", set())
+    monkeypatch.delitem(sys.modules, "late_steps", raising=False)
+    found: list[object] = []
+
+    def look() -> None:
+        try:
+            found.append(registry.lookup("late.step"))
+        except Exception as err:
+            found.append(err)
+
+    threads = [threading.Thread(target=look) for _ in range(2)]
+    threads[0].start()
+    import time
+
+    time.sleep(0.05)
+    threads[1].start()
+    for t in threads:
+        t.join()
+    registry.unregister("late.step")
+    assert all(not isinstance(f, Exception) for f in found), found
+
+
+def test_a_failing_entry_point_is_named_by_every_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An installed package whose steps fail to import: every lookup of a name not registered says so (the second
+    does not claim the name is unknown, as if nothing were installed); once it imports, the name is found."""
+    from shardload.errors import StepArgumentError
+    from shardload.planning import registry
+    from shardload.sources import plugins
+
+    site = _steps_site(tmp_path, "raise ImportError('its own dependency is missing')\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(plugins, "installed_paths", lambda: [str(site)])
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(plugins, "_LOADED", set())
+    monkeypatch.delitem(sys.modules, "late_steps", raising=False)
+    for _ in range(2):
+        with pytest.raises(StepArgumentError, match=r"late_steps:register.*its own dependency is missing"):
+            registry.lookup("late.step")
+    (site / "late_steps.py").write_text(_LATE_STEP.replace("time.sleep(0.3)", "pass"))
+    sys.modules.pop("late_steps", None)
+    importlib.invalidate_caches()
+    try:
+        assert registry.lookup("late.step") is not None
+    finally:
+        registry.unregister("late.step")
+
+
+def test_a_retry_after_a_failing_entry_point_does_not_run_the_others_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One package's steps load, another's fail: the second lookup names the failing one again, not the first one's
+    steps as registered twice."""
+    from shardload.errors import StepArgumentError
+    from shardload.planning import registry
+    from shardload.sources import plugins
+
+    site = _steps_site(tmp_path, _LATE_STEP.replace("time.sleep(0.3)", "pass"))  # registers a new closure per call
+    bad = site / "zbroken_steps-1.0.dist-info"
+    bad.mkdir()
+    (bad / "entry_points.txt").write_text("[shardload.steps]\nbroken = zbroken_steps:register\n")
+    (site / "zbroken_steps.py").write_text("raise ImportError('broken on purpose')\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(plugins, "installed_paths", lambda: [str(site)])
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(plugins, "_LOADED", set())
+    for module in ("late_steps", "zbroken_steps"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    try:
+        for _ in range(2):
+            with pytest.raises(StepArgumentError, match=r"'broken' \(zbroken_steps:register\).*broken on purpose"):
+                registry.lookup("other.step")
+    finally:
+        registry.unregister("late.step")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import threading
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -248,10 +249,13 @@ def names() -> list[str]:
 
 ENTRY_POINT_GROUP = "shardload.steps"
 _entry_points_loaded = False
+_entry_points_lock = threading.RLock()
+_entry_points_loading = False
 
 
 def load_entry_points() -> None:
-    """Load, once per process, every installed package's ``shardload.steps`` entry point.
+    """Load, once per process, every installed package's ``shardload.steps`` entry point (other threads wait for
+    it; one that fails is raised again by every lookup until it loads).
 
     An entry point names a module (importing it registers its steps) or a callable (called with no
     arguments). Which code runs is decided by what is installed, never by a name in a shard_info file:
@@ -259,11 +263,17 @@ def load_entry_points() -> None:
     Installed means found in :func:`~shardload.sources.plugins.installed_paths`: a ``*.dist-info`` in the current
     directory or beside the running script (a model directory one runs from) is never read.
     """
-    global _entry_points_loaded
+    global _entry_points_loaded, _entry_points_loading
     if _entry_points_loaded:
         return
-    _entry_points_loaded = True
-    try:
-        run_entry_points(ENTRY_POINT_GROUP)
-    except PluginError as err:
-        raise StepArgumentError(str(err)) from None
+    with _entry_points_lock:  # another thread waits for the entry points this one is loading
+        if _entry_points_loaded or _entry_points_loading:
+            return  # loaded meanwhile, or looked up from inside an entry point being loaded
+        _entry_points_loading = True
+        try:
+            run_entry_points(ENTRY_POINT_GROUP)
+        except PluginError as err:  # raised again by every lookup: no plan goes on with a package's steps missing
+            raise StepArgumentError(str(err)) from None
+        finally:
+            _entry_points_loading = False
+        _entry_points_loaded = True

@@ -13,6 +13,7 @@ import re
 import site
 import sys
 import sysconfig
+import threading
 import types
 from typing import Any
 
@@ -21,10 +22,19 @@ class PluginError(Exception):
     """An installed entry point failed to load (the message names it)."""
 
 
+_LOADED: set[tuple[str, str, str]] = set()
+"""Entry points (group, name, value) loaded without error in this process: a later run (after another one failed)
+does not call them twice."""
+_LOADED_LOCK = threading.Lock()
+
+
 def run_entry_points(group: str) -> None:
-    """Load every installed package's entry points in ``group``; one naming a callable is called with no arguments
-    (one naming a module registers by being imported)."""
+    """Load every installed package's entry points in ``group``, each once per process; one naming a callable is
+    called with no arguments (one naming a module registers by being imported)."""
     for name, value in _entry_points(group):
+        with _LOADED_LOCK:
+            if (group, name, value) in _LOADED:
+                continue
         try:
             module, _, attr = value.split("[")[0].partition(":")
             loaded: Any = importlib.import_module(module.strip())
@@ -36,6 +46,8 @@ def run_entry_points(group: str) -> None:
             raise PluginError(
                 f"the installed {group} entry point {name!r} ({value}) failed to load: {type(err).__name__}: {err}"
             ) from None
+        with _LOADED_LOCK:
+            _LOADED.add((group, name, value))
 
 
 def _entry_points(group: str) -> list[tuple[str, str]]:
