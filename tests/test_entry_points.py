@@ -74,13 +74,13 @@ def test_a_broken_entry_points_file_fails_every_load_naming_it(
     """An installed package whose entry_points.txt does not parse is named in one line, by every load (not once, after
     which split formats would go missing), and a duplicate name or a [DEFAULT] section is read as importlib reads it."""
     import shardload
-    from shardload.sources import plugins, source_types
+    from shardload.sources import plugins
 
     site = tmp_path / "site"
     (site / "bad_pkg-1.0.dist-info").mkdir(parents=True)
     (site / "bad_pkg-1.0.dist-info" / "entry_points.txt").write_text("[shardload.split_formats]\nno delimiter here\n")
     monkeypatch.setattr(plugins, "installed_paths", lambda: [str(site)])
-    monkeypatch.setattr(source_types, "_entry_points_loaded", False)
+    monkeypatch.setattr(plugins, "_DONE", set())
     for _ in range(2):
         with pytest.raises(ShardloadError, match=r"bad_pkg-1.0.dist-info/entry_points.txt: cannot be read as entry"):
             shardload.load_rank(example_dir, 0, 2)
@@ -135,7 +135,7 @@ def test_a_step_from_an_entry_point_is_found_by_every_thread_looking_it_up(
     site = _steps_site(tmp_path, _LATE_STEP)
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setattr(plugins, "installed_paths", lambda: [str(site)])
-    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(plugins, "_DONE", set())
     monkeypatch.setattr(plugins, "_LOADED", set())
     monkeypatch.delitem(sys.modules, "late_steps", raising=False)
     found: list[object] = []
@@ -168,7 +168,7 @@ def test_a_failing_entry_point_is_named_by_every_lookup(tmp_path: Path, monkeypa
     site = _steps_site(tmp_path, "raise ImportError('its own dependency is missing')\n")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setattr(plugins, "installed_paths", lambda: [str(site)])
-    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(plugins, "_DONE", set())
     monkeypatch.setattr(plugins, "_LOADED", set())
     monkeypatch.delitem(sys.modules, "late_steps", raising=False)
     for _ in range(2):
@@ -199,7 +199,7 @@ def test_a_retry_after_a_failing_entry_point_does_not_run_the_others_again(
     (site / "zbroken_steps.py").write_text("raise ImportError('broken on purpose')\n")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setattr(plugins, "installed_paths", lambda: [str(site)])
-    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(plugins, "_DONE", set())
     monkeypatch.setattr(plugins, "_LOADED", set())
     for module in ("late_steps", "zbroken_steps"):
         monkeypatch.delitem(sys.modules, module, raising=False)

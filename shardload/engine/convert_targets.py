@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ShardloadError
-from ..sources.plugins import PluginError, run_entry_points
+from ..sources.plugins import PluginError, load_once
 
 BUILT_IN = "shardload"
 """The layout :func:`shardload.convert` writes (no target to register)."""
@@ -49,7 +49,6 @@ class LayoutTarget:
 
 
 _LAYOUTS: dict[str, LayoutTarget] = {}
-_entry_points_loaded = False
 
 
 def register_layout(target: LayoutTarget) -> None:
@@ -61,13 +60,10 @@ def register_layout(target: LayoutTarget) -> None:
 
 def layouts() -> dict[str, LayoutTarget]:
     """Every registered layout target by name, the installed packages' entry points loaded once."""
-    global _entry_points_loaded
-    if not _entry_points_loaded:
-        _entry_points_loaded = True
-        try:
-            run_entry_points(LAYOUT_GROUP)
-        except PluginError as err:
-            raise ShardloadError(str(err)) from None
+    try:
+        load_once(LAYOUT_GROUP)
+    except PluginError as err:  # raised again by every call
+        raise ShardloadError(str(err)) from None
     return dict(_LAYOUTS)
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import threading
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from typing import Any
 
 from ..errors import StepArgumentError
 from ..format import expr
-from ..sources.plugins import PluginError, run_entry_points
+from ..sources.plugins import PluginError, load_once
 
 Shape = tuple[int, ...]
 Box = tuple[tuple[int, int], ...]
@@ -248,9 +247,6 @@ def names() -> list[str]:
 
 
 ENTRY_POINT_GROUP = "shardload.steps"
-_entry_points_loaded = False
-_entry_points_lock = threading.RLock()
-_entry_points_loading = False
 
 
 def load_entry_points() -> None:
@@ -263,17 +259,7 @@ def load_entry_points() -> None:
     Installed means found in :func:`~shardload.sources.plugins.installed_paths`: a ``*.dist-info`` in the current
     directory or beside the running script (a model directory one runs from) is never read.
     """
-    global _entry_points_loaded, _entry_points_loading
-    if _entry_points_loaded:
-        return
-    with _entry_points_lock:  # another thread waits for the entry points this one is loading
-        if _entry_points_loaded or _entry_points_loading:
-            return  # loaded meanwhile, or looked up from inside an entry point being loaded
-        _entry_points_loading = True
-        try:
-            run_entry_points(ENTRY_POINT_GROUP)
-        except PluginError as err:  # raised again by every lookup: no plan goes on with a package's steps missing
-            raise StepArgumentError(str(err)) from None
-        finally:
-            _entry_points_loading = False
-        _entry_points_loaded = True
+    try:
+        load_once(ENTRY_POINT_GROUP)
+    except PluginError as err:  # raised again by every lookup: no plan goes on with a package's steps missing
+        raise StepArgumentError(str(err)) from None

@@ -28,6 +28,29 @@ does not call them twice."""
 _LOADED_LOCK = threading.Lock()
 
 
+_DONE: set[str] = set()
+"""Groups whose entry points have all loaded in this process (:func:`load_once`)."""
+_LOADING: set[str] = set()
+_GROUP_LOCK = threading.RLock()
+
+
+def load_once(group: str) -> None:
+    """Load ``group``'s entry points once per process (:func:`run_entry_points`): another thread waits for the
+    load under way; a failure is raised again by every call until they all load; a call made from inside one of
+    them (it looks up what the group registers) returns at once."""
+    if group in _DONE:
+        return
+    with _GROUP_LOCK:
+        if group in _DONE or group in _LOADING:
+            return
+        _LOADING.add(group)
+        try:
+            run_entry_points(group)
+        finally:
+            _LOADING.discard(group)
+        _DONE.add(group)
+
+
 def run_entry_points(group: str) -> None:
     """Load every installed package's entry points in ``group``, each once per process; one naming a callable is
     called with no arguments (one naming a module registers by being imported)."""

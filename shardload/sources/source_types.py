@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Protocol
 from ..errors import ShardloadError
 from .checkpoint import Checkpoint, manifest_stages, open_checkpoint
 from .objects import ObjectPath
-from .plugins import PluginError, run_entry_points
+from .plugins import PluginError, load_once
 
 OPTIONS = ("shard_info", "verify_root", "verify", "group", "mmap", "read_options", "into", "stages")
 """The options a load may be refused on, in the order they are checked: ``shard_info`` (a plan given), ``verify_root``
@@ -270,7 +270,6 @@ _SPLIT_FORMATS: dict[str, SplitFormat] = {}
 SPLIT_FORMAT_GROUP = "shardload.split_formats"
 """The entry point group a package registers a split format in: each entry point names a callable that calls
 :func:`register_split_format`."""
-_entry_points_loaded = False
 
 
 def register_split_format(fmt: SplitFormat) -> None:
@@ -280,13 +279,10 @@ def register_split_format(fmt: SplitFormat) -> None:
 
 def split_formats() -> list[SplitFormat]:
     """Every registered split format, the entry points of installed packages loaded once."""
-    global _entry_points_loaded
-    if not _entry_points_loaded:
-        try:
-            run_entry_points(SPLIT_FORMAT_GROUP)
-        except PluginError as err:  # raised again by every call: no load goes on with a format missing
-            raise ShardloadError(str(err)) from None
-        _entry_points_loaded = True
+    try:
+        load_once(SPLIT_FORMAT_GROUP)
+    except PluginError as err:  # raised again by every call: no load goes on with a format missing
+        raise ShardloadError(str(err)) from None
     return list(_SPLIT_FORMATS.values())
 
 
