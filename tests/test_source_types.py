@@ -9,6 +9,7 @@ format), and an MLC-LLM cache pre-sharded for 2 (split records at 2, boxes at 4)
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -202,3 +203,28 @@ def test_the_docs_table_is_the_code_table() -> None:
         for option, cell in zip(DOC_COLUMNS, cells[1:], strict=True):
             assert cell == ("no" if SUPPORT[kind].get(option) else "yes"), (kind.__name__, option, cell)
     assert seen == set(SUPPORT)
+
+
+def test_each_deprecation_points_at_the_callers_line(
+    sources: dict[type[Source], tuple[Path, int]], tmp_path: Path
+) -> None:
+    """A deprecated spelling's warning names the line that used it, whichever entry point it was given to:
+    load_rank, load, convert (a warning pointing inside shardload, or past the caller, is one nobody can act on)."""
+    from helpers.checkpoints import parallel_model
+    from shardload.engine.hashing import hash_model
+
+    model, n = sources[RankFiles]
+    root = __import__("json").loads((model / "shard_manifest.json").read_text())["integrity"]["root"]
+    plain = parallel_model(tmp_path / "m")
+    plain_root = hash_model(plain).root
+    lines = []
+    with pytest.warns(DeprecationWarning) as caught:
+        lines.append(sys._getframe().f_lineno + 1)
+        shardload.load_rank(model, 1, n, mmap=True)
+        lines.append(sys._getframe().f_lineno + 1)
+        shardload.load_rank(model, 1, n, verify=root)
+        lines.append(sys._getframe().f_lineno + 1)
+        shardload.load(model, n, verify=root)
+        lines.append(sys._getframe().f_lineno + 1)
+        shardload.convert(plain, 2, tmp_path / "out", verify=plain_root)
+    assert [(Path(w.filename).name, w.lineno) for w in caught] == [(Path(__file__).name, k) for k in lines]

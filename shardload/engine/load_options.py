@@ -10,7 +10,9 @@ mapped and warned about; :meth:`LoadOptions.check` asks :data:`~shardload.source
 from __future__ import annotations
 
 import itertools
+import os
 import re
+import sys
 import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
@@ -108,7 +110,7 @@ def load_options(
     for old, new in (("mmap", 'read_options=ReadOptions(strategy="view")'), ("share_reads", "group="),
                      ("params", "into=Destination(only=...)"), ("out", "into=")):  # fmt: skip
         if legacy.get(old) not in (None, False):
-            warnings.warn(f"load_rank's {old}= is deprecated: use {new}", DeprecationWarning, stacklevel=4)
+            warn_caller(f"load_rank's {old}= is deprecated: use {new}")
     if legacy.get("share_reads") not in (None, False):
         if group is not None:
             raise ShardloadError("give group= or share_reads=, not both", file=where)
@@ -131,6 +133,18 @@ def load_options(
                        progress)  # fmt: skip
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def warn_caller(message: str) -> None:
+    """A DeprecationWarning placed at the first line outside shardload that led here (the user's call, at whatever
+    depth of shardload's own frames it was given)."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, DeprecationWarning, stacklevel=level)
+
+
 def verify_value(verify: Any, where: str) -> bool | str:
     """``verify`` as False, True or a pinned root (a :class:`Verify`, or the old spelling: the root as a string)."""
     if verify is None or verify is False or verify is True:
@@ -138,8 +152,7 @@ def verify_value(verify: Any, where: str) -> bool | str:
     if isinstance(verify, Verify):
         return True if verify.root is None else verify.root
     if isinstance(verify, str):
-        warnings.warn('verify="<root hash>" is deprecated: use verify=Verify(root="<root hash>")', DeprecationWarning,
-                      stacklevel=5)  # fmt: skip
+        warn_caller('verify="<root hash>" is deprecated: use verify=Verify(root="<root hash>")')
         return verify  # the root as a string: checked where the record is read, as before
     raise ShardloadError(f"verify must be True, False or a Verify, got {verify!r}", file=where)
 
