@@ -108,11 +108,10 @@ def rank_tensors(
                     groups[r * want.local : (r + 1) * want.local] if want.local else groups for r in range(num_shards)
                 ]
                 yield want, [torch.stack([torch.cat([p[r] for p in g]) for g in mine[r]]) for r in range(num_shards)]
+            elif len(pieces) == 1:  # as it is (a torch.cat of one piece would copy it for nothing)
+                yield want, [_as_vllm(want, pieces[0][r], r) for r in range(num_shards)]
             else:
-                joined = [torch.cat([p[r] for p in pieces], dim=want.dim) for r in range(num_shards)]
-                if len(pieces) == 1:
-                    joined = [_as_vllm(want, pieces[0][r], r) for r in range(num_shards)]
-                yield want, joined
+                yield want, [torch.cat([p[r] for p in pieces], dim=want.dim) for r in range(num_shards)]
             want = next(order, None)
     for t in layout.tensors:
         if t.constant is not None:
