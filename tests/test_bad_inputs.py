@@ -653,12 +653,26 @@ def _vllm_out(tmp_path: Path, shard_info: Path | None = None) -> tuple[Path, Pat
 
 
 def _rehash(out: Path) -> None:
-    """Make the manifest's sizes and sha256 match the files again (as a forger would)."""
+    """Make the manifest's sizes and checksums match the files again (as a forger would): the record of the rank
+    files listed by their leaves hashed again, its root pinned, every sha256 recomputed."""
+    from shardload.engine.hashing import output_record
+    from shardload.format.hash_record import RECORD_NAME, parse_record, root_of
+
     manifest = json.loads((out / "shard_manifest.json").read_text())
+    by_leaves = [e for e in manifest["files"] if "leaves_sha256" in e]
+    if by_leaves:
+        data = output_record(out, [e["path"] for e in by_leaves])
+        (out / RECORD_NAME).write_bytes(data)
+        record = parse_record(data, RECORD_NAME)
+        for entry in by_leaves:
+            entry["leaves_sha256"] = hashlib.sha256(record.file(entry["path"]).leaves).hexdigest()
+        manifest["integrity"]["root"] = root_of(data)
     for entry in manifest["files"]:
         if (out / entry["path"]).is_file():
             data = (out / entry["path"]).read_bytes()
-            entry["size"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+            entry["size"] = len(data)
+            if "sha256" in entry:
+                entry["sha256"] = hashlib.sha256(data).hexdigest()
     (out / "shard_manifest.json").write_text(json.dumps(manifest))
 
 

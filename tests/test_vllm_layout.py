@@ -464,3 +464,32 @@ def test_record_is_hashed_as_written(tmp_path: Path, n: int) -> None:
     files = convert_vllm(tmp_path / "model", n, tmp_path / "out")
     got = (tmp_path / "out" / RECORD_NAME).read_bytes()
     assert got == output_record(tmp_path / "out", [f.path for f in files])
+
+
+def test_rank_files_are_listed_by_their_leaves_and_checked_by_them(tmp_path: Path) -> None:
+    """--layout vllm hashes each rank file once, by its record's leaves (a version-2 manifest lists their sha256, as
+    plain convert's does); --sha256 adds every file's sha256 and writes version 1. Either way `verify`, and a
+    verified load of the directory at another N, find a flipped byte and name the file."""
+    build("llama_gqa", tmp_path / "model")
+    runner = CliRunner()
+    for extra, version, key in (([], 2, "leaves_sha256"), (["--sha256"], 1, "sha256")):
+        out = tmp_path / f"out{version}"
+        result = runner.invoke(main, ["convert", str(tmp_path / "model"), "-n", "2", "--layout", "vllm", "-o",
+                                      str(out), "--json", *extra])  # fmt: skip
+        assert result.exit_code == 0, result.output
+        manifest = json.loads((out / "shard_manifest.json").read_text())
+        ranks = [e for e in manifest["files"] if e["path"].startswith("model-rank-")]
+        assert manifest["version"] == version and len(ranks) == 2 and all(set(e) == {"path", "size", key}
+                                                                          for e in ranks)  # fmt: skip
+        assert [f[key] for f in json.loads(result.output)["rank_files"]] == [e[key] for e in ranks]
+        assert runner.invoke(main, ["verify", str(out)]).exit_code == 0
+        want = shardload.load_rank(tmp_path / "model", 1, 4)
+        got = shardload.load_rank(out, 1, 4, verify=True)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], t) for k, t in want.items())
+        data = bytearray(rank_path(out, 1).read_bytes())
+        data[-1] ^= 0xFF
+        rank_path(out, 1).write_bytes(bytes(data))
+        result = runner.invoke(main, ["verify", str(out)])
+        assert result.exit_code != 0 and "model-rank-1-part-0.safetensors" in result.output, result.output
+        with pytest.raises(CheckpointError, match="model-rank-1-part-0.safetensors"):
+            shardload.load_rank(out, 1, 4, verify=True)

@@ -100,7 +100,7 @@ def convert(
     if layout_name != BUILT_IN_LAYOUT:
         checked = pinned or verify == "record"
         _convert_to(layouts()[layout_name], model, num_shards, out_dir, shard_info, overwrite, fsync, quiet, as_json,
-                    mesh, checked, expert_parallel)  # fmt: skip
+                    mesh, checked, expert_parallel, sha256)  # fmt: skip
         return
     if expert_parallel:
         raise click.UsageError(_expert_parallel_refusal())
@@ -182,6 +182,7 @@ def _convert_to(
     mesh: str | None,
     verify: bool | str = False,
     expert_parallel: bool = False,
+    sha256: bool = False,
 ) -> None:
     """``convert --layout NAME`` of a registered target (a server's own per-rank files, ``num_shards`` ranks)."""
     from .report import format_table, human_bytes
@@ -190,8 +191,9 @@ def _convert_to(
         raise click.UsageError(target.mesh_refusal)
     if expert_parallel and not target.expert_parallel:
         raise click.UsageError(_expert_parallel_refusal())
+    more = {"sha256": True} if sha256 else {}  # a target that hashes no sha256 of its own is refused it
     files = target.convert(model, num_shards, out_dir, shard_info, overwrite=overwrite, fsync=fsync, verify=verify,
-                           expert_parallel=expert_parallel)  # fmt: skip
+                           expert_parallel=expert_parallel, **more)  # fmt: skip
     if as_json:
         click.echo(json.dumps({"out_dir": str(out_dir), "num_shards": num_shards, "layout": target.name,
                                "rank_files": [f.entry() for f in files]}, indent=2))  # fmt: skip
@@ -199,7 +201,8 @@ def _convert_to(
     if quiet:
         return
     rows = [(r, f.path, human_bytes(f.size), f.size, f.checksum[:16]) for r, f in enumerate(files)]
-    click.echo(format_table(["rank", "file", "size", "bytes", "sha256"], rows, right=(0, 2, 3)))
+    checksum = "sha256" if all(f.sha256 for f in files) else "leaves_sha256"
+    click.echo(format_table(["rank", "file", "size", "bytes", checksum], rows, right=(0, 2, 3)))
     click.echo(f"\n{target.served(out_dir, num_shards, expert_parallel)}")
 
 

@@ -104,6 +104,17 @@ def check_manifest(manifest: Any, where: Path) -> None:
             if of != n or r >= n or s_of != stages or s >= stages:
                 raise bad(f"lists {path}, which is not a rank file of num_shards={n} with {stages} stage(s)")
             ranks.add((s, r))
+    check_leaves_record(manifest, files, bad)
+    missing = [(s, r) for s in range(stages) for r in range(n) if (s, r) not in ranks]
+    if missing:
+        total = n * stages
+        name = rank_file_name(missing[0][1], n, missing[0][0], stages)
+        raise bad(f"lists no file {name} ({len(missing)} of {total} rank files unlisted)")
+
+
+def check_leaves_record(manifest: dict[str, Any], files: list[Any], bad: Any) -> None:
+    """A manifest (either layout) that lists rank files by their ``leaves_sha256`` must list the record holding the
+    leaves too, its sha256 the ``integrity`` root."""
     if any(isinstance(e, dict) and LEAVES_KEY in e for e in files):
         integrity = manifest.get("integrity")
         record = next((e for e in files if e["path"] == RECORD_NAME), None)
@@ -111,11 +122,6 @@ def check_manifest(manifest: Any, where: Path) -> None:
                 or "sha256" not in record or integrity.get("root") != record["sha256"]:  # fmt: skip
             raise bad(f"lists rank files by their {LEAVES_KEY} but not the record {RECORD_NAME!r} that holds the "
                       "leaves (in 'files', its sha256 the 'integrity' root)")  # fmt: skip
-    missing = [(s, r) for s in range(stages) for r in range(n) if (s, r) not in ranks]
-    if missing:
-        total = n * stages
-        name = rank_file_name(missing[0][1], n, missing[0][0], stages)
-        raise bad(f"lists no file {name} ({len(missing)} of {total} rank files unlisted)")
 
 
 def check_conversion(manifest: dict[str, Any], bad: Any) -> None:

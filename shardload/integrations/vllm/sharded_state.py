@@ -15,7 +15,15 @@ from ...engine.reshard import RECORD_KEY, ShardsSource, read_record
 from ...errors import CheckpointError, ShardloadError, short_repr
 from ...format.shard_info import ShardInfo
 from ...sources.checkpoint import Checkpoint
-from ...sources.manifest import VLLM_MANIFEST_FORMAT, manifest_file_entry, manifest_ranks
+from ...sources.manifest import (
+    LEAVES_KEY,
+    LEAVES_MANIFEST_VERSION,
+    MANIFEST_VERSIONS,
+    VLLM_MANIFEST_FORMAT,
+    check_leaves_record,
+    manifest_file_entry,
+    manifest_ranks,
+)
 from ...sources.tensor_info import TensorInfo
 from .layout import plan_layout
 from .names import vocab_range
@@ -37,18 +45,24 @@ def check_vllm_manifest(manifest: Any, where: Path) -> None:
 
     if not isinstance(manifest, dict) or manifest.get("format") != VLLM_MANIFEST_FORMAT:
         raise bad(f"'format' is not {VLLM_MANIFEST_FORMAT!r}")
-    if manifest.get("version") != 1 or type(manifest.get("version")) is not int:
-        raise bad(f"unsupported version {short_repr(manifest.get('version'))} (this shardload reads 1)")
+    version = manifest.get("version")
+    if type(version) is not int or version not in MANIFEST_VERSIONS:
+        reads = " and ".join(str(v) for v in MANIFEST_VERSIONS)
+        raise bad(f"unsupported version {short_repr(version)} (this shardload reads {reads})")
     n, files = manifest_ranks(manifest, bad)
     seen: set[str] = set()
     ranks: set[int] = set()
     for entry in files:
         path = manifest_file_entry(entry, seen, where)
         match = _RANK_FILE_RE.fullmatch(path)
+        if LEAVES_KEY in entry and (version < LEAVES_MANIFEST_VERSION or not match):
+            raise bad(f"lists {path} by its {LEAVES_KEY}, which only a version-{LEAVES_MANIFEST_VERSION} manifest's "
+                      "rank files are")  # fmt: skip
         if match:
             if match[2] != "0" or int(match[1]) >= n:
                 raise bad(f"lists {path}, which is not a rank file of num_shards={n}")
             ranks.add(int(match[1]))
+    check_leaves_record(manifest, files, bad)
     missing = [r for r in range(n) if r not in ranks]
     if missing:
         name = FILE_PATTERN.format(rank=missing[0])
@@ -61,7 +75,7 @@ def open_vllm_shards(model: Any, verify: bool = False) -> ShardsSource | None:
     again for its own N says which rows of which vLLM rank tensor hold each plain rank tensor (fused parts and
     stacked experts are row blocks; the vocabulary is padded per vLLM's rule). Every rank file is checked (listed,
     size, each tensor's shape and dtype; with ``verify`` its sha256) before any tensor byte is read."""
-    from ...engine.verify import check_entry
+    from ...engine.verify import OutputRecord, check_entry
     from ...sources.checkpoint import read_json
     from ...sources.manifest import MANIFEST_NAME
     from ...sources.safetensors_header import read_header
@@ -95,8 +109,10 @@ def open_vllm_shards(model: Any, verify: bool = False) -> ShardsSource | None:
     info, stored, values = read_record(record, shell, str(where))
     entries = {e["path"]: e for e in manifest["files"]}
     found: dict[int, dict[str, TensorInfo]] = {}
+    record = OutputRecord(root, manifest)  # read once, for the rank files listed by their leaves
     for r in range(n_old):
-        path, problem = check_entry(root, entries[FILE_PATTERN.format(rank=r)], verify, manifest, rank=r)
+        path, problem = check_entry(root, entries[FILE_PATTERN.format(rank=r)], verify, manifest, rank=r,
+                                    record=record)  # fmt: skip
         if problem is not None:
             raise problem
         found[r] = read_header(path)

@@ -45,7 +45,7 @@ from ...errors import ShardloadError
 from ...format.input_log import records_inputs
 from ...planning.plan import ParamPlan
 from ...sources.checkpoint import Checkpoint, as_path, read_config
-from ...sources.manifest import CONVERSION_KEY, VLLM_MANIFEST_FORMAT
+from ...sources.manifest import CONVERSION_KEY, LEAVES_MANIFEST_VERSION, MANIFEST_VERSION, VLLM_MANIFEST_FORMAT
 from ...sources.object_reader import reader_for
 from ...sources.source_types import ConvertedBoxes, SavedBoxes, as_boxes, open_source
 from ...version import __version__
@@ -142,10 +142,13 @@ def convert_vllm(
     fsync: bool | None = None,
     verify: bool | Verify = False,
     expert_parallel: bool = False,
+    sha256: bool = False,
 ) -> list[WrittenFile]:
     """Write ``model`` in vLLM's ``sharded_state`` layout for ``num_shards`` ranks into ``out_dir``; return the files.
     ``verify`` checks every source byte against its integrity record, as :func:`shardload.convert` does; the
-    output gets its own record (``shardload.hashes``, its root in the manifest's ``integrity``).
+    output gets its own record (``shardload.hashes``, its root in the manifest's ``integrity``), hashed as it is
+    written, and a version-2 manifest lists each rank file by the sha256 of its leaves there (``sha256=True``: by
+    the sha256 of its bytes too, in a version-1 manifest, at the cost of a sha256 pass over every byte written).
     ``expert_parallel`` writes each rank's experts whole, for vLLM started with ``enable_expert_parallel=True``.
 
     Example::
@@ -177,7 +180,7 @@ def convert_vllm(
     try:
         with StagingDir(out, fsync, synced=durable, overwrite=overwrite) as staging:
             files = [
-                FileWriter(staging.dir / FILE_PATTERN.format(rank=r), durable=durable, leaves=True)
+                FileWriter(staging.dir / FILE_PATTERN.format(rank=r), durable=durable, leaves=True, sha256=sha256)
                 for r in range(num_shards)
             ]
             try:
@@ -192,7 +195,7 @@ def convert_vllm(
                     f.close()
             manifest = {
                 "format": VLLM_MANIFEST_FORMAT,
-                "version": 1,
+                "version": MANIFEST_VERSION if sha256 else LEAVES_MANIFEST_VERSION,
                 "shardload_version": __version__,
                 "num_shards": num_shards,
                 CONVERSION_KEY: conversion,
