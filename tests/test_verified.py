@@ -713,3 +713,84 @@ def test_runs_off_tile_edges_read_straight_into_their_destination(
         with pytest.raises(ShardloadError) as excinfo:
             read(bad)
         assert "row.weight" in one_line_error(excinfo) and "hash mismatch" in one_line_error(excinfo)
+
+
+def _odd_model(directory: Path) -> Path:
+    """One tensor whose rows (2,998 bytes) end in a narrower column band (8 bands of 376 bytes, the last 366) and
+    whose last row block is shorter (700 rows in blocks of 256), hashed."""
+    rng = np.random.default_rng(7)
+    model = write_model(directory, {"odd.weight": rng.standard_normal((700, 1499)).astype(np.float16)},
+                        {"version": 1, "num_shards": None, "params": {}})  # fmt: skip
+    hash_model(model)
+    return model
+
+
+@pytest.mark.parametrize("pitch", [0, 100], ids=["packed", "rows-apart"])
+@pytest.mark.parametrize("bands", [(6, 8), (0, 2), (3, 4)], ids=["to-the-narrow-last", "first-two", "one"])
+def test_warm_column_slice_on_band_edges_checked_a_block_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bands: tuple[int, int], pitch: int
+) -> None:
+    """A cached file's column slice on band edges (a narrower last band, a shorter last row block, its rows packed
+    or apart in the destination) is copied out of the mapping a row block at a time and each block's tiles hashed
+    there: the bytes are the file's, and a byte flipped in the slice's first or last tile fails it with one line."""
+    from shardload.engine.integrity import load_record, verified_reader
+    from shardload.sources import verified
+    from shardload.sources.reader import Reader
+
+    model = _odd_model(tmp_path / "m")
+    B, width, rows = 2998, 376, 700
+    c0, c1 = bands[0] * width, min(bands[1] * width, B)
+    w = c1 - c0
+    taken: list[int] = []
+    band_copied = verified.VerifiedReader._band_copied
+    monkeypatch.setattr(verified.VerifiedReader, "_band_copied",
+                        lambda self, *a: taken.append(1) or band_copied(self, *a))  # fmt: skip
+
+    def read(m: Path) -> np.ndarray:
+        (m / "model.safetensors").read_bytes()  # cached
+        out = torch.zeros(rows * (w + pitch), dtype=torch.uint8)
+        src = np.array([offset_of(m, "odd.weight", r, c0) for r in range(rows)], dtype=np.int64)
+        dst = np.arange(rows, dtype=np.int64) * (w + pitch)
+        with verified_reader(Reader(), open_checkpoint(m), load_record(open_checkpoint(m), True)) as reader:
+            reader.read_runs(m / "model.safetensors", src, np.full(rows, w), np.zeros(rows, np.int64), dst, [out])
+        return out.numpy().reshape(rows, w + pitch)[:, :w]
+
+    data = np.frombuffer((model / "model.safetensors").read_bytes(), dtype=np.uint8)
+    base = offset_of(model, "odd.weight", 0, 0)
+    want = data[base : base + rows * B].reshape(rows, B)[:, c0:c1]
+    assert np.array_equal(read(model), want)
+    assert taken, "the column slice did not take the warm band path"
+    for row, col in ((0, c0), (rows - 1, c1 - 1)):
+        bad = tampered(model, tmp_path / f"bad{row}", offset_of(model, "odd.weight", row, col))
+        with pytest.raises(ShardloadError) as excinfo:
+            read(bad)
+        assert "odd.weight" in one_line_error(excinfo) and "hash mismatch" in one_line_error(excinfo)
+
+
+def test_tile_box_finds_whole_row_blocks_and_band_slices() -> None:
+    """The shapes a verifying reader copies and checks without per-run bookkeeping: whole row blocks (several runs,
+    the last block short), one column slice on band edges (rows apart in the destination); anything off a tile
+    edge, across rows or across regions is None (the general way)."""
+    from shardload.sources.tile_boxes import BandBox, RowBlocks, tile_box
+
+    region = tensor_region(1000, 700, 2998, 2)  # row blocks of 32 rows; bands of 376 bytes, 256 rows
+    regions = [tensor_region(0, 1, 1000, 1), region]
+    starts, bases = np.array([0, 1000]), [0, 1]
+    B = 2998
+
+    def box(src: list[int], length: list[int], dst: list[int] | None = None) -> RowBlocks | BandBox | None:
+        n = len(src)
+        d = np.array(dst if dst is not None else np.cumsum([0, *length[:-1]]), dtype=np.int64)
+        return tile_box(starts, bases, regions, np.array(src), np.array(length), np.zeros(n, np.int64), d)
+
+    rows = box([1000, 1000 + 64 * B], [32 * B, 700 * B - 64 * B])
+    assert isinstance(rows, RowBlocks) and rows.tiling.tile_rows == 32 and rows.start == [0, 64 * B]
+    slice_ = box([1000 + r * B + 2 * 376 for r in range(256)], [2 * 376] * 256, [r * 1000 for r in range(256)])
+    assert slice_ == BandBox(1, region.tiling(1), 1 + region.tiling(0).leaves, 0, 256, 752, 1504, 0, 0, 1000)
+    last = box([1000 + r * B + 6 * 376 for r in range(512, 700)], [B - 6 * 376] * 188)
+    assert isinstance(last, BandBox) and (last.r0, last.r1, last.c1) == (512, 700, B)
+    assert box([1000 + 16 * B], [32 * B]) is None  # off a row block's edge
+    assert box([1000 + r * B + 100 for r in range(256)], [376] * 256) is None  # off a band's edge
+    assert box([1000 + r * B for r in range(100)], [376] * 100) is None  # rows off a band tile's edge
+    assert box([1000 + 2 * 376], [B]) is None  # across rows
+    assert box([0, 1000], [1000, 32 * B]) is None  # across regions

@@ -63,11 +63,11 @@ class ReadCount:
             key = str(path)
             self.by_file[key] = self.by_file.get(key, 0) + nbytes
 
-    def add_checked(self, nbytes: int) -> None:
-        """Record one tile of ``nbytes`` hashed by a verifying reader."""
+    def add_checked(self, nbytes: int, tiles: int = 1) -> None:
+        """Record ``tiles`` tiles of ``nbytes`` in all hashed by a verifying reader."""
         with self._lock:
             self.checked += nbytes
-            self.tiles += 1
+            self.tiles += tiles
 
 
 _count: ReadCount | None = None
@@ -523,10 +523,10 @@ def count_mapped(path: Path, nbytes: int) -> None:
         _count.add(path, nbytes, 0)
 
 
-def count_checked(nbytes: int) -> None:
-    """Record one tile of ``nbytes`` hashed by a verifying reader in :func:`count_reads`."""
+def count_checked(nbytes: int, tiles: int = 1) -> None:
+    """Record ``tiles`` tiles of ``nbytes`` in all hashed by a verifying reader in :func:`count_reads`."""
     if _count is not None:
-        _count.add_checked(nbytes)
+        _count.add_checked(nbytes, tiles)
 
 
 def count_warmed(nbytes: int) -> None:

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
-from ..format.hash_record import FileHashes, Tiling, hasher
+from ..format.hash_record import FileHashes, Region, Tiling, hasher
 from .read_plan import MAX_WASTE, IoModel, fill_reads, plan_reads
-from .reader import PAGE, FileMaps, RunReader, count_checked, count_mapped, count_requested, populate_runs
+from .reader import PAGE, FileMaps, RunReader, count_checked, count_mapped, count_requested, populate, populate_runs
+from .tile_boxes import BandBox, RowBlocks, tile_box
 
 if TYPE_CHECKING:
     import numpy as np
@@ -312,8 +313,9 @@ class VerifiedReader(RunReader):
             if mapped is not None:
                 a, b = cuts[i], cuts[i + 1]
                 copy_runs(mapped, src[a:b], outs, buf[a:b], dst[a:b], length[a:b])
-            if self._block_hashed(path, entry, region, tiling, leaf0, blk, band, th, tw, pos, owner, outs, ka, kb,
-                                  row_at[ka]):  # fmt: skip
+            block = _block_view(blk, band, th, tw, pos, owner, outs, ka, kb, row_at[ka])
+            if block is not None:
+                self._block_hashed(path, entry, region, tiling, leaf0, block, int(blk[ka]), int(band[ka]))
                 continue
             for k in range(ka, kb):  # tile by tile: rows in other buffers, uneven, or bands apart
                 n, width, at = int(th[k]), int(tw[k]), row_at[k]
@@ -334,46 +336,102 @@ class VerifiedReader(RunReader):
         return True
 
     def _block_hashed(
-        self,
-        path: Any,
-        entry: VerifiedFile,
-        region: Any,
-        tiling: Tiling,
-        leaf0: int,
-        blk: np.ndarray,
-        band: np.ndarray,
-        th: np.ndarray,
-        tw: np.ndarray,
-        pos: np.ndarray,
-        owner: np.ndarray,
-        outs: Sequence[np.ndarray],
-        ka: int,
-        kb: int,
-        at: int,
-    ) -> bool:
-        """Check tiles ``[ka, kb)`` of one row block at once where they lie side by side in one destination, each
-        row of each an equal step apart (a column slice of several bands): one strided gather of them all, then one
-        hash per tile. False (nothing checked) where they do not lie so."""
+        self, path: Any, entry: VerifiedFile, region: Region, tiling: Tiling, leaf0: int, block: np.ndarray, blk: int,
+        band0: int,
+    ) -> bool:  # fmt: skip
+        """Check the tiles of row block ``blk`` from band ``band0`` on that ``block`` (their rows, side by side: rows
+        apart, bytes contiguous) holds: gathered tile after tile in one strided copy where a tile's rows lie apart,
+        then one hash per tile. True once every one matched."""
         import numpy as np
 
-        m, n, width = kb - ka, int(th[ka]), int(tw[ka])
-        if m < 2 or not bool((tw[ka:kb] == width).all()):
-            return False
-        p, b = pos[at : at + m * n].reshape(m, n), owner[at : at + m * n]
-        step = int(p[0, 1] - p[0, 0]) if n > 1 else m * width
-        p0 = int(p[0, 0])
-        if not (bool((b == b[0]).all()) and np.array_equal(p, p0 + np.arange(m)[:, None] * width
-                                                           + np.arange(n)[None, :] * step)):  # fmt: skip
-            return False
-        source = np.lib.stride_tricks.as_strided(outs[int(b[0])][p0:], (m, n, width), (width, step, 1),
-                                                 writeable=False)  # fmt: skip
-        tiles = self._canvas(m * n * width).numpy().reshape(m, n * width)
-        np.copyto(tiles.reshape(m, n, width), source)
-        for j in range(m):
-            index = int(blk[ka + j]) * tiling.bands + int(band[ka + j])
-            if not self._check(tiles[j], entry, leaf0 + index):
-                raise self._mismatch(path, entry, region, tiling, index)
+        th, w = block.shape
+        tw = tiling.tile_bytes
+        full, last = divmod(w, tw)
+        if th == 1 or (full + (last > 0) == 1 and block.strides[0] == w):
+            flat = block.reshape(-1)  # the tiles lie whole and in order already
+        else:
+            flat = self._canvas(th * w).numpy()
+            if full:
+                tiles = block[:, : full * tw].reshape(th, full, tw).transpose(1, 0, 2)
+                np.copyto(flat[: full * th * tw].reshape(full, th, tw), tiles)
+            if last:
+                np.copyto(flat[full * th * tw :].reshape(th, last), block[:, full * tw :])
+        digests, first = entry.hashes.leaf, blk * tiling.bands + band0
+        for j in range(full + (last > 0)):
+            at = j * th * tw
+            if self.hash(flat[at : at + th * min(tw, w - j * tw)]).digest() != digests(leaf0 + first + j):
+                raise self._mismatch(path, entry, region, tiling, first + j)
+        count_checked(th * w, full + (last > 0))
         return True
+
+    def _warm_box(
+        self, path: Any, entry: VerifiedFile, src: np.ndarray, length: np.ndarray, buf: np.ndarray, dst: np.ndarray,
+        buffers: Sequence[Any],
+    ) -> bool:  # fmt: skip
+        """A job of whole row blocks, or of one column slice on band edges, of a file in the page cache: copied out
+        of its mapping and checked tile by tile, with no per-run bookkeeping of which tiles the runs touch. False
+        (nothing read) for any other job."""
+        if self.maps is None:
+            return False
+        box = tile_box(entry.starts, entry.bases, entry.hashes.regions, src, length, buf, dst)
+        if box is None:
+            return False
+        region = entry.hashes.regions[box.region]
+        B = region.row_bytes
+        if isinstance(box, RowBlocks):
+            boxes = [(o // B, -(-(o + n) // B), 0, B) for o, n in zip(box.start, box.length, strict=True)]
+        else:
+            boxes = [(box.r0, box.r1, box.c0, box.c1)]
+        mapped = self.maps.array(path) if self._cached(path, region, boxes) else None
+        if mapped is None:
+            return False
+        self.maps.intact(path, region.end)
+        if isinstance(box, RowBlocks):
+            self._rows_copied(path, entry, region, box, mapped, buffers)
+        else:
+            self._band_copied(path, entry, region, box, mapped, buffers)
+        return True
+
+    def _rows_copied(
+        self, path: Any, entry: VerifiedFile, region: Region, box: RowBlocks, mapped: np.ndarray, buffers: Sequence[Any]
+    ) -> None:
+        """Copy whole row blocks out of the mapping tile by tile, each hashed in its destination while still in the
+        cache."""
+        span, base, digests = box.tiling.tile_rows * region.row_bytes, region.offset, entry.hashes.leaf
+        outs = {b: buffer_array(buffers[b]) for b in set(box.buf)}
+        total = 0
+        for o, n, b, d in zip(box.start, box.length, box.buf, box.dst, strict=True):
+            out = outs[b]
+            populate(buffers[b].data_ptr() + d, n)
+            for at in range(0, n, span):
+                size, k = min(span, n - at), (o + at) // span
+                out[d + at : d + at + size] = mapped[base + o + at : base + o + at + size]
+                if self.hash(out[d + at : d + at + size]).digest() != digests(box.leaf0 + k):
+                    raise self._mismatch(path, entry, region, box.tiling, k)
+            total += n
+        count_mapped(path, total)
+        count_checked(total, sum(-(-n // span) for n in box.length))
+
+    def _band_copied(
+        self, path: Any, entry: VerifiedFile, region: Region, box: BandBox, mapped: np.ndarray, buffers: Sequence[Any]
+    ) -> None:
+        """Copy a column slice out of the mapping a row block at a time, each block's tiles checked while it is still
+        in the cache."""
+        import numpy as np
+
+        B, n, w, h = region.row_bytes, box.r1 - box.r0, box.c1 - box.c0, box.tiling.tile_rows
+        out = buffer_array(buffers[box.buf])
+        populate(buffers[box.buf].data_ptr() + box.dst, (n - 1) * box.pitch + w)
+        rows = mapped[region.offset + box.r0 * B : region.offset + box.r1 * B].reshape(n, B)[:, box.c0 : box.c1]
+        if box.pitch == w:
+            into = out[box.dst : box.dst + n * w].reshape(n, w)
+        else:
+            into = np.lib.stride_tricks.as_strided(out[box.dst :], (n, w), (box.pitch, 1))
+        band0 = box.c0 // box.tiling.tile_bytes
+        for a in range(0, n, h):
+            np.copyto(into[a : a + h], rows[a : a + h])
+            self._block_hashed(path, entry, region, box.tiling, box.leaf0, into[a : a + h], (box.r0 + a) // h, band0)
+        count_mapped(path, n * w)
 
     def _request_pages(self, path: Any, starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
         """Ask for the pages of sorted runs ``[starts[i], ends[i])`` of a cold local file, all up front and without
@@ -510,6 +568,8 @@ class VerifiedReader(RunReader):
                 "the integrity record gives this file",
                 file=str(path),
             )
+        if self._warm_box(path, entry, src, length, buf, dst, buffers):
+            return
         ridx = np.searchsorted(entry.starts, src, side="right") - 1
         if bool((ends > entry.ends[ridx]).any()):  # a run across regions: cut it at each region end
             src, length, buf, dst = _cut(src, length, buf, dst, entry)
@@ -630,6 +690,27 @@ class VerifiedReader(RunReader):
             if not self._check(data, entry, leaf):
                 raise self._mismatch(path, entry, region, tiling, int(blk) * tiling.bands + int(band))
         copy_runs(flat, src - base, [buffer_array(t) for t in buffers], buf, dst, length)
+
+
+def _block_view(
+    blk: np.ndarray, band: np.ndarray, th: np.ndarray, tw: np.ndarray, pos: np.ndarray, owner: np.ndarray,
+    outs: Sequence[np.ndarray], ka: int, kb: int, at: int,
+) -> np.ndarray | None:  # fmt: skip
+    """Tiles ``[ka, kb)`` of one row block (bands one after another, of one width, their rows first at ``pos[at:]`` in
+    ``outs[owner[at:]]``) as one block of rows side by side in one destination, each row an equal step after the
+    one before (a column slice of several bands); None where they do not lie so."""
+    import numpy as np
+
+    m, n, width = kb - ka, int(th[ka]), int(tw[ka])
+    if m < 2 or not bool((tw[ka:kb] == width).all()) or not bool((np.diff(band[ka:kb]) == 1).all()):
+        return None
+    p, b = pos[at : at + m * n].reshape(m, n), owner[at : at + m * n]
+    step = int(p[0, 1] - p[0, 0]) if n > 1 else m * width
+    p0 = int(p[0, 0])
+    if not (bool((b == b[0]).all()) and np.array_equal(p, p0 + np.arange(m)[:, None] * width
+                                                       + np.arange(n)[None, :] * step)):  # fmt: skip
+        return None
+    return np.lib.stride_tricks.as_strided(outs[int(b[0])][p0:], (n, m * width), (step, 1), writeable=False)
 
 
 def copy_runs(
