@@ -491,5 +491,5 @@ def test_rank_files_are_listed_by_their_leaves_and_checked_by_them(tmp_path: Pat
         rank_path(out, 1).write_bytes(bytes(data))
         result = runner.invoke(main, ["verify", str(out)])
         assert result.exit_code != 0 and "model-rank-1-part-0.safetensors" in result.output, result.output
-        with pytest.raises(CheckpointError, match="model-rank-1-part-0.safetensors"):
+        with pytest.raises(CheckpointError, match=r"model-rank-1-part-0\.safetensors"):
             shardload.load_rank(out, 1, 4, verify=True)
