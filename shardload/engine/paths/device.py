@@ -525,8 +525,8 @@ class DevicePath(HostPath):
             staging.release(buf)
 
     def _sink(self, size: int) -> torch.Tensor:
-        """This reader thread's sink for the gaps of packed spans, at least ``size`` bytes (small: it stays in the
-        CPU cache)."""
+        """This reader thread's sink for the gaps of packed spans, at least ``size`` bytes (the longest gap: the
+        gaps are written over one another, so it stays as small as the layout allows)."""
         import torch
 
         sink = getattr(self.sinks, "buf", None)
