@@ -209,3 +209,80 @@ def test_a_retry_after_a_failing_entry_point_does_not_run_the_others_again(
                 registry.lookup("other.step")
     finally:
         registry.unregister("late.step")
+
+
+def test_a_plugin_whose_import_looks_a_step_up_does_not_hang_a_concurrent_lookup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thread B imports a plugin module whose top level lists the steps (``names()``) while thread A's first lookup
+    loads the entry points, which import that same module: both finish (no lock is held across a plugin's import,
+    so neither waits for the other forever)."""
+    import threading
+
+    from shardload.planning import registry
+    from shardload.sources import plugins
+
+    site = _steps_site(tmp_path, "import time\n\nfrom shardload.planning import registry\n\ntime.sleep(0.3)\n"
+                                 "registry.names()\nregistry.register('late.step', out=True)(lambda x, out: out)\n\n\n"
+                                 "def register():\n    pass\n")  # fmt: skip
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(plugins, "installed_paths", lambda: [str(site)])
+    monkeypatch.setattr(plugins, "_DONE", set())
+    monkeypatch.setattr(plugins, "_LOADED", set())
+    monkeypatch.setattr(plugins, "WAIT_S", 1.0)
+    monkeypatch.delitem(sys.modules, "late_steps", raising=False)
+    done: list[str] = []
+    b = threading.Thread(target=lambda: (importlib.import_module("late_steps"), done.append("B")), daemon=True)
+    b.start()
+    import time
+
+    time.sleep(0.1)
+    a = threading.Thread(target=lambda: (registry.lookup("late.step"), done.append("A")), daemon=True)
+    a.start()
+    b.join(20)
+    a.join(20)
+    registry.unregister("late.step")
+    assert sorted(done) == ["A", "B"]
+
+
+def test_a_plugin_that_registers_then_fails_leaves_no_step_and_is_named_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry point registers a step, then fails: its step is withdrawn (a half-initialised package's step is not
+    used) and every later lookup names the first failure, not 'already registered' from running it again."""
+    from shardload.errors import StepArgumentError
+    from shardload.planning import registry
+    from shardload.sources import plugins
+
+    site = _steps_site(tmp_path, "from shardload.planning import registry\n\n\ndef register():\n"
+                                 "    registry.register('late.step', out=True)(lambda x, out: out)\n"
+                                 "    raise RuntimeError('half way')\n")  # fmt: skip
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(plugins, "installed_paths", lambda: [str(site)])
+    monkeypatch.setattr(plugins, "_DONE", set())
+    monkeypatch.setattr(plugins, "_LOADED", set())
+    monkeypatch.delitem(sys.modules, "late_steps", raising=False)
+    try:
+        for name in ("other.step", "late.step", "other.step"):
+            with pytest.raises(StepArgumentError, match=r"'late' \(late_steps:register\).*RuntimeError: half way"):
+                registry.lookup(name)
+    finally:
+        registry.unregister("late.step")
+
+
+def test_sha256_to_a_layout_that_takes_none_is_a_usage_line(example_dir: Path, tmp_path: Path) -> None:
+    """``--sha256`` goes to a layout that declares it takes it (vLLM's); any other is refused in one usage line,
+    not a TypeError from its convert."""
+    from shardload.engine import convert_targets
+
+    calls: list[dict[str, object]] = []
+    toy = LayoutTarget("toy", convert=lambda *a, **k: calls.append(k) or [], served=lambda *a: "", mesh_refusal="")
+    register_layout(toy)
+    try:
+        result = CliRunner().invoke(main, ["convert", str(example_dir), "-n", "2", "-o", str(tmp_path / "o"),
+                                           "--layout", "toy", "--sha256"])  # fmt: skip
+        assert result.exit_code == 2 and "--layout toy takes no --sha256" in result.output, result.output
+        assert calls == []
+    finally:
+        convert_targets._LAYOUTS.pop("toy", None)
+    assert layouts()["vllm"].sha256

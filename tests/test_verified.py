@@ -794,3 +794,29 @@ def test_tile_box_finds_whole_row_blocks_and_band_slices() -> None:
     assert box([1000 + r * B for r in range(100)], [376] * 100) is None  # rows off a band tile's edge
     assert box([1000 + 2 * 376], [B]) is None  # across rows
     assert box([0, 1000], [1000, 32 * B]) is None  # across regions
+
+
+@pytest.mark.parametrize("n", (1, 2))
+def test_rows_wider_than_a_tile_load_verified(tmp_path: Path, n: int) -> None:
+    """Rows of 160 KB (wider than a row-block tile): a read of several whole rows spans row blocks, and the later
+    blocks' bytes are copied by the first block's run; a warm verified load returns the rows, and a flipped byte in
+    the last row is caught."""
+    rng = np.random.default_rng(3)
+    t = rng.standard_normal((4, 40001)).astype(np.float32)
+    info = {
+        "version": 1,
+        "num_shards": None,
+        "params": {"w": [["shard_funcs.shard_dim", [None, None], 0, "num_shards"]]},
+    }
+    model = write_model(tmp_path / "m", {"w": t}, info)
+    hash_model(model)
+    (model / "model.safetensors").read_bytes()  # warm
+    for r in range(n):
+        got = shardload.load_rank(model, r, n, verify=True)
+        np.testing.assert_array_equal(got["w"].numpy(), np.split(t, n)[r])
+    path = model / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ShardloadError, match="feeding w: hash mismatch"):
+        shardload.load_rank(model, n - 1, n, verify=True)

@@ -493,3 +493,20 @@ def test_rank_files_are_listed_by_their_leaves_and_checked_by_them(tmp_path: Pat
         assert result.exit_code != 0 and "model-rank-1-part-0.safetensors" in result.output, result.output
         with pytest.raises(CheckpointError, match=r"model-rank-1-part-0\.safetensors"):
             shardload.load_rank(out, 1, 4, verify=True)
+
+
+def test_verify_reports_a_rank_file_whose_header_is_broken(tmp_path: Path) -> None:
+    """A flipped byte in a vLLM-layout rank file's header length: `verify` reports that file among its problems (a
+    report, `--json` included), it does not stop at the first unreadable header."""
+    build("llama_gqa", tmp_path / "model")
+    out = tmp_path / "out"
+    convert_vllm(tmp_path / "model", 2, out)
+    data = bytearray(rank_path(out, 1).read_bytes())
+    data[0] ^= 0x01
+    rank_path(out, 1).write_bytes(bytes(data))
+    report = shardload.verify_dir(out)
+    assert not report.ok and any("model-rank-1-part-0.safetensors" in str(p) for p in report.problems)
+    result = CliRunner().invoke(main, ["verify", str(out), "--json"])
+    assert (
+        result.exit_code == 1 and "model-rank-1-part-0.safetensors" in json.loads(result.stdout)["problems"][0]["file"]
+    )

@@ -191,7 +191,9 @@ def _convert_to(
         raise click.UsageError(target.mesh_refusal)
     if expert_parallel and not target.expert_parallel:
         raise click.UsageError(_expert_parallel_refusal())
-    more = {"sha256": True} if sha256 else {}  # a target that hashes no sha256 of its own is refused it
+    if sha256 and not target.sha256:
+        raise click.UsageError(f"--layout {target.name} takes no --sha256 (its files are listed as it lists them)")
+    more = {"sha256": True} if sha256 else {}  # only to a target that takes it
     files = target.convert(model, num_shards, out_dir, shard_info, overwrite=overwrite, fsync=fsync, verify=verify,
                            expert_parallel=expert_parallel, **more)  # fmt: skip
     if as_json:

@@ -32,7 +32,8 @@ class LayoutTarget:
     name: str
     """``--layout NAME``."""
     convert: Callable[..., list[Any]]
-    """``(model, num_shards, out_dir, shard_info, *, overwrite, fsync, verify, expert_parallel) -> written files``
+    """``(model, num_shards, out_dir, shard_info, *, overwrite, fsync, verify, expert_parallel[, sha256]) -> written
+    files``
     (each with ``path``, ``size``, ``sha256`` and ``entry()``), one per rank in rank order."""
     served: Callable[[Path, int, bool], str]
     """``(out_dir, num_shards, expert_parallel) ->`` the line the command line ends with (how to serve it)."""
@@ -40,6 +41,8 @@ class LayoutTarget:
     """The command line's refusal of ``--mesh`` or a missing ``--num-shards``."""
     expert_parallel: bool = False
     """Whether the target takes ``--expert-parallel``."""
+    sha256: bool = False
+    """Whether its ``convert`` takes ``sha256=True`` (``--sha256``: every file's sha256 in the manifest too)."""
     manifest_format: str | None = None
     """The ``format`` its outputs' manifest names, so ``shardload verify`` knows them (None: not checked there)."""
     check_manifest: Callable[[Any, Path], None] | None = None

@@ -121,7 +121,11 @@ def _check_leaves(full: Any, entry: dict[str, Any], record: OutputRecord) -> Che
         return None
     from .integrity import names_in
 
-    problem = leaf_problem(hashes, full, table, names_in(list(read_header(full).values())))
+    try:
+        names = names_in(list(read_header(full).values()))
+    except ShardloadError as err:  # its header changed too: the tensors cannot be named, the file still is
+        return CheckpointError(f"does not match its leaves in {RECORD_NAME} ({err.reason})", file=str(full))
+    problem = leaf_problem(hashes, full, table, names)
     return CheckpointError(f"does not match its leaves in {RECORD_NAME}: {problem.reason}", file=str(full))
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import difflib
 import inspect
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -260,6 +261,19 @@ def load_entry_points() -> None:
     directory or beside the running script (a model directory one runs from) is never read.
     """
     try:
-        load_once(ENTRY_POINT_GROUP)
+        load_once(ENTRY_POINT_GROUP, _withdrawn_on_failure)
     except PluginError as err:  # raised again by every lookup: no plan goes on with a package's steps missing
         raise StepArgumentError(str(err)) from None
+
+
+@contextmanager
+def _withdrawn_on_failure(name: str) -> Iterator[None]:
+    """Run one entry point; if it fails, withdraw the steps it registered (a half-loaded package's steps are not
+    used, and running it again registers them afresh)."""
+    before = set(_REGISTRY)
+    try:
+        yield
+    except BaseException:
+        for added in set(_REGISTRY) - before:
+            _REGISTRY.pop(added, None)
+        raise

@@ -14,7 +14,10 @@ import site
 import sys
 import sysconfig
 import threading
+import time
 import types
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 
@@ -28,49 +31,73 @@ does not call them twice."""
 _LOADED_LOCK = threading.Lock()
 
 
+WAIT_S = 10.0
+"""How long a thread waits for another thread loading a group's entry points before it goes on with what is
+registered: a plugin module whose own top level looks the group up, imported by one thread while the loading thread
+imports that same module, would otherwise leave both waiting for ever."""
 _DONE: set[str] = set()
 """Groups whose entry points have all loaded in this process (:func:`load_once`)."""
-_LOADING: set[str] = set()
-_GROUP_LOCK = threading.RLock()
+_LOADING: dict[str, int] = {}
+"""Groups being loaded, by the loading thread's ident."""
+_COND = threading.Condition()
 
 
-def load_once(group: str) -> None:
-    """Load ``group``'s entry points once per process (:func:`run_entry_points`): another thread waits for the
-    load under way; a failure is raised again by every call until they all load; a call made from inside one of
-    them (it looks up what the group registers) returns at once."""
+def load_once(group: str, around: Callable[[str], AbstractContextManager[Any]] | None = None) -> None:
+    """Load ``group``'s entry points once per process (:func:`run_entry_points`, ``around`` each): another thread
+    waits for the load under way (at most :data:`WAIT_S`); a failure is raised again by every call until they all
+    load; a call made from inside one of them returns at once. No lock is held while a plugin is imported."""
     if group in _DONE:
         return
-    with _GROUP_LOCK:
+    me = threading.get_ident()
+    with _COND:
+        deadline = time.monotonic() + WAIT_S
+        while group in _LOADING and _LOADING[group] != me:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return  # waited long enough: go on with what is registered
+            _COND.wait(left)
         if group in _DONE or group in _LOADING:
             return
-        _LOADING.add(group)
-        try:
-            run_entry_points(group)
-        finally:
-            _LOADING.discard(group)
-        _DONE.add(group)
+        _LOADING[group] = me
+    done = False
+    try:
+        run_entry_points(group, around)
+        done = True
+    finally:
+        with _COND:
+            del _LOADING[group]
+            if done:
+                _DONE.add(group)
+            _COND.notify_all()
 
 
-def run_entry_points(group: str) -> None:
-    """Load every installed package's entry points in ``group``, each once per process; one naming a callable is
-    called with no arguments (one naming a module registers by being imported)."""
+def run_entry_points(group: str, around: Callable[[str], AbstractContextManager[Any]] | None = None) -> None:
+    """Load every installed package's entry points in ``group``, each once per process (``around(name)``: a context
+    each runs in, e.g. one that withdraws what a failing entry point registered); one naming a callable is called
+    with no arguments (one naming a module registers by being imported)."""
     for name, value in _entry_points(group):
         with _LOADED_LOCK:
             if (group, name, value) in _LOADED:
                 continue
         try:
-            module, _, attr = value.split("[")[0].partition(":")
-            loaded: Any = importlib.import_module(module.strip())
-            for part in filter(None, attr.strip().split(".")):
-                loaded = getattr(loaded, part)
-            if callable(loaded) and not isinstance(loaded, types.ModuleType):
-                loaded()
+            with around(name) if around is not None else nullcontext():
+                _load(value)
         except Exception as err:
             raise PluginError(
                 f"the installed {group} entry point {name!r} ({value}) failed to load: {type(err).__name__}: {err}"
             ) from None
         with _LOADED_LOCK:
             _LOADED.add((group, name, value))
+
+
+def _load(value: str) -> None:
+    """Import an entry point's module; call what it names when that is a callable."""
+    module, _, attr = value.split("[")[0].partition(":")
+    loaded: Any = importlib.import_module(module.strip())
+    for part in filter(None, attr.strip().split(".")):
+        loaded = getattr(loaded, part)
+    if callable(loaded) and not isinstance(loaded, types.ModuleType):
+        loaded()
 
 
 def _entry_points(group: str) -> list[tuple[str, str]]:

@@ -310,7 +310,7 @@ class VerifiedReader(RunReader):
         scratch = np.empty(h * w, dtype=np.uint8)  # one tile, gathered where its rows lie apart
         for i in range(len(bounds) - 1):
             ka, kb = bounds[i], bounds[i + 1]
-            if mapped is not None:
+            if mapped is not None and cuts[i + 1] > cuts[i]:  # (none: a run from an earlier block copied this one)
                 a, b = cuts[i], cuts[i + 1]
                 copy_runs(mapped, src[a:b], outs, buf[a:b], dst[a:b], length[a:b])
             block = _block_view(blk, band, th, tw, pos, owner, outs, ka, kb, row_at[ka])

@@ -44,6 +44,7 @@ SHARDED_STATE_LAYOUT = LayoutTarget(
     served=_served,
     mesh_refusal="--layout vllm takes --num-shards (vLLM's tensor-parallel size) and no --mesh",
     expert_parallel=True,
+    sha256=True,
     manifest_format=VLLM_MANIFEST_FORMAT,
     check_manifest=_check_manifest,
     against_source=_against_source,
