@@ -315,7 +315,7 @@ def _own_cgroup() -> Path | None:
         for line in SELF_CGROUP.read_text().splitlines():
             if line.startswith("0::"):
                 return CGROUP_ROOT / line[3:].strip().lstrip("/")
-    except OSError:
+    except (OSError, ValueError):  # unreadable, or not text
         return None
     return None
 
