@@ -222,11 +222,3 @@ def _vllm_source(
 def rank_path(out_dir: str | os.PathLike[str], rank: int) -> Path:
     """The file vLLM reads for tensor-parallel rank ``rank`` of a ``sharded_state`` directory."""
     return Path(out_dir) / FILE_PATTERN.format(rank=rank)
-
-
-def register() -> None:
-    """Register the ``sharded_state`` split format, for an install whose entry points still name this module
-    (``shardload.split_formats`` now names :func:`.split_format.register`, which does the same and imports less)."""
-    from .split_format import register as register_split
-
-    register_split()
