@@ -99,14 +99,21 @@ def test_a_pinned_root_is_read_as_a_file_holds_it() -> None:
         Verify(root="ab" * 31)
 
 
-def _steps_site(tmp_path: Path, body: str) -> Path:
-    """A site directory holding one installed package whose ``shardload.steps`` entry point is ``body``'s
-    ``register``."""
+def _installed_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> Path:
+    """A site directory holding one installed package (module ``late_steps``: ``body``) whose ``shardload.steps``
+    entry point is its ``register``, made the only one installed, every group's entry points not loaded yet."""
+    from shardload.sources import plugins
+
     site = tmp_path / "site"
     dist = site / "late_steps-1.0.dist-info"
     dist.mkdir(parents=True)
     (dist / "entry_points.txt").write_text("[shardload.steps]\nlate = late_steps:register\n")
     (site / "late_steps.py").write_text(body)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(plugins, "installed_paths", lambda: [str(site)])
+    monkeypatch.setattr(plugins, "_DONE", set())
+    monkeypatch.setattr(plugins, "_LOADED", set())
+    monkeypatch.delitem(sys.modules, "late_steps", raising=False)
     return site
 
 
@@ -130,14 +137,8 @@ def test_a_step_from_an_entry_point_is_found_by_every_thread_looking_it_up(
     import threading
 
     from shardload.planning import registry
-    from shardload.sources import plugins
 
-    site = _steps_site(tmp_path, _LATE_STEP)
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setattr(plugins, "installed_paths", lambda: [str(site)])
-    monkeypatch.setattr(plugins, "_DONE", set())
-    monkeypatch.setattr(plugins, "_LOADED", set())
-    monkeypatch.delitem(sys.modules, "late_steps", raising=False)
+    _installed_steps(tmp_path, monkeypatch, _LATE_STEP)
     found: list[object] = []
 
     def look() -> None:
@@ -163,14 +164,8 @@ def test_a_failing_entry_point_is_named_by_every_lookup(tmp_path: Path, monkeypa
     does not claim the name is unknown, as if nothing were installed); once it imports, the name is found."""
     from shardload.errors import StepArgumentError
     from shardload.planning import registry
-    from shardload.sources import plugins
 
-    site = _steps_site(tmp_path, "raise ImportError('its own dependency is missing')\n")
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setattr(plugins, "installed_paths", lambda: [str(site)])
-    monkeypatch.setattr(plugins, "_DONE", set())
-    monkeypatch.setattr(plugins, "_LOADED", set())
-    monkeypatch.delitem(sys.modules, "late_steps", raising=False)
+    site = _installed_steps(tmp_path, monkeypatch, "raise ImportError('its own dependency is missing')\n")
     for _ in range(2):
         with pytest.raises(StepArgumentError, match=r"late_steps:register.*its own dependency is missing"):
             registry.lookup("late.step")
@@ -190,19 +185,15 @@ def test_a_retry_after_a_failing_entry_point_does_not_run_the_others_again(
     steps as registered twice."""
     from shardload.errors import StepArgumentError
     from shardload.planning import registry
-    from shardload.sources import plugins
 
-    site = _steps_site(tmp_path, _LATE_STEP.replace("time.sleep(0.3)", "pass"))  # registers a new closure per call
+    site = _installed_steps(
+        tmp_path, monkeypatch, _LATE_STEP.replace("time.sleep(0.3)", "pass")
+    )  # registers a new closure per call
     bad = site / "zbroken_steps-1.0.dist-info"
     bad.mkdir()
     (bad / "entry_points.txt").write_text("[shardload.steps]\nbroken = zbroken_steps:register\n")
     (site / "zbroken_steps.py").write_text("raise ImportError('broken on purpose')\n")
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setattr(plugins, "installed_paths", lambda: [str(site)])
-    monkeypatch.setattr(plugins, "_DONE", set())
-    monkeypatch.setattr(plugins, "_LOADED", set())
-    for module in ("late_steps", "zbroken_steps"):
-        monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.delitem(sys.modules, "zbroken_steps", raising=False)
     try:
         for _ in range(2):
             with pytest.raises(StepArgumentError, match=r"'broken' \(zbroken_steps:register\).*broken on purpose"):
@@ -222,15 +213,12 @@ def test_a_plugin_whose_import_looks_a_step_up_does_not_hang_a_concurrent_lookup
     from shardload.planning import registry
     from shardload.sources import plugins
 
-    site = _steps_site(tmp_path, "import time\n\nfrom shardload.planning import registry\n\ntime.sleep(0.3)\n"
-                                 "registry.names()\nregistry.register('late.step', out=True)(lambda x, out: out)\n\n\n"
-                                 "def register():\n    pass\n")  # fmt: skip
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setattr(plugins, "installed_paths", lambda: [str(site)])
-    monkeypatch.setattr(plugins, "_DONE", set())
-    monkeypatch.setattr(plugins, "_LOADED", set())
+    body = (
+        "import time\n\nfrom shardload.planning import registry\n\ntime.sleep(0.3)\nregistry.names()\n"
+        "registry.register('late.step', out=True)(lambda x, out: out)\n\n\ndef register():\n    pass\n"
+    )
+    _installed_steps(tmp_path, monkeypatch, body)
     monkeypatch.setattr(plugins, "WAIT_S", 1.0)
-    monkeypatch.delitem(sys.modules, "late_steps", raising=False)
     done: list[str] = []
     b = threading.Thread(target=lambda: (importlib.import_module("late_steps"), done.append("B")), daemon=True)
     b.start()
@@ -252,16 +240,12 @@ def test_a_plugin_that_registers_then_fails_leaves_no_step_and_is_named_again(
     used) and every later lookup names the first failure, not 'already registered' from running it again."""
     from shardload.errors import StepArgumentError
     from shardload.planning import registry
-    from shardload.sources import plugins
 
-    site = _steps_site(tmp_path, "from shardload.planning import registry\n\n\ndef register():\n"
-                                 "    registry.register('late.step', out=True)(lambda x, out: out)\n"
-                                 "    raise RuntimeError('half way')\n")  # fmt: skip
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setattr(plugins, "installed_paths", lambda: [str(site)])
-    monkeypatch.setattr(plugins, "_DONE", set())
-    monkeypatch.setattr(plugins, "_LOADED", set())
-    monkeypatch.delitem(sys.modules, "late_steps", raising=False)
+    body = (
+        "from shardload.planning import registry\n\n\ndef register():\n"
+        "    registry.register('late.step', out=True)(lambda x, out: out)\n    raise RuntimeError('half way')\n"
+    )
+    _installed_steps(tmp_path, monkeypatch, body)
     try:
         for name in ("other.step", "late.step", "other.step"):
             with pytest.raises(StepArgumentError, match=r"'late' \(late_steps:register\).*RuntimeError: half way"):
