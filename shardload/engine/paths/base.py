@@ -57,7 +57,9 @@ class DataPath:
     ctx: LoadContext
 
     def __init__(self) -> None:
-        self.staging_buffers: StagingBuffers | None = None
+        self.staging_pools: dict[tuple[int, bool], StagingBuffers] = {}
+        """The staging pools this load took, by buffer size and page-locking (the host path's batches, the device
+        path's spans)."""
 
     def bind(self, ctx: LoadContext) -> None:
         """Attach the path to its load's executor (once: a path serves one load)."""
@@ -86,12 +88,14 @@ class DataPath:
         None for none of them."""
         return None
 
-    def staging(self, *, pin: bool) -> StagingBuffers:
-        """The staging buffers: this process's pool (:func:`~shardload.engine.staging.shared_staging`, page-locked
-        with ``pin``), taken on first use."""
-        if self.staging_buffers is None:
-            self.staging_buffers = shared_staging(self.ctx.stage_bytes, max(2, self.ctx.threads + 1), pin=pin)
-        return self.staging_buffers
+    def staging(self, *, pin: bool, size: int | None = None) -> StagingBuffers:
+        """The staging buffers of ``size`` bytes (None: the executor's staging size): this process's pool
+        (:func:`~shardload.engine.staging.shared_staging`, page-locked with ``pin``), taken on first use."""
+        size = self.ctx.stage_bytes if size is None else size
+        pool = self.staging_pools.get((size, pin))
+        if pool is None:
+            pool = self.staging_pools[size, pin] = shared_staging(size, max(2, self.ctx.threads + 1), pin=pin)
+        return pool
 
     def read_staged(
         self, staging: StagingBuffers, path: Path, offset: int, batch: StagedBatch, dests: list[torch.Tensor]
@@ -115,8 +119,8 @@ class DataPath:
 
     def sync(self) -> None:
         """Wait for every upload issued so far."""
-        if self.staging_buffers is not None:
-            self.staging_buffers.sync()
+        for pool in self.staging_pools.values():
+            pool.sync()
 
     def close(self) -> None:
         """Release what the path holds once its load's jobs have stopped."""

@@ -388,8 +388,6 @@ class DevicePath(HostPath):
         self.plans: dict[tuple[StructureKey, int], SpanPlan] = {}
         self.models: dict[Path, IoModel | None] = {}
         self.scratch: dict[Any, queue.SimpleQueue[torch.Tensor]] = {}
-        self.span_buffers: StagingBuffers | None = None
-        """The staging pool spans are read into (whole pages; the host path's staged batches have their own)."""
         self.sinks = threading.local()
         """Each reader thread's sink for the gaps of packed spans."""
 
@@ -431,7 +429,7 @@ class DevicePath(HostPath):
         skew = source.offset % PAGE
         devs = [t.device for t in dests]  # with their indices ("cuda" alone means the caller's current device)
         order = list(dict.fromkeys(devs))  # the load's devices: every span is read once, for all of them
-        staging = self.staging_for(devs)
+        staging = self.staging(pin=any(d.type == "cuda" for d in devs), size=self.span_bytes)  # whole pages
         pkey = (key, skew)
         if pkey not in self.plans:
             # spans read through every gap cheaper than a span: bytes over the page floor are bounded by max_waste
@@ -444,21 +442,6 @@ class DevicePath(HostPath):
         for span in self.plans[pkey].spans:
             self.ctx.submit(partial(self._span, staging, source.file, source.offset, span, order, dests, afters))
         return dests
-
-    def staging_for(self, devices: Sequence[torch.device]) -> StagingBuffers:
-        """The page-locked buffers (for CUDA) the spans are read into, one process-wide pool."""
-        from ..staging import shared_staging
-
-        if self.span_buffers is None:
-            pin = any(d.type == "cuda" for d in devices)
-            self.span_buffers = shared_staging(self.span_bytes, max(2, self.ctx.threads + 1), pin=pin)
-        return self.span_buffers
-
-    def sync(self) -> None:
-        """Wait for every upload and cut issued so far (spans', and the host path's staged batches')."""
-        super().sync()
-        if self.span_buffers is not None:
-            self.span_buffers.sync()
 
     def _model(self, path: Path) -> IoModel | None:
         """The I/O model spans are merged by: the caller's, else the file system's (measured once), else none."""
@@ -488,27 +471,20 @@ class DevicePath(HostPath):
         buf = staging.acquire()
         try:
             reader = self.ctx.reader
-            base = offset + span.offset
             if isinstance(reader, Reader) and span.sink:  # one preadv: pieces side by side, gaps into the sink
-                read = span.read
-                reader.read_runs(path, read.src + base, read.length, read.buf, read.dst, [buf, self._sink(span.sink)],
-                                 sink=1)  # fmt: skip
-                moved, staged = int(read.length.sum()), int(span.used.length.sum())
+                runs, into, more = span.read, [buf, self._sink(span.sink)], {"sink": 1}
             elif span.sink or hasattr(reader, "plan_with"):
                 # a checking reader (each byte checked), or a reader of ranged requests: the bytes the cuts take
-                used = span.used
-                reader.read_runs(path, used.src + base, used.length, used.buf, used.dst, [buf])
-                moved = staged = int(used.length.sum())
+                runs, into, more = span.used, [buf], {}
             else:  # first to last used byte in one read, each byte at its own offset
-                read = span.read
-                reader.read_runs(path, read.src + base, read.length, read.buf, read.dst, [buf])
-                moved = staged = int(read.length[0])
+                runs, into, more = span.read, [buf], {}
+            base = offset + span.offset
+            reader.read_runs(path, runs.src + base, runs.length, runs.buf, runs.dst, into, **more)
             for part in span.parts:
                 device, cuts = devices[part.device], part.cuts
                 if part.straight:
                     staging.on_device(buf, device, partial(_straight, buf, cuts, dests, staging.pin),
                                       afters[part.device])  # fmt: skip
-                    uploads, uploaded, cut = len(cuts), int(cuts.length.sum()), 0
                 else:
                     scratch = self._scratch(device, staging.size + ALIGN)
                     try:
@@ -516,10 +492,13 @@ class DevicePath(HostPath):
                         staging.on_device(buf, device, upload, afters[part.device])
                     finally:
                         self.scratch[device].put(scratch)  # stream order: its next upload waits for these cuts
-                    uploads, uploaded, cut = 1, part.hi - part.lo, len(cuts)
                 if _tally is not None:
+                    uploads, uploaded, cut = ((len(cuts), int(cuts.length.sum()), 0) if part.straight
+                                              else (1, part.hi - part.lo, len(cuts)))  # fmt: skip
                     _tally.add(0, 0, 0, uploads, uploaded, cut, int((cuts.length * cuts.count).sum()))
             if _tally is not None:
+                moved = int(runs.length.sum())
+                staged = int(span.used.length.sum()) if span.sink else moved
                 _tally.add(1, moved, staged, 0, 0, 0, 0, packed=int(bool(span.sink)))
         finally:
             staging.release(buf)
