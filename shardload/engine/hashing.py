@@ -34,6 +34,7 @@ from ..sources.source_types import open_source
 from ..sources.tensor_info import TensorInfo
 from ..sources.tvm_cache import CACHE_NAMES
 from ..sources.verified import IntegrityError
+from .host_group import host_cores
 
 WORK_BYTES = 32 << 20
 """Bytes one hashing job covers (a stretch of one file, whole row blocks)."""
@@ -347,7 +348,7 @@ def leaf_tables(
                 seen[0] += n
                 report(seen[0], total)
 
-    count = threads or min(len(jobs), max(2, os.cpu_count() or 2)) or 1
+    count = threads or min(len(jobs), max(2, host_cores())) or 1  # two at least: one hashes while one waits
     with ThreadPoolExecutor(count, thread_name_prefix="shardload-hash") as pool:
         futures = [pool.submit(_hash_job, fds[j.file], j, hash_fn, tables[j.file], done) for j in jobs]
         for job, future in zip(jobs, futures, strict=True):

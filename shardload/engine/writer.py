@@ -30,6 +30,7 @@ from ..format.hash_record import RECORD_NAME, FileHashes, root_of
 from ..sources.dtypes import DTYPES, itemsize, to_torch
 from ..sources.reader import RunReader, buffer_view, libc_function
 from ..sources.safetensors_header import MAX_HEADER_BYTES
+from .host_group import host_cores
 from .integrity import wrapped
 from .leaf_stream import LeafStream, streamed_record
 from .transfer import reader_for_plan
@@ -44,8 +45,9 @@ STAGE_SET_BYTES = 2 << 20
 STAGE_CHUNK_LIMITS = (128 << 10, 1 << 20)
 READ_THROUGH_BYTES = 256 << 10
 """Holes up to this size between a worker's runs are read through (into a scratch buffer)."""
-WRITE_THREADS = max(1, min(8, os.cpu_count() or 1))
-"""Writer threads, each with its own group of ranks (hashing is the bulk of the work)."""
+WRITE_THREADS: int | None = None
+"""Writer threads, each with its own group of ranks (hashing is the bulk of the work); None: one per core this
+process may run on (:func:`~shardload.engine.host_group.host_cores`), at most 8."""
 WRITEBACK_BYTES = 16 << 20
 """Start writeback of a file each time this many more bytes have been written to it."""
 SYNC_FILE_RANGE_WRITE = 2
@@ -279,7 +281,7 @@ def write_rank_files(
     leaves are hashed for the output's record; its sha256 too only with ``sha256``.
     """
     n = plan.num_shards
-    workers = max(1, min(threads or WRITE_THREADS, n))
+    workers = max(1, min(threads or WRITE_THREADS or min(8, host_cores()), n))
     groups = [list(range(n))[w * n // workers : (w + 1) * n // workers] for w in range(workers)]
     files: list[FileWriter] = []
     results: list[WrittenFile | None] = [None] * n
