@@ -426,6 +426,51 @@ def test_memory_available_is_the_containers_not_the_hosts(
     assert host_stripes.memory_available() == want_gib << 30
 
 
+def _cgroup_v1(tmp_path: Path, limits: dict[str, tuple[int, int, int]], own: str) -> tuple[Path, Path, Path]:
+    """A fake cgroup v1 memory hierarchy under ``tmp_path``/cgroup/memory (``limits``: group path ->
+    memory.limit_in_bytes, memory.usage_in_bytes, total_cache in memory.stat), /proc/meminfo saying 64 GiB
+    available, and /proc/self/cgroup naming ``own`` in the memory controller (and a v2 line, as hybrid hosts have)."""
+    root = tmp_path / "cgroup"
+    for group, (most, current, cache) in limits.items():
+        d = root / "memory" / group.strip("/") if group != "/" else root / "memory"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "memory.limit_in_bytes").write_text(f"{most}\n")
+        (d / "memory.usage_in_bytes").write_text(f"{current}\n")
+        (d / "memory.stat").write_text(f"cache {cache // 2}\nrss 1000\ntotal_cache {cache}\ntotal_rss 1000\n")
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {128 << 20} kB\nMemAvailable: {64 << 20} kB\n")
+    self_cgroup = tmp_path / "self_cgroup"
+    self_cgroup.write_text(f"12:cpu,cpuacct:{own}\n9:memory:{own}\n0::/\n")
+    return meminfo, root, self_cgroup
+
+
+UNLIMITED_V1 = 9223372036854771712  # what cgroup v1 reports for no limit
+
+
+@pytest.mark.parametrize(
+    ("limits", "own", "want_gib"),
+    [
+        ({"/": (UNLIMITED_V1, 0, 0)}, "/", 64),  # no limit: the host's MemAvailable
+        ({"/": (UNLIMITED_V1, 0, 0), "/kubepods/pod": (8 << 30, 6 << 30, 1 << 30)}, "/kubepods/pod", 3),
+        ({"/": (UNLIMITED_V1, 0, 0), "/kubepods": (4 << 30, 1 << 30, 0), "/kubepods/ctr": (UNLIMITED_V1, 1 << 30, 0)},
+         "/kubepods/ctr", 3),  # a parent's limit
+        # docker's own mount: /proc/self/cgroup names a path the container cannot see; its mount is its group
+        ({"/": (8 << 30, 6 << 30, 1 << 30)}, "/docker/0123abcd", 3),
+        ({"/": (UNLIMITED_V1, 0, 0), "/pod": (8 << 30, 9 << 30, 0)}, "/pod", 0),  # over its limit
+    ],
+)  # fmt: skip
+def test_memory_available_reads_a_cgroup_v1_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limits: dict[str, tuple[int, int, int]], own: str, want_gib: int
+) -> None:
+    """Hosts still on cgroup v1 (or hybrid: the memory controller on v1) limit a container the same way: the
+    stripes' memory guard takes the limit, less what the group holds that it cannot drop."""
+    meminfo, root, self_cgroup = _cgroup_v1(tmp_path, limits, own)
+    monkeypatch.setattr(host_stripes, "MEMINFO", meminfo)
+    monkeypatch.setattr(host_stripes, "CGROUP_ROOT", root)
+    monkeypatch.setattr(host_stripes, "SELF_CGROUP", self_cgroup)
+    assert host_stripes.memory_available() == want_gib << 30
+
+
 def test_no_stripes_past_the_containers_memory(
     cold_rank: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,7 +56,8 @@ then is left to them."""
 MEMINFO = Path("/proc/meminfo")
 SELF_CGROUP = Path("/proc/self/cgroup")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-"""Where the host's available memory and this process's cgroup v2 limits are read (tests point them elsewhere)."""
+"""Where the host's available memory and this process's cgroup limits are read (v1's memory controller under
+``CGROUP_ROOT/memory``; tests point them elsewhere)."""
 SETTLE_PROBES = 1024
 """Pages over a file's data region asked about while the peers' stripes arrive."""
 SETTLE_STALL_S = 0.25
@@ -276,23 +277,24 @@ def _cold(path: Path, region: ByteRange) -> bool:
 
 
 def memory_available() -> int | None:
-    """Bytes this process may still fill with page cache: the host's ``MemAvailable``, or less where a cgroup v2
-    memory limit on its group or a parent group leaves less (``memory.max`` less what the group holds beyond its
-    droppable file pages). None where the host's figure cannot be read (not Linux)."""
+    """Bytes this process may still fill with page cache: the host's ``MemAvailable``, or less where a cgroup
+    memory limit (v2, or v1's memory controller) on its group or a parent group leaves less (the limit less what the
+    group holds beyond its droppable file pages). None where the host's figure cannot be read (not Linux)."""
     host = _meminfo_available()
     if host is None:
         return None
-    group = _own_cgroup()
-    if group is None:
+    own = _own_cgroup()
+    if own is None:
         return host
+    group, root, headroom_of = own
     least = host
     for d in (group, *group.parents):
-        if not d.is_relative_to(CGROUP_ROOT):
+        if not d.is_relative_to(root):
             break
-        headroom = _cgroup_headroom(d)
+        headroom = headroom_of(d)
         if headroom is not None:
             least = min(least, headroom)
-        if d == CGROUP_ROOT:
+        if d == root:
             break
     return max(0, least)
 
@@ -309,14 +311,25 @@ def _meminfo_available() -> int | None:
     return None
 
 
-def _own_cgroup() -> Path | None:
-    """This process's cgroup v2 directory (``0::`` in ``/proc/self/cgroup``), else None (cgroup v1, not Linux)."""
+def _own_cgroup() -> tuple[Path, Path, Callable[[Path], int | None]] | None:
+    """This process's memory cgroup: its directory, its hierarchy's root and how a group's headroom is read. The
+    memory controller's v1 line where there is one (a hybrid host keeps memory on v1), else the v2 group (``0::``);
+    None where ``/proc/self/cgroup`` cannot be read (not Linux)."""
     try:
-        for line in SELF_CGROUP.read_text().splitlines():
-            if line.startswith("0::"):
-                return CGROUP_ROOT / line[3:].strip().lstrip("/")
+        lines = SELF_CGROUP.read_text().splitlines()
     except (OSError, ValueError):  # unreadable, or not text
         return None
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy != "0" and "memory" in controllers.split(","):
+            root = CGROUP_ROOT / "memory"
+            group = root / path.strip().lstrip("/")
+            # a container's own mount of its group: the path /proc/self/cgroup names is the host's, not there
+            return (group if group.is_dir() else root), root, _cgroup_v1_headroom
+    for line in lines:
+        if line.startswith("0::"):
+            return CGROUP_ROOT / line[3:].strip().lstrip("/"), CGROUP_ROOT, _cgroup_headroom
     return None
 
 
@@ -334,5 +347,28 @@ def _cgroup_headroom(group: Path) -> int | None:
                 file = int(line.split()[1])
                 break
         return int(most) - (current - file)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+V1_UNLIMITED = 1 << 62
+"""A cgroup v1 ``memory.limit_in_bytes`` at least this large is no limit (v1 writes the page counter's maximum)."""
+
+
+def _cgroup_v1_headroom(group: Path) -> int | None:
+    """What a cgroup v1 ``group``'s memory limit leaves: ``memory.limit_in_bytes`` less ``memory.usage_in_bytes``
+    plus its page cache (``total_cache``: the group's and its children's); None without a limit or where the files
+    cannot be read."""
+    try:
+        most = int((group / "memory.limit_in_bytes").read_text().strip())
+        if most >= V1_UNLIMITED:
+            return None
+        current = int((group / "memory.usage_in_bytes").read_text().strip())
+        cache = 0
+        for line in (group / "memory.stat").read_text().splitlines():
+            if line.startswith("total_cache "):
+                cache = int(line.split()[1])
+                break
+        return most - (current - cache)
     except (OSError, ValueError, IndexError):
         return None
