@@ -188,3 +188,21 @@ def test_load_rank_with_no_shards_names_the_model(tmp_path: Path) -> None:
     with pytest.raises(ShardloadError) as err:
         shardload.load_rank(tmp_path / "ex", 0, 0)
     assert str(err.value).startswith(str(tmp_path / "ex")) and "num_shards must be a positive integer" in str(err.value)
+
+
+def test_validate_against_a_converted_directory_is_one_line_not_a_line_per_parameter(
+    runner: CliRunner, example_dir: Path, tmp_path: Path
+) -> None:
+    """A converted directory carries its own plan: checking a shard_info against it is refused in one line naming
+    what it is, not a "names no parameter" line for each listed parameter."""
+    import shardload
+
+    out = tmp_path / "tp2"
+    shardload.convert(example_dir, 2, out)
+    result = runner.invoke(main, ["validate", str(example_dir / "shard_info.json"), "--model", str(out), "-n", "2"])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "converted" in lines[0] and "the checkpoint it was made from" in lines[0], lines
+    assert lines[0].startswith(str(out)), lines
+    report = runner.invoke(main, ["validate", str(example_dir / "shard_info.json"), "--model", str(out), "--json"])
+    assert report.exit_code == 1 and not json.loads(report.output)["valid"], report.output

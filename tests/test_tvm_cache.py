@@ -317,3 +317,33 @@ def test_presharded_cache_at_its_own_n_with_a_plan_beside(tmp_path: Path) -> Non
     (path / "shard_info.json").write_text(json.dumps({"norm": [["shard_funcs.shard_dim", [[2, 8], "float16"], 0, 2]]}))
     with pytest.raises(shardload.PlanError, match="norm: lists steps for a tensor this cache stores whole"):
         shardload.load_rank(path, 0, 2)
+
+
+def test_validate_and_plan_model_read_a_presharded_cache_as_load_does(tmp_path: Path) -> None:
+    """``validate --model`` and ``plan_model`` plan a pre-sharded cache with the whole model's plan beside it the way
+    a load reads it: at its own N each rank's records (the plan checked against them), at any other N the whole
+    tensors they were cut from; both load, so neither is reported invalid."""
+    path, _ = presharded(tmp_path, 2)
+    plan = {"param_0": [["shard_funcs.shard_dim", [["num_shards", "64 // num_shards", 128], "float16"], 0,
+                         "num_shards"]],
+            "param_1": [["shard_funcs.shard_dim", [["num_shards", 32, "128 // num_shards"], "float32"], 1,
+                         "num_shards"]]}  # fmt: skip
+    info = path / "shard_info.json"
+    info.write_text(json.dumps({"version": 1, "num_shards": None, "params": plan}))  # the document form: any N
+    for n in (1, 2, 4):
+        got = shardload.load_rank(path, n - 1, n)
+        planned = shardload.plan_model(path, n)
+        assert {k: tuple(p.shape) for k, p in planned.params.items()} == {k: tuple(t.shape) for k, t in got.items()}
+        assert shardload.validate(info, model=path, num_shards=n) == [], n
+    result = CliRunner().invoke(main, ["validate", str(info), "--model", str(path), "-n", "1", "-n", "2", "-n", "4"])
+    assert result.exit_code == 0, result.output
+    wrong = {**plan, "param_1": [["shard_funcs.shard_dim", [[2, 16, 128], "float32"], 0, "num_shards"]]}
+    info.write_text(json.dumps({"version": 1, "num_shards": None, "params": wrong}))
+    problems = shardload.validate(info, model=path, num_shards=2)
+    assert [(p.param, p.reason) for p in problems] == [
+        (
+            "param_1",
+            "its steps give each of 2 ranks [16, 128] float32, but its records are [32, 64] float32: this shard_info "
+            "does not describe this cache",
+        )
+    ], problems

@@ -21,6 +21,7 @@ from ..errors import CheckpointError, PlanError, ShardloadError
 from ..format.shard_info import ShardInfo
 from ..planning.mesh import Mesh, stage_plans
 from ..planning.plan import ModelPlan, ParamPlan, build_plan
+from ..planning.presharded import STORED, whole_view
 from ..planning.reshard import OldPart, boxes_copyable, old_parts, whole
 from ..sources.checkpoint import Checkpoint
 from ..sources.dtypes import DTYPES, itemsize, to_torch
@@ -46,8 +47,6 @@ if TYPE_CHECKING:
     from .writer import WrittenFile
 
 RECORD_KEY = "source_plan"
-STORED = "<stored tensors>"
-"""The file name of a stored tensor known by its shape and dtype only (no file is behind it)."""
 """The manifest key of a converted directory's source record."""
 VALUE_BYTES = 4096
 """A stored tensor a compute step rewrites is recorded whole in the manifest up to this size (a ``weight_shape``)."""
@@ -390,66 +389,18 @@ def write_shards(
 def open_presharded(checkpoint: Checkpoint, shard_info: ShardInfo) -> ShardsSource:
     """A TVM/MLC cache pre-sharded for N_old (``NAME_shard-K-of-N`` records) as a source for another N:
     ``shard_info`` says how each whole parameter splits (its form for any N); each pre-sharded parameter's whole
-    shape is the one whose plan for N_old gives exactly its records' shape."""
+    shape is the one whose plan for N_old gives exactly its records' shape (:func:`whole_view`)."""
     n_old = checkpoint.split_for
     assert n_old is not None
-    where = shard_info.source
-    stored: dict[str, TensorInfo] = {}
-    for name, info in checkpoint.tensors.items():
-        if name not in checkpoint.shards:
-            stored[name] = info
-    for name, parts in checkpoint.shards.items():
-        part = parts[0]
-        if part.decode is not None:
-            raise PlanError(
-                f"its num_shards={n_old} records are stored {part.dtype} for {part.decode} ranks: resharding copies "
-                "boxes of the records as stored, so it needs records stored as the ranks hold them",
-                file=checkpoint.name, param=name,
-            )  # fmt: skip
-        stored[name] = stored_shape(name, shard_info, part, n_old, checkpoint)
-    virtual = Checkpoint(checkpoint.root, checkpoint.root, "safetensors", stored)
-    old_info = ShardInfo({k: v for k, v in shard_info.params.items() if k in checkpoint.shards}, source=where)
+    virtual = whole_view(checkpoint, shard_info)
+    old_info = ShardInfo({k: v for k, v in shard_info.params.items() if k in checkpoint.shards},
+                         source=shard_info.source)  # fmt: skip
     old = build_plan(old_info, virtual, n_old)
     headers = {
         (0, r): {**{n: t for n, t in checkpoint.tensors.items() if n not in checkpoint.shards},
                  **{n: parts[r] for n, parts in checkpoint.shards.items()}}
         for r in range(n_old)
     }  # fmt: skip
-    holder = dict.fromkeys(stored, 0)
+    holder = dict.fromkeys(virtual.tensors, 0)
     extra = sorted({t.file for t in checkpoint.tensors.values()} | set(checkpoint.files))
     return ShardsSource(checkpoint, shard_info, virtual, old, Mesh(tp=n_old), {}, headers, holder, {}, extra)
-
-
-def stored_shape(name: str, shard_info: ShardInfo, part: TensorInfo, n_old: int, checkpoint: Checkpoint) -> TensorInfo:
-    """The whole stored tensor a pre-sharded parameter was cut from: the one shape (a dim of its records times
-    N_old, or less by what padding may add) whose steps give each of N_old ranks exactly the records' shape and
-    dtype; two such shapes (a padded vocabulary: 382 to 384 rows all give 3 records of 128) are refused."""
-    specs = shard_info.params.get(name)
-    if not specs:
-        raise PlanError(
-            f"is pre-sharded for num_shards={n_old}; loading it for another N needs a shard_info that says how the "
-            "whole parameter splits (shard_info=, or shard_info.json beside the cache)",
-            file=checkpoint.name, param=name,
-        )  # fmt: skip
-    one = ShardInfo({name: specs}, source=shard_info.source)
-    found: list[TensorInfo] = []
-    candidates = [
-        (d, size) for d, n in enumerate(part.shape) for size in range(n * n_old, max(-1, (n - 1) * n_old), -1)
-    ]
-    for d, size in candidates:
-        shape = tuple(size if i == d else n for i, n in enumerate(part.shape))
-        info = TensorInfo(name, part.dtype, shape, checkpoint.root / STORED, 0, prod(shape) * itemsize(part.dtype))
-        plan = build_plan(one, Checkpoint(checkpoint.root, checkpoint.root, "safetensors", {name: info}), n_old,
-                          strict=False)  # fmt: skip
-        got = plan.params.get(name)
-        if not plan.problems and got is not None and (tuple(got.shape), got.dtype) == (part.shape, part.dtype):
-            if all(f.shape != shape for f in found):
-                found.append(info)
-    if len(found) != 1:
-        shapes = " or ".join(str(list(f.shape)) for f in found) or "none"
-        raise PlanError(
-            f"cannot tell the whole shape its num_shards={n_old} records of {list(part.shape)} were cut from "
-            f"(shapes whose steps give them: {shapes})",
-            file=shard_info.source, param=name,
-        )  # fmt: skip
-    return found[0]

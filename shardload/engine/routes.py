@@ -15,12 +15,12 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from ..errors import PlanError, ShardloadError
-from ..format.expr import evaluate
+from ..errors import ShardloadError
 from ..format.shard_info import ShardInfo
 from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh, MeshCoord
 from ..planning.plan import ModelPlan, ParamPlan, build_plan
+from ..planning.presharded import records_info
 from ..sources.checkpoint import Checkpoint, read_header
 from ..sources.object_reader import reader_for
 from ..sources.source_types import (
@@ -271,46 +271,9 @@ def _split_records(source: Source, mesh: Mesh, ranks: Sequence[int], devices: Se
 
 
 def records_plan(checkpoint: Checkpoint, shard_info: Any) -> ShardInfo:
-    """The shard_info of a cache pre-sharded for the N it is loaded at: one saying how its whole parameters split
-    (the plan beside it, which reading it at another N takes) is checked against the records, then has nothing to
-    run, each rank's records being its tensors as written; steps for a tensor the cache stores whole are refused (its
-    split would be a guess)."""
-    info = shard_info_for(checkpoint, shard_info)
-    listed = sorted(name for name, steps in info.params.items() if steps)
-    if not listed:
-        return info
-    whole = [name for name in listed if name not in checkpoint.shards]
-    if whole:
-        raise PlanError(
-            f"lists steps for a tensor this cache stores whole, pre-sharded for num_shards={checkpoint.split_for}: "
-            "load it without that shard_info at this N",
-            file=info.source,
-            param=whole[0],
-        )
-    for name in listed:
-        _check_records(name, info, checkpoint)
-    return ShardInfo({k: v for k, v in info.params.items() if not v}, source=info.source)
-
-
-def _check_records(name: str, info: ShardInfo, checkpoint: Checkpoint) -> None:
-    """Raise unless ``info``'s steps for pre-sharded parameter ``name`` give each rank exactly its records' shape and
-    dtype, as the last step declares them. Steps that declare no shape (a plan made for any N) are not checked here:
-    the whole shape they would start from is not in the cache (KV heads replicated over ranks make it no multiple of
-    the records), and the records are what each rank gets either way."""
-    parts = checkpoint.shards[name]
-    n, record = len(parts), parts[0]
-    last = info.params[name][-1]
-    if last.shape is None:
-        return
-    shape = [evaluate(d, n) for d in last.shape]
-    dtype = last.dtype or record.logical_dtype
-    if shape != [n, *record.shape] or dtype != record.logical_dtype:
-        raise PlanError(
-            f"its steps give each of {n} ranks {shape[1:]} {dtype}, but its records are {list(record.shape)} "
-            f"{record.logical_dtype}: this shard_info does not describe this cache",
-            file=info.source,
-            param=name,
-        )
+    """The shard_info a cache pre-sharded for the N it is loaded at is planned with (:func:`records_info` of the
+    shard_info given, or beside it)."""
+    return records_info(checkpoint, shard_info_for(checkpoint, shard_info))
 
 
 _ROUTES: Mapping[type[Source], Callable[..., States]] = {

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import PlanError, ShardloadError
 from ..format.shard_info import ShardInfo
 from ..planning.plan import ModelPlan, build_plan, resolve_shard_info
+from ..planning.presharded import plan_presharded
 from ..sources.checkpoint import Checkpoint
 
 if TYPE_CHECKING:
@@ -120,4 +121,7 @@ def plan_model(
     if source.derived:
         raise PlanError(f"this is {source.what}; plan the source checkpoint instead", file=source.checkpoint.name)
     checkpoint = source.checkpoint
-    return build_plan(shard_info_for(checkpoint, shard_info), checkpoint, num_shards)
+    info = shard_info_for(checkpoint, shard_info)
+    if checkpoint.split_for is not None:  # as a load reads it: its records at its own N, else what they were cut from
+        return plan_presharded(info, checkpoint, num_shards)
+    return build_plan(info, checkpoint, num_shards)

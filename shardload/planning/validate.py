@@ -12,10 +12,12 @@ from typing import Any
 
 from ..errors import PlanError, ShardloadError
 from ..format.shard_info import ShardInfo, recorded_num_shards
-from ..sources.checkpoint import Checkpoint, open_checkpoint
+from ..sources.checkpoint import Checkpoint
+from ..sources.source_types import open_source
 from .consistency import placement_warnings
 from .mesh import Mesh, stage_plans
-from .plan import build_plan, given_shard_info
+from .plan import ModelPlan, build_plan, given_shard_info
+from .presharded import plan_presharded
 
 DEFAULT_NS = (1, 2, 4, 8)
 
@@ -39,7 +41,7 @@ def validate_file(
     report: dict[str, Any] = {"file": str(path), "model": None if model is None else str(model)}
     try:
         info = ShardInfo.load(path)
-        checkpoint: Checkpoint | None = open_checkpoint(model) if model is not None else None
+        checkpoint = _checkpoint(model) if model is not None else None
     except ShardloadError as err:
         report.update(valid=False, num_shards_checked=[], valid_for=[], problems=[err.to_dict()], warnings=[])
         return report
@@ -56,7 +58,7 @@ def validate_file(
     warned: dict[str, dict[str, Any]] = {}
     valid_for = []
     for n in ns:
-        plan = build_plan(info, checkpoint, n, strict=False)
+        plan = _plan(info, checkpoint, n)
         problems = plan.problems
         if checkpoint is None and not problems and recorded is not None and n not in recorded[0]:
             listed = ", ".join(map(str, recorded[0])) or "none"
@@ -101,6 +103,24 @@ def validate(
         problems = shardload.validate("shard_info.json", model="llama-dir", num_shards=8)  # [] when valid
     """
     info = given_shard_info(shard_info)
-    checkpoint = open_checkpoint(model) if model is not None else None
+    checkpoint = _checkpoint(model) if model is not None else None
     n = num_shards if num_shards is not None else (info.num_shards or 1)
-    return build_plan(info, checkpoint, n, strict=False).problems
+    return _plan(info, checkpoint, n).problems
+
+
+def _checkpoint(model: str | os.PathLike[str]) -> Checkpoint:
+    """The checkpoint a shard_info is checked against: ``model`` opened as a load opens it; one made from a
+    checkpoint (a converted directory, a server's per-rank layout) carries its own plan and is refused."""
+    source = open_source(model)
+    if source.derived:
+        raise PlanError(f"this is {source.what}, which carries its own plan; check a shard_info against the "
+                        "checkpoint it was made from", file=source.name)  # fmt: skip
+    return source.checkpoint
+
+
+def _plan(info: ShardInfo, checkpoint: Checkpoint | None, n: int) -> ModelPlan:
+    """``info`` planned for ``n`` ranks (against ``checkpoint`` when given) as a load plans it, problems collected: a
+    pre-sharded cache from its records at its own N, from the whole tensors they were cut from at another."""
+    if checkpoint is not None and checkpoint.split_for is not None:
+        return plan_presharded(info, checkpoint, n, strict=False)
+    return build_plan(info, checkpoint, n, strict=False)

@@ -19,9 +19,9 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from ...engine.reshard import STORED, stored_shape
 from ...errors import CheckpointError, ShardloadError
 from ...format.shard_info import MAX_RANKS, ShardInfo
+from ...planning.presharded import STORED, stored_shape
 from ...sources.checkpoint import CONFIG_NAME, Checkpoint, read_config
 from ...sources.dtypes import itemsize
 from ...sources.safetensors_header import read_header_and_metadata
