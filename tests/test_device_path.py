@@ -15,7 +15,7 @@ import shardload
 import shardload.engine.run as run
 import shardload.engine.transfer as transfer
 from helpers.checkpoints import parallel_model, random_array, write_model
-from helpers.reading import stand_in
+from helpers.reading import stand_in, stand_in_apart
 from shardload.engine import staging
 from shardload.engine.paths import DevicePath, data_path_for
 from shardload.engine.paths.device import PACK_GAP, PACK_JOIN, count_device, span_plan, strided_cuts
@@ -130,6 +130,68 @@ def test_a_ranks_column_slice_packs_into_straight_stretches(rank: int) -> None:
     assert sorted(moved) == sorted(_expand(runs.buf, runs.src, runs.dst, runs.length))
 
 
+@pytest.mark.parametrize("n", (2, 8))
+def test_a_load_onto_several_devices_uploads_each_devices_bytes_once(n: int) -> None:
+    """Every rank of N on a device of its own (``load()`` onto N GPUs): the ranks take a column slice's rows in turn,
+    so one read stages each device's pieces together and each device uploads its own bytes alone, straight into
+    its tensor (before: each device uploaded the whole stretch its pieces lie in, N times the bytes in all)."""
+    rows, piece = 64, 1024
+    row = piece * n
+    src = np.concatenate([np.arange(rows, dtype=np.int64) * row + r * piece for r in range(n)])
+    runs = Runs(src, np.full(rows * n, piece, dtype=np.int64), np.repeat(np.arange(n, dtype=np.int64), rows),
+                np.tile(np.arange(rows, dtype=np.int64) * piece, n))  # fmt: skip
+    plan = span_plan(runs, rows * row, None, max_read=4 * PAGE, max_waste=float("inf"), skew=0,
+                     devices=list(range(n)))  # fmt: skip
+    moved = []
+    for span in plan.spans:
+        assert span.packed and not span.sink  # every byte some device's: nothing read through
+        assert {p.device for p in span.parts} == set(range(n))
+        for part in span.parts:
+            assert part.straight and len(part.cuts) == 1  # a stretch of its tensor, straight from the buffer
+        assert sum(int(p.cuts.length.sum()) for p in span.parts) == span.length  # uploads carry the span once
+        moved += _span_bytes(span)
+    assert sorted(moved) == sorted(_expand(runs.buf, runs.src, runs.dst, runs.length))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_span_plan_onto_several_devices_delivers_every_byte(seed: int) -> None:
+    """Random layouts of ranks over several devices (column and row slices, ranks sharing bytes, odd piece sizes
+    and offsets): through the staging buffer as its one read fills it, every rank's bytes reach it; what a span
+    stages fits a buffer; devices that share no byte of a packed span upload their own bytes (and alignment
+    remainders) alone."""
+    rng = np.random.default_rng(seed)
+    ranks, limit = int(rng.integers(2, 9)), 200_000
+    row = int(rng.integers(1, 4000))
+    rows = limit // row
+    width = int(rng.integers(1, max(2, row // ranks)))
+    src, length, buf = [], [], []
+    for r in range(ranks):
+        at = int(rng.integers(0, row - width + 1))
+        if rng.random() < 0.6:
+            at = min(r * (row // ranks), row - width)  # a column slice: rank r's columns
+        if rng.random() < 0.2:  # rows of the whole tensor (a row slice, or replicated bytes other ranks share)
+            first = int(rng.integers(0, rows))
+            src.append(np.arange(first, min(rows, first + rows // ranks + 1), dtype=np.int64) * row)
+            length.append(np.full(len(src[-1]), row, dtype=np.int64))
+        else:
+            src.append(np.arange(rows, dtype=np.int64) * row + at)
+            length.append(np.full(rows, width, dtype=np.int64))
+        buf.append(np.full(len(src[-1]), r, dtype=np.int64))
+    s, n, b = np.concatenate(src), np.concatenate(length), np.concatenate(buf)
+    d = np.concatenate([np.cumsum(x) - x for x in length])
+    runs = Runs(s, n, b, d)
+    devices = [int(x) for x in rng.integers(0, ranks, size=ranks)] if rng.random() < 0.3 else list(range(ranks))
+    max_read = int(rng.choice([PAGE, 4 * PAGE]))
+    plan = span_plan(runs, rows * row, IoModel(float(rng.choice([0.0, 1.0])), 1e9), max_read=max_read,
+                     max_waste=float("inf"), skew=int(rng.integers(0, PAGE)), devices=devices)  # fmt: skip
+    moved = []
+    for span in plan.spans:
+        staged = span.read.dst[span.read.buf == 0] + span.read.length[span.read.buf == 0]
+        assert int(staged.max()) <= max_read
+        moved += _span_bytes(span)
+    assert sorted(moved) == sorted(_expand(b, s, d, n))
+
+
 def _staged(span: object, runs: Runs, size: int) -> np.ndarray:
     """The file byte (relative to the tensor) each staging-buffer byte holds after ``runs`` of a span are read
     (-1: none)."""
@@ -215,6 +277,20 @@ def test_uploads_and_cuts_grow_with_spans_not_rows(tmp_path: Path) -> None:
     assert moved.read_bytes <= 512 * 1024 * 2 + 64 * 1024 * 2 + 1024 * 4 + 2 * PAGE  # col's page floor is all of it
     # the other ranks' bytes of col's rows go to the sink: the staging buffers and uploads carry the rank's alone
     assert moved.staged_bytes == moved.upload_bytes == moved.delivered
+
+
+def test_a_load_onto_several_devices_moves_each_byte_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``load()`` of every rank of 8, each on a device of its own: equal to numpy's slices, and the uploads carry
+    each byte once (each device its own), every part straight into its tensor."""
+    model, tensors = _column_model(tmp_path)
+    monkeypatch.setattr(run, "data_path_for", stand_in_apart)
+    with count_device() as moved:
+        every = shardload.load(model, 8, devices=["cpu"] * 8)
+    for r in range(8):
+        _assert_equal(every[r], _want(tensors, 8, r))
+    assert moved.packed and moved.cuts == 0
+    assert moved.upload_bytes == moved.delivered  # each device its own bytes (norm's to each of the 8)
+    assert moved.staged_bytes == moved.read_bytes == moved.delivered - 7 * 1024 * 4  # read and staged once
 
 
 def test_into_the_callers_tensors(tmp_path: Path) -> None:

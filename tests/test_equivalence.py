@@ -29,7 +29,8 @@ Axes:
   (the CLI) then the rank files read back, ``convert --layout vllm`` (the CLI) against vLLM's per-rank layout,
   ``device`` and ``device_load``: ``load_rank`` (then again with the pinned ``verify`` root) and ``load`` through
   the GPU's data path with the CPU as its device (spans of one page read into staging buffers, uploaded, cut:
-  ``engine/paths/device.py``), ``load_rank(share_reads=True)`` under torchrun (gloo), and ``verify``:
+  ``engine/paths/device.py``; ``load`` at even N with every rank on a device of its own, each device's pieces
+  packed together, at odd N every rank on one), ``load_rank(share_reads=True)`` under torchrun (gloo), and ``verify``:
   ``load_rank(verify=...)`` through the
   checking reader against the source's integrity record (``shardload hash``, made once per source and session; an S3
   model's is hashed from the objects and put beside them by ``hash`` itself; a converted directory checks the record
@@ -137,7 +138,7 @@ import shardload.engine.run as run
 import shardload.engine.transfer as transfer
 import shardload.engine.writer as writer
 from helpers import destinations, hub, matrix_sources, tp_split
-from helpers.reading import stand_in
+from helpers.reading import stand_in, stand_in_apart
 from helpers.vllm_saved import fake_vllm_save
 from shardload.cli.main import main
 from shardload.engine.hashing import hash_model
@@ -381,7 +382,8 @@ def test_rank_tensors_equal_reference(
         monkeypatch.setattr(transfer, "STAGE_BYTES", read_plan.PAGE)  # spans of one page: many per tensor
         if n % 2 == 0:  # every span with a gap packed (its pieces side by side, its gaps into the sink)
             monkeypatch.setattr(device_path, "PACK_GAP", 0)
-        monkeypatch.setattr(run, "data_path_for", stand_in)
+        apart = path == "device_load" and n % 2 == 0  # a load onto N GPUs: each device's pieces staged together
+        monkeypatch.setattr(run, "data_path_for", stand_in_apart if apart else stand_in)
         with count_device() as moved:
             if path == "device":
                 got = [shardload.load_rank(model, r, n, read_options=options) for r in range(n)]
@@ -389,7 +391,7 @@ def test_rank_tensors_equal_reference(
                 got = shardload.load(model, n, devices=["cpu"] * n, read_options=options)
         assert_ranks(got, want, path)
         assert moved.spans or source == "converted", "the device path read nothing"  # rank files: whole tensors
-        if path == "device" and n % 2 == 0 and source != "converted":
+        if n % 2 == 0 and source != "converted":
             assert moved.packed, "no span was packed"
         if path == "device":  # the spans read through the checking reader
             pin = shardload.Verify(root=world.record_root(request, source, n))

@@ -48,6 +48,13 @@ def stand_in(devices: Any, **kw: Any) -> DataPath:
     return data_path_for(devices, **kw | {"staged": True})
 
 
+def stand_in_apart(devices: Any, **kw: Any) -> DataPath:
+    """:func:`stand_in` with each destination on a device of its own: a load onto several GPUs, the CPU as each."""
+    from shardload.engine.paths import DevicePath
+
+    return DevicePath(one_rank=kw.get("one_rank", False), stand_in=True, apart=True)
+
+
 def drop_from_cache(path: Path) -> None:
     """Write back and evict ``path``'s pages from the page cache (best effort: tmpfs keeps them)."""
     fd = os.open(path, os.O_RDONLY)

@@ -2,7 +2,8 @@
 one ``preadv`` into a page-locked buffer and uploaded in one copy; the device then cuts each span into the rank's
 tensors with strided copies, so the CPU never gathers a column slice row by row. Where a span's gaps are wide (a
 rank's column slice) it is packed: the same ``preadv`` puts the pieces the load takes side by side and the gaps in
-a sink, so the buffer and the upload carry only those. A span whose part is a few contiguous stretches of tensors
+a sink, so the buffer and the upload carry only those; a load onto several GPUs packs each device's pieces
+together, so each uploads its own bytes alone. A span whose part is a few contiguous stretches of tensors
 (replicated and row-split tensors, a rank's packed column slice) is uploaded straight into them.
 
 A parameter structure's spans and cuts are computed once (:func:`span_plan`, pure) and shared by every layer. The
@@ -43,11 +44,12 @@ ALIGN = 16
 """A span's bytes sit in a device scratch buffer at the offset that keeps their alignment in the stored tensor
 modulo this many bytes, so cuts move whole words whatever the tensor's offset in its file (a TVM cache's)."""
 PACK_GAP = 512
-"""A span whose bytes no rank of the load takes average at least this many per piece it does take is packed: its
-one ``preadv`` still reads from its first to its last used byte, but the pieces land side by side in the staging
-buffer (each kept at its alignment modulo :data:`ALIGN`) and the gaps in a per-thread sink as long as the longest
-gap, so the staging buffer and the upload carry the load's bytes alone (a rank's column slice at N = 8: an eighth
-of the pages it lies on, and one stretch of its tensor, uploaded straight). The kernel still copies every gap byte
+"""A span whose bytes no rank of the load takes (onto several devices: no rank of that device) average at least this
+many per piece it does take is packed: its one ``preadv`` still reads from its first to its last used byte, but the
+pieces land side by side in the staging buffer (each kept at its alignment modulo :data:`ALIGN`; each device's
+together) and the gaps in a per-thread sink as long as the longest gap, so the staging buffer and the upload carry
+the load's bytes alone (a rank's column slice at N = 8: an eighth of the pages it lies on, and one stretch of its
+tensor, uploaded straight). The kernel still copies every gap byte
 (into the sink); the price is two iovecs a piece, which this 512 keeps small beside the gap's bytes (not measured
 on a GPU host)."""
 PACK_JOIN = 8
@@ -109,7 +111,10 @@ class Span:
     """The bytes the cuts take (sorted, disjoint) and where the staging buffer holds them: all that a reader which
     does not read through gaps (a checking reader, object storage) reads of the span."""
     sink: int = 0
-    """The longest gap a packed span reads into the sink (0: not packed, every byte at its own offset)."""
+    """The longest gap a packed span reads into the sink (0: no gap read through)."""
+    packed: bool = False
+    """Whether the used bytes sit apart from their own offsets in the staging buffer (side by side, each device's
+    together); else every byte of the read at its own offset."""
 
 
 @dataclass(frozen=True)
@@ -221,14 +226,14 @@ def span_plan(
     cut_dev = device_of[cut_buf]
     bounds = np.searchsorted(which, np.arange(len(lo) + 1), side="left").tolist()
     spans = []
-    for k0, k1 in _groups(lo, hi, bounds, cut_src, cut_len, max_read):
+    for k0, k1 in _groups(lo, hi, bounds, cut_src, cut_len, cut_dev, max_read):
         s = slice(bounds[k0], bounds[k1 + 1])
         rel = cut_src[s] + (lo[which[s]] - lo[k0])  # offsets in the span
         order = np.lexsort((rel, cut_buf[s]))  # per tensor, by offset: how cuts fold
         rel, c_buf, c_dst, c_len, c_dev = (x[order] for x in (rel, cut_buf[s], cut_dst[s], cut_len[s], cut_dev[s]))
-        used, read, sink = _span_read(rel, c_len, pack=True if k1 > k0 else None)
+        used, read, sink, packed = _span_read(rel, c_len, c_dev, pack=True if k1 > k0 else None, limit=max_read)
         at_staged = rel
-        if sink:  # packed: each cut's bytes where the staging buffer holds them
+        if packed:  # each cut's bytes where the staging buffer holds them
             j = np.searchsorted(used.src, rel, side="right") - 1
             at_staged = used.dst[j] + (rel - used.src[j])
         parts = []
@@ -244,32 +249,44 @@ def span_plan(
             at = (int(lo[k0]) + int(rel[sel][first])) % ALIGN  # its first byte's alignment in the stored tensor
             # offsets in the scratch buffer: folding does not depend on where the runs start, so shift the folds
             parts.append(Part(g, start, end, at, replace(cuts, src=cuts.src - start + at), False))
-        spans.append(Span(int(lo[k0]), int(hi[k1] - lo[k0]), tuple(parts), read, used, sink))
+        spans.append(Span(int(lo[k0]), int(hi[k1] - lo[k0]), tuple(parts), read, used, sink, packed))
     return SpanPlan(spans, int(length.sum()), sum(int(span.read.length.sum()) for span in spans))
 
 
 def _groups(
-    lo: np.ndarray, hi: np.ndarray, bounds: list[int], src: np.ndarray, length: np.ndarray, max_read: int
+    lo: np.ndarray,
+    hi: np.ndarray,
+    bounds: list[int],
+    src: np.ndarray,
+    length: np.ndarray,
+    dev: np.ndarray,
+    max_read: int,
 ) -> Iterator[tuple[int, int]]:
     """The reads ``[k0, k1]`` each span reads, skipping reads of a gap alone: one read, or consecutive reads that
-    each pack and go on where the last ended, as long as what they stage fits one staging buffer and they cover at
-    most :data:`PACK_JOIN` buffers' worth of the file (a packed span stages only its pieces: at N = 8 a column
-    slice's span reads eight buffers' worth of the file)."""
+    each pack and go on where the last ended, as long as what they stage together fits one staging buffer and they
+    cover at most :data:`PACK_JOIN` buffers' worth of the file (a packed span stages only its pieces: at N = 8 a
+    column slice's span reads eight buffers' worth of the file)."""
+    import numpy as np
+
+    def cuts(k0: int, k1: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        s = slice(bounds[k0], bounds[k1 + 1])
+        at = np.repeat(lo[k0 : k1 + 1] - lo[k0], np.diff(bounds[k0 : k1 + 2]))
+        return src[s] + at, length[s], dev[s]
+
     k, n = 0, len(lo)
     while k < n:
         if bounds[k] == bounds[k + 1]:
             k += 1
             continue  # a stretch of a gap read through (cut at max_read): nothing to read
-        starts, ends = _pieces(src[bounds[k] : bounds[k + 1]], length[bounds[k] : bounds[k + 1]])
-        k1, packs = k, _packs(starts, ends)
-        staged, last = _packed_size(starts, ends), int(lo[k] + ends[-1])
-        while packs and k1 + 1 < n and lo[k1 + 1] == hi[k1] and bounds[k1 + 1] < bounds[k1 + 2]:
-            a, b = bounds[k1 + 1], bounds[k1 + 2]
-            starts, ends = _pieces(src[a:b], length[a:b])
-            more = staged + (int(lo[k1 + 1] + starts[0]) - last) % ALIGN + _packed_size(starts, ends)
-            if not _packs(starts, ends) or more > max_read or hi[k1 + 1] - lo[k] > PACK_JOIN * max_read:
-                break
-            k1, staged, last = k1 + 1, more, int(lo[k1 + 1] + ends[-1])
+        k1 = k
+        if _packing(*cuts(k, k), pack=None, limit=max_read) is not None:
+            while k1 + 1 < n and lo[k1 + 1] == hi[k1] and bounds[k1 + 1] < bounds[k1 + 2]:
+                if hi[k1 + 1] - lo[k] > PACK_JOIN * max_read or _packing(*cuts(k1 + 1, k1 + 1), pack=None,
+                                                                          limit=max_read) is None:  # fmt: skip
+                    break
+                if _packing(*cuts(k, k1 + 1), pack=True, limit=max_read) is None:  # its pieces fill the buffer
+                    break
+                k1 += 1
         yield k, k1
         k = k1 + 1
 
@@ -285,11 +302,6 @@ def _packed_at(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     return starts - starts[0] - np.cumsum(dropped)
 
 
-def _packed_size(starts: np.ndarray, ends: np.ndarray) -> int:
-    """Bytes that packed pieces ``[starts, ends)`` take in the staging buffer (:func:`_packed_at`)."""
-    return int(_packed_at(starts, ends)[-1] + ends[-1] - starts[-1])
-
-
 def _pieces(src: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Byte ranges ``[src, src + length)`` (any order, overlapping where ranks share bytes) as the sorted starts and
     ends of the disjoint pieces they cover."""
@@ -301,33 +313,89 @@ def _pieces(src: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return union(src[order], (src + length)[order])
 
 
-def _packs(starts: np.ndarray, ends: np.ndarray) -> bool:
-    """Whether pieces are read packed: the gaps between them average at least :data:`PACK_GAP` bytes a piece."""
-    return len(starts) > 1 and int((starts[1:] - ends[:-1]).sum()) >= PACK_GAP * len(starts)
+def _packing(
+    src: np.ndarray, length: np.ndarray, dev: np.ndarray, *, pack: bool | None, limit: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """How a read of cuts ``[src, src + length)`` onto devices ``dev`` is packed: its pieces (sorted, disjoint
+    starts and ends) and where each goes in the staging buffer; None where it is not packed. Each device's pieces
+    are packed side by side (:func:`_packed_at`), one device's after another's, so each uploads only its own bytes
+    (the ranks of a load onto several GPUs take a column slice's rows in turn); where devices share bytes, the
+    pieces of all of them together. Packed (``pack``; None: where the gaps within each device's stretch of the
+    file, its own pieces aside, average at least :data:`PACK_GAP` bytes a piece) if it fits ``limit`` bytes."""
+    import numpy as np
+
+    starts, ends, owner, foreign = _apart(src, length, dev)
+    order = np.argsort(starts, kind="stable")
+    if bool((starts[order][1:] >= ends[order][:-1]).all()):  # no byte shared by two devices
+        if pack or (foreign > 0 and foreign >= PACK_GAP * len(starts)):
+            at = np.empty(len(starts), dtype=np.int64)
+            heads = np.flatnonzero(np.concatenate(([True], owner[1:] != owner[:-1]))).tolist()
+            top, first = 0, int(starts.min())
+            for h0, h1 in zip(heads, [*heads[1:], len(starts)], strict=True):  # a device's pieces, side by side
+                top += (int(starts[h0]) - first - top) % ALIGN  # each at its alignment to the span's first piece
+                at[h0:h1] = top + _packed_at(starts[h0:h1], ends[h0:h1])
+                top = int(at[h1 - 1] + ends[h1 - 1] - starts[h1 - 1])
+            if top <= limit:
+                return starts[order], ends[order], at[order]
+    starts, ends = _pieces(src, length)
+    gaps = int((starts[1:] - ends[:-1]).sum())
+    if len(starts) > 1 and (pack or gaps >= PACK_GAP * len(starts)):
+        at = _packed_at(starts, ends)
+        if int(at[-1] + ends[-1] - starts[-1]) <= limit:
+            return starts, ends, at
+    return None
 
 
-def _span_read(src: np.ndarray, length: np.ndarray, *, pack: bool | None = None) -> tuple[Runs, Runs, int]:
-    """A span's used bytes (its cuts' ``[src, src + length)`` as sorted disjoint runs, and where the staging buffer
-    holds them), the runs of its one read, and its sink's size. Packed (``pack``; None: where :func:`_packs` says):
-    pieces side by side, gaps into the sink; else its first to last used byte, each at its own offset."""
+def _apart(src: np.ndarray, length: np.ndarray, dev: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Each device's pieces of cuts ``[src, src + length)`` (``dev``: each cut's device) by device, then offset: their
+    starts, ends and devices, and the bytes between consecutive pieces of one device (what it would upload beside
+    its own, were its stretch uploaded whole)."""
+    import numpy as np
+
+    from ...sources.read_plan import union
+
+    big = int((src + length).max()) + 1  # each device's offsets in a range of their own: one union for all
+    key = src + dev * big
+    order = np.argsort(key, kind="stable")
+    starts, ends = union(key[order], (key + length)[order])
+    owner = starts // big
+    starts, ends = starts - owner * big, ends - owner * big
+    same = owner[1:] == owner[:-1]
+    return starts, ends, owner, int((starts[1:] - ends[:-1])[same].sum())
+
+
+def _span_read(
+    src: np.ndarray, length: np.ndarray, dev: np.ndarray, *, pack: bool | None = None, limit: int
+) -> tuple[Runs, Runs, int, bool]:
+    """A span's used bytes (its cuts' ``[src, src + length)`` on devices ``dev`` as sorted disjoint runs, and where
+    the staging buffer holds them), the runs of its one read, its sink's size and whether it is packed
+    (:func:`_packing`):
+    pieces where the packing puts them, gaps into the sink; else its first to last used byte, each at its own
+    offset."""
     import numpy as np
 
     from ...planning.runs import Runs
 
-    starts, ends = _pieces(src, length)
-    sizes = ends - starts
-    zero = np.zeros(len(starts), dtype=np.int64)
-    if len(starts) > 1 and (pack or (pack is None and _packs(starts, ends))):
-        at = _packed_at(starts, ends)
-        n = 2 * len(starts) - 1
-        read = Runs(np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
+    packing = _packing(src, length, dev, pack=pack, limit=limit)
+    if packing is not None:
+        starts, ends, at = packing
+        gap = starts[1:] - ends[:-1]
+        holes = np.flatnonzero(gap > 0)  # devices' pieces that touch read on with no gap between them
+        n = len(starts) + len(holes)
+        where = np.arange(len(starts)) + np.searchsorted(holes, np.arange(len(starts)), side="left")
+        read = Runs(np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.ones(n, dtype=np.int64),
                     np.zeros(n, dtype=np.int64))  # fmt: skip
-        read.src[0::2], read.length[0::2], read.dst[0::2] = starts, sizes, at
-        read.src[1::2], read.length[1::2], read.buf[1::2] = ends[:-1], starts[1:] - ends[:-1], 1
-        return Runs(starts, sizes, zero, at), read, int(read.length[1::2].max())
+        read.src[where], read.length[where], read.buf[where], read.dst[where] = starts, ends - starts, 0, at
+        gaps = where[holes] + 1
+        read.src[gaps], read.length[gaps] = ends[holes], gap[holes]
+        zero = np.zeros(len(starts), dtype=np.int64)
+        return Runs(starts, ends - starts, zero, at), read, int(gap[holes].max()) if len(holes) else 0, True
+    starts, ends = _pieces(src, length)
+    zero = np.zeros(len(starts), dtype=np.int64)
     one = np.ones(1, dtype=np.int64)
     first, last = int(starts[0]), int(ends[-1])
-    return Runs(starts, sizes, zero, starts), Runs(first * one, (last - first) * one, 0 * one, first * one), 0
+    whole = Runs(first * one, (last - first) * one, 0 * one, first * one)
+    return Runs(starts, ends - starts, zero, starts), whole, 0, False
 
 
 def _joined(buf: np.ndarray, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -382,9 +450,11 @@ class DevicePath(HostPath):
     not on the CPU (``stand_in``: CPU ranks too, for tests). A forced ``ReadOptions.strategy`` of ``map`` or
     ``read``, a compute step and a tensor of more runs than are listed take the host path's ways."""
 
-    def __init__(self, *, one_rank: bool = False, stand_in: bool = False) -> None:
+    def __init__(self, *, one_rank: bool = False, stand_in: bool = False, apart: bool = False) -> None:
         super().__init__(one_rank=one_rank)
         self.stand_in = stand_in
+        self.apart = apart
+        """A stand-in's destinations each on a device of their own (a load onto several GPUs, the CPU as each)."""
         self.plans: dict[tuple[StructureKey, int], SpanPlan] = {}
         self.models: dict[Path, IoModel | None] = {}
         self.scratch: dict[Any, queue.SimpleQueue[torch.Tensor]] = {}
@@ -428,14 +498,14 @@ class DevicePath(HostPath):
             return dests
         skew = source.offset % PAGE
         devs = [t.device for t in dests]  # with their indices ("cuda" alone means the caller's current device)
-        order = list(dict.fromkeys(devs))  # the load's devices: every span is read once, for all of them
+        order = devs if self.apart else list(dict.fromkeys(devs))  # the load's devices: each span read once for all
         staging = self.staging(pin=any(d.type == "cuda" for d in devs), size=self.span_bytes)  # whole pages
         pkey = (key, skew)
         if pkey not in self.plans:
             # spans read through every gap cheaper than a span: bytes over the page floor are bounded by max_waste
             # only where the caller asked for planned cold reads
             waste = self.ctx.options.max_waste if self.ctx.options.strategy == "plan" else math.inf
-            where = [order.index(d) for d in devs]
+            where = list(range(len(devs))) if self.apart else [order.index(d) for d in devs]
             self.plans[pkey] = span_plan(runs, source.nbytes, self._model(source.file), max_read=self.span_bytes,
                                          max_waste=waste, skew=skew, devices=where)  # fmt: skip
         afters = [_ready(d) for d in order]
@@ -476,7 +546,7 @@ class DevicePath(HostPath):
             elif span.sink or hasattr(reader, "plan_with"):
                 # a checking reader (each byte checked), or a reader of ranged requests: the bytes the cuts take
                 runs, into, more = span.used, [buf], {}
-            else:  # first to last used byte in one read, each byte at its own offset
+            else:  # first to last used byte in one read (packed with no gap: each device's pieces together)
                 runs, into, more = span.read, [buf], {}
             base = offset + span.offset
             reader.read_runs(path, runs.src + base, runs.length, runs.buf, runs.dst, into, **more)
@@ -498,8 +568,8 @@ class DevicePath(HostPath):
                     _tally.add(0, 0, 0, uploads, uploaded, cut, int((cuts.length * cuts.count).sum()))
             if _tally is not None:
                 moved = int(runs.length.sum())
-                staged = int(span.used.length.sum()) if span.sink else moved
-                _tally.add(1, moved, staged, 0, 0, 0, 0, packed=int(bool(span.sink)))
+                staged = int(span.used.length.sum()) if span.packed else moved
+                _tally.add(1, moved, staged, 0, 0, 0, 0, packed=int(span.packed))
         finally:
             staging.release(buf)
 
