@@ -190,3 +190,53 @@ def test_a_rank_file_cut_while_a_load_reshards_it_is_an_error(tmp_path: Path) ->
                           timeout=120)  # fmt: skip
     assert done.returncode == 3, (done.returncode, done.stdout, done.stderr[-2000:])
     assert "changed while it was being loaded" in done.stdout and "rank-00000-of-00002" in done.stdout, done.stdout
+
+
+def test_a_file_another_process_has_open_for_writing_is_refused(tmp_path: Path) -> None:
+    """A write already under way when the load reads the header changes no stamp after it (the kernel updates the
+    times once, as the write starts), so the end-of-load check cannot see it: a file some process holds open for
+    writing is refused before any tensor byte is read (the kernel's read lease test), and loads once it is closed."""
+    model = _model(tmp_path / "m")
+    path = model / "model.safetensors"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import os, sys; fd = os.open({str(path)!r}, os.O_WRONLY); print('open', flush=True); "
+                               "sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        for verify in (False, True):
+            with pytest.raises(ShardloadError) as err:
+                shardload.load_rank(model, 1, 2, verify=verify)
+            text = str(err.value)
+            assert text.startswith(str(path)) and "open for writing" in text and "\n" not in text, text
+    finally:
+        holder.communicate("")
+    got = shardload.load_rank(model, 1, 2)
+    assert got.keys() == shardload.load_rank(model, 0, 2).keys()
+
+
+def test_a_writer_opening_the_file_during_the_lease_test_does_not_end_the_process(tmp_path: Path) -> None:
+    """The lease test holds a read lease for an instant; a writer opening the file in that instant breaks it, and
+    the kernel signals the holder (SIGIO by default, which ends a process). The test makes that happen every time,
+    in a child: the load goes on (the signal is one ignored by default) and the child lives."""
+    model = _model(tmp_path / "m")
+    script = textwrap.dedent(f"""
+        import errno, fcntl, os
+        import shardload
+        from shardload.sources import safetensors_header
+        real = fcntl.fcntl
+        def breaking(fd, cmd, arg=0):
+            out = real(fd, cmd, arg)
+            if cmd == safetensors_header.F_SETLEASE and arg == fcntl.F_RDLCK:  # a writer opens now: the lease breaks
+                try:
+                    os.close(os.open({str(model / "model.safetensors")!r}, os.O_WRONLY | os.O_NONBLOCK))
+                except OSError as err:
+                    assert err.errno == errno.EWOULDBLOCK, err
+            return out
+        fcntl.fcntl = breaking
+        shardload.load_rank({str(model)!r}, 0, 2)
+        print("alive")
+    """)
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0 and child.stdout.strip() == "alive", (child.returncode, child.stderr[-2000:])
