@@ -293,6 +293,24 @@ def test_a_load_onto_several_devices_moves_each_byte_once(tmp_path: Path, monkey
     assert moved.staged_bytes == moved.read_bytes == moved.delivered - 7 * 1024 * 4  # read and staged once
 
 
+@pytest.mark.parametrize("apart", (False, True))
+def test_ranks_holding_only_padding_load_on_the_device_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, apart: bool
+) -> None:
+    """A vocabulary of 10 rows padded to 64 at N = 8: ranks 2 to 7 hold only padding (no runs). ``load()`` of every
+    rank through the device path gives each its rows and zeros, as the host path does."""
+    emb = np.arange(10 * 4, dtype=np.float32).reshape(10, 4)
+    info = {"version": 1, "params": {"emb": [["shard_funcs.pad_dim", [None, None], 0, 64, "num_shards"],
+                                             [SHARD_DIM, [None, None], 0, "num_shards"]]}}  # fmt: skip
+    model = write_model(tmp_path / "m", {"emb": emb}, info)
+    padded = np.zeros((64, 4), dtype=np.float32)
+    padded[:10] = emb
+    monkeypatch.setattr(run, "data_path_for", stand_in_apart if apart else stand_in)
+    every = shardload.load(model, 8, devices=["cpu"] * 8)
+    for r in range(8):
+        np.testing.assert_array_equal(every[r]["emb"].numpy(), padded[r * 8 : (r + 1) * 8], err_msg=str(r))
+
+
 def test_into_the_callers_tensors(tmp_path: Path) -> None:
     model, tensors = _column_model(tmp_path)
     plan = shardload.plan_model(model, 4)

@@ -220,7 +220,8 @@ def span_plan(
     cut_len, cut_buf, cut_dst, cut_src = b - a, buf[owner], dst[owner] + (a - src[owner]), a - lo[which]
     order = np.lexsort((cut_src, cut_buf, which))  # per read, per tensor, by offset: how cuts fold
     which, cut_len, cut_buf, cut_dst, cut_src = (x[order] for x in (which, cut_len, cut_buf, cut_dst, cut_src))
-    device_of = np.zeros(int(buf.max()) + 1 if len(buf) else 1, dtype=np.int64)
+    # one entry per destination: the last ranks may have no runs at all (a padded vocabulary's padding alone)
+    device_of = np.zeros(max(int(buf.max()) + 1 if len(buf) else 1, len(devices or ())), dtype=np.int64)
     if devices is not None:
         device_of[: len(devices)] = devices
     cut_dev = device_of[cut_buf]
