@@ -263,3 +263,24 @@ def test_load_rank_of_a_save_refuses_params_and_out(saved: dict[str, tuple[Path,
         with pytest.raises(ShardloadError, match="without params or out"):
             shardload.load_rank(save, 1, 2, **kwargs)  # type: ignore[arg-type]
     assert torch.equal(mine["model.norm.weight"], torch.full((4,), 7.0))
+
+
+def test_a_model_directory_holding_rank_files_too_is_refused(
+    saved: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """A checkpoint's own directory that also holds vLLM rank files (a ``save_model`` written into it, or one left
+    over from another fine-tune) is refused in one line naming both, not read as the rank files with the
+    checkpoint's weights silently ignored."""
+    original, save = next(iter(saved.values()))
+    mixed = tmp_path / "mixed"
+    shutil.copytree(original, mixed)
+    for path in save.glob("model-rank-*"):
+        shutil.copy(path, mixed / path.name)
+    for verify in (False, True):
+        with pytest.raises(ShardloadError) as err:
+            shardload.load_rank(mixed, 0, 2, verify=verify)
+        text = str(err.value)
+        assert text.startswith(str(mixed)) and "model.safetensors" in text and "rank files" in text, text
+        assert "\n" not in text, text
+    result = CliRunner().invoke(main, ["inspect", str(mixed), "-n", "2"])
+    assert result.exit_code != 0 and "model.safetensors" in result.output, result.output

@@ -24,12 +24,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from ..errors import ShardloadError
 from .checkpoint import Checkpoint, manifest_stages, open_checkpoint
 from .objects import ObjectPath
 from .plugins import PluginError, load_once
+from .tvm_cache import CACHE_NAMES
 
 OPTIONS = ("shard_info", "verify_root", "verify", "group", "mmap", "read_options", "into", "stages")
 """The options a load may be refused on, in the order they are checked: ``shard_info`` (a plan given), ``verify_root``
@@ -263,7 +265,6 @@ class SplitFormat:
     """Whose rank files it holds, for messages: ``"vLLM's"``."""
     open: Callable[[Any, bool], OpenedSplit | None]
     """``(model, checksums) -> opened or None``: ``checksums`` checks every rank file whole as it opens."""
-    """The stored tensors an opened model was planned from (shapes and dtypes; no file is behind them)."""
 
 
 _SPLIT_FORMATS: dict[str, SplitFormat] = {}
@@ -300,6 +301,7 @@ def open_source(
         for fmt in split_formats():
             opened = fmt.open(model, checksums)
             if opened is not None:
+                _alone(model, opened, fmt)
                 return SavedBoxes(opened.stored, str(model), opened=opened, format=fmt)
     checkpoint = model if isinstance(model, Checkpoint) else open_checkpoint(model)
     where = where or (checkpoint.name if isinstance(model, Checkpoint) else str(model))
@@ -312,6 +314,28 @@ def open_source(
             return PreshardedBoxes(checkpoint, where)
         return SplitRecords(checkpoint, where)
     return WholeTensors(checkpoint, where)
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".gguf", *CACHE_NAMES)
+"""Names of the files a checkpoint's weights are found by (a directory holding any a split format did not open
+beside its rank files is refused)."""
+
+
+def _alone(model: Any, opened: OpenedSplit, fmt: SplitFormat) -> None:
+    """Refuse a directory whose rank files a split format opened when it also holds other weights (a checkpoint's
+    own directory that a server's save was written into): which of them a load means is not shardload's guess."""
+    if not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model):
+        return
+    claimed = {Path(p).name for p in opened.files.values()}
+    claimed |= {Path(p).name for p in getattr(opened, "extra_files", ())}
+    others = sorted(n for n in os.listdir(model) if n.endswith(WEIGHT_SUFFIXES) and n not in claimed)
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise ShardloadError(
+            f"holds {fmt.files} rank files ({fmt.what}) and other weights beside them ({shown}): keep one model per "
+            "directory; shardload will not guess which one a load means",
+            file=str(model),
+        )
 
 
 def as_boxes(source: Source) -> Source:
