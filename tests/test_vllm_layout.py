@@ -510,3 +510,18 @@ def test_verify_reports_a_rank_file_whose_header_is_broken(tmp_path: Path) -> No
     assert (
         result.exit_code == 1 and "model-rank-1-part-0.safetensors" in json.loads(result.stdout)["problems"][0]["file"]
     )
+
+
+def test_a_pinned_root_on_a_layout_directory_is_refused_in_its_own_terms(tmp_path: Path) -> None:
+    """A sharded_state directory is read in boxes of its rank files at every N, its own included: the refusal of a
+    pinned root says so, and does not send the user to "its own N", where the same refusal waits."""
+    model = tmp_path / "model"
+    build("llama_gqa", model)
+    convert_vllm(model, 2, tmp_path / "out")
+    root = json.loads((tmp_path / "out" / "shard_manifest.json").read_text())["integrity"]["root"]
+    with pytest.raises(ShardloadError) as err:
+        shardload.load_rank(tmp_path / "out", 0, 2, verify=shardload.Verify(root=root))
+    text = str(err.value)
+    assert "verify=<root hash> is not supported" in text and "verify=True" in text, text
+    assert "another N" not in text and "own N" not in text, text
+    assert shardload.load_rank(tmp_path / "out", 0, 2, verify=True).keys()

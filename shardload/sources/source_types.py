@@ -41,8 +41,8 @@ strategy), ``read_options`` (any other read option), ``into`` (destination tenso
 
 _CARRIES = "{what} carries its own shard_info; do not pass one"
 _BOX_VERIFY = (
-    "verify=<root hash> is not supported when a converted or sharded_state directory is read for another N: load it "
-    "with verify=True (every rank file checked whole against its manifest), or at its own N"
+    "{boxes}; verify=<root hash> is not supported there: load it with verify=True (every rank file checked whole "
+    "against its manifest){own}"
 )
 _NOT_THERE = "{boxes}; share_reads and mmap do not apply there (load without them)"
 _NOT_STEERED = "{boxes}, which read_options does not steer (leave read_options out)"
@@ -154,7 +154,7 @@ class ConvertedBoxes(Boxes):
     def words(self, mesh: MeshShape | None) -> dict[str, str]:
         n = (self.checkpoint.manifest or {}).get("num_shards")
         boxes = f"was converted for num_shards={n}: loading it for {mesh} reads boxes of several rank files"
-        return {"what": self.what, "boxes": boxes}
+        return {"what": self.what, "boxes": boxes, "own": ", or at its own N"}
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ class SavedBoxes(Boxes):
 
     def words(self, mesh: MeshShape | None) -> dict[str, str]:
         files = self.format.files if self.format is not None else "its"
-        return {"what": self.what, "boxes": f"{self.what} is read in boxes of {files} rank files"}
+        return {"what": self.what, "boxes": f"{self.what} is read in boxes of {files} rank files", "own": ""}
 
 
 _BOXES = {
