@@ -224,11 +224,11 @@ def test_a_writer_opening_the_file_during_the_lease_test_does_not_end_the_proces
     script = textwrap.dedent(f"""
         import errno, fcntl, os
         import shardload
-        from shardload.sources import safetensors_header
+        from shardload.format import input_log
         real = fcntl.fcntl
         def breaking(fd, cmd, arg=0):
             out = real(fd, cmd, arg)
-            if cmd == safetensors_header.F_SETLEASE and arg == fcntl.F_RDLCK:  # a writer opens now: the lease breaks
+            if cmd == input_log.F_SETLEASE and arg == fcntl.F_RDLCK:  # a writer opens now: the lease breaks
                 try:
                     os.close(os.open({str(model / "model.safetensors")!r}, os.O_WRONLY | os.O_NONBLOCK))
                 except OSError as err:
@@ -240,3 +240,39 @@ def test_a_writer_opening_the_file_during_the_lease_test_does_not_end_the_proces
     """)
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0 and child.stdout.strip() == "alive", (child.returncode, child.stderr[-2000:])
+
+
+@pytest.mark.parametrize("kind", ["tvm", "gguf"])
+def test_a_data_file_of_another_format_rewritten_during_a_load_is_an_error(tmp_path: Path, kind: str) -> None:
+    """The same promise for the files whose headers are not safetensors headers: a TVM cache's record files and a
+    GGUF file, rewritten in place (same size) between read jobs, are an error, not a mix of old and new bytes."""
+    from helpers import matrix_sources
+
+    single = _model(tmp_path / "m")
+    if kind == "tvm":
+        pytest.importorskip("tvm")
+        model = matrix_sources.write_tvm(single, tmp_path / "t", single / "shard_info.json")
+        data = sorted(model.glob("*.bin"))
+    else:
+        pytest.importorskip("gguf")
+        model = matrix_sources.write_gguf(single, tmp_path / "g", single / "shard_info.json").parent
+        data = [model / "model.gguf"]
+    assert data
+    calls = []
+
+    def progress(done: int, total: int) -> None:
+        if not calls:
+            for path in data:  # the last 90% of each file flipped in place
+                size = path.stat().st_size
+                with open(path, "r+b") as f:
+                    f.seek(size // 10)
+                    body = np.frombuffer(f.read(), dtype=np.uint8)
+                    f.seek(size // 10)
+                    f.write((body ^ 0x5A).tobytes())
+        calls.append(done)
+
+    with pytest.raises(ShardloadError) as err:
+        shardload.load_rank(model, 1, 2, progress=progress, read_options=shardload.ReadOptions(threads=1))
+    text = str(err.value)
+    assert "changed while" in text and "\n" not in text and any(str(p) in text for p in data), text
+    assert calls, "the change was never made"

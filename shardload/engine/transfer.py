@@ -97,6 +97,12 @@ class Transfer:
         self.path = HostPath() if path is None else path
         self.path.bind(LoadContext(reader, options, self.runs, self._submit, self.threads, JOB_BYTES, STAGE_BYTES))
 
+    def _source(self, path: Any) -> None:
+        """Note a file this load reads: its identity, if no header parse took it, is taken before its first read."""
+        if path not in self.sources:
+            self.sources.add(path)
+            input_log.stamp(path)
+
     def _submit(self, fn: Callable[[], None], *, io: bool = False) -> None:
         """Run ``fn`` in the pool (``io``: in the pool of planned cold reads), or now without one."""
         if self.held is not None and not io:  # a cold read starts at once (see the class docstring)
@@ -129,7 +135,7 @@ class Transfer:
 
         from ..planning.runs import structure, zero_spans
 
-        self.sources.add(plan.source.file)
+        self._source(plan.source.file)
         if out is not None:
             want = (tuple(plan.shape), to_torch(plan.dtype))
             if len(out) != len(ranks) or any((tuple(t.shape), t.dtype) != want or not t.is_contiguous() for t in out):
@@ -170,7 +176,8 @@ class Transfer:
     def tensors(self, infos: Sequence[TensorInfo], device: Any) -> list[torch.Tensor]:
         """Whole stored tensors of one file on ``device``, being filled (neighbours share a ``preadv``), or what the
         data path gives without reading (views of a mapping)."""
-        self.sources.update(t.file for t in infos)
+        for t in infos:
+            self._source(t.file)
         given = self.path.tensors(infos, device)
         if given is None:
             return self._read_tensors(infos, device)

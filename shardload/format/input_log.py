@@ -6,8 +6,10 @@ in place, truncated, replaced) is an error rather than a mix of old and new byte
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -64,6 +66,76 @@ def note(path: Any, data: bytes, st: os.stat_result | None = None) -> None:
     log.reads.append((key, len(data)))
     if stamp is not None:
         log.stamps[key] = stamp
+
+
+def stamp(path: Any, st: os.stat_result | None = None) -> None:
+    """Record a local data file's identity (``st``, else its ``stat`` now) if a load is recording and has none for
+    it yet, and refuse it while open for writing (:func:`no_writer`): the files whose headers are not safetensors
+    headers (a GGUF file, a TVM cache's record files) when the load opens them. A file recorded before with another
+    identity is an error."""
+    log = _LOG.get()
+    if log is None or not isinstance(path, (str, os.PathLike)):
+        return
+    key = str(path)
+    try:
+        now = stamp_of(os.stat(path) if st is None else st)
+    except OSError:
+        return  # not there: the read that needs it says so
+    before = log.stamps.get(key)
+    if before is not None and before != now:
+        raise changed(key, _how_changed(before, now))
+    if before is None:  # first seen in this load
+        log.stamps[key] = now
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return
+        try:
+            no_writer(path, fd)
+        finally:
+            os.close(fd)
+
+
+F_SETLEASE = 1024
+"""Linux's ``fcntl`` command taking a lease (``F_RDLCK``: refused with EAGAIN while any descriptor of the file is
+open for writing)."""
+F_SETSIG = 10
+"""Linux's ``fcntl`` command choosing the signal a broken lease sends its holder (SIGIO, which ends a process that
+does not handle it, unless set)."""
+
+
+def no_writer(path: Any, fd: int) -> None:
+    """Inside a load, refuse ``path`` (open as ``fd``) while some descriptor holds it open for writing: a write that
+    began before the load took the file's identity changes no timestamp later, so the end-of-load check cannot see
+    it mixing old and new bytes into the load."""
+    if _LOG.get() is not None and open_for_writing(fd):
+        why = "a write under way could mix old and new bytes into the load"
+        raise CheckpointError(f"is open for writing ({why}); load it once the writer has closed it", file=str(path))
+
+
+def open_for_writing(fd: int) -> bool:
+    """Whether some descriptor (any process's) holds ``fd``'s file open for writing, by taking a read lease and
+    letting it go: Linux refuses the lease then. A writer opening the file in the instant the lease is held breaks
+    it, and the kernel signals this process: SIGURG, ignored by default, not SIGIO (so where SIGURG has a handler of
+    the program's own, nothing is tested). False where it cannot tell (not Linux, a file system without leases,
+    leases turned off, a file this process may not lease)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import fcntl
+    import signal
+
+    if signal.getsignal(signal.SIGURG) not in (signal.SIG_DFL, signal.SIG_IGN):
+        return False
+    try:
+        fcntl.fcntl(fd, F_SETSIG, signal.SIGURG)
+        fcntl.fcntl(fd, F_SETLEASE, fcntl.F_RDLCK)
+    except OSError as err:
+        return err.errno == errno.EAGAIN
+    try:
+        fcntl.fcntl(fd, F_SETLEASE, fcntl.F_UNLCK)
+    except OSError:
+        pass
+    return False
 
 
 def count(path: Any, nbytes: int) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
+from ..format import input_log
 from .checkpoint import Checkpoint, check_disjoint
 from .formats import SourceFormat, register_source
 from .safetensors_header import MAX_HEADER_BYTES
@@ -156,8 +157,10 @@ def _read(files: list[Path]) -> tuple[dict[str, TensorInfo], dict[str, dict[str,
     tensors: dict[str, TensorInfo] = {}
     kinds: dict[str, dict[str, Any]] = {}
     for f in files:
+        st = f.stat()
+        input_log.stamp(f, st)  # inside a load: this identity, checked again after the last read
         reader = _reader(f)
-        size = f.stat().st_size
+        size = st.st_size
         for t in reader.tensors:
             if t.name in tensors:
                 first = tensors[t.name].file.name

@@ -3,10 +3,8 @@ checked against the file (dtypes, shapes, byte ranges tiling the data section ex
 
 from __future__ import annotations
 
-import errno
 import os
 import struct
-import sys
 from math import prod
 from pathlib import Path
 from typing import Any
@@ -90,39 +88,6 @@ def exact_reads(fd: int) -> None:
             pass
 
 
-F_SETLEASE = 1024
-"""Linux's ``fcntl`` command taking a lease (``F_RDLCK``: refused with EAGAIN while any descriptor of the file is
-open for writing)."""
-F_SETSIG = 10
-"""Linux's ``fcntl`` command choosing the signal a broken lease sends its holder (SIGIO, which ends a process that
-does not handle it, unless set)."""
-
-
-def open_for_writing(fd: int) -> bool:
-    """Whether some descriptor (any process's) holds ``fd``'s file open for writing, by taking a read lease and
-    letting it go: Linux refuses the lease then. A writer opening the file in the instant the lease is held breaks
-    it, and the kernel signals this process: SIGURG, ignored by default, not SIGIO (so where SIGURG has a handler of
-    the program's own, nothing is tested). False where it cannot tell (not Linux, a file system without leases,
-    leases turned off, a file this process may not lease)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    import fcntl
-    import signal
-
-    if signal.getsignal(signal.SIGURG) not in (signal.SIG_DFL, signal.SIG_IGN):
-        return False
-    try:
-        fcntl.fcntl(fd, F_SETSIG, signal.SIGURG)
-        fcntl.fcntl(fd, F_SETLEASE, fcntl.F_RDLCK)
-    except OSError as err:
-        return err.errno == errno.EAGAIN
-    try:
-        fcntl.fcntl(fd, F_SETLEASE, fcntl.F_UNLCK)
-    except OSError:
-        pass
-    return False
-
-
 def _file_header(path: Path) -> tuple[bytes, int, int]:
     """A local safetensors file's raw header, its length and the file's size."""
     name = str(path)
@@ -130,9 +95,7 @@ def _file_header(path: Path) -> tuple[bytes, int, int]:
         with open(path, "rb") as fh:
             exact_reads(fh.fileno())
             st = os.fstat(fh.fileno())  # before the lease test: a writer opening after it changes the file's times
-            if input_log.current() is not None and open_for_writing(fh.fileno()):  # a load: its bytes may be mixed
-                why = "a write under way could mix old and new bytes into the load"
-                raise CheckpointError(f"is open for writing ({why}); load it once the writer has closed it", file=name)
+            input_log.no_writer(path, fh.fileno())
             size = st.st_size
             _check_size(size, name)
             first = fh.read(8)

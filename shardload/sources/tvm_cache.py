@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, short_repr
+from ..format import input_log
 from .checkpoint import Checkpoint, check_disjoint, read_json, resolve_inside
 from .dtypes import DTYPES, itemsize
 from .formats import SourceFormat, register_source
@@ -69,7 +70,9 @@ def open_tensor_cache(path: Path) -> Checkpoint:
             )
         nbytes = _count(shard, "nbytes", table, where)
         file = resolve_inside(root, data_path, table)
-        size = file.stat().st_size
+        st = file.stat()
+        input_log.stamp(file, st)  # inside a load: this identity, checked again after the last read
+        size = st.st_size
         if size != nbytes:
             raise CheckpointError(f"{data_path} is {size} bytes but the cache table says {nbytes}", file=str(table))
         files.append(file)
