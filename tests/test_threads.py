@@ -65,6 +65,6 @@ def test_writer_and_hash_threads_follow_the_cores_this_process_may_use(
     monkeypatch.setattr(hashing, "_hash_job", seen_hashing)
     monkeypatch.setattr(hashing, "WORK_BYTES", 4096)  # many small jobs: room for more threads than cores
     shardload.convert(example_dir, N, tmp_path / "tp8")
-    shardload.hash_checkpoint(example_dir)
+    shardload.hash_checkpoint(example_dir, tmp_path / "record")  # not beside the shared example
     assert len(names["write"]) == 1, names["write"]
     assert len(names["hash"]) == 2, names["hash"]
