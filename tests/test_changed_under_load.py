@@ -276,3 +276,41 @@ def test_a_data_file_of_another_format_rewritten_during_a_load_is_an_error(tmp_p
     text = str(err.value)
     assert "changed while" in text and "\n" not in text and any(str(p) in text for p in data), text
     assert calls, "the change was never made"
+
+
+@pytest.mark.parametrize("fstype", ["nfs4", "cifs", "ext4"])
+def test_the_lease_test_is_trusted_only_on_local_file_systems(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fstype: str
+) -> None:
+    """NFSv4 without a read delegation and SMB without an oplock refuse every read lease (EAGAIN) whether or not a
+    writer exists: there the lease test cannot tell, and a file nobody writes loads. On a local file system the same
+    answer means a writer holds the file open, and the load is refused."""
+    import errno
+    import fcntl
+
+    from shardload.format import input_log
+
+    model = _model(tmp_path / "m")
+    real = fcntl.fcntl
+
+    def no_lease(fd: int, cmd: int, arg: int = 0) -> object:
+        if cmd == input_log.F_SETLEASE and arg == fcntl.F_RDLCK:  # what nfs4_add_lease / cifs_setlease answer
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", no_lease)
+    monkeypatch.setattr(input_log, "file_system", lambda dev: fstype)
+    if fstype == "ext4":
+        with pytest.raises(ShardloadError, match="open for writing"):
+            shardload.load_rank(model, 0, 2)
+    else:
+        assert shardload.load_rank(model, 0, 2).keys()
+
+
+def test_the_file_system_of_a_file_is_read_from_the_mount_table(tmp_path: Path) -> None:
+    from shardload.format import input_log
+
+    path = tmp_path / "f"
+    path.write_bytes(b"x")
+    kind = input_log.file_system(path.stat().st_dev)
+    assert kind is not None and kind in open("/proc/self/mountinfo").read(), kind

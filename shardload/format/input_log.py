@@ -104,11 +104,38 @@ F_SETSIG = 10
 does not handle it, unless set)."""
 
 
+LEASE_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "bcachefs", "jfs", "tmpfs",
+                                "ramfs", "overlay"})  # fmt: skip
+"""Local file systems, where a refused read lease means a writer holds the file open. On NFSv4 without a read
+delegation and SMB without an oplock every read lease is refused (EAGAIN) writer or not, so there, and on any file
+system not listed, the lease test is not asked."""
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+@functools.lru_cache(maxsize=64)
+def file_system(dev: int) -> str | None:
+    """The type of the file system mounted as device ``dev`` (a ``stat``'s ``st_dev``), from the mount table; None
+    where it cannot be read or no mount is that device (a btrfs subvolume's own device number). Kept per device
+    for the process."""
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        with open(MOUNTINFO) as fh:
+            for line in fh:
+                fields = line.split()
+                if len(fields) > 3 and fields[2] == want and " - " in line:
+                    return line.split(" - ", 1)[1].split()[0]
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def no_writer(path: Any, fd: int) -> None:
     """Inside a load, refuse ``path`` (open as ``fd``) while some descriptor holds it open for writing: a write that
     began before the load took the file's identity changes no timestamp later, so the end-of-load check cannot see
-    it mixing old and new bytes into the load."""
-    if _LOG.get() is not None and open_for_writing(fd):
+    it mixing old and new bytes into the load. Asked on :data:`LEASE_FILE_SYSTEMS` only."""
+    if _LOG.get() is None or file_system(os.fstat(fd).st_dev) not in LEASE_FILE_SYSTEMS:
+        return
+    if open_for_writing(fd):
         why = "a write under way could mix old and new bytes into the load"
         raise CheckpointError(f"is open for writing ({why}); load it once the writer has closed it", file=str(path))
 
