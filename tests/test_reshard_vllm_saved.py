@@ -284,3 +284,8 @@ def test_a_model_directory_holding_rank_files_too_is_refused(
         assert "\n" not in text, text
     result = CliRunner().invoke(main, ["inspect", str(mixed), "-n", "2"])
     assert result.exit_code != 0 and "model.safetensors" in result.output, result.output
+    # vLLM's save_sharded_state example copies every file of the source but its weights: an index is no weights
+    with_index = tmp_path / "with-index"
+    shutil.copytree(save, with_index)
+    (with_index / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    assert shardload.load_rank(with_index, 0, 2).keys() == shardload.load_rank(save, 0, 2).keys()

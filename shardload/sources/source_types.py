@@ -31,7 +31,6 @@ from ..errors import ShardloadError
 from .checkpoint import Checkpoint, manifest_stages, open_checkpoint
 from .objects import ObjectPath
 from .plugins import PluginError, load_once
-from .tvm_cache import CACHE_NAMES
 
 OPTIONS = ("shard_info", "verify_root", "verify", "group", "mmap", "read_options", "into", "stages")
 """The options a load may be refused on, in the order they are checked: ``shard_info`` (a plan given), ``verify_root``
@@ -316,9 +315,10 @@ def open_source(
     return WholeTensors(checkpoint, where)
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".gguf", *CACHE_NAMES)
-"""Names of the files a checkpoint's weights are found by (a directory holding any a split format did not open
-beside its rank files is refused)."""
+WEIGHT_SUFFIXES = (".safetensors",)
+"""Names of weight files: a directory holding one that a split format did not open beside its rank files is refused.
+Not an index, a GGUF file or a TVM table: vLLM's ``save_sharded_state`` example copies every file of the source but
+its ``.bin``, ``.pt`` and ``.safetensors`` files into the save."""
 
 
 def _alone(model: Any, opened: OpenedSplit, fmt: SplitFormat) -> None:
