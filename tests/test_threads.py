@@ -44,27 +44,31 @@ def test_threads_equal_sequential(example_dir: Path, example_multi_dir: Path, tm
 def test_writer_and_hash_threads_follow_the_cores_this_process_may_use(
     example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A container or ``taskset`` that allows 1 of a machine's 64 cores gets 1 writer thread and 2 hashing threads
-    (one hashing while the other waits for storage), not one per core of the machine (``os.cpu_count``)."""
+    """A container or ``taskset`` that allows 1 of a machine's 64 cores gets 1 writer thread and a pool of 2 hashing
+    threads (one hashing while the other waits for storage), not one per core of the machine (``os.cpu_count``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from shardload.engine import hashing, writer
 
     monkeypatch.setattr("os.cpu_count", lambda: 64)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0}, raising=False)
-    names: dict[str, set[str]] = {"write": set(), "hash": set()}
-    write_group, hash_job = writer._write_group, hashing._hash_job
+    writers: set[str] = set()
+    pools: list[int] = []
+    write_group = writer._write_group
 
     def seen_writing(*args: object, **kwargs: object) -> object:
-        names["write"].add(threading.current_thread().name)
+        writers.add(threading.current_thread().name)
         return write_group(*args, **kwargs)
 
-    def seen_hashing(*args: object, **kwargs: object) -> object:
-        names["hash"].add(threading.current_thread().name)
-        return hash_job(*args, **kwargs)
+    class Pool(ThreadPoolExecutor):
+        def __init__(self, max_workers: int, **kwargs: object) -> None:
+            pools.append(max_workers)  # the pool's size (its threads start lazily, as jobs find none idle)
+            super().__init__(max_workers, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(writer, "_write_group", seen_writing)
-    monkeypatch.setattr(hashing, "_hash_job", seen_hashing)
+    monkeypatch.setattr(hashing, "ThreadPoolExecutor", Pool)
     monkeypatch.setattr(hashing, "WORK_BYTES", 4096)  # many small jobs: room for more threads than cores
     shardload.convert(example_dir, N, tmp_path / "tp8")
     shardload.hash_checkpoint(example_dir, tmp_path / "record")  # not beside the shared example
-    assert len(names["write"]) == 1, names["write"]
-    assert len(names["hash"]) == 2, names["hash"]
+    assert len(writers) == 1, writers
+    assert pools == [2], pools
