@@ -227,12 +227,12 @@ def span_plan(
     cut_dev = device_of[cut_buf]
     bounds = np.searchsorted(which, np.arange(len(lo) + 1), side="left").tolist()
     spans = []
-    for k0, k1 in _groups(lo, hi, bounds, cut_src, cut_len, cut_dev, max_read):
+    for k0, k1, packing in _groups(lo, hi, bounds, cut_src, cut_len, cut_dev, max_read):
         s = slice(bounds[k0], bounds[k1 + 1])
         rel = cut_src[s] + (lo[which[s]] - lo[k0])  # offsets in the span
         order = np.lexsort((rel, cut_buf[s]))  # per tensor, by offset: how cuts fold
         rel, c_buf, c_dst, c_len, c_dev = (x[order] for x in (rel, cut_buf[s], cut_dst[s], cut_len[s], cut_dev[s]))
-        used, read, sink, packed = _span_read(rel, c_len, c_dev, pack=True if k1 > k0 else None, limit=max_read)
+        used, read, sink, packed = _span_read(rel, c_len, packing)
         at_staged = rel
         if packed:  # each cut's bytes where the staging buffer holds them
             j = np.searchsorted(used.src, rel, side="right") - 1
@@ -262,11 +262,12 @@ def _groups(
     length: np.ndarray,
     dev: np.ndarray,
     max_read: int,
-) -> Iterator[tuple[int, int]]:
+) -> Iterator[tuple[int, int, tuple[np.ndarray, np.ndarray, np.ndarray] | None]]:
     """The reads ``[k0, k1]`` each span reads, skipping reads of a gap alone: one read, or consecutive reads that
     each pack and go on where the last ended, as long as what they stage together fits one staging buffer and they
     cover at most :data:`PACK_JOIN` buffers' worth of the file (a packed span stages only its pieces: at N = 8 a
-    column slice's span reads eight buffers' worth of the file)."""
+    column slice's span reads eight buffers' worth of the file); with each, its :func:`_packing` (offsets from its
+    first read's start)."""
     import numpy as np
 
     def cuts(k0: int, k1: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -274,22 +275,49 @@ def _groups(
         at = np.repeat(lo[k0 : k1 + 1] - lo[k0], np.diff(bounds[k0 : k1 + 2]))
         return src[s] + at, length[s], dev[s]
 
+    alone: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray] | None] = {}
+
+    def packing(k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        if k not in alone:
+            alone[k] = _packing(*cuts(k, k), pack=None, limit=max_read)
+        return alone[k]
+
+    one = len(dev) == 0 or bool((dev == dev[0]).all())  # one device: what joined reads stage adds up
     k, n = 0, len(lo)
     while k < n:
         if bounds[k] == bounds[k + 1]:
             k += 1
             continue  # a stretch of a gap read through (cut at max_read): nothing to read
-        k1 = k
-        if _packing(*cuts(k, k), pack=None, limit=max_read) is not None:
+        k1, packed = k, packing(k)
+        if packed is not None:
+            staged, last = _staged(packed), int(lo[k] + packed[1][-1])
             while k1 + 1 < n and lo[k1 + 1] == hi[k1] and bounds[k1 + 1] < bounds[k1 + 2]:
-                if hi[k1 + 1] - lo[k] > PACK_JOIN * max_read or _packing(*cuts(k1 + 1, k1 + 1), pack=None,
-                                                                          limit=max_read) is None:  # fmt: skip
+                nxt = packing(k1 + 1) if hi[k1 + 1] - lo[k] <= PACK_JOIN * max_read else None
+                if nxt is None:
                     break
-                if _packing(*cuts(k, k1 + 1), pack=True, limit=max_read) is None:  # its pieces fill the buffer
+                if one:  # the next read's pieces after these, each at its alignment: no need to lay them out again
+                    more = staged + (int(lo[k1 + 1] + nxt[0][0]) - last) % ALIGN + _staged(nxt)
+                    if more > max_read:
+                        break
+                    k1, staged, last = k1 + 1, more, int(lo[k1 + 1] + nxt[1][-1])
+                    continue
+                joined = _packing(*cuts(k, k1 + 1), pack=True, limit=max_read)
+                if joined is None:  # its pieces fill the buffer
                     break
-                k1 += 1
-        yield k, k1
+                k1, packed = k1 + 1, joined
+            if one and k1 > k:
+                packed = _packing(*cuts(k, k1), pack=True, limit=max_read)
+                if packed is None:  # not reached (what it stages was added up exactly): read alone, never past
+                    k1, packed = k, packing(k)
+        yield k, k1, packed
+        alone.pop(k, None)
         k = k1 + 1
+
+
+def _staged(packing: tuple[np.ndarray, np.ndarray, np.ndarray]) -> int:
+    """Bytes a :func:`_packing` puts in the staging buffer (to the end of its last piece there)."""
+    starts, ends, at = packing
+    return int((at + ends - starts).max())
 
 
 def _packed_at(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -355,6 +383,10 @@ def _apart(src: np.ndarray, length: np.ndarray, dev: np.ndarray) -> tuple[np.nda
 
     from ...sources.read_plan import union
 
+    if len(dev) == 0 or bool((dev == dev[0]).all()):  # one device: its pieces, the gaps between them
+        starts, ends = _pieces(src, length)
+        owner = np.full(len(starts), dev[0] if len(dev) else 0, dtype=np.int64)
+        return starts, ends, owner, int((starts[1:] - ends[:-1]).sum())
     big = int((src + length).max()) + 1  # each device's offsets in a range of their own: one union for all
     key = src + dev * big
     order = np.argsort(key, kind="stable")
@@ -366,18 +398,16 @@ def _apart(src: np.ndarray, length: np.ndarray, dev: np.ndarray) -> tuple[np.nda
 
 
 def _span_read(
-    src: np.ndarray, length: np.ndarray, dev: np.ndarray, *, pack: bool | None = None, limit: int
+    src: np.ndarray, length: np.ndarray, packing: tuple[np.ndarray, np.ndarray, np.ndarray] | None
 ) -> tuple[Runs, Runs, int, bool]:
-    """A span's used bytes (its cuts' ``[src, src + length)`` on devices ``dev`` as sorted disjoint runs, and where
-    the staging buffer holds them), the runs of its one read, its sink's size and whether it is packed
-    (:func:`_packing`):
-    pieces where the packing puts them, gaps into the sink; else its first to last used byte, each at its own
-    offset."""
+    """A span's used bytes (its cuts' ``[src, src + length)`` as sorted disjoint runs, and where the staging buffer
+    holds them), the runs of its one read, its sink's size and whether it is packed: with its ``packing``
+    (:func:`_packing`), pieces where that puts them and gaps into the sink; else its first to last used byte, each
+    at its own offset."""
     import numpy as np
 
     from ...planning.runs import Runs
 
-    packing = _packing(src, length, dev, pack=pack, limit=limit)
     if packing is not None:
         starts, ends, at = packing
         gap = starts[1:] - ends[:-1]
