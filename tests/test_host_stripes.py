@@ -421,8 +421,8 @@ def test_memory_available_is_the_containers_not_the_hosts(
     what the container holds that it cannot drop (a parent group's limit counts too), not the host's MemAvailable."""
     meminfo, root, own = _cgroup(tmp_path, limits)
     monkeypatch.setattr(host_stripes, "MEMINFO", meminfo)
-    monkeypatch.setattr(host_stripes, "CGROUP_ROOT", root)
-    monkeypatch.setattr(host_stripes, "SELF_CGROUP", own)
+    monkeypatch.setattr(host_group, "CGROUP_ROOT", root)
+    monkeypatch.setattr(host_group, "SELF_CGROUP", own)
     assert host_stripes.memory_available() == want_gib << 30
 
 
@@ -466,8 +466,8 @@ def test_memory_available_reads_a_cgroup_v1_limit(
     stripes' memory guard takes the limit, less what the group holds that it cannot drop."""
     meminfo, root, self_cgroup = _cgroup_v1(tmp_path, limits, own)
     monkeypatch.setattr(host_stripes, "MEMINFO", meminfo)
-    monkeypatch.setattr(host_stripes, "CGROUP_ROOT", root)
-    monkeypatch.setattr(host_stripes, "SELF_CGROUP", self_cgroup)
+    monkeypatch.setattr(host_group, "CGROUP_ROOT", root)
+    monkeypatch.setattr(host_group, "SELF_CGROUP", self_cgroup)
     assert host_stripes.memory_available() == want_gib << 30
 
 
@@ -478,8 +478,8 @@ def test_no_stripes_past_the_containers_memory(
     size = data_bytes(cold_rank)
     meminfo, root, own = _cgroup(tmp_path, {"/": ("max", 0, 0), "/pod": (str(size + (1 << 20)), 1 << 20, 0)})
     monkeypatch.setattr(host_stripes, "MEMINFO", meminfo)
-    monkeypatch.setattr(host_stripes, "CGROUP_ROOT", root)
-    monkeypatch.setattr(host_stripes, "SELF_CGROUP", own)
+    monkeypatch.setattr(host_group, "CGROUP_ROOT", root)
+    monkeypatch.setattr(host_group, "SELF_CGROUP", own)
     with caplog.at_level(logging.DEBUG, logger="shardload.host"), count_reads() as seen:
         got = shardload.load_rank(cold_rank, 0, 2)
     assert seen.warmed == 0
@@ -487,3 +487,35 @@ def test_no_stripes_past_the_containers_memory(
     want = reference_shards(cold_rank, 2)[0]
     for name, t in got.items():
         np.testing.assert_array_equal(t.numpy(), want[name], err_msg=name)
+
+
+@pytest.mark.parametrize(
+    ("files", "own", "want"),
+    [
+        ({"/": {"cpu.max": "max 100000"}}, "0::/\n", 16),  # no quota: the affinity's 16
+        ({"/": {"cpu.max": "max 100000"}, "/pod": {"cpu.max": "250000 100000"}}, "0::/pod\n", 3),  # --cpus=2.5
+        ({"/": {}, "/pod": {"cpu.max": "400000 100000"}, "/pod/c": {"cpu.max": "max 100000"}}, "0::/pod/c\n", 4),
+        ({"/": {}, "/pod": {"cpu.max": "50000 100000"}}, "0::/pod\n", 1),  # half a core: at least one
+        ({"cpu": {"cpu.cfs_quota_us": "-1", "cpu.cfs_period_us": "100000"},
+          "cpu/kubepods": {"cpu.cfs_quota_us": "200000", "cpu.cfs_period_us": "100000"}},
+         "4:cpu,cpuacct:/kubepods\n0::/\n", 2),  # cgroup v1's cpu controller (a hybrid host)
+        ({"cpu": {"cpu.cfs_quota_us": "300000", "cpu.cfs_period_us": "100000"}}, "4:cpu,cpuacct:/docker/ab\n", 3),
+    ],
+)  # fmt: skip
+def test_host_cores_count_a_containers_cpu_quota(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: dict[str, dict[str, str]], own: str, want: int
+) -> None:
+    """A container limited to 2.5 CPUs (``docker --cpus``, a Kubernetes CPU limit) on a 16-core host keeps every
+    core in its affinity; its reader, writer and hashing threads count 3 cores, not 16 (v2's ``cpu.max`` or v1's
+    ``cpu.cfs_quota_us``, its group's or a parent's, the least)."""
+    root = tmp_path / "cgroup"
+    for group, contents in files.items():
+        d = root / group.strip("/") if group != "/" else root
+        d.mkdir(parents=True, exist_ok=True)
+        for name, text in contents.items():
+            (d / name).write_text(text + "\n")
+    (tmp_path / "self").write_text(own)
+    monkeypatch.setattr(host_group, "CGROUP_ROOT", root)
+    monkeypatch.setattr(host_group, "SELF_CGROUP", tmp_path / "self")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert host_group.host_cores() == want

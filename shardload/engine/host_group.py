@@ -8,10 +8,12 @@ on the ``shardload.host`` logger.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
 from ..errors import ShardloadError
@@ -126,8 +128,72 @@ def _dist_rank() -> int | None:
 
 
 def host_cores() -> int:
-    """The cores this process may run on (a container or ``taskset`` may allow fewer than the machine has)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The cores this process may run on: its CPU affinity (``taskset``, a cpuset), or fewer where a cgroup CPU
+    quota (``docker --cpus``, a Kubernetes CPU limit) allows less time than that, rounded up."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cpu_quota()
+    return cores if quota is None else max(1, min(cores, math.ceil(quota)))
+
+
+SELF_CGROUP = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+"""Where this process's cgroups are read (a v1 controller's hierarchy under ``CGROUP_ROOT/<controller>``; tests
+point them elsewhere)."""
+
+
+def own_cgroup(controller: str) -> tuple[list[Path], int] | None:
+    """This process's cgroup for ``controller`` (``"memory"``, ``"cpu"``) and its parents up to its hierarchy's root,
+    nearest first, with the cgroup version: the controller's own v1 hierarchy where it has one (a hybrid host keeps
+    its controllers on v1), else the v2 group (``0::``). None where ``/proc/self/cgroup`` cannot be read."""
+    try:
+        lines = SELF_CGROUP.read_text().splitlines()
+    except (OSError, ValueError):  # not Linux, unreadable, or not text
+        return None
+    found = None
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy != "0" and controller in controllers.split(","):
+            root = CGROUP_ROOT / controller
+            group = root / path.strip().lstrip("/")
+            # a container's own mount of its group: the path /proc/self/cgroup names is the host's, not there
+            found = (group if group.is_dir() else root), root, 1
+            break
+    else:
+        for line in lines:
+            if line.startswith("0::"):
+                found = CGROUP_ROOT / line[3:].strip().lstrip("/"), CGROUP_ROOT, 2
+                break
+    if found is None:
+        return None
+    group, root, version = found
+    return [d for d in (group, *group.parents) if d.is_relative_to(root)], version
+
+
+def cpu_quota() -> float | None:
+    """The CPUs a cgroup CPU quota allows this process (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us``), the least of its group's and its parents'; None without one."""
+    own = own_cgroup("cpu")
+    if own is None:
+        return None
+    groups, version = own
+    least = None
+    for d in groups:
+        try:
+            if version == 2:
+                quota, period = (d / "cpu.max").read_text().split()[:2]
+                if quota == "max":
+                    continue
+                cpus = int(quota) / int(period)
+            else:
+                us = int((d / "cpu.cfs_quota_us").read_text())
+                if us <= 0:
+                    continue
+                cpus = us / int((d / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError, ZeroDivisionError):
+            continue
+        least = cpus if least is None else min(least, cpus)
+    return least
 
 
 def rank_threads(local: LocalRanks, cores: int | None = None) -> int:

@@ -27,14 +27,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..sources.reader import PAGE, FileMaps, count_warmed
 from ..sources.source_types import Source, remote
-from .host_group import LocalRanks, local_ranks
+from .host_group import LocalRanks, local_ranks, own_cgroup
 
 if TYPE_CHECKING:
     from ..planning.mesh import Mesh
@@ -54,10 +54,7 @@ MEMORY_SHARE = 0.5
 host's, or a container's limit): the ranks' own reads come after the stripes, so what would not stay cached until
 then is left to them."""
 MEMINFO = Path("/proc/meminfo")
-SELF_CGROUP = Path("/proc/self/cgroup")
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-"""Where the host's available memory and this process's cgroup limits are read (v1's memory controller under
-``CGROUP_ROOT/memory``; tests point them elsewhere)."""
+"""Where the host's available memory is read (tests point it elsewhere; the cgroups: ``host_group.CGROUP_ROOT``)."""
 SETTLE_PROBES = 1024
 """Pages over a file's data region asked about while the peers' stripes arrive."""
 SETTLE_STALL_S = 0.25
@@ -283,19 +280,16 @@ def memory_available() -> int | None:
     host = _meminfo_available()
     if host is None:
         return None
-    own = _own_cgroup()
+    own = own_cgroup("memory")
     if own is None:
         return host
-    group, root, headroom_of = own
+    groups, version = own
+    headroom_of = _cgroup_headroom if version == 2 else _cgroup_v1_headroom
     least = host
-    for d in (group, *group.parents):
-        if not d.is_relative_to(root):
-            break
+    for d in groups:
         headroom = headroom_of(d)
         if headroom is not None:
             least = min(least, headroom)
-        if d == root:
-            break
     return max(0, least)
 
 
@@ -308,28 +302,6 @@ def _meminfo_available() -> int | None:
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
-    return None
-
-
-def _own_cgroup() -> tuple[Path, Path, Callable[[Path], int | None]] | None:
-    """This process's memory cgroup: its directory, its hierarchy's root and how a group's headroom is read. The
-    memory controller's v1 line where there is one (a hybrid host keeps memory on v1), else the v2 group (``0::``);
-    None where ``/proc/self/cgroup`` cannot be read (not Linux)."""
-    try:
-        lines = SELF_CGROUP.read_text().splitlines()
-    except (OSError, ValueError):  # unreadable, or not text
-        return None
-    for line in lines:
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hierarchy != "0" and "memory" in controllers.split(","):
-            root = CGROUP_ROOT / "memory"
-            group = root / path.strip().lstrip("/")
-            # a container's own mount of its group: the path /proc/self/cgroup names is the host's, not there
-            return (group if group.is_dir() else root), root, _cgroup_v1_headroom
-    for line in lines:
-        if line.startswith("0::"):
-            return CGROUP_ROOT / line[3:].strip().lstrip("/"), CGROUP_ROOT, _cgroup_headroom
     return None
 
 
