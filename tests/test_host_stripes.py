@@ -388,21 +388,27 @@ def test_a_rank_whose_peers_never_load_waits_once_not_per_file(monkeypatch: pyte
     assert host_stripes.SETTLE_STALL_S <= clock[0] <= host_stripes.SETTLE_STALL_S + 3 * host_stripes.SETTLE_POLL_S
 
 
-def _cgroup(tmp_path: Path, limits: dict[str, tuple[str, int, int]]) -> tuple[Path, Path, Path]:
-    """A fake cgroup v2 tree under ``tmp_path`` (``limits``: group path -> memory.max, memory.current, file bytes
-    in memory.stat), /proc/meminfo saying 64 GiB available, and /proc/self/cgroup naming the deepest group."""
+def _cgroups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: dict[str, dict[str, str]], own: str) -> None:
+    """A fake cgroup tree under ``tmp_path``/cgroup (``files``: a group's directory under the root -> file name ->
+    contents), /proc/self/cgroup reading ``own`` and /proc/meminfo saying 64 GiB available, pointed at."""
     root = tmp_path / "cgroup"
-    for group, (most, current, file) in limits.items():
-        d = root / group.strip("/") if group != "/" else root
+    for group, contents in files.items():
+        d = root / group.strip("/") if group.strip("/") else root
         d.mkdir(parents=True, exist_ok=True)
-        (d / "memory.max").write_text(f"{most}\n")
-        (d / "memory.current").write_text(f"{current}\n")
-        (d / "memory.stat").write_text(f"anon 1000\nfile {file}\nkernel 5\n")
+        for name, text in contents.items():
+            (d / name).write_text(f"{text}\n")
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(f"MemTotal: {128 << 20} kB\nMemAvailable: {64 << 20} kB\n")
-    own = tmp_path / "self_cgroup"
-    own.write_text(f"0::{max(limits, key=len)}\n")
-    return meminfo, root, own
+    (tmp_path / "self_cgroup").write_text(own)
+    monkeypatch.setattr(host_stripes, "MEMINFO", meminfo)
+    monkeypatch.setattr(host_group, "CGROUP_ROOT", root)
+    monkeypatch.setattr(host_group, "SELF_CGROUP", tmp_path / "self_cgroup")
+
+
+def _memory_v2(limits: dict[str, tuple[str, int, int]]) -> dict[str, dict[str, str]]:
+    """cgroup v2 groups (path -> memory.max, memory.current, file bytes in memory.stat) as :func:`_cgroups` files."""
+    return {group: {"memory.max": most, "memory.current": str(current), "memory.stat": f"anon 1000\nfile {file}"}
+            for group, (most, current, file) in limits.items()}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -419,29 +425,8 @@ def test_memory_available_is_the_containers_not_the_hosts(
 ) -> None:
     """A rank in a container limited to 8 GiB of a 128 GiB host: the stripes' memory guard takes the limit, less
     what the container holds that it cannot drop (a parent group's limit counts too), not the host's MemAvailable."""
-    meminfo, root, own = _cgroup(tmp_path, limits)
-    monkeypatch.setattr(host_stripes, "MEMINFO", meminfo)
-    monkeypatch.setattr(host_group, "CGROUP_ROOT", root)
-    monkeypatch.setattr(host_group, "SELF_CGROUP", own)
+    _cgroups(tmp_path, monkeypatch, _memory_v2(limits), f"0::{max(limits, key=len)}\n")
     assert host_stripes.memory_available() == want_gib << 30
-
-
-def _cgroup_v1(tmp_path: Path, limits: dict[str, tuple[int, int, int]], own: str) -> tuple[Path, Path, Path]:
-    """A fake cgroup v1 memory hierarchy under ``tmp_path``/cgroup/memory (``limits``: group path ->
-    memory.limit_in_bytes, memory.usage_in_bytes, total_cache in memory.stat), /proc/meminfo saying 64 GiB
-    available, and /proc/self/cgroup naming ``own`` in the memory controller (and a v2 line, as hybrid hosts have)."""
-    root = tmp_path / "cgroup"
-    for group, (most, current, cache) in limits.items():
-        d = root / "memory" / group.strip("/") if group != "/" else root / "memory"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "memory.limit_in_bytes").write_text(f"{most}\n")
-        (d / "memory.usage_in_bytes").write_text(f"{current}\n")
-        (d / "memory.stat").write_text(f"cache {cache // 2}\nrss 1000\ntotal_cache {cache}\ntotal_rss 1000\n")
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text(f"MemTotal: {128 << 20} kB\nMemAvailable: {64 << 20} kB\n")
-    self_cgroup = tmp_path / "self_cgroup"
-    self_cgroup.write_text(f"12:cpu,cpuacct:{own}\n9:memory:{own}\n0::/\n")
-    return meminfo, root, self_cgroup
 
 
 UNLIMITED_V1 = 9223372036854771712  # what cgroup v1 reports for no limit
@@ -464,10 +449,10 @@ def test_memory_available_reads_a_cgroup_v1_limit(
 ) -> None:
     """Hosts still on cgroup v1 (or hybrid: the memory controller on v1) limit a container the same way: the
     stripes' memory guard takes the limit, less what the group holds that it cannot drop."""
-    meminfo, root, self_cgroup = _cgroup_v1(tmp_path, limits, own)
-    monkeypatch.setattr(host_stripes, "MEMINFO", meminfo)
-    monkeypatch.setattr(host_group, "CGROUP_ROOT", root)
-    monkeypatch.setattr(host_group, "SELF_CGROUP", self_cgroup)
+    files = {f"memory/{group.strip('/')}": {"memory.limit_in_bytes": str(most), "memory.usage_in_bytes": str(used),
+                                           "memory.stat": f"cache {cache // 2}\nrss 1000\ntotal_cache {cache}"}
+             for group, (most, used, cache) in limits.items()}  # fmt: skip
+    _cgroups(tmp_path, monkeypatch, files, f"12:cpu,cpuacct:{own}\n9:memory:{own}\n0::/\n")  # a hybrid host's
     assert host_stripes.memory_available() == want_gib << 30
 
 
@@ -476,10 +461,8 @@ def test_no_stripes_past_the_containers_memory(
 ) -> None:
     """Files larger than half of what the container may still hold are not striped (each rank reads its own)."""
     size = data_bytes(cold_rank)
-    meminfo, root, own = _cgroup(tmp_path, {"/": ("max", 0, 0), "/pod": (str(size + (1 << 20)), 1 << 20, 0)})
-    monkeypatch.setattr(host_stripes, "MEMINFO", meminfo)
-    monkeypatch.setattr(host_group, "CGROUP_ROOT", root)
-    monkeypatch.setattr(host_group, "SELF_CGROUP", own)
+    limits = {"/": ("max", 0, 0), "/pod": (str(size + (1 << 20)), 1 << 20, 0)}
+    _cgroups(tmp_path, monkeypatch, _memory_v2(limits), "0::/pod\n")
     with caplog.at_level(logging.DEBUG, logger="shardload.host"), count_reads() as seen:
         got = shardload.load_rank(cold_rank, 0, 2)
     assert seen.warmed == 0
@@ -508,14 +491,6 @@ def test_host_cores_count_a_containers_cpu_quota(
     """A container limited to 2.5 CPUs (``docker --cpus``, a Kubernetes CPU limit) on a 16-core host keeps every
     core in its affinity; its reader, writer and hashing threads count 3 cores, not 16 (v2's ``cpu.max`` or v1's
     ``cpu.cfs_quota_us``, its group's or a parent's, the least)."""
-    root = tmp_path / "cgroup"
-    for group, contents in files.items():
-        d = root / group.strip("/") if group != "/" else root
-        d.mkdir(parents=True, exist_ok=True)
-        for name, text in contents.items():
-            (d / name).write_text(text + "\n")
-    (tmp_path / "self").write_text(own)
-    monkeypatch.setattr(host_group, "CGROUP_ROOT", root)
-    monkeypatch.setattr(host_group, "SELF_CGROUP", tmp_path / "self")
+    _cgroups(tmp_path, monkeypatch, files, own)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert host_group.host_cores() == want
