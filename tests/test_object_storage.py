@@ -634,3 +634,50 @@ def test_small_objects_over_the_cap_are_refused_before_any_get(
     assert "\n" not in message
     name = message.split(": ", 1)[0].rsplit("/", 1)[1]
     assert not [s for s in endpoint.proxy.served if s.method == "GET" and s.key.endswith(name)]
+
+
+@pytest.mark.parametrize("when", ["between reads", "after the header"])
+def test_an_object_replaced_during_a_load_is_an_error(
+    endpoint: S3, example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """An object overwritten while a load reads it (same size, same header, every tensor byte changed: a new ETag)
+    is one line naming it, never a state dict of old and new bytes; ``convert`` from it writes nothing. Every
+    ranged GET's answer must be the version whose header the load parsed (its ETag)."""
+    prefix = f"swap-{when.split()[0]}"
+    uri = endpoint.upload_dir(example_dir, prefix)
+    old = (example_dir / "model.safetensors").read_bytes()
+    (n,) = np.frombuffer(old[:8], dtype="<u8")
+    new = old[: 8 + int(n)] + bytes(b ^ 0x01 for b in old[8 + int(n) :])
+    key = f"{prefix}/model.safetensors"
+
+    def replace() -> None:
+        endpoint.client().put_object(Bucket=BUCKET, Key=key, Body=new)
+
+    options = shardload.ReadOptions(object_cost=ObjectCost.exact(concurrency=1))
+    if when == "between reads":
+        calls: list[int] = []
+
+        def progress(done: int, total: int) -> None:
+            if not calls:
+                replace()
+            calls.append(done)
+
+        with pytest.raises(ShardloadError) as err:
+            shardload.load_rank(uri, 1, 2, progress=progress, read_options=options)
+        assert calls, "the object was never replaced"
+    else:
+        from shardload.sources import checkpoint as checkpoint_module
+
+        real = checkpoint_module._open_object
+
+        def opened_then_replaced(path: object) -> object:
+            got = real(path)
+            replace()  # right after the header was parsed, before any tensor byte is read
+            return got
+
+        monkeypatch.setattr(checkpoint_module, "_open_object", opened_then_replaced)
+        with pytest.raises(ShardloadError) as err:
+            shardload.convert(uri, 2, tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+    text = str(err.value)
+    assert key in text and "changed while" in text and "\n" not in text, text

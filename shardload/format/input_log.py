@@ -31,6 +31,8 @@ class InputLog:
 
     data: dict[str, bytes] = field(default_factory=dict)
     stamps: dict[str, Stamp] = field(default_factory=dict)
+    versions: dict[str, Any] = field(default_factory=dict)
+    """Objects in a store by address: the version (ETag) of the first answer; every later answer must be it."""
     reads: list[tuple[str, int]] = field(default_factory=list)
     """Every read made to open and plan the model, in order: path and bytes (a file read twice is listed twice);
     what ``shardload preflight`` reports as fetched."""
@@ -163,6 +165,27 @@ def open_for_writing(fd: int) -> bool:
     except OSError:
         pass
     return False
+
+
+def object_version(uri: str, version: Any) -> None:
+    """Inside a load, hold every answer from object ``uri`` to the version (ETag) of its first: an object replaced
+    while the load reads it (its header parsed from one version, tensor bytes from another) is an error."""
+    log = _LOG.get()
+    if log is None or not version:
+        return
+    first = log.versions.setdefault(uri, version)
+    if first != version:
+        raise changed(uri, "replaced: another version of the object answered")
+
+
+@contextmanager
+def using(log: InputLog | None) -> Iterator[None]:
+    """Record into ``log`` (a load's, taken on its own thread) inside this block, on a worker thread of the load."""
+    token = _LOG.set(log)
+    try:
+        yield
+    finally:
+        _LOG.reset(token)
 
 
 def count(path: Any, nbytes: int) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import CheckpointError, ShardloadError
+from ..format import input_log
 from . import reader as local
 from .objects import ObjectCost, ObjectPath, cost_from_environment
 
@@ -52,6 +53,8 @@ class ObjectReader(local.RunReader):
         self._cost: ObjectCost | None = ObjectCost() if choice is None else None if choice == "measure" else choice
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self.log = input_log.current()
+        """The load this reader serves (made on its thread): its worker threads check each answer's version there."""
 
     def cost(self, path: ObjectPath) -> ObjectCost:
         """The request cost this reader plans by (a measured one: the store's, measured on its first object read)."""
@@ -100,6 +103,10 @@ class ObjectReader(local.RunReader):
         requests = plan_requests(src_l, len_l, cost)
 
         def fetch(request: Request) -> None:
+            with input_log.using(self.log):  # every answer must be the version whose header the load parsed
+                _fetch(request)
+
+        def _fetch(request: Request) -> None:
             lo, hi = request.start, request.end
             pieces = [
                 Piece(max(src_l[i], lo), min(src_l[i] + len_l[i], hi), buf_l[i], dst_l[i] - src_l[i])

@@ -29,6 +29,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import CheckpointError, ShardloadError
+from ..format import input_log
 from .deadlines import DEADLINE_ENV, DEADLINES, MIN_RATE_ENV, Expired, RequestLimits, request_limits
 from .objects import MAX_CONCURRENCY, ObjectStore
 
@@ -217,6 +218,11 @@ class S3Store(ObjectStore):
                 if response is not None:
                     body = response["Body"]
                     DEADLINES.attach(getattr(getattr(body, "_raw_stream", None), "connection", None) or watch.conn)
+                    try:
+                        input_log.object_version(where, response.get("ETag"))
+                    except CheckpointError:
+                        body.close()
+                        raise
                     size = _object_size(response)
                     if size is not None and size < end:
                         body.close()
