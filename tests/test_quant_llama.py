@@ -124,3 +124,22 @@ def test_plan_refuses_n_that_cuts_a_group(tmp_path: Path) -> None:
         "g32: num_shards=4: model.layers.0.self_attn.o_proj.g_idx: step 1 (shard_funcs.shard_group_index): "
         "2 groups cannot be split across 4 ranks (and 5 more)"
     )
+
+
+def test_a_quantization_method_no_plan_knows_is_refused(tmp_path: Path) -> None:
+    """bitsandbytes LLM.int8 stores ``weight`` int8 beside per-row scales (``SCB``) and a ``weight_format``: planned
+    as a dense weight, a column-split module's scales stayed whole on every rank. A quant_method the plans do not
+    know is refused in one line, by ``plan`` and by a load planning in memory."""
+
+    def bnb8(rng: np.random.Generator, p: str, out: int, inp: int) -> tuple[dict[str, torch.Tensor], None]:
+        return {f"{p}.weight": torch.from_numpy(rng.integers(-127, 128, (out, inp), dtype=np.int8)),
+                f"{p}.SCB": torch.from_numpy((rng.random(out) + 0.5).astype(np.float32)),
+                f"{p}.weight_format": torch.tensor([0], dtype=torch.uint8)}, None  # fmt: skip
+
+    model = tmp_path / "bnb8"
+    write_llama(model, bnb8, {"quant_method": "bitsandbytes", "load_in_8bit": True})
+    with pytest.raises(shardload.PlanError) as err:
+        generate(model)
+    assert "quant_method 'bitsandbytes'" in str(err.value) and "\n" not in str(err.value), err.value
+    with pytest.raises(shardload.PlanError, match="quant_method 'bitsandbytes'"):
+        shardload.load_rank(model, 1, 2)

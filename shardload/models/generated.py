@@ -135,9 +135,23 @@ def build_shard_info(
     return shard_info_document(placements, tensors, quantization_config=qconfig)
 
 
+PLANNED_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "gguf", "mlc")
+"""The ``quant_method`` values whose stored tensors a plan splits with their weights (:mod:`.stored_layouts`)."""
+
+
 def _quantization_config(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """config.json's quantization_config; one whose quant_method no plan knows is refused: its tensors beside each
+    weight (bitsandbytes' ``SCB``, say) would be taken for whole tensors and stay unsplit on every rank."""
     qc = config.get("quantization_config")
-    return qc if isinstance(qc, dict) else None
+    if not isinstance(qc, dict):
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method and method not in PLANNED_METHODS:
+        raise PlanError(
+            f"quant_method {method!r} is not one a plan is made for ({', '.join(PLANNED_METHODS)}): its tensors "
+            "beside each weight would not be split with it; dequantize the model, or write its shard_info.json"
+        )
+    return qc
 
 
 def config_problems(config: Mapping[str, Any], placements: Mapping[str, Placement], num_shards: int) -> list[str]:
