@@ -287,3 +287,23 @@ def test_int4_group_size_follows_the_input_dims() -> None:
     assert choose_int4({"a": 1024, "b": 192}) == ("int4-g32", 2)  # 192 = 6 x 32: halves of whole groups at most
     assert choose_int4({"a": 160}) == ("int4-g32", 1)
     assert choose_int4({}) == ("int4-g128", 8)
+
+
+def test_a_full_disk_is_one_line_and_no_output(
+    example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """safetensors reports a failed write as its own SafetensorError, not an OSError: ``quantize`` onto a full disk
+    printed a traceback. It is one line naming the cause, and nothing is left at the output."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = tmp_path / "q"
+    done = CliRunner().invoke(main, ["quantize", str(example_dir), "-o", str(out), "--scheme", "int8"])
+    assert done.exit_code == 1, done.output
+    lines = done.output.strip().splitlines()
+    assert len(lines) == 1 and "No space left on device" in lines[0] and "Traceback" not in done.output, lines
+    assert not out.exists()

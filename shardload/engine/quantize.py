@@ -11,8 +11,10 @@ any N the group sizes allow.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -308,9 +310,18 @@ def _read_config(root: Path) -> dict[str, Any]:
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
+    """Write ``tensors`` as safetensors at ``path``; a failed write is an OSError (safetensors raises its own
+    SafetensorError, naming the OS error's number in its text)."""
+    import safetensors.torch
+    from safetensors import SafetensorError
 
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    try:
+        safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
+                                    metadata={"format": "pt"})  # fmt: skip
+    except SafetensorError as err:
+        found = re.search(r"os error (\d+)", str(err))
+        code = int(found.group(1)) if found else errno.EIO
+        raise OSError(code, os.strerror(code), str(path)) from None
 
 
 def _check_free(name: str, origin: str, stored: dict[str, Any], file: str) -> None:
