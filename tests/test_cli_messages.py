@@ -206,3 +206,10 @@ def test_validate_against_a_converted_directory_is_one_line_not_a_line_per_param
     assert lines[0].startswith(str(out)), lines
     report = runner.invoke(main, ["validate", str(example_dir / "shard_info.json"), "--model", str(out), "--json"])
     assert report.exit_code == 1 and not json.loads(report.output)["valid"], report.output
+
+
+def test_an_empty_model_argument_is_refused_not_taken_for_the_current_directory(runner: CliRunner) -> None:
+    """``Path('')`` is ``.``: an empty MODEL (an unset shell variable) hashed or validated the current directory."""
+    for args in (["hash", ""], ["inspect", ""], ["convert", "", "-n", "2", "-o", "out"]):
+        result = runner.invoke(main, args)
+        assert result.exit_code == 2 and "empty" in result.output, (args, result.output)

@@ -29,6 +29,8 @@ class ModelArgument(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         from ..sources.location import model_kind
 
+        if isinstance(value, str) and not value.strip():  # Path("") is the current directory: an unset variable
+            self.fail("is empty: give a model directory or file, an s3:// URI or a Hub id", param, ctx)
         if isinstance(value, Path) or model_kind(value) == "local":
             return Path(value)
         return value
