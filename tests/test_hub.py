@@ -177,3 +177,18 @@ def test_hub_revision_that_is_a_path_is_refused(hub: Path, revision: str) -> Non
         f"{REPO}@{revision}: the revision {revision!r} is not a branch, tag or commit name (no empty, '.' or '..' "
         "parts, no leading or trailing '/', no backslash)"
     )
+
+
+def test_a_snapshot_linked_to_another_repositorys_is_refused(hub: Path, tmp_path: Path) -> None:
+    """A revision's snapshot folder that is itself a symlink to another repository's snapshot (its files then
+    resolve into that repository's blobs) is refused, as a file linked there is: a snapshot holds its own
+    repository's blobs only."""
+    other_repo = "shardload-test/other"
+    put_revision(hub, other_repo, write_example(tmp_path / "seed2", seed=2), COMMIT_V1, "main")
+    storage = hub / file_download.repo_folder_name(repo_id=REPO, repo_type="model")
+    theirs = hub / file_download.repo_folder_name(repo_id=other_repo, repo_type="model") / "snapshots" / COMMIT_V1
+    snapshot = storage / "snapshots" / COMMIT_MAIN
+    shutil.rmtree(snapshot)
+    snapshot.symlink_to(theirs, target_is_directory=True)
+    with pytest.raises(CheckpointError, match="resolves outside the model directory"):
+        shardload.load_rank(REPO, 0, 2)

@@ -308,6 +308,10 @@ def _open_index(
     return ckpt
 
 
+HUB_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
+"""How the Hugging Face cache names a repository's folder (``models--org--name``)."""
+
+
 def resolve_inside(root: Path, file_name: str, referrer: Path) -> Path:
     """Resolve a file name found in a model directory, an index or a manifest, refusing anything outside ``root``.
 
@@ -327,10 +331,14 @@ def resolve_inside(root: Path, file_name: str, referrer: Path) -> Path:
     try:
         real = full.resolve(strict=True)
         allowed = [root.resolve()]
+        named = Path(os.path.abspath(root))  # where the caller's path says the model is, links not followed
+        if named.parent.name == "snapshots" and named.parent.parent.name.startswith(HUB_REPO_PREFIXES):
+            repo = named.parent.parent.resolve()  # a Hub cache's revision: its own repository's blobs, nothing else
+            allowed = [a for a in allowed if a.is_relative_to(repo)] + [repo / "blobs"]
+        elif allowed[0].parent.name == "snapshots":
+            allowed.append(allowed[0].parent.parent / "blobs")
     except (OSError, RuntimeError, ValueError):
         raise CheckpointError(f"references missing file {file_name!r}", file=str(referrer)) from None
-    if allowed[0].parent.name == "snapshots":
-        allowed.append(allowed[0].parent.parent / "blobs")
     if not any(real.is_relative_to(a) for a in allowed):
         raise CheckpointError(
             f"file {file_name!r} resolves outside the model directory (symlink to {real})", file=str(referrer)
