@@ -126,6 +126,14 @@ def test_plan_refuses_n_that_cuts_a_group(tmp_path: Path) -> None:
     )
 
 
+def test_fp8_under_other_method_names_plans_by_its_tensors(tmp_path: Path) -> None:
+    """Meta's ``fbgemm_fp8`` and ModelOpt's FP8 store a weight and its scales as the ``fp8`` method does: the plan
+    goes by the stored tensors' names, whatever the method is called."""
+    build, _ = SYNTHETIC["fp8"]
+    for method in ("fbgemm_fp8", "modelopt"):
+        check_quantized_plan(tmp_path / method, write_llama(tmp_path / method, build, {"quant_method": method}))
+
+
 def test_a_quantization_method_no_plan_knows_is_refused(tmp_path: Path) -> None:
     """bitsandbytes LLM.int8 stores ``weight`` int8 beside per-row scales (``SCB``) and a ``weight_format``: planned
     as a dense weight, a column-split module's scales stayed whole on every rank. A quant_method the plans do not
@@ -142,4 +150,9 @@ def test_a_quantization_method_no_plan_knows_is_refused(tmp_path: Path) -> None:
         generate(model)
     assert "quant_method 'bitsandbytes'" in str(err.value) and "\n" not in str(err.value), err.value
     with pytest.raises(shardload.PlanError, match="quant_method 'bitsandbytes'"):
+        shardload.load_rank(model, 1, 2)
+    config = json.loads((model / "config.json").read_text())  # the same tensors, the config's record lost
+    del config["quantization_config"]
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(shardload.PlanError, match=r"\.SCB: is a bitsandbytes companion"):
         shardload.load_rank(model, 1, 2)

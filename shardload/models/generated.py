@@ -129,29 +129,46 @@ def build_shard_info(
 ) -> dict[str, Any]:
     """The N-agnostic shard_info document for a model's config and stored tensors (pure; quantized too)."""
     qconfig = _quantization_config(config)
+    _no_unplanned_companions(tensors)
     logical = logical_tensors(tensors, qconfig)
     placements, _ = model_placements(config, logical, style=style, experts=experts)
     placements, _ = pad_vocab(placements, logical, vocab_padding)
     return shard_info_document(placements, tensors, quantization_config=qconfig)
 
 
-PLANNED_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "gguf", "mlc")
-"""The ``quant_method`` values whose stored tensors a plan splits with their weights (:mod:`.stored_layouts`)."""
+UNPLANNED_METHODS = ("bitsandbytes", "hqq", "aqlm", "quanto", "eetq", "spqr", "vptq", "higgs", "torchao", "bitnet")
+"""``quant_method`` values whose tensors no plan splits with their weights (bitsandbytes' per-row ``SCB`` scales and
+``weight_format``, codebooks, packed blocks): refused rather than planned as dense weights. Any other method plans
+by the names of its stored tensors (:mod:`.stored_layouts`: ``fbgemm_fp8`` and ModelOpt FP8 as scaled weights)."""
+UNPLANNED_COMPANIONS = ("SCB", "weight_format", "absmax", "quant_map", "nested_absmax", "nested_quant_map")
+"""Tensor names (last part) of bitsandbytes' companions, refused whatever config.json says."""
 
 
 def _quantization_config(config: Mapping[str, Any]) -> dict[str, Any] | None:
-    """config.json's quantization_config; one whose quant_method no plan knows is refused: its tensors beside each
-    weight (bitsandbytes' ``SCB``, say) would be taken for whole tensors and stay unsplit on every rank."""
+    """config.json's quantization_config; one of :data:`UNPLANNED_METHODS` is refused: its tensors beside each
+    weight would be taken for whole tensors and stay unsplit on every rank."""
     qc = config.get("quantization_config")
     if not isinstance(qc, dict):
         return None
-    method = str(qc.get("quant_method", "")).lower()
-    if method and method not in PLANNED_METHODS:
+    method = str(qc.get("quant_method", "")).lower().replace("_", "-")
+    if method in UNPLANNED_METHODS:
         raise PlanError(
-            f"quant_method {method!r} is not one a plan is made for ({', '.join(PLANNED_METHODS)}): its tensors "
-            "beside each weight would not be split with it; dequantize the model, or write its shard_info.json"
+            f"quant_method {method!r} is not one a plan is made for: its tensors beside each weight would not be "
+            "split with it; dequantize the model, or write its shard_info.json"
         )
     return qc
+
+
+def _no_unplanned_companions(tensors: Mapping[str, Any]) -> None:
+    """Refuse stored tensors of a quantization no plan splits (:data:`UNPLANNED_COMPANIONS`)."""
+    for name in tensors:
+        last = name.rsplit(".", 1)[-1]
+        if last in UNPLANNED_COMPANIONS or ".quant_state." in name:
+            raise PlanError(
+                f"is a bitsandbytes companion ({last}) no plan splits with its weight; dequantize the model, or "
+                "write its shard_info.json",
+                param=name,
+            )
 
 
 def config_problems(config: Mapping[str, Any], placements: Mapping[str, Placement], num_shards: int) -> list[str]:
@@ -259,6 +276,7 @@ def generate(
     qconfig = _quantization_config(config)
     tensors = checkpoint.tensors
     try:
+        _no_unplanned_companions(tensors)
         logical = logical_tensors(tensors, qconfig)
         chosen = resolved_style(config, style, logical)
         placements, notes = model_placements(config, logical, style=chosen, experts=experts)
