@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -98,47 +97,3 @@ def test_a_load_that_leaves_jobs_unrun_raises() -> None:
         with _transfer(2) as transfer:
             transfer._submit(lambda: ran.append(1))  # held, and wait() never called
     assert ran == []
-
-
-def test_held_jobs_run_the_costliest_first() -> None:
-    """Held jobs are handed out by cost, the largest first, jobs of equal cost (and of unknown cost, 0, last) in the
-    order submitted: the last jobs the threads take are the shortest, so they finish together (seen running in the
-    order submitted before the change)."""
-    ran: list[str] = []
-    with _transfer(1) as transfer:  # one thread: the caller takes the jobs one after another
-        for name, cost in (("a", 3), ("b", 10), ("c", 0), ("d", 10), ("e", 7), ("f", 0)):
-            transfer._submit(lambda name=name: ran.append(name), cost=cost)
-        transfer.wait()
-    assert ran == ["b", "d", "e", "a", "c", "f"]
-
-
-def test_a_loads_read_jobs_run_the_largest_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A verified load's read jobs (each job's bytes its cost) reach the reader the largest first, whatever the
-    order of the tensors in the file (the largest tensor last here; seen in file order before the change), and the
-    tensors are those of a plain load."""
-    import numpy as np
-    import torch
-
-    from helpers.checkpoints import random_array, write_model
-    from shardload.engine.hashing import hash_model
-    from shardload.sources import verified
-
-    rng = np.random.default_rng(0)
-    shapes = {"a": (64, 256), "b": (256, 256), "c": (128, 256), "d": (1024, 256)}
-    tensors = {name: random_array(rng, shape, "float32") for name, shape in shapes.items()}
-    steps = {k: [["shard_funcs.shard_dim", [None, None], 0, "num_shards"]] for k in tensors}
-    write_model(tmp_path, tensors, {"version": 1, "params": steps})
-    hash_model(tmp_path)
-    (tmp_path / "model.safetensors").read_bytes()  # cached
-    seen: list[int] = []
-    original = verified.VerifiedReader.read_runs
-
-    def recorded(self, path, src, length, *args, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append(int(np.sum(length)))
-        return original(self, path, src, length, *args, **kwargs)
-
-    monkeypatch.setattr(verified.VerifiedReader, "read_runs", recorded)
-    got = shardload.load_rank(tmp_path, 1, 2, verify=True, read_options=shardload.ReadOptions(threads=1))
-    assert len(seen) >= 4 and seen == sorted(seen, reverse=True), seen
-    want = shardload.load_rank(tmp_path, 1, 2)
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -88,7 +88,7 @@ class Transfer:
         self.futures: list[Future[None]] = []
         self.copies: list[ReplicaCopies] = []
         self.schedules: dict[StructureKey, ReadSchedule | None] = {}
-        self.held: list[tuple[Callable[[], None], bool, int]] | None = [] if defer else None
+        self.held: list[tuple[Callable[[], None], bool]] | None = [] if defer else None
         self.broken: BaseException | None = None
         """The failure of a ``wait``: the transfer's tensors are incomplete from then on."""
         self.log = input_log.current()
@@ -103,11 +103,10 @@ class Transfer:
             self.sources.add(path)
             input_log.stamp(path)
 
-    def _submit(self, fn: Callable[[], None], *, io: bool = False, cost: int = 0) -> None:
-        """Run ``fn`` in the pool (``io``: in the pool of planned cold reads), or now without one. ``cost`` (about
-        the bytes it moves; 0: unknown) orders held jobs, the costliest first (see :meth:`_finish`)."""
+    def _submit(self, fn: Callable[[], None], *, io: bool = False) -> None:
+        """Run ``fn`` in the pool (``io``: in the pool of planned cold reads), or now without one."""
         if self.held is not None and not io:  # a cold read starts at once (see the class docstring)
-            self.held.append((fn, io, cost))
+            self.held.append((fn, io))
         elif self.pool is None:
             fn()
         else:
@@ -226,7 +225,6 @@ class Transfer:
             self._submit(
                 lambda r=job: self.reader.read_runs(path, r.src + offset, r.length, r.buf, r.dst, dests, populate=True),
                 io=deep,
-                cost=int(job.length.sum()),
             )
         if schedule.batches:
             data_path = self.path
@@ -251,14 +249,11 @@ class Transfer:
         self.path.flush()
         if self.held:
             held, self.held = self.held, None  # None while they are handed out: _submit must not hold them again
-            # the costliest first: the last jobs taken are then the shortest, and the threads finish together (in
-            # the order set up, the largest tensor, lm_head, came last); jobs of equal cost keep their order
-            held.sort(key=lambda h: -h[2])
             try:
                 if self.pool is not None and self.progress is None:
-                    self._run_all([fn for fn, _, _ in held])
+                    self._run_all([fn for fn, _ in held])
                 else:
-                    for fn, io, _ in held:
+                    for fn, io in held:
                         self._submit(fn, io=io)
             finally:
                 self.held = []

@@ -36,8 +36,7 @@ class LoadContext:
     options: ReadOptions
     runs: StructureRuns
     submit: Callable[..., None]
-    """``submit(fn, io=False, cost=0)``: run ``fn`` on the reader threads (``io``: among the planned cold reads);
-    ``cost``, about the bytes it moves, lets held jobs run the costliest first (0: unknown, run last)."""
+    """``submit(fn, io=False)``: run ``fn`` on the reader threads (``io``: among the planned cold reads)."""
     threads: int
     job_bytes: int
     """Bytes per job (``preadv`` jobs into CPU tensors, strided copies out of a mapping)."""

@@ -135,9 +135,8 @@ class HostPath(DataPath):
                     for job in mapped_copy_jobs(program, mapping, source, dest)]  # fmt: skip
         else:
             jobs = staged_copy_jobs(data, source, pieces, dest, self.staging(pin=device.type == "cuda"))
-        cost = dest.numel() * dest.element_size() // max(1, len(jobs)) if direct else 0  # jobs of about equal rows
         for job in jobs:
-            ctx.submit(job, cost=cost)
+            ctx.submit(job)
         return dest
 
     def _copy_small(self, path: Any, offset: int, nbytes: int, dest: torch.Tensor) -> None:
@@ -145,8 +144,7 @@ class HostPath(DataPath):
         batch = self.small.setdefault(path, [])
         batch.append((offset, nbytes, dest))
         if len(batch) >= SMALL_BATCH:
-            batch = self.small.pop(path)
-            self.ctx.submit(self._small_job(path, batch), cost=sum(n for _, n, _ in batch))
+            self.ctx.submit(self._small_job(path, self.small.pop(path)))
 
     def _small_job(self, path: Any, batch: Batch) -> Callable[[], None]:
         if self.filemaps is not None:
@@ -157,7 +155,7 @@ class HostPath(DataPath):
         """Submit the batches of small tensors not yet full."""
         small, self.small = self.small, {}
         for path, batch in small.items():
-            self.ctx.submit(self._small_job(path, batch), cost=sum(n for _, n, _ in batch))
+            self.ctx.submit(self._small_job(path, batch))
 
     def pending(self) -> bool:
         """Whether a batch of small tensors was never submitted."""
