@@ -681,3 +681,19 @@ def test_an_object_replaced_during_a_load_is_an_error(
         assert not (tmp_path / "out").exists()
     text = str(err.value)
     assert key in text and "changed while" in text and "\n" not in text, text
+
+
+def test_verify_a_model_in_object_storage(endpoint: S3, example_dir: Path, tmp_path: Path) -> None:
+    """``shardload verify s3://...`` checks the objects against the record ``shardload hash s3://...`` put beside
+    them (the URI was taken for a local path: "s3:/bucket: no such file or directory"); a changed object is named."""
+    uri = endpoint.upload_dir(example_dir, "verify-me")
+    runner = CliRunner()
+    done = runner.invoke(main, ["hash", uri, "-q"])
+    assert done.exit_code == 0, done.output
+    done = runner.invoke(main, ["verify", uri])
+    assert done.exit_code == 0 and "no such file" not in done.output, done.output
+    data = bytearray((example_dir / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    endpoint.client().put_object(Bucket=BUCKET, Key="verify-me/model.safetensors", Body=bytes(data))
+    done = runner.invoke(main, ["verify", uri, "--json"])
+    assert done.exit_code == 1 and not json.loads(done.stdout)["ok"], done.output

@@ -102,7 +102,7 @@ def _inspect_n(info: Any, checkpoint: Any) -> int:
 
 
 @click.command()
-@click.argument("out_dir", metavar="OUT", type=click.Path(path_type=Path))
+@click.argument("out_dir", metavar="OUT", type=MODEL)
 @click.option(
     "--source", "source", type=MODEL, metavar="MODEL",
     help="Also compare OUT's plan with the plan MODEL gives, then every rank with the same rank made from MODEL "
@@ -114,7 +114,7 @@ def _inspect_n(info: Any, checkpoint: Any) -> int:
               help="A source checkpoint: fail unless its record's root hash is HEX (`shardload hash`).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report (exit code as without).")
 @_guarded
-def verify(out_dir: Path, source: Path | None, shard_info: Path | None, root: str | None, as_json: bool) -> None:
+def verify(out_dir: Path | str, source: Path | None, shard_info: Path | None, root: str | None, as_json: bool) -> None:
     """Recompute every file's checksum in converted directory OUT against its manifest; list each mismatch. OUT may
     be a source checkpoint instead: every file is re-hashed against its integrity record (`shardload hash`)."""
     from ..engine.verify import VerifyReport
@@ -124,7 +124,10 @@ def verify(out_dir: Path, source: Path | None, shard_info: Path | None, root: st
 
     if shard_info is not None and source is None:
         raise click.UsageError("--shard-info goes with --source")
-    converted = source is not None or (out_dir / MANIFEST_NAME).is_file()
+    if source is not None and not isinstance(out_dir, Path):
+        raise click.UsageError("--source compares a local converted directory OUT with MODEL")
+    # OUT in object storage or the Hub (kept as typed): a source checkpoint, checked against its record
+    converted = source is not None or (isinstance(out_dir, Path) and (out_dir / MANIFEST_NAME).is_file())
     if root is not None and converted:
         raise click.UsageError("--root goes with a source checkpoint's integrity record, not a converted directory")
     if not converted:
@@ -160,7 +163,7 @@ def verify(out_dir: Path, source: Path | None, shard_info: Path | None, root: st
     )
 
 
-def _verify_source(model: Path, root: str | None, as_json: bool) -> None:
+def _verify_source(model: Path | str, root: str | None, as_json: bool) -> None:
     """``shardload verify MODEL`` on a source checkpoint: one line per problem, exit 1 when there is any."""
     from ..engine.verify_source import SourceReport, verify_source
     from .report import human_bytes
