@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError, ShardloadError
 from ..format.shard_info import ShardInfo
-from ..planning.plan import ModelPlan, build_plan, resolve_shard_info
-from ..planning.presharded import plan_presharded
+from ..planning.plan import ModelPlan, resolve_shard_info
+from ..planning.presharded import plan_as_loaded
 from ..sources.checkpoint import Checkpoint
 
 if TYPE_CHECKING:
@@ -121,7 +121,4 @@ def plan_model(
     if source.derived:
         raise PlanError(f"this is {source.what}; plan the source checkpoint instead", file=source.checkpoint.name)
     checkpoint = source.checkpoint
-    info = shard_info_for(checkpoint, shard_info)
-    if checkpoint.split_for is not None:  # as a load reads it: its records at its own N, else what they were cut from
-        return plan_presharded(info, checkpoint, num_shards)
-    return build_plan(info, checkpoint, num_shards)
+    return plan_as_loaded(shard_info_for(checkpoint, shard_info), checkpoint, num_shards)

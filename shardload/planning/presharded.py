@@ -19,11 +19,14 @@ STORED = "<stored tensors>"
 """The file name of a whole tensor no file holds as such (what rank files or records were cut from)."""
 
 
-def plan_presharded(
-    shard_info: ShardInfo, checkpoint: Checkpoint, num_shards: int, *, strict: bool = True
+def plan_as_loaded(
+    shard_info: ShardInfo, checkpoint: Checkpoint | None, num_shards: int, *, strict: bool = True
 ) -> ModelPlan:
-    """The plan a load of pre-sharded ``checkpoint`` at ``num_shards`` follows: its records at N_old, the whole
-    tensors they were cut from at another N. With ``strict`` the first problem is raised, else collected."""
+    """The plan a load of ``checkpoint`` (None: the file's own declarations) at ``num_shards`` follows: a cache
+    pre-sharded for N_old from its records at N_old, from the whole tensors they were cut from at another N; any
+    other checkpoint as it is. With ``strict`` the first problem is raised, else collected."""
+    if checkpoint is None or checkpoint.split_for is None:
+        return build_plan(shard_info, checkpoint, num_shards, strict=strict)
     try:
         if num_shards == checkpoint.split_for:
             return build_plan(records_info(checkpoint, shard_info), checkpoint, num_shards, strict=strict)

@@ -16,8 +16,8 @@ from ..sources.checkpoint import Checkpoint
 from ..sources.source_types import open_source
 from .consistency import placement_warnings
 from .mesh import Mesh, stage_plans
-from .plan import ModelPlan, build_plan, given_shard_info
-from .presharded import plan_presharded
+from .plan import given_shard_info
+from .presharded import plan_as_loaded
 
 DEFAULT_NS = (1, 2, 4, 8)
 
@@ -58,7 +58,7 @@ def validate_file(
     warned: dict[str, dict[str, Any]] = {}
     valid_for = []
     for n in ns:
-        plan = _plan(info, checkpoint, n)
+        plan = plan_as_loaded(info, checkpoint, n, strict=False)
         problems = plan.problems
         if checkpoint is None and not problems and recorded is not None and n not in recorded[0]:
             listed = ", ".join(map(str, recorded[0])) or "none"
@@ -105,7 +105,7 @@ def validate(
     info = given_shard_info(shard_info)
     checkpoint = _checkpoint(model) if model is not None else None
     n = num_shards if num_shards is not None else (info.num_shards or 1)
-    return _plan(info, checkpoint, n).problems
+    return plan_as_loaded(info, checkpoint, n, strict=False).problems
 
 
 def _checkpoint(model: str | os.PathLike[str]) -> Checkpoint:
@@ -116,11 +116,3 @@ def _checkpoint(model: str | os.PathLike[str]) -> Checkpoint:
         raise PlanError(f"this is {source.what}, which carries its own plan; check a shard_info against the "
                         "checkpoint it was made from", file=source.name)  # fmt: skip
     return source.checkpoint
-
-
-def _plan(info: ShardInfo, checkpoint: Checkpoint | None, n: int) -> ModelPlan:
-    """``info`` planned for ``n`` ranks (against ``checkpoint`` when given) as a load plans it, problems collected: a
-    pre-sharded cache from its records at its own N, from the whole tensors they were cut from at another."""
-    if checkpoint is not None and checkpoint.split_for is not None:
-        return plan_presharded(info, checkpoint, n, strict=False)
-    return build_plan(info, checkpoint, n, strict=False)
