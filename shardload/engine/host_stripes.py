@@ -284,10 +284,9 @@ def memory_available() -> int | None:
     if own is None:
         return host
     groups, version = own
-    headroom_of = _cgroup_headroom if version == 2 else _cgroup_v1_headroom
     least = host
     for d in groups:
-        headroom = headroom_of(d)
+        headroom = _cgroup_headroom(d, version)
         if headroom is not None:
             least = min(least, headroom)
     return max(0, least)
@@ -305,42 +304,28 @@ def _meminfo_available() -> int | None:
     return None
 
 
-def _cgroup_headroom(group: Path) -> int | None:
-    """What ``group``'s memory limit leaves: ``memory.max`` less ``memory.current`` plus its file pages (the kernel
-    drops those first); None without a limit or where the files cannot be read."""
-    try:
-        most = (group / "memory.max").read_text().strip()
-        if most == "max":
-            return None
-        current = int((group / "memory.current").read_text().strip())
-        file = 0
-        for line in (group / "memory.stat").read_text().splitlines():
-            if line.startswith("file "):
-                file = int(line.split()[1])
-                break
-        return int(most) - (current - file)
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 V1_UNLIMITED = 1 << 62
 """A cgroup v1 ``memory.limit_in_bytes`` at least this large is no limit (v1 writes the page counter's maximum)."""
+MEMORY_FILES = {2: ("memory.max", "memory.current", "file"),
+                1: ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")}  # fmt: skip
+"""Per cgroup version: the memory limit's file, the usage's, and the ``memory.stat`` key of the page cache the
+kernel drops first (v1's ``total_cache``: the group's and its children's)."""
 
 
-def _cgroup_v1_headroom(group: Path) -> int | None:
-    """What a cgroup v1 ``group``'s memory limit leaves: ``memory.limit_in_bytes`` less ``memory.usage_in_bytes``
-    plus its page cache (``total_cache``: the group's and its children's); None without a limit or where the files
-    cannot be read."""
+def _cgroup_headroom(group: Path, version: int) -> int | None:
+    """What ``group``'s memory limit leaves: the limit less the usage plus its page cache (:data:`MEMORY_FILES`);
+    None without a limit (v2's ``max``, v1's :data:`V1_UNLIMITED`) or where the files cannot be read."""
+    limit_file, usage_file, cache_key = MEMORY_FILES[version]
     try:
-        most = int((group / "memory.limit_in_bytes").read_text().strip())
-        if most >= V1_UNLIMITED:
+        most = (group / limit_file).read_text().strip()
+        if most == "max" or (version == 1 and int(most) >= V1_UNLIMITED):
             return None
-        current = int((group / "memory.usage_in_bytes").read_text().strip())
+        current = int((group / usage_file).read_text().strip())
         cache = 0
         for line in (group / "memory.stat").read_text().splitlines():
-            if line.startswith("total_cache "):
+            if line.startswith(cache_key + " "):
                 cache = int(line.split()[1])
                 break
-        return most - (current - cache)
+        return int(most) - (current - cache)
     except (OSError, ValueError, IndexError):
         return None
