@@ -11,7 +11,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeAlias
@@ -170,30 +170,33 @@ def own_cgroup(controller: str) -> tuple[list[Path], int] | None:
     return [d for d in (group, *group.parents) if d.is_relative_to(root)], version
 
 
-def cpu_quota() -> float | None:
-    """The CPUs a cgroup CPU quota allows this process (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` over
-    ``cpu.cfs_period_us``), the least of its group's and its parents'; None without one."""
-    own = own_cgroup("cpu")
+def cgroup_least(controller: str, read: Callable[[Path, int], float | None]) -> float | None:
+    """The least of ``read(group, version)`` over this process's cgroup for ``controller`` and its parents (a limit
+    set anywhere above binds), None where none has one."""
+    own = own_cgroup(controller)
     if own is None:
         return None
     groups, version = own
-    least = None
-    for d in groups:
-        try:
-            if version == 2:
-                quota, period = (d / "cpu.max").read_text().split()[:2]
-                if quota == "max":
-                    continue
-                cpus = int(quota) / int(period)
-            else:
-                us = int((d / "cpu.cfs_quota_us").read_text())
-                if us <= 0:
-                    continue
-                cpus = us / int((d / "cpu.cfs_period_us").read_text())
-        except (OSError, ValueError, ZeroDivisionError):
-            continue
-        least = cpus if least is None else min(least, cpus)
-    return least
+    found = [v for v in (read(d, version) for d in groups) if v is not None]
+    return min(found) if found else None
+
+
+def cpu_quota() -> float | None:
+    """The CPUs a cgroup CPU quota allows this process (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us``), the least of its group's and its parents'; None without one."""
+    return cgroup_least("cpu", _cpu_limit)
+
+
+def _cpu_limit(group: Path, version: int) -> float | None:
+    """The CPUs ``group``'s own quota allows, None without one or where its files cannot be read."""
+    try:
+        if version == 2:
+            quota, period = (group / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        us = int((group / "cpu.cfs_quota_us").read_text())
+        return None if us <= 0 else us / int((group / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 def rank_threads(local: LocalRanks, cores: int | None = None) -> int:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from ..sources.reader import PAGE, FileMaps, count_warmed
 from ..sources.source_types import Source, remote
-from .host_group import LocalRanks, local_ranks, own_cgroup
+from .host_group import LocalRanks, cgroup_least, local_ranks
 
 if TYPE_CHECKING:
     from ..planning.mesh import Mesh
@@ -280,16 +280,8 @@ def memory_available() -> int | None:
     host = _meminfo_available()
     if host is None:
         return None
-    own = own_cgroup("memory")
-    if own is None:
-        return host
-    groups, version = own
-    least = host
-    for d in groups:
-        headroom = _cgroup_headroom(d, version)
-        if headroom is not None:
-            least = min(least, headroom)
-    return max(0, least)
+    limit = cgroup_least("memory", _cgroup_headroom)
+    return host if limit is None else max(0, min(host, int(limit)))
 
 
 def _meminfo_available() -> int | None:
