@@ -366,6 +366,8 @@ def _packing(
                 top = int(at[h1 - 1] + ends[h1 - 1] - starts[h1 - 1])
             if top <= limit:
                 return starts[order], ends[order], at[order]
+        if len(owner) == 0 or bool((owner == owner[0]).all()):
+            return None  # one device: the pieces below are these, weighed already
     starts, ends = _pieces(src, length)
     gaps = int((starts[1:] - ends[:-1]).sum())
     if len(starts) > 1 and (pack or gaps >= PACK_GAP * len(starts)):
