@@ -189,7 +189,7 @@ def test_a_rank_file_cut_while_a_load_reshards_it_is_an_error(tmp_path: Path) ->
     done = subprocess.run([sys.executable, "-c", RESHARD, str(tmp_path / "c2")], capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert done.returncode == 3, (done.returncode, done.stdout, done.stderr[-2000:])
-    assert "changed while it was being loaded" in done.stdout and "rank-00000-of-00002" in done.stdout, done.stdout
+    assert "changed while it was being read" in done.stdout and "rank-00000-of-00002" in done.stdout, done.stdout
 
 
 def test_a_file_another_process_has_open_for_writing_is_refused(tmp_path: Path) -> None:
@@ -314,3 +314,53 @@ def test_the_file_system_of_a_file_is_read_from_the_mount_table(tmp_path: Path) 
     path.write_bytes(b"x")
     kind = input_log.file_system(path.stat().st_dev)
     assert kind is not None and kind in open("/proc/self/mountinfo").read(), kind
+
+
+@pytest.mark.parametrize("change", ["rewritten", "replaced"])
+def test_a_file_changed_while_it_is_hashed_is_an_error_and_no_record_is_written(tmp_path: Path, change: str) -> None:
+    """``shardload hash`` of a file that changes while it is hashed (rewritten in place, or replaced by a new file of
+    the same size) refuses in one line and writes no record: a record of old and new bytes would match neither, and
+    every verified load of either would then fail against it."""
+    model = _model(tmp_path / "m")
+    target = model / "model.safetensors"
+    record = tmp_path / "record"
+    calls = []
+
+    def progress(done: int, total: int) -> None:
+        if not calls:
+            if change == "rewritten":
+                _rewrite(target)
+            else:
+                new = tmp_path / "new.safetensors"
+                new.write_bytes(target.read_bytes())
+                _rewrite(new)
+                os.replace(new, target)
+        calls.append(done)
+
+    with pytest.raises(ShardloadError) as err:
+        hash_model(model, record, threads=1, progress=progress)
+    text = str(err.value)
+    assert "model.safetensors" in text and "changed while" in text and "\n" not in text, text
+    assert calls, "the change was never made"
+    assert not record.exists()
+    assert hash_model(model, record).path == record  # the file as it is now hashes
+
+
+def test_a_file_changed_while_it_is_verified_is_an_error(tmp_path: Path) -> None:
+    """``shardload verify MODEL`` of a file rewritten while it is checked refuses in one line (its verdict would be
+    about neither version)."""
+    from shardload.engine.verify_source import verify_source
+
+    model = _model(tmp_path / "m")
+    calls = []
+
+    def progress(done: int, total: int) -> None:
+        if not calls:
+            _rewrite(model / "model.safetensors")
+        calls.append(done)
+
+    with pytest.raises(ShardloadError) as err:
+        verify_source(model, threads=1, progress=progress)
+    text = str(err.value)
+    assert "model.safetensors" in text and "changed while" in text and "\n" not in text, text
+    assert calls, "the change was never made"

@@ -697,3 +697,27 @@ def test_verify_a_model_in_object_storage(endpoint: S3, example_dir: Path, tmp_p
     endpoint.client().put_object(Bucket=BUCKET, Key="verify-me/model.safetensors", Body=bytes(data))
     done = runner.invoke(main, ["verify", uri, "--json"])
     assert done.exit_code == 1 and not json.loads(done.stdout)["ok"], done.output
+
+
+def test_an_object_replaced_while_it_is_hashed_is_an_error(endpoint: S3, example_dir: Path) -> None:
+    """``shardload hash s3://...`` of an object overwritten while it is hashed refuses in one line and puts no record
+    beside it: every answer must be the version of the first (its ETag), as in a load."""
+    from shardload.engine.hashing import hash_model
+
+    uri = endpoint.upload_dir(example_dir, "hash-swap")
+    old = (example_dir / "model.safetensors").read_bytes()
+    key = "hash-swap/model.safetensors"
+    calls: list[int] = []
+
+    def progress(done: int, total: int) -> None:
+        if not calls:
+            endpoint.client().put_object(Bucket=BUCKET, Key=key, Body=old[:-1] + bytes([old[-1] ^ 1]))
+        calls.append(done)
+
+    with pytest.raises(ShardloadError) as err:
+        hash_model(uri, threads=1, progress=progress)
+    text = str(err.value)
+    assert key in text and "changed while" in text and "\n" not in text, text
+    assert calls, "the object was never replaced"
+    listed = endpoint.client().list_objects_v2(Bucket=BUCKET, Prefix="hash-swap/")
+    assert not [o["Key"] for o in listed.get("Contents", ()) if o["Key"].endswith("shardload.hashes")], listed

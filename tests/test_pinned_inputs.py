@@ -337,5 +337,5 @@ def test_a_companion_changed_after_its_check_is_not_published(tmp_path: Path, mo
     monkeypatch.setattr(output, "copy_companions", swapped_first)
     with pytest.raises(ShardloadError) as err:
         shardload.convert(model, 2, tmp_path / "out", verify=root)
-    _one_line(err, "config.json", "changed while it was being loaded")
+    _one_line(err, "config.json", "changed while it was being read")
     assert not (tmp_path / "out").exists()

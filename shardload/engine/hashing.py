@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ShardloadError
+from ..format import input_log
 from ..format.hash_record import (
     HASH_BYTES,
     LEAF_BYTES,
@@ -196,6 +197,7 @@ def hash_checkpoint(
     return hash_model(model, out, threads=threads, progress=progress).path
 
 
+@input_log.records_inputs
 def hash_model(
     model: str | os.PathLike[str],
     out: str | os.PathLike[str] | None = None,
@@ -349,14 +351,25 @@ def leaf_tables(
                 report(seen[0], total)
 
     count = threads or min(len(jobs), max(2, host_cores())) or 1  # two at least: one hashes while one waits
-    with ThreadPoolExecutor(count, thread_name_prefix="shardload-hash") as pool:
-        futures = [pool.submit(_hash_job, fds[j.file], j, hash_fn, tables[j.file], done) for j in jobs]
-        for job, future in zip(jobs, futures, strict=True):
-            try:
-                future.result()
-            except IntegrityError as err:
-                raise IntegrityError(err.reason, file=str(files[job.file])) from None
+    with input_log.recording() as log:
+        for fd, file in zip(fds, files, strict=True):
+            if isinstance(fd, int):
+                input_log.stamp(file, os.fstat(fd))  # the file hashed is the one named, and no one writes to it
+        with ThreadPoolExecutor(count, thread_name_prefix="shardload-hash") as pool:
+            futures = [pool.submit(_logged, log, fds[j.file], j, hash_fn, tables[j.file], done) for j in jobs]
+            for job, future in zip(jobs, futures, strict=True):
+                try:
+                    future.result()
+                except IntegrityError as err:
+                    raise IntegrityError(err.reason, file=str(files[job.file])) from None
+        input_log.check_unchanged(files, log)  # a file changed meanwhile would give leaves of neither version
     return tables
+
+
+def _logged(log: input_log.InputLog, *args: Any) -> None:
+    """One hash job on a pool thread, its object reads held to the versions the caller's log saw first."""
+    with input_log.using(log):
+        _hash_job(*args)
 
 
 def _progress(progress: Any, total: int) -> Callable[[int, int], None] | None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ShardloadError
+from ..format import input_log
 from ..format.hash_record import HASH_BYTES, FileHashes, HashRecord, RecordError, root_of
 from ..sources.checkpoint import open_checkpoint
 from ..sources.objects import ObjectPath
@@ -40,6 +41,7 @@ class SourceReport:
         return not self.problems
 
 
+@input_log.records_inputs
 def verify_source(
     model: str | os.PathLike[str],
     root: str | None = None,

@@ -42,9 +42,10 @@ _LOG: ContextVar[InputLog | None] = ContextVar("shardload_input_log", default=No
 
 
 def changed(path: Any, how: str) -> CheckpointError:
-    """The one line for a file that changed while a load read it (``how``: rewritten, truncated, ...)."""
-    return CheckpointError(f"changed while it was being loaded ({how}); nothing was returned: load it again once "
-                           "nothing writes to it", file=str(path))  # fmt: skip
+    """The one line for a file that changed while a load, a convert or a hash read it (``how``: rewritten,
+    truncated, ...)."""
+    return CheckpointError(f"changed while it was being read ({how}); nothing was returned or written: try again "
+                           "once nothing writes to it", file=str(path))  # fmt: skip
 
 
 def stamp_of(st: os.stat_result) -> Stamp:
