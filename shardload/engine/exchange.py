@@ -248,8 +248,15 @@ def _comm_device(group: Any, device: torch.device) -> torch.device:
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*")
 
 
-def _wait(work: Any, comm: torch.device, what: str) -> None:
-    """Wait for one collective, at most :data:`EXCHANGE_TIMEOUT` seconds; any failure is one ShardloadError line."""
+def _wait(
+    work: Any,
+    comm: torch.device,
+    what: str,
+    who: str = "shared reads",
+    doing: str = "calling load_rank(share_reads=...)",
+) -> None:
+    """Wait for one collective, at most :data:`EXCHANGE_TIMEOUT` seconds; any failure is one ShardloadError line
+    (``who``: what the collective is for; ``doing``: what a rank that never answers is not doing)."""
     timeout = EXCHANGE_TIMEOUT
     try:
         if comm.type == "cuda":  # NCCL work completes on the device: poll it, so a dead peer cannot hang us
@@ -265,12 +272,12 @@ def _wait(work: Any, comm: torch.device, what: str) -> None:
         reason = _SOURCE_PREFIX.sub("", str(err).strip().splitlines()[0] if str(err).strip() else "")
         if isinstance(err, TimeoutError) or "timed out" in reason.lower():
             raise ShardloadError(
-                f"shared reads: no answer from the group within {timeout:g} s {what}: "
-                "another rank died, hangs or is not calling load_rank(share_reads=...)"
+                f"{who}: no answer from the group within {timeout:g} s {what}: another rank died, hangs or is not "
+                f"{doing}"
             ) from None
         reason = reason.split(". ")[0][:160]
         raise ShardloadError(
-            f"shared reads: the exchange failed {what}: another rank of the group died or failed ({reason})"
+            f"{who}: the exchange failed {what}: another rank of the group died or failed ({reason})"
         ) from None
 
 

@@ -15,6 +15,8 @@ Each name, in one line:
 - :class:`LayoutTarget`, :func:`register_layout`: a server's layout registered as a ``convert --layout`` target
   (``shardload.layouts`` entry point group);
 - :func:`records_inputs`: decorates an entry point so a file changed under its load is refused, as ``load_rank``'s;
+- :func:`same_checkpoint`: a block in which each rank of a process group loads, after which the ranks compare the
+  files they read, so a checkpoint replaced between two ranks' loads is one line on every rank;
 - :func:`to_torch`: the torch dtype of a stored dtype name.
 
 Names not here are internal: an integration that needs one asks for it to be added here (docs/extending.md).
@@ -22,6 +24,7 @@ Names not here are internal: an integration that needs one asks for it to be add
 
 from __future__ import annotations
 
+from ..engine.agreement import same_checkpoint
 from ..engine.convert_targets import LayoutTarget, register_layout
 from ..format.input_log import records_inputs
 from ..models.plan_source import plan_shard_info
@@ -56,6 +59,7 @@ __all__ = [
     "open_source",
     "plan_shard_info",
     "records_inputs",
+    "same_checkpoint",
     "register_layout",
     "register_split_format",
     "to_torch",

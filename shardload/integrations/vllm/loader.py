@@ -15,6 +15,7 @@ Imports vLLM (only this module of shardload does).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -43,6 +44,7 @@ from ..api import (
     open_source,
     plan_shard_info,
     records_inputs,
+    same_checkpoint,
 )
 from ..fill import (
     SHAPE_SUFFIX,
@@ -112,22 +114,32 @@ def register_loader() -> None:
             started = time.perf_counter()
             rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
             tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
-            report = fill_model(
-                model,
-                _model_dir(model_config),
-                rank,
-                size,
-                shard_info=self.shard_info,
-                verify=self.verify,
-                tied=tied,
-                read_options=self.read_options,
-            )
+            model_dir = _model_dir(model_config)
+            together = same_checkpoint(_tp_cpu_group(), model_dir) if size > 1 else contextlib.nullcontext()
+            with together:  # the tensor-parallel ranks read one version of the checkpoint
+                report = fill_model(
+                    model,
+                    model_dir,
+                    rank,
+                    size,
+                    shard_info=self.shard_info,
+                    verify=self.verify,
+                    tied=tied,
+                    read_options=self.read_options,
+                )
             log.info(
                 "shardload: rank %d of %d filled %d parameters from %d stored tensors in %.2f s (%s)",
                 rank, size, report.filled, report.tensors, time.perf_counter() - started, report.source,
             )  # fmt: skip
 
     _registered.append(model_loader.register_model_loader(LOAD_FORMAT)(ShardloadModelLoader))
+
+
+def _tp_cpu_group() -> Any:
+    """vLLM's tensor-parallel group over gloo (its ``cpu_group``), where the ranks compare what they read."""
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().cpu_group
 
 
 def renamed(mapper: Any, name: str) -> str | None:

@@ -1,0 +1,177 @@
+"""Whether the ranks that load one model side by side read one version of it: a checkpoint replaced between two ranks'
+loads gives each rank a consistent state dict of a different version, which no single load can see.
+
+Each rank sums up what its load recorded (:mod:`shardload.format.input_log`) as one row per file: the bytes it
+parsed (headers, ``config.json``, ``shard_info.json``, an index, a manifest), the file's size, an object's version
+(its ETag), and a local file's identity (device, inode, modification time). Every file two ranks both read must agree
+on all but the identity, and ranks on one host (same boot, hostname and mount namespace) on the identity too: a file
+replaced by a rename, or rewritten, between their loads is then one line on every rank. Copies on two hosts that
+differ only in tensor bytes the ranks did not parse (two fine-tunes with equal headers) are not told apart here; a
+verified load (``verify=True``) checks every byte it reads against the record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import struct
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ShardloadError
+from ..format import input_log
+from ..format.input_log import InputLog
+from .exchange import _comm_device, _global, _wait
+
+ROW = struct.Struct("<8s8s8s")
+"""One file's row: its name's hash, what every rank must agree on, and its identity on this host."""
+WHAT = "while the ranks compared the files they read"
+WHO = ("checkpoint agreement", "loading this model")
+
+
+@dataclass(frozen=True)
+class FileRow:
+    """One file a load read, summed up: ``name`` (relative to the model), and the hashes the ranks compare."""
+
+    name: str
+    content: bytes
+    identity: bytes
+
+    @property
+    def key(self) -> bytes:
+        return _digest(self.name.encode())
+
+
+def _digest(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        h.update(struct.pack("<Q", len(part)))
+        h.update(part)
+    return h.digest()
+
+
+def _relative(key: str, root: str) -> str:
+    prefix = root.rstrip("/") + "/"
+    return key[len(prefix) :] if key.startswith(prefix) else key.rsplit("/", 1)[-1]
+
+
+def file_rows(log: InputLog, root: str) -> list[FileRow]:
+    """The rows of every file ``log`` recorded, sorted by name; names are relative to ``root`` (the model)."""
+    rows = []
+    for key in sorted(set(log.data) | set(log.stamps) | set(log.versions)):
+        stamp = log.stamps.get(key)
+        data = log.data.get(key)
+        size = b"" if stamp is None else struct.pack("<Q", stamp[2])
+        parsed = b"" if data is None else hashlib.sha256(data).digest()
+        version = str(log.versions.get(key, "")).encode()
+        identity = b"" if stamp is None else struct.pack("<QQQ", stamp[0], stamp[1], stamp[3])
+        rows.append(FileRow(_relative(key, root), _digest(parsed, size, version), _digest(identity)))
+    return rows
+
+
+def host_key() -> bytes:
+    """This host, as processes that see the same files under the same inodes share it: boot, hostname and mount
+    namespace (containers on one host with copies of their own differ)."""
+    parts = [socket.gethostname().encode()]
+    for read in (lambda: Path("/proc/sys/kernel/random/boot_id").read_bytes(),
+                 lambda: os.readlink("/proc/self/ns/mnt").encode()):  # fmt: skip
+        try:
+            parts.append(read())
+        except OSError:
+            parts.append(b"")
+    return _digest(*parts)
+
+
+def agree_on_inputs(group: Any, log: InputLog | None, root: str, *, failed: bool = False) -> None:
+    """Compare the files this rank's load read (``log``) with every other rank of ``group``'s (a torch.distributed
+    process group; None: the default one) and raise one line on every rank when two disagree, or when a rank
+    failed (``failed``: this one, which raises its own error after taking part, so the others never wait on it)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) < 2:
+        return
+    comm = _comm_device(group, torch.device("cpu"))
+    rows = [] if log is None or failed else file_rows(log, root)
+    head = torch.tensor([len(rows), int(failed), *struct.unpack("<q", host_key())], dtype=torch.int64).to(comm)
+    heads = [torch.empty_like(head) for _ in range(dist.get_world_size(group))]
+    _wait(dist.all_gather(heads, head, group=group, async_op=True), comm, WHAT, *WHO)
+    counts, fails, hosts = zip(*(h.tolist() for h in heads), strict=True)
+    if failed:
+        return
+    if any(fails):
+        rank = _global(group, [fails.index(1)])[0]
+        raise ShardloadError(f"rank {rank} failed to load this model (its own error says why); nothing was returned",
+                             file=root)  # fmt: skip
+    width = max(counts) * ROW.size
+    if not width:
+        return
+    mine = bytearray(width)
+    for i, row in enumerate(rows):
+        ROW.pack_into(mine, i * ROW.size, row.key, row.content, row.identity)
+    table = torch.frombuffer(mine, dtype=torch.uint8).to(comm)
+    tables = [torch.empty_like(table) for _ in range(len(counts))]
+    _wait(dist.all_gather(tables, table, group=group, async_op=True), comm, WHAT, *WHO)
+    decoded = [_decode(bytes(t.cpu().numpy()), n) for t, n in zip(tables, counts, strict=True)]
+    problem = first_disagreement(decoded, hosts, {row.key: row.name for row in rows})
+    if problem is not None:
+        (a, b), name, detail = problem
+        ranks = _global(group, [a, b])
+        raise ShardloadError(
+            f"ranks {ranks[0]} and {ranks[1]} read different versions of {name} ({detail}): the checkpoint changed "
+            "between their loads; nothing was returned: load again once nothing writes to it",
+            file=root,
+        )
+
+
+def _decode(raw: bytes, count: int) -> list[tuple[bytes, bytes, bytes]]:
+    return [ROW.unpack_from(raw, i * ROW.size) for i in range(count)]
+
+
+def first_disagreement(
+    tables: list[list[tuple[bytes, bytes, bytes]]], hosts: Iterable[int], names: dict[bytes, str]
+) -> tuple[tuple[int, int], str, str] | None:
+    """The first two ranks (group ranks) that read one file differently, the file's name (``names``: this rank's,
+    by key; else "a file of the model") and how; None when every file two ranks read agrees."""
+    hosts = list(hosts)
+    first: dict[bytes, tuple[int, bytes, bytes]] = {}
+    for rank, table in enumerate(tables):
+        for key, content, identity in table:
+            seen = first.setdefault(key, (rank, content, identity))
+            other, content0, identity0 = seen
+            if other == rank:
+                continue
+            name = names.get(key, "a file of the model")
+            if content != content0:
+                return (other, rank), name, "its header, size or object version differ"
+            if hosts[other] == hosts[rank] and identity != identity0:
+                return (other, rank), name, "on one host, another inode or time: replaced, rewritten or touched"
+    return None
+
+
+@contextmanager
+def same_checkpoint(group: Any, model: str | os.PathLike[str]) -> Iterator[None]:
+    """Load ``model`` inside this block on every rank of ``group`` (a torch.distributed process group; None: the
+    default one): at its end the ranks compare the files they read (:func:`agree_on_inputs`), and a rank whose load
+    failed still takes part, so that the others raise at once instead of waiting, then raises its own error.
+
+    Example::
+
+        with same_checkpoint(group, "llama-dir"):
+            state = shardload.load_rank("llama-dir", rank, world)
+    """
+    where = str(model)
+    with input_log.recording() as log:
+        try:
+            yield
+        except BaseException:
+            try:
+                agree_on_inputs(group, log, where, failed=True)
+            except ShardloadError:
+                pass  # the group failed too: this rank's own error is the one to tell
+            raise
+        agree_on_inputs(group, log, where)

@@ -1,0 +1,75 @@
+"""One rank of a two-process gloo group that loads a model inside ``same_checkpoint`` (run by
+tests/test_agreement.py; not a test itself).
+
+    python agreement_worker.py MODEL CASE
+
+CASE says what happens between the two ranks' loads: rank 0 loads first, then (both ranks waiting at a barrier) rank
+0 changes the model, then rank 1 loads. ``none`` changes nothing; ``replace`` replaces model.safetensors by a rename
+with a file of the same header and other tensor bytes; ``reheader`` with the same tensors under another header (one
+more metadata entry); ``touch`` only moves its modification time; ``touch-hosts``
+does the same with each rank told it is on a host of its own; ``fail`` makes rank 1's load fail (a shard_info for a
+parameter the model lacks). Each rank prints ``OK <sum of its tensors>`` or ``ERROR <message>`` and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import torch.distributed as dist
+
+import shardload
+from shardload.engine import agreement
+from shardload.errors import ShardloadError
+from shardload.integrations.api import same_checkpoint
+
+
+def change(model: str, case: str) -> None:
+    path = os.path.join(model, "model.safetensors")
+    if case == "replace":
+        data = bytearray(open(path, "rb").read())
+        (n,) = np.frombuffer(bytes(data[:8]), dtype="<u8")
+        data[8 + int(n) :] = bytes(b ^ 0x01 for b in data[8 + int(n) :])
+        with open(path + ".new", "wb") as f:
+            f.write(data)
+        os.replace(path + ".new", path)
+    elif case == "reheader":
+        from safetensors.numpy import load_file, save_file
+
+        save_file(load_file(path), path + ".new", metadata={"format": "pt", "version": "2"})
+        os.replace(path + ".new", path)
+    elif case.startswith("touch"):
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+
+def main() -> None:
+    model, case = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if case == "touch-hosts":
+        agreement.host_key = lambda: bytes([rank]) * 8  # each rank on a host of its own
+    shard_info = None
+    if case == "fail" and rank == 1:
+        shard_info = {"version": 1, "num_shards": None, "params": {"no.such.weight": [["shard_funcs.shard",
+                      [[2, 4], "float16"], 0, "num_shards"]]}}  # fmt: skip
+    try:
+        with same_checkpoint(None, model):
+            if rank == 0:
+                state = shardload.load_rank(model, rank, 2)
+            dist.barrier()
+            if rank == 0:
+                change(model, case)
+            dist.barrier()
+            if rank == 1:
+                state = shardload.load_rank(model, rank, 2, shard_info=shard_info)
+        print("OK", json.dumps(float(sum(t.double().sum() for t in state.values()))), flush=True)
+    except ShardloadError as err:
+        print("ERROR", err, flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Ranks that load one model side by side agree on what they read (``same_checkpoint``, which vLLM's loader runs
+in its tensor-parallel group): a checkpoint replaced or rewritten between two ranks' loads gives each rank a whole
+state dict of another version, which no single load can see; the group compares the files its ranks read and
+refuses on every rank in one line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardload.engine.agreement import file_rows, first_disagreement
+from shardload.format.input_log import InputLog
+
+WORKER = Path(__file__).resolve().parent / "agreement_worker.py"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(model: Path, case: str) -> list[str]:
+    """Each rank's one line of output (``OK ...`` or ``ERROR ...``), by rank."""
+    port = _port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "PYTHONPATH": os.pathsep.join(sys.path)}  # fmt: skip
+    command = [sys.executable, str(WORKER), str(model), case]
+    procs = [
+        subprocess.Popen(
+            command, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out
+    return [next(line for line in out.splitlines() if line.startswith(("OK", "ERROR"))) for out in outs]
+
+
+@pytest.mark.parametrize("case", ["none", "replace", "reheader", "touch", "touch-hosts", "fail"])
+def test_ranks_that_read_different_versions_refuse_together(example_dir: Path, tmp_path: Path, case: str) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(example_dir, model)
+    lines = _run(model, case)
+    if case in ("none", "touch-hosts"):  # a copy on another host may have other times: not compared
+        assert all(line.startswith("OK") for line in lines), lines
+        return
+    if case == "fail":
+        want = f"ERROR {model}: rank 1 failed to load this model (its own error says why); nothing was returned"
+        assert lines[0] == want, lines
+        assert lines[1].startswith("ERROR") and "no.such.weight" in lines[1], lines
+        return
+    detail = "its header, size or object version differ" if case == "reheader" else "on one host, another inode"
+    for line in lines:
+        assert line.startswith(f"ERROR {model}: ranks 0 and 1 read different versions of model.safetensors ("), line
+        assert detail in line and "the checkpoint changed between their loads" in line and "\n" not in line, line
+
+
+def test_rows_compare_the_files_two_ranks_both_read() -> None:
+    """A file only one rank read (its own rank file of a converted directory) is not compared; one both read is,
+    its identity only between ranks on one host."""
+    a, b = InputLog(), InputLog()
+    for log in (a, b):
+        log.data["/m/shard_manifest.json"] = b"{}"
+        log.stamps["/m/shard_manifest.json"] = (1, 2, 2, 10, 10)
+    a.data["/m/rank-0.safetensors"] = b"zero"
+    b.data["/m/rank-1.safetensors"] = b"one"
+    rows = [[(r.key, r.content, r.identity) for r in file_rows(log, "/m")] for log in (a, b)]
+    assert first_disagreement(rows, [7, 7], {}) is None
+    b.stamps["/m/shard_manifest.json"] = (1, 3, 2, 10, 10)  # another inode: replaced
+    rows[1] = [(r.key, r.content, r.identity) for r in file_rows(b, "/m")]
+    names = {r.key: r.name for r in file_rows(a, "/m")}
+    assert first_disagreement(rows, [7, 8], names) is None  # two hosts: their own copies
+    found = first_disagreement(rows, [7, 7], names)
+    assert found is not None and found[:2] == ((0, 1), "shard_manifest.json"), found
+    b.data["/m/shard_manifest.json"] = b"{ }"
+    rows[1] = [(r.key, r.content, r.identity) for r in file_rows(b, "/m")]
+    found = first_disagreement(rows, [7, 8], names)
+    assert found is not None and found[2] == "its header, size or object version differ", found
