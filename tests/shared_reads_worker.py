@@ -17,14 +17,16 @@ Environment: ``SHARDLOAD_TEST_BACKEND`` (gloo) names the backend; ``SHARDLOAD_TE
 (``os._exit(3)``) after reading its chunk of that exchange round (``SHARDLOAD_TEST_HANG``: after stopping for
 8 s); ``SHARDLOAD_TEST_FAIL``: the shared load is expected to fail (``model_of_rank`` gives some rank another
 model; ``SHARDLOAD_TEST_FAIL=unreadable:RANK``: that rank's reads to fingerprint the files fail);
-``SHARDLOAD_TEST_TIMEOUT`` sets the exchange timeout in seconds. A load meant to fail prints one
-``FAILED rank R after S s: MESSAGE`` line and exits 1.
+``SHARDLOAD_TEST_FAIL=rewrite:RANK``: that rank rewrites its copy's first weight file in place (every tensor byte
+flipped) after the first exchange round; ``SHARDLOAD_TEST_TIMEOUT`` sets the exchange timeout in seconds. A load
+meant to fail prints one ``FAILED rank R after S s: MESSAGE`` line and exits 1.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 import sys
 import threading
 import time
@@ -75,6 +77,17 @@ class UnreadableReader(Reader):
         super().read_runs(path, *args, **kwargs)
 
 
+def rewrite(model: str) -> None:
+    """Flip every tensor byte of ``model``'s first weight file in place (same size, same inode)."""
+    path = sorted(p for p in os.listdir(model) if p.endswith(".safetensors"))[0]
+    with open(os.path.join(model, path), "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + n)
+        body = f.read()
+        f.seek(8 + n)
+        f.write(bytes(b ^ 0x5A for b in body))
+
+
 def rounds_seen(seen: list[tuple[int, int]]) -> Callable[[int, int], None]:
     """A progress callback that records ``(done, total)`` in ``seen``."""
     return lambda done, total: seen.append((done, total))
@@ -104,10 +117,13 @@ def main() -> None:
         case = cases[0]
         exchange.EXCHANGE_BYTES = case["chunk"] * (2 * dist.get_world_size() + 2)
         model = case.get("model_of_rank", {}).get(str(rank), case["model"])
+        progress = None
+        if unreadable[0] == "rewrite" and int(unreadable[1]) == rank:
+            progress = lambda done, total: done == 1 and rewrite(model)  # noqa: E731
         dist.barrier()  # every process has started: slow imports on a busy machine do not count against the timeout
         started = time.monotonic()
         try:
-            shardload.load_rank(model, mesh=case.get("mesh"), share_reads=True)
+            shardload.load_rank(model, mesh=case.get("mesh"), share_reads=True, progress=progress)
         except shardload.ShardloadError as err:
             print(f"FAILED rank {rank} after {time.monotonic() - started:.1f} s: {err}", flush=True)
             # skip interpreter teardown: gloo's process group, torn down after its peers have gone, may abort

@@ -364,3 +364,26 @@ def test_a_file_changed_while_it_is_verified_is_an_error(tmp_path: Path) -> None
     text = str(err.value)
     assert "model.safetensors" in text and "changed while" in text and "\n" not in text, text
     assert calls, "the change was never made"
+
+
+@pytest.mark.parametrize("change", ["touch", "chmod"])
+def test_a_file_only_touched_is_refused_without_claiming_a_rewrite(tmp_path: Path, change: str) -> None:
+    """Times or permissions changed during a load, no byte written: still refused (a write and a touch look alike to
+    the identity check), but the line says what was seen, not "rewritten in place"."""
+    model = _model(tmp_path / "m")
+    path = model / "model.safetensors"
+    calls = []
+
+    def progress(done: int, total: int) -> None:
+        if not calls:
+            if change == "touch":
+                st = path.stat()
+                os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+            else:
+                path.chmod(0o600)
+        calls.append(done)
+
+    with pytest.raises(ShardloadError) as err:
+        shardload.load_rank(model, 1, 2, progress=progress)
+    want = "rewritten in place, or its modification time set" if change == "touch" else "its permissions, owner"
+    assert f"changed while it was being read ({want}" in str(err.value), err.value

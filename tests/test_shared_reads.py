@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -470,6 +471,71 @@ def test_a_rank_that_cannot_read_its_copy_fails_the_group_at_once(example_multi_
     assert zero.endswith(said + "fingerprint it (its own error names the file); nothing was exchanged"), zero
     assert "model-0000" in one and one.endswith(".safetensors: cannot read: Input/output error"), one
     assert seconds(zero) < 30 and all(p.returncode == 1 for p in procs)
+
+
+def test_a_copy_rewritten_during_the_exchange_fails_every_rank(example_multi_dir: Path, tmp_path: Path) -> None:
+    """Rank 0 rewrites its copy of a weight file in place after the first exchange round (rank 1 has a copy of its
+    own, which does not change): rank 0 has read and sent a mix of old and new bytes, so it fails naming the file,
+    and rank 1 fails with it, though its own copy is intact (returned, its state dict held the mix)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(example_multi_dir, copy)
+    case = {"model": str(example_multi_dir), "mesh": "dp=2", "chunk": 4096, "model_of_rank": {"1": str(copy)}}
+    procs = spawn([case], {"SHARDLOAD_TEST_FAIL": "rewrite:0", "SHARDLOAD_TEST_TIMEOUT": "60"}, ranks=2)
+    results = [p.communicate(timeout=120)[0] for p in procs]
+    zero, one = (failure_line(text) for text in results)
+    said = "model-00001-of-00002.safetensors: changed while it was being read (rewritten in place, or its modification"
+    assert said in zero, zero
+    assert one.endswith(f"{copy}: shared reads: rank 0 read a file that changed during the exchange (its own error "
+                        "names it); nothing was returned"), one  # fmt: skip
+    assert all(p.returncode == 1 for p in procs)
+
+
+def test_a_group_of_one_refuses_a_file_rewritten_during_its_rounds(
+    example_dir: Path, tmp_path: Path, group_of_one: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shardload.engine.exchange as exchange
+
+    model = tmp_path / "model"
+    shutil.copytree(example_dir, model)
+    monkeypatch.setattr(exchange, "EXCHANGE_BYTES", 4 * 65536)  # 64 KiB chunks: many rounds
+    done: list[int] = []
+
+    def progress(k: int, total: int) -> None:
+        if not done:
+            data = bytearray((model / "model.safetensors").read_bytes())
+            (n,) = struct.unpack("<Q", data[:8])
+            with open(model / "model.safetensors", "r+b") as f:
+                f.seek(8 + n)
+                f.write(bytes(b ^ 0x5A for b in data[8 + n :]))
+        done.append(k)
+
+    with pytest.raises(shardload.ShardloadError) as err:
+        shardload.load_rank(model, group=group_of_one, progress=progress)
+    assert done and "changed while it was being read (rewritten in place" in str(err.value), err.value
+
+
+def test_a_file_replaced_after_its_header_was_parsed_is_refused(
+    example_dir: Path, tmp_path: Path, group_of_one: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model file is replaced (by a rename) with one whose header is longer, after the plan was made from the old
+    header and before the first read: read at the old offsets, every tensor would be shifted garbage."""
+    import shardload.engine.exchange as exchange
+
+    model = tmp_path / "model"
+    shutil.copytree(example_dir, model)
+    from safetensors.numpy import load_file, save_file
+
+    save_file(load_file(model / "model.safetensors"), tmp_path / "new", metadata={"format": "pt", "note": "x" * 99})
+    real = exchange.choose_chunk
+
+    def replaced_then_chosen(*args: Any) -> int:
+        os.replace(tmp_path / "new", model / "model.safetensors")
+        return real(*args)
+
+    monkeypatch.setattr(exchange, "choose_chunk", replaced_then_chosen)
+    with pytest.raises(shardload.ShardloadError) as err:
+        shardload.load_rank(model, group=group_of_one)
+    assert "model.safetensors: changed while it was being read (replaced)" in str(err.value), err.value
 
 
 def test_identical_copies_at_other_paths_and_mtimes_load(example_multi_dir: Path, tmp_path: Path) -> None:

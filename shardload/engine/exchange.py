@@ -17,11 +17,12 @@ import datetime
 import hashlib
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ShardloadError
+from ..format import input_log
 from ..planning.group_reads import GroupReads, choose_chunk, file_bases, slot_needs, strided
 from ..sources.dtypes import to_torch
 from ..sources.reader import PAGE
@@ -160,7 +161,33 @@ def load_shared(
                 progress(k + 1, schedule.rounds)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    _agree_unchanged(bases, group, comm, where)
     return result
+
+
+def _agree_unchanged(files: Iterable[Any], group: Any, comm: torch.device, where: str) -> None:
+    """After the last round: every file this rank planned from is still the one whose header it parsed. When one
+    changed on any rank, every rank fails, since the others received bytes read from it."""
+    import torch
+    import torch.distributed as dist
+
+    failed: ShardloadError | None = None
+    try:
+        input_log.check_unchanged(files, input_log.current())
+    except ShardloadError as err:
+        failed = err
+    if dist.get_world_size(group) > 1:
+        flag = torch.tensor([int(failed is not None)], dtype=torch.int64).to(comm)
+        flags = [torch.empty_like(flag) for _ in range(dist.get_world_size(group))]
+        _wait(dist.all_gather(flags, flag, group=group, async_op=True), comm, "while the ranks checked their files")
+        changed = [i for i, f in enumerate(flags) if int(f.item())]
+    else:
+        changed = []
+    if failed is not None:
+        raise failed
+    if changed:
+        raise ShardloadError(f"shared reads: rank {_global(group, changed[:1])[0]} read a file that changed during the "
+                             "exchange (its own error names it); nothing was returned", file=where)  # fmt: skip
 
 
 def _agree_on_content(samples: fp.SamplePlan, reader: RunReader, group: Any, comm: torch.device, where: str) -> None:

@@ -241,7 +241,17 @@ def _how_changed(before: Stamp, now: Stamp | None) -> str:
         return "replaced"
     if now[2] != before[2]:
         return "truncated" if now[2] < before[2] else "extended"
-    return "rewritten in place"
+    if now[3] != before[3]:
+        return "rewritten in place, or its modification time set"  # a write and a touch look alike
+    return "its permissions, owner or links changed"  # the change time alone
+
+
+def check_opened(path: Any, st: os.stat_result, log: InputLog | None) -> None:
+    """A file a load opens to read tensor bytes from (``st``: the open descriptor's ``fstat``) is the file whose
+    header it parsed, where ``log`` has its identity: one replaced in between is refused before a byte is read."""
+    before = None if log is None else log.stamps.get(str(path))
+    if before is not None and stamp_of(st) != before:
+        raise changed(path, _how_changed(before, stamp_of(st)))
 
 
 def check_unchanged(files: Iterable[Any], log: InputLog | None) -> None:

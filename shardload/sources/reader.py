@@ -208,6 +208,7 @@ class Reader(RunReader):
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
+        self._log = input_log.current()  # the load's: a file opened here must be the one whose header it parsed
 
     def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
@@ -217,8 +218,14 @@ class Reader(RunReader):
                 if fd is None:
                     try:
                         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                        input_log.check_opened(path, os.fstat(fd), self._log)
                     except OSError as err:
+                        if fd is not None:
+                            os.close(fd)
                         raise CheckpointError(f"cannot open: {err.strerror or err}", file=str(path)) from None
+                    except CheckpointError:
+                        os.close(fd)
+                        raise
                     self._fds[path] = fd
         return fd
 
