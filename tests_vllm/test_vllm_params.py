@@ -62,8 +62,8 @@ def _selected(session: pytest.Session) -> set[str]:
     wanted = set()
     for item in session.items:
         params = getattr(item, "callspec", None)
-        if item.module is not None and item.module.__name__ == __name__ and params is not None:
-            wanted.add(params.params.get("family", "llama"))  # the controls run on the Llama
+        if item.module is not None and item.module.__name__ == __name__:
+            wanted.add("llama" if params is None else params.params.get("family", "llama"))  # controls: the Llama
     return wanted
 
 
@@ -92,6 +92,8 @@ def compared(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRe
             if name in READ_FAMILIES:
                 formats |= {fmt: str(root / name) for fmt in READ_OPTIONS}
                 extra = {fmt: {"read_options": options} for fmt, options in READ_OPTIONS.items()}
+            if name == "llama" and "sharded_state" in formats:
+                formats["shardload@no-head"] = headless(Path(formats["sharded_state"]), root / f"{name}-no-head{tp}")
             jobs.append({"case": name, "model": str(root / name), "tp": tp, "formats": formats, "extra": extra,
                          "controls": name == "llama", "dtype": DTYPES.get(name, "float32")})  # fmt: skip
             if name in MOE and tp > 1:
@@ -111,6 +113,32 @@ def compared(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRe
         for rank in range(tp):
             results[f"{name}/sharded_state/{tp}/{rank}"] = {"status": "error", "detail": message}
     return results
+
+
+def headless(saved: Path, out: Path) -> str:
+    """A copy of ``saved`` (sharded_state files) as vLLM's ``save_model`` writes them, with no manifest beside them,
+    and without ``lm_head.weight``: an untied model's head then has no tensor anywhere."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for f in saved.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        tensors.pop("lm_head.weight", None)
+        save_file(tensors, str(out / f.name))
+    for f in saved.iterdir():
+        if f.name == "config.json" or (f.suffix == ".json" and f.name.startswith(("tokenizer", "generation"))):
+            (out / f.name).write_bytes(f.read_bytes())
+    return str(out)
+
+
+def test_an_untied_head_missing_from_saved_files_is_refused(compared: dict[str, Any]) -> None:
+    """``load_format="shardload"`` of sharded_state files without ``lm_head.weight``, for a Llama that does not tie
+    its embeddings, is refused on every rank (vLLM's own sharded_state loader says "Missing keys"); the head was
+    filled with the embeddings, which only a tied model's files may stand for."""
+    for tp in TPS["llama"]:
+        for rank in range(tp):
+            result = compared[f"llama/shardload@no-head/{tp}/{rank}"]
+            _check_refusal(result, "vLLM parameter 'lm_head.weight' has no tensor in the checkpoint", rank)
 
 
 CASES = [(name, fmt, tp) for name in FAMILIES for fmt in FORMATS for tp in TPS[name]]

@@ -245,7 +245,7 @@ def fill_model(
             read_options = replace(read_options or ReadOptions(), strategy="view")  # boxes are read, never mapped
         stored = load_rank(model_dir, rank, num_shards, verify=_verify(verify), read_options=read_options)
         embed = next((n for n in stored if n.endswith("embed_tokens.weight")), None)
-        if sharded and embed and "lm_head.weight" in targets and "lm_head.weight" not in stored:
+        if sharded and tied and embed and "lm_head.weight" in targets and "lm_head.weight" not in stored:
             stored = {**stored, "lm_head.weight": stored[embed]}  # vLLM unties the tied head its files hold
         routes = {name: route(name) for name in stored}
         narrow = _converted_vocab(stored, routes, vocab, rank, where)
