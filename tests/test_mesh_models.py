@@ -164,6 +164,22 @@ def test_uneven_pp_layers_and_converted_mesh_directory(models: dict, tmp_path: P
             assert got.keys() == want_rank.keys() and all(torch.equal(got[k], want_rank[k]) for k in got)
 
 
+def test_a_mesh_without_layers_keeps_a_converted_directorys_own(models: dict, tmp_path: Path) -> None:
+    """A directory converted with uneven stages (1 + 3 layers), loaded or converted again with the same ``pp`` and no
+    layers given, keeps its own stages at any tp: before, its own tp kept them, another tp and ``convert`` split the
+    layers evenly (2 + 2), so one mesh string gave three layer sets by route."""
+    model_dir, _ = models["llama"]
+    out = tmp_path / "pp2tp2"
+    shardload.convert(model_dir, None, out, mesh=Mesh.parse("pp=2,tp=2", pp_layers="1,3"))
+    own = shardload.load(model_dir, mesh=Mesh.parse("pp=2,tp=1", pp_layers="1,3"), devices=["cpu"] * 2)
+    for rank in range(2):
+        got = shardload.load_rank(out, rank, mesh="pp=2,tp=1")
+        assert got.keys() == own[rank].keys() and all(torch.equal(got[k], own[rank][k]) for k in got), rank
+    shardload.convert(out, None, tmp_path / "again", mesh="pp=2,tp=1")
+    manifest = json.loads((tmp_path / "again" / "shard_manifest.json").read_text())
+    assert manifest["mesh"] == {"pp": 2, "tp": 1, "pp_layers": [1, 3]}, manifest["mesh"]
+
+
 def test_bytes_read_per_rank_follow_the_mesh(models: dict) -> None:
     """Each rank reads its stage's layers' shard: about 1/(pp*tp) of the layer bytes, plus its own extras."""
     model_dir, _ = models["llama"]

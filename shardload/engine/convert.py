@@ -34,7 +34,7 @@ from ..sources.object_reader import reader_for
 from ..sources.source_types import Boxes, SplitRecords, as_boxes, open_source
 from ..version import __version__
 from .integrity import verifier, wrapped
-from .load import mesh_for
+from .load import mesh_for, own_layers
 from .load_options import Verify, verify_value
 from .output import (
     StagingDir,
@@ -114,6 +114,7 @@ def convert(
     verify = verify_value(verify, str(model))
     resolved = mesh_for(num_shards, mesh, None)
     source = as_boxes(open_source(model, resolved))
+    resolved = own_layers(source, resolved)
     if isinstance(source, Boxes):  # already split (another conversion, a pre-sharded cache, a server's layout)
         shards = boxes_to_write(source, verify, shard_info, resolved)
         done = write_shards(shards, resolved, out, overwrite=overwrite, fsync=fsync, progress=progress)

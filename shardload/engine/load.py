@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardloadError
 from ..format.input_log import records_inputs
 from ..planning.mesh import Mesh, as_mesh
-from ..sources.source_types import open_source
+from ..sources.source_types import Source, open_source
 from .devices import resolve_device
 from .load_options import Destination, Tensors, Verify, load_options
 from .read_strategy import ReadOptions
@@ -69,6 +70,7 @@ def load(
     options = load_options(str(model), shard_info=shard_info, verify=verify, group=None, read_options=read_options,
                            into=None, progress=progress, legacy={})  # fmt: skip
     source = open_source(model, resolved)
+    resolved = own_layers(source, resolved)
     options.check(source, resolved, devices)
     return load_source(source, resolved, range(world), devices, options, "loading")
 
@@ -166,6 +168,7 @@ def load_rank(
     options = load_options(str(model), shard_info=shard_info, verify=verify, group=group, read_options=read_options,
                            into=into, progress=progress, legacy=deprecated)  # fmt: skip
     source = open_source(model, resolved)
+    resolved = own_layers(source, resolved)
     if type(rank) is not int or not 0 <= rank < resolved.world_size:
         what = f"num_shards={resolved.tp}" if mesh is None else f"a mesh of {resolved.world_size} ranks ({resolved})"
         raise (CheckpointError if source.splits else ShardloadError)(f"rank {rank} is out of range for {what}",
@@ -185,6 +188,19 @@ def mesh_for(num_shards: int | None, mesh: Any, world_size: int | None) -> Mesh:
     if num_shards is not None and num_shards != resolved.tp:
         raise ShardloadError(f"num_shards={num_shards} disagrees with the mesh's tp={resolved.tp}")
     return resolved
+
+
+def own_layers(source: Source, mesh: Mesh) -> Mesh:
+    """``mesh`` with a converted directory's own layers per stage when it names none and has the directory's stage
+    count: one mesh means the same stages whichever route reads the directory (its own files, boxes, a convert)."""
+    checkpoint = source.checkpoint
+    if mesh.pp_layers is not None or mesh.pp == 1 or checkpoint.kind != "converted":
+        return mesh
+    recorded = (checkpoint.manifest or {}).get("mesh") or {}
+    layers = recorded.get("pp_layers")
+    if recorded.get("pp") != mesh.pp or not layers:
+        return mesh
+    return replace(mesh, pp_layers=tuple(layers))
 
 
 def _dist_defaults(rank: int | None, num_shards: int | None) -> tuple[int, int]:
