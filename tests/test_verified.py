@@ -820,3 +820,28 @@ def test_rows_wider_than_a_tile_load_verified(tmp_path: Path, n: int) -> None:
     path.write_bytes(bytes(data))
     with pytest.raises(ShardloadError, match="feeding w: hash mismatch"):
         shardload.load_rank(model, n - 1, n, verify=True)
+
+
+def test_hash_never_writes_its_record_over_another_file(example_dir: Path, tmp_path: Path) -> None:
+    """``shardload hash MODEL -o PATH`` writes a record only where there is none or a record already: a weight file,
+    a config or any other file at PATH is refused in one line and left as it was (it replaced the model's weights
+    with the record and exited 0). A record there is replaced, a new path written."""
+    from click.testing import CliRunner
+
+    from shardload.cli.main import main
+
+    model = tmp_path / "model"
+    shutil.copytree(example_dir, model)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine\n")
+    runner = CliRunner()
+    for target in (model / "model.safetensors", model / "config.json", notes):
+        before = target.read_bytes()
+        done = runner.invoke(main, ["hash", str(model), "-o", str(target), "-q"])
+        assert done.exit_code == 1 and target.read_bytes() == before, (target, done.output)
+        (line,) = done.output.strip().splitlines()
+        assert str(target) in line and "not an integrity record" in line, line
+    record = tmp_path / "record"
+    for _ in range(2):  # new, then a record already
+        done = runner.invoke(main, ["hash", str(model), "-o", str(record), "-q"])
+        assert done.exit_code == 0 and record.read_bytes().startswith(b"SLHASH1\n"), done.output

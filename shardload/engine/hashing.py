@@ -18,6 +18,7 @@ from ..format import input_log
 from ..format.hash_record import (
     HASH_BYTES,
     LEAF_BYTES,
+    MAGIC,
     RECORD_NAME,
     FileHashes,
     HashRecord,
@@ -212,18 +213,38 @@ def hash_model(
         raise ShardloadError(f"{source.what} carries its record already (convert writes it); hash the source "
                              "checkpoint", file=str(model))  # fmt: skip
     checkpoint = source.checkpoint
+    target = Path(out) if out is not None else record_path(checkpoint)
+    if not isinstance(target, ObjectPath) and target.is_dir():
+        target = target / RECORD_NAME
+    _record_or_nothing(target)  # before hashing: a weight file given as -o is refused at once
     tensors_by_file = tensors_by_file_of(checkpoint)
     files = sorted(set(tensors_by_file) | set(checkpoint.files) | set(metadata_files(checkpoint)), key=str)
     record = hash_files(checkpoint.root, files, tensors_by_file, threads=threads, progress=progress)
     data = record.to_bytes()
-    target = Path(out) if out is not None else record_path(checkpoint)
     if isinstance(target, ObjectPath):
         write_object_record(target, data)
         return HashResult(target, root_of(data), len(data), sum(f.size for f in record.files))
-    if target.is_dir():
-        target = target / RECORD_NAME
     write_record(target, data)
     return HashResult(target, root_of(data), len(data), sum(f.size for f in record.files))
+
+
+def _record_or_nothing(target: Path | ObjectPath) -> None:
+    """Refuse a record's destination that holds something other than a record (a weight file, a config): writing
+    there would replace it."""
+    try:
+        if isinstance(target, ObjectPath):
+            size = target.size()
+            first = target.read_small(min(size, len(MAGIC)), "integrity record") if size else None
+        elif target.exists():
+            with open(target, "rb") as f:
+                first = f.read(len(MAGIC))
+        else:
+            first = None
+    except (OSError, ShardloadError):
+        first = None  # unreadable: writing it says why
+    if first and first != MAGIC:  # an empty file (mktemp's) is no loss
+        raise ShardloadError("exists and is not an integrity record (writing the record there would replace it): "
+                             "give a new path, or the path of a record to replace", file=str(target))  # fmt: skip
 
 
 def write_object_record(target: ObjectPath, data: bytes) -> None:
