@@ -63,6 +63,10 @@ def st_bytes(
     return struct.pack("<Q", len(raw)) + raw + data
 
 
+GIANT_EMPTY = {"dtype": "F32", "shape": [0, 2**62, 2**62], "data_offsets": [96, 96]}
+"""A tensor of no element whose strides run past int64."""
+
+
 def base_header() -> dict[str, Any]:
     return {
         "w": {"dtype": "F16", "shape": [8, 6], "data_offsets": [0, 96]},
@@ -393,6 +397,12 @@ CHECKPOINT_CASES: list[tuple[str, Builder, str, str]] = [
     ("shape-size-disagree", with_header(lambda h: h["v"].update(shape=[13])), "model.safetensors", "needs 52 bytes"),
     ("shape-negative", with_header(lambda h: h["v"].update(shape=[-12])), "model.safetensors", "bad shape"),
     ("shape-not-ints", with_header(lambda h: h["v"].update(shape=["12"])), "model.safetensors", "bad shape"),
+    (
+        "shape-empty-but-overflowing",  # no element, but strides past int64: torch cannot make the tensor
+        with_weights(st_bytes({"w": W}, header={**base_header(), "v": GIANT_EMPTY})),
+        "model.safetensors",
+        "too large",
+    ),
     ("index-missing-file", with_index({"w": "nope.safetensors"}, {}), "index.json", "references missing file"),
     ("index-dotdot", with_index({"w": "../../etc/passwd"}, {}), "index.json", "points outside the model directory"),
     ("index-absolute", with_index({"w": "/etc/passwd"}, {}), "index.json", "points outside the model directory"),

@@ -213,3 +213,39 @@ def test_an_empty_model_argument_is_refused_not_taken_for_the_current_directory(
     for args in (["hash", ""], ["inspect", ""], ["convert", "", "-n", "2", "-o", "out"]):
         result = runner.invoke(main, args)
         assert result.exit_code == 2 and "empty" in result.output, (args, result.output)
+
+
+@pytest.mark.parametrize(
+    ("raised", "code", "said"),
+    [
+        (KeyboardInterrupt(), 130, "interrupted: {out} was not written (the partial output was removed)"),
+        (MemoryError(), 1, "out of memory"),
+        (
+            RuntimeError("Stride calculation overflowed"),
+            1,
+            "internal error: RuntimeError: Stride calculation overflowed",
+        ),
+    ],
+    ids=["interrupt", "memory", "unexpected"],
+)
+def test_a_command_that_stops_on_anything_says_one_line_and_json_stays_json(
+    runner: CliRunner, example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, raised: BaseException,
+    code: int, said: str,
+) -> None:  # fmt: skip
+    """Whatever stops a command (a signal, memory running out, a bug), stderr is one line and, with ``--json``,
+    stdout is the failure document: a script never reads an empty stdout, and a user never a traceback."""
+    import shardload.engine.convert
+
+    def stopped(*args: object, **kwargs: object) -> None:
+        raise raised
+
+    monkeypatch.setattr(shardload.engine.convert, "convert", stopped)
+    out = tmp_path / "out"
+    for extra in ([], ["--json"]):
+        result = runner.invoke(main, ["convert", str(example_dir), "-n", "2", "-o", str(out), *extra])
+        assert result.exit_code == code, result.output
+        (line,) = result.stderr.strip().splitlines()
+        assert said.format(out=out) in line, line
+        if extra:
+            doc = json.loads(result.stdout)
+            assert doc["ok"] is False and doc["exit_code"] == code and said.format(out=out) in doc["error"]["message"]

@@ -11,7 +11,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -129,16 +129,39 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
                 _echo_failure({"kind": type(err).__name__, "message": message}, 1)
             _fail(message)
         except KeyboardInterrupt:
-            click.echo(_stopped("interrupted", kwargs.get("out_dir")), err=True)
-            sys.exit(130)
+            _stop(_stopped("interrupted", kwargs.get("out_dir")), 130, as_json, "Interrupted")
         except _Terminated as err:
-            click.echo(_stopped(f"terminated by {signal.Signals(err.signum).name}", kwargs.get("out_dir")), err=True)
-            sys.exit(128 + err.signum)
+            what = f"terminated by {signal.Signals(err.signum).name}"
+            _stop(_stopped(what, kwargs.get("out_dir")), 128 + err.signum, as_json, "Terminated")
+        except MemoryError:
+            _stop("out of memory (the input may be larger than this machine can plan or hold)", 1, as_json,
+                  "MemoryError", prefix="error: ")  # fmt: skip
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as err:  # a bug: one line, not a traceback; SHARDLOAD_DEBUG=1 shows where
+            if os.environ.get(DEBUG_ENV):
+                raise
+            reason = printable(f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
+            _stop(f"internal error: {reason} (a bug in shardload; {DEBUG_ENV}=1 shows the traceback)", 1, as_json,
+                  type(err).__name__, prefix="error: ")  # fmt: skip
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
     return wrapper
+
+
+DEBUG_ENV = "SHARDLOAD_DEBUG"
+"""Set to 1, a command stopped by an unexpected exception (a bug) shows its traceback instead of one line."""
+
+
+def _stop(message: str, code: int, as_json: bool, kind: str, prefix: str = "") -> NoReturn:
+    """End a command that something other than bad input stopped: one line on stderr and, with ``--json``, the
+    failure document on stdout."""
+    if as_json:
+        _echo_failure({"kind": kind, "message": message}, code)
+    click.echo(f"{prefix}{message}", err=True)
+    sys.exit(code)
 
 
 def _stopped(what: str, out_dir: Path | None) -> str:

@@ -19,6 +19,11 @@ MAX_HEADER_BYTES = 100 << 20
 """Cap on a safetensors header and on index/manifest JSON files (real headers are a few MB at most)."""
 
 
+MAX_SPAN = 2**62
+"""Most elements a stored shape may span, zero dims counted as one: torch (and numpy) compute strides in int64, so
+a tensor with no element but dims of 2**62 still cannot be made."""
+
+
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and check one safetensors file's header: dtypes, shapes, byte ranges tiling the data exactly."""
     return read_header_and_metadata(path)[0]
@@ -169,6 +174,8 @@ def _tensor_entry(path: Path, key: str, entry: Any, data_start: int, data_size: 
         raise bad(f"bad data_offsets {short_repr(offsets)}")
     if offsets[1] > data_size:
         raise bad(f"data_offsets {offsets} run past the end of the data ({data_size} bytes; truncated file?)")
+    if prod(max(d, 1) for d in shape) > MAX_SPAN:  # strides past int64, even for a tensor with no element
+        raise bad(f"shape {short_repr(shape)} is too large (its nonzero dims multiply to more than 2**62)")
     dtype = FROM_SAFETENSORS[code]
     nbytes = prod(shape) * DTYPES[dtype][1]
     if offsets[1] - offsets[0] != nbytes:
