@@ -157,6 +157,31 @@ def test_convert_from_shards(models: dict[str, Model], tmp_path: Path) -> None:
         assert_equal(shardload.load_rank(tmp_path / "o2", r, 4), want[r], f"4 -> 2 -> 4 rank {r}")
 
 
+def test_a_resharded_output_carries_the_record_every_convert_writes(models: dict[str, Model], tmp_path: Path) -> None:
+    """``convert OUT4 -n 2`` writes what converting the original writes, record included: a version-2 manifest
+    whose ``integrity`` root pins the output (it wrote a version-1 manifest with no record); ``--sha256`` writes
+    version 1 with each file's sha256, as a convert of the original does."""
+    out4 = models["qwen2"].converted(4)
+    assert out4 is not None
+    direct = models["qwen2"].converted(2)
+    assert direct is not None
+    from shardload.engine.hashing import output_record
+    from shardload.format.hash_record import root_of
+
+    for extra, version in (([], 2), (["--sha256"], 1)):
+        out = tmp_path / f"o2-{version}"
+        result = CliRunner().invoke(main, ["convert", str(out4), "-n", "2", "-o", str(out), *extra])
+        assert result.exit_code == 0, result.output
+        manifest = json.loads((out / "shard_manifest.json").read_text())
+        assert manifest["version"] == version and (out / "shardload.hashes").is_file(), manifest
+        names = [f"rank-{r:05d}-of-00002.safetensors" for r in range(2)]
+        assert (out / "shardload.hashes").read_bytes() == output_record(out, names)  # hashed as written: read back
+        assert manifest["integrity"]["root"] == root_of(output_record(out, names))
+        assert shardload.verify_dir(out).ok
+        pinned = shardload.Verify(root=manifest["integrity"]["root"])
+        assert_equal(shardload.load_rank(out, 1, 2, verify=pinned), shardload.load_rank(direct, 1, 2), "pinned")
+
+
 def test_inspect_shards_as_the_original(models: dict[str, Model]) -> None:
     """``inspect OUT8 -n 2`` reports the plan ``inspect MODEL -n 2`` does; an N the model refuses is one line."""
     model = models["mixtral"]

@@ -477,9 +477,10 @@ def test_a_copy_rewritten_during_the_exchange_fails_every_rank(example_multi_dir
     """Rank 0 rewrites its copy of a weight file in place after the first exchange round (rank 1 has a copy of its
     own, which does not change): rank 0 has read and sent a mix of old and new bytes, so it fails naming the file,
     and rank 1 fails with it, though its own copy is intact (returned, its state dict held the mix)."""
-    copy = tmp_path / "copy"
+    mine, copy = tmp_path / "mine", tmp_path / "copy"  # never the session's fixture: rank 0 rewrites its copy
+    shutil.copytree(example_multi_dir, mine)
     shutil.copytree(example_multi_dir, copy)
-    case = {"model": str(example_multi_dir), "mesh": "dp=2", "chunk": 4096, "model_of_rank": {"1": str(copy)}}
+    case = {"model": str(mine), "mesh": "dp=2", "chunk": 4096, "model_of_rank": {"1": str(copy)}}
     procs = spawn([case], {"SHARDLOAD_TEST_FAIL": "rewrite:0", "SHARDLOAD_TEST_TIMEOUT": "60"}, ranks=2)
     results = [p.communicate(timeout=120)[0] for p in procs]
     zero, one = (failure_line(text) for text in results)

@@ -87,7 +87,7 @@ def convert(
     with its sha256), and copies config/tokenizer files. ``sha256=True`` hashes every rank file's bytes with
     sha256 too and writes a version-1 manifest listing it, as shardload did before version 2 (older readers read
     only that; it costs a pass of sha256 over every byte written). A source stored split (a converted directory at
-    another N, a pre-sharded cache) is written with every file's sha256, as before, and no record.
+    another N, a pre-sharded cache) is written the same way.
     An existing ``out_dir`` is refused unless ``overwrite``.
     With a ``mesh`` that has ``pp`` > 1, there is one file per (pipeline stage, tensor rank),
     ``pp-SSSSS-of-PPPPP-rank-RRRRR-of-NNNNN.safetensors``, holding only that stage's
@@ -117,7 +117,7 @@ def convert(
     resolved = own_layers(source, resolved)
     if isinstance(source, Boxes):  # already split (another conversion, a pre-sharded cache, a server's layout)
         shards = boxes_to_write(source, verify, shard_info, resolved)
-        done = write_shards(shards, resolved, out, overwrite=overwrite, fsync=fsync, progress=progress)
+        done = write_shards(shards, resolved, out, overwrite=overwrite, fsync=fsync, progress=progress, sha256=sha256)
         return ConvertResult(out, done.plan, done.rank_files, done.other_files, resolved)
     if isinstance(source, SplitRecords):
         raise ShardloadError(

@@ -27,6 +27,7 @@ from ..sources.checkpoint import Checkpoint
 from ..sources.dtypes import DTYPES, itemsize, to_torch
 from ..sources.manifest import (
     CONVERSION_KEY,
+    LEAVES_MANIFEST_VERSION,
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     MANIFEST_VERSION,
@@ -329,12 +330,15 @@ def write_shards(
     overwrite: bool,
     fsync: bool | None,
     progress: Any = None,
+    sha256: bool = False,
 ) -> Written:
     """Write ``source`` (a directory converted for another layout, a pre-sharded cache) as a directory converted for
-    ``layout``, streamed one tensor at a time; everything is planned and checked before the output is created."""
+    ``layout``, streamed one tensor at a time, with the integrity record every convert writes (hashed as written;
+    ``sha256``: each file's sha256 too, in a version-1 manifest); everything is planned and checked before the
+    output is created."""
     from ..version import __version__
     from .output import StagingDir, check_output, publish_with_manifest, stamp_sources, write_error
-    from .writer import FileWriter, file_order, new_conversion, rank_header
+    from .writer import FileWriter, file_order, new_conversion, rank_header, write_output_record, written_record
 
     checkpoint = source.checkpoint
     stages = source.plan(layout)
@@ -352,9 +356,10 @@ def write_shards(
         ):
             for pp, plan in enumerate(stages):
                 for r in range(layout.tp):
-                    handle = FileWriter(staging.dir / rank_file_name(r, layout.tp, pp, len(stages)), durable=durable)
+                    name = staging.dir / rank_file_name(r, layout.tp, pp, len(stages))
+                    handle = FileWriter(name, durable=durable, leaves=True, sha256=sha256)
                     try:
-                        handle.write(rank_header(plan, r, pp, len(stages), conversion))
+                        handle.write_header(rank_header(plan, r, pp, len(stages), conversion))
                         for param in file_order(plan):
                             t = source.tensor(param, r, reader)
                             if t.numel():
@@ -368,18 +373,21 @@ def write_shards(
             if layout.pp > 1:
                 counts = [len(s.layers) if s.layers is not None else 0 for s in stages]
                 mesh = {"pp": layout.pp, "tp": layout.tp, "pp_layers": counts}
+            output = write_output_record(staging.dir, written_record(written), durable)  # hashed as written
             manifest = {
                 "format": MANIFEST_FORMAT,
-                "version": MANIFEST_VERSION,
+                "version": MANIFEST_VERSION if sha256 else LEAVES_MANIFEST_VERSION,
                 "shardload_version": __version__,
                 "num_shards": layout.tp,
                 CONVERSION_KEY: conversion,
                 "mesh": mesh,
                 "shard_info": build_plan(source.shard_info, source.stored, layout.tp).resolved_shard_info(),
                 "source": {"files": [{"path": f.name, "size": f.stat().st_size} for f in files]},
+                "integrity": {"record": output.path, "root": output.sha256},
                 RECORD_KEY: record,
             }
-            others = publish_with_manifest(staging, checkpoint.root, stamps, written, manifest, durable)
+            others = [output, *publish_with_manifest(staging, checkpoint.root, stamps, [*written, output], manifest,
+                                                     durable)]  # fmt: skip
     except OSError as err:
         raise write_error(err, out) from None
     whole_plan = build_plan(source.shard_info, source.stored, layout.tp)
