@@ -833,3 +833,13 @@ def test_entry_points_never_come_from_the_current_or_the_model_directory(tmp_pat
 def corpus_size() -> int:
     """Bad inputs in this file's tables (for the closing report)."""
     return len(SHARD_INFO_CASES) + len(CHECKPOINT_CASES) + len(CONVERTED_CASES)
+
+
+def test_a_fifo_or_device_given_as_the_model_is_named_as_such(tmp_path: Path) -> None:
+    """A FIFO (or /dev/zero) exists: "no such file or directory" sent the user looking for a typo."""
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    for model in (fifo, Path("/dev/zero")):
+        with pytest.raises(CheckpointError) as err:
+            shardload.load_rank(model, 0, 2)
+        assert_one_line(str(err.value), [str(model), "is not a regular file or a directory"])

@@ -169,7 +169,12 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             raise CheckpointError(PICKLE_REFUSED, file=str(path))
         return _open_files(path, path.parent, [path])
     if not path.is_dir():
-        raise CheckpointError("no such file or directory", file=str(path))
+        kind = (
+            "no such file or directory"
+            if not path.exists()
+            else "is not a regular file or a directory (a FIFO, a device?)"
+        )
+        raise CheckpointError(kind, file=str(path))
     if (path / MANIFEST_NAME).is_file():
         return _open_converted(path)
     if (path / INDEX_NAME).is_file():
