@@ -843,3 +843,13 @@ def test_a_fifo_or_device_given_as_the_model_is_named_as_such(tmp_path: Path) ->
         with pytest.raises(CheckpointError) as err:
             shardload.load_rank(model, 0, 2)
         assert_one_line(str(err.value), [str(model), "is not a regular file or a directory"])
+
+
+def test_an_integer_of_thousands_of_digits_is_one_plain_line(tmp_path: Path) -> None:
+    """CPython refuses to parse an int of over 4300 digits and advises ``sys.set_int_max_str_digits()``: advice for
+    the interpreter's owner, not for whoever holds a bad shard_info."""
+    info = tmp_path / "shard_info.json"
+    info.write_text('{"version": 1, "num_shards": ' + "9" * 5000 + ', "params": {}}')
+    result = CliRunner().invoke(main, ["validate", str(info), "-n", "2"])
+    assert result.exit_code == 1, result.output
+    assert "set_int_max_str_digits" not in result.output and "more digits than" in result.output, result.output

@@ -34,7 +34,12 @@ def _no_constants(name: str) -> Any:
 
 def loads(text: str) -> Any:
     """Decode ``text`` like ``json.loads``, raising DuplicateKeyError or ValueError for what JSON forbids."""
-    return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constants)
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constants)
+    except ValueError as err:
+        if "integer string conversion" in str(err):  # CPython's cap, and its advice to raise it: not the user's
+            raise ValueError("an integer of more digits than any shape or offset has") from None
+        raise
 
 
 def write_atomic(path: str | os.PathLike[str], document: Any) -> None:
