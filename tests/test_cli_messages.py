@@ -249,3 +249,26 @@ def test_a_command_that_stops_on_anything_says_one_line_and_json_stays_json(
         if extra:
             doc = json.loads(result.stdout)
             assert doc["ok"] is False and doc["exit_code"] == code and said.format(out=out) in doc["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["convert", "{model}", "--mesh", "pp=2,tp=2", "-n", "8", "-o", "{out}"], "--num-shards 8 disagrees"),
+        (["inspect", "{model}", "--mesh", "tp=2", "-n", "4"], "--num-shards 4 disagrees"),
+        (["inspect", "{model}", "--mesh", "tp=0"], "mesh"),
+        (["convert", "{model}", "--mesh", "tp=x", "-o", "{out}"], "mesh"),
+    ],
+    ids=["convert-conflict", "inspect-conflict", "inspect-bad", "convert-bad"],
+)
+def test_a_bad_or_conflicting_mesh_is_a_usage_error_in_one_line(
+    runner: CliRunner, example_dir: Path, tmp_path: Path, args: list[str], said: str
+) -> None:
+    """Every command says a bad ``--mesh`` (or one whose tp is not ``-n``) the same way: exit 2, one ``error:``
+    line (convert said exit 1, inspect four lines of click's usage text)."""
+    argv = [a.format(model=example_dir, out=tmp_path / "out") for a in args]
+    result = runner.invoke(main, argv)
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and said in line, line
+    assert not (tmp_path / "out").exists()

@@ -238,7 +238,7 @@ def test_cli_mesh(models: dict, tmp_path: Path) -> None:
     bad = runner.invoke(main, ["validate", info, "--model", str(model_dir), "--mesh", "pp=8,tp=1"])
     assert bad.exit_code == 1 and "pp=8 is more stages than the model's 4 layers" in bad.output
     usage = runner.invoke(main, ["inspect", str(model_dir), "--mesh", "pp=2,tp=4", "--world-size", "4"])
-    assert usage.exit_code == 1 and "has 8 ranks, but the world size is 4" in usage.output
+    assert usage.exit_code == 2 and "has 8 ranks, but the world size is 4" in usage.output
     out = tmp_path / "cli"
     done = runner.invoke(main, ["convert", str(model_dir), "--mesh", "pp=2,tp=2", "-o", str(out), "-q"])
     assert done.exit_code == 0, done.output

@@ -225,15 +225,22 @@ def _mesh_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--mesh", help="Device mesh, e.g. pp=2,tp=4 (axes dp, pp, tp; one may be -1).")(fn)
 
 
-def _mesh_arg(mesh: str | None, world_size: int | None, pp_layers: str | None) -> Any:
-    """The Mesh the options describe, or None when --mesh is absent."""
+def _mesh_arg(mesh: str | None, world_size: int | None, pp_layers: str | None, num_shards: int | None = None) -> Any:
+    """The Mesh the options describe, or None when --mesh is absent; a bad one, or one whose tp is not
+    ``num_shards`` (-n), is a usage error (exit 2) in one line."""
     from ..planning.mesh import Mesh
 
     if mesh is None:
         if world_size is not None or pp_layers is not None:
             raise click.UsageError("--world-size and --pp-layers need --mesh")
         return None
-    return Mesh.parse(mesh, world_size, pp_layers)
+    try:
+        layout = Mesh.parse(mesh, world_size, pp_layers)
+    except ShardloadError as err:
+        raise BadArgument(err.message) from None
+    if num_shards is not None and num_shards != layout.tp:
+        raise BadArgument(f"--num-shards {num_shards} disagrees with the mesh's tp={layout.tp}")
+    return layout
 
 
 def _load_plugins(ctx: click.Context, param: click.Parameter, modules: tuple[str, ...]) -> None:

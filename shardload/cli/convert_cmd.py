@@ -104,7 +104,7 @@ def convert(
         return
     if expert_parallel:
         raise click.UsageError(_expert_parallel_refusal())
-    layout = _mesh_arg(mesh, world_size, pp_layers)
+    layout = _mesh_arg(mesh, world_size, pp_layers, num_shards)
     if layout is None and num_shards is None:
         raise click.UsageError("give --num-shards (or --mesh)")
     options = {"overwrite": overwrite, "mesh": layout, "fsync": fsync, "verify": pinned or verify == "record",

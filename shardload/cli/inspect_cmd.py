@@ -44,10 +44,8 @@ def inspect(
     from ..planning.plan import build_plan
     from .report import inspect_rows, inspect_text, mesh_rows, mesh_text, totals
 
-    layout = _mesh_arg(mesh, world_size, pp_layers)
+    layout = _mesh_arg(mesh, world_size, pp_layers, num_shards)
     if layout is not None:
-        if num_shards is not None and num_shards != layout.tp:
-            raise click.UsageError(f"--num-shards disagrees with the mesh's tp={layout.tp}")
         num_shards = layout.tp
 
     from ..engine.routes import open_boxes, records_plan
