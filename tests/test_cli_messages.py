@@ -272,3 +272,16 @@ def test_a_bad_or_conflicting_mesh_is_a_usage_error_in_one_line(
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: ") and said in line, line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args", [["validate", "{info}", "-n", "0"], ["inspect", "{model}", "--bogus"], ["no-such-command"]]
+)
+def test_a_usage_error_is_one_error_line(runner: CliRunner, example_dir: Path, args: list[str]) -> None:
+    """Click's own usage errors (a value out of range, an unknown option or command) are one ``error:`` line naming
+    the help to read, exit 2, as shardload's own usage errors are (click printed four lines)."""
+    argv = [a.format(info=example_dir / "shard_info.json", model=example_dir) for a in args]
+    result = runner.invoke(main, argv)
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and line.endswith("--help`)"), line

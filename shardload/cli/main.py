@@ -16,7 +16,7 @@ import click
 
 from ..errors import printable
 from ..version import __version__
-from .common import _echo_failure, _guarded, _json_requested, _plugin_option
+from .common import BadArgument, _echo_failure, _guarded, _json_requested, _plugin_option
 from .convert_cmd import convert, quantize
 from .inspect_cmd import hash_command, inspect, verify
 from .plan_cmd import plan, preflight, validate
@@ -33,7 +33,7 @@ class _Group(click.Group):
             ctx = super().make_context(info_name, args, parent, **extra)
         except click.ClickException as err:
             self._report(given, err)
-            raise
+            raise _one_line(err) from None
         ctx.meta["shardload.args"] = given
         return ctx
 
@@ -42,13 +42,23 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except click.ClickException as err:
             self._report(ctx.meta.get("shardload.args", []), err)
-            raise
+            raise _one_line(err) from None
 
     @staticmethod
     def _report(args: list[str], err: click.ClickException) -> None:
         if _json_requested(args):
             kind = "UsageError" if err.exit_code == 2 else type(err).__name__
             _echo_failure({"kind": kind, "message": printable(err.format_message())}, err.exit_code)
+
+
+def _one_line(err: click.ClickException) -> click.ClickException:
+    """A usage error as one ``error:`` line naming the help to read (click prints the usage, a hint, a blank line and
+    the error: four lines); other errors as they are."""
+    message = err.format_message()
+    if not isinstance(err, click.UsageError) or isinstance(err, BadArgument) or "\n" in message:
+        return err  # no arguments at all: the help itself, as click shows it
+    hint = f" (see `{err.ctx.command_path} --help`)" if err.ctx is not None else ""
+    return BadArgument(f"{message.rstrip('.')}{hint}")
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
