@@ -277,6 +277,24 @@ def test_without_a_source_record(models: dict[str, Model], tmp_path: Path) -> No
     assert shardload.load_rank(bad, 1, 2).keys()  # its own N still loads
 
 
+@pytest.mark.parametrize("damage", ["malformed", "shapes"])
+def test_verify_reports_a_source_record_no_other_n_could_use(
+    models: dict[str, Model], tmp_path: Path, damage: str
+) -> None:
+    """``verify OUT`` checks the manifest's source record as a load at another N reads it: it said ok, and every
+    load or convert at another N then failed."""
+    bad = _copy(models, tmp_path)
+    manifest = _manifest(bad)
+    if damage == "malformed":
+        manifest["source_plan"] = {"shard_info": "/etc/passwd"}
+    else:
+        manifest["source_plan"]["tensors"]["model.norm.weight"][1] = [32]
+    (bad / "shard_manifest.json").write_text(json.dumps(manifest))
+    report = shardload.verify_dir(bad)
+    assert not report.ok and len(report.problems) == 1, report.problems
+    assert "source_plan" in str(report.problems[0]) or "manifest's plan" in str(report.problems[0]), report.problems
+
+
 def test_refusals_are_checkpoint_errors(models: dict[str, Model]) -> None:
     out = models["llama_gqa"].converted(2)
     assert out is not None

@@ -18,6 +18,7 @@ from ..sources.manifest import MANIFEST_NAME
 from ..sources.source_types import open_source
 from .convert_targets import LayoutTarget, layout_for_manifest
 from .load import load_rank
+from .reshard import RECORD_KEY, open_shards
 from .verify import OutputRecord, VerifyReport, check_entry
 
 
@@ -49,6 +50,11 @@ def verify_dir(
         raise CheckpointError(f"not a converted directory (no {MANIFEST_NAME})", file=str(path))
     manifest = checkpoint.manifest
     report = _check_files(VerifyReport(checkpoint.root, manifest["num_shards"]), checkpoint.root, manifest)
+    if report.ok and RECORD_KEY in manifest:  # what a load at another N reads: its record, the rank headers
+        try:
+            open_shards(checkpoint)
+        except ShardloadError as err:
+            report.problems.append(err)
     if source is not None and report.ok:
         report.problems += _against_source(checkpoint.root, source, manifest, shard_info)
     return report
