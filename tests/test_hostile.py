@@ -183,7 +183,7 @@ CASES: dict[str, Case] = {
         says="over the limit",
     ),
     "mesh of 10**8 ranks": Case(
-        "sizes", lambda d: ["inspect", str(_model(d)), "--mesh", "tp=100000000"], code=1, says="over the limit"
+        "sizes", lambda d: ["inspect", str(_model(d)), "--mesh", "tp=100000000"], code=2, says="over the limit"
     ),
     "chained replicates": Case("sizes", _replicates, says="chained replicates multiply"),
     "GGUF tensor count 2**60": Case("sizes", lambda d: ["inspect", str(_gguf(d, 1 << 60, 0))], says="tensor count"),
