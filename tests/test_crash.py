@@ -294,6 +294,28 @@ def test_output_left_aside_by_a_killed_overwrite_is_only_replaced_durably(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and shardload.verify_dir(out).ok
 
 
+def test_output_left_aside_survives_until_a_new_one_is_in_place(example_dir: Path, tmp_path: Path) -> None:
+    """The old output a killed --overwrite left aside (OUT absent) is the only complete output there is: a next run
+    that fails (or is killed) before publishing keeps it; it is removed once the new output is in place. It was
+    removed as the next run started, so two killed runs in a row lost both outputs."""
+    out = tmp_path / "out"
+    shardload.convert(example_dir, 4, out)
+    aside = tmp_path / f".out{TMP_MARKER}999-dead.old"
+    os.replace(out, aside)
+
+    def fails(done: int, name: str) -> None:
+        raise ShardloadError("stopped on purpose")
+
+    with pytest.raises(ShardloadError, match="stopped on purpose"):
+        shardload.convert(example_dir, 2, out, progress=fails)
+    assert (aside / "shard_manifest.json").is_file(), sorted(p.name for p in tmp_path.iterdir())
+    os.replace(aside, tmp_path / "kept")
+    assert shardload.verify_dir(tmp_path / "kept").ok  # the old output, whole
+    os.replace(tmp_path / "kept", aside)
+    shardload.convert(example_dir, 2, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and shardload.verify_dir(out).ok
+
+
 def test_output_that_appears_while_converting_is_not_replaced(example_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
 

@@ -205,6 +205,7 @@ class StagingDir:
         self.synced = synced
         self.overwrite = overwrite
         self.found_old = False
+        self.left_aside: list[Path] = []
         self.prefix = f".{out.name}{TMP_MARKER}"
         self.token = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.dir = out.parent / f"{self.prefix}{self.token}"
@@ -259,7 +260,7 @@ class StagingDir:
             old = self.out.parent / f"{self.prefix}{token}.old"
             if old.exists() or old.is_symlink():
                 self.found_old = True  # a killed --overwrite's complete output: this one replaces it
-            remove(old)
+                self.left_aside.append(old)  # removed once this output is in place, not before
             lock.unlink(missing_ok=True)
             if fd >= 0:
                 os.close(fd)
@@ -293,6 +294,8 @@ class StagingDir:
             os.replace(self.dir, self.out)
         if flush:
             fsync_dir(self.out.parent)
+        for old in self.left_aside:
+            remove(old)
 
 
 def publish_with_manifest(
