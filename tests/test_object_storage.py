@@ -721,3 +721,17 @@ def test_an_object_replaced_while_it_is_hashed_is_an_error(endpoint: S3, example
     assert calls, "the object was never replaced"
     listed = endpoint.client().list_objects_v2(Bucket=BUCKET, Prefix="hash-swap/")
     assert not [o["Key"] for o in listed.get("Contents", ()) if o["Key"].endswith("shardload.hashes")], listed
+
+
+def test_hash_never_puts_its_record_over_an_object_that_is_not_one(endpoint: S3, example_dir: Path) -> None:
+    """``hash s3://... -o s3://.../model.safetensors`` refuses in one line and leaves the object as it was (the check
+    read the whole object as a "small" one, failed, and went on to overwrite it)."""
+    from shardload.engine.hashing import hash_model
+
+    uri = endpoint.upload_dir(example_dir, "hash-onto")
+    before = endpoint.client().get_object(Bucket=BUCKET, Key="hash-onto/model.safetensors")["Body"].read()
+    with pytest.raises(ShardloadError) as err:
+        hash_model(uri, f"{uri}/model.safetensors")
+    assert "is not an integrity record" in str(err.value) and "\n" not in str(err.value), err.value
+    after = endpoint.client().get_object(Bucket=BUCKET, Key="hash-onto/model.safetensors")["Body"].read()
+    assert after == before

@@ -4,6 +4,7 @@ rank reads is checked, a flipped byte anywhere it reads fails it with one line, 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -841,6 +842,10 @@ def test_hash_never_writes_its_record_over_another_file(example_dir: Path, tmp_p
         assert done.exit_code == 1 and target.read_bytes() == before, (target, done.output)
         (line,) = done.output.strip().splitlines()
         assert str(target) in line and "not an integrity record" in line, line
+    fifo = tmp_path / "fifo"  # read to look at it, it would wait forever; renamed over, it was gone
+    os.mkfifo(fifo)
+    done = runner.invoke(main, ["hash", str(model), "-o", str(fifo), "-q"])
+    assert done.exit_code == 1 and "is not a regular file" in done.output and fifo.is_fifo(), done.output
     record = tmp_path / "record"
     for _ in range(2):  # new, then a record already
         done = runner.invoke(main, ["hash", str(model), "-o", str(record), "-q"])

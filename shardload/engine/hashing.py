@@ -229,19 +229,22 @@ def hash_model(
 
 
 def _record_or_nothing(target: Path | ObjectPath) -> None:
-    """Refuse a record's destination that holds something other than a record (a weight file, a config): writing
-    there would replace it."""
-    try:
-        if isinstance(target, ObjectPath):
-            size = target.size()
-            first = target.read_small(min(size, len(MAGIC)), "integrity record") if size else None
-        elif target.exists():
+    """Refuse a record's destination that holds something other than a record (a weight file, a config) or is no
+    regular file (a FIFO, a device, ``/dev/stdout``): writing there would replace it, or wait forever."""
+    if isinstance(target, ObjectPath):
+        size = target.size()
+        first = target.store.read(target.key, 0, min(size, len(MAGIC))) if size else None
+    elif target.exists() or target.is_symlink():
+        if not target.is_file():
+            raise ShardloadError("is not a regular file: the record is written to a new path, or over a record",
+                                 file=str(target))  # fmt: skip
+        try:
             with open(target, "rb") as f:
                 first = f.read(len(MAGIC))
-        else:
-            first = None
-    except (OSError, ShardloadError):
-        first = None  # unreadable: writing it says why
+        except OSError:
+            first = None  # unreadable: writing it says why
+    else:
+        first = None
     if first and first != MAGIC:  # an empty file (mktemp's) is no loss
         raise ShardloadError("exists and is not an integrity record (writing the record there would replace it): "
                              "give a new path, or the path of a record to replace", file=str(target))  # fmt: skip
