@@ -7,8 +7,10 @@ CASE says what happens between the two ranks' loads: rank 0 loads first, then (b
 0 changes the model, then rank 1 loads. ``none`` changes nothing; ``replace`` replaces model.safetensors by a rename
 with a file of the same header and other tensor bytes; ``reheader`` with the same tensors under another header (one
 more metadata entry); ``touch`` only moves its modification time; ``touch-hosts``
-does the same with each rank told it is on a host of its own; ``fail`` makes rank 1's load fail (a shard_info for a
-parameter the model lacks). Each rank prints ``OK <sum of its tensors>`` or ``ERROR <message>`` and exits 0.
+does the same with each rank told it is on a host of its own; ``own-copy`` has rank 1 load its own copy
+(MODEL-copy, made by the test); ``shared`` loads with ``group=True`` inside the block; ``fail`` makes rank 1's load
+fail (a shard_info for a parameter the model lacks). Each rank prints ``OK <sum of its tensors>`` or
+``ERROR <message>`` and exits 0.
 """
 
 from __future__ import annotations
@@ -45,6 +47,17 @@ def change(model: str, case: str) -> None:
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
 
 
+def in_turn(model: str, rank: int, case: str, shard_info: dict | None) -> dict:
+    """Rank 0 loads, then rank 0 changes the model, then rank 1 loads; barriers (which no rank fails before)
+    keep the turns."""
+    state = shardload.load_rank(model, rank, 2) if rank == 0 else {}
+    dist.barrier()
+    if rank == 0:
+        change(model, case)
+    dist.barrier()
+    return shardload.load_rank(model, rank, 2, shard_info=shard_info) if rank == 1 else state
+
+
 def main() -> None:
     model, case = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
@@ -55,16 +68,14 @@ def main() -> None:
     if case == "fail" and rank == 1:
         shard_info = {"version": 1, "num_shards": None, "params": {"no.such.weight": [["shard_funcs.shard",
                       [[2, 4], "float16"], 0, "num_shards"]]}}  # fmt: skip
+    if case == "own-copy" and rank == 1:
+        model += "-copy"
     try:
         with same_checkpoint(None, model):
-            if rank == 0:
-                state = shardload.load_rank(model, rank, 2)
-            dist.barrier()
-            if rank == 0:
-                change(model, case)
-            dist.barrier()
-            if rank == 1:
-                state = shardload.load_rank(model, rank, 2, shard_info=shard_info)
+            if case == "shared":  # a load whose ranks exchange bytes: refused on every rank, before any collective
+                state = shardload.load_rank(model, group=True)
+            else:
+                state = in_turn(model, rank, case, shard_info)
         print("OK", json.dumps(float(sum(t.double().sum() for t in state.values()))), flush=True)
     except ShardloadError as err:
         print("ERROR", err, flush=True)

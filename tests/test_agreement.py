@@ -44,13 +44,22 @@ def _run(model: Path, case: str) -> list[str]:
     return [next(line for line in out.splitlines() if line.startswith(("OK", "ERROR"))) for out in outs]
 
 
-@pytest.mark.parametrize("case", ["none", "replace", "reheader", "touch", "touch-hosts", "fail"])
+CASES = ["none", "replace", "reheader", "touch", "touch-hosts", "own-copy", "fail", "shared"]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_ranks_that_read_different_versions_refuse_together(example_dir: Path, tmp_path: Path, case: str) -> None:
     model = tmp_path / "model"
     shutil.copytree(example_dir, model)
+    if case == "own-copy":  # rank 1 loads its own copy, at another path on this host (other inodes)
+        shutil.copytree(model, tmp_path / "model-copy")
     lines = _run(model, case)
-    if case in ("none", "touch-hosts"):  # a copy on another host may have other times: not compared
+    if case in ("none", "touch-hosts", "own-copy"):  # another copy may have other times: not compared
         assert all(line.startswith("OK") for line in lines), lines
+        return
+    if case == "shared":
+        for line in lines:
+            assert line.startswith("ERROR") and "a load with group= inside same_checkpoint" in line, lines
         return
     if case == "fail":
         want = f"ERROR {model}: rank 1 failed to load this model (its own error says why); nothing was returned"
@@ -63,24 +72,36 @@ def test_ranks_that_read_different_versions_refuse_together(example_dir: Path, t
         assert detail in line and "the checkpoint changed between their loads" in line and "\n" not in line, line
 
 
-def test_rows_compare_the_files_two_ranks_both_read() -> None:
+def test_rows_compare_the_files_two_ranks_both_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """A file only one rank read (its own rank file of a converted directory) is not compared; one both read is,
-    its identity only between ranks on one host."""
+    its identity only between ranks on one host that read one path on a file system whose inode numbers are stable
+    (not a FUSE mount, which may number a file anew at each lookup)."""
+    from shardload.format import input_log
+
+    kinds = {1: "ext4", 2: "fuse.rclone"}
+    monkeypatch.setattr(input_log, "file_system", kinds.get)
     a, b = InputLog(), InputLog()
     for log in (a, b):
         log.data["/m/shard_manifest.json"] = b"{}"
         log.stamps["/m/shard_manifest.json"] = (1, 2, 2, 10, 10)
     a.data["/m/rank-0.safetensors"] = b"zero"
     b.data["/m/rank-1.safetensors"] = b"one"
-    rows = [[(r.key, r.content, r.identity) for r in file_rows(log, "/m")] for log in (a, b)]
+    rows = [[(r.key, r.content, r.path, r.identity) for r in file_rows(log, "/m")] for log in (a, b)]
     assert first_disagreement(rows, [7, 7], {}) is None
     b.stamps["/m/shard_manifest.json"] = (1, 3, 2, 10, 10)  # another inode: replaced
-    rows[1] = [(r.key, r.content, r.identity) for r in file_rows(b, "/m")]
+    rows[1] = [(r.key, r.content, r.path, r.identity) for r in file_rows(b, "/m")]
     names = {r.key: r.name for r in file_rows(a, "/m")}
     assert first_disagreement(rows, [7, 8], names) is None  # two hosts: their own copies
     found = first_disagreement(rows, [7, 7], names)
     assert found is not None and found[:2] == ((0, 1), "shard_manifest.json"), found
+    c = InputLog(data=dict(b.data), stamps={"/n/shard_manifest.json": (1, 4, 2, 11, 11)})  # a copy at another path
+    c.data["/n/shard_manifest.json"] = c.data.pop("/m/shard_manifest.json")
+    copy = [(r.key, r.content, r.path, r.identity) for r in file_rows(c, "/n")]
+    assert first_disagreement([rows[0], copy], [7, 7], names) is None  # one host, its own copy: other times
+    fuse = [InputLog(data=dict(log.data), stamps={k: (2, *v[1:]) for k, v in log.stamps.items()}) for log in (a, b)]
+    on_fuse = [[(r.key, r.content, r.path, r.identity) for r in file_rows(log, "/m")] for log in fuse]
+    assert first_disagreement(on_fuse, [7, 7], names) is None  # one FUSE mount: its inode numbers tell nothing
     b.data["/m/shard_manifest.json"] = b"{ }"
-    rows[1] = [(r.key, r.content, r.identity) for r in file_rows(b, "/m")]
+    rows[1] = [(r.key, r.content, r.path, r.identity) for r in file_rows(b, "/m")]
     found = first_disagreement(rows, [7, 8], names)
     assert found is not None and found[2] == "its header, size or object version differ", found

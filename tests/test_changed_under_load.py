@@ -387,3 +387,25 @@ def test_a_file_only_touched_is_refused_without_claiming_a_rewrite(tmp_path: Pat
         shardload.load_rank(model, 1, 2, progress=progress)
     want = "rewritten in place, or its modification time set" if change == "touch" else "its permissions, owner"
     assert f"changed while it was being read ({want}" in str(err.value), err.value
+
+
+@pytest.mark.parametrize("opener", ["read", "map"])
+def test_a_reader_opens_only_the_file_whose_header_the_load_parsed(tmp_path: Path, opener: str) -> None:
+    """A file replaced (by a rename) between its header's parse and the reader's first open is refused as that open
+    happens, before a byte is read or mapped (the end-of-load check would see it too, after reading at the old
+    offsets)."""
+    from shardload.format import input_log
+    from shardload.sources.reader import FileMaps, Reader
+
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(b"old bytes")
+    with input_log.recording():
+        input_log.stamp(path)  # as a header parse records it
+        (tmp_path / "new").write_bytes(b"new bytes")
+        os.replace(tmp_path / "new", path)
+        with pytest.raises(ShardloadError) as err:
+            if opener == "read":
+                Reader()._fd(path)
+            else:
+                FileMaps().bytes(path)
+    assert "changed while it was being read (replaced)" in str(err.value), err.value

@@ -178,6 +178,10 @@ def test_a_mesh_without_layers_keeps_a_converted_directorys_own(models: dict, tm
     shardload.convert(out, None, tmp_path / "again", mesh="pp=2,tp=1")
     manifest = json.loads((tmp_path / "again" / "shard_manifest.json").read_text())
     assert manifest["mesh"] == {"pp": 2, "tp": 1, "pp_layers": [1, 3]}, manifest["mesh"]
+    shown = CliRunner().invoke(main, ["inspect", str(out), "--mesh", "pp=2,tp=1", "--json"])
+    assert shown.exit_code == 0, shown.output
+    stages = [r for r in json.loads(shown.stdout)["mesh"]["ranks"] if r.get("tp", 0) == 0]
+    assert [r.get("layers") for r in stages] == [[0, 1], [1, 4]], stages  # [first, stop)
 
 
 def test_bytes_read_per_rank_follow_the_mesh(models: dict) -> None:

@@ -48,11 +48,14 @@ def inspect(
     if layout is not None:
         num_shards = layout.tp
 
+    from ..engine.load import own_layers
     from ..engine.routes import open_boxes, records_plan
     from ..planning.mesh import Mesh
     from ..sources.source_types import Boxes, PreshardedBoxes, RankFiles, SplitRecords, check_options, open_source
 
     source = open_source(model, layout or (Mesh(tp=num_shards) if num_shards else None))
+    if layout is not None:
+        layout = own_layers(source, layout)  # a converted directory's own stages, as a load of it serves
     if isinstance(source, (RankFiles, Boxes)):
         check_options(source, {"shard_info": shard_info is not None}, None)
         boxes = open_boxes(source, False, shard_info)  # planned again over the stored tensors it was made from

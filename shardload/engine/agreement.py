@@ -4,10 +4,11 @@ loads gives each rank a consistent state dict of a different version, which no s
 Each rank sums up what its load recorded (:mod:`shardload.format.input_log`) as one row per file: the bytes it
 parsed (headers, ``config.json``, ``shard_info.json``, an index, a manifest), the file's size, an object's version
 (its ETag), and a local file's identity (device, inode, modification time). Every file two ranks both read must agree
-on all but the identity, and ranks on one host (same boot, hostname and mount namespace) on the identity too: a file
-replaced by a rename, or rewritten, between their loads is then one line on every rank. Copies on two hosts that
-differ only in tensor bytes the ranks did not parse (two fine-tunes with equal headers) are not told apart here; a
-verified load (``verify=True``) checks every byte it reads against the record.
+on all but the identity; ranks on one host (same boot, hostname and mount namespace) that read one path, on a file
+system whose inode numbers are stable, on the identity too: a file replaced by a rename, or rewritten, between their
+loads is then one line on every rank. Copies that differ only in tensor bytes the ranks did not parse (two
+fine-tunes with equal headers on two hosts, or at two paths) are not told apart here; a verified load
+(``verify=True``) checks every byte it reads against the record.
 """
 
 from __future__ import annotations
@@ -20,25 +21,32 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ShardloadError
 from ..format import input_log
 from ..format.input_log import InputLog
-from .exchange import _comm_device, _global, _wait
+from .exchange import _comm_device, _global
 
-ROW = struct.Struct("<8s8s8s")
-"""One file's row: its name's hash, what every rank must agree on, and its identity on this host."""
-WHAT = "while the ranks compared the files they read"
-WHO = ("checkpoint agreement", "loading this model")
+if TYPE_CHECKING:
+    import torch
+
+STABLE_INODES = input_log.LEASE_FILE_SYSTEMS | {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "ceph", "cifs", "smb3"}
+"""File systems whose inode numbers name one file for every process: there, two ranks reading one path must see one
+inode and modification time. A FUSE mount (rclone, goofys) may number a file anew at each lookup: not compared."""
+ROW = struct.Struct("<8s8s8s8s")
+"""One file's row: its name's hash, what every rank must agree on, its path's hash and its identity on its host."""
 
 
 @dataclass(frozen=True)
 class FileRow:
-    """One file a load read, summed up: ``name`` (relative to the model), and the hashes the ranks compare."""
+    """One file a load read, summed up: ``name`` (relative to the model), and the hashes the ranks compare: its
+    ``content`` (what any copy must agree on), its ``path`` and its ``identity`` (inode and times, compared between
+    ranks of one host that read one path)."""
 
     name: str
     content: bytes
+    path: bytes
     identity: bytes
 
     @property
@@ -68,8 +76,10 @@ def file_rows(log: InputLog, root: str) -> list[FileRow]:
         size = b"" if stamp is None else struct.pack("<Q", stamp[2])
         parsed = b"" if data is None else hashlib.sha256(data).digest()
         version = str(log.versions.get(key, "")).encode()
-        identity = b"" if stamp is None else struct.pack("<QQQ", stamp[0], stamp[1], stamp[3])
-        rows.append(FileRow(_relative(key, root), _digest(parsed, size, version), _digest(identity)))
+        stable = stamp is not None and input_log.file_system(stamp[0]) in STABLE_INODES
+        identity = struct.pack("<QQQ", stamp[0], stamp[1], stamp[3]) if stable else b""
+        rows.append(FileRow(_relative(key, root), _digest(parsed, size, version), _digest(key.encode()),
+                            _digest(identity)))  # fmt: skip
     return rows
 
 
@@ -89,7 +99,8 @@ def host_key() -> bytes:
 def agree_on_inputs(group: Any, log: InputLog | None, root: str, *, failed: bool = False) -> None:
     """Compare the files this rank's load read (``log``) with every other rank of ``group``'s (a torch.distributed
     process group; None: the default one) and raise one line on every rank when two disagree, or when a rank
-    failed (``failed``: this one, which raises its own error after taking part, so the others never wait on it)."""
+    failed (``failed``: this one, which raises its own error after taking part, so the others never wait on it).
+    Waits as long as the group's own timeout allows: ranks' loads can end minutes apart."""
     import torch
     import torch.distributed as dist
 
@@ -98,8 +109,7 @@ def agree_on_inputs(group: Any, log: InputLog | None, root: str, *, failed: bool
     comm = _comm_device(group, torch.device("cpu"))
     rows = [] if log is None or failed else file_rows(log, root)
     head = torch.tensor([len(rows), int(failed), *struct.unpack("<q", host_key())], dtype=torch.int64).to(comm)
-    heads = [torch.empty_like(head) for _ in range(dist.get_world_size(group))]
-    _wait(dist.all_gather(heads, head, group=group, async_op=True), comm, WHAT, *WHO)
+    heads = _all_gather(head, group)
     counts, fails, hosts = zip(*(h.tolist() for h in heads), strict=True)
     if failed:
         return
@@ -112,10 +122,8 @@ def agree_on_inputs(group: Any, log: InputLog | None, root: str, *, failed: bool
         return
     mine = bytearray(width)
     for i, row in enumerate(rows):
-        ROW.pack_into(mine, i * ROW.size, row.key, row.content, row.identity)
-    table = torch.frombuffer(mine, dtype=torch.uint8).to(comm)
-    tables = [torch.empty_like(table) for _ in range(len(counts))]
-    _wait(dist.all_gather(tables, table, group=group, async_op=True), comm, WHAT, *WHO)
+        ROW.pack_into(mine, i * ROW.size, row.key, row.content, row.path, row.identity)
+    tables = _all_gather(torch.frombuffer(mine, dtype=torch.uint8).to(comm), group)
     decoded = [_decode(bytes(t.cpu().numpy()), n) for t, n in zip(tables, counts, strict=True)]
     problem = first_disagreement(decoded, hosts, {row.key: row.name for row in rows})
     if problem is not None:
@@ -128,28 +136,42 @@ def agree_on_inputs(group: Any, log: InputLog | None, root: str, *, failed: bool
         )
 
 
+def _all_gather(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's ``tensor``, waiting as the group's own timeout allows; a failure is one line."""
+    import torch.distributed as dist
+
+    out = [tensor.new_empty(tensor.shape) for _ in range(dist.get_world_size(group))]
+    try:
+        dist.all_gather(out, tensor, group=group)
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+        raise ShardloadError(f"checkpoint agreement: another rank of the group died or failed while the ranks "
+                             f"compared the files they read ({first})") from None  # fmt: skip
+    return out
+
+
 def _decode(raw: bytes, count: int) -> list[tuple[bytes, bytes, bytes]]:
     return [ROW.unpack_from(raw, i * ROW.size) for i in range(count)]
 
 
 def first_disagreement(
-    tables: list[list[tuple[bytes, bytes, bytes]]], hosts: Iterable[int], names: dict[bytes, str]
+    tables: list[list[tuple[bytes, bytes, bytes, bytes]]], hosts: Iterable[int], names: dict[bytes, str]
 ) -> tuple[tuple[int, int], str, str] | None:
     """The first two ranks (group ranks) that read one file differently, the file's name (``names``: this rank's,
-    by key; else "a file of the model") and how; None when every file two ranks read agrees."""
+    by key; else "a file of the model") and how; None when every file two ranks read agrees. Identities are
+    compared between ranks of one host that read the file at one path (their own copies may have other times)."""
     hosts = list(hosts)
-    first: dict[bytes, tuple[int, bytes, bytes]] = {}
+    first: dict[bytes, list[tuple[int, bytes, bytes, bytes]]] = {}
     for rank, table in enumerate(tables):
-        for key, content, identity in table:
-            seen = first.setdefault(key, (rank, content, identity))
-            other, content0, identity0 = seen
-            if other == rank:
-                continue
+        for key, content, path, identity in table:
+            seen = first.setdefault(key, [])
             name = names.get(key, "a file of the model")
-            if content != content0:
-                return (other, rank), name, "its header, size or object version differ"
-            if hosts[other] == hosts[rank] and identity != identity0:
-                return (other, rank), name, "on one host, another inode or time: replaced, rewritten or touched"
+            for other, content0, path0, identity0 in seen:
+                if content != content0:
+                    return (other, rank), name, "its header, size or object version differ"
+                if hosts[other] == hosts[rank] and path == path0 and identity != identity0:
+                    return (other, rank), name, "on one host, another inode or time: replaced, rewritten or touched"
+            seen.append((rank, content, path, identity))
     return None
 
 
@@ -157,7 +179,9 @@ def first_disagreement(
 def same_checkpoint(group: Any, model: str | os.PathLike[str]) -> Iterator[None]:
     """Load ``model`` inside this block on every rank of ``group`` (a torch.distributed process group; None: the
     default one): at its end the ranks compare the files they read (:func:`agree_on_inputs`), and a rank whose load
-    failed still takes part, so that the others raise at once instead of waiting, then raises its own error.
+    failed still takes part, so that the others raise at once instead of waiting, then raises its own error. The
+    block holds no other collective of the group (a load with ``group=``, a barrier): a rank that fails before it
+    would meet the others' collective with this one.
 
     Example::
 
@@ -166,6 +190,7 @@ def same_checkpoint(group: Any, model: str | os.PathLike[str]) -> Iterator[None]
     """
     where = str(model)
     with input_log.recording() as log:
+        log.agreeing = True
         try:
             yield
         except BaseException:

@@ -73,6 +73,10 @@ def load_shared(
     import torch
     import torch.distributed as dist
 
+    log = input_log.current()
+    if log is not None and log.agreeing:  # every rank refuses here, before any collective: none waits on another
+        raise ShardloadError("a load with group= inside same_checkpoint: its ranks already compare what they read "
+                             "(fingerprints); load without same_checkpoint", file=where)  # fmt: skip
     size, me = dist.get_world_size(group), dist.get_rank(group)
     comm = _comm_device(group, device)
     most = max(PAGE, EXCHANGE_BYTES // (2 * size + 2) // PAGE * PAGE)
@@ -275,15 +279,8 @@ def _comm_device(group: Any, device: torch.device) -> torch.device:
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*")
 
 
-def _wait(
-    work: Any,
-    comm: torch.device,
-    what: str,
-    who: str = "shared reads",
-    doing: str = "calling load_rank(share_reads=...)",
-) -> None:
-    """Wait for one collective, at most :data:`EXCHANGE_TIMEOUT` seconds; any failure is one ShardloadError line
-    (``who``: what the collective is for; ``doing``: what a rank that never answers is not doing)."""
+def _wait(work: Any, comm: torch.device, what: str) -> None:
+    """Wait for one collective, at most :data:`EXCHANGE_TIMEOUT` seconds; any failure is one ShardloadError line."""
     timeout = EXCHANGE_TIMEOUT
     try:
         if comm.type == "cuda":  # NCCL work completes on the device: poll it, so a dead peer cannot hang us
@@ -299,12 +296,12 @@ def _wait(
         reason = _SOURCE_PREFIX.sub("", str(err).strip().splitlines()[0] if str(err).strip() else "")
         if isinstance(err, TimeoutError) or "timed out" in reason.lower():
             raise ShardloadError(
-                f"{who}: no answer from the group within {timeout:g} s {what}: another rank died, hangs or is not "
-                f"{doing}"
+                f"shared reads: no answer from the group within {timeout:g} s {what}: "
+                "another rank died, hangs or is not calling load_rank(share_reads=...)"
             ) from None
         reason = reason.split(". ")[0][:160]
         raise ShardloadError(
-            f"{who}: the exchange failed {what}: another rank of the group died or failed ({reason})"
+            f"shared reads: the exchange failed {what}: another rank of the group died or failed ({reason})"
         ) from None
 
 

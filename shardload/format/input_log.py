@@ -33,6 +33,8 @@ class InputLog:
     stamps: dict[str, Stamp] = field(default_factory=dict)
     versions: dict[str, Any] = field(default_factory=dict)
     """Objects in a store by address: the version (ETag) of the first answer; every later answer must be it."""
+    agreeing: bool = False
+    """Inside ``same_checkpoint``: the ranks compare what they read at the end, so no other collective may run."""
     reads: list[tuple[str, int]] = field(default_factory=list)
     """Every read made to open and plan the model, in order: path and bytes (a file read twice is listed twice);
     what ``shardload preflight`` reports as fetched."""
@@ -139,8 +141,8 @@ def no_writer(path: Any, fd: int) -> None:
     if _LOG.get() is None or file_system(os.fstat(fd).st_dev) not in LEASE_FILE_SYSTEMS:
         return
     if open_for_writing(fd):
-        why = "a write under way could mix old and new bytes into the load"
-        raise CheckpointError(f"is open for writing ({why}); load it once the writer has closed it", file=str(path))
+        why = "a write under way could mix old and new bytes into what is read"
+        raise CheckpointError(f"is open for writing ({why}); try again once the writer has closed it", file=str(path))
 
 
 def open_for_writing(fd: int) -> bool:

@@ -394,6 +394,7 @@ class FileMaps:
         """Each mapping's key in :mod:`.fault_guard` (0: not guarded)."""
         self._warm: dict[Path, bool] = {}
         self._lock = threading.Lock()
+        self._log = input_log.current()  # the load's: a file mapped here must be the one whose header it parsed
 
     def _entry(self, path: Path) -> tuple[mmap.mmap, torch.Tensor, np.ndarray] | None:
         import warnings
@@ -408,6 +409,7 @@ class FileMaps:
             if path not in self._maps:
                 try:
                     with open(path, "rb") as fh:
+                        input_log.check_opened(path, os.fstat(fh.fileno()), self._log)
                         mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
                     with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is, on purpose
                         warnings.simplefilter("ignore", UserWarning)

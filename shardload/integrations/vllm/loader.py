@@ -113,7 +113,8 @@ def register_loader() -> None:
 
             started = time.perf_counter()
             rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-            tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+            text = getattr(model_config, "hf_text_config", None)  # a multimodal model says it of its language model
+            tied = any(bool(getattr(c, "tie_word_embeddings", False)) for c in (model_config.hf_config, text) if c)
             model_dir = _model_dir(model_config)
             together = same_checkpoint(_tp_cpu_group(), model_dir) if size > 1 else contextlib.nullcontext()
             with together:  # the tensor-parallel ranks read one version of the checkpoint
