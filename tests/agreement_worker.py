@@ -8,7 +8,8 @@ CASE says what happens between the two ranks' loads: rank 0 loads first, then (b
 with a file of the same header and other tensor bytes; ``reheader`` with the same tensors under another header (one
 more metadata entry); ``touch`` only moves its modification time; ``touch-hosts``
 does the same with each rank told it is on a host of its own; ``own-copy`` has rank 1 load its own copy
-(MODEL-copy, made by the test); ``shared`` loads with ``group=True`` inside the block; ``fail`` makes rank 1's load
+(MODEL-copy, made by the test); ``shared`` loads with ``group=True`` inside the block; ``slow`` has rank 1 start
+its load 3 s after rank 0 ends its own, with the shared-reads exchange timeout at 1 s; ``fail`` makes rank 1's load
 fail (a shard_info for a parameter the model lacks). Each rank prints ``OK <sum of its tensors>`` or
 ``ERROR <message>`` and exits 0.
 """
@@ -18,12 +19,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import torch.distributed as dist
 
 import shardload
-from shardload.engine import agreement
+from shardload.engine import agreement, exchange
 from shardload.errors import ShardloadError
 from shardload.integrations.api import same_checkpoint
 
@@ -55,6 +57,8 @@ def in_turn(model: str, rank: int, case: str, shard_info: dict | None) -> dict:
     if rank == 0:
         change(model, case)
     dist.barrier()
+    if case == "slow" and rank == 1:
+        time.sleep(3)
     return shardload.load_rank(model, rank, 2, shard_info=shard_info) if rank == 1 else state
 
 
@@ -70,6 +74,8 @@ def main() -> None:
                       [[2, 4], "float16"], 0, "num_shards"]]}}  # fmt: skip
     if case == "own-copy" and rank == 1:
         model += "-copy"
+    if case == "slow":
+        exchange.EXCHANGE_TIMEOUT = 1.0
     try:
         with same_checkpoint(None, model):
             if case == "shared":  # a load whose ranks exchange bytes: refused on every rank, before any collective

@@ -44,7 +44,7 @@ def _run(model: Path, case: str) -> list[str]:
     return [next(line for line in out.splitlines() if line.startswith(("OK", "ERROR"))) for out in outs]
 
 
-CASES = ["none", "replace", "reheader", "touch", "touch-hosts", "own-copy", "fail", "shared"]
+CASES = ["none", "replace", "reheader", "touch", "touch-hosts", "own-copy", "slow", "fail", "shared"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -54,7 +54,8 @@ def test_ranks_that_read_different_versions_refuse_together(example_dir: Path, t
     if case == "own-copy":  # rank 1 loads its own copy, at another path on this host (other inodes)
         shutil.copytree(model, tmp_path / "model-copy")
     lines = _run(model, case)
-    if case in ("none", "touch-hosts", "own-copy"):  # another copy may have other times: not compared
+    if case in ("none", "touch-hosts", "own-copy", "slow"):  # another copy's times are not compared; loads may end
+        # minutes apart: the comparison waits as the group's own timeout allows
         assert all(line.startswith("OK") for line in lines), lines
         return
     if case == "shared":
