@@ -192,7 +192,7 @@ def compare_rank(model_dir: Path, rank: int, entry: dict[str, Any], swap: bool =
     except Exception as err:
         return {"outcome": "shardload fails", "why": _one_line(err), "vocab": _vocab_note(model_dir)}
     tied = {k: v for k, v in entry.get("tied", {}).items()}
-    differs, compared, padded = {}, 0, []
+    differs, compared, padded, departed = {}, 0, [], []
     for name, tensor in theirs.items():
         mine = ours.get(name)
         if mine is None and name in tied:
@@ -214,6 +214,10 @@ def compare_rank(model_dir: Path, rank: int, entry: dict[str, Any], swap: bool =
                 continue
             differs[name] = f"shape {list(mine.shape)} vs transformers {list(tensor.shape)}"
         elif not torch.equal(mine, tensor.to(mine.dtype)):
+            fused = _fused_local(model_dir, name, rank) if name.endswith(_FUSED_SUFFIXES) else None
+            if fused is not None and torch.equal(mine, fused):
+                departed.append(name)  # transformers splits it plainly and gathers the output: docs/model-plans.md
+                continue
             differs[name] = "values differ"
     for name in ours.keys() - theirs.keys() - set(tied.values()):
         if any(name.replace(stored, model) in theirs for model, stored in _RENAMES):
@@ -221,7 +225,38 @@ def compare_rank(model_dir: Path, rank: int, entry: dict[str, Any], swap: bool =
         if ".experts." in name and any(name.endswith(f".{p}.weight") for p in _EXPERT_PARTS):
             continue  # one expert's tensor: compared inside transformers' stacked tensor above
         differs[name] = "not in transformers' model"
-    return {"outcome": "differs" if differs else "equal", "differs": differs, "compared": compared, "padded": padded}
+    return {"outcome": "differs" if differs else "equal", "differs": differs, "compared": compared, "padded": padded,
+            "departed": departed}  # fmt: skip
+
+
+_FUSED_SUFFIXES = (".qkv_proj.weight", ".qkv_proj.bias", ".gate_up_proj.weight", ".gate_up_proj.bias")
+
+
+def _fused_local(model_dir: Path, name: str, rank: int) -> Any:
+    """Where shardload departs from transformers on a fused tensor whose output transformers gathers: rank
+    ``rank``'s part of every piece (its q, k and v heads; its part of gate and of up), computed from the stored
+    tensor and config.json alone (None where the KV heads do not split evenly)."""
+    import torch
+    from safetensors import safe_open
+
+    config = json.loads((model_dir / "config.json").read_text())
+    full = None
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            if name in f.keys():
+                full = f.get_tensor(name)
+    if full is None:
+        return None
+    if ".gate_up_proj." in name:
+        pieces = list(full.chunk(2, 0))
+    else:
+        heads = config["num_attention_heads"]
+        kv = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        if kv % RANKS:
+            return None
+        pieces = list(full.split([heads * head_dim, kv * head_dim, kv * head_dim], 0))
+    return torch.cat([p.chunk(RANKS, 0)[rank] for p in pieces], 0)
 
 
 # transformers' conversions of MoE checkpoints stored one tensor per expert (conversion_mapping.py's "mixtral" and
@@ -420,6 +455,7 @@ def summarize(model_type: str, ranks: list[dict[str, Any]], entry: dict[str, Any
     row = {"type": model_type, "outcome": "differs" if differs else "equal", "differs": differs}
     row["compared"] = sum(r.get("compared", 0) for r in ranks)
     row["padded"] = sorted({n for r in ranks for n in r.get("padded", [])})
+    row["departed"] = sorted({n for r in ranks for n in r.get("departed", [])})
     return row
 
 

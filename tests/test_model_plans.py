@@ -215,7 +215,9 @@ def test_hf_styles_translate_literally() -> None:
     short = {n: n.removeprefix("model.layers.0.").removeprefix("model.") for n in tensors}
     got = {short[n]: (p.style, p.dim, p.segments, p.unit, p.kv) for n, p in placements.items()}
     assert got == {
-        "self_attn.qkv_proj.weight": ("column", 0, (), 1, ()),  # output gathered: a plain split
+        # transformers gathers this output and splits it plainly; stored fused, every rank gets its own q, k and v
+        # heads, as vLLM's fused layers and any runtime keeping the output local need (docs/model-plans.md)
+        "self_attn.qkv_proj.weight": ("column", 0, (4, 2, 2), 16, (False, True, True)),
         "self_attn.k_proj.weight": ("column", 0, (2,), 16, (True,)),
         "self_attn.k_proj.bias": ("column", 0, (2,), 16, (True,)),
         "self_attn.o_proj.weight": ("row", 1, (4,), 16, (False,)),
@@ -230,7 +232,7 @@ def test_hf_styles_translate_literally() -> None:
     assert notes == ["tp_plan entry 'layers.*.unused' (colwise) matched no tensor"]
     doc = shard_info_document(placements, tensors)
     assert doc["params"]["model.layers.0.self_attn.qkv_proj.weight"] == [
-        ["shard_funcs.shard_dim", [["num_shards", "128 // num_shards", 64], "float32"], 0, "num_shards"]
+        ["shard_funcs.shard_segments", [None, "float32"], 0, [4, 2, 2], [0, 1, 1], "num_shards", 16]
     ]
     assert doc["params"]["model.layers.0.self_attn.k_proj.weight"] == [
         ["shard_funcs.shard_segments", [None, "float32"], 0, [2], [1], "num_shards", 16]
@@ -402,3 +404,27 @@ def test_a_replicated_bias_under_a_split_weight_is_a_warning(models: dict, tmp_p
     assert strict.exit_code == 1 and "which fail --strict" in strict.stderr
     as_json = runner.invoke(main, ["validate", str(path), "--model", str(model_dir), "-n", "2", "--strict", "--json"])
     assert as_json.exit_code == 1 and json.loads(as_json.output)["verdict"] == "fail"
+
+
+def test_a_fused_tensor_whose_output_transformers_gathers_gives_each_rank_its_part_of_every_piece(
+    tmp_path: Path,
+) -> None:
+    """GLM-4 stores gate and up fused (``mlp.gate_up_proj``), and transformers' plan gathers its output
+    (``colwise_gather_output``), so it splits the tensor plainly: rank 0 all of gate, rank 1 all of up. vLLM's fused
+    layer (and any runtime keeping the output local) needs rank r's part of gate, then of up: the plan gave the
+    plain split, which loaded into vLLM's parameters without a word (reviewer's finding, vLLM's default loader as
+    the judge)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    config = transformers.Glm4Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1, pad_token_id=0,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Glm4ForCausalLM(config).save_pretrained(tmp_path / "glm4")
+    stored = load_file(str(tmp_path / "glm4" / "model.safetensors"))
+    name = "model.layers.0.mlp.gate_up_proj.weight"
+    gate, up = stored[name].chunk(2, 0)
+    for n in (2, 4):
+        for r in range(n):
+            got = shardload.load_rank(tmp_path / "glm4", r, n)[name]
+            torch.testing.assert_close(got, torch.cat([gate.chunk(n, 0)[r], up.chunk(n, 0)[r]]), rtol=0, atol=0)

@@ -389,6 +389,14 @@ def _style_placement(style: str, pattern: str, name: str, shape: tuple[int, ...]
     if rule == "replicated" or ndim == 0:
         return Placement(name, "replicated", rule=why)
     if rule == "column":
+        if last in _FUSED and ndim <= 2:  # a fused tensor, whatever transformers does with its output: see _FUSED
+            fused = f"{why}; stored fused: each rank its part of every piece, as runtimes keeping outputs local need"
+            if _FUSED[last][1] == "qkv":
+                heads = _heads_or_none("qkv", name, bias, shape, dims, fused)
+                if heads is not None:
+                    return heads
+            else:
+                return packed_halves(name, out_dim, shape, None, fused)
         if style in _COLUMN_STYLES and ndim <= 2:
             heads = _heads_or_none(attention, name, bias, shape, dims, why) if attention in _QKV else None
             if heads is None and in_attention and (attention == "q" or last in _HEAD_OUTPUTS):
@@ -419,7 +427,10 @@ def _style_placement(style: str, pattern: str, name: str, shape: tuple[int, ...]
     return Placement(name, "expert", 0, rule=why)  # "expert"
 
 
-# a stored tensor the plan does not name -> the plan entries (siblings) whose split it takes, and how
+# a stored tensor the plan does not name -> the plan entries (siblings) whose split it takes, and how. A plan that
+# names it (transformers' colwise_gather_output on GLM-4's and Phi-3's) gets the same split: transformers gathers
+# that output before chunking it, so a plain split is right there, but vLLM's fused layers (and any runtime that
+# keeps a column-parallel output local) need every rank to hold its own part of each piece.
 _FUSED = {
     "qkv_proj": (("q_proj", "k_proj", "v_proj"), "qkv"),
     "gate_up_proj": (("gate_proj", "up_proj"), "gate_up"),
