@@ -428,3 +428,17 @@ def test_a_fused_tensor_whose_output_transformers_gathers_gives_each_rank_its_pa
         for r in range(n):
             got = shardload.load_rank(tmp_path / "glm4", r, n)[name]
             torch.testing.assert_close(got, torch.cat([gate.chunk(n, 0)[r], up.chunk(n, 0)[r]]), rtol=0, atol=0)
+
+
+def test_head_counts_under_other_config_names_bound_n(tmp_path: Path) -> None:
+    """GPT-J's config.json says ``n_head`` and ``n_embd`` (transformers' attribute_map): read as the head count, they
+    refuse an N that would cut a head (N=8 gave rank 0 half of one of 4 heads, and vLLM refuses that N)."""
+    import transformers
+
+    from shardload.models.generated import generate
+
+    config = transformers.GPTJConfig(vocab_size=128, n_embd=64, n_layer=1, n_head=4, rotary_dim=8, n_positions=64)
+    transformers.GPTJForCausalLM(config).save_pretrained(tmp_path / "gptj")
+    assert generate(tmp_path / "gptj").supported == [1, 2, 4]
+    with pytest.raises(shardload.ShardloadError):
+        shardload.load_rank(tmp_path / "gptj", 0, 8)

@@ -43,9 +43,9 @@ class ModelDims:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelDims:
         """Read head and expert counts (absent keys give None; GQA defaults to one KV head per head)."""
-        hidden = _int_key(config, "hidden_size")
-        heads = _int_key(config, "num_attention_heads")
-        kv = _int_key(config, "num_key_value_heads") or heads
+        hidden = _first_key(config, _ALIASES["hidden_size"])
+        heads = _first_key(config, _ALIASES["num_attention_heads"])
+        kv = _first_key(config, _ALIASES["num_key_value_heads"]) or heads
         head_dim = _int_key(config, "head_dim") or (hidden // heads if hidden and heads else None)
         experts = _int_key(config, "num_local_experts") or _int_key(config, "num_experts")
         inter = _int_key(config, "intermediate_size")
@@ -58,8 +58,19 @@ class ModelDims:
         return cls.from_config({k: v for k, v in config.items() if k not in _DIM_KEYS or (type(v) is int and v > 0)})
 
 
-_DIM_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts",
-             "num_experts", "intermediate_size", "moe_intermediate_size")  # fmt: skip
+_ALIASES = {
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "n_heads", "num_heads"),
+    "num_key_value_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"),
+}
+"""Other names config.json files give these sizes (transformers' ``attribute_map``: GPT-J's and GPT-2's ``n_head``
+and ``n_embd``, MPT's ``n_heads`` and ``d_model``, ChatGLM's ``multi_query_group_num``), the first one present read."""
+_DIM_KEYS = (*(k for names in _ALIASES.values() for k in names), "head_dim", "num_local_experts", "num_experts",
+             "intermediate_size", "moe_intermediate_size")  # fmt: skip
+
+
+def _first_key(config: Mapping[str, Any], keys: tuple[str, ...]) -> int | None:
+    return next((v for v in (_int_key(config, k) for k in keys) if v is not None), None)
 
 
 def _int_key(config: Mapping[str, Any], key: str) -> int | None:
