@@ -417,8 +417,8 @@ def test_a_fused_tensor_whose_output_transformers_gathers_gives_each_rank_its_pa
     import transformers
     from safetensors.torch import load_file
 
-    config = transformers.Glm4Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1, pad_token_id=0,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+    sizes = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1, "head_dim": 16}
+    config = transformers.Glm4Config(**sizes, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
     torch.manual_seed(0)
     transformers.Glm4ForCausalLM(config).save_pretrained(tmp_path / "glm4")
     stored = load_file(str(tmp_path / "glm4" / "model.safetensors"))
