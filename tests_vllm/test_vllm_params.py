@@ -212,3 +212,17 @@ def test_expert_parallel_reads_only_its_experts(
         assert (result["status"], result["detail"]) == ("equal", ""), f"rank {rank}: {result}"
         if load_format == "shardload":
             assert result["read"] <= 1.05 * result["own"], f"rank {rank} read {result['read']} of {result['own']}"
+
+
+def test_a_model_whose_load_weights_rewrites_weights_is_refused(tmp_path: Path) -> None:
+    """vLLM's Llama 4 permutes q_proj/k_proj rows in its own ``load_weights``; filled as stored, every rank's
+    qkv_proj differed from the default loader's at every N, N=1 included (reviewer's finding): refused in one line."""
+    from shardload.integrations.vllm import loader
+
+    class Llama4ForCausalLM:  # the class name is what the loader goes by
+        pass
+
+    with pytest.raises(ShardloadError) as err:
+        loader.fill_model(Llama4ForCausalLM(), tmp_path, 0, 1)  # type: ignore[arg-type]
+    assert "Llama4ForCausalLM rewrites weights in its own load_weights" in str(err.value)
+    assert "\n" not in str(err.value)

@@ -77,6 +77,14 @@ _registered: list[type] = []
 """The loader class this process registered (vLLM's public API has no lookup of a load format's class)."""
 
 
+REWRITTEN_BY_LOAD_WEIGHTS = {
+    "Llama4ForCausalLM": "q_proj and k_proj rows permuted for its interleaved rotary embedding",
+    "Llama4ForConditionalGeneration": "q_proj and k_proj rows permuted for its interleaved rotary embedding",
+}
+"""vLLM models whose ``load_weights`` changes the stored bytes on the way in: filled as stored, they would load and
+compute garbage (vLLM's default loader the judge), so they are refused."""
+
+
 def register_loader() -> None:
     """Add ``load_format="shardload"`` to vLLM's loaders with vLLM's public ``register_model_loader`` (idempotent)."""
     from vllm.model_executor import model_loader
@@ -179,6 +187,13 @@ def fill_model(
     from vllm.model_executor.models.utils import is_pp_missing_parameter
 
     where = str(model_dir)
+    if type(model).__name__ in REWRITTEN_BY_LOAD_WEIGHTS:
+        raise ShardloadError(
+            f"vLLM's {type(model).__name__} rewrites weights in its own load_weights "
+            f"({REWRITTEN_BY_LOAD_WEIGHTS[type(model).__name__]}), which load_format={LOAD_FORMAT!r} does not do: "
+            "serve it with vLLM's default loader",
+            file=where,
+        )
     targets = dict(model.named_parameters())
     packed = {k: tuple(v) for k, v in (getattr(model, "packed_modules_mapping", None) or DEFAULT_PACKED).items()}
     mapper = getattr(model, "hf_to_vllm_mapper", None)
