@@ -300,8 +300,8 @@ def _fill_expert(param: Any, tensor: torch.Tensor, target: Target, where: str, n
 def _check_shape(param: Any, shape: Sequence[int], where: str, name: str, vname: str, server: str) -> None:
     if tuple(param.shape) != tuple(shape):
         raise ShardloadError(
-            f"{server}'s {vname!r} on this rank is {list(param.shape)}, the plan gives {list(shape)} (is the "
-            f"shard_info's split {server}'s?)",
+            f"{server}'s {vname!r} on this rank is {list(param.shape)}, the plan gives {list(shape)}: the plan (a "
+            f"shard_info.json, or the one made from config.json) splits it otherwise than {server}",
             file=where,
             param=name,
         )
