@@ -34,6 +34,10 @@ DEEP_IMPORTS_ALLOWED: dict[str, tuple[frozenset[str], str]] = {
         frozenset({"DevicePath", "HostPath", "MappedPath", "data_path_for"}),
         "the data-path seam (extending.md)",
     ),
+    "shardload.integrations.api": (
+        frozenset({"same_checkpoint"}),
+        "the integration API a server's own loader uses (servers.md, extending.md)",
+    ),
 }
 """Deep imports the docs may teach: module -> (names, why). Anything else a user needs is exported by the root."""
 

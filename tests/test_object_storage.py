@@ -724,14 +724,15 @@ def test_an_object_replaced_while_it_is_hashed_is_an_error(endpoint: S3, example
 
 
 def test_hash_never_puts_its_record_over_an_object_that_is_not_one(endpoint: S3, example_dir: Path) -> None:
-    """``hash s3://... -o s3://.../model.safetensors`` refuses in one line and leaves the object as it was (the check
-    read the whole object as a "small" one, failed, and went on to overwrite it)."""
+    """``hash s3://...`` refuses in one line to put its record over an object of the record's name that is not a
+    record, and leaves it as it was (the check read the object whole as a "small" one, failed, and overwrote it)."""
     from shardload.engine.hashing import hash_model
 
     uri = endpoint.upload_dir(example_dir, "hash-onto")
-    before = endpoint.client().get_object(Bucket=BUCKET, Key="hash-onto/model.safetensors")["Body"].read()
+    junk = b"someone else's notes, not an integrity record\n" * 4
+    endpoint.client().put_object(Bucket=BUCKET, Key="hash-onto/shardload.hashes", Body=junk)
     with pytest.raises(ShardloadError) as err:
-        hash_model(uri, f"{uri}/model.safetensors")
+        hash_model(uri)
     assert "is not an integrity record" in str(err.value) and "\n" not in str(err.value), err.value
-    after = endpoint.client().get_object(Bucket=BUCKET, Key="hash-onto/model.safetensors")["Body"].read()
-    assert after == before
+    kept = endpoint.client().get_object(Bucket=BUCKET, Key="hash-onto/shardload.hashes")["Body"].read()
+    assert kept == junk
