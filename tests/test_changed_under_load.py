@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -43,21 +44,31 @@ def _rewrite(path: Path) -> None:
         f.write((body ^ 0x5A).tobytes())
 
 
-@pytest.mark.parametrize("strategy", ["auto", "map", "read"])
-def test_a_file_rewritten_in_place_during_a_load_is_an_error(tmp_path: Path, strategy: str) -> None:
-    model = _model(tmp_path / "m")
-    calls = []
+def _once(change: Callable[[], object]) -> tuple[Callable[[int, int], None], list[int]]:
+    """A progress callback that makes ``change`` at its first call (between read jobs), and the calls it saw."""
+    calls: list[int] = []
 
     def progress(done: int, total: int) -> None:
         if not calls:
-            _rewrite(model / "model.safetensors")
+            change()
         calls.append(done)
 
-    with pytest.raises(ShardloadError) as err:
-        shardload.load_rank(model, 1, 2, progress=progress, read_options=shardload.ReadOptions(strategy=strategy))
+    return progress, calls
+
+
+def _refused_as_changed(err: pytest.ExceptionInfo, calls: list[int]) -> None:
     text = str(err.value)
     assert "model.safetensors" in text and "changed while" in text and "\n" not in text, text
     assert calls, "the change was never made"
+
+
+@pytest.mark.parametrize("strategy", ["auto", "map", "read"])
+def test_a_file_rewritten_in_place_during_a_load_is_an_error(tmp_path: Path, strategy: str) -> None:
+    model = _model(tmp_path / "m")
+    progress, calls = _once(lambda: _rewrite(model / "model.safetensors"))
+    with pytest.raises(ShardloadError) as err:
+        shardload.load_rank(model, 1, 2, progress=progress, read_options=shardload.ReadOptions(strategy=strategy))
+    _refused_as_changed(err, calls)
     assert shardload.load_rank(model, 1, 2)  # the file as it is now loads
 
 
@@ -324,24 +335,17 @@ def test_a_file_changed_while_it_is_hashed_is_an_error_and_no_record_is_written(
     model = _model(tmp_path / "m")
     target = model / "model.safetensors"
     record = tmp_path / "record"
-    calls = []
 
-    def progress(done: int, total: int) -> None:
-        if not calls:
-            if change == "rewritten":
-                _rewrite(target)
-            else:
-                new = tmp_path / "new.safetensors"
-                new.write_bytes(target.read_bytes())
-                _rewrite(new)
-                os.replace(new, target)
-        calls.append(done)
+    def replace() -> None:
+        new = tmp_path / "new.safetensors"
+        new.write_bytes(target.read_bytes())
+        _rewrite(new)
+        os.replace(new, target)
 
+    progress, calls = _once((lambda: _rewrite(target)) if change == "rewritten" else replace)
     with pytest.raises(ShardloadError) as err:
         hash_model(model, record, threads=1, progress=progress)
-    text = str(err.value)
-    assert "model.safetensors" in text and "changed while" in text and "\n" not in text, text
-    assert calls, "the change was never made"
+    _refused_as_changed(err, calls)
     assert not record.exists()
     assert hash_model(model, record).path == record  # the file as it is now hashes
 
@@ -352,18 +356,10 @@ def test_a_file_changed_while_it_is_verified_is_an_error(tmp_path: Path) -> None
     from shardload.engine.verify_source import verify_source
 
     model = _model(tmp_path / "m")
-    calls = []
-
-    def progress(done: int, total: int) -> None:
-        if not calls:
-            _rewrite(model / "model.safetensors")
-        calls.append(done)
-
+    progress, calls = _once(lambda: _rewrite(model / "model.safetensors"))
     with pytest.raises(ShardloadError) as err:
         verify_source(model, threads=1, progress=progress)
-    text = str(err.value)
-    assert "model.safetensors" in text and "changed while" in text and "\n" not in text, text
-    assert calls, "the change was never made"
+    _refused_as_changed(err, calls)
 
 
 @pytest.mark.parametrize("change", ["touch", "chmod"])
