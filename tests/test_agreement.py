@@ -67,7 +67,7 @@ def test_ranks_that_read_different_versions_refuse_together(example_dir: Path, t
         assert lines[0] == want, lines
         assert lines[1].startswith("ERROR") and "no.such.weight" in lines[1], lines
         return
-    detail = "its header, size or object version differ" if case == "reheader" else "on one host, another inode"
+    detail = "its header or size differs" if case == "reheader" else "on one host, another inode"
     for line in lines:
         assert line.startswith(f"ERROR {model}: ranks 0 and 1 read different versions of model.safetensors ("), line
         assert detail in line and "the checkpoint changed between their loads" in line and "\n" not in line, line
@@ -87,22 +87,32 @@ def test_rows_compare_the_files_two_ranks_both_read(monkeypatch: pytest.MonkeyPa
         log.stamps["/m/shard_manifest.json"] = (1, 2, 2, 10, 10)
     a.data["/m/rank-0.safetensors"] = b"zero"
     b.data["/m/rank-1.safetensors"] = b"one"
-    rows = [[(r.key, r.content, r.path, r.identity) for r in file_rows(log, "/m")] for log in (a, b)]
+    rows = [[(r.key, r.content, r.path, r.version, r.identity) for r in file_rows(log, "/m")] for log in (a, b)]
     assert first_disagreement(rows, [7, 7], {}) is None
     b.stamps["/m/shard_manifest.json"] = (1, 3, 2, 10, 10)  # another inode: replaced
-    rows[1] = [(r.key, r.content, r.path, r.identity) for r in file_rows(b, "/m")]
+    rows[1] = [(r.key, r.content, r.path, r.version, r.identity) for r in file_rows(b, "/m")]
     names = {r.key: r.name for r in file_rows(a, "/m")}
     assert first_disagreement(rows, [7, 8], names) is None  # two hosts: their own copies
     found = first_disagreement(rows, [7, 7], names)
     assert found is not None and found[:2] == ((0, 1), "shard_manifest.json"), found
     c = InputLog(data=dict(b.data), stamps={"/n/shard_manifest.json": (1, 4, 2, 11, 11)})  # a copy at another path
     c.data["/n/shard_manifest.json"] = c.data.pop("/m/shard_manifest.json")
-    copy = [(r.key, r.content, r.path, r.identity) for r in file_rows(c, "/n")]
+    copy = [(r.key, r.content, r.path, r.version, r.identity) for r in file_rows(c, "/n")]
     assert first_disagreement([rows[0], copy], [7, 7], names) is None  # one host, its own copy: other times
     fuse = [InputLog(data=dict(log.data), stamps={k: (2, *v[1:]) for k, v in log.stamps.items()}) for log in (a, b)]
-    on_fuse = [[(r.key, r.content, r.path, r.identity) for r in file_rows(log, "/m")] for log in fuse]
+    on_fuse = [[(r.key, r.content, r.path, r.version, r.identity) for r in file_rows(log, "/m")] for log in fuse]
     assert first_disagreement(on_fuse, [7, 7], names) is None  # one FUSE mount: its inode numbers tell nothing
     b.data["/m/shard_manifest.json"] = b"{ }"
-    rows[1] = [(r.key, r.content, r.path, r.identity) for r in file_rows(b, "/m")]
+    rows[1] = [(r.key, r.content, r.path, r.version, r.identity) for r in file_rows(b, "/m")]
     found = first_disagreement(rows, [7, 8], names)
-    assert found is not None and found[2] == "its header, size or object version differ", found
+    assert found is not None and found[2] == "its header or size differs", found
+
+    def rows_of(log: InputLog, root: str) -> list[tuple[bytes, ...]]:
+        return [(r.key, r.content, r.path, r.version, r.identity) for r in file_rows(log, root)]
+
+    key, mirrored = "s3://b/m/model.safetensors", "s3://c/m/model.safetensors"
+    old, new = (InputLog(data={key: b"h"}, versions={key: etag}) for etag in ('"1"', '"2"'))
+    mirror = InputLog(data={mirrored: b"h"}, versions={mirrored: '"3"'})  # a copy made with other part sizes
+    replaced = first_disagreement([rows_of(old, "s3://b/m"), rows_of(new, "s3://b/m")], [7, 8], {})
+    assert replaced is not None and replaced[2] == "another version of the object answered", replaced
+    assert first_disagreement([rows_of(old, "s3://b/m"), rows_of(mirror, "s3://c/m")], [7, 8], {}) is None

@@ -4,9 +4,9 @@ loads gives each rank a consistent state dict of a different version, which no s
 Each rank sums up what its load recorded (:mod:`shardload.format.input_log`) as one row per file: the bytes it
 parsed (headers, ``config.json``, ``shard_info.json``, an index, a manifest), the file's size, an object's version
 (its ETag), and a local file's identity (device, inode, modification time). Every file two ranks both read must agree
-on all but the identity; ranks on one host (same boot, hostname and mount namespace) that read one path, on a file
-system whose inode numbers are stable, on the identity too: a file replaced by a rename, or rewritten, between their
-loads is then one line on every rank. Copies that differ only in tensor bytes the ranks did not parse (two
+on what they parsed and its size; ranks that read one object address on its version; ranks on one host (same boot,
+hostname and mount namespace) that read one path, on a file system whose inode numbers are stable, on the identity:
+a file replaced by a rename, or rewritten, between their loads is then one line on every rank. Copies that differ only in tensor bytes the ranks did not parse (two
 fine-tunes with equal headers on two hosts, or at two paths) are not told apart here; a verified load
 (``verify=True``) checks every byte it reads against the record.
 """
@@ -34,19 +34,22 @@ if TYPE_CHECKING:
 STABLE_INODES = input_log.LEASE_FILE_SYSTEMS | {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "ceph", "cifs", "smb3"}
 """File systems whose inode numbers name one file for every process: there, two ranks reading one path must see one
 inode and modification time. A FUSE mount (rclone, goofys) may number a file anew at each lookup: not compared."""
-ROW = struct.Struct("<8s8s8s8s")
-"""One file's row: its name's hash, what every rank must agree on, its path's hash and its identity on its host."""
+ROW = struct.Struct("<8s8s8s8s8s")
+"""One file's row: its name's hash, what every copy must agree on, its path's hash, its object version (compared
+between ranks that read one address) and its identity (between ranks of one host that read one path)."""
 
 
 @dataclass(frozen=True)
 class FileRow:
     """One file a load read, summed up: ``name`` (relative to the model), and the hashes the ranks compare: its
-    ``content`` (what any copy must agree on), its ``path`` and its ``identity`` (inode and times, compared between
-    ranks of one host that read one path)."""
+    ``content`` (what any copy must agree on), its ``path``, its ``version`` (an object's ETag, compared between
+    ranks that read one address: a mirror made by another tool may have other ETags) and its ``identity`` (inode and
+    times, compared between ranks of one host that read one path)."""
 
     name: str
     content: bytes
     path: bytes
+    version: bytes
     identity: bytes
 
     @property
@@ -78,7 +81,7 @@ def file_rows(log: InputLog, root: str) -> list[FileRow]:
         version = str(log.versions.get(key, "")).encode()
         stable = stamp is not None and input_log.file_system(stamp[0]) in STABLE_INODES
         identity = struct.pack("<QQQ", stamp[0], stamp[1], stamp[3]) if stable else b""
-        rows.append(FileRow(_relative(key, root), _digest(parsed, size, version), _digest(key.encode()),
+        rows.append(FileRow(_relative(key, root), _digest(parsed, size), _digest(key.encode()), _digest(version),
                             _digest(identity)))  # fmt: skip
     return rows
 
@@ -122,7 +125,7 @@ def agree_on_inputs(group: Any, log: InputLog | None, root: str, *, failed: bool
         return
     mine = bytearray(width)
     for i, row in enumerate(rows):
-        ROW.pack_into(mine, i * ROW.size, row.key, row.content, row.path, row.identity)
+        ROW.pack_into(mine, i * ROW.size, row.key, row.content, row.path, row.version, row.identity)
     tables = _all_gather(torch.frombuffer(mine, dtype=torch.uint8).to(comm), group)
     decoded = [_decode(bytes(t.cpu().numpy()), n) for t, n in zip(tables, counts, strict=True)]
     problem = first_disagreement(decoded, hosts, {row.key: row.name for row in rows})
@@ -155,23 +158,26 @@ def _decode(raw: bytes, count: int) -> list[tuple[bytes, bytes, bytes]]:
 
 
 def first_disagreement(
-    tables: list[list[tuple[bytes, bytes, bytes, bytes]]], hosts: Iterable[int], names: dict[bytes, str]
+    tables: list[list[tuple[bytes, ...]]], hosts: Iterable[int], names: dict[bytes, str]
 ) -> tuple[tuple[int, int], str, str] | None:
     """The first two ranks (group ranks) that read one file differently, the file's name (``names``: this rank's,
-    by key; else "a file of the model") and how; None when every file two ranks read agrees. Identities are
-    compared between ranks of one host that read the file at one path (their own copies may have other times)."""
+    by key; else "a file of the model") and how; None when every file two ranks read agrees. Versions are compared
+    between ranks that read one address, identities between ranks of one host that read one path (their own copies
+    may have other times, a mirror other ETags)."""
     hosts = list(hosts)
-    first: dict[bytes, list[tuple[int, bytes, bytes, bytes]]] = {}
+    first: dict[bytes, list[tuple[int, bytes, bytes, bytes, bytes]]] = {}
     for rank, table in enumerate(tables):
-        for key, content, path, identity in table:
+        for key, content, path, version, identity in table:
             seen = first.setdefault(key, [])
             name = names.get(key, "a file of the model")
-            for other, content0, path0, identity0 in seen:
+            for other, content0, path0, version0, identity0 in seen:
                 if content != content0:
-                    return (other, rank), name, "its header, size or object version differ"
+                    return (other, rank), name, "its header or size differs"
+                if path == path0 and version != version0:
+                    return (other, rank), name, "another version of the object answered"
                 if hosts[other] == hosts[rank] and path == path0 and identity != identity0:
                     return (other, rank), name, "on one host, another inode or time: replaced, rewritten or touched"
-            seen.append((rank, content, path, identity))
+            seen.append((rank, content, path, version, identity))
     return None
 
 
