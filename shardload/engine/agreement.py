@@ -6,9 +6,9 @@ parsed (headers, ``config.json``, ``shard_info.json``, an index, a manifest), th
 (its ETag), and a local file's identity (device, inode, modification time). Every file two ranks both read must agree
 on what they parsed and its size; ranks that read one object address on its version; ranks on one host (same boot,
 hostname and mount namespace) that read one path, on a file system whose inode numbers are stable, on the identity:
-a file replaced by a rename, or rewritten, between their loads is then one line on every rank. Copies that differ only in tensor bytes the ranks did not parse (two
-fine-tunes with equal headers on two hosts, or at two paths) are not told apart here; a verified load
-(``verify=True``) checks every byte it reads against the record.
+a file replaced by a rename, or rewritten, between their loads is then one line on every rank. Copies that differ
+only in tensor bytes the ranks did not parse (two fine-tunes with equal headers on two hosts, or at two paths) are
+not told apart here; a verified load (``verify=True``) checks every byte it reads against the record.
 """
 
 from __future__ import annotations
