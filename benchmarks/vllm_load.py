@@ -227,11 +227,14 @@ class Built:
     loader: Any
 
 
-def engine_config(model_dir: str, load_format: str, tp: int) -> Any:
-    """vLLM's config for loading ``model_dir`` with ``load_format`` at tensor_parallel_size ``tp``."""
+def engine_config(model_dir: str, load_format: str, tp: int, in_turn: bool = False) -> Any:
+    """vLLM's config for loading ``model_dir`` with ``load_format`` at tensor_parallel_size ``tp`` (``in_turn``: the
+    ranks of a real group load one after another, so they cannot compare the files they read at the end)."""
     from vllm.engine.arg_utils import EngineArgs
 
     load_format, extra = VARIANTS.get(load_format, (load_format, {}))
+    if in_turn and load_format == "shardload":
+        extra = {**extra, "compare_ranks": False}
     args = EngineArgs(model=model_dir, load_format=load_format, tensor_parallel_size=tp, dtype="bfloat16",
                       enforce_eager=True, max_model_len=64, skip_tokenizer_init=True,
                       model_loader_extra_config=extra,
@@ -356,7 +359,7 @@ def torchrun_child(load_format: str, model: str) -> None:
 
     load_general_plugins()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    config = engine_config(model, load_format, world)
+    config = engine_config(model, load_format, world, in_turn=True)
     with set_current_vllm_config(config):
         init_distributed_environment(world_size=world, rank=rank, local_rank=rank, distributed_init_method="env://",
                                      backend="gloo")  # fmt: skip

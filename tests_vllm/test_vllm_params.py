@@ -226,3 +226,20 @@ def test_a_model_whose_load_weights_rewrites_weights_is_refused(tmp_path: Path) 
         loader.fill_model(Llama4ForCausalLM(), tmp_path, 0, 1)  # type: ignore[arg-type]
     assert "Llama4ForCausalLM rewrites weights in its own load_weights" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_compare_ranks_takes_a_bool() -> None:
+    """``model_loader_extra_config={"compare_ranks": False}`` turns off the ranks' comparison of the files they read
+    (for a harness whose ranks load one after another); anything but a bool is one line when vLLM makes the loader."""
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor import model_loader
+
+    from shardload.integrations.vllm import register
+
+    register()
+    made = model_loader.get_model_loader(LoadConfig(load_format="shardload", model_loader_extra_config={
+        "compare_ranks": False}))  # fmt: skip
+    assert made.compare_ranks is False
+    with pytest.raises(ShardloadError, match="compare_ranks: expected true or false, got 'no'"):
+        model_loader.get_model_loader(LoadConfig(load_format="shardload", model_loader_extra_config={
+            "compare_ranks": "no"}))  # fmt: skip

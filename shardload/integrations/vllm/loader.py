@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 
 
 LOAD_FORMAT = "shardload"
-EXTRA_KEYS = ("shard_info", "verify", "read_options")
+EXTRA_KEYS = ("shard_info", "verify", "read_options", "compare_ranks")
 """Keys accepted in ``model_loader_extra_config``."""
 
 log = logging.getLogger("vllm.shardload")  # under vLLM's logger, so its handlers print it
@@ -108,6 +108,10 @@ def register_loader() -> None:
             self.shard_info = extra.get("shard_info")
             verify = extra.get("verify", False)
             self.verify = verify if isinstance(verify, str) else bool(verify)  # True, or a pinned root hash
+            self.compare_ranks = extra.get("compare_ranks", True)  # the ranks compare the files they read
+            if not isinstance(self.compare_ranks, bool):
+                raise ShardloadError("model_loader_extra_config.compare_ranks: expected true or false, got "
+                                     f"{self.compare_ranks!r}")  # fmt: skip
             options = extra.get("read_options")
             self.read_options = (
                 None if options is None else ReadOptions.from_config(options, "model_loader_extra_config.read_options")
@@ -123,8 +127,12 @@ def register_loader() -> None:
             rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
             text = getattr(model_config, "hf_text_config", None)  # a multimodal model says it of its language model
             tied = any(bool(getattr(c, "tie_word_embeddings", False)) for c in (model_config.hf_config, text) if c)
+            # vLLM unties a model whose config ties it when the checkpoint holds an lm_head (then compares them):
+            # the config's word stands
+            tied = tied or bool(getattr(model_config, "word_embeddings_untied_by_checkpoint", False))
             model_dir = _model_dir(model_config)
-            together = same_checkpoint(_tp_cpu_group(), model_dir) if size > 1 else contextlib.nullcontext()
+            compare = size > 1 and self.compare_ranks  # every rank calls this at once, as vLLM does
+            together = same_checkpoint(_tp_cpu_group(), model_dir) if compare else contextlib.nullcontext()
             with together:  # the tensor-parallel ranks read one version of the checkpoint
                 report = fill_model(
                     model,
