@@ -127,9 +127,8 @@ def register_loader() -> None:
             rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
             text = getattr(model_config, "hf_text_config", None)  # a multimodal model says it of its language model
             tied = any(bool(getattr(c, "tie_word_embeddings", False)) for c in (model_config.hf_config, text) if c)
-            # vLLM unties a model whose config ties it when the checkpoint holds an lm_head (then compares them):
-            # the config's word stands
-            tied = tied or bool(getattr(model_config, "word_embeddings_untied_by_checkpoint", False))
+            # vLLM unties a model whose config ties it when the checkpoint holds an lm_head (then compares them)
+            untied = bool(getattr(model_config, "word_embeddings_untied_by_checkpoint", False))
             model_dir = _model_dir(model_config)
             compare = size > 1 and self.compare_ranks  # every rank calls this at once, as vLLM does
             together = same_checkpoint(_tp_cpu_group(), model_dir) if compare else contextlib.nullcontext()
@@ -142,6 +141,7 @@ def register_loader() -> None:
                     shard_info=self.shard_info,
                     verify=self.verify,
                     tied=tied,
+                    config_ties=tied or untied,
                     read_options=self.read_options,
                 )
             log.info(
@@ -188,10 +188,12 @@ def fill_model(
     shard_info: Any = None,
     verify: bool | str = False,
     tied: bool = False,
+    config_ties: bool | None = None,
     read_options: ReadOptions | None = None,
 ) -> FillReport:
     """Fill every parameter of vLLM's ``model`` with rank ``rank`` of ``num_shards``, read through shardload
-    (``read_options``: how the rank reads, as in :func:`~shardload.load_rank`)."""
+    (``read_options``: how the rank reads, as in :func:`~shardload.load_rank`; ``tied``: vLLM's model ties its head
+    to the embeddings; ``config_ties``: the config says so, though vLLM untied them, default ``tied``)."""
     from vllm.model_executor.models.utils import is_pp_missing_parameter
 
     where = str(model_dir)
@@ -269,7 +271,8 @@ def fill_model(
             read_options = replace(read_options or ReadOptions(), strategy="view")  # boxes are read, never mapped
         stored = load_rank(model_dir, rank, num_shards, verify=_verify(verify), read_options=read_options)
         embed = next((n for n in stored if n.endswith("embed_tokens.weight")), None)
-        if sharded and tied and embed and "lm_head.weight" in targets and "lm_head.weight" not in stored:
+        ties = tied if config_ties is None else config_ties  # the config's word, though vLLM untied the head
+        if sharded and ties and embed and "lm_head.weight" in targets and "lm_head.weight" not in stored:
             stored = {**stored, "lm_head.weight": stored[embed]}  # vLLM unties the tied head its files hold
         routes = {name: route(name) for name in stored}
         narrow = _converted_vocab(stored, routes, vocab, rank, where)
