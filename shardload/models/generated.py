@@ -128,8 +128,7 @@ def build_shard_info(
     vocab_padding: str = DEFAULT_VOCAB_PADDING,
 ) -> dict[str, Any]:
     """The N-agnostic shard_info document for a model's config and stored tensors (pure; quantized too)."""
-    qconfig = _quantization_config(config)
-    _no_unplanned_companions(tensors)
+    qconfig = _planned_quantization(config, tensors)
     logical = logical_tensors(tensors, qconfig)
     placements, _ = model_placements(config, logical, style=style, experts=experts)
     placements, _ = pad_vocab(placements, logical, vocab_padding)
@@ -144,18 +143,19 @@ UNPLANNED_COMPANIONS = ("SCB", "weight_format", "absmax", "quant_map", "nested_a
 """Tensor names (last part) of bitsandbytes' companions, refused whatever config.json says."""
 
 
-def _quantization_config(config: Mapping[str, Any]) -> dict[str, Any] | None:
-    """config.json's quantization_config; one of :data:`UNPLANNED_METHODS` is refused: its tensors beside each
-    weight would be taken for whole tensors and stay unsplit on every rank."""
+def _planned_quantization(config: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any] | None:
+    """config.json's quantization_config, for a quantization a plan splits: one of :data:`UNPLANNED_METHODS`, or a
+    stored tensor of :data:`UNPLANNED_COMPANIONS` whatever config.json says, is refused (those tensors beside each
+    weight would be taken for whole tensors and stay unsplit on every rank)."""
     qc = config.get("quantization_config")
-    if not isinstance(qc, dict):
-        return None
-    method = str(qc.get("quant_method", "")).lower().replace("_", "-")
+    qc = qc if isinstance(qc, dict) else None
+    method = str((qc or {}).get("quant_method", "")).lower().replace("_", "-")
     if method in UNPLANNED_METHODS:
         raise PlanError(
             f"quant_method {method!r} is not one a plan is made for: its tensors beside each weight would not be "
             "split with it; dequantize the model, or write its shard_info.json"
         )
+    _no_unplanned_companions(tensors)  # the method said first, where config.json names it
     return qc
 
 
@@ -273,10 +273,9 @@ def generate(
     fmt = checkpoint.source_format
     if fmt is not None and fmt.gguf_model_type:
         config["model_type"] = gguf_model_type(str(config["model_type"]))
-    qconfig = _quantization_config(config)
     tensors = checkpoint.tensors
     try:
-        _no_unplanned_companions(tensors)
+        qconfig = _planned_quantization(config, tensors)
         logical = logical_tensors(tensors, qconfig)
         chosen = resolved_style(config, style, logical)
         placements, notes = model_placements(config, logical, style=chosen, experts=experts)
