@@ -282,7 +282,7 @@ def _groups(
             alone[k] = _packing(*cuts(k, k), pack=None, limit=max_read)
         return alone[k]
 
-    one = len(dev) == 0 or bool((dev == dev[0]).all())  # one device: what joined reads stage adds up
+    one = _one_device(dev)  # what joined reads stage adds up
     k, n = 0, len(lo)
     while k < n:
         if bounds[k] == bounds[k + 1]:
@@ -312,6 +312,11 @@ def _groups(
         yield k, k1, packed
         alone.pop(k, None)
         k = k1 + 1
+
+
+def _one_device(devices: np.ndarray) -> bool:
+    """Whether every piece (of a read, of a span) goes to one device."""
+    return len(devices) == 0 or bool((devices == devices[0]).all())
 
 
 def _staged(packing: tuple[np.ndarray, np.ndarray, np.ndarray]) -> int:
@@ -366,7 +371,7 @@ def _packing(
                 top = int(at[h1 - 1] + ends[h1 - 1] - starts[h1 - 1])
             if top <= limit:
                 return starts[order], ends[order], at[order]
-        if len(owner) == 0 or bool((owner == owner[0]).all()):
+        if _one_device(owner):
             return None  # one device: the pieces below are these, weighed already
     starts, ends = _pieces(src, length)
     gaps = int((starts[1:] - ends[:-1]).sum())
@@ -385,7 +390,7 @@ def _apart(src: np.ndarray, length: np.ndarray, dev: np.ndarray) -> tuple[np.nda
 
     from ...sources.read_plan import union
 
-    if len(dev) == 0 or bool((dev == dev[0]).all()):  # one device: its pieces, the gaps between them
+    if _one_device(dev):  # its pieces, the gaps between them
         starts, ends = _pieces(src, length)
         owner = np.full(len(starts), dev[0] if len(dev) else 0, dtype=np.int64)
         return starts, ends, owner, int((starts[1:] - ends[:-1]).sum())
