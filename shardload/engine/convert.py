@@ -23,16 +23,11 @@ from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh
 from ..planning.plan import ModelPlan, build_plan
 from ..sources.checkpoint import (
-    CONVERSION_KEY,
-    MANIFEST_FORMAT,
-    MANIFEST_VERSION,
     as_path,
     rank_file_name,
 )
-from ..sources.manifest import LEAVES_MANIFEST_VERSION
 from ..sources.object_reader import reader_for
 from ..sources.source_types import Boxes, SplitRecords, as_boxes, open_source
-from ..version import __version__
 from .integrity import verifier, wrapped
 from .load import mesh_for, own_layers
 from .load_options import Verify, verify_value
@@ -40,6 +35,7 @@ from .output import (
     StagingDir,
     check_output,
     publish_with_manifest,
+    rank_files_manifest,
     source_paths,
     stamp_sources,
     write_error,
@@ -141,17 +137,9 @@ def convert(
             conversion = new_conversion()
             rank_files = _write_ranks(stages, staging.dir, progress, durable, wrap, conversion, sha256)
             record = write_output_record(staging.dir, written_record(rank_files), durable)  # hashed as written
-            manifest = {
-                "format": MANIFEST_FORMAT,
-                "version": MANIFEST_VERSION if sha256 else LEAVES_MANIFEST_VERSION,
-                "shardload_version": __version__,
-                "num_shards": resolved.tp,
-                CONVERSION_KEY: conversion,
-                "mesh": _mesh_record(resolved, stages),
-                "shard_info": plan.resolved_shard_info(),
-                "source": {"files": [{"path": f.name, "size": st[2]} for f, st in stamps]},
-                "integrity": {"record": record.path, "root": record.sha256},
-            }
+            files = [{"path": f.name, "size": st[2]} for f, st in stamps]
+            manifest = rank_files_manifest(resolved, stages, plan.resolved_shard_info(), files, conversion, record,
+                                           sha256)  # fmt: skip
             with wrapped(reader_for(checkpoint.path), wrap) as reader:
                 manifest[RECORD_KEY] = source_record(plan, info, reader)
             others = [record, *publish_with_manifest(staging, checkpoint.root, stamps, [*rank_files, record], manifest,
@@ -159,14 +147,6 @@ def convert(
     except OSError as err:
         raise write_error(err, out) from None
     return ConvertResult(out, plan, rank_files, others, resolved)
-
-
-def _mesh_record(mesh: Mesh, stages: list[ModelPlan]) -> dict[str, Any] | None:
-    """What the manifest says about pipeline stages (None for a plain tensor-parallel convert)."""
-    if mesh.pp == 1:
-        return None
-    counts = [len(s.layers) if s.layers is not None else 0 for s in stages]
-    return {"pp": mesh.pp, "tp": mesh.tp, "pp_layers": counts}
 
 
 def _write_ranks(

@@ -20,16 +20,26 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardloadError
 from ..sources.checkpoint import SHARD_INFO_NAME, TMP_MARKER, read_small_file
 from ..sources.companions import companion_files
-from ..sources.manifest import MANIFEST_NAME
+from ..sources.manifest import (
+    CONVERSION_KEY,
+    LEAVES_MANIFEST_VERSION,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+)
 from ..sources.objects import ObjectPath
 from .writer import FileWriter, WrittenFile, fsync_dir, fsync_tree
+
+if TYPE_CHECKING:
+    from ..planning.mesh import Mesh
+    from ..planning.plan import ModelPlan
 
 MARKER = ".shardload-output"
 """The file that marks a directory as written by shardload (so ``--overwrite`` may replace it)."""
@@ -296,6 +306,34 @@ class StagingDir:
             fsync_dir(self.out.parent)
         for old in self.left_aside:
             remove(old)
+
+
+def rank_files_manifest(
+    mesh: Mesh,
+    stages: Sequence[ModelPlan],
+    shard_info: dict[str, Any],
+    sources: list[dict[str, Any]],
+    conversion: str,
+    record: WrittenFile,
+    sha256: bool,
+) -> dict[str, Any]:
+    """The manifest of a converted directory in the plain layout (its source record added by the caller): version 2,
+    each rank file listed by its leaves in ``record``, or with ``sha256`` version 1; the pipeline stages' layers when
+    ``mesh`` has several."""
+    from ..version import __version__
+
+    layers = [len(s.layers) if s.layers is not None else 0 for s in stages]
+    return {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION if sha256 else LEAVES_MANIFEST_VERSION,
+        "shardload_version": __version__,
+        "num_shards": mesh.tp,
+        CONVERSION_KEY: conversion,
+        "mesh": None if mesh.pp == 1 else {"pp": mesh.pp, "tp": mesh.tp, "pp_layers": layers},
+        "shard_info": shard_info,
+        "source": {"files": sources},
+        "integrity": {"record": record.path, "root": record.sha256},
+    }
 
 
 def publish_with_manifest(

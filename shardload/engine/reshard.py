@@ -26,11 +26,7 @@ from ..planning.reshard import OldPart, boxes_copyable, old_parts, whole
 from ..sources.checkpoint import Checkpoint
 from ..sources.dtypes import DTYPES, itemsize, to_torch
 from ..sources.manifest import (
-    CONVERSION_KEY,
-    LEAVES_MANIFEST_VERSION,
-    MANIFEST_FORMAT,
     MANIFEST_NAME,
-    MANIFEST_VERSION,
     manifest_stages,
     rank_file_name,
 )
@@ -336,8 +332,7 @@ def write_shards(
     ``layout``, streamed one tensor at a time, with the integrity record every convert writes (hashed as written;
     ``sha256``: each file's sha256 too, in a version-1 manifest); everything is planned and checked before the
     output is created."""
-    from ..version import __version__
-    from .output import StagingDir, check_output, publish_with_manifest, stamp_sources, write_error
+    from .output import StagingDir, check_output, publish_with_manifest, rank_files_manifest, stamp_sources, write_error
     from .writer import FileWriter, file_order, new_conversion, rank_header, write_output_record, written_record
 
     checkpoint = source.checkpoint
@@ -369,23 +364,11 @@ def write_shards(
                         written.append(handle.finish())
                     finally:
                         handle.close()
-            mesh = None
-            if layout.pp > 1:
-                counts = [len(s.layers) if s.layers is not None else 0 for s in stages]
-                mesh = {"pp": layout.pp, "tp": layout.tp, "pp_layers": counts}
             output = write_output_record(staging.dir, written_record(written), durable)  # hashed as written
-            manifest = {
-                "format": MANIFEST_FORMAT,
-                "version": MANIFEST_VERSION if sha256 else LEAVES_MANIFEST_VERSION,
-                "shardload_version": __version__,
-                "num_shards": layout.tp,
-                CONVERSION_KEY: conversion,
-                "mesh": mesh,
-                "shard_info": build_plan(source.shard_info, source.stored, layout.tp).resolved_shard_info(),
-                "source": {"files": [{"path": f.name, "size": f.stat().st_size} for f in files]},
-                "integrity": {"record": output.path, "root": output.sha256},
-                RECORD_KEY: record,
-            }
+            resolved = build_plan(source.shard_info, source.stored, layout.tp).resolved_shard_info()
+            sizes = [{"path": f.name, "size": f.stat().st_size} for f in files]
+            manifest = rank_files_manifest(layout, stages, resolved, sizes, conversion, output, sha256)
+            manifest[RECORD_KEY] = record
             others = [output, *publish_with_manifest(staging, checkpoint.root, stamps, [*written, output], manifest,
                                                      durable)]  # fmt: skip
     except OSError as err:
