@@ -153,7 +153,7 @@ def _all_gather(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
     return out
 
 
-def _decode(raw: bytes, count: int) -> list[tuple[bytes, bytes, bytes]]:
+def _decode(raw: bytes, count: int) -> list[tuple[bytes, ...]]:
     return [ROW.unpack_from(raw, i * ROW.size) for i in range(count)]
 
 
