@@ -6,8 +6,8 @@ and the commit, :meth:`HfApi.model_info`), and ``GET``/``HEAD /REPO/resolve/REV/
 huggingface_hub reads (``X-Repo-Commit``, ``ETag``, ``Content-Length``), a ``Range: bytes=A-B`` answered ``206`` with
 ``Content-Range``; errors as the Hub sends them (``X-Error-Code``: ``RepoNotFound`` 404, or 401 for a private repo;
 ``RevisionNotFound``, ``EntryNotFound`` 404; ``GatedRepo`` 403; a bare 403 for a token without access). It records
-every request (method, file, range asked, status, body bytes written). It can ignore Range (``200`` and the whole
-file, as a broken proxy would).
+every request (method, file, range asked, status, body bytes answered) before answering it. It can ignore Range
+(``200`` and the whole file, as a broken proxy would).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Served:
     """The bytes asked, first and last (inclusive), as the client wrote them."""
     status: int
     nbytes: int
-    """Body bytes written."""
+    """Body bytes answered (the client may hang up before reading them all)."""
 
 
 @dataclass
@@ -153,7 +153,10 @@ class FakeHub:
                         headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
         if status >= 400 and not body:
             body = json.dumps({"error": headers.get("X-Error-Code", "error")}).encode()
-        written = 0
+        # Recorded before the answer goes out: a client that refuses an answer hangs up mid-body, and a record made
+        # after that (this thread's write failing) could land after the test's next reset().
+        with self._lock:
+            self.served.append(Served(method, path, file, span, status, 0 if head else len(body)))
         try:
             req.send_response(status)
             for key, value in {**headers, "Content-Length": str(len(body))}.items():
@@ -162,12 +165,8 @@ class FakeHub:
             if not head:
                 for start in range(0, len(body), 1 << 16):
                     req.wfile.write(body[start : start + (1 << 16)])
-                    written += len(body[start : start + (1 << 16)])
         except (BrokenPipeError, ConnectionResetError):
             req.close_connection = True
-        finally:
-            with self._lock:
-                self.served.append(Served(method, path, file, span, status, written))
 
 
 def use_fake_hub(monkeypatch: Any, url: str, home: Path) -> None:
