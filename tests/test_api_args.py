@@ -123,6 +123,28 @@ def test_a_closed_pipe_is_silent(example_dir: Path) -> None:
     assert "Broken pipe" not in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize(
+    "args",
+    [["inspect", "{m}", "-n", "2", "--json"], ["inspect", "{m}", "-n", "2"], ["validate", "{m}/shard_info.json",
+     "-n", "2", "--json"], ["plan", "{m}", "-o", "-"], ["inspect", "{m}/nothing-here", "--json"]],
+)  # fmt: skip
+def test_an_unwritable_stdout_is_one_line(example_dir: Path, args: list[str]) -> None:
+    import subprocess
+    import sys
+
+    cli = Path(__file__).resolve().parents[1] / "cli.py"
+    with open("/dev/full", "w") as full:  # every write: ENOSPC
+        done = subprocess.run([sys.executable, str(cli), *(a.format(m=example_dir) for a in args)], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("note: ")]
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    if "nothing-here" in args[1]:  # the failure itself is the line; its JSON document could not be written
+        assert lines[0].startswith("error: ") and "nothing-here" in lines[0]
+    else:
+        assert lines[0] == "error: cannot write to standard output: No space left on device"
+
+
 def test_layer_numbers_are_ascii_and_bounded(tmp_path: Path) -> None:
     from shardload.planning.mesh import param_stages
 

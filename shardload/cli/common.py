@@ -4,6 +4,7 @@ every command runs under (signals, errors, partial outputs), the progress bar, m
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 import signal
@@ -72,8 +73,32 @@ def _json_requested(args: list[str]) -> bool:
 
 
 def _echo_failure(error: dict[str, Any], exit_code: int) -> None:
-    """The ``--json`` document of a command that failed: ``{"ok": false, "exit_code": ..., "error": {...}}``."""
-    click.echo(json.dumps({"ok": False, "exit_code": exit_code, "error": error}, indent=2))
+    """The ``--json`` document of a command that failed: ``{"ok": false, "exit_code": ..., "error": {...}}``; where
+    stdout cannot take it, the error line on stderr that follows is all there is."""
+    try:
+        click.echo(json.dumps({"ok": False, "exit_code": exit_code, "error": error}, indent=2))
+    except OSError:
+        _drop_stdout()
+
+
+def _written_to_stdout(err: OSError) -> bool:
+    """Whether ``err`` was raised writing the command's output to stdout (``click.echo`` without ``err=True``)."""
+    tb = err.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "echo" and frame.f_globals.get("__name__") == "click.utils":
+            return not frame.f_locals.get("err", True)
+        tb = tb.tb_next
+    return False
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush of output that could not be written raises
+    nothing more (a stream without a descriptor, as under click's test runner, is left as it is)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        pass
 
 
 class BadArgument(click.ClickException):
@@ -120,9 +145,12 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
                 _echo_failure(err.to_dict(), 1)
             _fail(err.message)
         except BrokenPipeError:  # `| head` closed the pipe: stop quietly, as a command killed by SIGPIPE would
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _drop_stdout()
             sys.exit(128 + 13)
         except OSError as err:
+            if _written_to_stdout(err):  # a full disk or a dead terminal: no document can follow on stdout either
+                _drop_stdout()
+                _fail(printable(f"cannot write to standard output: {err.strerror or err}"))
             where = f"{err.filename}: " if err.filename else ""
             message = printable(f"{where}{err.strerror or err}")
             if as_json:
