@@ -192,6 +192,22 @@ def test_quantize_errors_are_one_line(example_dir: Path, quantized: dict[str, Pa
     assert done.exit_code == 0 and "wrote none" in done.output and not (tmp_path / "q" / "shard_info.json").exists()
 
 
+@pytest.mark.parametrize("scheme", ["int4", "int4-g32", "int8"])
+def test_a_model_with_nothing_to_quantize_is_refused(tmp_path: Path, scheme: str) -> None:
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"model.embed_tokens.weight": torch.randn(64, 32), "model.norm.weight": torch.ones(32),
+               "lm_head.weight": torch.randn(64, 32), "model.proj.weight": torch.randn(8, 2)},
+              str(src / "model.safetensors"))  # fmt: skip
+    done = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "q"), "--scheme", scheme])
+    assert done.exit_code == 1 and done.output.count("\n") == 1, done.output
+    assert done.output.startswith(f"error: {src}: nothing to quantize") and "lm_head (ignored module)" in done.output
+    assert "model.proj (input dim 2 is not a multiple of" in done.output
+    assert not (tmp_path / "q").exists() and [p.name for p in tmp_path.iterdir()] == ["src"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_quantized_shards_land_on_cuda_unchanged(quantized: dict[str, Path]) -> None:
     for scheme in SCHEMES:  # int32 packs, int64 shapes, float8 weights

@@ -104,13 +104,34 @@ def resolve_scheme(
     model: str | os.PathLike[str], scheme: str, ignore: tuple[str, ...] = DEFAULT_IGNORE
 ) -> tuple[str, int | None]:
     """``scheme`` as given, or for ``"int4"`` the group size :func:`choose_int4` picks from ``model``'s linear weights
-    (its headers only), with the largest power-of-two N that group keeps (None for a scheme given in full)."""
+    (its headers only), with the largest power-of-two N that group keeps (None for a scheme given in full, or where no
+    weight fits any group size: :func:`quantize` refuses that model)."""
     if scheme != AUTO_INT4:
         return scheme, None
     smallest = SCHEMES[f"int4-g{INT4_GROUPS[-1]}"]
     tensors = open_checkpoint(model).tensors
     dims = {n: t.shape[1] for n, t in tensors.items() if _skip_reason(n, t.shape, t.dtype, smallest, ignore) is None}
+    if not dims:  # no group size fits: quantize refuses the model, naming the smallest
+        return smallest.name, None
     return choose_int4(dims)
+
+
+def _something_to_quantize(model: Any, tensors: Mapping[str, Any], scheme: Scheme, ignore: tuple[str, ...]) -> None:
+    """Refuse a model none of whose weights ``scheme`` would quantize (its output would be the source relabelled)."""
+    reasons = {}
+    for name, t in tensors.items():
+        reason = _skip_reason(name, t.shape, t.dtype, scheme, ignore)
+        if reason is None:
+            return
+        if len(t.shape) == 2 and name.endswith(".weight"):
+            reasons[name.removesuffix(".weight")] = reason
+    kept = ", ".join(f"{name} ({why})" for name, why in list(reasons.items())[:4])
+    more = f" and {len(reasons) - 4} more" if len(reasons) > 4 else ""
+    raise ShardloadError(
+        f"nothing to quantize: no 2-d floating *.weight outside the modules left alone ({', '.join(ignore)}) fits "
+        f"{scheme.name}" + (f"; kept {kept}{more}" if kept else ""),
+        file=str(model),
+    )
 
 
 def quantize(
@@ -168,6 +189,7 @@ def quantize(
         sources.append(Path(info.source))
     check_output(out, sources, overwrite=overwrite)
     config = _read_config(checkpoint.root)
+    _something_to_quantize(model, checkpoint.tensors, spec, ignore)
     result = QuantizeResult(out, spec)
     try:
         with StagingDir(out, None, synced=False, overwrite=overwrite) as staging, Reader() as files:
