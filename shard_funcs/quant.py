@@ -35,12 +35,23 @@ def _split(in_shape: Shape, d: int, n: int) -> Shape:
 # --- shard_packed ----------------------------------------------------------------------
 
 
-def _packed_shape(in_shape: Shape, dtype: str, dim: int, pack: int, num_shards: int) -> tuple[Shape, str]:
+def _packed_shape(
+    in_shape: Shape, dtype: str, dim: int, pack: int, num_shards: int, size: int = 0
+) -> tuple[Shape, str]:
     _check_n(num_shards)
     d = _norm_dim(dim, len(in_shape))
     if pack < 1:
         raise StepArgumentError(f"pack must be >= 1, got {pack}")
     words = in_shape[d]
+    if size:
+        if -(-size // pack) != words:
+            raise StepArgumentError(f"dim {d} holds {words} packs, but {size} values {pack} to a pack need "
+                                    f"{-(-size // pack)}")  # fmt: skip
+        if num_shards > 1 and size % pack:
+            raise StepArgumentError(
+                f"{size} values along dim {d} fill {words} packs of {pack}, the last one partly filled: no split "
+                f"across {num_shards} ranks falls on pack boundaries"
+            )
     if words % num_shards:
         raise StepArgumentError(
             f"{words} packs along dim {d} cannot be split across {num_shards} ranks "
@@ -49,15 +60,18 @@ def _packed_shape(in_shape: Shape, dtype: str, dim: int, pack: int, num_shards: 
     return _split(in_shape, d, num_shards), dtype
 
 
-def _packed_boxes(out_box: Box, in_shape: Shape, dim: int, pack: int, num_shards: int) -> list[tuple[Box, Box]]:
+def _packed_boxes(
+    out_box: Box, in_shape: Shape, dim: int, pack: int, num_shards: int, size: int = 0
+) -> list[tuple[Box, Box]]:
     return _shard_dim_boxes(out_box, in_shape, dim, num_shards)
 
 
 @register("shard_funcs.shard_packed", shape=_packed_shape, boxes=_packed_boxes)
-def shard_packed(x: torch.Tensor, dim: int, pack: int, num_shards: int) -> torch.Tensor:
+def shard_packed(x: torch.Tensor, dim: int, pack: int, num_shards: int, size: int = 0) -> torch.Tensor:
     """Split a dim that packs ``pack`` values per element (int4 in int32: 8) into N parts on pack boundaries.
 
-    Moves the same elements as ``shard_dim``; it exists so a bad N is reported in packs.
+    Moves the same elements as ``shard_dim``; it exists so a bad N is reported in packs. ``size`` is the number of
+    values packed (default: packs x pack); where the last pack is partly filled, N > 1 is refused.
     """
     return shard_dim(x, dim, num_shards)
 
@@ -116,6 +130,7 @@ def _shape_shape(
     segments: Sequence[int] = (),
     kv: Sequence[int] = (),
     unit: int = 1,
+    size: int = 0,
 ) -> tuple[Shape, str]:
     _check_n(num_shards)
     if len(in_shape) != 1 or dtype not in _INT_DTYPES:
@@ -134,14 +149,21 @@ def shard_shape(
     segments: Sequence[int] = (),
     kv: Sequence[int] = (),
     unit: int = 1,
+    size: int = 0,
 ) -> torch.Tensor:
     """Rewrite a stored logical-shape vector (compressed-tensors ``weight_shape``) to each rank's shape.
 
     Entry ``dim`` becomes its N-th part, or with ``segments`` and ``kv`` flags (GQA) the rank's sum
-    over segments as ``shard_segments`` splits them. A compute step: the values change.
+    over segments as ``shard_segments`` splits them. ``size`` is what the packed tensors hold along that dim (packs x
+    values per pack): an entry short of it (a partly filled last pack) cannot be split. A compute step.
     """
     d = dim % x.shape[0]
-    size = int(x[d])
+    stored, size = size, int(x[d])
+    if stored and num_shards > 1 and size != stored:
+        raise StepArgumentError(
+            f"shape entry {d} is {size}, but the packed tensors hold {stored} values along it: their last pack is "
+            f"partly filled, so no split across {num_shards} ranks falls on pack boundaries"
+        )
     if segments:
         if sum(segments) * unit != size:
             raise StepArgumentError(
@@ -168,7 +190,7 @@ def _group_index_shape(in_shape: Shape, dtype: str, num_groups: int, num_shards:
         raise StepArgumentError(f"expects a 1-d integer group index, got {list(in_shape)} {dtype}")
     if in_shape[0] % num_shards:
         raise StepArgumentError(f"{in_shape[0]} inputs cannot be split across {num_shards} ranks")
-    if num_groups < 1 or num_groups % num_shards:
+    if num_groups < 1 or (num_groups > 1 and num_groups % num_shards):  # one group: every rank keeps it
         raise StepArgumentError(f"{num_groups} groups cannot be split across {num_shards} ranks")
     return _split(in_shape, 0, num_shards), dtype
 
@@ -178,13 +200,15 @@ def shard_group_index(x: torch.Tensor, num_groups: int, num_shards: int) -> torc
     """Split a per-input group index (``g_idx``) and make it local: rank r's values minus r x groups per rank.
 
     For checkpoints whose groups follow input order (no act-order), so each rank's scales are its own
-    slice; a value outside the rank's groups is an error (act-order needs replicated scales).
+    slice; a value outside the rank's groups is an error (act-order needs replicated scales). One group (GPTQ's
+    group_size -1) is every rank's: its index stays 0.
     """
-    per_rank = num_groups // num_shards
+    shared = num_groups == 1
+    per_rank = 1 if shared else num_groups // num_shards
     parts = shard_dim(x, 0, num_shards)
     import torch
 
-    offsets = (torch.arange(num_shards, dtype=x.dtype) * per_rank).unsqueeze(1)
+    offsets = (torch.arange(num_shards, dtype=x.dtype) * (0 if shared else per_rank)).unsqueeze(1)
     local = parts - offsets
     bad = (local < 0) | (local >= per_rank)
     if bool(bad.any()):

@@ -146,6 +146,56 @@ def test_compressed_tensors_pack_quantized(tmp_path: Path, scheme: str) -> None:
     check_modules(save(tmp_path / "model", modules), modules, qconfig)
 
 
+@pytest.mark.parametrize(
+    ("label", "shape", "weights", "split"),
+    [
+        ("in=60, a row split", (16, 60), {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "channel"}, ROW),
+        ("out=28, zero points packed 8 to a word, a column split", (28, 64),
+         {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32},
+         Placement("", "column", 0)),
+    ],
+)  # fmt: skip
+def test_compressed_tensors_partly_filled_last_word_is_never_split(
+    tmp_path: Path, label: str, shape: tuple[int, int], weights: dict[str, Any], split: Placement
+) -> None:
+    """compressed-tensors packs ceil(size / 8) words: where the last is partly filled, no N > 1 splits on whole words
+    (rank 1 got 4 padding values and lost 2 real ones): N = 1 loads exactly, every other N is refused."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(**weights)
+    qscheme = QuantizationScheme(targets=["Linear"], weights=args)
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    torch.manual_seed(0)
+    w = torch.randn(shape, dtype=torch.float16)
+    group = args.group_size or shape[1]
+    g = w.reshape(shape[0], shape[1] // group, group)
+    scale, zero = calculate_qparams(g.amin(-1), g.amax(-1), args)
+    state = {
+        "weight": w,
+        "weight_scale": scale,
+        **({} if args.symmetric else {"weight_zero_point": zero.to(torch.int8)}),
+    }
+    tensors = {f"m.p.{k}": v for k, v in compressor.compress(state, qscheme).items()}
+    words = tensors["m.p.weight_packed" if split.dim == 1 else "m.p.weight_zero_point"].shape[split.dim]
+    assert words * 8 > shape[split.dim], "the last word is partly filled"
+
+    def dequant(local: Tensors) -> np.ndarray:
+        return compressor.decompress(local, qscheme)["weight"].float().numpy()
+
+    module = Module("m.p", split, tensors, dequant, (1,))
+    qconfig = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+               "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}  # fmt: skip
+    model = save(tmp_path / "model", [module])
+    check_modules(model, [module], qconfig)
+    params = companion_steps(replace(split, name="m.p.weight"), open_checkpoint(model).tensors, qconfig)
+    for n in (2, 4):
+        with pytest.raises(shardload.ShardloadError, match="partly filled"):
+            shardload.load(model, n, devices=["cpu"] * n, shard_info={"version": 1, "params": params})
+
+
 # --- 2. MLC-LLM group-quantized int4 ------------------------------------------------------------
 
 
@@ -178,6 +228,29 @@ def test_gptq(tmp_path: Path, desc_act: bool) -> None:
     modules = _modules(rng, lambda rng, prefix, out, inp: gptq_module(rng, prefix, out, inp, desc_act=desc_act))
     qconfig = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": desc_act, "sym": False}
     check_modules(save(tmp_path / "model", modules), modules, qconfig)
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_gptq_one_group_per_channel_splits_at_every_n(tmp_path: Path, desc_act: bool) -> None:
+    """group_size -1: one scale row for all inputs, g_idx all zeros; every rank keeps the one group (it was refused
+    at every N > 1 without act-order)."""
+    rng = np.random.default_rng(5)
+    modules = []
+    for prefix, split, (out, inp) in (("m.gate_up", COLUMN, (384, 256)), ("m.down", ROW, (128, 768))):
+        tensors, dequant = gptq_module(rng, prefix, out, inp, group=inp, desc_act=desc_act)
+        modules.append(Module(prefix, split, tensors, dequant, ALL_N))
+    qconfig = {"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": desc_act, "sym": False}
+    check_modules(save(tmp_path / "model", modules), modules, qconfig)
+
+
+def test_gptq_g_idx_must_cover_the_packed_inputs(tmp_path: Path) -> None:
+    """qweight packs 64 inputs; a g_idx of 60 (a partly filled last word) cannot be sliced beside it."""
+    tensors, _ = gptq_module(np.random.default_rng(6), "m.down", 16, 64)
+    tensors["m.down.g_idx"] = tensors["m.down.g_idx"][:60].clone()
+    save(tmp_path / "model", [Module("m.down", ROW, tensors, lambda t: np.zeros(0))])
+    qconfig = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False}
+    with pytest.raises(shardload.ShardloadError, match=r"m\.down\.g_idx.*60 entries for 64 packed inputs"):
+        companion_steps(replace(ROW, name="m.down.weight"), open_checkpoint(tmp_path / "model").tensors, qconfig)
 
 
 def test_awq(tmp_path: Path) -> None:

@@ -85,7 +85,9 @@ def test_steps_are_n_agnostic_documents_that_validate() -> None:
     assert params["down.weight_scale"] == [
         ["shard_funcs.shard_groups", [["num_shards", 256, "24 // num_shards"], "float16"], 1, 32, "num_shards", 768]
     ]
-    assert params["down.weight_shape"] == [["shard_funcs.shard_shape", [["num_shards", 2], "int64"], 1, "num_shards"]]
+    assert params["down.weight_shape"] == [
+        ["shard_funcs.shard_shape", [["num_shards", 2], "int64"], 1, "num_shards", [], [], 1, 768]
+    ]  # the packed length: an entry short of it (a partly filled last word) is refused
     info = ShardInfo.from_dict({"version": 1, "num_shards": None, "params": params})
     assert info.num_shards is None and set(info.params) == set(tensors)
     # replicated: every tensor listed with no steps

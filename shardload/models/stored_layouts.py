@@ -414,7 +414,7 @@ def _compressed_tensors(prefix: str, stored: dict[str, Any], qc: Mapping[str, An
             if z[-2] == out:
                 rows = _Axis(out_dim)
             elif z[-2] == -(-out // pf):
-                rows = _Axis(out_dim, "packed", pf)
+                rows = _Axis(out_dim, "packed", pf, out)
             else:
                 raise _LayoutError("weight_zero_point", f"{z[-2]} rows for {out} outputs")
             info.layouts["weight_zero_point"] = (*cols[:-2], rows, cols[-1])
@@ -472,6 +472,9 @@ def _gptq_awq(prefix: str, stored: dict[str, Any], qc: Mapping[str, Any], awq: b
             raise _LayoutError("qzeros", f"{qzeros[1]} columns for {logical[out_dim]} outputs packed {pf}")
         info.layouts["qzeros"] = (rows, _Axis(out_dim, "packed", pf))
     if "g_idx" in stored and not awq:
+        if tuple(stored["g_idx"][0]) != (logical[in_dim],):
+            raise _LayoutError("g_idx", f"shape {list(stored['g_idx'][0])}: {prod(stored['g_idx'][0])} entries for "
+                                        f"{logical[in_dim]} packed inputs")  # fmt: skip
         info.layouts["g_idx"] = "g_idx"
         info.act_order = qc.get("desc_act", True) is not False
     return info
@@ -558,6 +561,9 @@ def _steps(
         out = [["num_shards", shape[0]], dtype]
         if any(kv):
             return [["shard_funcs.shard_shape", out, split_dim, "num_shards", segments, kv, unit]]
+        packed = _packed_length(info, split_dim)
+        if packed:  # what the packed tensors hold along the dim: a shorter entry (a partly filled pack) is refused
+            return [["shard_funcs.shard_shape", out, split_dim, "num_shards", [], [], 1, packed]]
         return [["shard_funcs.shard_shape", out, split_dim, "num_shards"]]
     if layout == "g_idx":
         if split_dim != in_dim:
@@ -585,7 +591,9 @@ def _steps(
         _check_boundaries(segments, unit, axis.factor)
         return [_segments_step(shape, dtype, d, segments, kv, unit, axis.factor)]
     if axis.kind == "packed":
-        return [_split_step("shard_funcs.shard_packed", shape, dtype, d, [axis.factor])]
+        return [
+            _split_step("shard_funcs.shard_packed", shape, dtype, d, [axis.factor], [axis.size] if axis.size else [])
+        ]
     if axis.kind == "group":
         return [_split_step("shard_funcs.shard_groups", shape, dtype, d, [axis.factor], [axis.size])]
     if placement.pad_to is not None:  # a vocabulary: zero rows where N does not divide it, then the split
@@ -594,6 +602,15 @@ def _steps(
             ["shard_funcs.shard_dim", [None, dtype], d, "num_shards"],
         ]
     return [_split_step("shard_funcs.shard_dim", shape, dtype, d, [])]
+
+
+def _packed_length(info: _Weight, dim: int) -> int:
+    """The values the weight's main tensor packs along logical ``dim`` (packs x per pack), 0 where it is not packed."""
+    main = _MAIN[info.format]
+    layout = next((v for k, v in info.layouts.items() if k == main or k.endswith("." + main)), None)
+    if not isinstance(layout, tuple):
+        return 0
+    return next((info.logical[dim] for axis in layout if axis.logical == dim and axis.kind == "packed"), 0)
 
 
 def _segments(placement: Placement, dim: int, size: int) -> tuple[list[int], list[int], int]:
