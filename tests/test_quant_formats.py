@@ -286,6 +286,34 @@ def test_fp8_tensor_channel_and_block_scales(tmp_path: Path) -> None:
     check_modules(save(tmp_path / "model", modules), modules, qconfig)
 
 
+@pytest.mark.parametrize(
+    "qconfig",
+    [None, {"quant_method": "fp8"}, {"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"}],
+    ids=["no-config", "fp8-no-block-size", "modelopt-FP8_PB_WO"],
+)
+def test_fp8_block_scales_without_a_configured_block_are_128(tmp_path: Path, qconfig: dict[str, Any] | None) -> None:
+    """[300, 256] with 3 x 2 scales is blocks of 128 rows (128, 128, 44): read as 100-row blocks, N = 3 loaded wrong
+    scales into ranks 1 and 2. Without a configured block size the blocks are 128 x 128 (every FP8 block producer's,
+    and what vLLM implies for ModelOpt's FP8_PB_WO); a count that 128 does not give and no single size explains is
+    refused."""
+    rng = np.random.default_rng(8)
+    tensors, dequant = fp8_module(rng, "m.up", 300, 256, kind="block")
+    column = Placement("", "column", 0)
+    module = Module("m.up", column, tensors, dequant, (1,))
+    model = save(tmp_path / "model", [module])
+    check_modules(model, [module], qconfig)
+    params = companion_steps(replace(column, name="m.up.weight"), open_checkpoint(model).tensors, qconfig)
+    for n in (2, 3):
+        with pytest.raises(shardload.ShardloadError, match="group size 128"):
+            shardload.load(model, n, devices=["cpu"] * n, shard_info={"version": 1, "params": params})
+    # 2 scale rows for 300: blocks of 150 to 299 rows all give 2, and 128 gives 3: the size cannot be told
+    odd = {"m.odd.weight": tensors["m.up.weight"], "m.odd.weight_scale_inv": torch.ones(2, 2)}
+    save_file(odd, str(tmp_path / "odd.safetensors"))
+    headers = open_checkpoint(tmp_path / "odd.safetensors").tensors
+    with pytest.raises(shardload.ShardloadError, match=r"m\.odd\.weight_scale_inv.*cannot tell the group size"):
+        companion_steps(replace(column, name="m.odd.weight"), headers, qconfig)
+
+
 # --- 5. GGUF -----------------------------------------------------------------------------------
 
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")

@@ -300,9 +300,16 @@ def _pack_factor(bits: Any, where: str) -> int:
 
 
 def _fit(
-    name: str, shape: Sequence[int], dims: Sequence[int | None], logical: Sequence[int], hints: Mapping[int, int]
+    name: str,
+    shape: Sequence[int],
+    dims: Sequence[int | None],
+    logical: Sequence[int],
+    hints: Mapping[int, int],
+    partial: bool = False,
 ) -> tuple[_Axis, ...]:
-    """Classify each dim of a scale-like tensor: full size (plain), size 1 (broadcast) or grouped."""
+    """Classify each dim of a scale-like tensor: full size (plain), size 1 (broadcast) or grouped. A group size no
+    hint gives is guessed from the counts; with ``partial`` (blocks whose last one may be partly filled) only where
+    one size alone gives that count."""
     if len(shape) != len(dims):
         raise _LayoutError(name, f"shape {list(shape)} has not the expected {len(dims)} dims")
     axes = []
@@ -317,6 +324,8 @@ def _fit(
             axes.append(_Axis(None))
         else:
             group = hints.get(d) or (size // c if size % c == 0 else 0)
+            if group and partial and d not in hints and -(-size // (group + 1)) == c:
+                group = 0  # blocks of size/c and of size/c + 1 (and more) give as many: the size cannot be told
             if not group or -(-size // group) != c:
                 reason = (
                     f"{c} entries along a dim of {size} do not fit the configured group size {hints[d]}"
@@ -498,7 +507,11 @@ def _scaled(prefix: str, stored: dict[str, Any], qc: Mapping[str, Any]) -> _Weig
         elif len(s) == 1 and k >= 2 and s[0] == shape[-2]:  # per-channel vector [out]
             info.layouts[suffix] = (_Axis(k - 2),)
         elif len(s) == k:
-            info.layouts[suffix] = _fit(suffix, s, range(k), shape, hints)
+            blocks = dict(hints)
+            for d in range(max(k - 2, 0), k):  # no block size configured: 128, where it gives the count
+                if d not in blocks and s[d] not in (1, shape[d]) and -(-shape[d] // DEFAULT_BLOCK) == s[d]:
+                    blocks[d] = DEFAULT_BLOCK
+            info.layouts[suffix] = _fit(suffix, s, range(k), shape, blocks, partial=True)
         else:
             raise _LayoutError(suffix, f"shape {list(s)} does not fit weight {list(shape)}")
     if "weight_g_idx" in stored:
@@ -506,6 +519,11 @@ def _scaled(prefix: str, stored: dict[str, Any], qc: Mapping[str, Any]) -> _Weig
         info.act_order = args.get("actorder", True) in _ACT_ORDER_VALUES
         info.num_groups = stored.get("weight_scale", ((1,), ""))[0][-1]
     return info
+
+
+DEFAULT_BLOCK = 128
+"""The block size of a full-size weight's 2-d scales where the quantization_config gives none: every FP8 block
+producer's (DeepSeek-V3, Qwen3 FP8, llm-compressor), and the one vLLM implies for ModelOpt's ``FP8_PB_WO``."""
 
 
 def _gguf(prefix: str, stored: dict[str, Any], qc: Mapping[str, Any]) -> _Weight:
