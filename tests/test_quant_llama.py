@@ -134,6 +134,47 @@ def test_fp8_under_other_method_names_plans_by_its_tensors(tmp_path: Path) -> No
         check_quantized_plan(tmp_path / method, write_llama(tmp_path / method, build, {"quant_method": method}))
 
 
+def test_gpt_oss_as_released_in_mxfp4_is_refused(tmp_path: Path) -> None:
+    """GPT-OSS ships its experts as MXFP4 ``*_blocks`` and ``*_scales`` beside bf16 ``*_bias``: the plan split the
+    biases and left the blocks whole, so rank 0 held every expert's gate_up rows and half their biases."""
+    from safetensors.torch import save_file
+
+    e, h, i, heads, kv, hd, v = 4, 64, 64, 4, 2, 16, 128
+    g = torch.Generator().manual_seed(0)
+
+    def bf16(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    def u8(*shape: int) -> torch.Tensor:
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+
+    p = "model.layers.0."
+    tensors = {"model.embed_tokens.weight": bf16(v, h), "lm_head.weight": bf16(v, h), "model.norm.weight": bf16(h),
+               p + "input_layernorm.weight": bf16(h), p + "post_attention_layernorm.weight": bf16(h),
+               p + "self_attn.q_proj.weight": bf16(heads * hd, h), p + "self_attn.k_proj.weight": bf16(kv * hd, h),
+               p + "self_attn.v_proj.weight": bf16(kv * hd, h), p + "self_attn.o_proj.weight": bf16(h, heads * hd),
+               p + "self_attn.sinks": bf16(heads), p + "mlp.router.weight": bf16(e, h), p + "mlp.router.bias": bf16(e),
+               p + "mlp.experts.gate_up_proj_blocks": u8(e, 2 * i, h // 32, 16),
+               p + "mlp.experts.gate_up_proj_scales": u8(e, 2 * i, h // 32),
+               p + "mlp.experts.gate_up_proj_bias": bf16(e, 2 * i),
+               p + "mlp.experts.down_proj_blocks": u8(e, h, i // 32, 16),
+               p + "mlp.experts.down_proj_scales": u8(e, h, i // 32),
+               p + "mlp.experts.down_proj_bias": bf16(e, h)}  # fmt: skip
+    model = tmp_path / "gpt-oss"
+    model.mkdir()
+    save_file(tensors, str(model / "model.safetensors"))
+    config = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_size": h,
+              "intermediate_size": i, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
+              "num_hidden_layers": 1, "num_local_experts": e, "num_experts_per_tok": 2, "vocab_size": v,
+              "tie_word_embeddings": False, "layer_types": ["full_attention"],
+              "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}}  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(shardload.PlanError, match="quant_method 'mxfp4' is not one a plan is made for"):
+        generate(model)
+    with pytest.raises(shardload.PlanError, match="quant_method 'mxfp4'"):
+        shardload.load_rank(model, 1, 2)
+
+
 def test_a_quantization_method_no_plan_knows_is_refused(tmp_path: Path) -> None:
     """bitsandbytes LLM.int8 stores ``weight`` int8 beside per-row scales (``SCB``) and a ``weight_format``: planned
     as a dense weight, a column-split module's scales stayed whole on every rank. A quant_method the plans do not

@@ -135,9 +135,11 @@ def build_shard_info(
     return shard_info_document(placements, tensors, quantization_config=qconfig)
 
 
-UNPLANNED_METHODS = ("bitsandbytes", "hqq", "aqlm", "quanto", "eetq", "spqr", "vptq", "higgs", "torchao", "bitnet")
+UNPLANNED_METHODS = ("bitsandbytes", "hqq", "aqlm", "quanto", "eetq", "spqr", "vptq", "higgs", "torchao", "bitnet",
+                     "mxfp4", "fp-quant")  # fmt: skip
 """``quant_method`` values whose tensors no plan splits with their weights (bitsandbytes' per-row ``SCB`` scales and
-``weight_format``, codebooks, packed blocks): refused rather than planned as dense weights. Any other method plans
+``weight_format``, codebooks, packed blocks such as GPT-OSS's MXFP4 ``*_blocks``/``*_scales`` beside bf16 biases the
+plan would split): refused rather than planned as dense weights. Any other method plans
 by the names of its stored tensors (:mod:`.stored_layouts`: ``fbgemm_fp8`` and ModelOpt FP8 as scaled weights)."""
 UNPLANNED_COMPANIONS = ("SCB", "weight_format", "absmax", "quant_map", "nested_absmax", "nested_quant_map")
 """Tensor names (last part) of bitsandbytes' companions, refused whatever config.json says."""
