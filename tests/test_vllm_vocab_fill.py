@@ -143,3 +143,17 @@ def test_an_even_split_of_a_divisible_vocabulary_is_refused_with_advice_that_wor
         with pytest.raises(ShardloadError, match="125 rows per rank") as err:
             _converted_vocab({k: torch.zeros(125, 4) for k in HEADS}, routes, vocab, rank, "conv")
         assert "--layout vllm" in str(err.value) and "(the default)" not in str(err.value)
+
+
+def test_per_tensor_scales_stored_without_a_shape_fill_fused_and_plain_parameters() -> None:
+    """AutoFP8 and ModelOpt FP8 store per-tensor scales 0-d; vLLM holds one per fused part ([3] for qkv_proj) and
+    [1] for an unfused layer, and reshapes a 0-d scale to [1]. torch.cat of 0-d parts raised a bare RuntimeError,
+    and a 0-d scale into a [1] parameter was refused as a plan that splits it otherwise."""
+    qkv = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+    o = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+    targets = {"l.qkv_proj.weight_scale": qkv, "l.o_proj.weight_scale": o}
+    tensors = {f"l.{p}_proj.weight_scale": torch.tensor(float(i + 1)) for i, p in enumerate("qkvo")}
+    routes = {f"l.{p}_proj.weight_scale": Target("l.qkv_proj.weight_scale", i, 3) for i, p in enumerate("qkv")}
+    routes["l.o_proj.weight_scale"] = Target("l.o_proj.weight_scale")
+    filled = copy_into(targets, tensors, routes, {}, set(), "model-dir", server="vLLM")
+    assert filled == set(targets) and qkv.tolist() == [1.0, 2.0, 3.0] and o.tolist() == [4.0]

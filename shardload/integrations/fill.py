@@ -247,6 +247,8 @@ def copy_into(
             if target.name in vocab:
                 _fill_vocab(param, tensor, vocab[target.name], name in narrow, where, name, name in direct, server)
             elif name not in direct:
+                if tensor.dim() == 0 and tuple(param.shape) == (1,):  # a per-tensor scale stored without a shape
+                    tensor = tensor.reshape(1)
                 _check_shape(param, tensor.shape, where, name, target.name, server)
                 param.data.copy_(tensor)
             filled.add(target.name)
@@ -262,7 +264,7 @@ def copy_into(
         elif all(p is not None for p in group.parts):
             dim = getattr(param, "output_dim", None)
             dim = 0 if dim is None else dim
-            parts = [p for p in group.parts if p is not None]
+            parts = [p.reshape(1) if p.dim() == 0 else p for p in group.parts if p is not None]  # 0-d: AutoFP8's
             whole = parts[-1] if target.name.endswith(SHAPE_SUFFIX) else torch.cat(parts, dim=dim)
             _check_shape(param, whole.shape, where, " + ".join(n for n in group.names if n), target.name, server)
             param.data.copy_(whole)
@@ -293,6 +295,8 @@ def _fill_expert(param: Any, tensor: torch.Tensor, target: Target, where: str, n
     if target.parts > 1:
         rows = dest.shape[0] // target.parts
         dest = dest.narrow(0, target.part * rows, rows)
+    if tensor.dim() == 0 and dest.numel() == 1:  # a per-tensor scale stored without a shape
+        tensor = tensor.reshape(dest.shape)
     _check_shape(dest, tensor.shape, where, name, f"{target.name}[{target.expert}]", server)
     dest.copy_(tensor)
 
