@@ -300,3 +300,21 @@ def test_plan_on_a_gguf_file(tmp_path: Path) -> None:
                 got_r = raw if qtype is None else gguf.quants.dequantize(raw.reshape(raw.shape[0], -1), qtype)
                 want_r = full if placement.style == "replicated" else rank_reference(full, placement, n, r)
                 np.testing.assert_array_equal(got_r, want_r, err_msg=f"{name} {r}/{n}")
+
+
+def test_a_compressed_tensors_group_naming_the_layer_wins_over_a_class_target() -> None:
+    """vLLM and compressed-tensors match a layer's name, then a regex, then a class ("Linear"); the first group whose
+    targets matched was taken, so a class group listed first hid down_proj's own group size (refused at every N)."""
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
+    groups = {"group_0": {"targets": ["Linear"], "weights": {**weights, "group_size": 128}},
+              "group_1": {"targets": ["re:.*down_proj$"], "weights": {**weights, "group_size": 32}},
+              "group_2": {"targets": ["model.up_proj"], "weights": {**weights, "group_size": 64}}}  # fmt: skip
+    qconfig = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": groups}
+    tensors = {
+        **_ct("model.down_proj", 64, 256, 32),
+        **_ct("model.up_proj", 64, 256, 64),
+        **_ct("model.o", 64, 256, 128),
+    }
+    for prefix, group in (("model.down_proj", 32), ("model.up_proj", 64), ("model.o", 128)):
+        steps = companion_steps(Placement(f"{prefix}.weight", "row", 1), tensors, qconfig)
+        assert steps[f"{prefix}.weight_scale"][0][3] == group, (prefix, steps[f"{prefix}.weight_scale"])

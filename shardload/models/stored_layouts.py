@@ -343,10 +343,12 @@ def _ct_args(prefix: str, qc: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(groups, dict):
         return {}
     candidates = [g for g in groups.values() if isinstance(g, dict)]
-    for group in candidates:
-        if any(_target_matches(prefix, t) for t in group.get("targets") or []):
-            weights = group.get("weights")
-            return weights if isinstance(weights, dict) else {}
+    # as vLLM and compressed-tensors pick: a layer's own name first, then a regex, then a class such as "Linear"
+    for kind in ("name", "re", "class"):
+        for group in candidates:
+            if any(_target_kind(t) == kind and _target_matches(prefix, t) for t in group.get("targets") or []):
+                weights = group.get("weights")
+                return weights if isinstance(weights, dict) else {}
     if len(candidates) == 1 and isinstance(candidates[0].get("weights"), dict):
         return candidates[0]["weights"]
     return {}
@@ -370,6 +372,15 @@ def _target_pattern(text: str) -> Any:
         return re2.compile(text, options)
     except re2.error:
         return None
+
+
+def _target_kind(target: Any) -> str:
+    """A config group target's kind: a regex (``re:``), a module class name (``Linear``) or a layer name."""
+    if isinstance(target, str) and target.startswith("re:"):
+        return "re"
+    if isinstance(target, str) and "." not in target and target[:1].isupper():
+        return "class"
+    return "name"
 
 
 def _target_matches(module: str, target: Any) -> bool:
