@@ -195,7 +195,15 @@ def _group_index_shape(in_shape: Shape, dtype: str, num_groups: int, num_shards:
     return _split(in_shape, 0, num_shards), dtype
 
 
-@register("shard_funcs.shard_group_index", shape=_group_index_shape)
+def _group_index_inverse(out: torch.Tensor, num_groups: int, num_shards: int) -> torch.Tensor:
+    """The global g_idx back from every rank's local one: rank r's values plus r x groups per rank."""
+    import torch
+
+    per_rank = 0 if num_groups == 1 else num_groups // num_shards
+    return (out + (torch.arange(num_shards, dtype=out.dtype) * per_rank).unsqueeze(1)).reshape(-1)
+
+
+@register("shard_funcs.shard_group_index", shape=_group_index_shape, inverse=_group_index_inverse)
 def shard_group_index(x: torch.Tensor, num_groups: int, num_shards: int) -> torch.Tensor:
     """Split a per-input group index (``g_idx``) and make it local: rank r's values minus r x groups per rank.
 

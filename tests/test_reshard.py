@@ -587,3 +587,48 @@ def test_compressed_sharded_state_to_another_n(
     with pytest.raises(ShardloadError, match="weight_shape: its num_shards=2 files hold none of it") as err:
         shardload.load_rank(tmp_path / "vllm2", 0, 4)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("n_old", [2, 4])
+def test_a_rank_local_g_idx_too_large_for_the_record_is_undone(
+    models: dict[str, Model], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n_old: int
+) -> None:
+    """Every real GPTQ g_idx (4096 inputs and more) is over the manifest's 4 KiB value cap: its rank-local parts were
+    refused as a compute step that cannot be undone. The global index is the local one plus r x groups per rank,
+    checked by running the step again."""
+    import shardload.engine.reshard as reshard
+
+    monkeypatch.setattr(reshard, "VALUE_BYTES", 0)  # nothing recorded: as for a model of real size
+    model = models["gptq"]
+    out = tmp_path / f"gptq-{n_old}"
+    shardload.convert(model.path, n_old, out)
+    record = json.loads((out / "shard_manifest.json").read_text())["source_plan"]
+    assert not [k for k in record["values"] if k.endswith("g_idx")]
+    for n_new in (1, 2, 4):
+        want = model.direct(n_new)
+        assert not isinstance(want, ShardloadError)
+        for rank in range(n_new):
+            assert_equal(shardload.load_rank(out, rank, n_new), want[rank], f"{n_old} -> {n_new} rank {rank}")
+
+
+def test_a_rank_local_g_idx_that_no_stored_index_gives_is_refused(
+    models: dict[str, Model], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank file's local g_idx with a value outside the rank's groups (written by something else) is refused."""
+    import struct
+
+    import shardload.engine.reshard as reshard
+
+    monkeypatch.setattr(reshard, "VALUE_BYTES", 0)
+    out = tmp_path / "gptq-2"
+    shardload.convert(models["gptq"].path, 2, out)
+    rank1 = out / "rank-00001-of-00002.safetensors"
+    with open(rank1, "r+b") as f:  # one int32 of a g_idx, in place (the file's size and header unchanged)
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        name = next(k for k in header if k.endswith("g_idx"))
+        assert header[name]["dtype"] == "I32"
+        f.seek(8 + size + header[name]["data_offsets"][0])
+        f.write(struct.pack("<i", 10_000))
+    with pytest.raises(ShardloadError, match=r"hold results of shard_funcs\.shard_group_index that no one stored"):
+        shardload.load_rank(out, 0, 4)

@@ -72,6 +72,9 @@ class StepFunction:
     pads: bool = False
     """The box rule may return parts with no source (``in_box`` None): output elements that are zeros
     (padding). A rank's zeros are written in place, never read; the function itself must return zeros there."""
+    inverse: Callable[..., Any] | None = None
+    """For a compute step: ``inverse(out, *args)`` gives the input back from the whole output ``[N, ...]``, so a
+    directory converted with the step serves another N (its result is checked by running the step again)."""
 
     @property
     def remap(self) -> bool:
@@ -172,8 +175,12 @@ def register(
     out: bool = False,
     pads: bool = False,
     replace: bool = False,
+    inverse: Callable[..., Any] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: register ``fn(x, *args)`` under ``name`` with its shape rule (and box rule for remaps).
+
+    A compute step may give ``inverse(out, *args)``, its input back from the whole output ``[N, ...]``: a directory
+    converted with it then serves another N without a record of the stored tensor (``shard_funcs.shard_group_index``).
 
     With ``pads=True`` the box rule may map parts of the output to no input (``(None, out_part)``): those
     elements are zeros, filled without a read (``shard_funcs.pad_dim``); the function must give zeros there too.
@@ -199,7 +206,7 @@ def register(
         if name in _REGISTRY and not replace and _REGISTRY[name].fn is not fn:
             raise ValueError(f"step function {name!r} is already registered (pass replace=True)")
         params, variadic = _arg_specs(fn, out)
-        _REGISTRY[name] = StepFunction(name, fn, shape, boxes, params, variadic, out, pads)
+        _REGISTRY[name] = StepFunction(name, fn, shape, boxes, params, variadic, out, pads, inverse)
         return fn
 
     return decorator
