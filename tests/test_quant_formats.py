@@ -196,6 +196,34 @@ def test_compressed_tensors_partly_filled_last_word_is_never_split(
             shardload.load(model, n, devices=["cpu"] * n, shard_info={"version": 1, "params": params})
 
 
+def test_compressed_tensors_nvfp4_packs_two_values_to_a_byte(tmp_path: Path) -> None:
+    """NVFP4 (``nvfp4-pack-quantized``) stores uint8 ``weight_packed`` [out, in/2] and float8 scales per 16 inputs:
+    its pack factor was taken as an int32 word's 8, the input dim read as 4x too large, and the model refused."""
+    gen = torch.Generator().manual_seed(9)
+
+    def module(prefix: str, split: Placement, out: int, inp: int, ns: tuple[int, ...]) -> Module:
+        tensors = {f"{prefix}.weight_packed": torch.randint(0, 256, (out, inp // 2), generator=gen, dtype=torch.uint8),
+                   f"{prefix}.weight_scale": (torch.rand(out, inp // 16, generator=gen) + 0.5).to(torch.float8_e4m3fn),
+                   f"{prefix}.weight_global_scale": torch.tensor([2.0]),
+                   f"{prefix}.input_global_scale": torch.tensor([3.0])}  # fmt: skip
+
+        def dequant(local: Tensors) -> np.ndarray:  # codes (low nibble first) times their group's scale
+            packed = local["weight_packed"].numpy()
+            codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float32)
+            scale = np.repeat(local["weight_scale"].float().numpy(), 16, axis=1)
+            return codes * scale * float(local["weight_global_scale"][0])
+
+        return Module(prefix, split, tensors, dequant, ns)
+
+    modules = [module("m.gate_up", COLUMN, 384, 256, ALL_N), module("m.qkv", GQA, 192, 256, GQA_N),
+               module("m.down", ROW, 128, 768, (1, 2, 3, 4, 6))]  # fmt: skip
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16}
+    qconfig = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+               "config_groups": {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized",
+                                             "weights": weights}}}  # fmt: skip
+    check_modules(save(tmp_path / "model", modules), modules, qconfig)
+
+
 # --- 2. MLC-LLM group-quantized int4 ------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ checkpoint. Pure: only names, shapes, dtypes and the ``quantization_config`` are
 
 Formats (:func:`detect_format`), with the tensors each stores next to the module prefix ``P``:
 
-- ``compressed-tensors``: ``P.weight_packed`` int32 ``[out, in/8]`` (int4; int8 packs 4),
+- ``compressed-tensors``: ``P.weight_packed`` int32 ``[out, in/8]`` (int4; int8 packs 4; NVFP4 uint8 packs 2),
   ``P.weight_scale`` ``[out, in/group]`` or ``[out, 1]``, ``P.weight_zero_point`` packed along
   ``out``, ``P.weight_shape`` (rewritten per rank), ``P.weight_g_idx``;
 - ``mlc``: ``P.q_weight`` uint32 ``[out, in/8]``, ``P.q_scale`` ``[out, in/group]``;
@@ -293,10 +293,15 @@ def _batch(shape: Sequence[int], core: int) -> list[_Axis]:
     return [_Axis(i) for i in range(len(shape) - core)]
 
 
-def _pack_factor(bits: Any, where: str) -> int:
-    if type(bits) is not int or bits < 1 or 32 % bits:
-        raise StepArgumentError(f"{where}: {bits!r}-bit values do not pack evenly into 32-bit words")
-    return 32 // bits
+def _pack_factor(bits: Any, where: str, width: int = 32) -> int:
+    """Values of ``bits`` bits per stored element of ``width`` bits (int4 in int32: 8; NVFP4 in uint8: 2)."""
+    if type(bits) is not int or bits < 1 or width % bits:
+        raise StepArgumentError(f"{where}: {bits!r}-bit values do not pack evenly into {width}-bit elements")
+    return width // bits
+
+
+_WIDTHS = {"int64": 64, "uint64": 64, "int32": 32, "uint32": 32, "int16": 16, "uint16": 16, "int8": 8, "uint8": 8}
+"""Bits per element of the integer dtypes a packed tensor is stored in."""
 
 
 def _fit(
@@ -406,8 +411,9 @@ def _block_hints(block: Any, k: int) -> dict[int, int]:
 
 def _compressed_tensors(prefix: str, stored: dict[str, Any], qc: Mapping[str, Any]) -> _Weight:
     args = _ct_args(prefix, qc)
-    pf = _pack_factor(args.get("num_bits", 4), "num_bits")
-    shape = stored["weight_packed"][0]
+    shape, dtype = stored["weight_packed"]
+    width = _WIDTHS.get(str(dtype).removeprefix("torch."), 32)  # int32 words; NVFP4's uint8 bytes
+    pf = _pack_factor(args.get("num_bits", 4), "num_bits", width)
     if len(shape) < 2:
         raise _LayoutError("weight_packed", f"shape {list(shape)} is not [..., out, in/{pf}]")
     k = len(shape)
