@@ -25,6 +25,7 @@ import numpy as np
 import torch.distributed as dist
 
 import shardload
+from helpers.rendezvous import store
 from shardload.engine import agreement, exchange
 from shardload.errors import ShardloadError
 from shardload.integrations.api import same_checkpoint
@@ -64,7 +65,7 @@ def in_turn(model: str, rank: int, case: str, shard_info: dict | None) -> dict:
 
 def main() -> None:
     model, case = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", **store())
     rank = dist.get_rank()
     if case == "touch-hosts":
         agreement.host_key = lambda: bytes([rank]) * 8  # each rank on a host of its own

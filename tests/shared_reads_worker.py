@@ -40,6 +40,7 @@ import shardload
 import shardload.engine.exchange as exchange
 import shardload.engine.routes as load
 import shardload.engine.transfer as transfer
+from helpers.rendezvous import store
 from shardload.engine.fingerprint import plan_samples
 from shardload.sources.checkpoint import open_checkpoint
 from shardload.sources.reader import Reader, count_reads
@@ -100,7 +101,7 @@ def main() -> None:
     if os.environ.get("SHARDLOAD_TEST_DEVICE") == "cuda":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, **store())
     rank = dist.get_rank()
     die = os.environ.get("SHARDLOAD_TEST_DIE") or os.environ.get("SHARDLOAD_TEST_HANG")
     if "SHARDLOAD_TEST_TIMEOUT" in os.environ:

@@ -7,30 +7,23 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers.rendezvous import STORE_ENV, new_store
 from shardload.engine.agreement import file_rows, first_disagreement
 from shardload.format.input_log import InputLog
 
 WORKER = Path(__file__).resolve().parent / "agreement_worker.py"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(model: Path, case: str) -> list[str]:
     """Each rank's one line of output (``OK ...`` or ``ERROR ...``), by rank."""
-    port = _port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "WORLD_SIZE": "2", "PYTHONPATH": os.pathsep.join(sys.path)}  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", STORE_ENV: new_store(), "WORLD_SIZE": "2",
+           "PYTHONPATH": os.pathsep.join(sys.path)}  # fmt: skip
     command = [sys.executable, str(WORKER), str(model), case]
     procs = [
         subprocess.Popen(

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import struct
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from click.testing import CliRunner
 import shardload
 from helpers import tiny_models
 from helpers.checkpoints import write_model
+from helpers.rendezvous import STORE_ENV, new_store
 from shardload.cli.main import main
 from shardload.engine.routes import progress_for as _rank_progress
 from shardload.planning.group_reads import GroupReads, choose_chunk, file_bases, slot_needs, strided
@@ -188,11 +188,11 @@ def test_share_reads_needs_a_process_group(example_dir: Path) -> None:
 
 
 @pytest.fixture
-def group_of_one() -> Any:
+def group_of_one(tmp_path: Path) -> Any:
     """An initialised gloo process group of this process alone, destroyed afterwards."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         yield dist.group.WORLD
     finally:
@@ -258,12 +258,6 @@ def test_progress_draws_on_the_first_rank_of_a_node(example_dir: Path, monkeypat
     seen: list[tuple[int, int]] = []
     shardload.load_rank(example_dir, 0, 2, progress=lambda d, t: seen.append((d, t)))
     assert seen and seen[-1][0] == seen[-1][1] and [d for d, _ in seen] == list(range(1, len(seen) + 1))
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.slow
@@ -332,11 +326,11 @@ def object_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 def spawn(cases: list[dict], env: dict[str, str], ranks: int = 4) -> list[subprocess.Popen[str]]:
     """Start ``ranks`` worker processes of one gloo group directly (no torchrun, which would kill the others as soon
     as one fails)."""
-    port = _port()
+    path = new_store()
     procs = []
     for r in range(ranks):
-        rank_env = {**ENV, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
-                    "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(r)}  # fmt: skip
+        rank_env = {**ENV, **env, STORE_ENV: path, "RANK": str(r), "WORLD_SIZE": str(ranks),
+                    "LOCAL_RANK": str(r)}  # fmt: skip
         procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(cases)], env=rank_env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
     return procs
