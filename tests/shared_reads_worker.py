@@ -15,7 +15,7 @@ tensor bytes of the checkpoint, and the bytes the group's ranks read to fingerpr
 Environment: ``SHARDLOAD_TEST_BACKEND`` (gloo) names the backend; ``SHARDLOAD_TEST_DEVICE=cuda`` loads onto
 ``cuda:LOCAL_RANK`` (modulo the GPUs); ``SHARDLOAD_TEST_DIE=RANK:ROUND`` makes that rank exit hard
 (``os._exit(3)``) after reading its chunk of that exchange round (``SHARDLOAD_TEST_HANG``: after stopping for
-8 s); ``SHARDLOAD_TEST_FAIL``: the shared load is expected to fail (``model_of_rank`` gives some rank another
+14 s); ``SHARDLOAD_TEST_FAIL``: the shared load is expected to fail (``model_of_rank`` gives some rank another
 model; ``SHARDLOAD_TEST_FAIL=unreadable:RANK``: that rank's reads to fingerprint the files fail);
 ``SHARDLOAD_TEST_FAIL=rewrite:RANK``: that rank rewrites its copy's first weight file in place (every tensor byte
 flipped) after the first exchange round; ``SHARDLOAD_TEST_TIMEOUT`` sets the exchange timeout in seconds. A load
@@ -48,7 +48,7 @@ from shardload.sources.safetensors_header import read_header
 
 
 class DyingReader(Reader):
-    """A reader whose process exits hard (with ``hang``, after stopping for 8 s) once it has read its chunk of
+    """A reader whose process exits hard (with ``hang``, after stopping for 14 s) once it has read its chunk of
     round ``after`` (counted per call; the reads that fingerprint the files before the exchange do not count)."""
 
     def __init__(self, after: int, hang: bool) -> None:
@@ -64,7 +64,7 @@ class DyingReader(Reader):
         self.rounds += 1
         if self.rounds > self.after:
             if self.hang:
-                time.sleep(8)
+                time.sleep(14)
             time.sleep(0.2)  # let the others start the exchange of this round
             os._exit(3)
 
