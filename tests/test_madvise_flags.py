@@ -78,6 +78,8 @@ def test_populate_asks_only_for_memory_not_faulted_in(monkeypatch):
     half = mmap.mmap(-1, 64 * page)  # only the first half written: the rest still asks
     half[: 32 * page] = b"\x02" * (32 * page)
     at = ctypes.addressof(ctypes.c_char.from_buffer(half))
+    if reader._resident_pages([at + 40 * page]) != 0:  # a write faulted in its neighbours (multi-size THP)
+        pytest.skip("this kernel faults anonymous memory in blocks larger than a page")
     reader.populate_runs(np.array([at], dtype=np.uint64), np.array([0]), np.array([0]), np.array([len(half)]))
     assert kernel.calls == [(at, 64 * page, reader.MADV_POPULATE_WRITE)]
 
