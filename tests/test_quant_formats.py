@@ -271,6 +271,22 @@ def test_gptq_one_group_per_channel_splits_at_every_n(tmp_path: Path, desc_act: 
     check_modules(save(tmp_path / "model", modules), modules, qconfig)
 
 
+def test_gptq_dynamic_overrides_set_a_modules_group_size(tmp_path: Path) -> None:
+    """GPTQModel's ``dynamic``: the first pattern matching a module (``+:`` or bare) overrides its settings, as vLLM
+    reads them; down_proj's own group size 32 was taken for the global 128 and the model refused at every N."""
+    rng = np.random.default_rng(7)
+    modules = []
+    for prefix, split, (out, inp), group in (("model.layers.0.mlp.gate_up", COLUMN, (384, 256), 64),
+                                             ("model.layers.0.mlp.down_proj", ROW, (128, 768), 32),
+                                             ("model.layers.0.other", ROW, (128, 512), 128)):  # fmt: skip
+        tensors, dequant = gptq_module(rng, prefix, out, inp, group=group)
+        modules.append(Module(prefix, split, tensors, dequant, (1, 2, 4) if group > 32 else ALL_N))
+    dynamic = {"-:.*self_attn.*": {}, r"+:.*down_proj.*": {"group_size": 32}, r".*mlp.*": {"group_size": 64}}
+    qconfig = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": False,
+               "dynamic": dynamic}  # fmt: skip
+    check_modules(save(tmp_path / "model", modules), modules, qconfig)
+
+
 def test_gptq_g_idx_must_cover_the_packed_inputs(tmp_path: Path) -> None:
     """qweight packs 64 inputs; a g_idx of 60 (a partly filled last word) cannot be sliced beside it."""
     tensors, _ = gptq_module(np.random.default_rng(6), "m.down", 16, 64)

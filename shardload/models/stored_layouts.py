@@ -466,7 +466,26 @@ def _mlc(prefix: str, stored: dict[str, Any], qc: Mapping[str, Any]) -> _Weight:
     return info
 
 
+def _dynamic(prefix: str, qc: Mapping[str, Any]) -> Mapping[str, Any]:
+    """GPTQModel's per-module ``dynamic`` settings over the global ones: the first pattern (``+:``, bare, or ``-:``
+    for a module left unquantized) that matches the module's name from its start wins, as vLLM reads them."""
+    dynamic = qc.get("dynamic")
+    if not isinstance(dynamic, dict):
+        return qc
+    for key, override in dynamic.items():
+        if not isinstance(key, str):
+            continue
+        pattern = _target_pattern(key[2:] if key[:2] in ("+:", "-:") else key)
+        if pattern is None or pattern.match(prefix) is None:
+            continue
+        if key.startswith("-:") or not isinstance(override, dict):
+            return qc
+        return {**qc, **{k: v for k, v in override.items() if k in ("bits", "group_size", "desc_act", "sym")}}
+    return qc
+
+
 def _gptq_awq(prefix: str, stored: dict[str, Any], qc: Mapping[str, Any], awq: bool) -> _Weight:
+    qc = _dynamic(prefix, qc)
     qweight = stored["qweight"][0]
     scales = stored.get("scales", (None,))[0]
     qzeros = stored.get("qzeros", (None,))[0]
