@@ -33,7 +33,7 @@ from helpers.quantized import (
     rank_reference,
     save_gguf,
 )
-from shardload.models.placement import Placement
+from shardload.models.placement import Header, Placement
 from shardload.models.stored_layouts import companion_steps
 from shardload.sources.checkpoint import open_checkpoint
 
@@ -337,9 +337,9 @@ def test_fp8_tensor_channel_and_block_scales(tmp_path: Path) -> None:
 )
 def test_fp8_block_scales_without_a_configured_block_are_128(tmp_path: Path, qconfig: dict[str, Any] | None) -> None:
     """[300, 256] with 3 x 2 scales is blocks of 128 rows (128, 128, 44): read as 100-row blocks, N = 3 loaded wrong
-    scales into ranks 1 and 2. Without a configured block size the blocks are 128 x 128 (every FP8 block producer's,
-    and what vLLM implies for ModelOpt's FP8_PB_WO); a count that 128 does not give and no single size explains is
-    refused."""
+    scales into ranks 1 and 2. Without a configured block size the blocks are 128 x 128 where that gives the count
+    (every FP8 block producer's, and what vLLM implies for ModelOpt's FP8_PB_WO), else the size that fills each
+    exactly."""
     rng = np.random.default_rng(8)
     tensors, dequant = fp8_module(rng, "m.up", 300, 256, kind="block")
     column = Placement("", "column", 0)
@@ -350,12 +350,12 @@ def test_fp8_block_scales_without_a_configured_block_are_128(tmp_path: Path, qco
     for n in (2, 3):
         with pytest.raises(shardload.ShardloadError, match="group size 128"):
             shardload.load(model, n, devices=["cpu"] * n, shard_info={"version": 1, "params": params})
-    # 2 scale rows for 300: blocks of 150 to 299 rows all give 2, and 128 gives 3: the size cannot be told
-    odd = {"m.odd.weight": tensors["m.up.weight"], "m.odd.weight_scale_inv": torch.ones(2, 2)}
-    save_file(odd, str(tmp_path / "odd.safetensors"))
-    headers = open_checkpoint(tmp_path / "odd.safetensors").tensors
-    with pytest.raises(shardload.ShardloadError, match=r"m\.odd\.weight_scale_inv.*cannot tell the group size"):
-        companion_steps(replace(column, name="m.odd.weight"), headers, qconfig)
+    # 64 x 64 blocks of a [4096, 4096] weight: 128 gives 32, not 64; blocks of 64 fill them exactly
+    headers = {"m.b.weight": Header((4096, 4096), "float8_e4m3fn"), "m.b.weight_scale_inv": Header((64, 64), "float32")}
+    steps = companion_steps(replace(column, name="m.b.weight"), headers, qconfig)
+    assert (
+        steps["m.b.weight_scale_inv"][0][0] == "shard_funcs.shard_groups" and steps["m.b.weight_scale_inv"][0][3] == 64
+    )
 
 
 # --- 5. GGUF -----------------------------------------------------------------------------------

@@ -305,16 +305,10 @@ _WIDTHS = {"int64": 64, "uint64": 64, "int32": 32, "uint32": 32, "int16": 16, "u
 
 
 def _fit(
-    name: str,
-    shape: Sequence[int],
-    dims: Sequence[int | None],
-    logical: Sequence[int],
-    hints: Mapping[int, int],
-    partial: bool = False,
+    name: str, shape: Sequence[int], dims: Sequence[int | None], logical: Sequence[int], hints: Mapping[int, int]
 ) -> tuple[_Axis, ...]:
-    """Classify each dim of a scale-like tensor: full size (plain), size 1 (broadcast) or grouped. A group size no
-    hint gives is guessed from the counts; with ``partial`` (blocks whose last one may be partly filled) only where
-    one size alone gives that count."""
+    """Classify each dim of a scale-like tensor: full size (plain), size 1 (broadcast) or grouped (a group size no
+    hint gives: the one that fills every group exactly)."""
     if len(shape) != len(dims):
         raise _LayoutError(name, f"shape {list(shape)} has not the expected {len(dims)} dims")
     axes = []
@@ -329,8 +323,6 @@ def _fit(
             axes.append(_Axis(None))
         else:
             group = hints.get(d) or (size // c if size % c == 0 else 0)
-            if group and partial and d not in hints and -(-size // (group + 1)) == c:
-                group = 0  # blocks of size/c and of size/c + 1 (and more) give as many: the size cannot be told
             if not group or -(-size // group) != c:
                 reason = (
                     f"{c} entries along a dim of {size} do not fit the configured group size {hints[d]}"
@@ -547,7 +539,7 @@ def _scaled(prefix: str, stored: dict[str, Any], qc: Mapping[str, Any]) -> _Weig
             for d in range(max(k - 2, 0), k):  # no block size configured: 128, where it gives the count
                 if d not in blocks and s[d] not in (1, shape[d]) and -(-shape[d] // DEFAULT_BLOCK) == s[d]:
                     blocks[d] = DEFAULT_BLOCK
-            info.layouts[suffix] = _fit(suffix, s, range(k), shape, blocks, partial=True)
+            info.layouts[suffix] = _fit(suffix, s, range(k), shape, blocks)
         else:
             raise _LayoutError(suffix, f"shape {list(s)} does not fit weight {list(shape)}")
     if "weight_g_idx" in stored:
