@@ -525,3 +525,44 @@ def test_a_pinned_root_on_a_layout_directory_is_refused_in_its_own_terms(tmp_pat
     assert "verify=<root hash> is not supported" in text and "verify=True" in text, text
     assert "another N" not in text and "own N" not in text, text
     assert shardload.load_rank(tmp_path / "out", 0, 2, verify=True).keys()
+
+
+def test_a_partly_filled_last_word_is_refused_and_nothing_written(tmp_path: Path) -> None:
+    """A compressed-tensors down_proj with 124 inputs packs 16 words, the last half filled: vLLM's layout keeps
+    weight_shape whole, so the check its steps make on the values never ran and --layout vllm wrote rank files
+    whose words do not hold the ranks' 62 inputs, exit 0. It is refused like a load, nothing written."""
+    h, i, v, heads, kv, hd = 64, 124, 128, 4, 2, 16
+    g = torch.Generator().manual_seed(0)
+
+    def ct(prefix: str, out: int, inp: int) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.weight_packed": torch.randint(-(2**31), 2**31 - 1, (out, -(-inp // 8)), dtype=torch.int32,
+                                                         generator=g),
+                f"{prefix}.weight_scale": torch.rand(out, 1, generator=g).half(),
+                f"{prefix}.weight_shape": torch.tensor([out, inp], dtype=torch.int64)}  # fmt: skip
+
+    p = "model.layers.0."
+    tensors = {"model.embed_tokens.weight": torch.rand(v, h).half(), "lm_head.weight": torch.rand(v, h).half(),
+               "model.norm.weight": torch.rand(h).half(), p + "input_layernorm.weight": torch.rand(h).half(),
+               p + "post_attention_layernorm.weight": torch.rand(h).half()}  # fmt: skip
+    for name, (o, k) in {"self_attn.q_proj": (heads * hd, h), "self_attn.k_proj": (kv * hd, h),
+                         "self_attn.v_proj": (kv * hd, h), "self_attn.o_proj": (h, heads * hd),
+                         "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}.items():  # fmt: skip
+        tensors.update(ct(p + name, o, k))
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file(tensors, str(model / "model.safetensors"))
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+          "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                                       "strategy": "channel"}}}}  # fmt: skip
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": h, "intermediate_size": i,
+              "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "num_hidden_layers": 1,
+              "vocab_size": v, "tie_word_embeddings": False, "torch_dtype": "float16",
+              "quantization_config": qc}  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ShardloadError, match=r"mlp\.down_proj\.weight_shape.*partly filled"):
+        shardload.load_rank(model, 0, 2)  # the load's own refusal
+    out = tmp_path / "vllm-2"
+    done = CliRunner().invoke(main, ["convert", str(model), "-n", "2", "--layout", "vllm", "-o", str(out)])
+    assert done.exit_code == 1 and "partly filled" in done.output and done.output.count("\n") == 1, done.output
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert convert_vllm(model, 1, tmp_path / "vllm-1")  # N = 1 splits nothing

@@ -12,12 +12,12 @@ server; torch only inside the functions.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ShardloadError
-from .api import ModelPlan, ParamPlan, to_torch
+from .api import ModelPlan, ParamPlan, build_plan, to_torch
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +27,7 @@ __all__ = [
     "SHAPE_SUFFIX",
     "FillReport",
     "Target",
+    "KeptWhole",
     "copy_into",
     "expert_maps",
     "place_slots",
@@ -280,6 +281,33 @@ def copy_into(
         raise ShardloadError(f"part(s) {absent} of {server}'s fused parameter {vname!r} are not in the checkpoint",
                              file=where, param=next(n for n in group.names if n))  # fmt: skip
     return filled
+
+
+@dataclass
+class KeptWhole:
+    """The steps a shard_info gives stored tensors a server keeps whole (compressed-tensors ``weight_shape``), run
+    on each value as it is read, their results dropped: what they check in the values (the last pack of a split dim
+    only partly filled) refuses the N there, as a load would."""
+
+    plans: dict[str, ParamPlan]
+
+    @classmethod
+    def of(cls, checkpoint: Any, info: Any, names: Iterable[str], num_shards: int) -> KeptWhole:
+        """The plans of those of ``names`` that ``info`` gives steps, for ``num_shards`` ranks (headers only)."""
+        from ..format.shard_info import ShardInfo
+
+        params = {n: info.params[n] for n in names if info.params.get(n)}
+        if not params or num_shards == 1:
+            return cls({})
+        plan = build_plan(ShardInfo(params, info.num_shards, source=info.source), checkpoint, num_shards)
+        return cls({name: plan.params[name] for name in params})
+
+    def check(self, name: str, value: torch.Tensor) -> None:
+        """Run ``name``'s steps on its whole stored ``value`` (a few bytes), raising what they raise."""
+        from ..engine.steps import run_steps
+
+        if name in self.plans:
+            run_steps(self.plans[name], value)
 
 
 def _fill_expert(param: Any, tensor: torch.Tensor, target: Target, where: str, name: str, server: str) -> None:

@@ -49,6 +49,7 @@ from ..api import (
 from ..fill import (
     SHAPE_SUFFIX,
     FillReport,
+    KeptWhole,
     Target,
     copy_into,
     expert_maps,
@@ -361,6 +362,7 @@ def _read_planned(
     plan = build_plan(info, checkpoint, num_shards)
     routes = {name: route(name) for name in plan.params}
     unsplit = {n for n in plan.params if n.endswith(SHAPE_SUFFIX)}  # vLLM keeps the stored value
+    shapes = KeptWhole.of(checkpoint, info, unsplit, num_shards)  # ... what the plan's steps check in it still holds
     if whole:
         unsplit |= {n for n in plan.params if (t := vllm_target(n)).expert is not None and t.name in whole}
         unsplit |= {n for n, t in routes.items() if t is not None and t.name in whole}
@@ -389,6 +391,8 @@ def _read_planned(
     slots = place_slots(needed, targets, kept_routes, vocab, narrow)
     tensors = load_rank(checkpoint.path, rank, num_shards, shard_info=info, verify=_verify(verify),
                         into=Destination(slots, only=needed.params), read_options=read_options)  # fmt: skip
+    for name in shapes.plans:
+        shapes.check(name, tensors[name])
     return tensors, set(slots), narrow, routes
 
 

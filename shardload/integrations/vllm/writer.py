@@ -49,9 +49,10 @@ from ...sources.manifest import CONVERSION_KEY, LEAVES_MANIFEST_VERSION, MANIFES
 from ...sources.object_reader import reader_for
 from ...sources.source_types import ConvertedBoxes, SavedBoxes, as_boxes, open_source
 from ...version import __version__
+from ..fill import KeptWhole
 from . import split_format
 from .layout import VllmLayout, VllmTensor, plan_layout
-from .names import vocab_range
+from .names import SHAPE_SUFFIX, vocab_range
 from .sharded_state import FILE_PATTERN
 
 if TYPE_CHECKING:
@@ -97,7 +98,10 @@ def rank_tensors(
     pending: dict[str, list[torch.Tensor]] = {}
     order = iter(t for t in layout.tensors if not t.vocab and t.constant is None)
     want = next(order, None)
+    kept = [n for n in layout.plan.params if n.endswith(SHAPE_SUFFIX)]  # vLLM keeps weight_shape whole
+    shapes = KeptWhole.of(layout.plan.checkpoint, layout.shard_info, kept, num_shards)
     for param, per_rank in _body(layout, num_shards, shards, wrap):
+        shapes.check(param.name, per_rank[0])  # what the plan's steps check in the value still holds
         pending[param.name] = per_rank
         while want is not None and all(p in pending for p in want.parts):
             pieces = [pending.pop(p) for p in want.parts]
