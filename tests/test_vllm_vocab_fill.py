@@ -157,3 +157,32 @@ def test_per_tensor_scales_stored_without_a_shape_fill_fused_and_plain_parameter
     routes["l.o_proj.weight_scale"] = Target("l.o_proj.weight_scale")
     filled = copy_into(targets, tensors, routes, {}, set(), "model-dir", server="vLLM")
     assert filled == set(targets) and qkv.tolist() == [1.0, 2.0, 3.0] and o.tolist() == [4.0]
+
+
+def test_expert_input_scales_stored_without_a_shape_fill_one_value_per_expert() -> None:
+    """vLLM's static-activation FP8 MoE keeps w13_input_scale [E] (gate's and up's, which must agree), w2's [E] and
+    w13_weight_scale [E, 2]; 0-d scales into [E] raised a bare IndexError."""
+    e = 2
+    vname = "model.layers.0.mlp.experts"
+    params = {
+        "w13_input_scale": torch.zeros(e),
+        "w2_input_scale": torch.zeros(e),
+        "w13_weight_scale": torch.zeros(e, 2),
+    }
+    targets = {f"{vname}.{k}": torch.nn.Parameter(v, requires_grad=False) for k, v in params.items()}
+    tensors, routes = {}, {}
+    for x in range(e):
+        for part, proj in enumerate(("gate_proj", "up_proj")):
+            tensors[f"{vname}.{x}.{proj}.input_scale"] = torch.tensor(3.0 + x)
+            routes[f"{vname}.{x}.{proj}.input_scale"] = Target(f"{vname}.w13_input_scale", part, 2, x)
+            tensors[f"{vname}.{x}.{proj}.weight_scale"] = torch.tensor(10.0 * x + part)
+            routes[f"{vname}.{x}.{proj}.weight_scale"] = Target(f"{vname}.w13_weight_scale", part, 2, x)
+        tensors[f"{vname}.{x}.down_proj.input_scale"] = torch.tensor(7.0 + x)
+        routes[f"{vname}.{x}.down_proj.input_scale"] = Target(f"{vname}.w2_input_scale", 0, 1, x)
+    assert copy_into(targets, tensors, routes, {}, set(), "model-dir", server="vLLM") == set(targets)
+    assert targets[f"{vname}.w13_input_scale"].tolist() == [3.0, 4.0]
+    assert targets[f"{vname}.w2_input_scale"].tolist() == [7.0, 8.0]
+    assert targets[f"{vname}.w13_weight_scale"].tolist() == [[0.0, 1.0], [10.0, 11.0]]
+    tensors[f"{vname}.1.up_proj.input_scale"] = torch.tensor(5.0)  # gate 4.0, up 5.0: vLLM keeps one
+    with pytest.raises(ShardloadError, match=r"expert 1's parts store 4\.0 and 5\.0: they must be equal"):
+        copy_into(targets, tensors, routes, {}, set(), "model-dir", server="vLLM")

@@ -235,7 +235,8 @@ def copy_into(
                 raise ShardloadError(f"a second stored tensor for expert {target.expert} of {target.name!r}",
                                      file=where, param=name)  # fmt: skip
             if name not in direct:
-                _fill_expert(param, tensor, target, where, name, server)
+                others = any((target.expert, p) in seen for p in range(target.parts) if p != target.part)
+                _fill_expert(param, tensor, target, where, name, server, others)
             seen.add((target.expert, target.part))
             if len(seen) == param.shape[0] * target.parts:
                 filled.add(target.name)
@@ -310,8 +311,12 @@ class KeptWhole:
             run_steps(self.plans[name], value)
 
 
-def _fill_expert(param: Any, tensor: torch.Tensor, target: Target, where: str, name: str, server: str) -> None:
-    """One expert's projection into a stacked parameter: ``w13`` = [gate rows; up rows], ``w2`` whole."""
+def _fill_expert(
+    param: Any, tensor: torch.Tensor, target: Target, where: str, name: str, server: str, others: bool = False
+) -> None:
+    """One expert's projection into a stacked parameter: ``w13`` = [gate rows; up rows], ``w2`` whole; a ``w13``
+    holding one value per expert (a static input scale) takes gate's and up's, which must agree (``others``: a
+    part of this expert was filled already)."""
     assert target.expert is not None
     if target.expert >= param.shape[0]:
         raise ShardloadError(
@@ -320,6 +325,17 @@ def _fill_expert(param: Any, tensor: torch.Tensor, target: Target, where: str, n
             param=name,
         )
     dest = param.data[target.expert]
+    if dest.dim() == 0 and target.parts > 1 and tensor.numel() == 1:
+        value = tensor.reshape(()).to(dest.dtype)
+        if others and not bool(dest == value):
+            raise ShardloadError(
+                f"{server}'s {target.name!r} holds one value per expert, and expert {target.expert}'s parts store "
+                f"{float(dest)} and {float(value)}: they must be equal",
+                file=where,
+                param=name,
+            )
+        dest.copy_(value)
+        return
     if target.parts > 1:
         rows = dest.shape[0] // target.parts
         dest = dest.narrow(0, target.part * rows, rows)
