@@ -173,6 +173,10 @@ def test_gpt_oss_as_released_in_mxfp4_is_refused(tmp_path: Path) -> None:
         generate(model)
     with pytest.raises(shardload.PlanError, match="quant_method 'mxfp4'"):
         shardload.load_rank(model, 1, 2)
+    del config["quantization_config"]  # the same tensors, the config's record lost
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(shardload.PlanError, match=r"_proj_blocks: is an MXFP4 weight"):
+        shardload.load_rank(model, 1, 2)
 
 
 def test_a_quantization_method_no_plan_knows_is_refused(tmp_path: Path) -> None:

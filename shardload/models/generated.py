@@ -142,7 +142,8 @@ UNPLANNED_METHODS = ("bitsandbytes", "hqq", "aqlm", "quanto", "eetq", "spqr", "v
 plan would split): refused rather than planned as dense weights. Any other method plans
 by the names of its stored tensors (:mod:`.stored_layouts`: ``fbgemm_fp8`` and ModelOpt FP8 as scaled weights)."""
 UNPLANNED_COMPANIONS = ("SCB", "weight_format", "absmax", "quant_map", "nested_absmax", "nested_quant_map")
-"""Tensor names (last part) of bitsandbytes' companions, refused whatever config.json says."""
+"""Tensor names (last part) of bitsandbytes' companions, refused whatever config.json says (as are MXFP4's
+``*_blocks`` beside their ``*_scales``)."""
 
 
 def _planned_quantization(config: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -151,10 +152,11 @@ def _planned_quantization(config: Mapping[str, Any], tensors: Mapping[str, Any])
     weight would be taken for whole tensors and stay unsplit on every rank)."""
     qc = config.get("quantization_config")
     qc = qc if isinstance(qc, dict) else None
-    method = str((qc or {}).get("quant_method", "")).lower().replace("_", "-")
+    given = (qc or {}).get("quant_method", "")
+    method = str(given).lower().replace("_", "-")
     if method in UNPLANNED_METHODS:
         raise PlanError(
-            f"quant_method {method!r} is not one a plan is made for: its tensors beside each weight would not be "
+            f"quant_method {given!r} is not one a plan is made for: its tensors beside each weight would not be "
             "split with it; dequantize the model, or write its shard_info.json"
         )
     _no_unplanned_companions(tensors)  # the method said first, where config.json names it
@@ -169,6 +171,12 @@ def _no_unplanned_companions(tensors: Mapping[str, Any]) -> None:
             raise PlanError(
                 f"is a bitsandbytes companion ({last}) no plan splits with its weight; dequantize the model, or "
                 "write its shard_info.json",
+                param=name,
+            )
+        if last.endswith("_blocks") and f"{name.removesuffix('_blocks')}_scales" in tensors:
+            raise PlanError(
+                "is an MXFP4 weight (packed blocks beside their _scales, as GPT-OSS ships its experts) no plan "
+                "splits; dequantize the model, or write its shard_info.json",
                 param=name,
             )
 
