@@ -304,10 +304,11 @@ def test_plan_on_a_gguf_file(tmp_path: Path) -> None:
 
 def test_a_compressed_tensors_group_naming_the_layer_wins_over_a_class_target() -> None:
     """vLLM and compressed-tensors match a layer's name, then a regex, then a class ("Linear"); the first group whose
-    targets matched was taken, so a class group listed first hid down_proj's own group size (refused at every N)."""
+    targets matched was taken, so a class group listed first hid down_proj's own group size (refused at every N);
+    up_proj, matched by a regex and by its name, takes its name's group."""
     weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
     groups = {"group_0": {"targets": ["Linear"], "weights": {**weights, "group_size": 128}},
-              "group_1": {"targets": ["re:.*down_proj$"], "weights": {**weights, "group_size": 32}},
+              "group_1": {"targets": ["re:.*down_proj$", "re:.*up_proj$"], "weights": {**weights, "group_size": 32}},
               "group_2": {"targets": ["model.up_proj"], "weights": {**weights, "group_size": 64}}}  # fmt: skip
     qconfig = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": groups}
     tensors = {
