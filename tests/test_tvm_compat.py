@@ -236,3 +236,23 @@ def test_unknown_key_says_tvm_would_ignore_it(tmp_path: Path) -> None:
     problems = shardload.validate(info, model=path, num_shards=2)
     assert len(problems) == 1
     assert "names no parameter" in str(problems[0]) and "TVM's loader would ignore this key" in str(problems[0])
+
+
+@pytest.mark.parametrize(
+    ("names", "reason"),
+    [
+        (
+            ["a_shard-1-of-2", "a_shard-2-of-2", "a_shard-01-of-2"],
+            "a_shard-01-of-2: a shard record named with a leading",
+        ),
+        (["a_shard-01-of-2", "a_shard-02-of-2"], "a_shard-01-of-2: a shard record named with a leading zero"),
+    ],
+)
+def test_a_shard_record_tvm_would_not_look_up_is_refused(tmp_path: Path, names: list[str], reason: str) -> None:
+    """TVM finds NAME_shard-K-of-N by that exact name: a record spelled with leading zeros beside the real ones was
+    read as shard K in their place (rank 0 got the 7s, TVM the 1s), and alone it loaded what TVM cannot find."""
+    arrays = {name: np.full((2, 2), 1 + i, dtype="float16") for i, name in enumerate(names)}
+    path = write_cache(tmp_path / "cache", arrays)
+    with pytest.raises(shardload.CheckpointError) as err:
+        open_checkpoint(path)
+    assert "\n" not in str(err.value) and reason in str(err.value) and "tensor-cache.json" in str(err.value)

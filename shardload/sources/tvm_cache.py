@@ -35,6 +35,8 @@ CACHE_NAMES = ("tensor-cache.json", "ndarray-cache.json")
 B16_NAME = "tensor-cache-b16.json"
 """The table TVM writes beside the first when it encoded float32 as bfloat16 (bfloat16 records); read when named."""
 _SHARD_RE = re.compile(r"(.+)_shard-([0-9]{1,9})-of-([0-9]{1,9})")
+"""A pre-sharded record's name; MLC-LLM writes its numbers without leading zeros, and TVM looks records up by that
+exact name, so one written otherwise (``_shard-01-of-2``) is refused."""
 _MAX_SHARDS = 1 << 16
 
 
@@ -139,6 +141,9 @@ def _split_presharded(ckpt: Checkpoint, table: Path) -> None:
         if match is None:
             continue
         base, k, n = match.group(1), int(match.group(2)), int(match.group(3))
+        if match.group(2) != str(k) or match.group(3) != str(n):
+            raise CheckpointError(f"a shard record named with a leading zero (MLC-LLM writes {base}_shard-{k}-of-{n}, "
+                                  "the name TVM looks up)", file=str(table), param=info.name)  # fmt: skip
         if count is not None and n != count:
             raise CheckpointError(
                 f"pre-sharded for num_shards={n}, but other records are for num_shards={count}",
@@ -148,7 +153,11 @@ def _split_presharded(ckpt: Checkpoint, table: Path) -> None:
         if not 1 <= k <= n or n > _MAX_SHARDS:
             raise CheckpointError(f"shard {k} of {n} is out of range", file=str(table), param=info.name)
         count = n
-        groups.setdefault(base, {})[k] = info
+        seen = groups.setdefault(base, {})
+        if k in seen:
+            raise CheckpointError(f"shard {k} of {n} of {base} is stored twice (also as {seen[k].name})",
+                                  file=str(table), param=info.name)  # fmt: skip
+        seen[k] = info
     if count is None:
         return
     for base, parts in groups.items():
