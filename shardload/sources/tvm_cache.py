@@ -153,11 +153,7 @@ def _split_presharded(ckpt: Checkpoint, table: Path) -> None:
         if not 1 <= k <= n or n > _MAX_SHARDS:
             raise CheckpointError(f"shard {k} of {n} is out of range", file=str(table), param=info.name)
         count = n
-        seen = groups.setdefault(base, {})
-        if k in seen:
-            raise CheckpointError(f"shard {k} of {n} of {base} is stored twice (also as {seen[k].name})",
-                                  file=str(table), param=info.name)  # fmt: skip
-        seen[k] = info
+        groups.setdefault(base, {})[k] = info  # one name per K: the spelling is checked above, names are unique
     if count is None:
         return
     for base, parts in groups.items():
