@@ -319,3 +319,29 @@ def test_a_compressed_tensors_group_naming_the_layer_wins_over_a_class_target() 
     for prefix, group in (("model.down_proj", 32), ("model.up_proj", 64), ("model.o", 128)):
         steps = companion_steps(Placement(f"{prefix}.weight", "row", 1), tensors, qconfig)
         assert steps[f"{prefix}.weight_scale"][0][3] == group, (prefix, steps[f"{prefix}.weight_scale"])
+
+
+def test_a_gguf_family_whose_preset_knows_only_hugging_face_names_is_refused(tmp_path: Path) -> None:
+    """A BERT GGUF (llama.cpp names): its preset's roles name Hugging Face tensors, none matched, and every tensor
+    loaded whole on every rank at any N (plan wrote "params": {})."""
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "bert.gguf"
+    writer = gguf.GGUFWriter(str(path), "bert")
+    writer.add_block_count(1)
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_feed_forward_length(128)
+    rng = np.random.default_rng(0)
+    for name, shape in {"token_embd.weight": (100, 64), "blk.0.attn_q.weight": (64, 64),
+                        "blk.0.attn_k.weight": (64, 64), "blk.0.attn_v.weight": (64, 64),
+                        "blk.0.attn_output.weight": (64, 64), "blk.0.ffn_up.weight": (128, 64),
+                        "blk.0.ffn_down.weight": (64, 128)}.items():  # fmt: skip
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(PlanError, match="model_type 'bert': the built-in preset knows its Hugging Face tensor names"):
+        shardload.load_rank(path, 0, 2)
+    done = CliRunner().invoke(main, ["plan", str(path), "-o", str(tmp_path / "si.json")])
+    assert done.exit_code == 1 and "GGUF names" in done.output and not (tmp_path / "si.json").exists()
