@@ -345,3 +345,40 @@ def test_a_gguf_family_whose_preset_knows_only_hugging_face_names_is_refused(tmp
         shardload.load_rank(path, 0, 2)
     done = CliRunner().invoke(main, ["plan", str(path), "-o", str(tmp_path / "si.json")])
     assert done.exit_code == 1 and "GGUF names" in done.output and not (tmp_path / "si.json").exists()
+
+
+def test_a_split_gguf_model_needs_every_part(tmp_path: Path) -> None:
+    """llama.cpp's split models (model-0000K-of-0000N.gguf, split.count in each): a part missing, or a part given
+    alone, loaded the tensors that were there without a word."""
+    gguf = pytest.importorskip("gguf")
+    model = tmp_path / "split"
+    model.mkdir()
+    writer = gguf.GGUFWriter(str(model / "model.gguf"), "llama", split_max_tensors=3)
+    writer.add_block_count(1)
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_feed_forward_length(128)
+    rng = np.random.default_rng(0)
+    for name, shape in {"token_embd.weight": (128, 64), "blk.0.attn_q.weight": (64, 64),
+                        "blk.0.attn_k.weight": (32, 64), "blk.0.attn_v.weight": (32, 64),
+                        "blk.0.attn_output.weight": (64, 64), "blk.0.ffn_up.weight": (128, 64),
+                        "blk.0.ffn_gate.weight": (128, 64), "blk.0.ffn_down.weight": (64, 128),
+                        "output_norm.weight": (64,)}.items():  # fmt: skip
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    parts = sorted(model.glob("*.gguf"))
+    assert len(parts) == 3
+    assert len(shardload.load_rank(model, 1, 2)) == 9  # every part: the whole model
+    with pytest.raises(
+        CheckpointError, match=r"needs all its 3 parts.*here model-00001-of-00003\.gguf \(part 1 of 3\)"
+    ):
+        shardload.load_rank(parts[0], 0, 2)
+    parts[1].rename(tmp_path / parts[1].name)
+    with pytest.raises(
+        CheckpointError, match=r"needs all its 3 parts, each once, and nothing else: here .*part 3 of 3\)"
+    ):
+        shardload.load_rank(model, 0, 2)

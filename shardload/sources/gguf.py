@@ -156,18 +156,59 @@ def _tensor_info(path: Path, size: int, t: Any) -> tuple[TensorInfo, dict[str, A
 def _read(files: list[Path]) -> tuple[dict[str, TensorInfo], dict[str, dict[str, Any]]]:
     tensors: dict[str, TensorInfo] = {}
     kinds: dict[str, dict[str, Any]] = {}
+    parts: dict[Path, tuple[int, int, int | None]] = {}
     for f in files:
         st = f.stat()
         input_log.stamp(f, st)  # inside a load: this identity, checked again after the last read
         reader = _reader(f)
         size = st.st_size
+        split = _split_part(reader, f)
+        if split is not None:
+            parts[f] = split
         for t in reader.tensors:
             if t.name in tensors:
                 first = tensors[t.name].file.name
                 raise CheckpointError(f"tensor is stored in two files: {first} and {f.name}", file=str(f), param=t.name)
             tensors[t.name], kinds[t.name] = _tensor_info(f, size, t)
+    if parts:
+        _check_split(parts, files, len(tensors))
     check_disjoint(tensors.values())
     return tensors, kinds
+
+
+def _split_part(reader: Any, path: Path) -> tuple[int, int, int | None] | None:
+    """A split model's part: (its number from 0, the part count, the model's tensor count), from llama.cpp's
+    ``split.no``, ``split.count`` and ``split.tensors.count``; None for a file that is not one of several parts."""
+    values = {}
+    for key in ("split.no", "split.count", "split.tensors.count"):
+        field = reader.fields.get(key)
+        if field is not None:
+            try:
+                values[key] = int(field.parts[field.data[0]][0])
+            except (IndexError, TypeError, ValueError):
+                raise CheckpointError(f"{BAD}: metadata {key} is not an integer", file=str(path)) from None
+    count = values.get("split.count", 1)
+    if count <= 1:
+        return None
+    return values.get("split.no", -1), count, values.get("split.tensors.count")
+
+
+def _check_split(parts: dict[Path, tuple[int, int, int | None]], files: list[Path], found: int) -> None:
+    """Every part of one split model, each once, and no other GGUF file beside them; the model's tensor count."""
+    first, (_, count, total) = next(iter(parts.items()))
+    numbers = sorted(no for no, _, _ in parts.values())
+    if any(c != count for _, c, _ in parts.values()) or len(files) != len(parts) or numbers != list(range(count)):
+        have = ", ".join(f"{f.name} (part {no + 1} of {c})" for f, (no, c, _) in parts.items())
+        others = [f.name for f in files if f not in parts]
+        extra = f"; and not a part of it: {', '.join(others)}" if others else ""
+        raise CheckpointError(
+            f"a split GGUF model needs all its {count} parts, each once, and nothing else: here {have}{extra} (give "
+            "the directory that holds every part)",
+            file=str(first.parent if len(files) > 1 else first),
+        )
+    if total is not None and found != total:
+        raise CheckpointError(f"the split model's {count} parts hold {found} tensors, their metadata says {total}",
+                              file=str(first.parent))  # fmt: skip
 
 
 def gguf_files(path: Path) -> list[Path]:
