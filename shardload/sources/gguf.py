@@ -1,4 +1,5 @@
-"""GGUF files as a checkpoint source, read through the ``gguf`` package (an optional extra).
+"""GGUF files as a checkpoint source: headers parsed here, in one pass, once per file (the ``gguf`` package, an
+optional extra, gives the GGML types' block sizes).
 
 Tensors are presented in numpy/torch dim order (outermost first; GGUF lists dims innermost
 first). A block-quantized tensor (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K, ...) of logical shape
@@ -12,6 +13,9 @@ reads the file's metadata in config.json's terms (head counts, sizes) for ``shar
 
 from __future__ import annotations
 
+import math
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +57,33 @@ BAD = "not a readable GGUF file"
 """A GGUF tensor has at most this many dims (GGML itself has four)."""
 
 
-def check_layout(path: Path) -> None:
-    """Walk a GGUF file's header (counts, key/value pairs, tensor infos) checking every count and length against
-    the bytes left in the file, before gguf's reader trusts them: a forged count is a one-line error, never a huge
-    allocation or a long loop."""
+@dataclass
+class _Entry:
+    """One tensor of a GGUF header: its name, dims (GGUF's order, innermost first), GGML type id and data offset."""
+
+    name: str
+    dims: tuple[int, ...]
+    kind: int
+    offset: int
+
+
+@dataclass
+class _Header:
+    """A GGUF file's header: its scalar metadata (arrays left out: a tokenizer's are most of a header), its tensors
+    and where their data starts."""
+
+    metadata: dict[str, Any]
+    tensors: list[_Entry]
+    data_start: int
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def read_header(path: Path) -> _Header:
+    """Walk a GGUF file's header (counts, key/value pairs, tensor infos) in one pass, checking every count and
+    length against the bytes left in the file: a forged count is a one-line error, never a huge allocation or a long
+    loop. Arrays are skipped over, not decoded (a Llama 3 tokenizer's are a few MB of short strings)."""
     size = path.stat().st_size
     with open(path, "rb", buffering=1 << 20) as fh:
         pos = 0
@@ -85,72 +112,89 @@ def check_layout(path: Path) -> None:
                 )
             return n
 
-        def value(kind: int, what: str, nested: bool = False) -> None:
+        def text(what: str) -> str:
+            try:
+                return skip(count(f"{what} length", 1), what, keep=True).decode("utf-8")
+            except UnicodeDecodeError:
+                raise CheckpointError(f"{BAD}: {what} is not UTF-8", file=str(path)) from None
+
+        def value(kind: int, what: str, nested: bool = False) -> Any:
             if kind in _FIXED:
-                skip(_FIXED[kind], what)
-            elif kind == _STRING:
-                skip(count(f"{what} length", 1), what)
-            elif kind == _ARRAY and not nested:
+                return struct.unpack(_SCALARS[kind], skip(_FIXED[kind], what, keep=True))[0]
+            if kind == _STRING:
+                return text(what)
+            if kind == _ARRAY and not nested:
                 item = number(4, f"{what} item type")
                 n = count(f"{what} length", _FIXED.get(item, 8))
                 if item in _FIXED:
                     skip(n * _FIXED[item], what)
-                else:
+                elif item == _STRING:
                     for _ in range(n):
-                        value(item, what, nested=True)
-            else:
-                raise CheckpointError(f"{BAD}: {what} has unknown value type {kind}", file=str(path))
+                        skip(count(f"{what} length", 1), what)
+                else:
+                    raise CheckpointError(f"{BAD}: {what} holds items of type {item}", file=str(path))
+                return None
+            raise CheckpointError(f"{BAD}: {what} has unknown value type {kind}", file=str(path))
 
         if skip(4, "magic", keep=True) != b"GGUF":
             raise CheckpointError("not a GGUF file (no GGUF magic)", file=str(path))
-        number(4, "version")
+        version = number(4, "version")
+        if version not in (2, 3):
+            other = " (a big-endian file?)" if version >= 1 << 16 else ""
+            raise CheckpointError(f"{BAD}: GGUF version {version}{other}; shardload reads versions 2 and 3",
+                                  file=str(path))  # fmt: skip
         tensors = count("tensor count", 8 + 4 + 4 + 8)
         kvs = count("metadata count", 8 + 4)
+        metadata: dict[str, Any] = {}
         for _ in range(kvs):
-            key = skip(count("metadata key length", 1), "metadata key", keep=True).decode("utf-8", "replace")
-            value(number(4, f"type of {key!r}"), f"metadata {key!r}")
+            key = text("metadata key")
+            if key in metadata:
+                raise CheckpointError(f"{BAD}: metadata key {key!r} appears twice", file=str(path))
+            kind = number(4, f"type of {key!r}")
+            metadata[key] = value(kind, f"metadata {key!r}")
+            if key == "general.alignment" and (kind != 4 or not 1 <= metadata[key] <= 1 << 20):
+                raise CheckpointError(f"{BAD}: general.alignment must be a uint32 from 1 to 2**20", file=str(path))
+        entries = []
         for _ in range(tensors):
-            skip(count("tensor name length", 1), "tensor name")
+            name = text("tensor name")
             dims = number(4, "tensor dims")
             if dims > MAX_DIMS:
                 raise CheckpointError(f"{BAD}: a tensor with {dims} dims (at most {MAX_DIMS})", file=str(path))
-            skip(8 * dims + 4 + 8, "tensor info")
+            shape = tuple(number(8, "tensor dim") for _ in range(dims))
+            entries.append(_Entry(name, shape, number(4, "tensor type"), number(8, "tensor offset")))
+    align = metadata.get("general.alignment") or 32
+    return _Header(metadata, entries, -(-pos // align) * align)
 
 
-def _reader(path: Path) -> Any:
-    check_layout(path)
+def _tensor_info(path: Path, size: int, data_start: int, t: _Entry) -> tuple[TensorInfo, dict[str, Any]]:
     try:
-        from gguf import GGUFReader
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     except ImportError:
         raise CheckpointError(
             "reading GGUF needs the gguf package: pip install 'shardload[gguf]'", file=str(path)
         ) from None
-    try:
-        reader = GGUFReader(path, "r")
-    except (ValueError, KeyError, IndexError, OSError, EOFError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{BAD}: {err}", file=str(path)) from None
-    if reader.byte_order != "I":
-        raise CheckpointError("GGUF file has the other byte order than this machine; not supported", file=str(path))
-    return reader
 
-
-def _tensor_info(path: Path, size: int, t: Any) -> tuple[TensorInfo, dict[str, Any]]:
-    from gguf.constants import GGML_QUANT_SIZES
-
-    type_name = t.tensor_type.name
-    block, type_bytes = GGML_QUANT_SIZES[t.tensor_type]
-    dims = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists the innermost dim first
     where = {"file": str(path), "param": t.name}
+    try:
+        kind = GGMLQuantizationType(t.kind)
+        block, type_bytes = GGML_QUANT_SIZES[kind]
+    except (ValueError, KeyError):
+        raise CheckpointError(f"tensor type {t.kind} is not one the gguf package knows", **where) from None
+    type_name = kind.name
+    dims = tuple(reversed(t.dims))  # GGUF lists the innermost dim first
     if type_name in _PLAIN:
         dtype, shape = _PLAIN[type_name], dims
+        nbytes = math.prod(dims) * type_bytes
     else:
         if not dims or dims[-1] % block:
             raise CheckpointError(f"{type_name} tensor of shape {list(dims)} is not whole blocks of {block}", **where)
         dtype, shape = "uint8", (*dims[:-1], dims[-1] // block, type_bytes)
-    if t.data_offset + t.n_bytes > size:
+        nbytes = math.prod(shape)
+    start = data_start + t.offset
+    if start + nbytes > size:
         raise CheckpointError(f"data runs past the end of the {size}-byte file", **where)
-    kind = {"type": type_name, "block_size": block, "type_size": type_bytes, "shape": list(dims)}
-    return TensorInfo(t.name, dtype, shape, path, int(t.data_offset), int(t.n_bytes)), kind
+    info = {"type": type_name, "block_size": block, "type_size": type_bytes, "shape": list(dims)}
+    return TensorInfo(t.name, dtype, shape, path, start, nbytes), info
 
 
 def _read(files: list[Path]) -> tuple[dict[str, TensorInfo], dict[str, dict[str, Any]]]:
@@ -160,33 +204,31 @@ def _read(files: list[Path]) -> tuple[dict[str, TensorInfo], dict[str, dict[str,
     for f in files:
         st = f.stat()
         input_log.stamp(f, st)  # inside a load: this identity, checked again after the last read
-        reader = _reader(f)
-        size = st.st_size
-        split = _split_part(reader, f)
+        header = _header(f)
+        split = _split_part(header.metadata, f)
         if split is not None:
             parts[f] = split
-        for t in reader.tensors:
+        for t in header.tensors:
             if t.name in tensors:
                 first = tensors[t.name].file.name
-                raise CheckpointError(f"tensor is stored in two files: {first} and {f.name}", file=str(f), param=t.name)
-            tensors[t.name], kinds[t.name] = _tensor_info(f, size, t)
+                where = "twice in this file" if first == f.name else f"in two files: {first} and {f.name}"
+                raise CheckpointError(f"tensor is stored {where}", file=str(f), param=t.name)
+            tensors[t.name], kinds[t.name] = _tensor_info(f, st.st_size, header.data_start, t)
     if parts:
         _check_split(parts, files, len(tensors))
     check_disjoint(tensors.values())
     return tensors, kinds
 
 
-def _split_part(reader: Any, path: Path) -> tuple[int, int, int | None] | None:
+def _split_part(metadata: dict[str, Any], path: Path) -> tuple[int, int, int | None] | None:
     """A split model's part: (its number from 0, the part count, the model's tensor count), from llama.cpp's
     ``split.no``, ``split.count`` and ``split.tensors.count``; None for a file that is not one of several parts."""
     values = {}
     for key in ("split.no", "split.count", "split.tensors.count"):
-        field = reader.fields.get(key)
-        if field is not None:
-            try:
-                values[key] = int(field.parts[field.data[0]][0])
-            except (IndexError, TypeError, ValueError):
-                raise CheckpointError(f"{BAD}: metadata {key} is not an integer", file=str(path)) from None
+        if key in metadata:
+            if type(metadata[key]) is not int:
+                raise CheckpointError(f"{BAD}: metadata {key} is not an integer", file=str(path))
+            values[key] = metadata[key]
     count = values.get("split.count", 1)
     if count <= 1:
         return None
@@ -247,27 +289,33 @@ def model_config(path: str | Path) -> dict[str, Any]:
     files = gguf_files(Path(path))
     if not files:
         raise CheckpointError("no *.gguf file here", file=str(path))
-    reader = _reader(files[0])
-    arch = _metadata(reader, "general.architecture")
+    metadata = _header(files[0]).metadata
+    arch = metadata.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise CheckpointError("GGUF metadata has no general.architecture", file=str(files[0]))
     config: dict[str, Any] = {"model_type": arch}
     for key, suffix in _CONFIG_KEYS.items():
-        value = _metadata(reader, f"{arch}.{suffix}")
+        value = metadata.get(f"{arch}.{suffix}")
         if value is not None:
             config[key] = value
     config["quantization_config"] = quantization_config(path)
     return config
 
 
-def _metadata(reader: Any, key: str) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    try:
-        return field.contents()
-    except (ValueError, IndexError, UnicodeDecodeError):
-        return None
+def _header(path: Path) -> _Header:
+    """``path``'s header, parsed once per file identity in this process (a load asks for it three times)."""
+    st = path.stat()
+    key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    header = _HEADERS.pop(key, None) or read_header(path)
+    _HEADERS[key] = header  # the newest last
+    while len(_HEADERS) > _HEADERS_KEPT:
+        del _HEADERS[next(iter(_HEADERS))]
+    return header
+
+
+_HEADERS: dict[tuple[Any, ...], _Header] = {}
+_HEADERS_KEPT = 64
+"""Headers kept (a few kB each, arrays left out): a split model's parts, and a few models."""
 
 
 register_source(
