@@ -256,3 +256,16 @@ def test_a_shard_record_tvm_would_not_look_up_is_refused(tmp_path: Path, names: 
     with pytest.raises(shardload.CheckpointError) as err:
         open_checkpoint(path)
     assert "\n" not in str(err.value) and reason in str(err.value) and "tensor-cache.json" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("tvm_name", "dtype"), [("e4m3_float8", torch.float8_e4m3fn), ("e5m2_float8", torch.float8_e5m2)]
+)
+def test_older_tvm_float8_names_are_read(tmp_path: Path, tvm_name: str, dtype: torch.dtype) -> None:
+    """Older TVM records float8 tensors as e4m3_float8 and e5m2_float8 (ml_dtypes' float8_e4m3fn, float8_e5m2);
+    such a cache was refused."""
+    values = torch.arange(16, dtype=torch.float32).reshape(2, 8).to(dtype)
+    raw = values.view(torch.uint8).numpy()
+    path = write_cache(tmp_path / "cache", {"w": raw}, dtype=tvm_name)
+    got = shardload.load_rank(path, 0, 1, shard_info={"version": 1, "params": {}})["w"]
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), values.view(torch.uint8))

@@ -40,6 +40,10 @@ exact name, so one written otherwise (``_shard-01-of-2``) is refused."""
 _MAX_SHARDS = 1 << 16
 
 
+_TVM_DTYPES = {"e4m3_float8": "float8_e4m3fn", "e5m2_float8": "float8_e5m2"}
+"""Older TVM's names of the float8 types (ml_dtypes' float8_e4m3fn and float8_e5m2), as its caches record them."""
+
+
 def is_cache_table(path: Path) -> bool:
     """True for a file named like a TVM tensor-cache table."""
     return path.name in (*CACHE_NAMES, B16_NAME)
@@ -114,6 +118,7 @@ def _record(record: Any, file: Path, file_nbytes: int, table: Path, where: str) 
     if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape) or len(shape) > 64:
         raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
     dtype = record.get("dtype")
+    dtype = _TVM_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise bad(f"dtype {short_repr(dtype)} is not one shardload reads ({', '.join(DTYPES)})")
     encoding = record.get("format")
