@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,20 @@ def test_multi_file_index_matches_single_file(example_dir: Path, example_multi_d
         assert single[r].keys() == multi[r].keys()
         for k in single[r]:
             assert torch.equal(single[r][k], multi[r][k])
+
+
+def test_an_index_naming_one_file_two_ways_reads_it_once(example_multi_dir: Path, tmp_path: Path) -> None:
+    """An index that names a file as "a.safetensors" for some tensors and "./a.safetensors" for others (written by
+    hand or by another tool) was refused as a tensor stored in two files, a and a."""
+    model = tmp_path / "model"
+    shutil.copytree(example_multi_dir, model)
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = "./" + index["weight_map"][first]
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    want = reference_shards(example_multi_dir, 2)
+    for r in range(2):
+        assert_same(shardload.load_rank(model, r, 2), want[r])
 
 
 def test_safetensors_file_path_and_explicit_shard_info(example_dir: Path) -> None:

@@ -301,7 +301,7 @@ def _open_index(
     files: dict[str, Path] = {}
     for file_name in dict.fromkeys(weight_map.values()):
         files[file_name] = locate(root, file_name, index)
-    ckpt = _open_files(index, root, list(files.values()), read)
+    ckpt = _open_files(index, root, list(dict.fromkeys(files.values())), read)  # "./a" and "a": one file
     for name, file_name in weight_map.items():
         info = ckpt.tensors.get(name)
         if info is None:
