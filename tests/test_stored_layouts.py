@@ -401,3 +401,16 @@ def test_a_gguf_header_is_parsed_once_per_load(tmp_path: Path, monkeypatch: pyte
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file touched: parsed again
     shardload.load_rank(path, 1, 2)
     assert calls == [path, path]
+
+
+def test_a_gguf_file_linked_from_outside_the_model_directory_is_refused(tmp_path: Path) -> None:
+    """A directory's model.gguf that links out of it was read; the same link as model.safetensors is refused."""
+    pytest.importorskip("gguf")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    _write_gguf_llama(outside / "x.gguf")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.gguf").symlink_to("../outside/x.gguf")
+    with pytest.raises(CheckpointError, match="resolves outside the model directory"):
+        shardload.load_rank(model, 0, 2)

@@ -269,3 +269,14 @@ def test_older_tvm_float8_names_are_read(tmp_path: Path, tvm_name: str, dtype: t
     path = write_cache(tmp_path / "cache", {"w": raw}, dtype=tvm_name)
     got = shardload.load_rank(path, 0, 1, shard_info={"version": 1, "params": {}})["w"]
     assert got.dtype == dtype and torch.equal(got.view(torch.uint8), values.view(torch.uint8))
+
+
+def test_a_cache_table_linked_from_outside_the_directory_is_refused(tmp_path: Path) -> None:
+    """A directory's tensor-cache.json that links out of it was read (its data files are checked, the table was not)."""
+    outside = write_cache(tmp_path / "outside", ARRAYS)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tensor-cache.json").symlink_to(outside / "tensor-cache.json")
+    (model / "params_shard_0.bin").write_bytes((outside / "params_shard_0.bin").read_bytes())  # the data inside
+    with pytest.raises(shardload.CheckpointError, match="resolves outside the model directory"):
+        open_checkpoint(model)

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..format import input_log
-from .checkpoint import Checkpoint, check_disjoint
+from .checkpoint import Checkpoint, check_disjoint, resolve_inside
 from .formats import SourceFormat, register_source
 from .safetensors_header import MAX_HEADER_BYTES
 from .tensor_info import TensorInfo
@@ -257,7 +257,8 @@ def gguf_files(path: Path) -> list[Path]:
     """The GGUF files of ``path``: the file itself, or every ``*.gguf`` in a directory (split models)."""
     if path.is_file():
         return [path]
-    return sorted(p for p in path.glob(f"*{GGUF_SUFFIX}") if p.is_file())
+    found = sorted(p.name for p in path.glob(f"*{GGUF_SUFFIX}") if p.is_file())
+    return [resolve_inside(path, name, path) for name in found]  # a link out of the directory is refused
 
 
 def open_gguf(path: Path) -> Checkpoint:

@@ -59,6 +59,8 @@ def open_tensor_cache(path: Path) -> Checkpoint:
     table = path if path.is_file() else cache_table(path)
     if table is None:
         raise CheckpointError(f"no {' or '.join(CACHE_NAMES)} here", file=str(path))
+    if table != path:  # a directory's table that links out of it is refused, as its data files are
+        resolve_inside(path, table.name, path)
     root = table.parent
     doc = read_json(table, "tensor cache")
     shards = _field(doc, "records", list, table, "the top level")
