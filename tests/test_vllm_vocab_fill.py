@@ -10,6 +10,7 @@ of vLLM's per-rank shape. vLLM serving such a model through this path is proven 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,54 @@ def test_expert_input_scales_stored_without_a_shape_fill_one_value_per_expert() 
     tensors[f"{vname}.1.up_proj.input_scale"] = torch.tensor(5.0)  # gate 4.0, up 5.0: vLLM keeps one
     with pytest.raises(ShardloadError, match=r"expert 1's parts store 4\.0 and 5\.0: they must be equal"):
         copy_into(targets, tensors, routes, {}, set(), "model-dir", server="vLLM")
+
+
+@pytest.mark.parametrize("inputs", [128, 124])
+def test_a_kept_weight_shape_is_checked_only_where_this_rank_reads_it(tmp_path: Path, inputs: int) -> None:
+    """vLLM keeps a compressed-tensors weight_shape whole; its plan's check (a partly filled last word split across
+    ranks) runs on the values this rank reads. A rank that routes none of them (another pipeline stage's, another
+    expert-parallel rank's) raised a bare KeyError, for any model."""
+    from safetensors.torch import save_file
+
+    from shardload.models.plan_source import plan_shard_info
+    from shardload.sources.checkpoint import open_checkpoint
+
+    h, heads, kv, hd = 64, 4, 2, 16
+    g = torch.Generator().manual_seed(0)
+    tensors = {"model.norm.weight": torch.rand(h).half()}
+    for name, (o, k) in {"self_attn.q_proj": (heads * hd, h), "self_attn.k_proj": (kv * hd, h),
+                         "self_attn.v_proj": (kv * hd, h), "self_attn.o_proj": (h, heads * hd),
+                         "mlp.gate_proj": (inputs, h), "mlp.up_proj": (inputs, h),
+                         "mlp.down_proj": (h, inputs)}.items():  # fmt: skip
+        prefix = f"model.layers.0.{name}"
+        tensors[f"{prefix}.weight_packed"] = torch.randint(
+            0, 2**31 - 1, (o, -(-k // 8)), dtype=torch.int32, generator=g
+        )
+        tensors[f"{prefix}.weight_scale"] = torch.rand(o, 1, generator=g).half()
+        tensors[f"{prefix}.weight_shape"] = torch.tensor([o, k], dtype=torch.int64)
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file(tensors, str(model / "model.safetensors"))
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "channel"}
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+          "config_groups": {"g": {"targets": ["Linear"], "weights": weights}}}  # fmt: skip
+    config = {"model_type": "llama", "hidden_size": h, "intermediate_size": inputs, "num_attention_heads": heads,
+              "num_key_value_heads": kv, "head_dim": hd, "num_hidden_layers": 1, "vocab_size": 128,
+              "quantization_config": qc}  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
+    checkpoint = open_checkpoint(model)
+    info, _ = plan_shard_info(checkpoint, None)
+    norm = torch.nn.Parameter(torch.zeros(h).half(), requires_grad=False)
+    only_norm = {"model.norm.weight": norm}
+    got, *_ = _read_planned(checkpoint, info, 0, 2, lambda n: Target(n) if n in only_norm else None, only_norm, {},
+                            FillReport())  # fmt: skip
+    assert set(got) == {"model.norm.weight"}
+    shape = "model.layers.0.mlp.down_proj.weight_shape"
+    with_shape = {**only_norm, shape: torch.nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)}
+    route = lambda n: Target(n) if n in with_shape else None  # noqa: E731
+    if inputs % 16:  # 62 inputs a rank: the last of 16 words is half filled
+        with pytest.raises(ShardloadError, match=r"down_proj\.weight_shape.*partly filled"):
+            _read_planned(checkpoint, info, 0, 2, route, with_shape, {}, FillReport())
+    else:
+        got, *_ = _read_planned(checkpoint, info, 0, 2, route, with_shape, {}, FillReport())
+        assert got[shape].tolist() == [h, inputs]  # vLLM's value: the stored one

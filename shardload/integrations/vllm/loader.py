@@ -361,12 +361,16 @@ def _read_planned(
     narrow) and each stored name's vLLM target; names ``adjust`` changes are never read in place."""
     plan = build_plan(info, checkpoint, num_shards)
     routes = {name: route(name) for name in plan.params}
-    unsplit = {n for n in plan.params if n.endswith(SHAPE_SUFFIX)}  # vLLM keeps the stored value
-    shapes = KeptWhole.of(checkpoint, info, unsplit, num_shards)  # ... what the plan's steps check in it still holds
+    shape_names = {n for n in plan.params if n.endswith(SHAPE_SUFFIX)}  # vLLM keeps the stored value
+    unsplit, read_whole = set(shape_names), set()
     if whole:
-        unsplit |= {n for n in plan.params if (t := vllm_target(n)).expert is not None and t.name in whole}
-        unsplit |= {n for n, t in routes.items() if t is not None and t.name in whole}
+        read_whole |= {n for n in plan.params if (t := vllm_target(n)).expert is not None and t.name in whole}
+        read_whole |= {n for n, t in routes.items() if t is not None and t.name in whole}
+        unsplit |= read_whole
         unsplit -= split
+    # what the plan's steps check in a kept weight_shape still holds, for those this rank reads and the plan splits
+    checked = {n for n in shape_names & unsplit if routes[n] is not None and n not in read_whole}
+    shapes = KeptWhole.of(checkpoint, info, checked, num_shards)
     if unsplit & set(info.params):
         kept = {k: v for k, v in info.params.items() if k not in unsplit}
         info = ShardInfo(kept, info.num_shards, info.version, info.form, info.source)
