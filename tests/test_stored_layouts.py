@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -414,3 +415,34 @@ def test_a_gguf_file_linked_from_outside_the_model_directory_is_refused(tmp_path
     (model / "model.gguf").symlink_to("../outside/x.gguf")
     with pytest.raises(CheckpointError, match="resolves outside the model directory"):
         shardload.load_rank(model, 0, 2)
+
+
+@pytest.mark.parametrize("case", ["not-utf8-name", "alignment-48", "per-layer-kv-heads"])
+def test_gguf_metadata_the_parser_meets(tmp_path: Path, case: str) -> None:
+    """A metadata string no load uses that is not UTF-8 (gguf's reader loads it) loads; an alignment that is not a
+    power of two (ggml pads with a mask: data at another offset) is refused; a head count given per layer is
+    refused by the plan rather than left out (the default would be used)."""
+    pytest.importorskip("gguf")
+    path = tmp_path / "m.gguf"
+    rng = np.random.default_rng(1)
+    data = {"token_embd.weight": (rng.standard_normal((64, 32)).astype(np.float32), None),
+            "blk.0.attn_q.weight": (rng.standard_normal((32, 32)).astype(np.float32), None)}  # fmt: skip
+    metadata: dict[str, Any] = {"block_count": 1, "embedding_length": 32, "head_count": 4, "name": "x"}
+    metadata["head_count_kv"] = [2] if case == "per-layer-kv-heads" else 2
+    if case == "alignment-48":
+        metadata["custom_alignment"] = 64
+    save_gguf(path, data, **metadata)
+    raw = path.read_bytes()
+    plain = {"version": 1, "params": {}}
+    if case == "not-utf8-name":  # general.name "x" (type 8, length 1) becomes the byte 0xff
+        name = b"general.name" + struct.pack("<IQ", 8, 1)
+        path.write_bytes(raw.replace(name + b"x", name + b"\xff"))
+        assert set(shardload.load_rank(path, 0, 1, shard_info=plain)) == set(data)
+    elif case == "alignment-48":  # general.alignment 64 (type 4) becomes 48
+        key = b"general.alignment" + struct.pack("<I", 4)
+        path.write_bytes(raw.replace(key + struct.pack("<I", 64), key + struct.pack("<I", 48)))
+        with pytest.raises(CheckpointError, match=r"general\.alignment must be a power of two"):
+            shardload.load_rank(path, 0, 1, shard_info=plain)
+    else:
+        with pytest.raises(shardload.ShardloadError, match=r"attention\.head_count_kv holds one value per layer"):
+            shardload.load_rank(path, 0, 2)

@@ -67,6 +67,13 @@ class _Entry:
     offset: int
 
 
+@dataclass(frozen=True)
+class _Array:
+    """A metadata array, skipped over: only its length is kept."""
+
+    length: int
+
+
 @dataclass
 class _Header:
     """A GGUF file's header: its scalar metadata (arrays left out: a tokenizer's are most of a header), its tensors
@@ -112,9 +119,10 @@ def read_header(path: Path) -> _Header:
                 )
             return n
 
-        def text(what: str) -> str:
+        def text(what: str, strict: bool = True) -> str:
+            raw = skip(count(f"{what} length", 1), what, keep=True)
             try:
-                return skip(count(f"{what} length", 1), what, keep=True).decode("utf-8")
+                return raw.decode("utf-8", "strict" if strict else "replace")  # values are read only when used
             except UnicodeDecodeError:
                 raise CheckpointError(f"{BAD}: {what} is not UTF-8", file=str(path)) from None
 
@@ -122,7 +130,7 @@ def read_header(path: Path) -> _Header:
             if kind in _FIXED:
                 return struct.unpack(_SCALARS[kind], skip(_FIXED[kind], what, keep=True))[0]
             if kind == _STRING:
-                return text(what)
+                return text(what, strict=False)
             if kind == _ARRAY and not nested:
                 item = number(4, f"{what} item type")
                 n = count(f"{what} length", _FIXED.get(item, 8))
@@ -133,7 +141,7 @@ def read_header(path: Path) -> _Header:
                         skip(count(f"{what} length", 1), what)
                 else:
                     raise CheckpointError(f"{BAD}: {what} holds items of type {item}", file=str(path))
-                return None
+                return _Array(n)
             raise CheckpointError(f"{BAD}: {what} has unknown value type {kind}", file=str(path))
 
         if skip(4, "magic", keep=True) != b"GGUF":
@@ -152,8 +160,9 @@ def read_header(path: Path) -> _Header:
                 raise CheckpointError(f"{BAD}: metadata key {key!r} appears twice", file=str(path))
             kind = number(4, f"type of {key!r}")
             metadata[key] = value(kind, f"metadata {key!r}")
-            if key == "general.alignment" and (kind != 4 or not 1 <= metadata[key] <= 1 << 20):
-                raise CheckpointError(f"{BAD}: general.alignment must be a uint32 from 1 to 2**20", file=str(path))
+            align = metadata[key]
+            if key == "general.alignment" and (kind != 4 or not 0 < align <= 1 << 20 or align & (align - 1)):
+                raise CheckpointError(f"{BAD}: general.alignment must be a power of two up to 2**20", file=str(path))
         entries = []
         for _ in range(tensors):
             name = text("tensor name")
@@ -297,6 +306,12 @@ def model_config(path: str | Path) -> dict[str, Any]:
     config: dict[str, Any] = {"model_type": arch}
     for key, suffix in _CONFIG_KEYS.items():
         value = metadata.get(f"{arch}.{suffix}")
+        if isinstance(value, _Array):  # one value per layer (as some architectures write head counts)
+            raise CheckpointError(
+                f"GGUF metadata {arch}.{suffix} holds one value per layer; shardload plans a model whose {key} is "
+                "one number: write its shard_info.json",
+                file=str(files[0]),
+            )
         if value is not None:
             config[key] = value
     config["quantization_config"] = quantization_config(path)
