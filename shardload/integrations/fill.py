@@ -327,7 +327,7 @@ def _fill_expert(
     dest = param.data[target.expert]
     if dest.dim() == 0 and target.parts > 1 and tensor.numel() == 1:
         value = tensor.reshape(()).to(dest.dtype)
-        if others and not bool(dest == value):
+        if others and abs(float(dest) - float(value)) > 1e-5:  # vLLM's own tolerance; then, as vLLM, the last one
             raise ShardloadError(
                 f"{server}'s {target.name!r} holds one value per expert, and expert {target.expert}'s parts store "
                 f"{float(dest)} and {float(value)}: they must be equal",
