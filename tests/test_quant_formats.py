@@ -83,6 +83,18 @@ def check_modules(model: Path, modules: list[Module], qconfig: dict[str, Any] | 
                 np.testing.assert_array_equal(got, rank_reference(full, m.split, n, r), err_msg=f"{m.prefix} {r}/{n}")
 
 
+def check_only_one_rank(
+    model: Path, module: Module, qconfig: dict[str, Any] | None, refused: tuple[int, ...], reason: str
+) -> None:
+    """``module`` loads exactly at N = 1 and is refused at every N of ``refused`` with ``reason``."""
+    check_modules(model, [module], qconfig)
+    params = companion_steps(replace(module.split, name=f"{module.prefix}.weight"), open_checkpoint(model).tensors,
+                             qconfig)  # fmt: skip
+    for n in refused:
+        with pytest.raises(shardload.ShardloadError, match=reason):
+            shardload.load(model, n, devices=["cpu"] * n, shard_info={"version": 1, "params": params})
+
+
 def save(model: Path, modules: list[Module]) -> Path:
     model.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.contiguous() for m in modules for k, v in m.tensors.items()}
@@ -188,12 +200,7 @@ def test_compressed_tensors_partly_filled_last_word_is_never_split(
     module = Module("m.p", split, tensors, dequant, (1,))
     qconfig = {"quant_method": "compressed-tensors", "format": "pack-quantized",
                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}  # fmt: skip
-    model = save(tmp_path / "model", [module])
-    check_modules(model, [module], qconfig)
-    params = companion_steps(replace(split, name="m.p.weight"), open_checkpoint(model).tensors, qconfig)
-    for n in (2, 4):
-        with pytest.raises(shardload.ShardloadError, match="partly filled"):
-            shardload.load(model, n, devices=["cpu"] * n, shard_info={"version": 1, "params": params})
+    check_only_one_rank(save(tmp_path / "model", [module]), module, qconfig, (2, 4), "partly filled")
 
 
 def test_compressed_tensors_nvfp4_packs_two_values_to_a_byte(tmp_path: Path) -> None:
@@ -344,12 +351,7 @@ def test_fp8_block_scales_without_a_configured_block_are_128(tmp_path: Path, qco
     tensors, dequant = fp8_module(rng, "m.up", 300, 256, kind="block")
     column = Placement("", "column", 0)
     module = Module("m.up", column, tensors, dequant, (1,))
-    model = save(tmp_path / "model", [module])
-    check_modules(model, [module], qconfig)
-    params = companion_steps(replace(column, name="m.up.weight"), open_checkpoint(model).tensors, qconfig)
-    for n in (2, 3):
-        with pytest.raises(shardload.ShardloadError, match="group size 128"):
-            shardload.load(model, n, devices=["cpu"] * n, shard_info={"version": 1, "params": params})
+    check_only_one_rank(save(tmp_path / "model", [module]), module, qconfig, (2, 3), "group size 128")
     # 64 x 64 blocks of a [4096, 4096] weight: 128 gives 32, not 64; blocks of 64 fill them exactly
     headers = {"m.b.weight": Header((4096, 4096), "float8_e4m3fn"), "m.b.weight_scale_inv": Header((64, 64), "float32")}
     steps = companion_steps(replace(column, name="m.b.weight"), headers, qconfig)

@@ -323,26 +323,33 @@ def test_a_compressed_tensors_group_naming_the_layer_wins_over_a_class_target() 
         assert steps[f"{prefix}.weight_scale"][0][3] == group, (prefix, steps[f"{prefix}.weight_scale"])
 
 
-def test_a_gguf_family_whose_preset_knows_only_hugging_face_names_is_refused(tmp_path: Path) -> None:
-    """A BERT GGUF (llama.cpp names): its preset's roles name Hugging Face tensors, none matched, and every tensor
-    loaded whole on every rank at any N (plan wrote "params": {})."""
+def _write_f32_gguf(path: Path, arch: str, shapes: dict[str, tuple[int, ...]], split_max_tensors: int = 0) -> None:
+    """A one-layer GGUF model of ``arch`` (64 wide, 4 heads, 2 KV heads) with float32 tensors of ``shapes``, in parts
+    of ``split_max_tensors`` tensors where given."""
     gguf = pytest.importorskip("gguf")
-    path = tmp_path / "bert.gguf"
-    writer = gguf.GGUFWriter(str(path), "bert")
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     writer.add_block_count(1)
     writer.add_embedding_length(64)
     writer.add_head_count(4)
+    writer.add_head_count_kv(2)
     writer.add_feed_forward_length(128)
     rng = np.random.default_rng(0)
-    for name, shape in {"token_embd.weight": (100, 64), "blk.0.attn_q.weight": (64, 64),
-                        "blk.0.attn_k.weight": (64, 64), "blk.0.attn_v.weight": (64, 64),
-                        "blk.0.attn_output.weight": (64, 64), "blk.0.ffn_up.weight": (128, 64),
-                        "blk.0.ffn_down.weight": (64, 128)}.items():  # fmt: skip
+    for name, shape in shapes.items():
         writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_a_gguf_family_whose_preset_knows_only_hugging_face_names_is_refused(tmp_path: Path) -> None:
+    """A BERT GGUF (llama.cpp names): its preset's roles name Hugging Face tensors, none matched, and every tensor
+    loaded whole on every rank at any N (plan wrote "params": {})."""
+    path = tmp_path / "bert.gguf"
+    _write_f32_gguf(path, "bert", {"token_embd.weight": (100, 64), "blk.0.attn_q.weight": (64, 64),
+                                   "blk.0.attn_k.weight": (64, 64), "blk.0.attn_v.weight": (64, 64),
+                                   "blk.0.attn_output.weight": (64, 64), "blk.0.ffn_up.weight": (128, 64),
+                                   "blk.0.ffn_down.weight": (64, 128)})  # fmt: skip
     with pytest.raises(PlanError, match="model_type 'bert': the built-in preset knows its Hugging Face tensor names"):
         shardload.load_rank(path, 0, 2)
     done = CliRunner().invoke(main, ["plan", str(path), "-o", str(tmp_path / "si.json")])
@@ -352,26 +359,13 @@ def test_a_gguf_family_whose_preset_knows_only_hugging_face_names_is_refused(tmp
 def test_a_split_gguf_model_needs_every_part(tmp_path: Path) -> None:
     """llama.cpp's split models (model-0000K-of-0000N.gguf, split.count in each): a part missing, or a part given
     alone, loaded the tensors that were there without a word."""
-    gguf = pytest.importorskip("gguf")
     model = tmp_path / "split"
     model.mkdir()
-    writer = gguf.GGUFWriter(str(model / "model.gguf"), "llama", split_max_tensors=3)
-    writer.add_block_count(1)
-    writer.add_embedding_length(64)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
-    writer.add_feed_forward_length(128)
-    rng = np.random.default_rng(0)
-    for name, shape in {"token_embd.weight": (128, 64), "blk.0.attn_q.weight": (64, 64),
-                        "blk.0.attn_k.weight": (32, 64), "blk.0.attn_v.weight": (32, 64),
-                        "blk.0.attn_output.weight": (64, 64), "blk.0.ffn_up.weight": (128, 64),
-                        "blk.0.ffn_gate.weight": (128, 64), "blk.0.ffn_down.weight": (64, 128),
-                        "output_norm.weight": (64,)}.items():  # fmt: skip
-        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    shapes = {"token_embd.weight": (128, 64), "blk.0.attn_q.weight": (64, 64), "blk.0.attn_k.weight": (32, 64),
+              "blk.0.attn_v.weight": (32, 64), "blk.0.attn_output.weight": (64, 64), "blk.0.ffn_up.weight": (128, 64),
+              "blk.0.ffn_gate.weight": (128, 64), "blk.0.ffn_down.weight": (64, 128),
+              "output_norm.weight": (64,)}  # fmt: skip
+    _write_f32_gguf(model / "model.gguf", "llama", shapes, split_max_tensors=3)
     parts = sorted(model.glob("*.gguf"))
     assert len(parts) == 3
     assert len(shardload.load_rank(model, 1, 2)) == 9  # every part: the whole model
