@@ -371,6 +371,7 @@ def write_shards(
     exists = check_output(out, [*files, *source.extra_files], overwrite=overwrite)
     durable = exists if fsync is None else fsync
     record = record_of(source)
+    whole_plan = build_plan(source.shard_info, source.stored, layout.tp)  # the manifest's, and the caller's
     conversion = new_conversion()
     written: list[WrittenFile] = []
     try:
@@ -394,15 +395,14 @@ def write_shards(
                     finally:
                         handle.close()
             output = write_output_record(staging.dir, written_record(written), durable)  # hashed as written
-            resolved = build_plan(source.shard_info, source.stored, layout.tp).resolved_shard_info()
             sizes = [{"path": f.name, "size": f.stat().st_size} for f in files]
-            manifest = rank_files_manifest(layout, stages, resolved, sizes, conversion, output, sha256)
+            manifest = rank_files_manifest(layout, stages, whole_plan.resolved_shard_info(), sizes, conversion, output,
+                                           sha256)  # fmt: skip
             manifest[RECORD_KEY] = record
             others = [output, *publish_with_manifest(staging, checkpoint.root, stamps, [*written, output], manifest,
                                                      durable)]  # fmt: skip
     except OSError as err:
         raise write_error(err, out) from None
-    whole_plan = build_plan(source.shard_info, source.stored, layout.tp)
     return Written(whole_plan, written, others)
 
 

@@ -117,13 +117,14 @@ def preset_placements(
             "--shard-info (shard_info= in Python)",
             file="config.json",
         )
-    if gguf_names(tensors) and family.gguf_roles is None:  # its roles name HF tensors: none would match
+    gguf = gguf_names(tensors)
+    if gguf and family.gguf_roles is None:  # its roles name HF tensors: none would match
         raise PlanError(
             f"model_type {model_type!r}: the built-in preset knows its Hugging Face tensor names, not llama.cpp's "
             "GGUF names (blk.N.attn_q, ...); write a shard_info.json for it, or load the Hugging Face checkpoint",
             file="config.json",
         )
-    roles = family.gguf_roles if gguf_names(tensors) else family.roles
+    roles = family.gguf_roles if gguf else family.roles
     dims = ModelDims.from_config(config)
     placements = all_replicated(tensors)
     for name, pattern, param in _targets(tensors, roles):

@@ -370,7 +370,7 @@ def _read_planned(
         unsplit -= split
     # what the plan's steps check in a kept weight_shape still holds, for those this rank reads and the plan splits
     checked = {n for n in shape_names & unsplit if routes[n] is not None and n not in read_whole}
-    shapes = KeptWhole.of(checkpoint, info, checked, num_shards)
+    shapes = KeptWhole({n: plan.params[n] for n in checked if plan.params[n].steps and num_shards > 1})
     if unsplit & set(info.params):
         kept = {k: v for k, v in info.params.items() if k not in unsplit}
         info = ShardInfo(kept, info.num_shards, info.version, info.form, info.source)
