@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PlanError, StepArgumentError
+from ..sources.dtypes import DTYPES, itemsize
 from .placement import Header, Placement, TensorHeader, placement_from_steps
 
 __all__ = [
@@ -300,10 +301,6 @@ def _pack_factor(bits: Any, where: str, width: int = 32) -> int:
     return width // bits
 
 
-_WIDTHS = {"int64": 64, "uint64": 64, "int32": 32, "uint32": 32, "int16": 16, "uint16": 16, "int8": 8, "uint8": 8}
-"""Bits per element of the integer dtypes a packed tensor is stored in."""
-
-
 def _fit(
     name: str, shape: Sequence[int], dims: Sequence[int | None], logical: Sequence[int], hints: Mapping[int, int]
 ) -> tuple[_Axis, ...]:
@@ -383,10 +380,11 @@ def _target_kind(target: Any) -> str:
 def _target_matches(module: str, target: Any) -> bool:
     if not isinstance(target, str):
         return False
-    if target.startswith("re:"):
+    kind = _target_kind(target)
+    if kind == "re":
         pattern = _target_pattern(target[3:])
         return pattern is not None and pattern.match(module) is not None
-    if "." not in target and target[:1].isupper():  # a module class name such as "Linear"
+    if kind == "class":  # a module class name such as "Linear"
         return True
     return module == target or module.endswith("." + target)
 
@@ -404,7 +402,8 @@ def _block_hints(block: Any, k: int) -> dict[int, int]:
 def _compressed_tensors(prefix: str, stored: dict[str, Any], qc: Mapping[str, Any]) -> _Weight:
     args = _ct_args(prefix, qc)
     shape, dtype = stored["weight_packed"]
-    width = _WIDTHS.get(str(dtype).removeprefix("torch."), 32)  # int32 words; NVFP4's uint8 bytes
+    name = str(dtype).removeprefix("torch.")
+    width = 8 * itemsize(name) if "int" in name and name in DTYPES else 32  # int32 words; NVFP4's uint8 bytes
     pf = _pack_factor(args.get("num_bits", 4), "num_bits", width)
     if len(shape) < 2:
         raise _LayoutError("weight_packed", f"shape {list(shape)} is not [..., out, in/{pf}]")
