@@ -11,6 +11,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -381,7 +382,7 @@ def test_a_file_only_touched_is_refused_without_claiming_a_rewrite(tmp_path: Pat
 
     with pytest.raises(ShardloadError) as err:
         shardload.load_rank(model, 1, 2, progress=progress)
-    want = "rewritten in place, or its modification time set" if change == "touch" else "its permissions, owner"
+    want = "rewritten in place, or its modification time set" if change == "touch" else "its change time moved"
     assert f"changed while it was being read ({want}" in str(err.value), err.value
 
 
@@ -405,3 +406,93 @@ def test_a_reader_opens_only_the_file_whose_header_the_load_parsed(tmp_path: Pat
             else:
                 FileMaps().bytes(path)
     assert "changed while it was being read (replaced)" in str(err.value), err.value
+
+
+def _rewrite_keeping_mtime(path: Path) -> None:
+    """:func:`_rewrite`, then the old modification time put back (as ``touch -r``, ``rsync -t`` or ``tar x`` leave a
+    file): only the change time tells."""
+    st = path.stat()
+    _rewrite(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _writers(tmp_path: Path) -> dict[str, Callable[..., object]]:
+    """Every command that reads a local source to write an output, as a callable of (model, out)."""
+    from shardload.integrations.vllm.writer import convert_vllm
+
+    return {
+        "convert": lambda model, out: shardload.convert(model, 2, out),
+        "convert-vllm": lambda model, out: convert_vllm(model, 2, out),
+        "quantize": lambda model, out: shardload.quantize(model, out, "int8"),
+    }
+
+
+@pytest.mark.parametrize("writer", ["convert", "convert-vllm", "quantize"])
+def test_a_source_rewritten_with_its_mtime_put_back_is_never_published(
+    tmp_path: Path, writer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writing command whose source is rewritten in place while it reads (its modification time then put back)
+    refuses in one line and publishes nothing: the change time, which no tool sets back, tells, as it does for a
+    load. Old code published ranks of old and new bytes (convert) and weights quantized from both (quantize)."""
+    from shardload.sources.reader import Reader
+
+    model = _model(tmp_path / "m")
+    path = model / "model.safetensors"
+    out = tmp_path / "out"
+    calls: list[int] = []
+    real = Reader.read_runs
+
+    def hooked(self: Any, *args: Any, **kwargs: Any) -> Any:  # every read the writers make, quantize's included
+        if len(calls) == 3:
+            _rewrite_keeping_mtime(path)
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Reader, "read_runs", hooked)
+    with pytest.raises(ShardloadError) as err:
+        _writers(tmp_path)[writer](model, out)
+    assert len(calls) > 3, "the change was never made"
+    text = str(err.value)
+    assert str(path) in text and "changed while" in text and "\n" not in text, text
+    assert "modification time put back" in text, text  # what was seen: the change time alone moved
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("writer", ["quantize"])
+def test_a_source_another_process_has_open_for_writing_is_refused_by_every_writer(tmp_path: Path, writer: str) -> None:
+    """The lease test guards the writing commands as it guards a load (convert's is tested with the loads)."""
+    model = _model(tmp_path / "m")
+    path = model / "model.safetensors"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import os, sys; fd = os.open({str(path)!r}, os.O_WRONLY); print('open', flush=True); "
+                               "sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        with pytest.raises(ShardloadError) as err:
+            _writers(tmp_path)[writer](model, tmp_path / "out")
+        assert "open for writing" in str(err.value) and str(path) in str(err.value), err.value
+    finally:
+        holder.communicate("")
+    assert not (tmp_path / "out").exists()
+    _writers(tmp_path)[writer](model, tmp_path / "out")  # once the writer has closed it
+
+
+def test_a_header_read_twice_says_what_changed_between_the_reads(tmp_path: Path) -> None:
+    """A file whose header a load parses twice (a converted directory's rank file: once when checked, once when
+    read) and that was only touched in between is refused for what was seen, not as "different bytes"; one whose
+    bytes differ is refused as that."""
+    from shardload.format import input_log
+
+    path = tmp_path / "rank.safetensors"
+    path.write_bytes(b"header")
+    first = path.stat()
+    os.utime(path, ns=(first.st_atime_ns, first.st_mtime_ns + 10**9))
+    with input_log.recording(), pytest.raises(ShardloadError) as err:
+        input_log.note(path, b"header", first)
+        input_log.note(path, b"header", path.stat())
+    assert "(rewritten in place, or its modification time set)" in str(err.value), err.value
+    with input_log.recording(), pytest.raises(ShardloadError, match="read twice, with different bytes"):
+        input_log.note(path, b"header", first)
+        input_log.note(path, b"HEADER", first)

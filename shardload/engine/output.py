@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardloadError
+from ..format import input_log
 from ..sources.checkpoint import SHARD_INFO_NAME, TMP_MARKER, read_small_file
 from ..sources.companions import companion_files
 from ..sources.manifest import (
@@ -152,7 +153,10 @@ def _stamp(path: Path | ObjectPath) -> Any:
 
 
 def check_sources_unchanged(stamps: list[Stamp]) -> None:
-    """Refuse to publish an output whose source files were replaced, rewritten or resized while it was written."""
+    """Refuse to publish an output whose source files were replaced, rewritten or resized while it was written: each
+    against its identity when its header was parsed (change time included, which no tool sets back), then against
+    ``stamps``."""
+    input_log.check_unchanged([path for path, _ in stamps], input_log.current())
     for path, before in stamps:
         try:
             now = _stamp(path)

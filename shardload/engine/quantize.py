@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardloadError
+from ..format.input_log import records_inputs
 from ..models.placement import Header
 from ..models.stored_layouts import quantized_shard_info
 from ..planning.plan import given_shard_info, shard_info_beside
@@ -134,6 +135,7 @@ def _something_to_quantize(model: Any, tensors: Mapping[str, Any], scheme: Schem
     )
 
 
+@records_inputs
 def quantize(
     model: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],

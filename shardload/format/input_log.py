@@ -64,9 +64,11 @@ def note(path: Any, data: bytes, st: os.stat_result | None = None) -> None:
     key = str(path)
     before = log.data.get(key)
     stamp = None if st is None else stamp_of(st)
-    if (before is not None and before != data) or (stamp is not None and log.stamps.get(key, stamp) != stamp):
+    if before is not None and before != data:
         # read twice in one load with different bytes (a plan input, or a companion copied after it was checked)
         raise changed(key, "read twice, with different bytes")
+    if stamp is not None and log.stamps.get(key, stamp) != stamp:  # the same bytes, from a file changed between
+        raise changed(key, _how_changed(log.stamps[key], stamp))
     log.data[key] = bytes(data)
     log.reads.append((key, len(data)))
     if stamp is not None:
@@ -245,7 +247,10 @@ def _how_changed(before: Stamp, now: Stamp | None) -> str:
         return "truncated" if now[2] < before[2] else "extended"
     if now[3] != before[3]:
         return "rewritten in place, or its modification time set"  # a write and a touch look alike
-    return "its permissions, owner or links changed"  # the change time alone
+    # the change time alone, which no tool sets back
+    return (
+        "its change time moved: written with its modification time put back, or its permissions, owner or links changed"
+    )
 
 
 def check_opened(path: Any, st: os.stat_result, log: InputLog | None) -> None:
