@@ -176,11 +176,19 @@ def object_version(uri: str, version: Any) -> None:
     """Inside a load, hold every answer from object ``uri`` to the version (ETag) of its first: an object replaced
     while the load reads it (its header parsed from one version, tensor bytes from another) is an error."""
     log = _LOG.get()
-    if log is None or not version:
+    if log is None:
         return
+    version = version or None  # a store that sends no ETag at all is taken as it is: every answer alike
     first = log.versions.setdefault(uri, version)
-    if first != version:
-        raise changed(uri, "replaced: another version of the object answered")
+    if first == version:
+        return
+    if first is None or version is None:  # an answer that cannot be held to the version the others have
+        raise CheckpointError(
+            "answered once with a version (ETag) and once without, so its bytes cannot be held to one version; "
+            "nothing was returned or written (a cache or proxy in front of the store may drop the header)",
+            file=uri,
+        )
+    raise changed(uri, "replaced: another version of the object answered")
 
 
 @contextmanager

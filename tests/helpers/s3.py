@@ -46,7 +46,7 @@ class Faults:
     "short" (206, Content-Range as asked, half the body with a Content-Length saying so); "trickle" (the body one
     byte every ``trickle_s`` seconds), "trickle-headers" (the status line and headers that way), "trickle-all" (any
     answer, listings and HEADs too, that way); "redirect" (301 PermanentRedirect naming no region, for any
-    request)."""
+    request); "no-etag" (the answer as the store gave it, without its ETag header)."""
     trickle_s: float = 0.5
     from_byte: int = 0
     """Only ranged GETs starting at or past this byte are broken (a checkpoint's tensors, not its header)."""
@@ -196,7 +196,8 @@ class FaultyProxy:
         h.send_response(resp.status)
         for k, v in resp.getheaders():
             if k.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date"):
-                h.send_header(k, v)
+                if not (fault == "no-etag" and k.lower() == "etag"):
+                    h.send_header(k, v)
         size = resp.getheader("Content-Length") if h.command == "HEAD" else None
         h.send_header("Content-Length", size or str(len(data)))
         h.end_headers()
@@ -223,9 +224,11 @@ class FaultyProxy:
             content_range = f"bytes {first + 1}-{last + 1}/{size}"
         if fault == "short":
             data = data[: len(data) // 2]
+        etag = resp.getheader("ETag")  # the object's version, as a store that breaks ranges still sends it
         head = (
             f"HTTP/1.1 206 Partial Content\r\nContent-Type: binary/octet-stream\r\nContent-Range: {content_range}"
-            f"\r\nContent-Length: {len(data)}\r\n\r\n"
+            + (f"\r\nETag: {etag}" if etag else "")
+            + f"\r\nContent-Length: {len(data)}\r\n\r\n"
         ).encode()
         h.close_connection = True
         try:
