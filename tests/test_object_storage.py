@@ -31,6 +31,7 @@ else:
 
 from helpers.checkpoints import write_model
 from helpers.s3 import BUCKET, S3, Faults, use_endpoint
+from helpers.verified import shard
 from shardload.cli.main import main
 from shardload.sources import objects
 from shardload.sources.checkpoint import open_checkpoint
@@ -699,6 +700,25 @@ def test_an_answer_without_the_version_the_load_pinned_is_refused(
     assert endpoint.proxy.faults.injected, "no answer lost its ETag"
     endpoint.proxy.reset()
     shardload.load_rank(uri, 1, 2)  # every answer with its ETag: loads
+
+
+def test_a_model_updated_in_place_loads_as_it_is_now_in_the_same_process(endpoint: S3, tmp_path: Path) -> None:
+    """A long-lived process (a server reloading weights) loads a model, the model under the same prefix is updated
+    (bigger tensors; then a file removed), and it loads again: each load lists the prefix afresh. Old code kept the
+    first listing for the process, and the update failed as a "truncated file" until a restart."""
+    rng = np.random.default_rng(5)
+    versions = []
+    for rows in (64, 128):
+        tensors = {"w.weight": rng.standard_normal((rows, 32)).astype(np.float16)}
+        info = {"version": 1, "num_shards": None, "params": {"w.weight": [shard([rows, 32], 0)]}}
+        versions.append((write_model(tmp_path / f"v{rows}", tensors, info), tensors["w.weight"]))
+    uri = endpoint.upload_dir(versions[0][0], "updated")
+    assert np.array_equal(shardload.load_rank(uri, 1, 2)["w.weight"].numpy(), versions[0][1][32:])
+    endpoint.upload_dir(versions[1][0], "updated")
+    assert np.array_equal(shardload.load_rank(uri, 1, 2)["w.weight"].numpy(), versions[1][1][64:])
+    endpoint.client().delete_object(Bucket=BUCKET, Key="updated/shard_info.json")
+    with pytest.raises(ShardloadError, match=r"shard_info\.json does not exist"):  # seen gone, not read from a listing
+        shardload.load_rank(uri, 1, 2)
 
 
 def test_verify_a_model_in_object_storage(endpoint: S3, example_dir: Path, tmp_path: Path) -> None:

@@ -33,6 +33,8 @@ class InputLog:
     stamps: dict[str, Stamp] = field(default_factory=dict)
     versions: dict[str, Any] = field(default_factory=dict)
     """Objects in a store by address: the version (ETag) of the first answer; every later answer must be it."""
+    listings: dict[Any, dict[str, dict[str, int]]] = field(default_factory=dict)
+    """Object-store listings this load made, by store and prefix (sizes by key): a later load lists afresh."""
     agreeing: bool = False
     """Inside ``same_checkpoint``: the ranks compare what they read at the end, so no other collective may run."""
     reads: list[tuple[str, int]] = field(default_factory=list)

@@ -190,6 +190,7 @@ class ObjectStore:
     def __init__(self, bucket: str) -> None:
         self.bucket = bucket
         self._listed: dict[str, dict[str, int]] = {}
+        """Listings by prefix outside a load; a load keeps its own in its input log (one listing per load)."""
         self._lock = threading.Lock()
         self._measured: ObjectCost | None = None
         self._probe_lock = threading.Lock()
@@ -198,21 +199,32 @@ class ObjectStore:
         """The object's address as a user writes it (``s3://bucket/key``)."""
         return f"{self.scheme}://{self.bucket}/{key}"
 
+    def _listings(self) -> dict[str, dict[str, int]]:
+        """The listings by prefix this call may use: the running load's own (a model updated between two loads of
+        one process is listed afresh by the second), else the store's."""
+        log = input_log.current()
+        if log is None:
+            return self._listed
+        return log.listings.setdefault((self.scheme, self.bucket), {})
+
     def list(self, prefix: str) -> dict[str, int]:
-        """Every object whose key starts with ``prefix`` -> its size (one listing per prefix, then cached)."""
+        """Every object whose key starts with ``prefix`` -> its size (one listing per prefix and load, then
+        kept for that load)."""
+        listings = self._listings()
         with self._lock:
-            found = self._listed.get(prefix)
+            found = listings.get(prefix)
         if found is None:
             found = self._list(prefix)
             with self._lock:
-                self._listed[prefix] = found
+                listings[prefix] = found
         return found
 
     def size(self, key: str) -> int | None:
         """The object's size in bytes, or None when there is no such object."""
         parent = key.rsplit("/", 1)[0] + "/" if "/" in key else ""
+        listings = self._listings()
         with self._lock:
-            listed = self._listed.get(parent)
+            listed = listings.get(parent)
         if listed is not None:
             return listed.get(key)
         return self._head(key)
@@ -248,8 +260,9 @@ class ObjectStore:
         """Write one small object whole (an integrity record), then keep the cached listing of its prefix true."""
         self._put(key, data)
         parent = key.rsplit("/", 1)[0] + "/" if "/" in key else ""
+        listings = self._listings()
         with self._lock:
-            for prefix, listed in self._listed.items():
+            for prefix, listed in listings.items():
                 if key.startswith(prefix) and (prefix == parent or "/" not in key[len(prefix) :]):
                     listed[key] = len(data)
 
