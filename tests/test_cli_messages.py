@@ -285,3 +285,42 @@ def test_a_usage_error_is_one_error_line(runner: CliRunner, example_dir: Path, a
     assert result.exit_code == 2, result.output
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: ") and line.endswith("--help`)"), line
+
+
+@pytest.mark.parametrize("target", ["model.safetensors", "config.json", "a-folder"])
+def test_plan_with_overwrite_replaces_only_a_shard_info_file(runner: CliRunner, tmp_path: Path, target: str) -> None:
+    """``plan -o F --overwrite`` replaces F only where F is a shard_info file (or empty): the model's own weights or
+    config.json named by mistake are refused in one line and left as they were (old code wrote the plan over them
+    and exited 0), and a folder is refused up front, not as a temporary file's error."""
+    model = _model(tmp_path / "m", "llama", 4, 2, 16)
+    (model / "a-folder").mkdir()
+    path = model / target
+    before = path.read_bytes() if path.is_file() else None
+    result = runner.invoke(main, ["plan", str(model), "-o", str(path), "--overwrite"])
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+    assert result.output.startswith(f"error: {path}: "), result.output
+    assert ".tmp-" not in result.output
+    if before is not None:
+        assert path.read_bytes() == before
+    shard_info = model / "shard_info.json"
+    assert runner.invoke(main, ["plan", str(model), "-o", str(shard_info)]).exit_code == 0
+    again = runner.invoke(main, ["plan", str(model), "-o", str(shard_info), "--overwrite"])
+    assert again.exit_code == 0, again.output  # a shard_info file is replaced
+
+
+def test_plan_into_a_folder_that_does_not_exist_names_the_path_given(runner: CliRunner, tmp_path: Path) -> None:
+    model = _model(tmp_path / "m", "llama", 4, 2, 16)
+    target = tmp_path / "nowhere" / "x.json"
+    result = runner.invoke(main, ["plan", str(model), "-o", str(target)])
+    assert result.exit_code == 1 and result.output.startswith(f"error: {target}: "), result.output
+    assert ".tmp-" not in result.output and result.output.count("\n") == 1, result.output
+
+
+def test_plan_with_overwrite_replaces_a_seed_form_shard_info(runner: CliRunner, tmp_path: Path) -> None:
+    """MLC's seed form (parameters at the top, no ``params``) is a shard_info file too."""
+    model = _model(tmp_path / "m", "llama", 4, 2, 16)
+    seed = model / "seed.json"
+    seed.write_text(json.dumps({"lm_head.weight": [["shard_funcs.shard_dim", [[2, 128, 64], "float16"], 0, 2]]}))
+    result = runner.invoke(main, ["plan", str(model), "-o", str(seed), "--overwrite"])
+    assert result.exit_code == 0, result.output
+    assert "params" in json.loads(seed.read_text())

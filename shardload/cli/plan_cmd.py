@@ -97,8 +97,8 @@ def plan(
         root = model if model.is_dir() else model.parent
         target = out if out is not None else root / "shard_info.json"
     to_stdout = str(target) == "-"
-    if not to_stdout and target.exists() and not overwrite:
-        raise ShardloadError("exists (pass --overwrite to replace it)", file=str(target))
+    if not to_stdout:
+        _check_plan_target(target, overwrite)
     result = generate(
         model, style=style, experts=experts, num_shards=num_shards, vocab_padding=vocab_padding,
         allow_single=allow_single,
@@ -106,7 +106,10 @@ def plan(
     if to_stdout:
         click.echo(json.dumps(result.document, indent=2))
     else:
-        result.save(target)
+        try:
+            result.save(target)
+        except OSError as err:
+            raise ShardloadError(f"cannot write the plan: {err.strerror or err}", file=str(target)) from None
     if as_json:
         summary_doc = {
             "written": None if to_stdout else str(target), "style": result.style, "experts": experts,
@@ -123,6 +126,33 @@ def plan(
     counts = f"{result.sharded} sharded, {result.replicated} replicated"
     summary = f"{counts} ({result.style}, experts {experts}); num_shards {ns}"
     click.echo(summary if to_stdout else f"wrote {target}: {summary}", err=to_stdout)
+
+
+def _check_plan_target(target: Path, overwrite: bool) -> None:
+    """Refuse a plan's output path that cannot take it, or whose file it would destroy: a folder, a missing parent,
+    an existing file without ``--overwrite``, and with it any file that is not a shard_info (a model's weights or
+    config.json named by mistake); an empty file is no loss."""
+    from ..format.shard_info import MAX_FILE_BYTES
+
+    if not target.parent.is_dir():
+        raise ShardloadError(f"cannot write the plan: there is no folder {target.parent}", file=str(target))
+    if not (target.exists() or target.is_symlink()):
+        return
+    if not target.is_file():
+        raise ShardloadError("is not a regular file: the plan is written to a new path, or over a shard_info file",
+                             file=str(target))  # fmt: skip
+    if not overwrite:
+        raise ShardloadError("exists (pass --overwrite to replace it)", file=str(target))
+    try:
+        with open(target, "rb") as fh:
+            data = fh.read(MAX_FILE_BYTES + 1)
+        document = json.loads(data) if data.strip() else {"params": {}}
+    except (OSError, ValueError):
+        document = None
+    seed_form = isinstance(document, dict) and all(isinstance(v, list) for v in document.values())
+    if not (seed_form or (isinstance(document, dict) and isinstance(document.get("params"), dict))):
+        raise ShardloadError("exists and is not a shard_info file (writing the plan there would replace it): give a "
+                             "new path, or the path of a shard_info file to replace", file=str(target))  # fmt: skip
 
 
 @click.command()
