@@ -161,6 +161,31 @@ def test_a_bad_verify_root_is_told_in_the_command_lines_terms(
     )
 
 
+def test_a_bad_verify_root_is_a_usage_error_in_the_command_lines_terms(runner: CliRunner, example_dir: Path) -> None:
+    """``verify MODEL --root`` with a value that is no root hash is told as ``convert --verify`` tells it (exit 2,
+    the option's name), not in the Python API's terms (``verify='00'``, exit 1)."""
+    result = runner.invoke(main, ["verify", str(example_dir), "--root", "00"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == "error: --root takes a 64-digit root hash from `shardload hash`, got '00'\n"
+
+
+def test_an_interrupted_verify_does_not_claim_an_output_was_removed(
+    runner: CliRunner, example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``verify`` writes nothing: stopped by Ctrl-C it says it was interrupted, not that OUT "was not written"."""
+    import shardload.engine.verify_dir
+
+    out = tmp_path / "out"
+    assert runner.invoke(main, ["convert", str(example_dir), "-n", "2", "-o", str(out)]).exit_code == 0
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shardload.engine.verify_dir, "verify_dir", interrupted)
+    result = runner.invoke(main, ["verify", str(out)])
+    assert result.exit_code == 130 and result.stderr == "interrupted\n", result.stderr
+
+
 def test_convert_counts_only_the_companion_files_it_copied(
     runner: CliRunner, example_dir: Path, tmp_path: Path
 ) -> None:

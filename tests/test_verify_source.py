@@ -49,7 +49,7 @@ def test_a_pinned_wrong_root_fails(split_model: Path) -> None:
     code, _, err = _verify(str(split_model), "--root", "0" * 64)
     assert code == 1 and "pinned root" in err and len(err.strip().splitlines()) == 1
     code, _, err = _verify(str(split_model), "--root", "abc")
-    assert code == 1 and "64-digit root hash" in err
+    assert code == 2 and "64-digit root hash" in err  # a usage error, as convert --verify tells it
 
 
 def test_no_record_says_how_to_make_one(split_model: Path, tmp_path: Path) -> None:

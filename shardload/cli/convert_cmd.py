@@ -22,6 +22,7 @@ from .common import (
     _mesh_options,
     _plugin_option,
     _ProgressBar,
+    _root_hash,
 )
 
 
@@ -144,12 +145,6 @@ def convert(
     copied = [f for f in result.other_files if f.path not in (MARKER, RECORD_NAME, MANIFEST_NAME)]  # not our own
     extra = f" and {len(copied)} copied file(s)" if copied else ""
     click.echo(f"\nwrote {len(result.rank_files)} rank files{extra} to {result.out_dir}")
-
-
-def _root_hash(text: str) -> bool:
-    """Whether ``text`` reads as a root hash (64 hex digits), as load(verify=ROOT) takes it."""
-    pin = text.strip().lower()
-    return len(pin) == 64 and all(c in "0123456789abcdef" for c in pin)
 
 
 def _source_bytes(model: Path) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from ..errors import ShardloadError, printable
-from .common import MODEL, _guarded, _mesh_arg, _mesh_options, _plugin_option
+from .common import MODEL, BadArgument, _guarded, _mesh_arg, _mesh_options, _plugin_option, _root_hash
 
 INSPECT_N = 8
 
@@ -103,7 +103,7 @@ def _inspect_n(info: Any, checkpoint: Any) -> int:
 
 
 @click.command()
-@click.argument("out_dir", metavar="OUT", type=MODEL)
+@click.argument("target", metavar="OUT", type=MODEL)
 @click.option(
     "--source", "source", type=MODEL, metavar="MODEL",
     help="Also compare OUT's plan with the plan MODEL gives, then every rank with the same rank made from MODEL "
@@ -115,9 +115,12 @@ def _inspect_n(info: Any, checkpoint: Any) -> int:
               help="A source checkpoint: fail unless its record's root hash is HEX (`shardload hash`).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report (exit code as without).")
 @_guarded
-def verify(out_dir: Path | str, source: Path | None, shard_info: Path | None, root: str | None, as_json: bool) -> None:
+def verify(target: Path | str, source: Path | None, shard_info: Path | None, root: str | None, as_json: bool) -> None:
     """Recompute every file's checksum in converted directory OUT against its manifest; list each mismatch. OUT may
     be a source checkpoint instead: every file is re-hashed against its integrity record (`shardload hash`)."""
+    out_dir = target  # not named out_dir: verify writes nothing, and an interrupted one removes nothing
+    if root is not None and not _root_hash(root):
+        raise BadArgument(f"--root takes a 64-digit root hash from `shardload hash`, got {root!r}")
     from ..engine.verify import VerifyReport
     from ..engine.verify_dir import verify_dir
     from ..sources.manifest import MANIFEST_NAME
