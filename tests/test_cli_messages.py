@@ -349,3 +349,30 @@ def test_plan_with_overwrite_replaces_a_seed_form_shard_info(runner: CliRunner, 
     result = runner.invoke(main, ["plan", str(model), "-o", str(seed), "--overwrite"])
     assert result.exit_code == 0, result.output
     assert "params" in json.loads(seed.read_text())
+
+
+@pytest.mark.parametrize("command", ["plan", "preflight", "convert", "inspect"])
+def test_an_unknown_architecture_hints_only_at_options_the_command_has(
+    runner: CliRunner, tmp_path: Path, command: str
+) -> None:
+    """No plan source knows the model_type: every command says so in one line, and only a command that has
+    ``--shard-info`` (convert, inspect) suggests it; plan and preflight have no such option (old code told them to
+    pass one)."""
+    model = _model(tmp_path / "m", "llama", 4, 2, 16)
+    (model / "config.json").write_text(json.dumps({"model_type": "not-a-known-type", "num_hidden_layers": 1}))
+    args = {"plan": ["-o", "-"], "preflight": [], "convert": ["-n", "2", "-o", str(tmp_path / "o")],
+            "inspect": ["-n", "2"]}[command]  # fmt: skip
+    result = runner.invoke(main, [command, str(model), *args])
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.output
+    assert "no plan source knows this architecture" in result.stderr, result.stderr
+    assert ("--shard-info" in result.stderr) == (command in ("convert", "inspect")), result.stderr
+
+
+def test_preflight_without_config_json_says_there_is_none(runner: CliRunner, tmp_path: Path) -> None:
+    """A model with neither shard_info.json nor config.json: preflight names the missing file, as plan does, not a
+    ``model_type None`` of a config.json that does not exist."""
+    model = _model(tmp_path / "m", "llama", 4, 2, 16)
+    (model / "config.json").unlink()
+    result = runner.invoke(main, ["preflight", str(model)])
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.output
+    assert "no config.json" in result.stderr and "model_type None" not in result.stderr, result.stderr

@@ -141,7 +141,9 @@ def test_no_plan_source_is_one_line_saying_how_to_proceed(tmp_path: Path) -> Non
     message = str(caught.value)
     assert message.startswith(f"{model_dir}: no shard_info.json beside the weights, and planning one from config.json")
     assert "model_type 'gpt_unknown': no plan source knows this architecture" in message
-    assert "write a shard_info.json for it beside the weights, or pass one with --shard-info" in message
+    assert (
+        "write a shard_info.json for it beside the weights (docs/format.md); or pass one with --shard-info" in message
+    )
     for command in (["inspect", str(model_dir)], ["convert", str(model_dir), "-n", "2", "-o", str(tmp_path / "o")]):
         result = CliRunner().invoke(main, command)
         assert result.exit_code == 1

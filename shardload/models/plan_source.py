@@ -63,7 +63,8 @@ def plan_shard_info(checkpoint: Checkpoint, shard_info: Any) -> tuple[ShardInfo,
                         _generated.popitem(last=False)
     except ShardloadError as err:  # the same kind of error, saying first that no file was found
         raise type(err)(
-            f"no {default.name} beside the weights, and planning one from {config.name} failed: {err.message}",
+            f"no {default.name} beside the weights, and planning one from {config.name} failed: {err.message}; "
+            "or pass one with --shard-info (shard_info= in Python)",
             file=checkpoint.name,
         ) from None
     document, made_from = kept

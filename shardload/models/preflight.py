@@ -218,6 +218,10 @@ def _preflight(
                 problems = sorted(build_plan(info, checkpoint, n, strict=False).problems, key=_blocking_rank)
                 checks.append(Check(n, None, [p.message for p in problems]))
         else:
+            made_from = checkpoint.config_file()
+            if not (made_from.exists() or made_from.is_symlink()):  # as `shardload plan` says it
+                raise PlanError(f"no {default.name} beside the weights and no {made_from.name} to plan one from; "
+                                "write a shard_info.json (docs/format.md)", file=str(model))  # fmt: skip
             dims = _dims(config)
             modes = ["tp", "parallel"] if dims.num_experts else [None]
             source = ""

@@ -113,8 +113,7 @@ def preset_placements(
         known = ", ".join(model_types())
         raise PlanError(
             f"model_type {model_type!r}: no plan source knows this architecture (no base_model_tp_plan applies; "
-            f"built-in presets: {known}); write a shard_info.json for it beside the weights, or pass one with "
-            "--shard-info (shard_info= in Python)",
+            f"built-in presets: {known}); write a shard_info.json for it beside the weights (docs/format.md)",
             file="config.json",
         )
     gguf = gguf_names(tensors)
