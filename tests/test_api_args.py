@@ -4,6 +4,7 @@ paths taken when a parameter has too many runs to list give the reference's slic
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -208,3 +209,43 @@ def test_whole_model_load_reports_progress(example_dir: Path, monkeypatch: pytes
     monkeypatch.setattr(sys, "stderr", screen)
     shardload.load(example_dir, 2, devices=["cpu", "cpu"], progress=True)
     assert screen.getvalue().startswith("\rloading: 1/") and screen.getvalue().endswith("(100%)\n")
+
+
+OLD_WORDS = re.compile(r"\b(share_reads|params|out|mmap)\b")
+"""The load options' deprecated spellings, which a refusal must not use (the caller gave today's)."""
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["group without torch.distributed", "only an unknown name", "into an unknown name", "into a non-tensor",
+     "into a wrong shape", "into with the view strategy", "into a converted directory at another N",
+     "group with read options"],
+)  # fmt: skip
+def test_a_refused_option_is_named_as_the_caller_spelled_it(example_dir: Path, tmp_path: Path, case: str) -> None:
+    """A load refusing an option speaks of ``group=``, ``into=`` / ``Destination(only=)`` and
+    ``ReadOptions(strategy="view")``, which the caller gave, not of the deprecated ``share_reads``, ``params``,
+    ``out`` and ``mmap`` (old code named those)."""
+    from shardload import Destination, ReadOptions
+
+    view = ReadOptions(strategy="view")
+    calls = {
+        "group without torch.distributed": lambda: shardload.load_rank(example_dir, 0, 2, group=True),
+        "only an unknown name": lambda: shardload.load_rank(example_dir, 0, 2, into=Destination(only=["nope"])),
+        "into an unknown name": lambda: shardload.load_rank(example_dir, 0, 2, into={"nope": torch.zeros(1)}),
+        "into a non-tensor": lambda: shardload.load_rank(example_dir, 0, 2, into={"lm_head.weight": 3}),
+        "into a wrong shape": lambda: shardload.load_rank(example_dir, 0, 2, into={"lm_head.weight": torch.zeros(1)}),
+        "into with the view strategy": lambda: shardload.load_rank(example_dir, 0, 2, into={}, read_options=view),
+        "into a converted directory at another N": lambda: shardload.load_rank(
+            converted, 0, 2, into=lambda name, shape, dtype: None
+        ),
+        "group with read options": lambda: shardload.load_rank(
+            example_dir, 0, 2, group=True, read_options=ReadOptions(threads=2)
+        ),
+    }
+    converted = tmp_path / "tp4"
+    if case == "into a converted directory at another N":
+        shardload.convert(example_dir, 4, converted)
+    with pytest.raises(ShardloadError) as err:
+        calls[case]()
+    message = str(err.value)
+    assert "\n" not in message and not OLD_WORDS.search(message), message

@@ -72,7 +72,7 @@ def test_converted_directory_fills_out_and_selects_params(example_dir: Path, tmp
     state = shardload.load_rank(tmp_path / "tp4", RANK, N, out=out, params=[QKV, NORM])
     assert sorted(state) == sorted([QKV, NORM]) and state[QKV] is out[QKV]
     assert state[QKV].equal(plain[QKV]) and state[NORM].equal(plain[NORM])
-    with pytest.raises(ShardloadError, match="reads boxes of several rank files, without params or out"):
+    with pytest.raises(ShardloadError, match="reads boxes of several rank files, without into="):
         shardload.load_rank(tmp_path / "tp4", 0, 2, out=out)
 
 
@@ -80,18 +80,19 @@ def _bad(plain: dict[str, torch.Tensor]) -> list[tuple[dict[str, object], str]]:
     qkv = plain[QKV]
     return [
         ({"out": {QKV: torch.empty(qkv.shape[0] * 2, qkv.shape[1], dtype=qkv.dtype)}},
-         rf"{QKV}: out tensor is \[256, 256\] torch.float16, this rank's tensor is \[128, 256\] torch.float16"),
-        ({"out": {QKV: torch.empty(qkv.shape, dtype=torch.float32)}}, "out tensor is .* torch.float32, this rank's"),
-        ({"out": {QKV: torch.empty(qkv.shape[1], qkv.shape[0], dtype=qkv.dtype).t()}}, "out tensor is not contiguous"),
-        ({"out": {QKV: torch.empty(qkv.shape, dtype=qkv.dtype, device="meta")}}, "out tensor is on the meta device"),
-        ({"out": {"no.such.weight": qkv}}, "no.such.weight: out names a tensor this rank does not read"),
-        ({"out": {NORM: plain[NORM]}, "params": [QKV]}, f"{NORM}: out names a tensor this rank does not read"),
-        ({"out": {QKV: qkv.numpy()}}, "out gives a ndarray, not a tensor"),
-        ({"out": [qkv]}, "out must be a mapping of names to tensors or a callable"),
-        ({"params": QKV}, "params must be a collection of tensor names"),
-        ({"params": [QKV, "x.weight", "y.weight"]}, r"x.weight: params names a tensor .* \(and 1 more\)"),
-        ({"out": {QKV: qkv}, "mmap": True}, "params= and out= apply to a rank reading its own tensors; mmap=True"),
-        ({"out": _aliased(plain)}, "out tensor shares memory with "),
+         rf"{QKV}: into's tensor is \[256, 256\] torch.float16, this rank's tensor is \[128, 256\] torch.float16"),
+        ({"out": {QKV: torch.empty(qkv.shape, dtype=torch.float32)}}, "into's tensor is .* torch.float32, this rank's"),
+        ({"out": {QKV: torch.empty(qkv.shape[1], qkv.shape[0], dtype=qkv.dtype).t()}},
+         "into's tensor is not contiguous"),
+        ({"out": {QKV: torch.empty(qkv.shape, dtype=qkv.dtype, device="meta")}}, "into's tensor is on the meta device"),
+        ({"out": {"no.such.weight": qkv}}, "no.such.weight: into names a tensor this rank does not read"),
+        ({"out": {NORM: plain[NORM]}, "params": [QKV]}, f"{NORM}: into names a tensor this rank does not read"),
+        ({"out": {QKV: qkv.numpy()}}, "into gives a ndarray, not a tensor"),
+        ({"out": [qkv]}, "into must be a Destination, a mapping of names to tensors or a callable"),
+        ({"params": QKV}, "Destination.only must be a collection of tensor names"),
+        ({"params": [QKV, "x.weight", "y.weight"]}, r"x.weight: Destination.only names a tensor .* \(and 1 more\)"),
+        ({"out": {QKV: qkv}, "mmap": True}, "into= applies to a rank reading its own tensors; ReadOptions"),
+        ({"out": _aliased(plain)}, "into's tensor shares memory with "),
     ]  # fmt: skip
 
 

@@ -436,7 +436,7 @@ def test_share_reads_receivers_check_what_peers_send(
         return
     failed = [line for line in lines if line.startswith("FAILED 1:")]
     assert failed, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "a peer of the share_reads group sent bytes" in failed[0]
+    assert "a peer of the group sharing reads sent bytes" in failed[0]
     assert not any(line.startswith("WRONG") for line in lines)
 
 

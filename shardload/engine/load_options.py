@@ -185,9 +185,11 @@ class Fill:
         if params is None and out is None:
             return None
         if params is not None and (isinstance(params, (str, bytes)) or not isinstance(params, Collection)):
-            raise ShardloadError(f"params must be a collection of tensor names, got {params!r}", file=where)
+            raise ShardloadError(f"Destination.only must be a collection of tensor names, got {params!r}", file=where)
         if out is not None and not (isinstance(out, Mapping) or callable(out)):
-            raise ShardloadError(f"out must be a mapping of names to tensors or a callable, got {out!r}", file=where)
+            raise ShardloadError(
+                f"into must be a Destination, a mapping of names to tensors or a callable, got {out!r}", file=where
+            )
         return cls(None if params is None else frozenset(params), out, where)
 
     def known(self, names: Collection[str]) -> None:
@@ -195,7 +197,7 @@ class Fill:
         unknown = sorted(set(self.params or ()) - set(names))
         if unknown:
             more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
-            raise ShardloadError(f"params names a tensor the checkpoint does not hold{more}", file=self.where,
+            raise ShardloadError(f"Destination.only names a tensor the checkpoint does not hold{more}", file=self.where,
                                  param=unknown[0])  # fmt: skip
 
     def select(self, stage: ModelPlan, whole: ModelPlan) -> ModelPlan:
@@ -219,17 +221,18 @@ class Fill:
         for name, t in found.items():
             p = plan.params.get(name)
             if p is None:
-                raise ShardloadError("out names a tensor this rank does not read (not in the checkpoint, not in "
-                                     "params, or another pipeline stage's)", file=self.where, param=name)  # fmt: skip
+                raise ShardloadError("into names a tensor this rank does not read (not in the checkpoint, not in "
+                                     "Destination.only, or another pipeline stage's)", file=self.where,
+                                     param=name)  # fmt: skip
             if not isinstance(t, torch.Tensor):
-                raise ShardloadError(f"out gives a {type(t).__name__}, not a tensor", file=self.where, param=name)
+                raise ShardloadError(f"into gives a {type(t).__name__}, not a tensor", file=self.where, param=name)
             want = (list(p.shape), to_torch(p.dtype))
             if (list(t.shape), t.dtype) != want:
-                raise ShardloadError(f"out tensor is {list(t.shape)} {t.dtype}, this rank's tensor is {want[0]} "
+                raise ShardloadError(f"into's tensor is {list(t.shape)} {t.dtype}, this rank's tensor is {want[0]} "
                                      f"{want[1]}", file=self.where, param=name)  # fmt: skip
             if not t.is_contiguous() or t.device.type == "meta":
                 what = "on the meta device (no memory)" if t.device.type == "meta" else "not contiguous"
-                raise ShardloadError(f"out tensor is {what}; give a contiguous tensor of {want[0]}", file=self.where,
+                raise ShardloadError(f"into's tensor is {what}; give a contiguous tensor of {want[0]}", file=self.where,
                                      param=name)  # fmt: skip
         _disjoint(found, self.where)
         return found
@@ -244,5 +247,5 @@ def _disjoint(tensors: Mapping[str, torch.Tensor], where: str) -> None:
     )
     for (device, _, end, first), (other, start, _, name) in itertools.pairwise(spans):
         if device == other and start < end:
-            raise ShardloadError(f"out tensor shares memory with {first}'s; give each tensor its own memory",
+            raise ShardloadError(f"into's tensor shares memory with {first}'s; give each tensor its own memory",
                                  file=where, param=name)  # fmt: skip

@@ -290,14 +290,14 @@ def share_group(group: Any, where: str) -> Any:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise ShardloadError("share_reads needs an initialised torch.distributed process group", file=where)
+        raise ShardloadError("group= needs an initialised torch.distributed process group", file=where)
     if group is True:
         return None
     if isinstance(group, dist.ProcessGroup):
         if dist.get_rank(group) < 0:
-            raise ShardloadError("share_reads names a process group this rank is not a member of", file=where)
+            raise ShardloadError("group= names a process group this rank is not a member of", file=where)
         return group
-    raise ShardloadError(f"share_reads must be True, False or a torch.distributed ProcessGroup, got {group!r}",
+    raise ShardloadError(f"group= must be True, None or a torch.distributed ProcessGroup, got {group!r}",
                          file=where)  # fmt: skip
 
 
@@ -345,7 +345,7 @@ def check_received(params: Iterable[ParamPlan], rank: int, state: Mapping[str, t
     from ..planning.runs import param_runs
     from ..sources.verified import IntegrityError, ReceivedBytes, VerifiedReader, buffer_array
 
-    culprit = "a peer of the share_reads group sent bytes that differ from the checkpoint"
+    culprit = "a peer of the group sharing reads sent bytes that differ from the checkpoint"
     for p in params:
         got = state[p.name]
         runs = param_runs(p, [rank])

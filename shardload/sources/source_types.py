@@ -43,15 +43,17 @@ _BOX_VERIFY = (
     "{boxes}; verify=<root hash> is not supported there: load it with verify=True (every rank file checked whole "
     "against its manifest){own}"
 )
-_NOT_THERE = "{boxes}; share_reads and mmap do not apply there (load without them)"
+VIEW = 'ReadOptions(strategy="view")'
+"""The view read strategy as a caller spells it."""
+_NOT_THERE = f"{{boxes}}; group= and {VIEW} do not apply there (load without them)"
 _NOT_STEERED = "{boxes}, which read_options does not steer (leave read_options out)"
 _PRESHARDED_VERIFY = (
     "verify is not supported when a pre-sharded cache is read for another N: load it at its own N with verify, or "
     "convert the whole checkpoint"
 )
 _RANK_BY_RANK = (
-    "share_reads works on a source checkpoint or a converted directory; a pre-sharded one is read rank by rank (load "
-    "it without share_reads)"
+    "group= shares the reads of a source checkpoint or a converted directory; a pre-sharded one is read rank by rank "
+    "(load it without group=)"
 )
 
 
@@ -197,7 +199,7 @@ _BOXES = {
     "group": _NOT_THERE,
     "mmap": _NOT_THERE,
     "read_options": _NOT_STEERED,
-    "into": "{boxes}, without params or out",
+    "into": "{boxes}, without into=",
 }
 SUPPORT: dict[type[Source], dict[str, str | None]] = {
     WholeTensors: {},
@@ -210,26 +212,28 @@ SUPPORT: dict[type[Source], dict[str, str | None]] = {
         "group": _RANK_BY_RANK,
         "mmap": "{boxes}, without mmap",
         "read_options": _NOT_STEERED,
-        "into": "{boxes}, without params or out",
+        "into": "{boxes}, without into=",
     },
-    SavedBoxes: {**_BOXES, "shard_info": _CARRIES, "into": "{boxes}, without params or out (load the rank, then copy)"},
+    SavedBoxes: {**_BOXES, "shard_info": _CARRIES, "into": "{boxes}, without into= (load the rank, then copy)"},
 }
 """Source type x option: None (or absent) where the type takes the option, else its refusal."""
 
 EXCLUSIONS: dict[frozenset[str], str] = {
-    frozenset({"group", "mmap"}): "share_reads and mmap=True exclude each other (views of a file are not exchanged)",
-    frozenset({"mmap", "remote"}): "mmap=True maps local files; this model is in object storage (load without mmap, "
+    frozenset({"group", "mmap"}): f"group= and {VIEW} exclude each other (views of a file are not exchanged)",
+    frozenset(
+        {"mmap", "remote"}
+    ): f"{VIEW} maps local files; this model is in object storage (load with another strategy, "
     "or convert it to a local directory first)",
-    frozenset({"mmap", "device"}): "mmap=True maps files into host memory; it needs device='cpu', not {device!r}",
-    frozenset({"group", "read_options"}): "read_options applies to a rank reading for itself; share_reads reads each "
-    "chunk as exact runs (leave read_options out)",
-    frozenset({"group", "into"}): "params= and out= apply to a rank reading its own tensors; share_reads exchanges a "
+    frozenset({"mmap", "device"}): f"{VIEW} maps files into host memory; it needs device='cpu', not {{device!r}}",
+    frozenset({"group", "read_options"}): "read_options applies to a rank reading for itself; group= reads each "
+    "chunk as exact runs (give no read_options)",
+    frozenset({"group", "into"}): "into= applies to a rank reading its own tensors; group= exchanges a "
     "group's chunks (one or the other)",
-    frozenset({"mmap", "out"}): "params= and out= apply to a rank reading its own tensors; mmap=True returns views of "
+    frozenset({"mmap", "out"}): f"into= applies to a rank reading its own tensors; {VIEW} returns views of "
     "the file (one or the other)",
     frozenset(
         {"checked_reads", "mmap"}
-    ): "verify and mmap=True exclude each other (a view of the file is not a checked copy)",
+    ): f"verify and {VIEW} exclude each other (a view of the file is not a checked copy)",
 }
 """Pairs of options (or an option and a fact of the load: ``remote``, files in object storage; ``device``, a rank on
 another device than the CPU; ``checked_reads``, a verify that checks bytes as they are read) that exclude each other
