@@ -297,7 +297,7 @@ def share_group(group: Any, where: str) -> Any:
         if dist.get_rank(group) < 0:
             raise ShardloadError("group= names a process group this rank is not a member of", file=where)
         return group
-    raise ShardloadError(f"group= must be True, None or a torch.distributed ProcessGroup, got {group!r}",
+    raise ShardloadError(f"group= must be True, False or a torch.distributed ProcessGroup, got {group!r}",
                          file=where)  # fmt: skip
 
 
