@@ -35,7 +35,7 @@ from .engine.convert import ConvertResult, convert
 from .engine.hashing import hash_checkpoint
 from .engine.load import load, load_rank
 from .engine.load_options import Destination, Verify
-from .engine.quantize import quantize
+from .engine.quantize import QuantizeResult, quantize
 from .engine.read_strategy import ReadOptions
 from .engine.verify import VerifyReport
 from .engine.verify_dir import verify_dir
@@ -50,7 +50,7 @@ from .planning.validate import validate
 from .sources.checkpoint import Checkpoint, open_checkpoint
 from .sources.objects import ObjectCost
 from .sources.read_plan import IoModel
-from .sources.reader import count_reads
+from .sources.reader import ReadCount, count_reads
 from .version import __version__
 
 __all__ = [
@@ -66,6 +66,8 @@ __all__ = [
     "ParamPlan",
     "Placement",
     "PlanError",
+    "QuantizeResult",
+    "ReadCount",
     "ReadOptions",
     "ShardInfo",
     "ShardloadError",

@@ -270,3 +270,16 @@ def test_sha256_to_a_layout_that_takes_none_is_a_usage_line(example_dir: Path, t
     finally:
         convert_targets._LAYOUTS.pop("toy", None)
     assert layouts()["vllm"].sha256
+
+
+def test_the_package_ships_its_type_hints_and_data_files() -> None:
+    """The wheel carries ``py.typed`` (without it, mypy and pyright ignore every public hint) and the JSON files the
+    package reads at run time: each is in the tree and listed in pyproject's package-data."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for package, name in [("shardload", "py.typed"), ("shardload.format", "shard_info.schema.json"),
+                          ("shardload.models", "hf_tp_plans.json")]:  # fmt: skip
+        assert name in listed.get(package, []), (package, name)
+        assert (root / package.replace(".", "/") / name).is_file(), (package, name)
