@@ -376,3 +376,33 @@ def test_preflight_without_config_json_says_there_is_none(runner: CliRunner, tmp
     result = runner.invoke(main, ["preflight", str(model)])
     assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.output
     assert "no config.json" in result.stderr and "model_type None" not in result.stderr, result.stderr
+
+
+def test_every_json_document_says_ok_and_its_exit_code(runner: CliRunner, example_dir: Path, tmp_path: Path) -> None:
+    """Every ``--json`` document, on success as on failure, carries ``ok`` and ``exit_code`` (the process's), so a
+    script reads ``doc["ok"]`` whatever happened (old success documents of plan, convert, inspect and validate had
+    neither, and verify's had no exit_code)."""
+    from shardload.engine.hashing import hash_model
+
+    out, vllm_out = tmp_path / "tp2", tmp_path / "vllm"
+    hashed = tmp_path / "hashed"
+    hashed.mkdir()
+    for f in example_dir.iterdir():
+        (hashed / f.name).write_bytes(f.read_bytes())
+    hash_model(hashed)
+    commands = [
+        ["plan", str(example_dir), "-o", str(tmp_path / "plan.json"), "--json"],
+        ["convert", str(example_dir), "-n", "2", "-o", str(out), "--json"],
+        ["convert", str(example_dir), "-n", "2", "-o", str(vllm_out), "--layout", "vllm", "--json"],
+        ["inspect", str(example_dir), "-n", "2", "--json"],
+        ["validate", str(example_dir / "shard_info.json"), "--model", str(example_dir), "-n", "2", "--json"],
+        ["validate", str(example_dir / "shard_info.json"), "--model", str(example_dir), "-n", "3", "--json"],
+        ["verify", str(out), "--json"],
+        ["verify", str(hashed), "--json"],
+        ["preflight", str(example_dir), "--json"],
+    ]
+    for args in commands:
+        result = runner.invoke(main, args)
+        doc = json.loads(result.stdout)
+        assert doc.get("exit_code") == result.exit_code and doc.get("ok") is (result.exit_code == 0), (args, doc)
+    assert runner.invoke(main, commands[5]).exit_code == 1  # one that fails is among them

@@ -72,6 +72,12 @@ def _json_requested(args: list[str]) -> bool:
     return "--json" in (args[: args.index("--")] if "--" in args else args)
 
 
+def _echo_json(doc: dict[str, Any], ok: bool = True, err: bool = False) -> None:
+    """Print a command's ``--json`` document, led by ``ok`` and the ``exit_code`` the command exits with (1 when
+    not ok), as every document has them, a failure's too."""
+    click.echo(json.dumps({"ok": ok, "exit_code": 0 if ok else 1, **doc}, indent=2), err=err)
+
+
 def _echo_failure(error: dict[str, Any], exit_code: int) -> None:
     """The ``--json`` document of a command that failed: ``{"ok": false, "exit_code": ..., "error": {...}}``; where
     stdout cannot take it, the error line on stderr that follows is all there is."""

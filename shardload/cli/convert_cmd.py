@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from .common import (
     MAX_LISTED_N,
     MODEL,
     BadArgument,
+    _echo_json,
     _guarded,
     _LayoutChoice,
     _mesh_arg,
@@ -122,7 +122,7 @@ def convert(
             "rank_files": [f.entry() for f in result.rank_files],
             "other_files": [f.entry() for f in result.other_files],
         }  # fmt: skip
-        click.echo(json.dumps(doc, indent=2))
+        _echo_json(doc)
         return
     if quiet:
         return
@@ -192,8 +192,8 @@ def _convert_to(
     files = target.convert(model, num_shards, out_dir, shard_info, overwrite=overwrite, fsync=fsync, verify=verify,
                            expert_parallel=expert_parallel, **more)  # fmt: skip
     if as_json:
-        click.echo(json.dumps({"out_dir": str(out_dir), "num_shards": num_shards, "layout": target.name,
-                               "rank_files": [f.entry() for f in files]}, indent=2))  # fmt: skip
+        _echo_json({"out_dir": str(out_dir), "num_shards": num_shards, "layout": target.name,
+                    "rank_files": [f.entry() for f in files]})  # fmt: skip
         return
     if quiet:
         return

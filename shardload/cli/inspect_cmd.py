@@ -3,7 +3,6 @@ integrity records made."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import click
 
 from ..errors import ShardloadError, printable
-from .common import MODEL, BadArgument, _guarded, _mesh_arg, _mesh_options, _plugin_option, _root_hash
+from .common import MODEL, BadArgument, _echo_json, _guarded, _mesh_arg, _mesh_options, _plugin_option, _root_hash
 
 INSPECT_N = 8
 
@@ -74,7 +73,7 @@ def inspect(
         doc: dict[str, Any] = {"rows": inspect_rows(plan), "totals": totals(plan)}
         if layout is not None:
             doc["mesh"] = {**layout.to_dict(), "ranks": mesh_rows(plan, layout)}
-        click.echo(json.dumps(doc, indent=2))
+        _echo_json(doc)
     else:
         click.echo(inspect_text(plan))
         if layout is not None:
@@ -146,14 +145,14 @@ def verify(target: Path | str, source: Path | None, shard_info: Path | None, roo
         refused, report = err, VerifyReport(out_dir, 0, problems=[err])
     if as_json:
         doc = {
-            "out_dir": str(out_dir), "source": None if source is None else str(source), "ok": report.ok,
+            "out_dir": str(out_dir), "source": None if source is None else str(source),
             "num_shards": report.num_shards, "files": report.files, "bytes": report.nbytes,
             "problems": [p.to_dict() for p in report.problems],
         }  # fmt: skip
         if refused is not None:  # the directory could not be checked at all: also the failure document's fields
-            doc |= {"exit_code": 1, "error": refused.to_dict()}
+            doc |= {"error": refused.to_dict()}
             click.echo(printable(f"error: {refused.message}"), err=True)
-        click.echo(json.dumps(doc, indent=2))
+        _echo_json(doc, report.ok)
         sys.exit(0 if report.ok else 1)
     for problem in report.problems:
         click.echo(problem.message)
@@ -182,13 +181,13 @@ def _verify_source(model: Path | str, root: str | None, as_json: bool) -> None:
     if as_json:
         doc = {
             "model": str(model), "record": None if report.record is None else str(report.record),
-            "root": report.root or None, "ok": report.ok, "files": report.files, "bytes": report.nbytes,
+            "root": report.root or None, "files": report.files, "bytes": report.nbytes,
             "problems": [p.to_dict() for p in report.problems],
         }  # fmt: skip
         if refused is not None:
-            doc |= {"exit_code": 1, "error": refused.to_dict()}
+            doc |= {"error": refused.to_dict()}
             click.echo(printable(f"error: {refused.message}"), err=True)
-        click.echo(json.dumps(doc, indent=2))
+        _echo_json(doc, report.ok)
         sys.exit(0 if report.ok else 1)
     for problem in report.problems:
         click.echo(printable(problem.message))

@@ -11,7 +11,17 @@ import click
 
 from ..errors import ShardloadError, printable
 from ..models.choices import EXPERT_MODES, STYLES, VOCAB_PADDING
-from .common import MAX_LISTED_N, MODEL, BadArgument, _guarded, _mesh_arg, _mesh_options, _plugin_option, summarised
+from .common import (
+    MAX_LISTED_N,
+    MODEL,
+    BadArgument,
+    _echo_json,
+    _guarded,
+    _mesh_arg,
+    _mesh_options,
+    _plugin_option,
+    summarised,
+)
 
 PADDING_CHOICES = {"vllm": "server", **{rule: rule for rule in VOCAB_PADDING if rule != "server"}}
 """``--vocab-padding``'s values, as users know them (``vllm``: the servers' multiple of 64), -> the models' rules."""
@@ -116,7 +126,7 @@ def plan(
             "sharded": result.sharded, "replicated": result.replicated, "num_shards": list(result.supported),
             "notes": list(result.notes),
         }  # fmt: skip
-        click.echo(json.dumps(summary_doc, indent=2), err=to_stdout)
+        _echo_json(summary_doc, err=to_stdout)
         return
     if quiet:
         return
@@ -179,7 +189,7 @@ def preflight(model: Path, num_shards: tuple[int, ...], style: str, vocab_paddin
     report = run_preflight(model, num_shards, style=style, vocab_padding=vocab_padding)
     ok = all(report.works(n) for n in num_shards) if num_shards else any(report.works(n) for n in report.checked)
     if as_json:
-        click.echo(json.dumps({"ok": ok, "exit_code": 0 if ok else 1, **report.to_dict()}, indent=2))
+        _echo_json(report.to_dict(), ok)
         sys.exit(0 if ok else 1)
     doc = report.to_dict()
     counts = [f"{k}={doc[k]}" for k in ("num_attention_heads", "num_key_value_heads", "num_experts") if doc[k]]
@@ -269,7 +279,7 @@ def _validate_one(
     ok = bool(report["valid_for"]) if list_valid_n else report["valid"]
     ok = ok and not (strict and report["warnings"])
     if as_json:
-        click.echo(json.dumps({**report, "verdict": "pass" if ok else "fail"}, indent=2))
+        _echo_json({**report, "verdict": "pass" if ok else "fail"}, ok)
     elif list_valid_n:
         for problem in report["problems"]:
             if "num_shards" not in problem:  # the file itself is bad: no N was planned
