@@ -191,6 +191,32 @@ def test_step_returning_wrong_shape_is_caught(tmp_path: Path) -> None:
         shardload.planning.registry.unregister("tests.liar")
 
 
+def test_a_failing_step_is_located_in_the_shard_info_that_names_it(tmp_path: Path) -> None:
+    """A registered step that raises, or returns the wrong shape, while a load or a convert runs it is one line
+    naming the shard_info file that put it there, the parameter and the step (old code named no file)."""
+
+    @shardload.register("tests.boom", shape=lambda s, d, n: ((n, *s), d))
+    def boom(x: torch.Tensor, num_shards: int) -> torch.Tensor:
+        raise RuntimeError("kaboom")
+
+    @shardload.register("tests.liar2", shape=lambda s, d, n: ((n, *s), d))
+    def liar(x: torch.Tensor, num_shards: int) -> torch.Tensor:
+        return x.unsqueeze(0)
+
+    try:
+        for name, says in [("tests.boom", "step function failed: RuntimeError: kaboom"), ("tests.liar2", "returned")]:
+            info = {"version": 1, "params": {"w": [[name, [None, None], "num_shards"]]}}
+            model = write_model(tmp_path / name, {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, info)
+            where = f"{model / 'shard_info.json'}: w: step 1 ({name}): {says}"
+            for convert in (False, True):
+                with pytest.raises(PlanError) as err:
+                    shardload.convert(model, 2, tmp_path / "o") if convert else shardload.load_rank(model, 0, 2)
+                assert str(err.value).startswith(where) and err.value.file == str(model / "shard_info.json"), err.value
+    finally:
+        shardload.planning.registry.unregister("tests.boom")
+        shardload.planning.registry.unregister("tests.liar2")
+
+
 def test_outputs_are_independent_copies(example_dir: Path) -> None:
     shards = shardload.load(example_dir, 2, devices=["cpu", "cpu"])
     norm = "model.norm.weight"
@@ -274,7 +300,7 @@ def test_mmap_views_match_reads_and_leave_the_file_alone(example_dir: Path, tmp_
 
 
 def test_mmap_needs_the_cpu(example_dir: Path) -> None:
-    with pytest.raises(ShardloadError, match=r"mmap=True .* needs device='cpu'"):
+    with pytest.raises(ShardloadError, match=r"ReadOptions\(strategy=.view.\) .* needs device='cpu'"):
         shardload.load_rank(example_dir, 0, 2, device="meta", mmap=True)
 
 

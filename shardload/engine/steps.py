@@ -23,26 +23,28 @@ def run_steps(plan: ParamPlan, x: torch.Tensor) -> torch.Tensor:
         return x.unsqueeze(0).expand(plan.num_shards, *x.shape)
     for step in plan.steps:
         try:
-            x = _call(step, x, plan.name) if step.func.out else step.func.fn(x, *step.args)
+            x = _call(step, x, plan) if step.func.out else step.func.fn(x, *step.args)
         except ShardloadError:
             raise
         except Exception as err:
             raise PlanError(
-                f"step function failed: {type(err).__name__}: {err}", param=plan.name, step=step.index, func=step.name
-            ) from None
+                f"step function failed: {type(err).__name__}: {err}", file=plan.where, param=plan.name,
+                step=step.index, func=step.name,
+            ) from None  # fmt: skip
         if not isinstance(x, torch.Tensor):
             raise PlanError(
-                f"returned {type(x).__name__}, not a tensor", param=plan.name, step=step.index, func=step.name
-            )
+                f"returned {type(x).__name__}, not a tensor", file=plan.where, param=plan.name, step=step.index,
+                func=step.name,
+            )  # fmt: skip
         if tuple(x.shape) != step.out_shape or x.dtype != to_torch(step.out_dtype):
             raise PlanError(
                 f"returned {list(x.shape)} {x.dtype} but the plan says {list(step.out_shape)} {step.out_dtype}",
-                param=plan.name, step=step.index, func=step.name,
+                file=plan.where, param=plan.name, step=step.index, func=step.name,
             )  # fmt: skip
     return x
 
 
-def _call(step: PlannedStep, x: torch.Tensor, param: str) -> torch.Tensor:
+def _call(step: PlannedStep, x: torch.Tensor, plan: ParamPlan) -> torch.Tensor:
     """Run a destination-passing step: ``out`` is allocated from the declaration, and must come back as it went."""
     import torch
 
@@ -52,11 +54,11 @@ def _call(step: PlannedStep, x: torch.Tensor, param: str) -> torch.Tensor:
     if returned is not None and returned is not out:
         raise PlanError(
             "a destination-passing step writes into out and returns nothing; it returned a value",
-            param=param, func=step.name, step=step.index,
+            file=plan.where, param=plan.name, func=step.name, step=step.index,
         )  # fmt: skip
     if out.data_ptr() != where or tuple(out.shape) != step.out_shape or out.dtype != to_torch(step.out_dtype):
         raise PlanError(
             f"replaced or resized its out tensor ({list(out.shape)} {out.dtype}); it must write into it as allocated",
-            param=param, func=step.name, step=step.index,
+            file=plan.where, param=plan.name, func=step.name, step=step.index,
         )  # fmt: skip
     return out

@@ -64,6 +64,8 @@ class ParamPlan:
     shape: Shape
     dtype: str
     _pieces: dict[int, tuple[list[Piece], list[Box]]] = field(default_factory=dict, repr=False, compare=False)
+    where: str | None = field(default=None, compare=False)
+    """The shard_info file its steps came from, which a step's failure names (None for a plan of no steps)."""
 
     @property
     def replicated(self) -> bool:
@@ -291,7 +293,7 @@ def build_plan(
             continue  # planned without a checkpoint: checks only, nothing to execute
         last = (steps[-1].out_shape[1:], steps[-1].out_dtype) if steps else (source.shape, source.logical_dtype)
         shape, dtype = last
-        param = ParamPlan(name, source, steps, num_shards, shape, dtype, traced)
+        param = ParamPlan(name, source, steps, num_shards, shape, dtype, traced, where=src if steps else None)
         if param.rank_nbytes > MAX_GROWTH * source.nbytes + GROWTH_SLACK:
             plan.problems.append(
                 PlanError(
