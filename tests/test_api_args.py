@@ -50,6 +50,25 @@ def test_bad_api_arguments_are_one_line_errors(example_dir: Path, call: Any, say
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.parametrize(
+    ("call", "says"),
+    [
+        (lambda m: shardload.load(m, -2), "num_shards must be a positive integer, got -2"),
+        (lambda m: shardload.load(m), "give num_shards (or a mesh)"),
+        (lambda m: shardload.load(m, 2, mesh="tp=4"), "num_shards=2 disagrees with the mesh's tp=4"),
+        (lambda m: shardload.convert(m, 0, m.parent / "o"), "num_shards must be a positive integer, got 0"),
+        (lambda m: shardload.load_rank(m), "rank and num_shards are required"),
+        (lambda m: shardload.load_rank(m, mesh="tp=2"), "rank is required"),
+    ],
+)  # fmt: skip
+def test_a_bad_size_is_located_in_the_model(example_dir: Path, call: Any, says: str) -> None:
+    """A size or rank the call cannot work with is one line that starts with the model it was for (old code named
+    no model, and spoke of a mesh axis for ``load(m, -2)``)."""
+    with pytest.raises(ShardloadError) as err:
+        call(example_dir)
+    assert err.value.message.startswith(f"{example_dir}: {says}"), err.value.message
+
+
 def test_cuda_without_a_gpu_is_named(example_dir: Path) -> None:
     with pytest.raises(ShardloadError, match=r"device 'cuda:0' needs a CUDA GPU, and this torch .* sees none"):
         shardload.load_rank(example_dir, 0, 2, device="cuda:0")

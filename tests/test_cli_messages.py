@@ -406,3 +406,30 @@ def test_every_json_document_says_ok_and_its_exit_code(runner: CliRunner, exampl
         doc = json.loads(result.stdout)
         assert doc.get("exit_code") == result.exit_code and doc.get("ok") is (result.exit_code == 0), (args, doc)
     assert runner.invoke(main, commands[5]).exit_code == 1  # one that fails is among them
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_inspect_of_a_mesh_the_model_cannot_take_prints_only_the_error(
+    runner: CliRunner, example_dir: Path, as_json: bool
+) -> None:
+    """More pipeline stages than layers: one located line and nothing else on stdout (old code printed the whole
+    per-parameter table first, then an error naming no model)."""
+    result = runner.invoke(main, ["inspect", str(example_dir), "--mesh", "pp=3,tp=2"] + ["--json"] * as_json)
+    assert result.exit_code == 1, result.output
+    assert result.stderr == f"error: {example_dir}: pp=3 is more stages than the model's 2 layers\n", result.stderr
+    if as_json:
+        assert json.loads(result.stdout)["ok"] is False
+    else:
+        assert result.stdout == ""
+
+
+def test_verify_against_a_source_that_does_not_exist_is_a_usage_error(
+    runner: CliRunner, example_dir: Path, tmp_path: Path
+) -> None:
+    """``verify OUT --source nope``: the mistake is the argument's, told as validate tells ``--model nope`` (exit 2),
+    not a problem reported against OUT (old code: exit 1 and "OUT: 1 problem(s)")."""
+    out = tmp_path / "tp2"
+    assert runner.invoke(main, ["convert", str(example_dir), "-n", "2", "-o", str(out)]).exit_code == 0
+    result = runner.invoke(main, ["verify", str(out), "--source", str(tmp_path / "nope")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"error: {tmp_path / 'nope'}: no such file or directory (--source)\n", result.stderr

@@ -69,15 +69,21 @@ def inspect(
         info = shard_info_for(checkpoint, shard_info)
     n = num_shards or info.num_shards or _inspect_n(info, checkpoint)
     plan = build_plan(info, checkpoint, n)
+    stages: Any = None
+    if layout is not None:  # before anything is printed: a mesh the model cannot take is the whole output
+        try:
+            stages = mesh_rows(plan, layout) if as_json else mesh_text(plan, layout)
+        except ShardloadError as err:
+            raise err.located(file=str(model)) from None
     if as_json:
         doc: dict[str, Any] = {"rows": inspect_rows(plan), "totals": totals(plan)}
         if layout is not None:
-            doc["mesh"] = {**layout.to_dict(), "ranks": mesh_rows(plan, layout)}
+            doc["mesh"] = {**layout.to_dict(), "ranks": stages}
         _echo_json(doc)
     else:
         click.echo(inspect_text(plan))
         if layout is not None:
-            click.echo("\n" + mesh_text(plan, layout))
+            click.echo("\n" + stages)
 
 
 def _inspect_n(info: Any, checkpoint: Any) -> int:
@@ -129,6 +135,8 @@ def verify(target: Path | str, source: Path | None, shard_info: Path | None, roo
         raise click.UsageError("--shard-info goes with --source")
     if source is not None and not isinstance(out_dir, Path):
         raise click.UsageError("--source compares a local converted directory OUT with MODEL")
+    if isinstance(source, Path) and not (source.exists() or source.is_symlink()):
+        raise BadArgument(f"{source}: no such file or directory (--source)")
     # OUT in object storage or the Hub (kept as typed): a source checkpoint, checked against its record
     converted = source is not None or (isinstance(out_dir, Path) and (out_dir / MANIFEST_NAME).is_file())
     if root is not None and converted:

@@ -108,7 +108,7 @@ def convert(
     """
     out = as_path(out_dir, "out_dir")
     verify = verify_value(verify, str(model))
-    resolved = mesh_for(num_shards, mesh, None)
+    resolved = mesh_for(num_shards, mesh, None, str(model))
     source = as_boxes(open_source(model, resolved))
     resolved = own_layers(source, resolved)
     if isinstance(source, Boxes):  # already split (another conversion, a pre-sharded cache, a server's layout)

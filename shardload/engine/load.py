@@ -59,7 +59,7 @@ def load(
         shards = shardload.load("llama-dir", 8)          # cuda:0..7 when present, else CPU
         shards[3]["model.layers.0.self_attn.qkv_proj.weight"].shape
     """
-    resolved = mesh_for(num_shards, mesh, len(devices) if devices is not None else None)
+    resolved = mesh_for(num_shards, mesh, len(devices) if devices is not None else None, str(model))
     world = resolved.world_size
     if devices is not None and (isinstance(devices, (str, bytes)) or not hasattr(devices, "__len__")):
         raise ShardloadError(f"devices must be a list of {world} devices, got {devices!r}", file=str(model))
@@ -158,13 +158,14 @@ def load_rank(
     device = resolve_device(device, str(model))
     if rank is not None and type(rank) is not int:
         raise ShardloadError(f"rank must be an int, got {rank!r}", file=str(model))
-    if mesh is not None:
-        resolved, rank = _mesh_rank(mesh, rank, num_shards)
-    else:
-        rank, num_shards = _dist_defaults(rank, num_shards)
-        if type(num_shards) is not int or num_shards < 1:
-            raise ShardloadError(f"num_shards must be a positive integer, got {num_shards!r}", file=str(model))
-        resolved = Mesh(tp=num_shards)
+    try:
+        if mesh is not None:
+            resolved, rank = _mesh_rank(mesh, rank, num_shards)
+        else:
+            rank, num_shards = _dist_defaults(rank, num_shards)
+            resolved = mesh_for(num_shards, None, None)
+    except ShardloadError as err:
+        raise err.located(file=str(model)) from None
     options = load_options(str(model), shard_info=shard_info, verify=verify, group=group, read_options=read_options,
                            into=into, progress=progress, legacy=deprecated)  # fmt: skip
     source = open_source(model, resolved)
@@ -177,17 +178,23 @@ def load_rank(
     return load_source(source, resolved, [rank], [device], options, f"loading rank {rank}")[0]
 
 
-def mesh_for(num_shards: int | None, mesh: Any, world_size: int | None) -> Mesh:
-    """The mesh to work on: ``mesh`` when given (checked against ``num_shards``), else ``tp=num_shards``."""
-    if mesh is None:
-        if num_shards is None:
-            raise ShardloadError("give num_shards (or a mesh)")
-        return Mesh(tp=num_shards)
-    resolved = as_mesh(mesh, world_size)
-    assert resolved is not None
-    if num_shards is not None and num_shards != resolved.tp:
-        raise ShardloadError(f"num_shards={num_shards} disagrees with the mesh's tp={resolved.tp}")
-    return resolved
+def mesh_for(num_shards: int | None, mesh: Any, world_size: int | None, where: str | None = None) -> Mesh:
+    """The mesh to work on: ``mesh`` when given (checked against ``num_shards``), else ``tp=num_shards``; a
+    refusal is located at ``where`` (the model)."""
+    try:
+        if mesh is None:
+            if num_shards is None:
+                raise ShardloadError("give num_shards (or a mesh)")
+            if type(num_shards) is not int or num_shards < 1:
+                raise ShardloadError(f"num_shards must be a positive integer, got {num_shards!r}")
+            return Mesh(tp=num_shards)
+        resolved = as_mesh(mesh, world_size)
+        assert resolved is not None
+        if num_shards is not None and num_shards != resolved.tp:
+            raise ShardloadError(f"num_shards={num_shards} disagrees with the mesh's tp={resolved.tp}")
+        return resolved
+    except ShardloadError as err:
+        raise err.located(file=where) from None
 
 
 def own_layers(source: Source, mesh: Mesh) -> Mesh:
