@@ -323,3 +323,17 @@ def test_a_full_disk_is_one_line_and_no_output(
     lines = done.output.strip().splitlines()
     assert len(lines) == 1 and "No space left on device" in lines[0] and "Traceback" not in done.output, lines
     assert not out.exists()
+
+
+def test_a_refused_quantize_prints_only_its_error(example_dir: Path, tmp_path: Path) -> None:
+    """quantize into an OUT that exists (no --overwrite): the one error line and nothing on stdout (old code first
+    printed the group size it chose, as if it had run); a run that works names OUT's shard_info.json in full."""
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep")
+    runner = CliRunner()
+    refused = runner.invoke(main, ["quantize", str(example_dir), "-o", str(out)])
+    assert refused.exit_code == 1 and refused.stdout == "", refused.output
+    assert refused.stderr.startswith(f"error: {out}: ") and refused.stderr.count("\n") == 1, refused.stderr
+    done = runner.invoke(main, ["quantize", str(example_dir), "-o", str(tmp_path / "q2")])
+    assert done.exit_code == 0 and f"{tmp_path / 'q2' / 'shard_info.json'}: valid for num_shards" in done.stdout

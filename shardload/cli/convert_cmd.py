@@ -219,19 +219,19 @@ def quantize(model: Path, out_dir: Path, scheme: str, shard_info: Path | None, o
     from ..engine.quantize import quantize as run_quantize
 
     chosen, max_n = resolve_scheme(model, scheme)
-    if max_n is not None:
+    options = {"shard_info": shard_info, "overwrite": overwrite}
+    if sys.stderr.isatty():
+        with _ProgressBar("quantizing", lambda: _source_bytes(model)) as progress:
+            result = run_quantize(model, out_dir, chosen, progress=progress, **options)
+    else:
+        result = run_quantize(model, out_dir, chosen, **options)
+    if max_n is not None:  # said once it is done: a refused run prints its error alone
         ns = ", ".join(str(1 << k) for k in range(max_n.bit_length()))
         fewer = "" if max_n == INT4_MAX_N else f" only (none of groups 128, 64, 32 keeps N = {INT4_MAX_N})"
         group = chosen.removeprefix("int4-g")
         line = f"int4: group size {group} chosen from {model}: every quantized input dim splits into whole groups"
         click.echo(printable(f"{line} at N = {ns}{fewer} (--scheme int4-gG picks another)"))
-        scheme = chosen
-    options = {"shard_info": shard_info, "overwrite": overwrite}
-    if sys.stderr.isatty():
-        with _ProgressBar("quantizing", lambda: _source_bytes(model)) as progress:
-            result = run_quantize(model, out_dir, scheme, progress=progress, **options)
-    else:
-        result = run_quantize(model, out_dir, scheme, **options)
+    scheme = chosen
     fmt = result.scheme.format
     click.echo(f"quantized {len(result.quantized)} weights to {scheme} (compressed-tensors {fmt}) in {result.out_dir}")
     for name, reason in result.skipped.items():
@@ -240,7 +240,7 @@ def quantize(model: Path, out_dir: Path, scheme: str, shard_info: Path | None, o
         click.echo(printable(f"no shard_info.json in the source: wrote none ({_plan_hint(result.out_dir)})"))
     else:
         valid = ", ".join(str(n) for n in result.valid_for) or "none"
-        click.echo(f"shard_info.json: valid for num_shards {valid} (checked 1..{MAX_LISTED_N})")
+        click.echo(f"{result.out_dir / 'shard_info.json'}: valid for num_shards {valid} (checked 1..{MAX_LISTED_N})")
 
 
 def _plan_hint(model: Path) -> str:
