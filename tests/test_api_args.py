@@ -147,20 +147,28 @@ def test_a_closed_pipe_is_silent(example_dir: Path) -> None:
 @pytest.mark.parametrize(
     "args",
     [["inspect", "{m}", "-n", "2", "--json"], ["inspect", "{m}", "-n", "2"], ["validate", "{m}/shard_info.json",
-     "-n", "2", "--json"], ["plan", "{m}", "-o", "-"], ["inspect", "{m}/nothing-here", "--json"]],
+     "-n", "2", "--json"], ["plan", "{m}", "-o", "-"], ["inspect", "{m}/nothing-here", "--json"],
+     ["convert", "{m}", "-n", "2", "-o", "{o}/tp2", "--json"]],
 )  # fmt: skip
-def test_an_unwritable_stdout_is_one_line(example_dir: Path, args: list[str]) -> None:
+def test_an_unwritable_stdout_is_one_line(example_dir: Path, tmp_path: Path, args: list[str]) -> None:
+    """One line whatever the command; a command that wrote its output before stdout failed says the output is
+    there and complete (old code's line left the user to guess)."""
     import subprocess
     import sys
 
     cli = Path(__file__).resolve().parents[1] / "cli.py"
     with open("/dev/full", "w") as full:  # every write: ENOSPC
-        done = subprocess.run([sys.executable, str(cli), *(a.format(m=example_dir) for a in args)], stdout=full,
-                              stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
+        argv = [sys.executable, str(cli), *(a.format(m=example_dir, o=tmp_path) for a in args)]
+        done = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
     lines = [line for line in done.stderr.splitlines() if not line.startswith("note: ")]
     assert done.returncode == 1 and len(lines) == 1, done.stderr
     if "nothing-here" in args[1]:  # the failure itself is the line; its JSON document could not be written
         assert lines[0].startswith("error: ") and "nothing-here" in lines[0]
+    elif args[0] == "convert":
+        out = tmp_path / "tp2"
+        assert lines[0] == (f"error: cannot write to standard output: No space left on device ({out} was written "
+                            "and is complete)")  # fmt: skip
+        assert shardload.verify_dir(out).ok
     else:
         assert lines[0] == "error: cannot write to standard output: No space left on device"
 

@@ -134,6 +134,15 @@ class _Terminated(BaseException):
 _STOP_SIGNALS = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
 
 
+_WRITTEN: list[Path] = []
+"""What the running command has put in place (its OUT), for a line about a later failure to print."""
+
+
+def written(out: Path) -> None:
+    """Record that the command has put ``out`` in place: a failure after it (stdout full) says so."""
+    _WRITTEN.append(out)
+
+
 def _terminate(signum: int, frame: Any) -> None:
     raise _Terminated(signum)
 
@@ -150,6 +159,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             for signum in _STOP_SIGNALS:
                 previous[signum] = signal.signal(signum, _terminate)
         as_json = bool(kwargs.get("as_json"))
+        _WRITTEN.clear()
         try:
             return fn(*args, **kwargs)
         except ShardloadError as err:
@@ -162,7 +172,8 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         except OSError as err:
             if _written_to_stdout(err):  # a full disk or a dead terminal: no document can follow on stdout either
                 _drop_stdout()
-                _fail(printable(f"cannot write to standard output: {err.strerror or err}"))
+                done = f" ({', '.join(map(str, _WRITTEN))} was written and is complete)" if _WRITTEN else ""
+                _fail(printable(f"cannot write to standard output: {err.strerror or err}{done}"))
             where = f"{err.filename}: " if err.filename else ""
             message = printable(f"{where}{err.strerror or err}")
             if as_json:

@@ -23,6 +23,7 @@ from .common import (
     _plugin_option,
     _ProgressBar,
     _root_hash,
+    written,
 )
 
 
@@ -116,6 +117,7 @@ def convert(
             result = run_convert(model, num_shards, out_dir, shard_info, progress=progress, **options)
     else:
         result = run_convert(model, num_shards, out_dir, shard_info, **options)
+    written(result.out_dir)
     if as_json:
         doc = {
             "out_dir": str(result.out_dir), "num_shards": result.layout.tp, "mesh": str(result.layout),
@@ -191,6 +193,7 @@ def _convert_to(
     more = {"sha256": True} if sha256 else {}  # only to a target that takes it
     files = target.convert(model, num_shards, out_dir, shard_info, overwrite=overwrite, fsync=fsync, verify=verify,
                            expert_parallel=expert_parallel, **more)  # fmt: skip
+    written(out_dir)
     if as_json:
         _echo_json({"out_dir": str(out_dir), "num_shards": num_shards, "layout": target.name,
                     "rank_files": [f.entry() for f in files]})  # fmt: skip
@@ -225,6 +228,7 @@ def quantize(model: Path, out_dir: Path, scheme: str, shard_info: Path | None, o
             result = run_quantize(model, out_dir, chosen, progress=progress, **options)
     else:
         result = run_quantize(model, out_dir, chosen, **options)
+    written(result.out_dir)
     if max_n is not None:  # said once it is done: a refused run prints its error alone
         ns = ", ".join(str(1 << k) for k in range(max_n.bit_length()))
         fewer = "" if max_n == INT4_MAX_N else f" only (none of groups 128, 64, 32 keeps N = {INT4_MAX_N})"

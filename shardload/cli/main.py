@@ -16,7 +16,7 @@ import click
 
 from ..errors import printable
 from ..version import __version__
-from .common import BadArgument, _echo_failure, _guarded, _json_requested, _plugin_option
+from .common import BadArgument, _echo_failure, _guarded, _json_requested, _plugin_option, written
 from .convert_cmd import convert, quantize
 from .inspect_cmd import hash_command, inspect, verify
 from .plan_cmd import plan, preflight, validate
@@ -101,6 +101,7 @@ def example(out_dir: Path, overwrite: bool, multi_file: bool) -> None:
     from .example import write_example
 
     out = write_example(out_dir, overwrite=overwrite, multi_file=multi_file)
+    written(out)
     click.echo(f"wrote example model to {out}")
 
 

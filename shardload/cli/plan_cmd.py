@@ -21,6 +21,7 @@ from .common import (
     _mesh_options,
     _plugin_option,
     summarised,
+    written,
 )
 
 PADDING_CHOICES = {"vllm": "server", **{rule: rule for rule in VOCAB_PADDING if rule != "server"}}
@@ -120,6 +121,7 @@ def plan(
             result.save(target)
         except OSError as err:
             raise ShardloadError(f"cannot write the plan: {err.strerror or err}", file=str(target)) from None
+        written(target)
     if as_json:
         summary_doc = {
             "written": None if to_stdout else str(target), "style": result.style, "experts": experts,
