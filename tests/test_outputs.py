@@ -263,6 +263,23 @@ def test_a_source_that_changes_while_read_is_not_published(model: Path, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["models"]
 
 
+@pytest.mark.parametrize("with_source", [False, True])
+def test_verify_dir_reports_progress_to_the_end(model: Path, tmp_path: Path, with_source: bool) -> None:
+    """``verify_dir(progress=)`` is told the bytes checked after each file (and, with a source, after each rank
+    compared), rising to its total: the output's bytes, twice over with a source. The command draws it on a
+    terminal (old code showed nothing while it hashed or reloaded every rank)."""
+    out = tmp_path / "out"
+    shardload.convert(model, 4, out)
+    nbytes = sum(f.stat().st_size for f in out.iterdir() if f.name != "shard_manifest.json")
+    seen: list[tuple[int, int]] = []
+    report = shardload.verify_dir(out, source=model if with_source else None, progress=lambda d, t: seen.append((d, t)))
+    assert report.ok, report.problems
+    dones = [d for d, _ in seen]
+    assert dones == sorted(dones) and len(seen) >= 4 + 4 * with_source
+    listed = sum(e["size"] for e in json.loads((out / "shard_manifest.json").read_text())["files"])
+    assert listed <= nbytes and seen[-1] == (listed * (1 + with_source),) * 2
+
+
 def test_verify_against_the_source(model: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     shardload.convert(model, 4, out)

@@ -10,7 +10,17 @@ from typing import Any
 import click
 
 from ..errors import ShardloadError, printable
-from .common import MODEL, BadArgument, _echo_json, _guarded, _mesh_arg, _mesh_options, _plugin_option, _root_hash
+from .common import (
+    MODEL,
+    BadArgument,
+    _echo_json,
+    _guarded,
+    _mesh_arg,
+    _mesh_options,
+    _plugin_option,
+    _ProgressBar,
+    _root_hash,
+)
 
 INSPECT_N = 8
 
@@ -146,7 +156,7 @@ def verify(target: Path | str, source: Path | None, shard_info: Path | None, roo
         return
     refused: ShardloadError | None = None
     try:
-        report = verify_dir(out_dir, source=source, shard_info=shard_info)
+        report = _verify_dir_drawn(verify_dir, out_dir, source, shard_info, not as_json and sys.stderr.isatty())
     except ShardloadError as err:
         if not as_json:
             raise
@@ -172,6 +182,20 @@ def verify(target: Path | str, source: Path | None, shard_info: Path | None, roo
         f"{out_dir}: {report.files} files ({human_bytes(report.nbytes)}) match shard_manifest.json "
         f"(num_shards={report.num_shards}){against}"
     )
+
+
+def _verify_dir_drawn(verify_dir: Any, out_dir: Any, source: Any, shard_info: Any, draw: bool) -> Any:
+    """``verify_dir``, with a progress bar of the bytes checked on a terminal (``draw``)."""
+    if not draw:
+        return verify_dir(out_dir, source=source, shard_info=shard_info)
+    total = [0]
+
+    def told(done: int, of: int) -> None:
+        total[0] = of
+        bar(done, "")
+
+    with _ProgressBar("verifying", lambda: total[0]) as bar:
+        return verify_dir(out_dir, source=source, shard_info=shard_info, progress=told)
 
 
 def _verify_source(model: Path | str, root: str | None, as_json: bool) -> None:

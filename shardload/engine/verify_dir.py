@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +22,23 @@ from .load import load_rank
 from .reshard import RECORD_KEY, open_shards
 from .verify import OutputRecord, VerifyReport, check_entry
 
+Progress = Callable[[int, int], None]
+"""``progress(done, total)``: bytes of the output checked so far (twice over with a source: hashed, then compared)."""
+
 
 def verify_dir(
-    path: str | os.PathLike[str], source: str | os.PathLike[str] | None = None, shard_info: Any = None
+    path: str | os.PathLike[str],
+    source: str | os.PathLike[str] | None = None,
+    shard_info: Any = None,
+    progress: Progress | None = None,
 ) -> VerifyReport:
     """Recompute every file's checksum in a converted directory against its manifest (its sha256, or its leaves in
     the directory's integrity record, which the manifest pins); list each mismatch. With
     ``source``, also compare the manifest's plan with the plan the source gives (its shard_info.json, or one
     planned from its config.json; ``shard_info`` when the output was converted with another), then each rank
-    with the same rank made from ``source`` (one rank, or one parameter, in memory at a time), so an output
-    whose source or manifest changed since it was written is reported.
+    with the same rank made from ``source`` (one rank of each in memory at a time), so an output whose source or
+    manifest changed since it was written is reported. ``progress(done, total)`` is called after each file and
+    each rank compared.
 
     Example::
 
@@ -41,7 +49,7 @@ def verify_dir(
     found = _target_manifest(Path(path))
     if found is not None:  # a registered convert --layout target's output: its own manifest and source checks
         target, own = found
-        report = _check_files(VerifyReport(Path(path), own["num_shards"]), Path(path), own)
+        report = _check_files(VerifyReport(Path(path), own["num_shards"]), Path(path), own, _Count(own, None, progress))
         if source is not None and report.ok and target.against_source is not None:
             report.problems += target.against_source(Path(path), source, own, shard_info)
         return report
@@ -49,15 +57,31 @@ def verify_dir(
     if checkpoint.kind != "converted" or checkpoint.manifest is None:
         raise CheckpointError(f"not a converted directory (no {MANIFEST_NAME})", file=str(path))
     manifest = checkpoint.manifest
-    report = _check_files(VerifyReport(checkpoint.root, manifest["num_shards"]), checkpoint.root, manifest)
+    count = _Count(manifest, source, progress)
+    report = _check_files(VerifyReport(checkpoint.root, manifest["num_shards"]), checkpoint.root, manifest, count)
     if report.ok and RECORD_KEY in manifest:  # what a load at another N reads: its record, the rank headers
         try:
             open_shards(checkpoint)
         except ShardloadError as err:
             report.problems.append(err)
     if source is not None and report.ok:
-        report.problems += _against_source(checkpoint.root, source, manifest, shard_info)
+        report.problems += _against_source(checkpoint.root, source, manifest, shard_info, count)
     return report
+
+
+class _Count:
+    """What :func:`verify_dir` has checked, told to its ``progress``: each file's bytes as it is hashed, then the
+    output's bytes again, a rank's share at a time, as the ranks are compared with the source."""
+
+    def __init__(self, manifest: dict, source: Any, progress: Progress | None) -> None:
+        self.nbytes = sum(int(e.get("size", 0)) for e in manifest.get("files", []))
+        self.total = self.nbytes * (2 if source is not None else 1)
+        self.done, self.progress = 0, progress
+
+    def add(self, nbytes: int) -> None:
+        self.done = min(self.total, self.done + nbytes)
+        if self.progress is not None:
+            self.progress(self.done, self.total)
 
 
 def _target_manifest(path: Path) -> tuple[LayoutTarget, dict] | None:
@@ -75,13 +99,15 @@ def _target_manifest(path: Path) -> tuple[LayoutTarget, dict] | None:
     return target, manifest
 
 
-def _check_files(report: VerifyReport, root: Path, manifest: dict) -> VerifyReport:
+def _check_files(report: VerifyReport, root: Path, manifest: dict, count: _Count | None = None) -> VerifyReport:
     """Every file the manifest lists (size, checksum, rank header) and any safetensors file it does not."""
     record = OutputRecord(root, manifest)  # read once, for the files listed by their leaves
     for entry in manifest["files"]:
         _, problem = check_entry(root, entry, True, manifest, record=record)
         report.files += 1
         report.nbytes += entry["size"]
+        if count is not None:
+            count.add(entry["size"])
         if problem is not None:
             report.problems.append(problem)
     listed = {entry["path"] for entry in manifest["files"]}
@@ -128,7 +154,9 @@ def _source_plan(source: Any, num_shards: int, shard_info: Any) -> ModelPlan:
     return build_plan(shard_info_for(checkpoint, shard_info), checkpoint, num_shards)
 
 
-def _against_source(out: Path, source: Any, manifest: dict, shard_info: Any) -> list[CheckpointError]:
+def _against_source(
+    out: Path, source: Any, manifest: dict, shard_info: Any, count: _Count | None = None
+) -> list[CheckpointError]:
     """The manifest's plan against the source's, then every rank of ``out`` against the same rank loaded from
     ``source``: names, dtypes, shapes and bytes."""
     import torch
@@ -165,4 +193,6 @@ def _against_source(out: Path, source: Any, manifest: dict, shard_info: Any) -> 
             elif not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
                 problems.append(CheckpointError(f"{name!r} differs from the source's bytes", file=where))
         del want, got
+        if count is not None:
+            count.add(-(-count.nbytes // mesh.world_size))
     return problems
