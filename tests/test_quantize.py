@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.numpy import save_file
 from safetensors.torch import load_file
 
 import shardload
@@ -337,3 +338,20 @@ def test_a_refused_quantize_prints_only_its_error(example_dir: Path, tmp_path: P
     assert refused.stderr.startswith(f"error: {out}: ") and refused.stderr.count("\n") == 1, refused.stderr
     done = runner.invoke(main, ["quantize", str(example_dir), "-o", str(tmp_path / "q2")])
     assert done.exit_code == 0 and f"{tmp_path / 'q2' / 'shard_info.json'}: valid for num_shards" in done.stdout
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_a_weight_with_values_that_are_not_finite_is_refused(tmp_path: Path, bad: float, scheme: str) -> None:
+    """One inf or NaN in a weight to quantize: one line naming the file and the weight, and nothing written (old
+    code wrote scales of inf or NaN, so whole rows of the output were NaN, and exited 0)."""
+    w = np.ones((8, 64), dtype=np.float16)
+    w[3, 5] = bad
+    model = tmp_path / "m"
+    model.mkdir()
+    save_file({"layer.down_proj.weight": w}, str(model / "model.safetensors"))
+    out = tmp_path / "q"
+    with pytest.raises(shardload.CheckpointError) as err:
+        shardload.quantize(model, out, scheme)
+    assert str(err.value).startswith(f"{model / 'model.safetensors'}: layer.down_proj.weight: holds values that are")
+    assert not out.exists()

@@ -163,6 +163,8 @@ def quantize(
         shardload.quantize("llama-dir", "llama-int4", "int4-g128")
         shards = shardload.load("llama-int4", num_shards=4)
     """
+    import torch
+
     if scheme not in SCHEMES and scheme != AUTO_INT4:
         raise ShardloadError(f"unknown scheme {scheme!r} (choose from {', '.join([AUTO_INT4, *SCHEMES])})")
     scheme, _ = resolve_scheme(model, scheme, ignore)
@@ -202,7 +204,14 @@ def quantize(
                 reason = _skip_reason(name, t.shape, t.dtype, spec, ignore)
                 if reason is None:
                     module = name.removesuffix(".weight")
-                    for suffix, q in quantize_weight(files.tensor(t), spec).items():
+                    w = files.tensor(t)
+                    if not bool(torch.isfinite(w).all()):  # one inf or NaN makes its group's scale, so the group, NaN
+                        raise CheckpointError(
+                            "holds values that are not finite (inf or NaN): the scales quantizing them would spoil "
+                            "whole rows; nothing was written (fix the weight, or leave the module out with ignore)",
+                            file=str(t.file), param=name,
+                        )  # fmt: skip
+                    for suffix, q in quantize_weight(w, spec).items():
                         _check_free(f"{module}.{suffix}", name, checkpoint.tensors, checkpoint.name)
                         tensors[f"{module}.{suffix}"] = q
                     result.quantized.append(module)
