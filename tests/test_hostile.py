@@ -138,6 +138,19 @@ def _gguf_aliases(d: Path, tensors: int = 2048) -> Path:
     return path
 
 
+def _gguf_no_element(d: Path) -> Path:
+    """A GGUF file whose tensor ``w`` holds no element but has dims multiplying past int64 (0 x 2**62 x 2**62)."""
+    (d / "g").mkdir(exist_ok=True)
+    path = d / "g" / "empty.gguf"
+    key, arch = b"general.architecture", b"llama"
+    head = b"GGUF" + struct.pack("<IQQ", 3, 1, 1) + struct.pack("<Q", len(key)) + key
+    head += struct.pack("<IQ", 8, len(arch)) + arch + struct.pack("<Q", 1) + b"w"  # a string value, then the tensor
+    head += struct.pack("<I", 3) + struct.pack("<3Q", 1 << 62, 1 << 62, 0) + struct.pack("<IQ", 0, 0)  # F32, offset 0
+    head += b"\0" * (-len(head) % 32)
+    path.write_bytes(head + b"\0" * 32)
+    return path
+
+
 def _zero_width(d: Path, shape: tuple[int, int]) -> Path:
     """A model whose one linear weight ``proj.weight`` has a zero dim."""
     m = d / "zw"
@@ -204,6 +217,19 @@ CASES: dict[str, Case] = {
     ),
     "GGUF tensors aliasing one 1 MiB data section 2048 times": Case(
         "sizes", lambda d: ["inspect", str(_gguf_aliases(d))], says="overlap tensor"
+    ),
+    "GGUF tensor of no element whose dims multiply past int64 (load)": Case(
+        "sizes",
+        lambda d: [
+            "-c",
+            "import sys, shardload\ntry:\n"
+            f"    shardload.load_rank({str(_gguf_no_element(d))!r}, 0, 1)\n"
+            "except shardload.ShardloadError as err:\n    sys.exit(f'error: {err}')",
+        ],
+        says="is too large",
+    ),
+    "GGUF tensor of no element whose dims multiply past int64 (convert)": Case(
+        "sizes", lambda d: ["convert", str(_gguf_no_element(d)), "-n", "1", "-o", str(d / "out")], says="is too large"
     ),
     "TVM record with a list as its dtype": Case(
         "messages", lambda d: ["inspect", str(_tvm_aliases(d, 1, ["float32"]))], says="dtype"

@@ -23,7 +23,7 @@ from ..errors import CheckpointError
 from ..format import input_log
 from .checkpoint import Checkpoint, check_disjoint, resolve_inside
 from .formats import SourceFormat, register_source
-from .safetensors_header import MAX_HEADER_BYTES
+from .safetensors_header import MAX_HEADER_BYTES, MAX_SPAN
 from .tensor_info import TensorInfo
 
 GGUF_SUFFIX = ".gguf"
@@ -191,6 +191,9 @@ def _tensor_info(path: Path, size: int, data_start: int, t: _Entry) -> tuple[Ten
         raise CheckpointError(f"tensor type {t.kind} is not one the gguf package knows", **where) from None
     type_name = kind.name
     dims = tuple(reversed(t.dims))  # GGUF lists the innermost dim first
+    if math.prod(max(d, 1) for d in dims) > MAX_SPAN:  # strides past int64, even for a tensor with no element
+        too_large = f"shape {list(dims)} is too large (its nonzero dims multiply to more than 2**62)"
+        raise CheckpointError(too_large, **where)
     if type_name in _PLAIN:
         dtype, shape = _PLAIN[type_name], dims
         nbytes = math.prod(dims) * type_bytes
