@@ -151,6 +151,21 @@ def _gguf_no_element(d: Path) -> Path:
     return path
 
 
+def _forged_sizes(d: Path) -> Path:
+    """A converted directory whose manifest claims a 2**62-byte rank file and whose integrity record is a sparse
+    3 GiB file (4 KiB on disk)."""
+    import shardload
+
+    out = d / "conv"
+    shardload.convert(_model(d), 2, out)
+    manifest = json.loads((out / "shard_manifest.json").read_text())
+    manifest["files"][0]["size"] = 2**62
+    (out / "shard_manifest.json").write_text(json.dumps(manifest))
+    with open(out / "shardload.hashes", "r+b") as fh:
+        fh.truncate(3 << 30)
+    return out
+
+
 def _zero_width(d: Path, shape: tuple[int, int]) -> Path:
     """A model whose one linear weight ``proj.weight`` has a zero dim."""
     m = d / "zw"
@@ -230,6 +245,9 @@ CASES: dict[str, Case] = {
     ),
     "GGUF tensor of no element whose dims multiply past int64 (convert)": Case(
         "sizes", lambda d: ["convert", str(_gguf_no_element(d)), "-n", "1", "-o", str(d / "out")], says="is too large"
+    ),
+    "a manifest claiming a 2**62-byte file beside a sparse 3 GiB record (verify)": Case(
+        "sizes", lambda d: ["verify", str(_forged_sizes(d))], says="problem(s) in 7 listed files", out="none"
     ),
     "TVM record with a list as its dtype": Case(
         "messages", lambda d: ["inspect", str(_tvm_aliases(d, 1, ["float32"]))], says="dtype"

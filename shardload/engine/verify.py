@@ -81,7 +81,12 @@ class OutputRecord:
     def _load(self) -> HashRecord | CheckpointError:
         path = self.root / RECORD_NAME
         pinned = (self.manifest.get("integrity") or {}).get("root")
-        limit = (64 << 20) + sum(e["size"] for e in self.manifest.get("files", [])) // 512
+        files = self.manifest.get("files", [])
+        own = [e.get("size") for e in files if e.get("path") == RECORD_NAME]
+        if own and type(own[0]) is int and own[0] >= 0:  # its own entry: nothing past the size written is read
+            limit = own[0]
+        else:
+            limit = (64 << 20) + sum(e["size"] for e in files) // 512
         try:
             if isinstance(path, ObjectPath):
                 data = path.read_whole(limit, "integrity record")
