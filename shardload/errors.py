@@ -34,6 +34,18 @@ def short_repr(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+MAX_PART = 4096
+"""Characters of one part of a message (a file, a parameter, the reason) printed; past it the middle is cut, so a
+value a file controls (a name of megabytes) cannot make a line of megabytes."""
+
+
+def _clip(text: str, limit: int = MAX_PART) -> str:
+    if len(text) <= limit:
+        return text
+    keep = limit // 2
+    return f"{text[:keep]}...({len(text) - 2 * keep} characters cut)...{text[-keep:]}"
+
+
 class ShardloadError(Exception):
     """Base error: a bad shard_info, a bad checkpoint, or a plan that cannot work."""
 
@@ -64,7 +76,7 @@ class ShardloadError(Exception):
         if self.step is not None:
             parts.append(f"step {self.step} ({self.func})" if self.func else f"step {self.step}")
         parts.append(self.reason)
-        return printable(": ".join(parts))
+        return printable(": ".join(_clip(part) for part in parts))
 
     def __str__(self) -> str:
         return self.message
@@ -73,11 +85,11 @@ class ShardloadError(Exception):
         """A JSON-ready form of the error, for ``validate --json``."""
         return {
             "kind": type(self).__name__,
-            "file": self.file,
-            "param": self.param,
+            "file": self.file if self.file is None else _clip(self.file),
+            "param": self.param if self.param is None else _clip(self.param),
             "step": self.step,
-            "function": self.func,
-            "reason": self.reason,
+            "function": self.func if self.func is None else _clip(self.func),
+            "reason": _clip(self.reason),
             "message": self.message,
         }
 

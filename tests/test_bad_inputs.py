@@ -853,3 +853,22 @@ def test_an_integer_of_thousands_of_digits_is_one_plain_line(tmp_path: Path) -> 
     result = CliRunner().invoke(main, ["validate", str(info), "-n", "2"])
     assert result.exit_code == 1, result.output
     assert "set_int_max_str_digits" not in result.output and "more digits than" in result.output, result.output
+
+
+def test_a_huge_value_from_a_file_makes_a_bounded_line(tmp_path: Path) -> None:
+    """A value a file controls (a 5 MB ``version`` string, a 20 MB parameter name) printed in an error is cut: the
+    line stays a line a terminal and a log can take, the text and the --json forms alike (old lines ran to the
+    megabytes, twice over in --json)."""
+    from click.testing import CliRunner
+
+    from shardload.cli.main import main
+    from shardload.errors import ShardloadError
+
+    info = tmp_path / "si.json"
+    info.write_text(json.dumps({"version": "A" * 5_000_000, "params": {}}))
+    for args in (["validate", str(info)], ["validate", str(info), "--json"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 1 and len(result.output) < 20_000, len(result.output)
+    err = ShardloadError("x" * 10_000_000, file="f", param="p" * 20_000_000)
+    assert len(err.message) < 20_000 and err.message.startswith("f: pppp") and "characters cut" in err.message
+    assert len(json.dumps(err.to_dict())) < 40_000
