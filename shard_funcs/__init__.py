@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Sized
 from typing import TYPE_CHECKING
 
 from shardload.errors import StepArgumentError
@@ -33,6 +34,21 @@ def _check_n(num_shards: int) -> None:
     """Refuse a ``num_shards`` below 1 (every built-in step checks it the same way)."""
     if num_shards < 1:
         raise StepArgumentError(f"num_shards must be >= 1, got {num_shards}")
+
+
+MAX_SEGMENT_PIECES = 1 << 22
+"""Segments x ranks a segment step may make: each (segment, rank) piece costs memory, and a list of segments comes
+from a file (a fused dim has a few; the layers' experts stacked, a few hundred)."""
+
+
+def _check_segments(segments: Sized, num_shards: int) -> None:
+    """Refuse a segment list that would make more than :data:`MAX_SEGMENT_PIECES` pieces, before any is built."""
+    pieces = len(segments) * num_shards
+    if pieces > MAX_SEGMENT_PIECES:
+        raise StepArgumentError(
+            f"{len(segments)} segments split {num_shards} ways make {pieces} pieces, over the limit of "
+            f"{MAX_SEGMENT_PIECES}"
+        )
 
 
 # --- shard_dim ---------------------------------------------------------------------------
@@ -77,6 +93,7 @@ def _segment_layout(
 ) -> tuple[int, list[int]]:
     """Check the segment arguments; return the normalised dim and the segment lengths in elements."""
     _check_n(num_shards)
+    _check_segments(segments, num_shards)
     d = _norm_dim(dim, len(in_shape))
     if unit < 1:
         raise StepArgumentError(f"unit must be >= 1, got {unit}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from shard_funcs import _check_n, _norm_dim
+from shard_funcs import _check_n, _check_segments, _norm_dim
 from shardload.errors import StepArgumentError
 from shardload.planning.registry import Box, Shape, register
 
@@ -28,6 +28,7 @@ def segment_runs(
 ) -> tuple[int, list[list[tuple[int, int]]]]:
     """Check the arguments; return the normalised dim and, per rank, its ``(start, length)`` stored runs."""
     _check_n(num_shards)
+    _check_segments(segments, num_shards)
     d = _norm_dim(dim, len(in_shape))
     if unit < 1 or pack < 1:
         raise StepArgumentError(f"unit and pack must be >= 1, got unit={unit}, pack={pack}")

@@ -111,3 +111,25 @@ def test_kv_heads_error_names_the_head_counts(tmp_path: Path) -> None:
     )
     with pytest.raises(PlanError, match=r"kv must hold one 0/1 flag per segment"):
         build_plan(bad_flags, open_checkpoint(model), 2)
+
+
+@pytest.mark.parametrize("step", ["shard_funcs.reorder_segments", "shard_funcs.shard_segments"])
+def test_segment_lists_are_bounded_by_the_pieces_they_make(tmp_path: Path, step: str) -> None:
+    """A segment list from a file costs memory for every (segment, rank) piece: 2**19 segments split 16 ways is
+    refused in one line before any piece is built (old code built the 8M pieces: about a gigabyte, and 13 GB for a
+    list of 2M at N = 64); the same list at N = 2 still plans."""
+    size = 16 << 19
+    segments = [16] * (1 << 19)
+    if step.endswith("reorder_segments"):
+        steps = [
+            [step, [[size], "uint8"], 0, segments, "num_shards"],
+            ["shard_funcs.shard_dim", [["num_shards", f"{size} // num_shards"], "uint8"], 0, "num_shards"],
+        ]
+    else:
+        steps = [[step, [["num_shards", f"{size} // num_shards"], "uint8"], 0, segments, [0] * len(segments),
+                  "num_shards"]]  # fmt: skip
+    model = write_model(tmp_path / "m", {"w": np.zeros(size, dtype=np.uint8)}, {"version": 1, "params": {"w": steps}})
+    info, checkpoint = ShardInfo.load(model / "shard_info.json"), open_checkpoint(model)
+    (problem,) = build_plan(info, checkpoint, 16, strict=False).problems
+    assert "524288 segments split 16 ways" in problem.message and "over the limit" in problem.message, problem
+    assert not build_plan(info, checkpoint, 2, strict=False).problems
