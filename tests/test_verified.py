@@ -850,3 +850,38 @@ def test_hash_never_writes_its_record_over_another_file(example_dir: Path, tmp_p
     for _ in range(2):  # new, then a record already
         done = runner.invoke(main, ["hash", str(model), "-o", str(record), "-q"])
         assert done.exit_code == 0 and record.read_bytes().startswith(b"SLHASH1\n"), done.output
+
+
+def test_a_record_of_many_small_tensors_is_read_back_by_verify(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record holds a leaf for each tensor however small: the size a reader allows it grows with the tensors, not
+    only with the bytes, so ``hash`` never writes a record ``verify`` then refuses as over its limit (old code did
+    for 1.45M two-byte tensors). The fixed allowance is made small here so a few thousand tensors show it."""
+    from shardload.engine import integrity
+
+    tensors = {f"t{i}": np.full((1,), i, dtype=np.float16) for i in range(3000)}
+    model = write_model(tmp_path / "m", tensors, {"version": 1, "params": {}})
+    hash_model(model)
+    assert (model / RECORD_NAME).stat().st_size > 64 << 10
+    monkeypatch.setattr(integrity, "RECORD_SLACK", 64 << 10)
+    state = shardload.load_rank(model, 0, 1, verify=True)
+    assert torch.equal(state["t2999"], torch.full((1,), 2999, dtype=torch.float16))
+
+
+def test_a_large_manifest_is_written_compact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A converted directory's manifest is indented while small, and compact past a size (its tensor list grows with
+    the model): indented, 1.45M tensors made a 112 MB manifest, over the 100 MiB every reader allows; compact, 39 MB.
+    The threshold is made small here."""
+    from shardload.engine import output
+
+    tensors = {f"t{i}": np.full((4,), i, dtype=np.float16) for i in range(200)}
+    model = write_model(tmp_path / "m", tensors, {"version": 1, "params": {}})
+    shardload.convert(model, 2, tmp_path / "small")
+    assert "\n  " in (tmp_path / "small" / "shard_manifest.json").read_text()
+    monkeypatch.setattr(output, "INDENTED_MANIFEST_BYTES", 1024)
+    shardload.convert(model, 2, tmp_path / "large")
+    text = (tmp_path / "large" / "shard_manifest.json").read_text()
+    assert "\n" not in text.rstrip("\n") and json.loads(text)["num_shards"] == 2
+    assert shardload.verify_dir(tmp_path / "large").ok
+    assert torch.equal(
+        shardload.load_rank(tmp_path / "large", 1, 2)["t199"], torch.full((4,), 199, dtype=torch.float16)
+    )

@@ -90,6 +90,12 @@ def check_complete(checkpoint: Checkpoint, record: HashRecord) -> None:
                                  "moved or renamed)", file=str(checkpoint.root / entry.name))  # fmt: skip
 
 
+RECORD_SLACK = 64 << 20
+"""Bytes of integrity record allowed beyond what the checkpoint's size and tensors account for."""
+RECORD_BYTES_PER_TENSOR = 128
+"""Bytes of integrity record allowed per stored tensor: its leaf and region, however few bytes it holds."""
+
+
 def load_record(
     checkpoint: Checkpoint, verify: bool | str, record: str | os.PathLike[str] | ObjectPath | None = None
 ) -> HashRecord:
@@ -107,7 +113,8 @@ def load_record(
             f"{checkpoint.path}` (or shardload.hash_checkpoint)",
             file=str(checkpoint.path),
         )
-    limit = (64 << 20) + sum(file_size(f) for f in checkpoint.files) // 512
+    tensors = RECORD_BYTES_PER_TENSOR * len(checkpoint.tensors)  # a leaf each, however small (~53 bytes)
+    limit = RECORD_SLACK + sum(file_size(f) for f in checkpoint.files) // 512 + tensors
     if isinstance(path, ObjectPath):
         try:
             data = path.read_whole(limit, "integrity record")

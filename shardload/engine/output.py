@@ -340,6 +340,10 @@ def rank_files_manifest(
     }
 
 
+INDENTED_MANIFEST_BYTES = 1 << 20
+"""A manifest is written indented, for people, up to this size; past it compact."""
+
+
 def publish_with_manifest(
     staging: StagingDir,
     model_root: Path,
@@ -359,7 +363,10 @@ def publish_with_manifest(
     record = {**manifest, "files": [f.entry() for f in written + others]}
     out_file = FileWriter(staging.dir / MANIFEST_NAME, durable=durable)
     try:
-        out_file.write((json.dumps(record, indent=2) + "\n").encode())
+        text = json.dumps(record, indent=2)
+        if len(text) > INDENTED_MANIFEST_BYTES:  # its tensor list grows with the model: compact keeps it a third
+            text = json.dumps(record, separators=(",", ":"))
+        out_file.write((text + "\n").encode())
         out_file.finish()
     finally:
         out_file.close()
