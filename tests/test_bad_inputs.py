@@ -859,11 +859,6 @@ def test_a_huge_value_from_a_file_makes_a_bounded_line(tmp_path: Path) -> None:
     """A value a file controls (a 5 MB ``version`` string, a 20 MB parameter name) printed in an error is cut: the
     line stays a line a terminal and a log can take, the text and the --json forms alike (old lines ran to the
     megabytes, twice over in --json)."""
-    from click.testing import CliRunner
-
-    from shardload.cli.main import main
-    from shardload.errors import ShardloadError
-
     info = tmp_path / "si.json"
     info.write_text(json.dumps({"version": "A" * 5_000_000, "params": {}}))
     for args in (["validate", str(info)], ["validate", str(info), "--json"]):
@@ -872,3 +867,20 @@ def test_a_huge_value_from_a_file_makes_a_bounded_line(tmp_path: Path) -> None:
     err = ShardloadError("x" * 10_000_000, file="f", param="p" * 20_000_000)
     assert len(err.message) < 20_000 and err.message.startswith("f: pppp") and "characters cut" in err.message
     assert len(json.dumps(err.to_dict())) < 40_000
+
+
+def test_many_keys_naming_no_parameter_are_counted_not_listed(tmp_path: Path) -> None:
+    """A shard_info with thousands of keys the checkpoint does not hold: the first are listed, the rest counted in
+    one problem, so validate's report (and its memory) stays bounded (old code made a problem per key per N: 530 MB
+    of --json for a million keys)."""
+    model = tmp_path / "m"
+    model.mkdir()
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.zeros((4, 4), np.float16)}, str(model / "model.safetensors"))
+    info = tmp_path / "si.json"
+    info.write_text(json.dumps({"version": 1, "params": {f"nope.{i}": [] for i in range(5000)}}))
+    result = CliRunner().invoke(main, ["validate", str(info), "--model", str(model), "-n", "2", "--json"])
+    problems = json.loads(result.stdout)["problems"]
+    assert result.exit_code == 1 and len(problems) == 101, len(problems)
+    assert problems[-1]["message"].endswith(f"and 4900 more keys that name no parameter of {model}")

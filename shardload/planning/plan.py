@@ -207,6 +207,9 @@ class ModelPlan:
 
 MAX_HINTS = 20
 """Unknown parameter names that get a "did you mean" hint; the rest are listed without one."""
+MAX_UNKNOWN_LISTED = 100
+"""Unknown parameter names a plan reports one by one; the rest are one problem counting them (a file can hold a
+million, and every N checked would list each)."""
 MAX_GROWTH = 2
 """A rank's tensor may hold at most this many times the stored tensor's bytes (plus :data:`GROWTH_SLACK`): padding
 and replication fit, a chain of replicates that multiplies the bytes per rank does not."""
@@ -256,7 +259,8 @@ def build_plan(
     stored = checkpoint.tensors if checkpoint is not None else {}
     if checkpoint is not None:
         unknown = [key for key in shard_info.params if key not in stored]
-        for k, key in enumerate(unknown):
+        more = len(unknown) - MAX_UNKNOWN_LISTED  # one problem each for the first few, then one for the rest
+        for k, key in enumerate(unknown[:MAX_UNKNOWN_LISTED]):
             if k < MAX_HINTS:  # a hint costs a comparison with every stored name: only for the first few
                 close = difflib.get_close_matches(key, stored.keys(), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -270,6 +274,9 @@ def build_plan(
                     param=key,
                 )
             )
+        if more > 0:
+            plan.problems.append(PlanError(f"and {more} more keys that name no parameter of {checkpoint.name}",
+                                           file=src))  # fmt: skip
         plan.problems.extend(shard_info.alias_problems(checkpoint.tied_weights()))
     names = list(stored) if checkpoint is not None else list(shard_info.params)
     structures: dict[object, tuple[tuple[PlannedStep, ...], dict[int, tuple[list[Piece], list[Box]]]]] = {}
