@@ -119,3 +119,29 @@ def test_replicated_parameters_and_totals(small_model: Path) -> None:
     assert resolved["params"] == {"a": [["shard_funcs.shard_dim", [[2, 4, 12], "float16"], 0, 2]]}
     again = build_plan(ShardInfo.from_dict(resolved), open_checkpoint(small_model), 2)
     assert again.params["a"].shape == (4, 12)
+
+
+def test_a_structure_that_fails_is_planned_once(tmp_path: Path) -> None:
+    """Parameters shaped alike (every layer of a model) share their planned steps, and now their failure too: the
+    shape rule runs once for 50 such parameters that cannot split, and each is still named in its own problem (old
+    code planned each failing one again: `shardload plan` of a model of 900k tensors took about an hour)."""
+    import shardload
+    from shardload.errors import StepArgumentError
+
+    calls = []
+
+    def rule(shape: tuple[int, ...], dtype: str, num_shards: int) -> tuple[tuple[int, ...], str]:
+        calls.append(num_shards)
+        raise StepArgumentError(f"cannot split {shape[0]} rows {num_shards} ways")
+
+    shardload.register("tests.never_splits", shape=rule)(lambda x, num_shards: x)
+    try:
+        tensors = {f"layer.{i}.w": np.zeros((6, 4), np.float16) for i in range(50)}
+        params = {name: [["tests.never_splits", [None, None], "num_shards"]] for name in tensors}
+        model = write_model(tmp_path / "m", tensors, {"version": 1, "params": params})
+        plan = build_plan(ShardInfo.load(model / "shard_info.json"), open_checkpoint(model), 4, strict=False)
+        assert sorted(p.param for p in plan.problems) == sorted(tensors)
+        assert all(p.reason.startswith("cannot split 6 rows") and p.step == 1 for p in plan.problems), plan.problems
+        assert len(calls) == 1
+    finally:
+        shardload.planning.registry.unregister("tests.never_splits")

@@ -280,11 +280,16 @@ def build_plan(
         plan.problems.extend(shard_info.alias_problems(checkpoint.tied_weights()))
     names = list(stored) if checkpoint is not None else list(shard_info.params)
     structures: dict[object, tuple[tuple[PlannedStep, ...], dict[int, tuple[list[Piece], list[Box]]]]] = {}
+    failed: dict[object, ShardloadError] = {}  # structures that cannot plan, and why (the reason names no parameter)
     for name in names:
         source = stored.get(name)
         specs = shard_info.params.get(name, [])
         key = structure_key(specs, source, num_shards) if STRUCTURE_CACHE and source is not None else None
         known = structures.get(key) if key is not None else None
+        if key is not None and key in failed:  # shaped like an earlier parameter that failed: the same failure
+            why = failed[key]
+            plan.problems.append(type(why)(why.reason, file=src, param=name, step=why.step, func=why.func))
+            continue
         if known is not None:  # a parameter shaped like an earlier one (the same in every layer): same steps
             steps, traced = known
         else:
@@ -292,6 +297,8 @@ def build_plan(
                 steps = tuple(_plan_steps(name, specs, source, num_shards))
             except ShardloadError as err:
                 plan.problems.append(err.located(file=src, param=name))
+                if key is not None:
+                    failed[key] = err
                 continue
             traced = {}
             if key is not None:
