@@ -433,3 +433,14 @@ def test_verify_against_a_source_that_does_not_exist_is_a_usage_error(
     result = runner.invoke(main, ["verify", str(out), "--source", str(tmp_path / "nope")])
     assert result.exit_code == 2, result.output
     assert result.stderr == f"error: {tmp_path / 'nope'}: no such file or directory (--source)\n", result.stderr
+
+
+def test_a_bad_config_value_names_the_config_file_by_its_path(runner: CliRunner, tmp_path: Path) -> None:
+    """A config.json value a plan cannot use is located at that config.json's path, as its other errors are, not a
+    bare ``config.json`` (which of a user's models was it?)."""
+    model = _model(tmp_path / "m", "llama", 4, 2, 16)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_attention_heads": True}))
+    result = runner.invoke(main, ["plan", str(model), "-o", "-"])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith(f"error: {model / 'config.json'}: num_attention_heads must be"), result.stderr

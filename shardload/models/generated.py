@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import PlanError
+from ..errors import CheckpointError, PlanError, ShardloadError
 from ..format.shard_info import plans_for_text
 from ..format.strictjson import write_atomic
 from .choices import DEFAULT_VOCAB_PADDING, EXPERT_MODES, STYLES
@@ -291,7 +291,7 @@ def generate(
         placements, notes = model_placements(config, logical, style=chosen, experts=experts)
         placements, vocab = pad_vocab(placements, logical, vocab_padding)
         document = shard_info_document(placements, tensors, quantization_config=qconfig)
-    except PlanError as err:
+    except (PlanError, CheckpointError) as err:  # a value of config.json: located at its path
         raise _relocated(err, config_path) from None
     for n in num_shards:
         reasons = config_problems(config, placements, n)
@@ -362,7 +362,7 @@ def _imported_note(config: Mapping[str, Any]) -> list[str]:
             "imported from the installed transformers"]  # fmt: skip
 
 
-def _relocated(err: PlanError, config_path: str) -> PlanError:
+def _relocated(err: ShardloadError, config_path: str) -> ShardloadError:
     if err.file in (None, "config.json"):
         err.file = config_path
         err.args = (err.message,)
