@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardloadError
+from ..format import input_log
 from ..format.input_log import records_inputs
 from ..models.placement import Header
 from ..models.stored_layouts import quantized_shard_info
@@ -206,9 +207,11 @@ def quantize(
                     module = name.removesuffix(".weight")
                     w = files.tensor(t)
                     if not bool(torch.isfinite(w).all()):  # one inf or NaN makes its group's scale, so the group, NaN
+                        input_log.check_unchanged([t.file], input_log.current())  # a file changed says so first
                         raise CheckpointError(
                             "holds values that are not finite (inf or NaN): the scales quantizing them would spoil "
-                            "whole rows; nothing was written (fix the weight, or leave the module out with ignore)",
+                            "whole rows; nothing was written (fix the weight, or leave its module out: ignore= in "
+                            "Python)",
                             file=str(t.file), param=name,
                         )  # fmt: skip
                     for suffix, q in quantize_weight(w, spec).items():

@@ -174,6 +174,13 @@ def open_for_writing(fd: int) -> bool:
     return False
 
 
+def unversioned(uri: str, version: Any) -> bool:
+    """Whether an answer from object ``uri`` came without a version (ETag) where this load's first answer had one:
+    such an answer cannot be held to that version, and is asked for again."""
+    log = _LOG.get()
+    return log is not None and not version and log.versions.get(uri) is not None
+
+
 def object_version(uri: str, version: Any) -> None:
     """Inside a load, hold every answer from object ``uri`` to the version (ETag) of its first: an object replaced
     while the load reads it (its header parsed from one version, tensor bytes from another) is an error."""

@@ -204,6 +204,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 def _open_object(path: ObjectPath) -> Checkpoint:
     """Open a checkpoint in object storage (headers by range requests): one object, or a prefix holding a
     single file, an HF index with its files, or a converted directory."""
+    path.store.forget_listings()  # outside a load (whose listings are its own): listed afresh for each open
     if path.key and path.size() is not None:
         name = path.name
         if name == MANIFEST_NAME:

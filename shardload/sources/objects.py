@@ -207,6 +207,13 @@ class ObjectStore:
             return self._listed
         return log.listings.setdefault((self.scheme, self.bucket), {})
 
+    def forget_listings(self) -> None:
+        """Drop the listings kept outside a load, so the next call lists afresh (a load's own are kept: it lists
+        each prefix once)."""
+        if input_log.current() is None:
+            with self._lock:
+                self._listed.clear()
+
     def list(self, prefix: str) -> dict[str, int]:
         """Every object whose key starts with ``prefix`` -> its size (one listing per prefix and load, then
         kept for that load)."""

@@ -218,20 +218,25 @@ class S3Store(ObjectStore):
                 if response is not None:
                     body = response["Body"]
                     DEADLINES.attach(getattr(getattr(body, "_raw_stream", None), "connection", None) or watch.conn)
-                    try:
-                        input_log.object_version(where, response.get("ETag"))
-                    except CheckpointError:
-                        body.close()
-                        raise
-                    size = _object_size(response)
-                    if size is not None and size < end:
-                        body.close()
-                        raise CheckpointError(
-                            f"{span}the object is {size} bytes, shorter than this range (changed while loading?)",
-                            file=where,
-                        )
+                    etag = response.get("ETag")
+                    unversioned = input_log.unversioned(where, etag)  # asked again, as a wrong answer is
+                    if not unversioned:
+                        try:
+                            input_log.object_version(where, etag)
+                        except CheckpointError:
+                            body.close()
+                            raise
+                        size = _object_size(response)
+                        if size is not None and size < end:
+                            body.close()
+                            raise CheckpointError(
+                                f"{span}the object is {size} bytes, shorter than this range (changed while loading?)",
+                                file=where,
+                            )
                     try:
                         wrong = _wrong_answer(response, first, end)
+                        if wrong is None and unversioned:
+                            wrong = "the answer came without the object's version (ETag), which earlier answers had"
                         if wrong is None:
                             done = _fill(body, views, done, total)
                             if done == total:
