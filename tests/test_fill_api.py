@@ -72,7 +72,7 @@ def test_converted_directory_fills_out_and_selects_params(example_dir: Path, tmp
     state = shardload.load_rank(tmp_path / "tp4", RANK, N, out=out, params=[QKV, NORM])
     assert sorted(state) == sorted([QKV, NORM]) and state[QKV] is out[QKV]
     assert state[QKV].equal(plain[QKV]) and state[NORM].equal(plain[NORM])
-    with pytest.raises(ShardloadError, match="reads boxes of several rank files, without into="):
+    with pytest.raises(ShardloadError, match="reads boxes of several rank files; into= does not apply there"):
         shardload.load_rank(tmp_path / "tp4", 0, 2, out=out)
 
 
@@ -87,7 +87,7 @@ def _bad(plain: dict[str, torch.Tensor]) -> list[tuple[dict[str, object], str]]:
         ({"out": {QKV: torch.empty(qkv.shape, dtype=qkv.dtype, device="meta")}}, "into's tensor is on the meta device"),
         ({"out": {"no.such.weight": qkv}}, "no.such.weight: into names a tensor this rank does not read"),
         ({"out": {NORM: plain[NORM]}, "params": [QKV]}, f"{NORM}: into names a tensor this rank does not read"),
-        ({"out": {QKV: qkv.numpy()}}, "into gives a ndarray, not a tensor"),
+        ({"out": {QKV: qkv.numpy()}}, "into gives an object of type ndarray, not a tensor"),
         ({"out": [qkv]}, "into must be a Destination, a mapping of names to tensors or a callable"),
         ({"params": QKV}, "Destination.only must be a collection of tensor names"),
         ({"params": [QKV, "x.weight", "y.weight"]}, r"x.weight: Destination.only names a tensor .* \(and 1 more\)"),

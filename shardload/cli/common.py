@@ -134,11 +134,11 @@ class _Terminated(BaseException):
 _STOP_SIGNALS = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
 
 
-_WRITTEN: list[Path] = []
+_WRITTEN: list[Any] = []
 """What the running command has put in place (its OUT), for a line about a later failure to print."""
 
 
-def written(out: Path) -> None:
+def written(out: Any) -> None:
     """Record that the command has put ``out`` in place: a failure after it (stdout full) says so."""
     _WRITTEN.append(out)
 

@@ -20,6 +20,7 @@ from .common import (
     _plugin_option,
     _ProgressBar,
     _root_hash,
+    written,
 )
 
 INSPECT_N = 8
@@ -242,6 +243,7 @@ def hash_command(model: Path, out: Path | None, quiet: bool) -> None:
     from .report import human_bytes
 
     result = hash_model(model, out, progress=not quiet)
+    written(result.path)
     if quiet:
         click.echo(result.root)
         return

@@ -225,7 +225,9 @@ class Fill:
                                      "Destination.only, or another pipeline stage's)", file=self.where,
                                      param=name)  # fmt: skip
             if not isinstance(t, torch.Tensor):
-                raise ShardloadError(f"into gives a {type(t).__name__}, not a tensor", file=self.where, param=name)
+                raise ShardloadError(
+                    f"into gives an object of type {type(t).__name__}, not a tensor", file=self.where, param=name
+                )
             want = (list(p.shape), to_torch(p.dtype))
             if (list(t.shape), t.dtype) != want:
                 raise ShardloadError(f"into's tensor is {list(t.shape)} {t.dtype}, this rank's tensor is {want[0]} "

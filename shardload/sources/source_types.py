@@ -199,7 +199,7 @@ _BOXES = {
     "group": _NOT_THERE,
     "mmap": _NOT_THERE,
     "read_options": _NOT_STEERED,
-    "into": "{boxes}, without into=",
+    "into": "{boxes}; into= does not apply there (load the rank, then copy)",
 }
 SUPPORT: dict[type[Source], dict[str, str | None]] = {
     WholeTensors: {},
@@ -212,9 +212,13 @@ SUPPORT: dict[type[Source], dict[str, str | None]] = {
         "group": _RANK_BY_RANK,
         "mmap": "{boxes}, without mmap",
         "read_options": _NOT_STEERED,
-        "into": "{boxes}, without into=",
+        "into": "{boxes}; into= does not apply there (load the rank, then copy)",
     },
-    SavedBoxes: {**_BOXES, "shard_info": _CARRIES, "into": "{boxes}, without into= (load the rank, then copy)"},
+    SavedBoxes: {
+        **_BOXES,
+        "shard_info": _CARRIES,
+        "into": "{boxes}; into= does not apply there (load the rank, then copy)",
+    },
 }
 """Source type x option: None (or absent) where the type takes the option, else its refusal."""
 
