@@ -276,3 +276,12 @@ def test_a_refused_option_is_named_as_the_caller_spelled_it(example_dir: Path, t
         calls[case]()
     message = str(err.value)
     assert "\n" not in message and not OLD_WORDS.search(message), message
+
+
+def test_no_refusal_in_the_source_type_table_uses_a_deprecated_spelling() -> None:
+    """Every refusal the source-type table can give (each source type x option, each pair of options) speaks of the
+    options as spelled today (the pre-sharded TVM cache's said "without mmap")."""
+    from shardload.sources.source_types import EXCLUSIONS, SUPPORT
+
+    texts = [t for table in SUPPORT.values() for t in table.values() if t] + list(EXCLUSIONS.values())
+    assert texts and not [t for t in texts if OLD_WORDS.search(t)], [t for t in texts if OLD_WORDS.search(t)]

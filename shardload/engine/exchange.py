@@ -297,7 +297,7 @@ def _wait(work: Any, comm: torch.device, what: str) -> None:
         if isinstance(err, TimeoutError) or "timed out" in reason.lower():
             raise ShardloadError(
                 f"shared reads: no answer from the group within {timeout:g} s {what}: "
-                "another rank died, hangs or is not calling load_rank(share_reads=...)"
+                "another rank died, hangs or is not calling load_rank(group=...)"
             ) from None
         reason = reason.split(". ")[0][:160]
         raise ShardloadError(

@@ -46,7 +46,7 @@ _BOX_VERIFY = (
 VIEW = 'ReadOptions(strategy="view")'
 """The view read strategy as a caller spells it."""
 _NOT_THERE = f"{{boxes}}; group= and {VIEW} do not apply there (load without them)"
-_NOT_STEERED = "{boxes}, which read_options does not steer (leave read_options out)"
+_NOT_STEERED = "{boxes}, which read_options does not steer (give no read_options)"
 _PRESHARDED_VERIFY = (
     "verify is not supported when a pre-sharded cache is read for another N: load it at its own N with verify, or "
     "convert the whole checkpoint"
@@ -210,7 +210,7 @@ SUPPORT: dict[type[Source], dict[str, str | None]] = {
         "verify_root": _PRESHARDED_VERIFY,
         "verify": _PRESHARDED_VERIFY,
         "group": _RANK_BY_RANK,
-        "mmap": "{boxes}, without mmap",
+        "mmap": f"{{boxes}}, without {VIEW}",
         "read_options": _NOT_STEERED,
         "into": "{boxes}; into= does not apply there (load the rank, then copy)",
     },
