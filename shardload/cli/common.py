@@ -107,12 +107,6 @@ def _drop_stdout() -> None:
         pass
 
 
-def _root_hash(text: str) -> bool:
-    """Whether ``text`` reads as a root hash (64 hex digits), as load(verify=ROOT) takes it."""
-    pin = text.strip().lower()
-    return len(pin) == 64 and all(c in "0123456789abcdef" for c in pin)
-
-
 class BadArgument(click.ClickException):
     """A usage error shown as one ``error:`` line (a missing file or model), exit 2."""
 

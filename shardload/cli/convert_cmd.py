@@ -11,6 +11,7 @@ from ..engine.convert_targets import BUILT_IN as BUILT_IN_LAYOUT
 from ..engine.convert_targets import LayoutTarget, layouts
 from ..engine.quantize import SCHEMES as QUANT_SCHEMES
 from ..errors import ShardloadError, printable
+from ..format.hash_record import is_root_hash
 from .common import (
     MAX_LISTED_N,
     MODEL,
@@ -22,7 +23,6 @@ from .common import (
     _mesh_options,
     _plugin_option,
     _ProgressBar,
-    _root_hash,
     written,
 )
 
@@ -93,7 +93,7 @@ def convert(
     from ..engine.convert import convert as run_convert
     from .report import format_table, human_bytes
 
-    if verify not in (None, "record") and not _root_hash(verify):
+    if verify not in (None, "record") and not is_root_hash(verify):
         raise BadArgument(f"--verify takes a 64-digit root hash from `shardload hash` (or no value: check MODEL's "
                           f"record), got {verify!r}")  # fmt: skip
     from ..engine.load_options import Verify
@@ -235,9 +235,8 @@ def quantize(model: Path, out_dir: Path, scheme: str, shard_info: Path | None, o
         group = chosen.removeprefix("int4-g")
         line = f"int4: group size {group} chosen from {model}: every quantized input dim splits into whole groups"
         click.echo(printable(f"{line} at N = {ns}{fewer} (--scheme int4-gG picks another)"))
-    scheme = chosen
     fmt = result.scheme.format
-    click.echo(f"quantized {len(result.quantized)} weights to {scheme} (compressed-tensors {fmt}) in {result.out_dir}")
+    click.echo(f"quantized {len(result.quantized)} weights to {chosen} (compressed-tensors {fmt}) in {result.out_dir}")
     for name, reason in result.skipped.items():
         click.echo(printable(f"  kept {name}: {reason}"))
     if not result.shard_info:

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from ..errors import ShardloadError, printable
+from ..format.hash_record import is_root_hash
 from .common import (
     MODEL,
     BadArgument,
@@ -19,7 +20,6 @@ from .common import (
     _mesh_options,
     _plugin_option,
     _ProgressBar,
-    _root_hash,
     written,
 )
 
@@ -119,7 +119,7 @@ def _inspect_n(info: Any, checkpoint: Any) -> int:
 
 
 @click.command()
-@click.argument("target", metavar="OUT", type=MODEL)
+@click.argument("target", metavar="OUT", type=MODEL)  # not out_dir: verify writes nothing, an interrupt removes nothing
 @click.option(
     "--source", "source", type=MODEL, metavar="MODEL",
     help="Also compare OUT's plan with the plan MODEL gives, then every rank with the same rank made from MODEL "
@@ -134,37 +134,35 @@ def _inspect_n(info: Any, checkpoint: Any) -> int:
 def verify(target: Path | str, source: Path | None, shard_info: Path | None, root: str | None, as_json: bool) -> None:
     """Recompute every file's checksum in converted directory OUT against its manifest; list each mismatch. OUT may
     be a source checkpoint instead: every file is re-hashed against its integrity record (`shardload hash`)."""
-    out_dir = target  # not named out_dir: verify writes nothing, and an interrupted one removes nothing
-    if root is not None and not _root_hash(root):
+    if root is not None and not is_root_hash(root):
         raise BadArgument(f"--root takes a 64-digit root hash from `shardload hash`, got {root!r}")
     from ..engine.verify import VerifyReport
-    from ..engine.verify_dir import verify_dir
     from ..sources.manifest import MANIFEST_NAME
     from .report import human_bytes
 
     if shard_info is not None and source is None:
         raise click.UsageError("--shard-info goes with --source")
-    if source is not None and not isinstance(out_dir, Path):
+    if source is not None and not isinstance(target, Path):
         raise click.UsageError("--source compares a local converted directory OUT with MODEL")
     if isinstance(source, Path) and not (source.exists() or source.is_symlink()):
         raise BadArgument(f"{source}: no such file or directory (--source)")
     # OUT in object storage or the Hub (kept as typed): a source checkpoint, checked against its record
-    converted = source is not None or (isinstance(out_dir, Path) and (out_dir / MANIFEST_NAME).is_file())
+    converted = source is not None or (isinstance(target, Path) and (target / MANIFEST_NAME).is_file())
     if root is not None and converted:
         raise click.UsageError("--root goes with a source checkpoint's integrity record, not a converted directory")
     if not converted:
-        _verify_source(out_dir, root, as_json)
+        _verify_source(target, root, as_json)
         return
     refused: ShardloadError | None = None
     try:
-        report = _verify_dir_drawn(verify_dir, out_dir, source, shard_info, not as_json and sys.stderr.isatty())
+        report = _verify_dir_drawn(target, source, shard_info, not as_json and sys.stderr.isatty())
     except ShardloadError as err:
         if not as_json:
             raise
-        refused, report = err, VerifyReport(out_dir, 0, problems=[err])
+        refused, report = err, VerifyReport(target, 0, problems=[err])
     if as_json:
         doc = {
-            "out_dir": str(out_dir), "source": None if source is None else str(source),
+            "out_dir": str(target), "source": None if source is None else str(source),
             "num_shards": report.num_shards, "files": report.files, "bytes": report.nbytes,
             "problems": [p.to_dict() for p in report.problems],
         }  # fmt: skip
@@ -176,17 +174,19 @@ def verify(target: Path | str, source: Path | None, shard_info: Path | None, roo
     for problem in report.problems:
         click.echo(problem.message)
     if not report.ok:
-        click.echo(f"{out_dir}: {len(report.problems)} problem(s) in {report.files} listed files", err=True)
+        click.echo(f"{target}: {len(report.problems)} problem(s) in {report.files} listed files", err=True)
         sys.exit(1)
     against = f"; every rank equals {source}'s" if source is not None else ""
     click.echo(
-        f"{out_dir}: {report.files} files ({human_bytes(report.nbytes)}) match shard_manifest.json "
+        f"{target}: {report.files} files ({human_bytes(report.nbytes)}) match shard_manifest.json "
         f"(num_shards={report.num_shards}){against}"
     )
 
 
-def _verify_dir_drawn(verify_dir: Any, out_dir: Any, source: Any, shard_info: Any, draw: bool) -> Any:
+def _verify_dir_drawn(out_dir: Any, source: Any, shard_info: Any, draw: bool) -> Any:
     """``verify_dir``, with a progress bar of the bytes checked on a terminal (``draw``)."""
+    from ..engine.verify_dir import verify_dir
+
     if not draw:
         return verify_dir(out_dir, source=source, shard_info=shard_info)
     total = [0]

@@ -18,6 +18,7 @@ from ..format.hash_record import (
     HashRecord,
     RecordError,
     hasher,
+    is_root_hash,
     parse_record,
     root_of,
 )
@@ -124,7 +125,7 @@ def load_record(
         data = read_small(path, limit, "integrity record", RecordError)
     if isinstance(verify, str):
         pin = verify.strip().lower()
-        if len(pin) != 64 or any(c not in "0123456789abcdef" for c in pin):
+        if not is_root_hash(pin):
             raise RecordError(f"verify={verify!r} is neither True nor a 64-digit root hash from `shardload hash`")
         if root_of(data) != pin:
             raise RecordError(f"record's root {root_of(data)} is not the pinned root {pin} (tampered or another "

@@ -28,6 +28,7 @@ from ..sources.manifest import (
 )
 from ..sources.objects import ObjectPath
 from ..sources.safetensors_header import read_header, read_header_and_metadata
+from .integrity import RECORD_SLACK
 
 if TYPE_CHECKING:
     from ..planning.mesh import Mesh
@@ -86,7 +87,7 @@ class OutputRecord:
         if own and type(own[0]) is int and own[0] >= 0:  # its own entry: nothing past the size written is read
             limit = own[0]
         else:
-            limit = (64 << 20) + sum(e["size"] for e in files) // 512
+            limit = RECORD_SLACK + sum(e["size"] for e in files) // 512
         try:
             if isinstance(path, ObjectPath):
                 data = path.read_whole(limit, "integrity record")

@@ -99,15 +99,14 @@ def _target_manifest(path: Path) -> tuple[LayoutTarget, dict] | None:
     return target, manifest
 
 
-def _check_files(report: VerifyReport, root: Path, manifest: dict, count: _Count | None = None) -> VerifyReport:
+def _check_files(report: VerifyReport, root: Path, manifest: dict, count: _Count) -> VerifyReport:
     """Every file the manifest lists (size, checksum, rank header) and any safetensors file it does not."""
     record = OutputRecord(root, manifest)  # read once, for the files listed by their leaves
     for entry in manifest["files"]:
         _, problem = check_entry(root, entry, True, manifest, record=record)
         report.files += 1
         report.nbytes += entry["size"]
-        if count is not None:
-            count.add(entry["size"])
+        count.add(entry["size"])
         if problem is not None:
             report.problems.append(problem)
     listed = {entry["path"] for entry in manifest["files"]}
@@ -154,9 +153,7 @@ def _source_plan(source: Any, num_shards: int, shard_info: Any) -> ModelPlan:
     return build_plan(shard_info_for(checkpoint, shard_info), checkpoint, num_shards)
 
 
-def _against_source(
-    out: Path, source: Any, manifest: dict, shard_info: Any, count: _Count | None = None
-) -> list[CheckpointError]:
+def _against_source(out: Path, source: Any, manifest: dict, shard_info: Any, count: _Count) -> list[CheckpointError]:
     """The manifest's plan against the source's, then every rank of ``out`` against the same rank loaded from
     ``source``: names, dtypes, shapes and bytes."""
     import torch
@@ -193,6 +190,5 @@ def _against_source(
             elif not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
                 problems.append(CheckpointError(f"{name!r} differs from the source's bytes", file=where))
         del want, got
-        if count is not None:
-            count.add(-(-count.nbytes // mesh.world_size))
+        count.add(-(-count.nbytes // mesh.world_size))
     return problems

@@ -206,6 +206,12 @@ def root_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def is_root_hash(text: str) -> bool:
+    """Whether ``text`` reads as a root hash (64 hex digits, case and surrounding space aside), as one is pinned."""
+    pin = text.strip().lower()
+    return len(pin) == 64 and all(c in "0123456789abcdef" for c in pin)
+
+
 def _int(value: Any, what: str, where: str, low: int = 0, high: int = 1 << 62) -> int:
     if type(value) is not int or not low <= value <= high:
         raise RecordError(f"{what} must be an integer in [{low}, {high}], got {value!r}", file=where)

@@ -47,6 +47,7 @@ VIEW = 'ReadOptions(strategy="view")'
 """The view read strategy as a caller spells it."""
 _NOT_THERE = f"{{boxes}}; group= and {VIEW} do not apply there (load without them)"
 _NOT_STEERED = "{boxes}, which read_options does not steer (give no read_options)"
+_NO_INTO = "{boxes}; into= does not apply there (load the rank, then copy)"
 _PRESHARDED_VERIFY = (
     "verify is not supported when a pre-sharded cache is read for another N: load it at its own N with verify, or "
     "convert the whole checkpoint"
@@ -199,7 +200,7 @@ _BOXES = {
     "group": _NOT_THERE,
     "mmap": _NOT_THERE,
     "read_options": _NOT_STEERED,
-    "into": "{boxes}; into= does not apply there (load the rank, then copy)",
+    "into": _NO_INTO,
 }
 SUPPORT: dict[type[Source], dict[str, str | None]] = {
     WholeTensors: {},
@@ -212,13 +213,9 @@ SUPPORT: dict[type[Source], dict[str, str | None]] = {
         "group": _RANK_BY_RANK,
         "mmap": f"{{boxes}}, without {VIEW}",
         "read_options": _NOT_STEERED,
-        "into": "{boxes}; into= does not apply there (load the rank, then copy)",
+        "into": _NO_INTO,
     },
-    SavedBoxes: {
-        **_BOXES,
-        "shard_info": _CARRIES,
-        "into": "{boxes}; into= does not apply there (load the rank, then copy)",
-    },
+    SavedBoxes: {**_BOXES, "shard_info": _CARRIES},
 }
 """Source type x option: None (or absent) where the type takes the option, else its refusal."""
 
