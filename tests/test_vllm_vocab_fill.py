@@ -238,3 +238,38 @@ def test_a_kept_weight_shape_is_checked_only_where_this_rank_reads_it(tmp_path: 
     else:
         got, *_ = _read_planned(checkpoint, info, 0, 2, route, with_shape, {}, FillReport())
         assert got[shape].tolist() == [h, inputs]  # vLLM's value: the stored one
+
+
+def test_per_expert_scales_stored_without_a_shape_are_placed_then_filled(tmp_path: Path) -> None:
+    """The loader places each stored tensor in its slot before copying; a 0-d scale of an expert stacked as [E]
+    (vLLM's FP8 MoE w2_weight_scale, w2_input_scale) raised a bare IndexError there, so no such model loaded."""
+    from safetensors.torch import save_file
+
+    from shardload.integrations.fill import place_slots
+
+    vname = "model.layers.0.mlp.experts.w2_weight_scale"
+    names = [f"model.layers.0.mlp.experts.{e}.down_proj.weight_scale" for e in range(3)]
+    save_file({n: torch.tensor(1.5 + e) for e, n in enumerate(names)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "shard_info.json").write_text(json.dumps({"version": 1, "params": {}}))
+    plan = shardload.plan_model(tmp_path, 2)
+    routes = {n: Target(vname, 0, 1, e) for e, n in enumerate(names)}
+    targets = {vname: torch.nn.Parameter(torch.zeros(3), requires_grad=False)}
+    slots = place_slots(plan, targets, routes, {}, set())
+    tensors = {n: slots[n] if n in slots else torch.tensor(1.5 + e) for e, n in enumerate(names)}
+    assert copy_into(targets, tensors, routes, {}, set(), "model-dir", set(slots), server="vLLM") == {vname}
+    assert targets[vname].tolist() == [1.5, 2.5, 3.5]
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_a_missing_expert_is_named_alone(parts: int) -> None:
+    """Of a stacked expert parameter, the line names the experts the checkpoint lacks; for one of one part (w2) it
+    named every expert."""
+    vname = "m.experts.w2_weight" if parts == 1 else "m.experts.w13_weight"
+    targets = {vname: torch.nn.Parameter(torch.zeros(4, 2 * parts, 3), requires_grad=False)}
+    tensors, routes = {}, {}
+    for e in (0, 2, 3):
+        for p in range(parts):
+            tensors[f"m.experts.{e}.p{p}.weight"] = torch.ones(2, 3)
+            routes[f"m.experts.{e}.p{p}.weight"] = Target(vname, p, parts, e)
+    with pytest.raises(ShardloadError, match=r"expert\(s\) \[1\] of vLLM's stacked parameter"):
+        copy_into(targets, tensors, routes, {}, set(), "model-dir", server="vLLM")

@@ -170,7 +170,7 @@ def place_slots(
             continue
         data = targets[target.name].data
         if target.expert is not None:
-            if target.expert < data.shape[0]:
+            if target.expert < data.shape[0] and data.dim() > 1:  # an [E] parameter's one value: copied after
                 view = data[target.expert]
                 rows = view.shape[0] // target.parts
                 view = view.narrow(0, target.part * rows, rows)
@@ -222,6 +222,7 @@ def copy_into(
     filled: set[str] = set()
     fused: dict[str, _Fused] = {}
     experts: dict[str, set[tuple[int, int]]] = {}
+    expert_parts: dict[str, int] = {}
     for name, tensor in tensors.items():
         target = routes.get(name)
         if target is None:
@@ -231,6 +232,7 @@ def copy_into(
         param = targets[target.name]
         if target.expert is not None:
             seen = experts.setdefault(target.name, set())
+            expert_parts[target.name] = target.parts
             if (target.expert, target.part) in seen:
                 raise ShardloadError(f"a second stored tensor for expert {target.expert} of {target.name!r}",
                                      file=where, param=name)  # fmt: skip
@@ -274,7 +276,8 @@ def copy_into(
             filled.add(target.name)
     for vname, seen in experts.items():
         if vname not in filled:
-            absent = sorted({e for e in range(targets[vname].shape[0]) for p in (0, 1) if (e, p) not in seen})
+            parts = range(expert_parts[vname])
+            absent = sorted({e for e in range(targets[vname].shape[0]) for p in parts if (e, p) not in seen})
             raise ShardloadError(f"expert(s) {absent[:8]} of {server}'s stacked parameter {vname!r} are not all in the "
                                  "checkpoint", file=where)  # fmt: skip
     for vname, group in fused.items():
