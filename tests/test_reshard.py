@@ -24,7 +24,7 @@ from click.testing import CliRunner
 
 import shardload
 from helpers import tp_split
-from helpers.checkpoints import rank_bytes
+from helpers.checkpoints import rank_bytes, unseal
 from shardload.cli.main import main
 from shardload.errors import CheckpointError, ShardloadError
 from shardload.sources.reader import count_reads
@@ -251,6 +251,9 @@ def test_rank_file_of_another_conversion(models: dict[str, Model], tmp_path: Pat
     _refused(bad, tmp_path, "rank-00001-of-00002.safetensors: was written by another conversion")
     del manifest["conversion"]
     (bad / "shard_manifest.json").write_text(json.dumps(manifest))
+    _refused(bad, tmp_path, "rank-00000-of-00002.safetensors: its header or the plan in shard_manifest.json was "
+             "changed after convert wrote them")  # fmt: skip
+    _unsealed(bad)
     _refused(
         bad,
         tmp_path,
@@ -258,11 +261,21 @@ def test_rank_file_of_another_conversion(models: dict[str, Model], tmp_path: Pat
     )
 
 
+def _unsealed(bad: Path) -> None:
+    """Take the seals out of ``bad``'s rank files: a directory an older shardload wrote, whose manifest's plan only
+    the rank files' shapes check."""
+    for rank in (0, 1):
+        unseal(bad / f"rank-0000{rank}-of-00002.safetensors")
+
+
 def test_shapes_disagree_with_the_plan(models: dict[str, Model], tmp_path: Path) -> None:
     bad = _copy(models, tmp_path)
     manifest = _manifest(bad)
     manifest["source_plan"]["tensors"]["model.norm.weight"][1] = [32]
     (bad / "shard_manifest.json").write_text(json.dumps(manifest))
+    _refused(bad, tmp_path, "rank-00000-of-00002.safetensors: its header or the plan in shard_manifest.json was "
+             "changed")  # fmt: skip
+    _unsealed(bad)
     _refused(
         bad, tmp_path, "rank-00000-of-00002.safetensors: model.norm.weight: is float32 [64], but the manifest's plan"
     )
@@ -273,6 +286,10 @@ def test_without_a_source_record(models: dict[str, Model], tmp_path: Path) -> No
     manifest = _manifest(bad)
     del manifest["source_plan"]
     (bad / "shard_manifest.json").write_text(json.dumps(manifest))
+    _refused(bad, tmp_path, "without a source record")
+    with pytest.raises(ShardloadError, match="its seal does not match"):  # the manifest it was written with, changed
+        shardload.load_rank(bad, 1, 2)
+    _unsealed(bad)  # as an older shardload wrote it
     _refused(bad, tmp_path, "without a source record")
     assert shardload.load_rank(bad, 1, 2).keys()  # its own N still loads
 
@@ -291,8 +308,8 @@ def test_verify_reports_a_source_record_no_other_n_could_use(
         manifest["source_plan"]["tensors"]["model.norm.weight"][1] = [32]
     (bad / "shard_manifest.json").write_text(json.dumps(manifest))
     report = shardload.verify_dir(bad)
-    assert not report.ok and len(report.problems) == 1, report.problems
-    assert "source_plan" in str(report.problems[0]) or "manifest's plan" in str(report.problems[0]), report.problems
+    assert not report.ok and len(report.problems) == 2, report.problems  # each rank file's seal
+    assert all("its seal does not match" in str(p) for p in report.problems), report.problems
 
 
 def test_refusals_are_checkpoint_errors(models: dict[str, Model]) -> None:
@@ -584,6 +601,8 @@ def test_compressed_sharded_state_to_another_n(
     manifest = _manifest(tmp_path / "vllm2")
     manifest["source_plan"]["values"] = {}
     (tmp_path / "vllm2" / "shard_manifest.json").write_text(json.dumps(manifest))
+    for rank in (0, 1):  # as an older shardload wrote them
+        unseal(tmp_path / "vllm2" / f"model-rank-{rank}-part-0.safetensors")
     with pytest.raises(ShardloadError, match="weight_shape: its num_shards=2 files hold none of it") as err:
         shardload.load_rank(tmp_path / "vllm2", 0, 4)
     assert "\n" not in str(err.value)

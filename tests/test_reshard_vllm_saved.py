@@ -26,6 +26,7 @@ from helpers.vllm_saved import fake_vllm_save
 from shardload.cli.main import main
 from shardload.errors import ShardloadError
 from shardload.integrations.vllm.writer import convert_vllm
+from shardload.sources.manifest import MANIFEST_NAME
 from shardload.sources.reader import count_reads
 
 KINDS = {"llama_gqa": {}, "qwen2": {"vocab_size": 250}, "mixtral": {}}
@@ -289,3 +290,30 @@ def test_a_model_directory_holding_rank_files_too_is_refused(
     shutil.copytree(save, with_index)
     (with_index / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
     assert shardload.load_rank(with_index, 0, 2).keys() == shardload.load_rank(save, 0, 2).keys()
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_an_edited_plan_in_a_vllm_layout_manifest_is_refused(
+    saved: dict[str, tuple[Path, Path]], tmp_path: Path, verify: bool
+) -> None:
+    """``convert --layout vllm``'s manifest had no check of its source record against its rank files: one edit of
+    gate_proj's steps (shapes kept) gave every rank at another N wrong rows, with ``verify`` too, and
+    ``shardload verify`` passed it. The rank files' seals now name the edit."""
+    original, _ = saved["llama_gqa"]
+    ours = tmp_path / "ours2"
+    convert_vllm(original, 2, ours)
+    want = shardload.load(original, 1, devices=["cpu"])[0]
+    got = shardload.load_rank(ours, 0, 1, verify=verify)
+    assert all(torch.equal(got[k], t) for k, t in want.items()) and got.keys() == want.keys()
+    manifest = json.loads((ours / MANIFEST_NAME).read_text())
+    info = manifest["source_plan"]["shard_info"]["params"]
+    name = next(k for k in info if k.endswith("mlp.gate_proj.weight"))
+    rows, cols = manifest["source_plan"]["tensors"][name][1]
+    dtype = manifest["source_plan"]["tensors"][name][0]
+    info[name] = [["shard_funcs.shard_segments", [["num_shards", f"{rows} // num_shards", cols], dtype], 0,
+                   [rows // 2, rows // 2], [0, 0], "num_shards"]]  # fmt: skip
+    (ours / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ShardloadError, match="seal") as excinfo:
+        shardload.load_rank(ours, 0, 1, verify=verify)
+    assert "\n" not in str(excinfo.value)
+    assert not shardload.verify_dir(ours).ok

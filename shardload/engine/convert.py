@@ -26,6 +26,7 @@ from ..sources.checkpoint import (
     as_path,
     rank_file_name,
 )
+from ..sources.manifest import digest_to_write
 from ..sources.object_reader import reader_for
 from ..sources.source_types import Boxes, SplitRecords, as_boxes, open_source
 from .integrity import verifier, wrapped
@@ -34,6 +35,7 @@ from .load_options import Verify, verify_value
 from .output import (
     StagingDir,
     check_output,
+    integrity_entry,
     publish_with_manifest,
     rank_files_manifest,
     source_paths,
@@ -135,13 +137,14 @@ def convert(
     try:
         with StagingDir(out, fsync, synced=durable, overwrite=overwrite) as staging:
             conversion = new_conversion()
-            rank_files = _write_ranks(stages, staging.dir, progress, durable, wrap, conversion, sha256)
-            record = write_output_record(staging.dir, written_record(rank_files), durable)  # hashed as written
             files = [{"path": f.name, "size": st[2]} for f, st in stamps]
-            manifest = rank_files_manifest(resolved, stages, plan.resolved_shard_info(), files, conversion, record,
-                                           sha256)  # fmt: skip
+            manifest = rank_files_manifest(resolved, stages, plan.resolved_shard_info(), files, conversion, sha256)
             with wrapped(reader_for(checkpoint.path), wrap) as reader:
                 manifest[RECORD_KEY] = source_record(plan, info, reader)
+            digest = digest_to_write(manifest)  # each rank file's seal: this plan
+            rank_files = _write_ranks(stages, staging.dir, progress, durable, wrap, conversion, digest, sha256)
+            record = write_output_record(staging.dir, written_record(rank_files), durable)  # hashed as written
+            manifest["integrity"] = integrity_entry(record)
             others = [record, *publish_with_manifest(staging, checkpoint.root, stamps, [*rank_files, record], manifest,
                                                      durable)]  # fmt: skip
     except OSError as err:
@@ -156,9 +159,11 @@ def _write_ranks(
     durable: bool,
     wrap: Any = None,
     conversion: str | None = None,
+    digest: str | None = None,
     sha256: bool = False,
 ) -> list[WrittenFile]:
-    """Write every (pipeline stage, tensor rank) file; each stage's parameters are read once."""
+    """Write every (pipeline stage, tensor rank) file, each sealed with ``digest``; each stage's parameters are read
+    once."""
     files: list[WrittenFile] = []
     done = 0
     for pp, plan in enumerate(stages):
@@ -170,6 +175,6 @@ def _write_ranks(
                 progress(base + source_done, name)
 
         files.extend(write_rank_files(plan, names, report, stage=pp, stages=len(stages), durable=durable, wrap=wrap,
-                                      conversion=conversion, sha256=sha256))  # fmt: skip
+                                      conversion=conversion, digest=digest, sha256=sha256))  # fmt: skip
         done += sum(p.source.nbytes for p in plan.params.values())
     return files

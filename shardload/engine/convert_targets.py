@@ -49,6 +49,9 @@ class LayoutTarget:
     """``(manifest, manifest path)``: raise a CheckpointError for an inconsistent manifest."""
     against_source: Callable[[Path, Any, dict[str, Any], Any], list[Any]] | None = None
     """``(out_dir, source, manifest, shard_info) ->`` the problems found comparing the output with its source."""
+    rank_of: Callable[[str], int | None] | None = None
+    """``(a path its manifest lists) ->`` the rank whose file it is, None for any other file: ``shardload verify``
+    checks a rank file's header (its rank, conversion and seal) as a load does."""
 
 
 _LAYOUTS: dict[str, LayoutTarget] = {}

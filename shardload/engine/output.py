@@ -318,12 +318,11 @@ def rank_files_manifest(
     shard_info: dict[str, Any],
     sources: list[dict[str, Any]],
     conversion: str,
-    record: WrittenFile,
     sha256: bool,
 ) -> dict[str, Any]:
-    """The manifest of a converted directory in the plain layout (its source record added by the caller): version 2,
-    each rank file listed by its leaves in ``record``, or with ``sha256`` version 1; the pipeline stages' layers when
-    ``mesh`` has several."""
+    """The manifest of a converted directory in the plain layout, as far as is known before its rank files are
+    written (the caller adds its source record, then its ``integrity``): version 2, each rank file to be listed by
+    its leaves in the record, or with ``sha256`` version 1; the pipeline stages' layers when ``mesh`` has several."""
     from ..version import __version__
 
     layers = [len(s.layers) if s.layers is not None else 0 for s in stages]
@@ -336,8 +335,12 @@ def rank_files_manifest(
         "mesh": None if mesh.pp == 1 else {"pp": mesh.pp, "tp": mesh.tp, "pp_layers": layers},
         "shard_info": shard_info,
         "source": {"files": sources},
-        "integrity": {"record": record.path, "root": record.sha256},
     }
+
+
+def integrity_entry(record: WrittenFile) -> dict[str, str]:
+    """A manifest's ``integrity``: the output's record and its sha256 (the root a verified load can pin)."""
+    return {"record": record.path, "root": record.sha256}
 
 
 INDENTED_MANIFEST_BYTES = 1 << 20

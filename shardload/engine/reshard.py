@@ -264,7 +264,8 @@ def read_record(
     stored: dict[str, TensorInfo] = {}
     nowhere = checkpoint.root / STORED
     for name, entry in tensors.items():
-        ok = isinstance(entry, list) and len(entry) == 2 and entry[0] in DTYPES and isinstance(entry[1], list)
+        ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[0] in DTYPES
+        ok = ok and isinstance(entry[1], list)
         if not ok or not all(type(d) is int and d >= 0 for d in entry[1]):
             raise CheckpointError(f"inconsistent manifest: bad stored tensor entry {entry!r}", file=where, param=name)
         shape = tuple(entry[1])
@@ -361,7 +362,16 @@ def write_shards(
     ``layout``, streamed one tensor at a time, with the integrity record every convert writes (hashed as written;
     ``sha256``: each file's sha256 too, in a version-1 manifest); everything is planned and checked before the
     output is created."""
-    from .output import StagingDir, check_output, publish_with_manifest, rank_files_manifest, stamp_sources, write_error
+    from ..sources.manifest import digest_to_write
+    from .output import (
+        StagingDir,
+        check_output,
+        integrity_entry,
+        publish_with_manifest,
+        rank_files_manifest,
+        stamp_sources,
+        write_error,
+    )
     from .writer import FileWriter, file_order, new_conversion, rank_header, write_output_record, written_record
 
     checkpoint = source.checkpoint
@@ -373,6 +383,10 @@ def write_shards(
     record = record_of(source)
     whole_plan = build_plan(source.shard_info, source.stored, layout.tp)  # the manifest's, and the caller's
     conversion = new_conversion()
+    sizes = [{"path": f.name, "size": f.stat().st_size} for f in files]
+    manifest = rank_files_manifest(layout, stages, whole_plan.resolved_shard_info(), sizes, conversion, sha256)
+    manifest[RECORD_KEY] = record
+    digest = digest_to_write(manifest)  # each rank file's seal: this plan
     written: list[WrittenFile] = []
     try:
         with (
@@ -384,7 +398,7 @@ def write_shards(
                     name = staging.dir / rank_file_name(r, layout.tp, pp, len(stages))
                     handle = FileWriter(name, durable=durable, leaves=True, sha256=sha256)
                     try:
-                        handle.write_header(rank_header(plan, r, pp, len(stages), conversion))
+                        handle.write_header(rank_header(plan, r, pp, len(stages), conversion, digest))
                         for param in file_order(plan):
                             t = source.tensor(param, r, reader)
                             if t.numel():
@@ -395,10 +409,7 @@ def write_shards(
                     finally:
                         handle.close()
             output = write_output_record(staging.dir, written_record(written), durable)  # hashed as written
-            sizes = [{"path": f.name, "size": f.stat().st_size} for f in files]
-            manifest = rank_files_manifest(layout, stages, whole_plan.resolved_shard_info(), sizes, conversion, output,
-                                           sha256)  # fmt: skip
-            manifest[RECORD_KEY] = record
+            manifest["integrity"] = integrity_entry(output)
             others = [output, *publish_with_manifest(staging, checkpoint.root, stamps, [*written, output], manifest,
                                                      durable)]  # fmt: skip
     except OSError as err:

@@ -23,8 +23,11 @@ from ..sources.manifest import (
     LEAVES_KEY,
     MANIFEST_NAME,
     RANK_FILE_RE,
+    SEAL_KEY,
+    manifest_digest,
     manifest_stages,
     rank_file_name,
+    seal,
 )
 from ..sources.objects import ObjectPath
 from ..sources.safetensors_header import read_header, read_header_and_metadata
@@ -163,9 +166,9 @@ def check_entry(
     match = RANK_FILE_RE.fullmatch(name)
     try:
         if match:
-            _check_rank_header(full, int(match[3]), int(match[4]), int(match[1] or 0), int(match[2] or 1), conversion)
+            _check_rank_header(full, manifest, int(match[3]), int(match[4]), int(match[1] or 0), int(match[2] or 1))
         elif rank is not None and conversion is not None:  # a server's-layout file this shardload wrote
-            _check_rank_header(full, rank, manifest["num_shards"], conversion=conversion)
+            _check_rank_header(full, manifest, rank, manifest["num_shards"])
     except CheckpointError as err:
         return full, err
     if checksum and LEAVES_KEY in entry:
@@ -182,11 +185,13 @@ def check_entry(
 
 
 def _check_rank_header(
-    path: Path, rank: int, num_shards: int, stage: int = 0, stages: int = 1, conversion: str | None = None
+    path: Path, manifest: dict[str, Any], rank: int, num_shards: int, stage: int = 0, stages: int = 1
 ) -> None:
     """A rank file must be a valid safetensors file written for this rank and N (catches renamed, copied and swapped
-    files) by the conversion ``conversion`` (catches a file of another convert copied in)."""
-    _, metadata = read_header_and_metadata(path)
+    files) by the conversion ``manifest`` names (catches a file of another convert copied in), and where it carries
+    a seal, sealed with this manifest's plan and its own tensor table (catches an edit of either)."""
+    conversion = manifest.get(CONVERSION_KEY)
+    tensors, metadata = read_header_and_metadata(path)
     said = (metadata.get("shardload.rank"), metadata.get("shardload.num_shards"))
     if said != (str(rank), str(num_shards)):
         raise CheckpointError(
@@ -202,6 +207,13 @@ def _check_rank_header(
         raise CheckpointError(
             "was written by another conversion than this directory's manifest names (a rank file copied in from "
             "another convert): convert again, or restore the file",
+            file=str(path),
+        )
+    sealed = metadata.get(SEAL_KEY)
+    if sealed is not None and sealed != seal(manifest_digest(manifest), tensors.values()):
+        raise CheckpointError(
+            f"its header or the plan in {MANIFEST_NAME} was changed after convert wrote them (its seal does not match "
+            "them): convert again, or restore both",
             file=str(path),
         )
 

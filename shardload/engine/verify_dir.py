@@ -49,7 +49,8 @@ def verify_dir(
     found = _target_manifest(Path(path))
     if found is not None:  # a registered convert --layout target's output: its own manifest and source checks
         target, own = found
-        report = _check_files(VerifyReport(Path(path), own["num_shards"]), Path(path), own, _Count(own, None, progress))
+        report = _check_files(VerifyReport(Path(path), own["num_shards"]), Path(path), own, _Count(own, None, progress),
+                              target.rank_of)  # fmt: skip
         if source is not None and report.ok and target.against_source is not None:
             report.problems += target.against_source(Path(path), source, own, shard_info)
         return report
@@ -99,11 +100,19 @@ def _target_manifest(path: Path) -> tuple[LayoutTarget, dict] | None:
     return target, manifest
 
 
-def _check_files(report: VerifyReport, root: Path, manifest: dict, count: _Count) -> VerifyReport:
-    """Every file the manifest lists (size, checksum, rank header) and any safetensors file it does not."""
+def _check_files(
+    report: VerifyReport,
+    root: Path,
+    manifest: dict,
+    count: _Count,
+    rank_of: Callable[[str], int | None] | None = None,
+) -> VerifyReport:
+    """Every file the manifest lists (size, checksum, rank header: a target layout's rank files are those
+    ``rank_of`` names) and any safetensors file it does not."""
     record = OutputRecord(root, manifest)  # read once, for the files listed by their leaves
     for entry in manifest["files"]:
-        _, problem = check_entry(root, entry, True, manifest, record=record)
+        rank = None if rank_of is None else rank_of(entry["path"])
+        _, problem = check_entry(root, entry, True, manifest, rank=rank, record=record)
         report.files += 1
         report.nbytes += entry["size"]
         count.add(entry["size"])

@@ -28,8 +28,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from ..errors import PlanError
 from ..format.hash_record import RECORD_NAME, FileHashes, root_of
 from ..sources.dtypes import DTYPES, itemsize, to_torch
+from ..sources.manifest import SEAL_KEY, seal
 from ..sources.reader import RunReader, buffer_view, libc_function
 from ..sources.safetensors_header import MAX_HEADER_BYTES
+from ..sources.tensor_info import TensorInfo
 from .host_group import host_cores
 from .integrity import wrapped
 from .leaf_stream import LeafStream, streamed_record
@@ -113,11 +115,18 @@ def new_conversion() -> str:
     return secrets.token_hex(16)
 
 
-def rank_header(plan: ModelPlan, rank: int, stage: int = 0, stages: int = 1, conversion: str | None = None) -> bytes:
+def rank_header(
+    plan: ModelPlan,
+    rank: int,
+    stage: int = 0,
+    stages: int = 1,
+    conversion: str | None = None,
+    digest: str | None = None,
+) -> bytes:
     """The safetensors header of ``rank``'s file (length prefix included, padded to 8 bytes).
 
-    Its metadata names the rank and N (and the pipeline stage when there are several), so a renamed
-    file is caught.
+    Its metadata names the rank and N (and the pipeline stage when there are several), so a renamed file is caught,
+    and with ``digest`` (:func:`~shardload.sources.manifest.manifest_digest` of its manifest) carries its seal.
     """
     meta = {"format": "pt", "shardload.rank": str(rank), "shardload.num_shards": str(plan.num_shards)}
     if stages > 1:
@@ -126,13 +135,17 @@ def rank_header(plan: ModelPlan, rank: int, stage: int = 0, stages: int = 1, con
         meta["shardload.conversion"] = conversion
     header: dict[str, Any] = {"__metadata__": meta}
     offset = 0
+    table = []
     for p in file_order(plan):
         header[p.name] = {
             "dtype": DTYPES[p.dtype][0],
             "shape": list(p.shape),
             "data_offsets": [offset, offset + p.rank_nbytes],
         }
+        table.append(TensorInfo(p.name, p.dtype, tuple(p.shape), Path(), offset, p.rank_nbytes))
         offset += p.rank_nbytes
+    if digest is not None:
+        meta[SEAL_KEY] = seal(digest, table)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     if len(raw) > MAX_HEADER_BYTES:  # a file the loader would refuse is never written
@@ -270,6 +283,7 @@ def write_rank_files(
     durable: bool = True,
     wrap: Callable[[Any], Any] | None = None,
     conversion: str | None = None,
+    digest: str | None = None,
     sha256: bool = False,
 ) -> list[WrittenFile]:
     """Write rank r's safetensors file to ``names[r]`` for every rank of ``plan``; new files only.
@@ -292,7 +306,7 @@ def write_rank_files(
         for path in names:
             files.append(FileWriter(path, durable=durable, leaves=True, sha256=sha256))
         for r, f in enumerate(files):
-            f.write_header(rank_header(plan, r, stage, stages, conversion))
+            f.write_header(rank_header(plan, r, stage, stages, conversion, digest))
         with wrapped(reader_for_plan(params), wrap) as reader:
             shared = _Shared(workers)
 

@@ -3,13 +3,17 @@ and ``check_manifest``, the check of its contents (the files themselves: :mod:`s
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, printable, short_repr
 from ..format.hash_record import RECORD_NAME
 from ..format.shard_info import MAX_RANKS
+from .tensor_info import TensorInfo
 
 MANIFEST_NAME = "shard_manifest.json"
 MANIFEST_FORMAT = "shardload.converted"
@@ -30,6 +34,11 @@ VLLM_MANIFEST_FORMAT = "shardload.vllm-sharded-state"
 RANK_FILE_RE = re.compile(r"(?:pp-([0-9]{5,9})-of-([0-9]{5,9})-)?rank-([0-9]{5,9})-of-([0-9]{5,9})\.safetensors")
 """A converted rank file; groups: pipeline stage and stage count (absent for one stage), rank, N."""
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
+SEAL_KEY = "shardload.seal"
+"""The metadata key of a rank file's seal: :func:`seal` of its manifest's plan and its own tensor table."""
+SEALED_KEYS = ("format", "num_shards", "mesh", CONVERSION_KEY, "shard_info", "source_plan", "plan", "expert_parallel")
+"""The manifest keys that say where each byte of a rank file goes, which its seal covers (not the list of files,
+their digests and the record, which are checked by their sizes and hashes; nor which shardload wrote it)."""
 
 
 def rank_file_name(rank: int, num_shards: int, stage: int = 0, stages: int = 1) -> str:
@@ -103,6 +112,8 @@ def check_manifest(manifest: Any, where: Path) -> None:
             r, of = int(rank_match[3]), int(rank_match[4])
             if of != n or r >= n or s_of != stages or s >= stages:
                 raise bad(f"lists {path}, which is not a rank file of num_shards={n} with {stages} stage(s)")
+            if path != rank_file_name(r, n, s, stages):
+                raise bad(f"lists {path}, where convert names that rank file {rank_file_name(r, n, s, stages)}")
             ranks.add((s, r))
     check_leaves_record(manifest, files, bad)
     missing = [(s, r) for s in range(stages) for r in range(n) if (s, r) not in ranks]
@@ -152,3 +163,34 @@ def manifest_file_entry(entry: Any, seen: set[str], where: Path) -> str:
         )
     seen.add(path)
     return path
+
+
+_digests: dict[int, tuple[dict[str, Any], str]] = {}
+"""The digests of the last few manifests read (by identity, each held so its id is not reused)."""
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """The sha256 of a manifest's :data:`SEALED_KEYS` in one canonical JSON form (a manifest as parsed from JSON)."""
+    kept = _digests.get(id(manifest))
+    if kept is not None and kept[0] is manifest:
+        return kept[1]
+    part = {k: manifest[k] for k in SEALED_KEYS if k in manifest}
+    text = json.dumps(part, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    if len(_digests) >= 8:
+        _digests.pop(next(iter(_digests)))
+    _digests[id(manifest)] = (manifest, digest)
+    return digest
+
+
+def digest_to_write(manifest: dict[str, Any]) -> str:
+    """:func:`manifest_digest` of a manifest about to be written, taken from its JSON as a reader will parse it."""
+    return manifest_digest(json.loads(json.dumps(manifest)))
+
+
+def seal(digest: str, tensors: Iterable[TensorInfo]) -> str:
+    """A rank file's seal: the sha256 of its manifest's ``digest`` and its tensors' names, dtypes and shapes in the
+    order of their bytes (which, with the bytes tiling the data, fix every offset)."""
+    ordered = sorted(tensors, key=lambda t: (t.offset, t.nbytes, t.name))
+    text = json.dumps([digest, [[t.name, t.dtype, list(t.shape)] for t in ordered]], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -54,8 +54,29 @@ def parallel_model(directory: Path) -> Path:
 
 
 def rank_bytes(path: Path) -> bytes:
-    """A converted rank file's bytes with its conversion id blanked: two converts of the same plan write the same
-    bytes but for the id each run stamps (so a file of one cannot pass for the other's)."""
+    """A converted rank file's bytes with its conversion id and seal blanked: two converts of the same plan write the
+    same bytes but for the id each run stamps (so a file of one cannot pass for the other's) and the seal of each
+    run's manifest."""
     import re
 
-    return re.sub(rb'"shardload\.conversion":"[0-9a-f]{32}"', b'"shardload.conversion":"-"', Path(path).read_bytes())
+    raw = re.sub(rb'"shardload\.conversion":"[0-9a-f]{32}"', b'"shardload.conversion":"-"', Path(path).read_bytes())
+    return re.sub(rb'"shardload\.seal":"[0-9a-f]{64}"', b'"shardload.seal":"-"', raw)
+
+
+def rewrite_header(path: Path, edit: Any) -> None:
+    """Apply ``edit`` to the safetensors header of ``path`` (a dict, changed in place) and write it back padded to
+    its old length, so the file keeps its size (and the size its manifest lists)."""
+    import struct
+
+    raw = Path(path).read_bytes()
+    size = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + size])
+    edit(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= size
+    Path(path).write_bytes(raw[:8] + text + b" " * (size - len(text)) + raw[8 + size :])
+
+
+def unseal(path: Path) -> None:
+    """Take the seal out of a converted rank file's header, as an older shardload wrote it."""
+    rewrite_header(path, lambda header: header["__metadata__"].pop("shardload.seal"))

@@ -9,6 +9,7 @@ import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from ...errors import ShardloadError
@@ -17,6 +18,8 @@ from ...models.plan_source import plan_shard_info
 from ...planning.plan import ModelPlan, build_plan
 from ...sources.checkpoint import Checkpoint, read_config
 from ...sources.dtypes import DTYPES, itemsize
+from ...sources.manifest import SEAL_KEY, seal
+from ...sources.tensor_info import TensorInfo
 from ...version import __version__
 from .families import VllmNames, vllm_names, vllm_packing
 from .names import SHAPE_SUFFIX, SKIPPED_SUFFIXES, STACKED_EXPERTS, Target, is_vocab, vllm_target, vocab_range
@@ -67,10 +70,16 @@ class VllmLayout:
     shard_info: ShardInfo | None = None
     """The shard_info the layout was planned from (vocabulary steps included), for the manifest's record."""
 
-    def header(self, rank: int | None = None, num_shards: int | None = None, conversion: str | None = None) -> bytes:
+    def header(
+        self,
+        rank: int | None = None,
+        num_shards: int | None = None,
+        conversion: str | None = None,
+        digest: str | None = None,
+    ) -> bytes:
         """The safetensors header of a rank file (all ranks hold the same shapes); its metadata names ``rank`` of
         ``num_shards`` and the ``conversion`` when given, so a file copied, swapped or brought from another convert
-        is caught."""
+        is caught, and with ``digest`` (of the manifest) carries the file's seal."""
         meta = {"format": "pt", "writer": f"shardload {__version__}"}
         if rank is not None:
             meta.update({"shardload.rank": str(rank), "shardload.num_shards": str(num_shards)})
@@ -78,13 +87,17 @@ class VllmLayout:
             meta["shardload.conversion"] = conversion
         header: dict[str, Any] = {"__metadata__": meta}
         offset = 0
+        table = []
         for t in self.tensors:
             size = itemsize(t.dtype)
             for n in t.shape:
                 size *= n
             span = [offset, offset + size]
             header[t.name] = {"dtype": DTYPES[t.dtype][0], "shape": list(t.shape), "data_offsets": span}
+            table.append(TensorInfo(t.name, t.dtype, tuple(t.shape), Path(), offset, size))
             offset += size
+        if digest is not None:
+            meta[SEAL_KEY] = seal(digest, table)
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
         return struct.pack("<Q", len(text)) + text

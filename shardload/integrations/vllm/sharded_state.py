@@ -35,6 +35,12 @@ _RANK_FILE_RE = re.compile(r"model-rank-(0|[1-9][0-9]{0,8})-part-(0|[1-9][0-9]{0
 """A file vLLM's ``ShardedStateLoader`` reads: rank, part (shardload writes part 0 only)."""
 
 
+def rank_of(path: str) -> int | None:
+    """The rank whose file ``path`` (as a manifest lists it) is, None for any other file."""
+    match = _RANK_FILE_RE.fullmatch(path)
+    return int(match[1]) if match and match[2] == "0" else None
+
+
 def check_vllm_manifest(manifest: Any, where: Path) -> None:
     """Check a ``sharded_state`` output's manifest as :func:`~shardload.sources.manifest.check_manifest` checks
     the plain layout's: num_shards within the rank cap, plain file names listed once, every rank's file listed

@@ -38,6 +38,12 @@ def _against_source(out: Path, source: Any, manifest: dict[str, Any], shard_info
     return against_source(out, source, manifest, shard_info)
 
 
+def _rank_of(path: str) -> int | None:
+    from .sharded_state import rank_of
+
+    return rank_of(path)
+
+
 SHARDED_STATE_LAYOUT = LayoutTarget(
     name="vllm",
     convert=_convert,
@@ -48,6 +54,7 @@ SHARDED_STATE_LAYOUT = LayoutTarget(
     manifest_format=VLLM_MANIFEST_FORMAT,
     check_manifest=_check_manifest,
     against_source=_against_source,
+    rank_of=_rank_of,
 )
 """vLLM's ``sharded_state`` files, served by stock vLLM with ``load_format="sharded_state"``."""
 

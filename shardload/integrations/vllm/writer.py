@@ -25,6 +25,7 @@ from ...engine.load_options import Verify, verify_value
 from ...engine.output import (
     StagingDir,
     check_output,
+    integrity_entry,
     publish_with_manifest,
     source_paths,
     stamp_sources,
@@ -45,7 +46,13 @@ from ...errors import ShardloadError
 from ...format.input_log import records_inputs
 from ...planning.plan import ParamPlan
 from ...sources.checkpoint import Checkpoint, as_path, read_config
-from ...sources.manifest import CONVERSION_KEY, LEAVES_MANIFEST_VERSION, MANIFEST_VERSION, VLLM_MANIFEST_FORMAT
+from ...sources.manifest import (
+    CONVERSION_KEY,
+    LEAVES_MANIFEST_VERSION,
+    MANIFEST_VERSION,
+    VLLM_MANIFEST_FORMAT,
+    digest_to_write,
+)
 from ...sources.object_reader import reader_for
 from ...sources.source_types import ConvertedBoxes, SavedBoxes, as_boxes, open_source
 from ...version import __version__
@@ -187,16 +194,6 @@ def convert_vllm(
                 FileWriter(staging.dir / FILE_PATTERN.format(rank=r), durable=durable, leaves=True, sha256=sha256)
                 for r in range(num_shards)
             ]
-            try:
-                for r, f in enumerate(files):
-                    f.write_header(layout.header(r, num_shards, conversion))
-                for _, tensors in rank_tensors(layout, num_shards, shards, wrap):
-                    for f, shard in zip(files, tensors, strict=True):
-                        f.write(memoryview(shard.contiguous().reshape(-1).view(_u8()).numpy()))
-                written = [f.finish() for f in files]
-            finally:
-                for f in files:
-                    f.close()
             manifest = {
                 "format": VLLM_MANIFEST_FORMAT,
                 "version": MANIFEST_VERSION if sha256 else LEAVES_MANIFEST_VERSION,
@@ -207,10 +204,21 @@ def convert_vllm(
                 "shard_info": layout.plan.resolved_shard_info(),
                 **({"expert_parallel": True} if expert_parallel else {}),
                 "source": {"files": [{"path": f.name, "size": st[2]} for f, st in stamps]},
-                RECORD_KEY: _record(layout, shards),
+                RECORD_KEY: _record(layout, shards, wrap),
             }
+            digest = digest_to_write(manifest)  # each rank file's seal: this plan
+            try:
+                for r, f in enumerate(files):
+                    f.write_header(layout.header(r, num_shards, conversion, digest))
+                for _, tensors in rank_tensors(layout, num_shards, shards, wrap):
+                    for f, shard in zip(files, tensors, strict=True):
+                        f.write(memoryview(shard.contiguous().reshape(-1).view(_u8()).numpy()))
+                written = [f.finish() for f in files]
+            finally:
+                for f in files:
+                    f.close()
             record = write_output_record(staging.dir, written_record(written), durable)  # hashed as written
-            manifest["integrity"] = {"record": record.path, "root": record.sha256}
+            manifest["integrity"] = integrity_entry(record)
             config = _gptq_config(checkpoint)
             own = [_write_file(staging.dir / CONFIG_NAME, config, durable)] if config is not None else []
             replaced = frozenset({CONFIG_NAME} if config is not None else ())
@@ -262,14 +270,15 @@ def _u8() -> Any:
     return torch.uint8
 
 
-def _record(layout: VllmLayout, shards: ShardsSource | None) -> dict[str, Any] | None:
-    """The manifest's ``source_plan``: how the layout was planned, so the directory serves another N later."""
+def _record(layout: VllmLayout, shards: ShardsSource | None, wrap: Any = None) -> dict[str, Any] | None:
+    """The manifest's ``source_plan``: how the layout was planned, so the directory serves another N later (values
+    read through ``wrap``, the verifying reader when asked for)."""
     if shards is not None:
         return record_of(shards)
     if layout.shard_info is None or layout.plan.checkpoint is None or layout.vocab_plan.checkpoint is None:
         return None
     held = {part for t in layout.tensors for part in t.parts}
-    with reader_for_plan(layout.plan.params.values()) as reader:
+    with wrapped(reader_for_plan(layout.plan.params.values()), wrap) as reader:
         record = source_record(layout.plan, layout.shard_info, reader)
         for name, p in layout.plan.params.items() if record is not None else ():  # vLLM keeps no such tensor
             if name not in held and p.source.nbytes <= VALUE_BYTES and p.source.decode is None:
