@@ -411,11 +411,14 @@ def test_received_bytes_are_checked(split_model: Path) -> None:
             assert name in message and "peer" in message
 
 
-@pytest.mark.parametrize(("evil", "converted"), [(-1, False), (0, False), (0, True)])
+@pytest.mark.parametrize(("evil", "converted", "pinned"), [(-1, False, False), (0, False, False), (0, True, True),
+                                                         (0, True, False)])  # fmt: skip
 def test_share_reads_receivers_check_what_peers_send(
-    split_model: Path, tmp_path: Path, evil: int, converted: bool
+    split_model: Path, tmp_path: Path, evil: int, converted: bool, pinned: bool
 ) -> None:
-    """A peer that alters what it sends fails the receiver; on a converted directory with the pinned root too."""
+    """A peer that alters what it sends fails the receiver; on a converted directory with the pinned root too, and
+    with ``verify=True``, which checked only the rank's own file, not the bytes peers sent for it (wrong tensors
+    returned)."""
     import os
     import subprocess
     import sys
@@ -424,7 +427,8 @@ def test_share_reads_receivers_check_what_peers_send(
     if converted:
         model = tmp_path / "tp2"
         shardload.convert(split_model, 2, model)
-        pin = [json.loads((model / "shard_manifest.json").read_text())["integrity"]["root"]]
+        if pinned:
+            pin = [json.loads((model / "shard_manifest.json").read_text())["integrity"]["root"]]
     worker = Path(__file__).parent / "verified_shared_worker.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
                str(model), str(evil), *pin]  # fmt: skip

@@ -222,6 +222,18 @@ def verifier(checkpoint: Checkpoint, verify: bool | str, where: str) -> Callable
     return lambda reader: verified_reader(reader, checkpoint, record)
 
 
+def manifest_root(checkpoint: Checkpoint) -> str:
+    """The root of a converted directory's own integrity record, as its manifest names it: what ``verify=True``
+    checks bytes a group's peers send against (a pinned root is given by the caller instead)."""
+    integrity = (checkpoint.manifest or {}).get("integrity")
+    root = integrity.get("root") if isinstance(integrity, dict) else None
+    if not isinstance(root, str) or not is_root_hash(root):
+        raise RecordError("this converted directory's manifest names no integrity record (converted by an older "
+                          "shardload), against which group= would check what peers send: convert again, or load "
+                          "it without group=", file=str(checkpoint.root / "shard_manifest.json"))  # fmt: skip
+    return root
+
+
 def converted_verifier(checkpoint: Checkpoint, verify: bool | str) -> Callable[..., RunReader] | None:
     """For a converted directory loaded with a pinned root: a wrapper ``(reader, {rank file: its tensors})``
     checking every byte read from those files against the output's record. None for ``verify`` False or True

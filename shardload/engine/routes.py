@@ -35,7 +35,7 @@ from ..sources.source_types import (
     check_options,
 )
 from .host_stripes import host_stripes
-from .integrity import converted_verifier, verifier, wrapped
+from .integrity import converted_verifier, manifest_root, verifier, wrapped
 from .load_options import LoadOptions
 from .paths import data_path_for
 from .reshard import ShardsSource, assemble_ranks, open_presharded, open_shards
@@ -229,16 +229,19 @@ def _rank_files_shared(
     progress: Callable[[int, int], None] | None,
 ) -> dict[str, torch.Tensor]:
     """A rank of a converted directory, the reading of the group's rank files shared (dp replicas read each once).
-    ``verify=True`` checks this rank's own file whole (reading it once more); a pinned root checks every byte
-    read through the output's record, and what peers sent too. Every file's size is checked."""
+    ``verify`` checks every byte read through the output's record, and what peers sent too: against the pinned root,
+    or with ``verify=True`` the root the manifest names (the record that lists the rank files' leaves). Every
+    file's size is checked."""
     from ..planning.group_reads import whole_tensors
     from .exchange import load_shared
 
     own = (coord.pp, coord.tp)
+    if verify is True:  # the bytes a peer sends for this rank's file are checked too, not only the file's own copy
+        verify = manifest_root(checkpoint)
     wrap = converted_verifier(checkpoint, verify)
 
     def slot_params(key: tuple[int, int]) -> tuple[list[ParamPlan], int]:
-        path = rank_file(checkpoint, key[1], mesh, stage=key[0], checksum=verify is True and key == own)
+        path = rank_file(checkpoint, key[1], mesh, stage=key[0])
         return whole_tensors(read_header(path).values()), 0
 
     manifest = json.dumps(checkpoint.manifest, sort_keys=True, default=str).encode()
