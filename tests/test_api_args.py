@@ -74,6 +74,23 @@ def test_cuda_without_a_gpu_is_named(example_dir: Path) -> None:
         shardload.load_rank(example_dir, 0, 2, device="cuda:0")
 
 
+@pytest.mark.parametrize(
+    ("call", "says"),
+    [
+        (lambda m: shardload.load_rank(m, 0, 2, device="meta"), "device 'meta' holds no memory"),
+        (lambda m: shardload.load(m, 2, devices=["meta", "meta"]), "device 'meta' holds no memory"),
+        (lambda m: shardload.load(m, 2, devices=(d for d in ["cpu", "cpu"])), "devices must be a list of 2 devices"),
+    ],
+)  # fmt: skip
+def test_a_device_that_cannot_hold_the_bytes_is_refused(example_dir: Path, call: Any, says: str) -> None:
+    """The meta device read every byte and returned tensors without them (verify=True too); a generator of devices
+    was a bare TypeError."""
+    with shardload.count_reads() as seen, pytest.raises(ShardloadError) as err:
+        call(example_dir)
+    assert err.value.message.startswith(f"{example_dir}: {says}"), err.value.message
+    assert seen.bytes == 0
+
+
 def test_validate_usage_errors_exit_2_and_json_verdict(example_dir: Path, tmp_path: Path) -> None:
     runner = CliRunner()
     for target, says in ((tmp_path / "nope.json", "no such file"), (example_dir, "is a directory")):

@@ -93,6 +93,9 @@ def _bad(plain: dict[str, torch.Tensor]) -> list[tuple[dict[str, object], str]]:
         ({"params": [QKV, "x.weight", "y.weight"]}, r"x.weight: Destination.only names a tensor .* \(and 1 more\)"),
         ({"out": {QKV: qkv}, "mmap": True}, "into= applies to a rank reading its own tensors; ReadOptions"),
         ({"out": _aliased(plain)}, "into's tensor shares memory with "),
+        ({"out": {QKV: torch.zeros(qkv.shape, dtype=qkv.dtype)._neg_view()}},  # passed, then a bare RuntimeError
+         "into's tensor is a negated or conjugated view"),
+        ({"out": {QKV: torch.zeros(qkv.shape, dtype=qkv.dtype).to_sparse()}}, "into's tensor is not dense"),
     ]  # fmt: skip
 
 
@@ -105,7 +108,7 @@ def _aliased(plain: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {QKV: buf[: qkv.numel()].view(qkv.shape), NORM: buf[qkv.numel() - 1 :].view(norm.shape)}
 
 
-@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("case", range(14))
 def test_bad_destinations_are_one_located_line(example_dir: Path, plain: dict[str, torch.Tensor], case: int) -> None:
     kwargs, says = _bad(plain)[case]
     with pytest.raises(ShardloadError, match=says) as err:
@@ -135,3 +138,32 @@ def test_out_views_of_one_buffer(example_dir: Path, tmp_path: Path, model: str, 
     state = shardload.load_rank(path, RANK, N, out=out)
     assert all(state[name] is out[name] and state[name].cpu().equal(t) for name, t in plain.items())
     assert bool((buffer.cpu()[~covered] == -1).all())
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+def test_destinations_hold_no_byte_of_a_load_that_failed(
+    example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device_path: bool
+) -> None:
+    """A verified load that fails (a byte flipped in the file) left the byte it had read in the caller's tensor, next
+    to the rest: a server that catches the error would serve it. Every destination is now zero-filled before the
+    error is raised."""
+    import shutil
+
+    from helpers.reading import stand_in
+    from shardload.engine import run
+
+    if device_path:  # the device data path, the CPU standing in for the device
+        monkeypatch.setattr(run, "data_path_for", stand_in)
+    model = shutil.copytree(example_dir, tmp_path / "model")
+    shardload.hash_checkpoint(model)
+    plain = shardload.load_rank(model, RANK, N)
+    info = shardload.open_checkpoint(model).tensors[NORM]
+    with open(info.file, "r+b") as f:
+        f.seek(info.offset + 1)
+        byte = f.read(1)[0]
+        f.seek(info.offset + 1)
+        f.write(bytes([byte ^ 0x40]))
+    out = {name: torch.full_like(t, 3.0) for name, t in plain.items()}
+    with pytest.raises(ShardloadError, match=NORM):
+        shardload.load_rank(model, RANK, N, into=out, verify=True, read_options=shardload.ReadOptions(threads=0))
+    assert all(not t.any() for t in out.values()), [n for n, t in out.items() if t.any()]

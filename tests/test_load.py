@@ -299,9 +299,11 @@ def test_mmap_views_match_reads_and_leave_the_file_alone(example_dir: Path, tmp_
     assert all(p.read_bytes() == data for p, data in files.items())
 
 
-def test_mmap_needs_the_cpu(example_dir: Path) -> None:
+def test_mmap_needs_the_cpu(example_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before any GPU is touched
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ShardloadError, match=r"ReadOptions\(strategy=.view.\) .* needs device='cpu'"):
-        shardload.load_rank(example_dir, 0, 2, device="meta", mmap=True)
+        shardload.load_rank(example_dir, 0, 2, device="cuda:0", mmap=True)
 
 
 def test_mmap_of_a_file_cut_short_is_a_clear_error(example_dir: Path, tmp_path: Path) -> None:

@@ -22,6 +22,9 @@ def resolve_device(device: Any, where: str) -> torch.device:
     except (RuntimeError, TypeError, ValueError):
         known = "an accelerator index, and there is none" if isinstance(device, int) else "not a device torch knows"
         raise ShardloadError(f"device {device!r} is {known} (e.g. 'cpu', 'cuda:0')", file=where) from None
+    if dev.type == "meta":
+        raise ShardloadError(f"device {device!r} holds no memory: a load there would read every byte for nothing; "
+                             "give 'cpu' or a GPU", file=where)  # fmt: skip
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:

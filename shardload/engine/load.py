@@ -59,10 +59,11 @@ def load(
         shards = shardload.load("llama-dir", 8)          # cuda:0..7 when present, else CPU
         shards[3]["model.layers.0.self_attn.qkv_proj.weight"].shape
     """
+    if devices is not None and (isinstance(devices, (str, bytes)) or not hasattr(devices, "__len__")):
+        size = mesh_for(num_shards, mesh, None, str(model)).world_size
+        raise ShardloadError(f"devices must be a list of {size} devices, got {devices!r}", file=str(model))
     resolved = mesh_for(num_shards, mesh, len(devices) if devices is not None else None, str(model))
     world = resolved.world_size
-    if devices is not None and (isinstance(devices, (str, bytes)) or not hasattr(devices, "__len__")):
-        raise ShardloadError(f"devices must be a list of {world} devices, got {devices!r}", file=str(model))
     devices = [resolve_device(d, str(model)) for d in devices] if devices is not None else default_devices(world)
     if len(devices) != world:
         what = f"num_shards={resolved.tp}" if mesh is None else f"{world} ranks ({resolved})"
@@ -175,7 +176,12 @@ def load_rank(
         raise (CheckpointError if source.splits else ShardloadError)(f"rank {rank} is out of range for {what}",
                                                                      file=str(model))  # fmt: skip
     options.check(source, resolved, [device])
-    return load_source(source, resolved, [rank], [device], options, f"loading rank {rank}")[0]
+    try:
+        return load_source(source, resolved, [rank], [device], options, f"loading rank {rank}")[0]
+    except BaseException:
+        if options.into is not None:  # the caller's tensors hold no part of a load that failed
+            options.into.clear()
+        raise
 
 
 def mesh_for(num_shards: int | None, mesh: Any, world_size: int | None, where: str | None = None) -> Mesh:

@@ -15,7 +15,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from ..errors import ShardloadError
@@ -173,6 +173,8 @@ class Fill:
     params: frozenset[str] | None
     out: Tensors | None
     where: str
+    handed: list[torch.Tensor] = field(default_factory=list, compare=False, repr=False)
+    """The caller's tensors a load was given to fill, once checked: zero-filled when that load fails."""
 
     @classmethod
     def of(cls, into: Destination | Tensors | None, where: str) -> Fill | None:
@@ -232,12 +234,41 @@ class Fill:
             if (list(t.shape), t.dtype) != want:
                 raise ShardloadError(f"into's tensor is {list(t.shape)} {t.dtype}, this rank's tensor is {want[0]} "
                                      f"{want[1]}", file=self.where, param=name)  # fmt: skip
-            if not t.is_contiguous() or t.device.type == "meta":
-                what = "on the meta device (no memory)" if t.device.type == "meta" else "not contiguous"
+            what = _unfillable(t)
+            if what is not None:
                 raise ShardloadError(f"into's tensor is {what}; give a contiguous tensor of {want[0]}", file=self.where,
                                      param=name)  # fmt: skip
         _disjoint(found, self.where)
+        self.handed.extend(found.values())
         return found
+
+    def clear(self) -> None:
+        """Zero every tensor a failed load was given to fill, so that none holds part of what it read (best
+        effort: a device that fails again keeps the first error the caller sees)."""
+        import torch
+
+        for t in self.handed:
+            try:
+                with torch.inference_mode():  # an inference tensor too; a normal one is written in place either way
+                    t.detach().zero_()
+            except Exception:  # the load's own error is the one raised
+                continue
+        self.handed.clear()
+
+
+def _unfillable(t: torch.Tensor) -> str | None:
+    """Why a destination cannot be filled byte for byte, None when it can."""
+    import torch
+
+    if t.layout != torch.strided:
+        return f"not dense ({t.layout})"
+    if t.device.type == "meta":
+        return "on the meta device (no memory)"
+    if t.is_neg() or t.is_conj():
+        return "a negated or conjugated view (its memory holds other values than it reads as)"
+    if not t.is_contiguous():
+        return "not contiguous"
+    return None
 
 
 def _disjoint(tensors: Mapping[str, torch.Tensor], where: str) -> None:
