@@ -566,3 +566,28 @@ def test_a_partly_filled_last_word_is_refused_and_nothing_written(tmp_path: Path
     assert done.exit_code == 1 and "partly filled" in done.output and done.output.count("\n") == 1, done.output
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
     assert convert_vllm(model, 1, tmp_path / "vllm-1")  # N = 1 splits nothing
+
+
+def test_a_tied_checkpoint_that_also_stores_lm_head_converts_as_vllm_loads_it(tmp_path: Path) -> None:
+    """A config that ties the head to the embeddings over a checkpoint that stores an lm_head anyway (many do): vLLM
+    unties them and loads that head (``ModelConfig.maybe_untie_word_embeddings``). Two tensors were planned under
+    the name lm_head.weight and the writer refused its own file, naming a staging file. The rank files now hold
+    both, each split by vLLM's vocabulary rule, and the directory serves another N."""
+    build("qwen2", tmp_path / "model", vocab_size=250)
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    state = load_file(str(tmp_path / "model" / "model.safetensors"))
+    assert config["tie_word_embeddings"] is True and "lm_head.weight" not in state
+    state["lm_head.weight"] = -state["model.embed_tokens.weight"]  # not the embedding: vLLM uses it as the head
+    save_file(state, str(tmp_path / "model" / "model.safetensors"))
+    convert_vllm(tmp_path / "model", 2, tmp_path / "out")
+    for r in range(2):
+        got = load_file(str(rank_path(tmp_path / "out", r)))
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            whole = torch.cat([state[name], state[name].new_zeros(6, state[name].shape[1])])  # padded to 256 rows
+            assert torch.equal(got[name], whole.chunk(2)[r]), (r, name)
+    assert shardload.verify_dir(tmp_path / "out", source=tmp_path / "model").ok
+    for n in (1, 4):
+        want = shardload.load(tmp_path / "model", n, devices=["cpu"] * n)
+        got_n = shardload.load(tmp_path / "out", n, devices=["cpu"] * n)
+        for r in range(n):
+            assert set(got_n[r]) == set(want[r]) and all(torch.equal(got_n[r][k], want[r][k]) for k in want[r])

@@ -52,6 +52,18 @@ def qwen2(out: Path) -> None:
     _save(Qwen2ForCausalLM(cfg), out)
 
 
+def qwen2_head(out: Path) -> None:
+    """Qwen2 whose config ties the head to the embeddings over a checkpoint that stores another lm_head.weight (as
+    quantizing and fine-tuning tools leave one): vLLM unties them and serves the stored head."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    qwen2(out)
+    state = load_file(str(out / "model.safetensors"))
+    state["lm_head.weight"] = torch.flip(state["model.embed_tokens.weight"], [0]).contiguous()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
 def mixtral(out: Path) -> None:
     """Mixtral: 4 experts, 2 per token, which vLLM stacks into one fused MoE parameter per layer."""
     from transformers import MixtralConfig, MixtralForCausalLM

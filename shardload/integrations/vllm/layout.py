@@ -69,6 +69,9 @@ class VllmLayout:
     source: str
     shard_info: ShardInfo | None = None
     """The shard_info the layout was planned from (vocabulary steps included), for the manifest's record."""
+    untied: bool = False
+    """The config ties the head to the embeddings, the checkpoint stores an lm_head of its own: vLLM unties them and
+    serves that head, so the output holds both and its config.json says they are not tied."""
 
     def header(
         self,
@@ -114,12 +117,15 @@ def plan_layout(
         raise ShardloadError("--layout vllm converts a safetensors source checkpoint", file=where)
     config = read_config(checkpoint.root, missing_ok=True)
     quantized = _quantization(config, where)
-    tied = config.get("tie_word_embeddings") is True
     names = vllm_names(config.get("model_type"))
+    # a config that ties a model's lm_head to its embeddings over a checkpoint that stores one: vLLM unties them and
+    # loads that head (ModelConfig.maybe_untie_word_embeddings), so its state holds both
+    own_head = names.tied_head and any(n.endswith("lm_head.weight") for n in checkpoint.tensors)
+    tied = config.get("tie_word_embeddings") is True and not own_head
     info, source = plan_shard_info(checkpoint, shard_info)
     skipped = (*SKIPPED_SUFFIXES, ".g_idx") if quantized == "gptq" else SKIPPED_SUFFIXES  # no act-order: vLLM has none
     stored = [n for n in checkpoint.tensors if not n.endswith(skipped)]
-    vocab_names = [n for n in stored if is_vocab(n) and not (tied and n.endswith("lm_head.weight"))]
+    vocab_names = [n for n in stored if is_vocab(n)]
     whole_experts = {n for n in stored if expert_parallel and vllm_target(n, {}).expert is not None}
     whole_experts |= {n for n in stored if n.endswith(SHAPE_SUFFIX)}  # vLLM keeps a packed weight's stored shape
     kept = {k: v for k, v in info.params.items() if k not in vocab_names and k in stored and k not in whole_experts}
@@ -212,7 +218,8 @@ def plan_layout(
             for kind in ("k", "v", "q"):
                 tensors.append(VllmTensor(f"{module}.{kind}_scale", (), (1,), "float32", constant=1.0))
                 tensors.append(VllmTensor(f"{module}.{kind}_zero_point", (), (1,), "float32", constant=0.0))
-    return VllmLayout(tensors, plan, vocab_plan, source, info)
+    untied = config.get("tie_word_embeddings") is True and own_head
+    return VllmLayout(tensors, plan, vocab_plan, source, info, untied=untied)
 
 
 def _fused(vname: str, parts: list[str], plan: ModelPlan, dim: int, where: str) -> VllmTensor:

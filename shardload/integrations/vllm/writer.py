@@ -219,7 +219,7 @@ def convert_vllm(
                     f.close()
             record = write_output_record(staging.dir, written_record(written), durable)  # hashed as written
             manifest["integrity"] = integrity_entry(record)
-            config = _gptq_config(checkpoint)
+            config = _output_config(checkpoint, layout)
             own = [_write_file(staging.dir / CONFIG_NAME, config, durable)] if config is not None else []
             replaced = frozenset({CONFIG_NAME} if config is not None else ())
             publish_with_manifest(staging, checkpoint.root, stamps, [*written, record, *own], manifest, durable,
@@ -229,18 +229,28 @@ def convert_vllm(
     return written
 
 
-def _gptq_config(checkpoint: Checkpoint) -> bytes | None:
-    """A GPTQ model's config.json for its ``sharded_state`` output, when it names no ``modules_in_block_to_quantize``:
-    with that list made as vLLM makes it from the source's files (every module holding a tensor that is not
-    floating point). vLLM would otherwise derive it from the rank files, whose fused names (``qkv_proj``) match
-    no stored module, and build those layers unquantized. None for other models."""
+def _output_config(checkpoint: Checkpoint, layout: VllmLayout) -> bytes | None:
+    """The config.json of a ``sharded_state`` output where it cannot be the source's (None: it is copied).
+
+    A GPTQ model that names no ``modules_in_block_to_quantize`` gets that list as vLLM makes it from the source's
+    files (every module holding a tensor that is not floating point): vLLM would otherwise derive it from the rank
+    files, whose fused names (``qkv_proj``) match no stored module, and build those layers unquantized. A config
+    that ties the head to the embeddings over a checkpoint storing its own head says they are not tied: vLLM serves
+    that head from the checkpoint, but ties a ``sharded_state`` model by its config alone."""
     config = read_config(checkpoint.root, missing_ok=True)
+    changed = False
     quant = config.get("quantization_config")
-    if not isinstance(quant, dict) or quant.get("quant_method") != "gptq" or quant.get("modules_in_block_to_quantize"):
-        return None
-    modules = sorted({n.rsplit(".", 1)[0] for n, t in checkpoint.tensors.items() if t.dtype not in FLOAT_DTYPES})
-    config["quantization_config"] = {**quant, "modules_in_block_to_quantize": modules}
-    return (json.dumps(config, indent=2) + "\n").encode()
+    gptq = isinstance(quant, dict) and quant.get("quant_method") == "gptq"
+    if gptq and not quant.get("modules_in_block_to_quantize"):
+        modules = sorted({n.rsplit(".", 1)[0] for n, t in checkpoint.tensors.items() if t.dtype not in FLOAT_DTYPES})
+        config["quantization_config"] = {**quant, "modules_in_block_to_quantize": modules}
+        changed = True
+    if layout.untied:
+        for part in (config, config.get("text_config")):
+            if isinstance(part, dict) and "tie_word_embeddings" in part:
+                part["tie_word_embeddings"] = False
+        changed = True
+    return (json.dumps(config, indent=2) + "\n").encode() if changed else None
 
 
 def _write_file(path: Path, data: bytes, durable: bool) -> WrittenFile:
