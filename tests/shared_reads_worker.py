@@ -17,9 +17,11 @@ Environment: ``SHARDLOAD_TEST_BACKEND`` (gloo) names the backend; ``SHARDLOAD_TE
 (``os._exit(3)``) after reading its chunk of that exchange round (``SHARDLOAD_TEST_HANG``: after stopping for
 14 s); ``SHARDLOAD_TEST_FAIL``: the shared load is expected to fail (``model_of_rank`` gives some rank another
 model; ``SHARDLOAD_TEST_FAIL=unreadable:RANK``: that rank's reads to fingerprint the files fail);
+``SHARDLOAD_TEST_FAIL=raises:RANK:ROUND``: that rank's read of its chunk of round ROUND + 1 raises an I/O error;
 ``SHARDLOAD_TEST_FAIL=rewrite:RANK``: that rank rewrites its copy's first weight file in place (every tensor byte
-flipped) after the first exchange round; ``SHARDLOAD_TEST_TIMEOUT`` sets the exchange timeout in seconds. A load
-meant to fail prints one ``FAILED rank R after S s: MESSAGE`` line and exits 1.
+flipped) after the first exchange round; ``SHARDLOAD_TEST_LIVE_ON``: seconds a rank whose load failed lives on
+before it exits (a server that caught the error); ``SHARDLOAD_TEST_TIMEOUT`` sets the exchange timeout in seconds.
+A load meant to fail prints one ``FAILED rank R after S s: MESSAGE`` line and exits 1.
 """
 
 from __future__ import annotations
@@ -69,6 +71,23 @@ class DyingReader(Reader):
             os._exit(3)
 
 
+class FailingReader(Reader):
+    """A reader whose read of its chunk of exchange round ``after + 1`` fails with an I/O error (the process lives
+    on, as a server's that catches the error would)."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after = after
+        self.rounds = 0
+
+    def read_runs(self, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if not threading.current_thread().name.startswith("shardload-fingerprint"):
+            self.rounds += 1
+            if self.rounds > self.after:
+                raise shardload.CheckpointError("cannot read: Input/output error", file=str(path))
+        super().read_runs(path, *args, **kwargs)
+
+
 class UnreadableReader(Reader):
     """A reader whose reads fail (an I/O error) while the files are fingerprinted, and succeed otherwise."""
 
@@ -115,6 +134,9 @@ def main() -> None:
         unreadable = os.environ.get("SHARDLOAD_TEST_FAIL", "").split(":")
         if unreadable[0] == "unreadable" and int(unreadable[1]) == rank:
             load.reader_for = transfer.reader_for = lambda path=None, cost=None: UnreadableReader()  # type: ignore[assignment]
+        if unreadable[0] == "raises" and int(unreadable[1]) == rank:
+            failing = lambda path=None, cost=None: FailingReader(int(unreadable[2]))  # noqa: E731
+            load.reader_for = transfer.reader_for = failing  # type: ignore[assignment]
         case = cases[0]
         exchange.EXCHANGE_BYTES = case["chunk"] * (2 * dist.get_world_size() + 2)
         model = case.get("model_of_rank", {}).get(str(rank), case["model"])
@@ -127,6 +149,7 @@ def main() -> None:
             shardload.load_rank(model, mesh=case.get("mesh"), share_reads=True, progress=progress)
         except shardload.ShardloadError as err:
             print(f"FAILED rank {rank} after {time.monotonic() - started:.1f} s: {err}", flush=True)
+            time.sleep(float(os.environ.get("SHARDLOAD_TEST_LIVE_ON", "0")))  # a server that caught the error
             # skip interpreter teardown: gloo's process group, torn down after its peers have gone, may abort
             # (SIGABRT) in its destructor, which says nothing about the load that failed here
             os._exit(1)

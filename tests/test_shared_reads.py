@@ -336,6 +336,10 @@ def spawn(cases: list[dict], env: dict[str, str], ranks: int = 4) -> list[subpro
     return procs
 
 
+LIVES_ON = {"SHARDLOAD_TEST_LIVE_ON": "20", "SHARDLOAD_TEST_TIMEOUT": "60"}
+"""A rank whose load fails lives on for 20 s (a server that caught the error); the others' timeout is 60 s."""
+
+
 @pytest.fixture(scope="module")
 def failed_groups(example_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[int, str]]]:
     """Three groups of 4 processes run at once (they mostly wait): in one rank 1 dies after its first chunk, in one
@@ -345,8 +349,15 @@ def failed_groups(example_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     shutil.copytree(example_dir, other)
     (other / "shard_info.json").write_text(json.dumps({"version": 1, "num_shards": None, "params": {}}))
     case = {"model": str(example_dir), "mesh": "dp=2,tp=2", "chunk": 4096}
+    converted = tmp_path_factory.mktemp("converted") / "tp2"
+    shardload.convert(example_dir, 2, converted)
+    missing = shutil.copytree(converted, converted.parent / "missing")
+    (missing / "rank-00000-of-00002.safetensors").unlink()  # rank 1's copy: it cannot plan rank 0's part
+    partly = {"model": str(converted), "mesh": "dp=2,tp=2", "chunk": 4096, "model_of_rank": {"1": str(missing)}}
     groups = {
         "dies": spawn([case], {"SHARDLOAD_TEST_DIE": "1:1", "SHARDLOAD_TEST_TIMEOUT": "60"}),
+        "raises": spawn([case], {"SHARDLOAD_TEST_FAIL": "raises:1:1", **LIVES_ON}),
+        "unplanned": spawn([partly], {"SHARDLOAD_TEST_FAIL": "1", **LIVES_ON}),
         "hangs": spawn([case], {"SHARDLOAD_TEST_HANG": "1:1", "SHARDLOAD_TEST_TIMEOUT": "6"}),
         "differs": spawn([{**case, "model_of_rank": {"3": str(other)}}], {"SHARDLOAD_TEST_FAIL": "1"}),
     }
@@ -398,6 +409,24 @@ def test_a_rank_that_hangs_fails_the_others_after_the_timeout(failed_groups: dic
         line = failure_line(text)
         assert rc == 1 and "no answer from the group within 6 s in exchange round 2 of" in line, line
         assert 5.5 < seconds(line) < 13.5, line  # the timeout, not rank 1 coming back
+
+
+@pytest.mark.parametrize(
+    ("group", "own"),
+    [("raises", "cannot read: Input/output error"), ("unplanned", "rank-00000-of-00002.safetensors: is missing")],
+)
+def test_a_rank_that_fails_but_lives_on_fails_the_others_at_once(failed_groups: dict, group: str, own: str) -> None:
+    """Rank 1 fails with an error of its own (a read of round 2's chunk; a rank file its copy lacks, while it plans
+    the group's reads) and its process lives on, as a server's that catches the error: it left the exchange, and
+    the others waited out the whole timeout, then blamed a dead or hung rank, naming no model."""
+    rc, text = failed_groups[group][1]
+    assert rc == 1 and own in failure_line(text), text
+    for rank in (0, 2, 3):
+        rc, text = failed_groups[group][rank]
+        line = failure_line(text)
+        assert rc == 1 and "shared reads: rank 1 failed" in line and "its own error says why" in line, line
+        assert line.split(": ", 1)[1].startswith("/"), line  # the model comes first
+        assert seconds(line) < 15, "at once, before the failed rank's process is gone (20 s) or the timeout (60 s)"
 
 
 def test_ranks_that_planned_differently_are_refused_up_front(failed_groups: dict) -> None:
@@ -461,8 +490,9 @@ def test_a_rank_that_cannot_read_its_copy_fails_the_group_at_once(example_multi_
     procs = spawn([case], {"SHARDLOAD_TEST_FAIL": "unreadable:1", "SHARDLOAD_TEST_TIMEOUT": "60"}, ranks=2)
     results = [p.communicate(timeout=120)[0] for p in procs]
     zero, one = (failure_line(text) for text in results)
-    said = f"{example_multi_dir}: shared reads refused: rank 1 could not read its copy of the checkpoint to "
-    assert zero.endswith(said + "fingerprint it (its own error names the file); nothing was exchanged"), zero
+    said = f"{example_multi_dir}: shared reads refused: rank 1 could not fingerprint its copy of the checkpoint "
+    assert zero.endswith(said + "(its own error says why: a file it cannot read, or bytes its integrity record "
+                         "refuses); nothing was exchanged"), zero  # fmt: skip
     assert "model-0000" in one and one.endswith(".safetensors: cannot read: Input/output error"), one
     assert seconds(zero) < 30 and all(p.returncode == 1 for p in procs)
 

@@ -84,7 +84,7 @@ def load_shared(
     digest = hashlib.sha256(digest + repr(settings).encode()).digest()
     mine = torch.tensor([slot[0], slot[1], *digest], dtype=torch.int64, device=comm)
     rows = [torch.empty_like(mine) for _ in range(size)]
-    _wait(dist.all_gather(rows, mine, group=group, async_op=True), comm, "while the ranks compared their plans")
+    _wait(dist.all_gather(rows, mine, group=group, async_op=True), comm, "while the ranks compared their plans", where)
     table = [row.tolist() for row in rows]
     for i, row in enumerate(table):
         if row[2:] != table[0][2:]:
@@ -96,15 +96,20 @@ def load_shared(
             )
     members = [(int(row[0]), int(row[1])) for row in table]
     keys = sorted(set(members))
-    plans = {key: slot_params(key) for key in keys}
-    bases = file_bases([p for key in keys for p in plans[key][0]])
+    failed: BaseException | None = None
+    try:  # headers only: a rank that fails here (a rank file its copy lacks) tells the others at the next collective
+        plans = {key: slot_params(key) for key in keys}
+        bases = file_bases([p for key in keys for p in plans[key][0]])
+        needs = {key: slot_needs(plans[key][0], plans[key][1], bases) for key in keys}
+        schedule = GroupReads.build(members, needs, most)
+        chunk = choose_chunk(schedule.union.total, size, most, MIN_ROUNDS, MIN_CHUNK)
+        schedule = schedule.with_chunk(chunk)
+    except Exception as err:
+        failed = err
+    _agree_no_failure(failed, group, comm, where, "planned the group's reads")
     if size > 1:
         samples = fp.plan_samples(p.source for key in keys for p in plans[key][0])
         _agree_on_content(samples, reader, group, comm, where)
-    needs = {key: slot_needs(plans[key][0], plans[key][1], bases) for key in keys}
-    schedule = GroupReads.build(members, needs, most)
-    chunk = choose_chunk(schedule.union.total, size, most, MIN_ROUNDS, MIN_CHUNK)
-    schedule = schedule.with_chunk(chunk)
     own = needs[slot]
     taken = plans[slot][1]  # the rank of the slot's plans this rank takes
 
@@ -130,7 +135,6 @@ def load_shared(
             result[p.name] = part.to(device, copy=True, memory_format=torch.contiguous_format)
             dests[k] = flat[k] = torch.empty(0, dtype=torch.uint8)  # the whole stored tensor is no longer needed
 
-    complete(finish[0])
     unpack = schedule.unpack(slot)
     pin = comm.type == "cuda"
     buffers = [torch.empty(chunk, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
@@ -141,57 +145,100 @@ def load_shared(
         for path, runs in schedule.reads(k, me, bases):
             reader.read_runs(path, runs.src, runs.length, runs.buf, runs.dst, [buffers[k % 2]])
 
+    # A rank whose own work fails (a read, a step) keeps exchanging, its buffers unread, so that no rank waits on it;
+    # the agreement after the last round then fails every rank, and none returns what it received.
+    try:
+        complete(finish[0])
+    except Exception as err:
+        failed = err
     with ThreadPoolExecutor(1, thread_name_prefix="shardload-exchange") as pool:
-        pending: Future[None] | None = pool.submit(read, 0) if schedule.rounds else None
+        pending: Future[None] | None = pool.submit(read, 0) if schedule.rounds and failed is None else None
         for k in range(schedule.rounds):
-            assert pending is not None
-            pending.result()
-            pending = pool.submit(read, k + 1) if k + 1 < schedule.rounds else None
             sizes, pack = schedule.pack(k, me)
             total = sum(sizes)
             if send_host.numel() < total:
                 send_host = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
-            _copy(buffers[k % 2], strided(pack), [send_host])
+            if failed is None:
+                try:
+                    assert pending is not None
+                    pending.result()
+                    pending = pool.submit(read, k + 1) if k + 1 < schedule.rounds else None
+                    _copy(buffers[k % 2], strided(pack), [send_host])
+                except Exception as err:
+                    failed, pending = err, None
             send = send_host[:total].to(comm) if pin else send_host[:total]
             splits = schedule.splits(k, slot)
             if recv.numel() < sum(splits):
                 recv = torch.empty(sum(splits), dtype=torch.uint8, device=comm)
             got = recv[: sum(splits)]
             work = dist.all_to_all_single(got, send, splits, sizes, group=group, async_op=True)
-            _wait(work, comm, f"in exchange round {k + 1} of {schedule.rounds}")
-            _copy(got, strided(unpack[k]), flat)
-            complete(finish[k + 1])
+            _wait(work, comm, f"in exchange round {k + 1} of {schedule.rounds}", where)
+            if failed is None:
+                try:
+                    _copy(got, strided(unpack[k]), flat)
+                    complete(finish[k + 1])
+                except Exception as err:
+                    failed = err
             if progress is not None:
                 progress(k + 1, schedule.rounds)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    _agree_unchanged(bases, group, comm, where)
+    _agree_unchanged(bases, group, comm, where, failed)
     return result
 
 
-def _agree_unchanged(files: Iterable[Any], group: Any, comm: torch.device, where: str) -> None:
-    """After the last round: every file this rank planned from is still the one whose header it parsed. When one
-    changed on any rank, every rank fails, since the others received bytes read from it."""
+_FAILED, _CHANGED = 1, 2
+"""What a rank tells the others after the last round: its own work failed, or a file it read changed."""
+
+
+def _agree_unchanged(
+    files: Iterable[Any], group: Any, comm: torch.device, where: str, failed: BaseException | None = None
+) -> None:
+    """After the last round: this rank's work did not fail (``failed``), and every file it planned from is still the
+    one whose header it parsed. When either is not so on any rank, every rank fails, since the others received
+    bytes from it."""
+    state = 0 if failed is None else _FAILED
+    if failed is None:
+        try:
+            input_log.check_unchanged(files, input_log.current())
+        except ShardloadError as err:
+            failed, state = err, _CHANGED
+    states = _gather_flags(state, group, comm, where, "while the ranks checked their files")
+    if failed is not None:
+        raise failed
+    for i, flag in enumerate(states):
+        if flag:
+            rank = _global(group, [i])[0]
+            if flag == _CHANGED:
+                raise ShardloadError(f"shared reads: rank {rank} read a file that changed during the exchange (its own "
+                                     "error names it); nothing was returned", file=where)  # fmt: skip
+            raise ShardloadError(f"shared reads: rank {rank} failed during the exchange (its own error says why); "
+                                 "nothing was returned", file=where)  # fmt: skip
+
+
+def _agree_no_failure(failed: BaseException | None, group: Any, comm: torch.device, where: str, done: str) -> None:
+    """Every rank tells whether it failed while it ``done`` (``"planned the group's reads"``); a rank that did
+    raises its own error, the others one line."""
+    states = _gather_flags(_FAILED if failed is not None else 0, group, comm, where, f"after the ranks {done}")
+    if failed is not None:
+        raise failed
+    flagged = [i for i, flag in enumerate(states) if flag]
+    if flagged:
+        raise ShardloadError(f"shared reads: rank {_global(group, flagged[:1])[0]} failed while it {done} (its own "
+                             "error says why); nothing was exchanged", file=where)  # fmt: skip
+
+
+def _gather_flags(state: int, group: Any, comm: torch.device, where: str, what: str) -> list[int]:
+    """Every rank's ``state`` (this rank's alone in a group of one)."""
     import torch
     import torch.distributed as dist
 
-    failed: ShardloadError | None = None
-    try:
-        input_log.check_unchanged(files, input_log.current())
-    except ShardloadError as err:
-        failed = err
-    if dist.get_world_size(group) > 1:
-        flag = torch.tensor([int(failed is not None)], dtype=torch.int64).to(comm)
-        flags = [torch.empty_like(flag) for _ in range(dist.get_world_size(group))]
-        _wait(dist.all_gather(flags, flag, group=group, async_op=True), comm, "while the ranks checked their files")
-        changed = [i for i, f in enumerate(flags) if int(f.item())]
-    else:
-        changed = []
-    if failed is not None:
-        raise failed
-    if changed:
-        raise ShardloadError(f"shared reads: rank {_global(group, changed[:1])[0]} read a file that changed during the "
-                             "exchange (its own error names it); nothing was returned", file=where)  # fmt: skip
+    if dist.get_world_size(group) == 1:
+        return [state]
+    flag = torch.tensor([state], dtype=torch.int64).to(comm)
+    flags = [torch.empty_like(flag) for _ in range(dist.get_world_size(group))]
+    _wait(dist.all_gather(flags, flag, group=group, async_op=True), comm, what, where)
+    return [int(f.item()) for f in flags]
 
 
 def _agree_on_content(samples: fp.SamplePlan, reader: RunReader, group: Any, comm: torch.device, where: str) -> None:
@@ -201,16 +248,16 @@ def _agree_on_content(samples: fp.SamplePlan, reader: RunReader, group: Any, com
     import torch
     import torch.distributed as dist
 
-    failed: ShardloadError | None = None
+    failed: Exception | None = None
     try:
         mine = fp.fingerprint(samples, reader)
-    except ShardloadError as err:  # still take part, so that the others fail at once rather than time out
+    except Exception as err:  # still take part, so that the others fail at once rather than time out
         failed, mine = err, []
     raw = fp.encode(mine) if failed is None else bytes(len(samples.files) * fp.row_bytes())
     table = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(comm) if raw else torch.empty(0, dtype=torch.uint8)
     if table.numel():
         work = dist.broadcast(table, src=_global(group, [0])[0], group=group, async_op=True)
-        _wait(work, comm, "while the ranks compared their files' fingerprints")
+        _wait(work, comm, "while the ranks compared their files' fingerprints", where)
     diff = None
     if failed is None and dist.get_rank(group) > 0:
         diff = fp.first_difference(mine, fp.decode(bytes(table.cpu().numpy())))
@@ -220,15 +267,16 @@ def _agree_on_content(samples: fp.SamplePlan, reader: RunReader, group: Any, com
         verdict = diff or fp.Difference(-1, 0)
     row = torch.tensor([verdict.file, verdict.kind, verdict.slot], dtype=torch.int64).to(comm)
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
-    _wait(dist.all_gather(rows, row, group=group, async_op=True), comm, "while the ranks compared their files")
+    _wait(dist.all_gather(rows, row, group=group, async_op=True), comm, "while the ranks compared their files", where)
     verdicts = [fp.Difference(*r.tolist()) for r in rows]
     unreadable = [i for i, v in enumerate(verdicts) if v.kind == fp.UNREADABLE]
     if failed is not None:
         raise failed
     if unreadable:
         raise ShardloadError(
-            f"shared reads refused: rank {_global(group, unreadable[:1])[0]} could not read its copy of the "
-            "checkpoint to fingerprint it (its own error names the file); nothing was exchanged",
+            f"shared reads refused: rank {_global(group, unreadable[:1])[0]} could not fingerprint its copy of the "
+            "checkpoint (its own error says why: a file it cannot read, or bytes its integrity record refuses); "
+            "nothing was exchanged",
             file=where,
         )
     for i, v in enumerate(verdicts):
@@ -279,8 +327,9 @@ def _comm_device(group: Any, device: torch.device) -> torch.device:
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*")
 
 
-def _wait(work: Any, comm: torch.device, what: str) -> None:
-    """Wait for one collective, at most :data:`EXCHANGE_TIMEOUT` seconds; any failure is one ShardloadError line."""
+def _wait(work: Any, comm: torch.device, what: str, where: str = "") -> None:
+    """Wait for one collective, at most :data:`EXCHANGE_TIMEOUT` seconds; any failure is one ShardloadError line
+    (located at ``where``, the model)."""
     timeout = EXCHANGE_TIMEOUT
     try:
         if comm.type == "cuda":  # NCCL work completes on the device: poll it, so a dead peer cannot hang us
@@ -297,11 +346,13 @@ def _wait(work: Any, comm: torch.device, what: str) -> None:
         if isinstance(err, TimeoutError) or "timed out" in reason.lower():
             raise ShardloadError(
                 f"shared reads: no answer from the group within {timeout:g} s {what}: "
-                "another rank died, hangs or is not calling load_rank(group=...)"
+                "another rank died, hangs or is not calling load_rank(group=...)",
+                file=where or None,
             ) from None
         reason = reason.split(". ")[0][:160]
         raise ShardloadError(
-            f"shared reads: the exchange failed {what}: another rank of the group died or failed ({reason})"
+            f"shared reads: the exchange failed {what}: another rank of the group died or failed ({reason})",
+            file=where or None,
         ) from None
 
 
