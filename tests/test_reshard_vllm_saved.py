@@ -144,7 +144,24 @@ def test_missing_rank_file(saved: dict[str, tuple[Path, Path]], tmp_path: Path) 
     _refused(save, tmp_path, r"model-rank-1-part-0\.safetensors: is missing .*ranks 0, 2, 3")
     rank_file(save, 3).unlink()
     rank_file(save, 2).rename(rank_file(save, 1))  # ranks 0, 1 of 4 left: read as num_shards=2, shapes disagree
-    _refused(save, tmp_path, "its rank files for num_shards=2 do not fit config.json: .*o_proj.weight: input dim")
+    message = _refused(save, tmp_path, "its rank files for num_shards=2 do not fit config.json: .*o_proj.weight: "
+                       "input dim")  # fmt: skip
+    assert "is the file of a higher rank missing" in message  # N is read from the highest rank found
+
+
+def test_verify_of_a_save_says_what_it_is(saved: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    """`shardload verify` of a directory vLLM's save_model wrote said 'lm_head.weight: tensor is stored in two
+    files', as of a broken checkpoint."""
+    from click.testing import CliRunner
+
+    from shardload.cli.main import main
+
+    save = _copy(saved["llama_gqa"][1], tmp_path)
+    with pytest.raises(ShardloadError, match=r"is vLLM.s own sharded_state .*no shard_manifest\.json") as err:
+        shardload.verify_dir(save)
+    assert "\n" not in str(err.value)
+    result = CliRunner().invoke(main, ["verify", str(save)])
+    assert result.exit_code == 1 and "is vLLM's own sharded_state" in result.output, result.output
 
 
 def test_duplicated_rank_file(saved: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:

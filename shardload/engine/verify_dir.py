@@ -21,6 +21,7 @@ from .convert_targets import LayoutTarget, layout_for_manifest
 from .load import load_rank
 from .reshard import RECORD_KEY, open_shards
 from .verify import OutputRecord, VerifyReport, check_entry
+from .verify_source import refuse_vllm_save
 
 Progress = Callable[[int, int], None]
 """``progress(done, total)``: bytes of the output checked so far (twice over with a source: hashed, then compared)."""
@@ -54,6 +55,7 @@ def verify_dir(
         if source is not None and report.ok and target.against_source is not None:
             report.problems += target.against_source(Path(path), source, own, shard_info)
         return report
+    refuse_vllm_save(path)
     checkpoint = open_checkpoint(path)
     if checkpoint.kind != "converted" or checkpoint.manifest is None:
         raise CheckpointError(f"not a converted directory (no {MANIFEST_NAME})", file=str(path))

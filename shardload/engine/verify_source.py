@@ -60,6 +60,7 @@ def verify_source(
         for problem in report.problems:
             print(problem)
     """
+    refuse_vllm_save(model)
     source = open_source(open_checkpoint(model), where=str(model))
     if source.derived:
         raise ShardloadError(f"is {source.what}: `shardload verify` checks it against its shard_manifest.json",
@@ -109,6 +110,25 @@ def verify_source(
     order = {entry.name: i for i, entry in enumerate(record.files)}
     report.problems.sort(key=lambda p: order.get(_relative(checkpoint.root, p.file), len(order)))
     return report
+
+
+def refuse_vllm_save(model: Any) -> None:
+    """Raise one line when ``model`` is a directory vLLM's ``save_model`` wrote (rank files, no manifest): it holds
+    no record of its bytes, and as a checkpoint its tensors would look stored twice."""
+    from ..sources.manifest import MANIFEST_NAME
+    from ..sources.source_types import SavedBoxes
+
+    path = Path(model) if isinstance(model, (str, os.PathLike)) else None
+    if path is None or not path.is_dir() or (path / MANIFEST_NAME).exists():
+        return
+    try:
+        saved = isinstance(open_source(path), SavedBoxes)
+    except ShardloadError:  # not one that reads: the checks that follow say what it is
+        return
+    if saved:
+        raise ShardloadError(f"is vLLM's own sharded_state (save_model wrote it, with no {MANIFEST_NAME}): it holds "
+                             "no record of its bytes to verify; `shardload convert` reads it, and its --layout vllm "
+                             "output can be verified", file=str(model))  # fmt: skip
 
 
 def _read(path: Any) -> bytes:

@@ -229,8 +229,9 @@ def saved_shard_info(stored: Checkpoint, n: int) -> ShardInfo:
     try:
         generated = generate(stored, check_up_to=0)
     except ShardloadError as err:
-        raise type(err)(f"its rank files for num_shards={n} do not fit config.json: {err.message}",
-                        file=str(stored.root)) from None  # fmt: skip
+        raise type(err)(f"its rank files for num_shards={n} do not fit config.json: {err.message} (N is the highest "
+                        "rank whose file is here, plus one: is the file of a higher rank missing, or are files of a "
+                        "save for another N left here?)", file=str(stored.root)) from None  # fmt: skip
     return ShardInfo.from_dict(generated.document, source=f"<planned from {stored.root / CONFIG_NAME}>")
 
 
