@@ -784,11 +784,29 @@ def test_verify_source_of_a_vllm_layout_output(tmp_path: Path) -> None:
     problems = json.loads(result.stdout)["problems"]
     assert any(p["param"] == name and "plan differs" in p["message"] for p in problems), problems
     # a forged rank file whose manifest entry was rewritten to match: only the source tells
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
+    with safe_open(str(out / V1), "pt") as f:
+        metadata = f.metadata()
     tensors = load_file(str(out / V1))
     tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1
     save_file(tensors, str(out / V1), metadata={"format": "pt"})
+    _rehash(out)
+    result = CliRunner().invoke(main, ["verify", str(out)])  # written without its rank, N, conversion and seal
+    assert result.exit_code == 1 and "its header says rank None of None, not rank 1 of 2" in result.output
+    save_file(tensors, str(out / V1), metadata=metadata)  # with them, but its tensors in safetensors' own order
+    _rehash(out)
+    result = CliRunner().invoke(main, ["verify", str(out)])
+    assert result.exit_code == 1 and "its seal does not match" in result.output, result.output
+    from shardload.integrations.vllm.writer import convert_vllm
+    from shardload.sources.safetensors_header import read_header
+
+    convert_vllm(model, 2, out, overwrite=True)  # the values alone changed, in place: only the source tells
+    norm = read_header(out / V1)["model.norm.weight"]
+    with open(out / V1, "r+b") as f:
+        f.seek(norm.offset)
+        f.write(bytes(b ^ 0x40 for b in f.read(4)))
     _rehash(out)
     assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 0
     result = CliRunner().invoke(main, ["verify", str(out), "--source", str(model)])
