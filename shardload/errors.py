@@ -6,6 +6,7 @@ reason, so a CLI can print it as a single line: ``file: param: step K (func): re
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from typing import Any
 
@@ -39,7 +40,24 @@ MAX_PART = 4096
 value a file controls (a name of megabytes) cannot make a line of megabytes."""
 
 
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@]+@")
+_SIGNED = re.compile(
+    r"(?i)([?&](?:x-amz-signature|x-amz-credential|x-amz-security-token|signature|sig|token|"
+    r"access_token|key-pair-id|policy)=)[^&\s]+"
+)
+"""A URL's user and password (``https://user:token@host``) and the secret parameters of a signed URL's query."""
+
+
+def hide_secrets(text: str) -> str:
+    """``text`` with every URL's credentials and signed-query secrets replaced by ``***``: a message names an
+    endpoint or a URL, never what opens it."""
+    if "://" not in text and "=" not in text:
+        return text
+    return _SIGNED.sub(r"\1***", _USERINFO.sub(r"\1***@", text))
+
+
 def _clip(text: str, limit: int = MAX_PART) -> str:
+    text = hide_secrets(text)
     if len(text) <= limit:
         return text
     keep = limit // 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +84,23 @@ def test_param_stages() -> None:
     assert param_stages("model.norm.weight", stages, tied=False) == [1]
     assert param_stages("lm_head.weight", stages, tied=False) == [1]
     assert param_stages("model.embed_tokens.weight", [range(0, 4)], tied=True) == [0]
+
+
+def test_a_config_that_cannot_be_read_is_an_error_not_stages_by_names(example_dir: Path, tmp_path: Path) -> None:
+    """The stages of a mesh follow config.json's layer count; one that was there but could not be read (an object
+    store's 403, a file cut short) was taken as none, so ranks that read it and ranks that could not cut the
+    stages differently, each without a word."""
+    import json
+    import shutil
+
+    import shardload
+
+    model = shutil.copytree(example_dir, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    config["num_hidden_layers"] += 2  # layers the checkpoint does not store: stage 1 holds none of its own
+    (model / "config.json").write_text(json.dumps(config))
+    read = shardload.load_rank(model, 1, mesh="pp=2,tp=1")
+    (model / "config.json").write_text(json.dumps(config)[:-5])  # cut short
+    with pytest.raises(shardload.ShardloadError, match=r"config\.json") as err:
+        shardload.load_rank(model, 1, mesh="pp=2,tp=1")
+    assert "\n" not in str(err.value) and read is not None

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -786,3 +787,71 @@ def test_hash_never_puts_its_record_over_an_object_that_is_not_one(endpoint: S3,
     assert "is not an integrity record" in str(err.value) and "\n" not in str(err.value), err.value
     kept = endpoint.client().get_object(Bucket=BUCKET, Key="hash-onto/shardload.hashes")["Body"].read()
     assert kept == junk
+
+
+def test_an_object_replaced_behind_a_store_that_sends_no_etag_is_an_error(endpoint: S3, example_dir: Path) -> None:
+    """A store, or a proxy in front of one, that sends no ETag on any answer: an object replaced (the same size and
+    header) a second after the load's first answer loaded as a mix of its two versions. Each answer is now held to
+    the first one's Last-Modified and size; without a replacement the load is exact."""
+    prefix = "no-etag-anywhere"
+    uri = endpoint.upload_dir(example_dir, prefix)
+    old = (example_dir / "model.safetensors").read_bytes()
+    (n,) = np.frombuffer(old[:8], dtype="<u8")
+    new = old[: 8 + int(n)] + bytes(b ^ 0x01 for b in old[8 + int(n) :])
+    key = f"{prefix}/model.safetensors"
+    options = shardload.ReadOptions(object_cost=ObjectCost.exact(concurrency=1))
+    endpoint.proxy.faults = Faults(every=1, kind="no-etag")
+    _equal(shardload.load_rank(uri, 1, 2, read_options=options), shardload.load_rank(example_dir, 1, 2))
+    calls: list[int] = []
+
+    def progress(done: int, total: int) -> None:
+        if not calls:
+            time.sleep(1.1)  # Last-Modified counts whole seconds
+            endpoint.client().put_object(Bucket=BUCKET, Key=key, Body=new)
+        calls.append(done)
+
+    with pytest.raises(ShardloadError) as err:
+        shardload.load_rank(uri, 1, 2, progress=progress, read_options=options)
+    assert calls and endpoint.proxy.faults.injected
+    text = str(err.value)
+    assert key in text and "changed while" in text and "\n" not in text, text
+
+
+def test_a_listing_that_never_ends_is_refused_before_it_fills_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that answers every listing page with 1,000 new keys of 1 kB and a new continuation token: the listing
+    held every key until its 10,000th page (about 10 GB)."""
+    from shardload.sources import s3 as s3_store
+
+    pages = []
+
+    def endless(self: object, key: object, operation: object, **kwargs: object) -> dict:
+        pages.append(kwargs.get("ContinuationToken"))
+        start = len(pages) * 1000
+        contents = [{"Key": f"m/{i:0>1000}", "Size": 1} for i in range(start, start + 1000)]
+        return {"Contents": contents, "IsTruncated": True, "NextContinuationToken": f"t{len(pages)}"}
+
+    monkeypatch.setattr(s3_store.S3Store, "_call", endless)
+    with pytest.raises(ShardloadError, match=r"listing of this prefix ran past 64 MiB of keys") as err:
+        s3_store.S3Store("bucket")._list("m/")
+    assert "\n" not in str(err.value) and len(pages) < 100, len(pages)
+
+
+@pytest.mark.parametrize("request_kind", ["listing", "head"])
+def test_a_listing_or_head_cut_off_once_is_asked_again(
+    endpoint: S3, example_dir: Path, monkeypatch: pytest.MonkeyPatch, request_kind: str
+) -> None:
+    """Every request is cut off past its minimum rate and asked again within the deadline; a listing page and a
+    HEAD were made once, and a store that sent nothing for the first attempt failed the load, blamed on its rate."""
+    from shardload.sources import s3 as s3_store
+
+    monkeypatch.setenv("SHARDLOAD_S3_MIN_RATE", str(1 << 30))  # an attempt of a small answer gets RATE_GRACE
+    monkeypatch.setattr(s3_store, "STREAM_BACKOFF", 0.001)
+    monkeypatch.setattr("shardload.sources.deadlines.RATE_GRACE", 1.0)
+    uri = endpoint.upload_dir(example_dir, f"cut-once-{request_kind}")
+    endpoint.proxy.faults = Faults(every=1, kind="trickle-all", only_get=False, trickle_s=3.0, limit=1)
+    path = shardload.sources.location.object_path(uri)
+    if request_kind == "listing":
+        assert "model.safetensors" in {c.rsplit("/", 1)[-1] for c in path.children()}
+    else:
+        assert (path / "model.safetensors").store._head(f"cut-once-{request_kind}/model.safetensors") > 0
+    assert endpoint.proxy.faults.injected == 1

@@ -340,6 +340,55 @@ def test_hub_unreachable_offline_and_range_ignored(fake_hub: Any, monkeypatch: p
     assert f"error: shardload-test/gqa: cannot reach the Hugging Face Hub at {url} (ConnectError" in result.stderr
 
 
+def test_an_endpoint_s_credentials_never_reach_a_message(
+    fake_hub: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """HF_ENDPOINT may carry a user and token (``http://user:token@host``): the lines naming the Hub or one of its
+    URLs printed them, in the terminal and in --json."""
+    from helpers.fake_hub import use_fake_hub
+
+    use_fake_hub(monkeypatch, fake_hub.url.replace("http://", "http://alice:S3CRET-TOKEN@"), tmp_path / "hf2")
+    fake_hub.ignore_range = True  # an error that names a file by its URL
+    code, doc = _run("shardload-test/gqa")
+    assert code == 1 and "answered a range request" in doc["error"]["message"], doc
+    assert "S3CRET" not in json.dumps(doc) and "http://***@127.0.0.1" in json.dumps(doc), doc
+    fake_hub.close()  # nothing listens there now: an error that names the endpoint
+    result = CliRunner().invoke(main, ["preflight", "shardload-test/gqa"])
+    assert result.exit_code == 1 and "cannot reach the Hugging Face Hub at http://***@" in result.stderr
+    assert "S3CRET" not in result.output
+    from shardload.errors import CheckpointError  # a signed URL a redirect named: its query's secrets too
+
+    line = str(CheckpointError("answered 403", file="https://cdn.example/x?X-Amz-Signature=abc1&X-Amz-Date=2&token=t0"))
+    assert "abc1" not in line and "t0" not in line and "X-Amz-Date=2" in line, line
+
+
+def test_a_hub_answer_that_trickles_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Hub (or a proxy) that sends a header's bytes one every few seconds held preflight for as long as it kept
+    sending, each read inside the HTTP client's own timeout; the answer is now held to the object stores' minimum
+    rate after a grace period."""
+    import time
+
+    from shardload.errors import CheckpointError
+    from shardload.sources import hub_remote
+
+    monkeypatch.setattr(hub_remote, "RATE_GRACE", 0.2)
+
+    class Answer:
+        def __init__(self) -> None:
+            self.status_code = 206
+            self.headers = {"Content-Range": "bytes 0-7/100"}
+
+    def chunks() -> Iterator[bytes]:
+        for byte in b"\x10\x00\x00\x00\x00\x00\x00\x00":
+            time.sleep(0.1)
+            yield bytes([byte])
+
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"the Hub sent \d of 8 bytes in \d+ s, under 65536 bytes/s") as err:
+        hub_remote._body(Answer(), "http://hub/x/resolve/c/model.safetensors", 8, (0, 7), chunks)
+    assert time.monotonic() - started < 0.7 and "\n" not in str(err.value)
+
+
 # -- an s3:// model: the proxy shows what was fetched
 
 

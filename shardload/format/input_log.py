@@ -174,24 +174,31 @@ def open_for_writing(fd: int) -> bool:
     return False
 
 
-def unversioned(uri: str, version: Any) -> bool:
-    """Whether an answer from object ``uri`` came without a version (ETag) where this load's first answer had one:
-    such an answer cannot be held to that version, and is asked for again."""
+MODIFIED = "modified "
+"""How a version taken from an answer's Last-Modified and object size starts (a store, or a proxy in front of one,
+that sends no ETag): an object replaced with one of the same size within the same second is not told apart."""
+
+
+def unversioned(uri: str, etag: Any) -> bool:
+    """Whether an answer from object ``uri`` came without an ETag where this load's first answer had one: such an
+    answer cannot be held to that version, and is asked for again."""
     log = _LOG.get()
-    return log is not None and not version and log.versions.get(uri) is not None
+    first = None if log is None else log.versions.get(uri)
+    return not etag and first is not None and not first.startswith(MODIFIED)
 
 
 def object_version(uri: str, version: Any) -> None:
-    """Inside a load, hold every answer from object ``uri`` to the version (ETag) of its first: an object replaced
-    while the load reads it (its header parsed from one version, tensor bytes from another) is an error."""
+    """Inside a load, hold every answer from object ``uri`` to the version of its first (its ETag, else its
+    :data:`MODIFIED` version): an object replaced while the load reads it (its header parsed from one version,
+    tensor bytes from another) is an error."""
     log = _LOG.get()
     if log is None:
         return
-    version = version or None  # a store that sends no ETag at all is taken as it is: every answer alike
+    version = version or None  # a store that sends neither ETag nor Last-Modified is taken as it is
     first = log.versions.setdefault(uri, version)
     if first == version:
         return
-    if first is None or version is None:  # an answer that cannot be held to the version the others have
+    if first is None or version is None or first.startswith(MODIFIED) != version.startswith(MODIFIED):
         raise CheckpointError(
             "answered once with a version (ETag) and once without, so its bytes cannot be held to one version; "
             "nothing was returned or written (a cache or proxy in front of the store may drop the header)",

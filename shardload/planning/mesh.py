@@ -174,13 +174,11 @@ def as_mesh(mesh: Mesh | str | Mapping[str, int] | None, world_size: int | None 
 
 
 def _config(root: Path) -> dict[str, Any]:
-    """config.json of the model, or {} when there is none or it cannot be read (stages then follow names)."""
+    """config.json of the model, or {} when there is none (stages then follow names). One that is there but cannot
+    be read raises: ranks that read it and ranks that could not would cut the stages differently."""
     from ..sources.checkpoint import read_config
 
-    try:
-        return read_config(root, missing_ok=True)
-    except ShardloadError:
-        return {}
+    return read_config(root, missing_ok=True)
 
 
 def layer_count(root: Path, names: Sequence[str]) -> int:

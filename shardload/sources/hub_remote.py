@@ -19,6 +19,7 @@ the header is shorter, and it reads a missing or private repository as "not a sa
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -41,6 +42,7 @@ from .checkpoint import (
     _open_index,
     read_json,
 )
+from .deadlines import MIN_RATE_ENV, RATE_GRACE, request_limits
 from .location import hub_refusal, split_hub_id
 from .manifest import MANIFEST_NAME, RANK_FILE_RE
 from .safetensors_header import MAX_HEADER_BYTES, _check_size, _header_length, _parse_header
@@ -257,8 +259,16 @@ def _body(response: Any, url: str, limit: int, span: tuple[int, int] | None, chu
     elif response.status_code != 200:
         raise CheckpointError(f"the Hub answered HTTP {response.status_code}", file=url)
     body = bytearray()
+    limits = request_limits()  # the object stores' deadline and minimum rate: a trickled answer cannot hold a read
+    began, allowed = time.monotonic(), min(limits.deadline, RATE_GRACE + limit / limits.min_rate)
     for chunk in chunks():
         body += chunk
+        if time.monotonic() - began > allowed:
+            raise CheckpointError(
+                f"the Hub sent {len(body)} of {limit} bytes in {time.monotonic() - began:.0f} s, under "
+                f"{limits.min_rate:.0f} bytes/s ({MIN_RATE_ENV})",
+                file=url,
+            )
         if len(body) > limit:
             what = "more bytes than asked" if span is not None else f"more than the {limit}-byte cap"
             raise CheckpointError(f"the Hub sent {what}", file=url)

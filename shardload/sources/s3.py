@@ -47,6 +47,9 @@ READ_TIMEOUT = 60
 :mod:`shardload.sources.deadlines`."""
 MAX_LIST_PAGES = 10_000
 """Pages of one listing (1000 objects each) before it is refused as endless."""
+MAX_LIST_BYTES = 64 << 20
+"""Bytes of keys and continuation tokens one listing may hold before it is refused (about 500,000 keys of a model's
+length): a store that keeps answering new pages cannot fill the memory before :data:`MAX_LIST_PAGES`."""
 ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 """Where boto3 finds an S3-compatible endpoint, the first one set winning."""
 _CONTENT_RANGE = re.compile(r"bytes (?P<first>\d+)-(?P<last>\d+)/(?P<size>\d+|\*)")
@@ -138,23 +141,32 @@ class S3Store(ObjectStore):
 
         limits = request_limits()
         began = time.monotonic()
-        with DEADLINES.attempt(limits.attempt_seconds(nbytes, limits.deadline)) as watch:
-            try:
-                return operation(self.client)(**kwargs)
-            except CheckpointError as err:  # no client could be made
-                raise CheckpointError(err.reason, file=self._where(key)) from None
-            except (ClientError, BotoCoreError, Expired, RegionlessRedirect) as err:
-                if watch.expired or isinstance(err, Expired):
-                    raise _too_slow(self._where(key), "", limits, began) from None
-                if missing_ok and isinstance(err, ClientError) and _status(err) == 404:
-                    return None
-                raise self._fail(err, key) from None
+        for attempt in range(STREAM_ATTEMPTS):  # an attempt cut off by its time limit is made again, as a GET's is
+            left = began + limits.deadline - time.monotonic()
+            if left <= 0:
+                break
+            with DEADLINES.attempt(limits.attempt_seconds(nbytes, left)) as watch:
+                try:
+                    return operation(self.client)(**kwargs)
+                except CheckpointError as err:  # no client could be made
+                    raise CheckpointError(err.reason, file=self._where(key)) from None
+                except (ClientError, BotoCoreError, Expired, RegionlessRedirect) as err:
+                    if not (watch.expired or isinstance(err, Expired)):
+                        if missing_ok and isinstance(err, ClientError) and _status(err) == 404:
+                            return None
+                        raise self._fail(err, key) from None
+            pause = random.random() * min(5.0, STREAM_BACKOFF * 2**attempt)
+            time.sleep(max(0.0, min(pause, began + limits.deadline - time.monotonic())))
+        if time.monotonic() >= began + limits.deadline:
+            raise _too_slow(self._where(key), "", limits, began)
+        raise CheckpointError(f"{_slow_reason(limits)}, {STREAM_ATTEMPTS} times", file=self._where(key))
 
     def _list(self, prefix: str) -> dict[str, int]:
         found: dict[str, int] = {}
         key = prefix.rstrip("/") or None
         token: str | None = None
         seen: set[str] = set()
+        held = 0
         for _ in range(MAX_LIST_PAGES):
             more = {"ContinuationToken": token} if token else {}
             page = self._call(
@@ -162,6 +174,14 @@ class S3Store(ObjectStore):
             )
             for entry in page.get("Contents", ()):
                 found[entry["Key"]] = int(entry["Size"])
+                held += len(entry["Key"])
+            held += len(page.get("NextContinuationToken") or "")
+            if held > MAX_LIST_BYTES:
+                raise CheckpointError(
+                    f"the store's listing of this prefix ran past {MAX_LIST_BYTES >> 20} MiB of keys ({len(found)} "
+                    "objects): a model's prefix holds its files, not a bucket's worth",
+                    file=self._where(key),
+                )
             if not page.get("IsTruncated"):
                 return found
             token = page.get("NextContinuationToken")
@@ -222,7 +242,7 @@ class S3Store(ObjectStore):
                     unversioned = input_log.unversioned(where, etag)  # asked again, as a wrong answer is
                     if not unversioned:
                         try:
-                            input_log.object_version(where, etag)
+                            input_log.object_version(where, etag or _modified(response))
                         except CheckpointError:
                             body.close()
                             raise
@@ -280,6 +300,15 @@ class RegionlessRedirect(Exception):
 
 def _status(err: Any) -> int | None:
     return err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+
+
+def _modified(response: dict[str, Any]) -> str | None:
+    """The version an answer without an ETag is held to: its Last-Modified and the object's size (None without a
+    Last-Modified)."""
+    modified = response.get("LastModified")
+    if modified is None:
+        return None
+    return f"{input_log.MODIFIED}{modified}, {_object_size(response)} bytes"
 
 
 def _object_size(response: dict[str, Any]) -> int | None:

@@ -56,6 +56,8 @@ class Faults:
     forge: dict[str, Any] = field(default_factory=dict)
     """Key -> ``f(body, range) -> bytes | None``: a GET's body replaced by what ``f`` returns (None: served as is), a
     store that lies about an object's bytes while its size stays right."""
+    limit: int = 0
+    """Faults injected at most (0: no limit)."""
     count: int = 0
     injected: int = 0
 
@@ -130,6 +132,8 @@ class FaultyProxy:
             if f.every <= 0 or (f.only_get and method != "GET" and f.kind != "redirect"):
                 return None
             if f.from_byte and (rng is None or rng[0] < f.from_byte):
+                return None
+            if f.limit and f.injected >= f.limit:
                 return None
             f.count += 1
             if f.count % f.every:
