@@ -40,10 +40,10 @@ MAX_PART = 4096
 value a file controls (a name of megabytes) cannot make a line of megabytes."""
 
 
-_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@]+@")
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]{0,31}://)[^/\s@]{1,1024}@")
 _SIGNED = re.compile(
     r"(?i)([?&](?:x-amz-signature|x-amz-credential|x-amz-security-token|signature|sig|token|"
-    r"access_token|key-pair-id|policy)=)[^&\s]+"
+    r"access_token|key-pair-id|policy)=)[^&\s)'\"]+"
 )
 """A URL's user and password (``https://user:token@host``) and the secret parameters of a signed URL's query."""
 
@@ -57,11 +57,10 @@ def hide_secrets(text: str) -> str:
 
 
 def _clip(text: str, limit: int = MAX_PART) -> str:
-    text = hide_secrets(text)
     if len(text) <= limit:
-        return text
-    keep = limit // 2
-    return f"{text[:keep]}...({len(text) - 2 * keep} characters cut)...{text[-keep:]}"
+        return hide_secrets(text)
+    keep = limit // 2  # cut first: what a file controls is searched for secrets only as far as it is printed
+    return f"{hide_secrets(text[:keep])}...({len(text) - 2 * keep} characters cut)...{hide_secrets(text[-keep:])}"
 
 
 class ShardloadError(Exception):

@@ -18,6 +18,7 @@ Environment: ``SHARDLOAD_TEST_BACKEND`` (gloo) names the backend; ``SHARDLOAD_TE
 14 s); ``SHARDLOAD_TEST_FAIL``: the shared load is expected to fail (``model_of_rank`` gives some rank another
 model; ``SHARDLOAD_TEST_FAIL=unreadable:RANK``: that rank's reads to fingerprint the files fail);
 ``SHARDLOAD_TEST_FAIL=raises:RANK:ROUND``: that rank's read of its chunk of round ROUND + 1 raises an I/O error;
+``SHARDLOAD_TEST_FAIL=progress:RANK``: that rank's progress callback raises at round 2;
 ``SHARDLOAD_TEST_FAIL=rewrite:RANK``: that rank rewrites its copy's first weight file in place (every tensor byte
 flipped) after the first exchange round; ``SHARDLOAD_TEST_LIVE_ON``: seconds a rank whose load failed lives on
 before it exits (a server that caught the error); ``SHARDLOAD_TEST_TIMEOUT`` sets the exchange timeout in seconds.
@@ -108,6 +109,12 @@ def rewrite(model: str) -> None:
         f.write(bytes(b ^ 0x5A for b in body))
 
 
+def failing_progress(done: int, total: int) -> None:
+    """A caller's progress callback that fails at the second round."""
+    if done == 2:
+        raise RuntimeError("the caller's progress callback failed")
+
+
 def rounds_seen(seen: list[tuple[int, int]]) -> Callable[[int, int], None]:
     """A progress callback that records ``(done, total)`` in ``seen``."""
     return lambda done, total: seen.append((done, total))
@@ -143,11 +150,13 @@ def main() -> None:
         progress = None
         if unreadable[0] == "rewrite" and int(unreadable[1]) == rank:
             progress = lambda done, total: done == 1 and rewrite(model)  # noqa: E731
+        if unreadable[0] == "progress" and int(unreadable[1]) == rank:
+            progress = failing_progress
         dist.barrier()  # every process has started: slow imports on a busy machine do not count against the timeout
         started = time.monotonic()
         try:
             shardload.load_rank(model, mesh=case.get("mesh"), share_reads=True, progress=progress)
-        except shardload.ShardloadError as err:
+        except (shardload.ShardloadError, RuntimeError) as err:
             print(f"FAILED rank {rank} after {time.monotonic() - started:.1f} s: {err}", flush=True)
             time.sleep(float(os.environ.get("SHARDLOAD_TEST_LIVE_ON", "0")))  # a server that caught the error
             # skip interpreter teardown: gloo's process group, torn down after its peers have gone, may abort

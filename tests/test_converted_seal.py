@@ -104,8 +104,7 @@ def test_a_rank_header_edited_with_its_size_kept_is_refused(converted: Path, edi
 
 def test_a_directory_without_seals_still_loads(split_model: Path, converted: Path) -> None:
     """An older shardload's rank files carry no seal: they load as before (the checks they always had)."""
-    for r in range(N):
-        unseal(converted / f"rank-{r:05d}-of-{N:05d}.safetensors")
+    unseal(converted)
     for n in (N, 2):
         assert _same(shardload.load_rank(converted, 1, n), _expected(split_model, 1, n))
 
@@ -136,3 +135,43 @@ def test_a_source_record_entry_of_the_wrong_form_is_refused_in_one_line(converte
         shardload.load_rank(converted, 0, 2)
     assert "\n" not in str(excinfo.value)
     assert not shardload.verify_dir(converted).ok
+
+
+def test_a_rank_file_stripped_of_its_seal_is_refused(converted: Path) -> None:
+    """A seal taken out of a rank header (the header padded back to its size) turned the check off; the manifest
+    says every rank file of the directory is sealed."""
+    rewrite_header(converted / f"rank-00001-of-{N:05d}.safetensors", lambda h: h["__metadata__"].pop("shardload.seal"))
+    for n in (N, 2):
+        with pytest.raises(ShardloadError, match=r"rank-00001-of-00004\.safetensors: carries no seal") as err:
+            shardload.load_rank(converted, 1 if n == N else 0, n)
+        assert "\n" not in str(err.value)
+
+
+def test_manifest_digests_taken_from_many_threads_at_once() -> None:
+    """The digests of the last manifests read are kept for the rank files of one load; threads loading other
+    directories at once raced on evicting one (a bare KeyError out of a load)."""
+    import sys
+    import threading
+
+    from shardload.sources.manifest import manifest_digest
+
+    failures: list[BaseException] = []
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes: the race shows at once
+
+    def digest_many(seed: int) -> None:
+        try:
+            for i in range(3000):
+                manifest_digest({"num_shards": seed * 10_000 + i, "files": []})
+        except BaseException as err:  # any failure is the finding
+            failures.append(err)
+
+    threads = [threading.Thread(target=digest_many, args=(seed,)) for seed in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert not failures, failures[:3]

@@ -362,6 +362,22 @@ def test_an_endpoint_s_credentials_never_reach_a_message(
     assert "abc1" not in line and "t0" not in line and "X-Amz-Date=2" in line, line
 
 
+def test_hiding_secrets_in_a_huge_name_from_a_file_is_bounded() -> None:
+    """A tensor name from a file (``a.a.a.…=``, a megabyte) in an error line: the search for URLs' secrets tried the
+    scheme pattern at every word boundary to the end (64 kB: 27 s; a megabyte: hours). Run in a child with a
+    generous limit: the line takes milliseconds."""
+    import subprocess
+    import sys
+
+    code = (
+        "from shardload.errors import CheckpointError\n"
+        "line = str(CheckpointError('bad dtype', file='model.safetensors', param='a.' * 500_000 + '='))\n"
+        "assert 'characters cut' in line and len(line) < 10_000\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_a_hub_answer_that_trickles_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Hub (or a proxy) that sends a header's bytes one every few seconds held preflight for as long as it kept
     sending, each read inside the HTTP client's own timeout; the answer is now held to the object stores' minimum

@@ -580,6 +580,8 @@ def test_a_tied_checkpoint_that_also_stores_lm_head_converts_as_vllm_loads_it(tm
     state["lm_head.weight"] = -state["model.embed_tokens.weight"]  # not the embedding: vLLM uses it as the head
     save_file(state, str(tmp_path / "model" / "model.safetensors"))
     convert_vllm(tmp_path / "model", 2, tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["tie_word_embeddings"] is False and {**written, "tie_word_embeddings": True} == config
     for r in range(2):
         got = load_file(str(rank_path(tmp_path / "out", r)))
         for name in ("model.embed_tokens.weight", "lm_head.weight"):

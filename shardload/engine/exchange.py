@@ -112,14 +112,19 @@ def load_shared(
         _agree_on_content(samples, reader, group, comm, where)
     own = needs[slot]
     taken = plans[slot][1]  # the rank of the slot's plans this rank takes
-
+    pin = comm.type == "cuda"
     dests: list[torch.Tensor] = []
-    for p, whole in zip(own.params, own.whole, strict=True):
-        if whole:  # the stored tensor, gathered on the CPU; the steps run once its last byte is in
-            dests.append(torch.empty(p.source.shape, dtype=to_torch(p.source.dtype)))
-        else:
-            dests.append(torch.empty(p.shape, dtype=to_torch(p.dtype), device=device))
-            fill_padding(p, taken, dests[-1])  # zeros no stored byte maps to (a padded vocabulary)
+    try:  # the rank's tensors and chunk buffers (a device out of memory on one rank): told before the first round
+        for p, whole in zip(own.params, own.whole, strict=True):
+            if whole:  # the stored tensor, gathered on the CPU; the steps run once its last byte is in
+                dests.append(torch.empty(p.source.shape, dtype=to_torch(p.source.dtype)))
+            else:
+                dests.append(torch.empty(p.shape, dtype=to_torch(p.dtype), device=device))
+                fill_padding(p, taken, dests[-1])  # zeros no stored byte maps to (a padded vocabulary)
+        buffers = [torch.empty(chunk, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+    except Exception as err:
+        failed = err
+    _agree_no_failure(failed, group, comm, where, "made its tensors and buffers")
     flat = [t.reshape(-1).view(torch.uint8) for t in dests]
     result: dict[str, torch.Tensor] = {p.name: t for p, t in zip(own.params, dests, strict=True)}
     last = schedule.last_round(slot)
@@ -136,8 +141,6 @@ def load_shared(
             dests[k] = flat[k] = torch.empty(0, dtype=torch.uint8)  # the whole stored tensor is no longer needed
 
     unpack = schedule.unpack(slot)
-    pin = comm.type == "cuda"
-    buffers = [torch.empty(chunk, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
     send_host = torch.empty(0, dtype=torch.uint8, pin_memory=pin)
     recv = torch.empty(0, dtype=torch.uint8, device=comm)
 
@@ -179,8 +182,11 @@ def load_shared(
                     complete(finish[k + 1])
                 except Exception as err:
                     failed = err
-            if progress is not None:
-                progress(k + 1, schedule.rounds)
+            if progress is not None and failed is None:
+                try:
+                    progress(k + 1, schedule.rounds)
+                except Exception as err:  # the caller's callback: its failure is this rank's, told at the end
+                    failed = err
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     _agree_unchanged(bases, group, comm, where, failed)
@@ -260,7 +266,10 @@ def _agree_on_content(samples: fp.SamplePlan, reader: RunReader, group: Any, com
         _wait(work, comm, "while the ranks compared their files' fingerprints", where)
     diff = None
     if failed is None and dist.get_rank(group) > 0:
-        diff = fp.first_difference(mine, fp.decode(bytes(table.cpu().numpy())))
+        try:
+            diff = fp.first_difference(mine, fp.decode(bytes(table.cpu().numpy())))
+        except Exception as err:  # told as this rank's failure, as an unreadable copy is
+            failed = err
     if failed is not None:
         verdict = fp.Difference(-1, fp.UNREADABLE)
     else:

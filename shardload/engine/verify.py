@@ -24,6 +24,7 @@ from ..sources.manifest import (
     MANIFEST_NAME,
     RANK_FILE_RE,
     SEAL_KEY,
+    SEALED,
     manifest_digest,
     manifest_stages,
     rank_file_name,
@@ -210,6 +211,12 @@ def _check_rank_header(
             file=str(path),
         )
     sealed = metadata.get(SEAL_KEY)
+    if sealed is None and manifest.get(SEALED) is True:
+        raise CheckpointError(
+            f"carries no seal, and {MANIFEST_NAME} says every rank file of this directory does (its header was "
+            "rewritten): convert again, or restore the file",
+            file=str(path),
+        )
     if sealed is not None and sealed != seal(manifest_digest(manifest), tensors.values()):
         raise CheckpointError(
             f"its header or the plan in {MANIFEST_NAME} was changed after convert wrote them (its seal does not match "

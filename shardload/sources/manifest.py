@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,10 @@ RANK_FILE_RE = re.compile(r"(?:pp-([0-9]{5,9})-of-([0-9]{5,9})-)?rank-([0-9]{5,9
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 SEAL_KEY = "shardload.seal"
 """The metadata key of a rank file's seal: :func:`seal` of its manifest's plan and its own tensor table."""
-SEALED_KEYS = ("format", "num_shards", "mesh", CONVERSION_KEY, "shard_info", "source_plan", "plan", "expert_parallel")
+SEALED = "sealed"
+"""The manifest key (``true``) saying every rank file carries a seal: one without is refused."""
+SEALED_KEYS = ("format", "num_shards", "mesh", CONVERSION_KEY, SEALED, "shard_info", "source_plan", "plan",
+               "expert_parallel")  # fmt: skip
 """The manifest keys that say where each byte of a rank file goes, which its seal covers (not the list of files,
 their digests and the record, which are checked by their sizes and hashes; nor which shardload wrote it)."""
 
@@ -167,24 +171,29 @@ def manifest_file_entry(entry: Any, seen: set[str], where: Path) -> str:
 
 _digests: dict[int, tuple[dict[str, Any], str]] = {}
 """The digests of the last few manifests read (by identity, each held so its id is not reused)."""
+_digests_lock = threading.Lock()
 
 
 def manifest_digest(manifest: dict[str, Any]) -> str:
     """The sha256 of a manifest's :data:`SEALED_KEYS` in one canonical JSON form (a manifest as parsed from JSON)."""
-    kept = _digests.get(id(manifest))
+    with _digests_lock:
+        kept = _digests.get(id(manifest))
     if kept is not None and kept[0] is manifest:
         return kept[1]
     part = {k: manifest[k] for k in SEALED_KEYS if k in manifest}
     text = json.dumps(part, sort_keys=True, separators=(",", ":"), allow_nan=True)
     digest = hashlib.sha256(text.encode()).hexdigest()
-    if len(_digests) >= 8:
-        _digests.pop(next(iter(_digests)))
-    _digests[id(manifest)] = (manifest, digest)
+    with _digests_lock:
+        while len(_digests) >= 8:
+            _digests.pop(next(iter(_digests)))
+        _digests[id(manifest)] = (manifest, digest)
     return digest
 
 
 def digest_to_write(manifest: dict[str, Any]) -> str:
-    """:func:`manifest_digest` of a manifest about to be written, taken from its JSON as a reader will parse it."""
+    """Mark a manifest about to be written :data:`SEALED` and return its :func:`manifest_digest`, taken from its JSON
+    as a reader will parse it."""
+    manifest[SEALED] = True
     return manifest_digest(json.loads(json.dumps(manifest)))
 
 

@@ -241,11 +241,6 @@ class S3Store(ObjectStore):
                     etag = response.get("ETag")
                     unversioned = input_log.unversioned(where, etag)  # asked again, as a wrong answer is
                     if not unversioned:
-                        try:
-                            input_log.object_version(where, etag or _modified(response))
-                        except CheckpointError:
-                            body.close()
-                            raise
                         size = _object_size(response)
                         if size is not None and size < end:
                             body.close()
@@ -257,7 +252,8 @@ class S3Store(ObjectStore):
                         wrong = _wrong_answer(response, first, end)
                         if wrong is None and unversioned:
                             wrong = "the answer came without the object's version (ETag), which earlier answers had"
-                        if wrong is None:
+                        if wrong is None:  # only an answer that is the range asked pins or is held to a version
+                            input_log.object_version(where, etag or _modified(response))
                             done = _fill(body, views, done, total)
                             if done == total:
                                 return

@@ -77,6 +77,12 @@ def rewrite_header(path: Path, edit: Any) -> None:
     Path(path).write_bytes(raw[:8] + text + b" " * (size - len(text)) + raw[8 + size :])
 
 
-def unseal(path: Path) -> None:
-    """Take the seal out of a converted rank file's header, as an older shardload wrote it."""
-    rewrite_header(path, lambda header: header["__metadata__"].pop("shardload.seal"))
+def unseal(directory: Path) -> None:
+    """Make converted directory ``directory`` (either layout) as an older shardload wrote it: no seal in any rank
+    file's header, and no ``sealed`` mark in its manifest."""
+    manifest = json.loads((directory / "shard_manifest.json").read_text())
+    manifest.pop("sealed")
+    (directory / "shard_manifest.json").write_text(json.dumps(manifest))
+    for entry in manifest["files"]:
+        if entry["path"].endswith(".safetensors"):
+            rewrite_header(directory / entry["path"], lambda header: header["__metadata__"].pop("shardload.seal"))
