@@ -35,6 +35,12 @@ _PLAIN = {
 }  # fmt: skip
 
 
+ROW_BLOCK_TYPES = frozenset({*range(0, 31), 34, 35, 39})
+"""GGML type ids whose data is a tensor's rows one after another, each whole blocks (F32 to BF16, the K and IQ
+quants, TQ1_0, TQ2_0, MXFP4): the only ones read. llama.cpp's repacked types (Q4_0_4_4, Q4_0_4_8, Q4_0_8_8 and
+IQ4_NL_4_4 to _8_8: 31-33, 36-38) interleave the blocks of several rows, so a row or column split of them is
+not one of the tensor; an older gguf package lists them with Q4_0's sizes."""
+
 # config.json key -> GGUF metadata key after the "{architecture}." prefix
 _CONFIG_KEYS = {
     "hidden_size": "embedding_length",
@@ -184,6 +190,10 @@ def _tensor_info(path: Path, size: int, data_start: int, t: _Entry) -> tuple[Ten
         ) from None
 
     where = {"file": str(path), "param": t.name}
+    if t.kind not in ROW_BLOCK_TYPES:
+        raise CheckpointError(f"tensor type {t.kind} is not one shardload splits: its data is not whole rows of blocks "
+                              "one after another (llama.cpp's repacked types store several rows interleaved); "
+                              "requantize or convert the model to a plain type", **where)  # fmt: skip
     try:
         kind = GGMLQuantizationType(t.kind)
         block, type_bytes = GGML_QUANT_SIZES[kind]
