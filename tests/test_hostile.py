@@ -114,6 +114,19 @@ def _manifest(d: Path, num_shards: int, mesh: dict | None = None) -> Path:
     return out
 
 
+def _tvm_no_element(d: Path) -> Path:
+    """A TVM cache whose record ``w`` holds no element but has dims multiplying past int64 (0 x 2**62 x 2**62)."""
+    cache = d / "cache"
+    cache.mkdir()
+    (cache / "params_shard_0.bin").write_bytes(b"\0" * 32)
+    rec = [{"name": "w", "shape": [0, 1 << 62, 1 << 62], "dtype": "float32", "format": "raw", "nbytes": 0,
+            "byteOffset": 0}]  # fmt: skip
+    shard = {"dataPath": "params_shard_0.bin", "format": "raw-shard", "nbytes": 32, "records": rec}
+    (cache / "tensor-cache.json").write_text(json.dumps({"metadata": {}, "records": [shard]}))
+    (cache / "shard_info.json").write_text(json.dumps({"version": 1, "params": {}}))
+    return cache
+
+
 def _tvm_aliases(d: Path, records: int = 2048, dtype: object = "float32") -> Path:
     """A TVM cache of one 1 MiB data file whose ``records`` records all claim its whole bytes."""
     cache = d / "cache"
@@ -248,6 +261,16 @@ CASES: dict[str, Case] = {
     ),
     "a manifest claiming a 2**62-byte file beside a sparse 3 GiB record (verify)": Case(
         "sizes", lambda d: ["verify", str(_forged_sizes(d))], says="problem(s) in 7 listed files", out="none"
+    ),
+    "TVM record of no element whose dims multiply past int64 (load)": Case(
+        "sizes",
+        lambda d: [
+            "-c",
+            "import sys, shardload\ntry:\n"
+            f"    shardload.load_rank({str(_tvm_no_element(d))!r}, 0, 1)\n"
+            "except shardload.ShardloadError as err:\n    sys.exit(f'error: {err}')",
+        ],
+        says="is too large",
     ),
     "TVM record with a list as its dtype": Case(
         "messages", lambda d: ["inspect", str(_tvm_aliases(d, 1, ["float32"]))], says="dtype"

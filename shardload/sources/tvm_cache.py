@@ -28,6 +28,7 @@ from ..format import input_log
 from .checkpoint import Checkpoint, check_disjoint, read_json, resolve_inside
 from .dtypes import DTYPES, itemsize
 from .formats import SourceFormat, register_source
+from .safetensors_header import MAX_SPAN
 from .tensor_info import TensorInfo
 
 CACHE_NAMES = ("tensor-cache.json", "ndarray-cache.json")
@@ -119,6 +120,8 @@ def _record(record: Any, file: Path, file_nbytes: int, table: Path, where: str) 
     shape = record.get("shape")
     if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape) or len(shape) > 64:
         raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
+    if prod(max(d, 1) for d in shape) > MAX_SPAN:  # strides past int64, even for a record of no element
+        raise bad(f"shape {short_repr(shape)} is too large (its nonzero dims multiply to more than 2**62)")
     dtype = record.get("dtype")
     dtype = _TVM_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, str) or dtype not in DTYPES:
