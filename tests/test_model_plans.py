@@ -442,3 +442,39 @@ def test_head_counts_under_other_config_names_bound_n(tmp_path: Path) -> None:
     assert generate(tmp_path / "gptj").supported == [1, 2, 4]
     with pytest.raises(shardload.ShardloadError):
         shardload.load_rank(tmp_path / "gptj", 0, 8)
+
+
+def test_latent_attention_projections_are_split_by_whole_heads(tmp_path: Path) -> None:
+    """DeepSeek's q_proj, q_b_proj, kv_b_proj (heads x rows each) and o_proj (heads x v_head_dim inputs) were plain
+    column and row splits: with 4 heads, N=8 loaded with rank 0 holding half a head of each. They are split by whole
+    heads now, so N must divide the head count; N=2 and 4 give a plain split's bytes."""
+    from safetensors.torch import save_file
+
+    from shardload.models.generated import generate
+
+    hidden, heads, nope, rope, v, lora = 64, 4, 16, 8, 16, 32
+    config = {"model_type": "deepseek_v2", "hidden_size": hidden, "num_attention_heads": heads,
+              "num_key_value_heads": heads, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": v,
+              "kv_lora_rank": lora, "q_lora_rank": None, "num_hidden_layers": 1, "intermediate_size": 128,
+              "vocab_size": 256}  # fmt: skip
+    model = tmp_path / "deepseek"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(0)
+    prefix = "model.layers.0.self_attn."
+    tensors = {
+        prefix + "q_proj.weight": torch.randn(heads * (nope + rope), hidden, generator=g),
+        prefix + "kv_a_proj_with_mqa.weight": torch.randn(lora + rope, hidden, generator=g),
+        prefix + "kv_b_proj.weight": torch.randn(heads * (nope + v), lora, generator=g),
+        prefix + "o_proj.weight": torch.randn(hidden, heads * v, generator=g),
+    }
+    save_file(tensors, str(model / "model.safetensors"))
+    assert generate(model).supported == [1, 2, 4]
+    for n in (2, 4):
+        for rank in range(n):
+            got = shardload.load_rank(model, rank, n)
+            for name in ("q_proj", "kv_b_proj"):
+                assert torch.equal(got[prefix + name + ".weight"], tensors[prefix + name + ".weight"].chunk(n)[rank])
+            assert torch.equal(got[prefix + "o_proj.weight"], tensors[prefix + "o_proj.weight"].chunk(n, 1)[rank])
+    with pytest.raises(shardload.ShardloadError, match="4 is not divisible by num_shards=8, so a head would be cut"):
+        shardload.load_rank(model, 0, 8)

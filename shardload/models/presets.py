@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import PlanError
 from .families import family_for, model_types
 from .placement import Placement, TensorHeader
-from .splits import ModelDims, all_replicated, attention_placement, packed_halves, shape_error
+from .splits import ModelDims, all_replicated, attention_placement, head_units, packed_halves, shape_error
 
 __all__ = ["gguf_names", "preset_placements", "role_placement"]
 
@@ -74,6 +74,11 @@ def role_placement(
         return Placement(name, "column", 0, rule=rule)
     if role == "row":
         return Placement(name, "replicated", rule=rule) if bias else Placement(name, "row", 1, rule=rule)
+    if role in ("heads_column", "heads_row"):  # num_attention_heads blocks of any size (latent attention's)
+        if bias and role == "heads_row":
+            return Placement(name, "replicated", rule=rule)
+        style, dim = ("column", 0) if role == "heads_column" else ("row", 1)
+        return head_units(name, style, dim, shape or (), dims.num_heads, rule) or Placement(name, style, dim, rule=rule)
     if role == "gate_up":
         return packed_halves(name, 0, shape, dims.intermediate_size, rule)
     if role in ("expert_column", "expert_row"):

@@ -7,10 +7,10 @@ from .llama import ROLES as LLAMA_ROLES
 
 ROLES: dict[str, str] = {
     **{k: v for k, v in LLAMA_ROLES.items() if not k.startswith(("self_attn.", "shared_expert."))},
-    "self_attn.q_proj": "column",  # no q LoRA (V2-Lite): heads x (nope + rope) rows, whole heads per rank
-    "self_attn.q_b_proj": "column",
-    "self_attn.kv_b_proj": "column",  # heads x (nope + v) rows
-    "self_attn.o_proj": "row",
+    "self_attn.q_proj": "heads_column",  # no q LoRA (V2-Lite): heads x (nope + rope) rows, whole heads per rank
+    "self_attn.q_b_proj": "heads_column",
+    "self_attn.kv_b_proj": "heads_column",  # heads x (nope + v) rows
+    "self_attn.o_proj": "heads_row",  # heads x v_head_dim inputs
     "shared_experts.gate_proj": "column",
     "shared_experts.up_proj": "column",
     "shared_experts.down_proj": "row",

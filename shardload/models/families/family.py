@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from ...errors import PlanError
 
 ROLES = (
-    "vocab", "lm_head", "q", "k", "v", "qkv", "o", "column", "row", "gate_up",
+    "vocab", "lm_head", "q", "k", "v", "qkv", "o", "column", "row", "heads_column", "heads_row", "gate_up",
     "expert_column", "expert_row", "stacked_gate_up", "stacked_column", "stacked_row", "stacked_transposed_column",
 )  # fmt: skip
 """How a module with that role is split (:func:`shardload.models.presets.role_placement` gives each one meaning)."""
