@@ -649,3 +649,14 @@ def test_a_rank_local_g_idx_that_no_stored_index_gives_is_refused(
         f.write(struct.pack("<i", 10_000))
     with pytest.raises(ShardloadError, match=r"hold results of shard_funcs\.shard_group_index that no one stored"):
         shardload.load_rank(out, 0, 4)
+
+
+def test_an_output_inside_a_converted_source_is_refused(models: dict[str, Model], tmp_path: Path) -> None:
+    """Converting a converted directory again into a folder inside it was let through (a checkpoint, or a plain
+    convert to --layout vllm, refused it): the new output landed among the source's own files."""
+    source = _copy(models, tmp_path)
+    for args in (["-n", "4"], ["--mesh", "pp=2,tp=2"]):
+        out = source / "inner"
+        result = CliRunner().invoke(main, ["convert", str(source), "-o", str(out), *args])
+        assert result.exit_code == 1 and "lies inside the source directory" in result.output, result.output
+        assert not out.exists()

@@ -369,6 +369,7 @@ def write_shards(
         integrity_entry,
         publish_with_manifest,
         rank_files_manifest,
+        source_paths,
         stamp_sources,
         write_error,
     )
@@ -378,7 +379,7 @@ def write_shards(
     stages = source.plan(layout)
     files = sorted(set(source.files.values()) | {f for f in source.extra_files if f.name != MANIFEST_NAME})
     stamps = stamp_sources(files)
-    exists = check_output(out, [*files, *source.extra_files], overwrite=overwrite)
+    exists = check_output(out, source_paths(checkpoint.root, [*files, *source.extra_files]), overwrite=overwrite)
     durable = exists if fsync is None else fsync
     record = record_of(source)
     whole_plan = build_plan(source.shard_info, source.stored, layout.tp)  # the manifest's, and the caller's
