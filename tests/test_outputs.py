@@ -297,3 +297,53 @@ def test_verify_against_the_source(model: Path, tmp_path: Path) -> None:
     report = shardload.verify_dir(out, source=model)
     assert not report.ok and shardload.verify_dir(out).ok  # the output itself is intact
     json.dumps([p.message for p in report.problems])
+
+
+@pytest.mark.parametrize("command", ["example", "example-multi", "quantize"])
+def test_weights_written_by_safetensors_get_the_mode_a_file_gets(tmp_path: Path, command: str) -> None:
+    """safetensors creates its files 0600: the weights `example` and `quantize` wrote were unreadable to a server
+    running as another user, beside companions and convert's rank files of 0644 (under umask 022)."""
+    import os
+    import stat
+
+    from click.testing import CliRunner
+
+    from shardload.cli.main import main
+
+    old = os.umask(0o022)
+    try:
+        model = tmp_path / "model"
+        args = ["example", str(model)] + (["--multi-file"] if command == "example-multi" else [])
+        assert CliRunner().invoke(main, args).exit_code == 0
+        out = model
+        if command == "quantize":
+            out = tmp_path / "q"
+            result = CliRunner().invoke(main, ["quantize", str(model), "-o", str(out), "--scheme", "int8"])
+            assert result.exit_code == 0, result.output
+        weights = sorted(out.glob("*.safetensors"))
+        assert weights and all(stat.S_IMODE(w.stat().st_mode) == 0o644 for w in weights), [
+            (w.name, oct(w.stat().st_mode)) for w in weights
+        ]
+    finally:
+        os.umask(old)
+
+
+def test_example_over_its_file_size_limit_is_one_write_error(tmp_path: Path) -> None:
+    """`shardload example` past RLIMIT_FSIZE (a full disk alike) printed an internal-error line naming
+    safetensors' SafetensorError; convert and quantize print the write error."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+        "from shardload.cli.main import main\n"
+        f"sys.argv = ['shardload', 'example', {str(tmp_path / 'm')!r}]\n"
+        "main()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "cannot write" in line and "internal error" not in line, line
+    assert not (tmp_path / "m").exists()

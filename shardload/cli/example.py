@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.output import StagingDir, check_output, write_error
+from ..engine.writer import save_safetensors
 from ..sources.checkpoint import as_path
 
 EXAMPLE_CONFIG: dict[str, Any] = {
@@ -127,13 +128,15 @@ def _write_files(out: Path, tensors: dict[str, Any], multi_file: bool) -> None:
     (out / "shard_info.json").write_text(json.dumps(example_shard_info(), indent=2) + "\n")
     meta = {"format": "pt"}
     if not multi_file:
-        save_file(tensors, str(out / "model.safetensors"), metadata=meta)
+        path = out / "model.safetensors"
+        save_safetensors(lambda: save_file(tensors, str(path), metadata=meta), path)
         return
     names = list(tensors)
     halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
     weight_map = {}
     for file_name, part in halves.items():
-        save_file({k: tensors[k] for k in part}, str(out / file_name), metadata=meta)
+        path = out / file_name
+        save_safetensors(lambda: save_file({k: tensors[k] for k in part}, str(path), metadata=meta), path)  # noqa: B023
         weight_map.update(dict.fromkeys(part, file_name))
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

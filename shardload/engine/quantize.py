@@ -11,10 +11,8 @@ any N the group sizes allow.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +36,7 @@ from .output import (
     stamp_sources,
     write_error,
 )
+from .writer import save_safetensors
 
 if TYPE_CHECKING:
     import torch
@@ -346,18 +345,11 @@ def _read_config(root: Path) -> dict[str, Any]:
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Write ``tensors`` as safetensors at ``path``; a failed write is an OSError (safetensors raises its own
-    SafetensorError, naming the OS error's number in its text)."""
+    """Write ``tensors`` as safetensors at ``path``; a failed write is an OSError."""
     import safetensors.torch
-    from safetensors import SafetensorError
 
-    try:
-        safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
-                                    metadata={"format": "pt"})  # fmt: skip
-    except SafetensorError as err:
-        found = re.search(r"os error (\d+)", str(err))
-        code = int(found.group(1)) if found else errno.EIO
-        raise OSError(code, os.strerror(code), str(path)) from None
+    contiguous = {k: v.contiguous() for k, v in tensors.items()}
+    save_safetensors(lambda: safetensors.torch.save_file(contiguous, str(path), metadata={"format": "pt"}), path)
 
 
 def _check_free(name: str, origin: str, stored: dict[str, Any], file: str) -> None:

@@ -108,6 +108,35 @@ def fsync_tree(path: Path) -> None:
     fsync_dir(path)
 
 
+def save_safetensors(save: Callable[[], None], path: Path) -> None:
+    """Run ``save`` (a safetensors ``save_file`` of ``path``): its failure as an OSError (safetensors raises its own
+    SafetensorError, naming the OS error's number in its text), and the file given the mode a plain ``open`` gives
+    (safetensors creates it 0600, unreadable to a server running as another user)."""
+    import errno
+    import re
+
+    from safetensors import SafetensorError
+
+    try:
+        save()
+    except SafetensorError as err:
+        found = re.search(r"os error (\d+)", str(err))
+        code = int(found.group(1)) if found else errno.EIO
+        raise OSError(code, os.strerror(code), str(path)) from None
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask (from /proc, which reads it without setting it; 0o022 where that cannot be read)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def new_conversion() -> str:
     """A fresh id for one convert run, written in its manifest and in every rank file's metadata."""
     import secrets
