@@ -252,6 +252,28 @@ def test_sigterm_and_sighup_clean_up(
     assert signal.getsignal(signum) == before, "the previous handler is restored"
 
 
+@pytest.mark.parametrize("command", ["convert", "quantize"])
+def test_a_signal_after_the_output_is_in_place_says_it_is_complete(
+    command: str, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop signal that came after OUT was put in place (while the table or the plan hint was printed) said 'OUT
+    was not written (the partial output was removed)', of a complete output that verifies."""
+    from shardload.engine import output
+
+    real = output.StagingDir.publish
+
+    def publish_then_stop(self: output.StagingDir) -> None:
+        real(self)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(output.StagingDir, "publish", publish_then_stop)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, WRITERS[command](model, out))
+    said = f"terminated by SIGTERM: {out} was written and is complete (stopped after it was put in place)\n"
+    assert result.exit_code == 143 and result.stderr == said, result.stderr
+    assert (out / "model.safetensors").exists() if command == "quantize" else shardload.verify_dir(out).ok
+
+
 def test_a_source_that_changes_while_read_is_not_published(model: Path, tmp_path: Path) -> None:
     weights = model / "model.safetensors"
 

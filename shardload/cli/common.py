@@ -137,6 +137,13 @@ def written(out: Any) -> None:
     _WRITTEN.append(out)
 
 
+def _forget_published() -> None:
+    """Start a command with no output recorded as put in place (the engine records each it publishes)."""
+    from ..engine.output import published
+
+    published.clear()
+
+
 def _terminate(signum: int, frame: Any) -> None:
     raise _Terminated(signum)
 
@@ -154,6 +161,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
                 previous[signum] = signal.signal(signum, _terminate)
         as_json = bool(kwargs.get("as_json"))
         _WRITTEN.clear()
+        _forget_published()
         try:
             return fn(*args, **kwargs)
         except ShardloadError as err:
@@ -211,9 +219,14 @@ def _stop(message: str, code: int, as_json: bool, kind: str, prefix: str = "") -
 
 def _stopped(what: str, out_dir: Path | None) -> str:
     """The line a command stopped by a signal prints: what stopped it and, for one that writes a directory, which
-    (its staging directory is removed on the way out; an existing OUT stays as it was)."""
+    (its staging directory is removed on the way out; an existing OUT stays as it was), or that OUT was already in
+    place and is complete."""
+    from ..engine.output import published
+
     if out_dir is None:
         return what
+    if any(Path(p).absolute() == Path(out_dir).absolute() for p in published):
+        return printable(f"{what}: {out_dir} was written and is complete (stopped after it was put in place)")
     return printable(f"{what}: {out_dir} was not written (the partial output was removed)")
 
 

@@ -306,6 +306,7 @@ class StagingDir:
             remove(trash)
         else:
             os.replace(self.dir, self.out)
+        published.append(self.out)
         if flush:
             fsync_dir(self.out.parent)
         for old in self.left_aside:
@@ -341,6 +342,11 @@ def rank_files_manifest(
 def integrity_entry(record: WrittenFile) -> dict[str, str]:
     """A manifest's ``integrity``: the output's record and its sha256 (the root a verified load can pin)."""
     return {"record": record.path, "root": record.sha256}
+
+
+published: list[Path] = []
+"""Outputs this process has put in place, newest last: a command stopped after its output was in place says so
+(the command line clears it when a command starts)."""
 
 
 INDENTED_MANIFEST_BYTES = 1 << 20
