@@ -478,3 +478,41 @@ def test_latent_attention_projections_are_split_by_whole_heads(tmp_path: Path) -
             assert torch.equal(got[prefix + "o_proj.weight"], tensors[prefix + "o_proj.weight"].chunk(n, 1)[rank])
     with pytest.raises(shardload.ShardloadError, match="4 is not divisible by num_shards=8, so a head would be cut"):
         shardload.load_rank(model, 0, 8)
+
+
+@pytest.mark.parametrize("layout", ["gptq-marlin", "sparse-24-bitmask"])
+def test_a_split_module_stored_in_a_layout_no_rule_knows_is_refused(tmp_path: Path, layout: str) -> None:
+    """A module the preset splits, stored under names no layout knows (GPTQ's marlin repacking ``P.B``/``P.s``;
+    compressed-tensors' 2:4 sparse ``P.weight.compressed``/``.bitmask``): its tensors matched no rule and were
+    copied whole to every rank, beside split embeddings, a state dict that is no tensor-parallel split, and the
+    plan claimed N up to 64."""
+    from safetensors.torch import save_file
+
+    hidden, heads, kv, head_dim, inter, vocab = 128, 4, 2, 32, 256, 256
+    config = {"model_type": "llama", "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv,
+              "head_dim": head_dim, "intermediate_size": inter, "num_hidden_layers": 1, "vocab_size": vocab,
+              "tie_word_embeddings": False}  # fmt: skip
+    modules = {"self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv * head_dim, hidden),
+               "self_attn.v_proj": (kv * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
+               "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}  # fmt: skip
+
+    def stored(rows: int, cols: int) -> dict[str, torch.Tensor]:
+        if layout == "gptq-marlin":
+            return {"B": torch.zeros(cols // 16, rows * 2, dtype=torch.int32),
+                    "s": torch.zeros(cols // 128, rows, dtype=torch.float16)}  # fmt: skip
+        return {"weight.compressed": torch.zeros(rows, cols // 2, dtype=torch.bfloat16),
+                "weight.bitmask": torch.zeros(rows, cols // 8, dtype=torch.uint8),
+                "weight.shape": torch.tensor([rows, cols]), "weight.row_offsets": torch.zeros(rows, dtype=torch.int32)}  # fmt: skip
+
+    quant = ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}
+             if layout == "gptq-marlin" else
+             {"quant_method": "compressed-tensors", "format": "sparse-24-bitmask", "config_groups": {}})  # fmt: skip
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    tensors = {f"model.layers.0.{m}.{k}": v for m, shape in modules.items() for k, v in stored(*shape).items()}
+    tensors |= {"model.embed_tokens.weight": torch.zeros(vocab, hidden), "lm_head.weight": torch.zeros(vocab, hidden)}
+    save_file(tensors, str(model / "model.safetensors"))
+    with pytest.raises(shardload.ShardloadError, match="in a layout no rule knows") as err:
+        shardload.load_rank(model, 0, 2)
+    assert "\n" not in str(err.value) and "model.layers.0.mlp.down_proj" in str(err.value)

@@ -67,6 +67,9 @@ _KNOWN = (
     "weight_g_idx", "weight_global_scale", "input_scale", "input_global_scale", "input_zero_point",
     "output_scale", "qweight", "qzeros", "scales", "g_idx", "q_weight", "q_scale",
 )  # fmt: skip
+MODULE_SUFFIXES = _KNOWN
+"""The stored tensors a module's weight may be made of (a dense weight; a quantized one's parts, scales and
+indices): a tensor under a split module named otherwise is in a layout no rule knows."""
 _ACT_ORDER_VALUES = (True, "group", "dynamic", "static")
 
 
