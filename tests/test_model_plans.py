@@ -492,17 +492,22 @@ def test_a_split_module_stored_in_a_layout_no_rule_knows_is_refused(tmp_path: Pa
     config = {"model_type": "llama", "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv,
               "head_dim": head_dim, "intermediate_size": inter, "num_hidden_layers": 1, "vocab_size": vocab,
               "tie_word_embeddings": False}  # fmt: skip
-    modules = {"self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv * head_dim, hidden),
-               "self_attn.v_proj": (kv * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
-               "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}  # fmt: skip
+    modules = {
+        "self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv * head_dim, hidden),
+        "self_attn.v_proj": (kv * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
+        "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter),
+    }  # fmt: skip
 
     def stored(rows: int, cols: int) -> dict[str, torch.Tensor]:
         if layout == "gptq-marlin":
             return {"B": torch.zeros(cols // 16, rows * 2, dtype=torch.int32),
                     "s": torch.zeros(cols // 128, rows, dtype=torch.float16)}  # fmt: skip
-        return {"weight.compressed": torch.zeros(rows, cols // 2, dtype=torch.bfloat16),
-                "weight.bitmask": torch.zeros(rows, cols // 8, dtype=torch.uint8),
-                "weight.shape": torch.tensor([rows, cols]), "weight.row_offsets": torch.zeros(rows, dtype=torch.int32)}  # fmt: skip
+        return {
+            "weight.compressed": torch.zeros(rows, cols // 2, dtype=torch.bfloat16),
+            "weight.bitmask": torch.zeros(rows, cols // 8, dtype=torch.uint8),
+            "weight.shape": torch.tensor([rows, cols]),
+            "weight.row_offsets": torch.zeros(rows, dtype=torch.int32),
+        }
 
     quant = ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}
              if layout == "gptq-marlin" else

@@ -274,6 +274,42 @@ def test_a_signal_after_the_output_is_in_place_says_it_is_complete(
     assert (out / "model.safetensors").exists() if command == "quantize" else shardload.verify_dir(out).ok
 
 
+def test_a_signal_while_the_old_output_is_removed_says_the_new_one_is_complete(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --overwrite the old output's tree is removed after the new one is in place (seconds for a large model);
+    a signal then said the new output 'was not written'."""
+    from shardload.engine import output
+
+    out = tmp_path / "out"
+    assert CliRunner().invoke(main, WRITERS["convert"](model, out)).exit_code == 0
+    real = output.remove
+
+    def remove_then_stop(path: Path) -> None:
+        real(path)
+        if path.name.endswith(".old"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(output, "remove", remove_then_stop)
+    result = CliRunner().invoke(main, [*WRITERS["convert"](model, out), "--overwrite"])
+    assert result.exit_code == 143 and "was written and is complete" in result.stderr, result.stderr
+    assert shardload.verify_dir(out).ok
+
+
+def test_weights_on_a_file_system_without_modes_are_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system without modes (vfat, exfat) refuses chmod: the weights, written whole, were a write error."""
+    import errno
+
+    from shardload.engine import writer
+
+    def refused(path: object, mode: int) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+
+    monkeypatch.setattr(writer.os, "chmod", refused)
+    assert CliRunner().invoke(main, ["example", str(tmp_path / "m")]).exit_code == 0
+    assert shardload.load_rank(tmp_path / "m", 0, 2)
+
+
 def test_a_source_that_changes_while_read_is_not_published(model: Path, tmp_path: Path) -> None:
     weights = model / "model.safetensors"
 

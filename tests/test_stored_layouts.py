@@ -448,7 +448,7 @@ def test_gguf_types_whose_rows_are_interleaved_are_refused_whatever_gguf_knows(
     """llama.cpp's repacked ARM types (Q4_0_4_4 and kin, GGML types 31-33 and 36-38) store the blocks of 4 or 8
     rows interleaved. gguf 0.10 to 0.13 list them with Q4_0's block size, and shardload took them as plain row
     blocks: a row-parallel split loaded other values without a word. Only types whose data is whole rows of blocks
-    one after another are read, by type id, whatever the installed gguf lists."""
+    one after another are read: the repacked ones are refused by type id, whatever the installed gguf lists."""
     import enum
 
     import gguf.constants
@@ -456,15 +456,18 @@ def test_gguf_types_whose_rows_are_interleaved_are_refused_whatever_gguf_knows(
     from shardload.errors import CheckpointError
     from shardload.sources import gguf as gguf_source
 
-    class OldTypes(enum.IntEnum):  # what an older gguf package lists
+    class OldTypes(enum.IntEnum):  # what an older gguf package lists, and a newer type of whole-row blocks
         Q4_0 = 2
         Q4_0_4_4 = 31
+        NVFP4 = 40
 
+    sizes = {OldTypes.Q4_0: (32, 18), OldTypes.Q4_0_4_4: (32, 18), OldTypes.NVFP4: (64, 36)}
     monkeypatch.setattr(gguf.constants, "GGMLQuantizationType", OldTypes)
-    monkeypatch.setattr(gguf.constants, "GGML_QUANT_SIZES", {OldTypes.Q4_0: (32, 18), OldTypes.Q4_0_4_4: (32, 18)})
-    plain = gguf_source._Entry("blk.0.ffn_down.weight", (64, 16), 2, 0)
-    info, _ = gguf_source._tensor_info(tmp_path / "m.gguf", 1 << 20, 0, plain)
-    assert info.shape == (16, 2, 18)
+    monkeypatch.setattr(gguf.constants, "GGML_QUANT_SIZES", sizes)
+    for kind, shape in ((2, (16, 2, 18)), (40, (16, 1, 36))):
+        plain = gguf_source._Entry("blk.0.ffn_down.weight", (64, 16), kind, 0)
+        info, _ = gguf_source._tensor_info(tmp_path / "m.gguf", 1 << 20, 0, plain)
+        assert info.shape == shape
     with pytest.raises(CheckpointError, match=r"type 31 is not one shardload splits: .*rows interleaved") as err:
         gguf_source._tensor_info(tmp_path / "m.gguf", 1 << 20, 0, gguf_source._Entry("blk.0.ffn_down.weight",
                                                                                      (64, 16), 31, 0))  # fmt: skip

@@ -303,10 +303,11 @@ class StagingDir:
             except BaseException:
                 os.replace(trash, self.out)
                 raise
-            remove(trash)
+            published.append(self.out)
+            remove(trash)  # the old output's tree: seconds for a large one, the new one already in place
         else:
             os.replace(self.dir, self.out)
-        published.append(self.out)
+            published.append(self.out)
         if flush:
             fsync_dir(self.out.parent)
         for old in self.left_aside:

@@ -14,6 +14,7 @@ of the model (compute-step parameters are held whole, once, while written).
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -112,7 +113,6 @@ def save_safetensors(save: Callable[[], None], path: Path) -> None:
     """Run ``save`` (a safetensors ``save_file`` of ``path``): its failure as an OSError (safetensors raises its own
     SafetensorError, naming the OS error's number in its text), and the file given the mode a plain ``open`` gives
     (safetensors creates it 0600, unreadable to a server running as another user)."""
-    import errno
     import re
 
     from safetensors import SafetensorError
@@ -123,7 +123,11 @@ def save_safetensors(save: Callable[[], None], path: Path) -> None:
         found = re.search(r"os error (\d+)", str(err))
         code = int(found.group(1)) if found else errno.EIO
         raise OSError(code, os.strerror(code), str(path)) from None
-    os.chmod(path, 0o666 & ~_umask())
+    try:
+        os.chmod(path, 0o666 & ~_umask())
+    except OSError as err:  # a file system without modes (vfat, exfat) refuses it: the file is written all the same
+        if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EROFS):
+            raise
 
 
 def _umask() -> int:

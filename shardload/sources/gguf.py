@@ -35,11 +35,11 @@ _PLAIN = {
 }  # fmt: skip
 
 
-ROW_BLOCK_TYPES = frozenset({*range(0, 31), 34, 35, 39})
-"""GGML type ids whose data is a tensor's rows one after another, each whole blocks (F32 to BF16, the K and IQ
-quants, TQ1_0, TQ2_0, MXFP4): the only ones read. llama.cpp's repacked types (Q4_0_4_4, Q4_0_4_8, Q4_0_8_8 and
-IQ4_NL_4_4 to _8_8: 31-33, 36-38) interleave the blocks of several rows, so a row or column split of them is
-not one of the tensor; an older gguf package lists them with Q4_0's sizes."""
+REPACKED_TYPES = frozenset({31, 32, 33, 36, 37, 38})
+"""GGML type ids of llama.cpp's repacked types (Q4_0_4_4, Q4_0_4_8, Q4_0_8_8, IQ4_NL_4_4, IQ4_NL_4_8, IQ4_NL_8_8),
+refused by id: they interleave the blocks of several rows, so a row or column split of them is not one of the
+tensor, and an older gguf package lists them with Q4_0's sizes. Every other type the installed gguf knows is
+read as rows of whole blocks."""
 
 # config.json key -> GGUF metadata key after the "{architecture}." prefix
 _CONFIG_KEYS = {
@@ -190,7 +190,7 @@ def _tensor_info(path: Path, size: int, data_start: int, t: _Entry) -> tuple[Ten
         ) from None
 
     where = {"file": str(path), "param": t.name}
-    if t.kind not in ROW_BLOCK_TYPES:
+    if t.kind in REPACKED_TYPES:
         raise CheckpointError(f"tensor type {t.kind} is not one shardload splits: its data is not whole rows of blocks "
                               "one after another (llama.cpp's repacked types store several rows interleaved); "
                               "requantize or convert the model to a plain type", **where)  # fmt: skip
