@@ -29,10 +29,9 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from ..errors import PlanError
 from ..format.hash_record import RECORD_NAME, FileHashes, root_of
 from ..sources.dtypes import DTYPES, itemsize, to_torch
-from ..sources.manifest import SEAL_KEY, seal
+from ..sources.manifest import add_seal
 from ..sources.reader import RunReader, buffer_view, libc_function
 from ..sources.safetensors_header import MAX_HEADER_BYTES
-from ..sources.tensor_info import TensorInfo
 from .host_group import host_cores
 from .integrity import wrapped
 from .leaf_stream import LeafStream, streamed_record
@@ -168,17 +167,15 @@ def rank_header(
         meta["shardload.conversion"] = conversion
     header: dict[str, Any] = {"__metadata__": meta}
     offset = 0
-    table = []
     for p in file_order(plan):
         header[p.name] = {
             "dtype": DTYPES[p.dtype][0],
             "shape": list(p.shape),
             "data_offsets": [offset, offset + p.rank_nbytes],
         }
-        table.append(TensorInfo(p.name, p.dtype, tuple(p.shape), Path(), offset, p.rank_nbytes))
         offset += p.rank_nbytes
     if digest is not None:
-        meta[SEAL_KEY] = seal(digest, table)
+        add_seal(header, digest)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     if len(raw) > MAX_HEADER_BYTES:  # a file the loader would refuse is never written

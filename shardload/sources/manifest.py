@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import CheckpointError, printable, short_repr
 from ..format.hash_record import RECORD_NAME
 from ..format.shard_info import MAX_RANKS
+from .dtypes import FROM_SAFETENSORS
 from .tensor_info import TensorInfo
 
 MANIFEST_NAME = "shard_manifest.json"
@@ -195,6 +196,18 @@ def digest_to_write(manifest: dict[str, Any]) -> str:
     as a reader will parse it."""
     manifest[SEALED] = True
     return manifest_digest(json.loads(json.dumps(manifest)))
+
+
+def add_seal(header: dict[str, Any], digest: str) -> None:
+    """Put the seal of a rank file's ``header`` (a safetensors header about to be written: ``__metadata__`` and
+    tensor entries) in its metadata, for the manifest whose :func:`manifest_digest` is ``digest``."""
+    table = []
+    for name, entry in header.items():
+        if name != "__metadata__":
+            begin, end = entry["data_offsets"]
+            table.append(TensorInfo(name, FROM_SAFETENSORS[entry["dtype"]], tuple(entry["shape"]), Path(), begin,
+                                    end - begin))  # fmt: skip
+    header["__metadata__"][SEAL_KEY] = seal(digest, table)
 
 
 def seal(digest: str, tensors: Iterable[TensorInfo]) -> str:

@@ -9,7 +9,6 @@ import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from ...errors import ShardloadError
@@ -18,8 +17,7 @@ from ...models.plan_source import plan_shard_info
 from ...planning.plan import ModelPlan, build_plan
 from ...sources.checkpoint import Checkpoint, read_config
 from ...sources.dtypes import DTYPES, itemsize
-from ...sources.manifest import SEAL_KEY, seal
-from ...sources.tensor_info import TensorInfo
+from ...sources.manifest import add_seal
 from ...version import __version__
 from .families import VllmNames, vllm_names, vllm_packing
 from .names import SHAPE_SUFFIX, SKIPPED_SUFFIXES, STACKED_EXPERTS, Target, is_vocab, vllm_target, vocab_range
@@ -90,17 +88,15 @@ class VllmLayout:
             meta["shardload.conversion"] = conversion
         header: dict[str, Any] = {"__metadata__": meta}
         offset = 0
-        table = []
         for t in self.tensors:
             size = itemsize(t.dtype)
             for n in t.shape:
                 size *= n
             span = [offset, offset + size]
             header[t.name] = {"dtype": DTYPES[t.dtype][0], "shape": list(t.shape), "data_offsets": span}
-            table.append(TensorInfo(t.name, t.dtype, tuple(t.shape), Path(), offset, size))
             offset += size
         if digest is not None:
-            meta[SEAL_KEY] = seal(digest, table)
+            add_seal(header, digest)
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
         return struct.pack("<Q", len(text)) + text
@@ -121,7 +117,8 @@ def plan_layout(
     # a config that ties a model's lm_head to its embeddings over a checkpoint that stores one: vLLM unties them and
     # loads that head (ModelConfig.maybe_untie_word_embeddings), so its state holds both
     own_head = names.tied_head and any(n.endswith("lm_head.weight") for n in checkpoint.tensors)
-    tied = config.get("tie_word_embeddings") is True and not own_head
+    ties = config.get("tie_word_embeddings") is True
+    tied = ties and not own_head
     info, source = plan_shard_info(checkpoint, shard_info)
     skipped = (*SKIPPED_SUFFIXES, ".g_idx") if quantized == "gptq" else SKIPPED_SUFFIXES  # no act-order: vLLM has none
     stored = [n for n in checkpoint.tensors if not n.endswith(skipped)]
@@ -218,8 +215,7 @@ def plan_layout(
             for kind in ("k", "v", "q"):
                 tensors.append(VllmTensor(f"{module}.{kind}_scale", (), (1,), "float32", constant=1.0))
                 tensors.append(VllmTensor(f"{module}.{kind}_zero_point", (), (1,), "float32", constant=0.0))
-    untied = config.get("tie_word_embeddings") is True and own_head
-    return VllmLayout(tensors, plan, vocab_plan, source, info, untied=untied)
+    return VllmLayout(tensors, plan, vocab_plan, source, info, untied=ties and own_head)
 
 
 def _fused(vname: str, parts: list[str], plan: ModelPlan, dim: int, where: str) -> VllmTensor:
