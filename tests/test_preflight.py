@@ -385,9 +385,9 @@ def test_a_hub_answer_that_trickles_is_cut_off(monkeypatch: pytest.MonkeyPatch) 
     import time
 
     from shardload.errors import CheckpointError
-    from shardload.sources import hub_remote
+    from shardload.sources import deadlines, hub_remote
 
-    monkeypatch.setattr(hub_remote, "RATE_GRACE", 0.2)
+    monkeypatch.setattr(deadlines, "RATE_GRACE", 0.2)
 
     class Answer:
         def __init__(self) -> None:

@@ -14,9 +14,9 @@ from typing import Any
 from ..errors import ShardloadError
 from ..format import input_log
 from ..format.hash_record import HASH_BYTES, FileHashes, HashRecord, RecordError, root_of
-from ..sources.checkpoint import open_checkpoint
+from ..sources.manifest import MANIFEST_NAME
 from ..sources.objects import ObjectPath
-from ..sources.source_types import open_source
+from ..sources.source_types import SavedBoxes, open_source
 from ..sources.verified import IntegrityError
 from .hashing import file_name, file_size, leaf_tables, metadata_files, record_path, tensors_by_file_of
 from .integrity import load_record, names_in
@@ -60,8 +60,9 @@ def verify_source(
         for problem in report.problems:
             print(problem)
     """
-    refuse_vllm_save(model)
-    source = open_source(open_checkpoint(model), where=str(model))
+    source = open_source(model, where=str(model))  # a split format (vLLM's save) is told apart, not read as files
+    if isinstance(source, SavedBoxes):
+        raise _vllm_save_refusal(model)
     if source.derived:
         raise ShardloadError(f"is {source.what}: `shardload verify` checks it against its shard_manifest.json",
                              file=str(model))  # fmt: skip
@@ -115,9 +116,6 @@ def verify_source(
 def refuse_vllm_save(model: Any) -> None:
     """Raise one line when ``model`` is a directory vLLM's ``save_model`` wrote (rank files, no manifest): it holds
     no record of its bytes, and as a checkpoint its tensors would look stored twice."""
-    from ..sources.manifest import MANIFEST_NAME
-    from ..sources.source_types import SavedBoxes
-
     path = Path(model) if isinstance(model, (str, os.PathLike)) else None
     if path is None or not path.is_dir() or (path / MANIFEST_NAME).exists():
         return
@@ -126,9 +124,13 @@ def refuse_vllm_save(model: Any) -> None:
     except ShardloadError:  # not one that reads: the checks that follow say what it is
         return
     if saved:
-        raise ShardloadError(f"is vLLM's own sharded_state (save_model wrote it, with no {MANIFEST_NAME}): it holds "
-                             "no record of its bytes to verify; `shardload convert` reads it, and its --layout vllm "
-                             "output can be verified", file=str(model))  # fmt: skip
+        raise _vllm_save_refusal(model)
+
+
+def _vllm_save_refusal(model: Any) -> ShardloadError:
+    return ShardloadError(f"is vLLM's own sharded_state (save_model wrote it, with no {MANIFEST_NAME}): it holds no "
+                          "record of its bytes to verify; `shardload convert` reads it, and its --layout vllm output "
+                          "can be verified", file=str(model))  # fmt: skip
 
 
 def _read(path: Any) -> bytes:

@@ -42,7 +42,7 @@ from .checkpoint import (
     _open_index,
     read_json,
 )
-from .deadlines import MIN_RATE_ENV, RATE_GRACE, request_limits
+from .deadlines import MIN_RATE_ENV, request_limits
 from .location import hub_refusal, split_hub_id
 from .manifest import MANIFEST_NAME, RANK_FILE_RE
 from .safetensors_header import MAX_HEADER_BYTES, _check_size, _header_length, _parse_header
@@ -260,7 +260,7 @@ def _body(response: Any, url: str, limit: int, span: tuple[int, int] | None, chu
         raise CheckpointError(f"the Hub answered HTTP {response.status_code}", file=url)
     body = bytearray()
     limits = request_limits()  # the object stores' deadline and minimum rate: a trickled answer cannot hold a read
-    began, allowed = time.monotonic(), min(limits.deadline, RATE_GRACE + limit / limits.min_rate)
+    began, allowed = time.monotonic(), limits.attempt_seconds(limit, limits.deadline)
     for chunk in chunks():
         body += chunk
         if time.monotonic() - began > allowed:

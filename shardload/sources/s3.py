@@ -155,8 +155,7 @@ class S3Store(ObjectStore):
                         if missing_ok and isinstance(err, ClientError) and _status(err) == 404:
                             return None
                         raise self._fail(err, key) from None
-            pause = random.random() * min(5.0, STREAM_BACKOFF * 2**attempt)
-            time.sleep(max(0.0, min(pause, began + limits.deadline - time.monotonic())))
+            _back_off(attempt, began, limits)
         if time.monotonic() >= began + limits.deadline:
             raise _too_slow(self._where(key), "", limits, began)
         raise CheckpointError(f"{_slow_reason(limits)}, {STREAM_ATTEMPTS} times", file=self._where(key))
@@ -272,8 +271,7 @@ class S3Store(ObjectStore):
                     if time.monotonic() >= began + limits.deadline:
                         raise _too_slow(where, span, limits, began)
                     problem = _slow_reason(limits)
-            pause = random.random() * min(5.0, STREAM_BACKOFF * 2**attempt)
-            time.sleep(max(0.0, min(pause, began + limits.deadline - time.monotonic())))
+            _back_off(attempt, began, limits)
         raise CheckpointError(f"{span}{problem}, {STREAM_ATTEMPTS} times", file=where)
 
     def close(self) -> None:
@@ -292,6 +290,13 @@ class RegionlessRedirect(Exception):
         self.status = status
         self.code = code
         self.name = f" {code}" if code and code != str(status) else ""
+
+
+def _back_off(attempt: int, began: float, limits: RequestLimits) -> None:
+    """Wait before attempt ``attempt + 1`` of a request begun at ``began``: a random share of a backoff doubling
+    per attempt (at most 5 s), never past the request's deadline."""
+    pause = random.random() * min(5.0, STREAM_BACKOFF * 2**attempt)
+    time.sleep(max(0.0, min(pause, began + limits.deadline - time.monotonic())))
 
 
 def _status(err: Any) -> int | None:
