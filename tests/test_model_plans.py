@@ -480,18 +480,26 @@ def test_latent_attention_projections_are_split_by_whole_heads(tmp_path: Path) -
         shardload.load_rank(model, 0, 8)
 
 
+@pytest.mark.parametrize("style", ["preset", "hf"])
 @pytest.mark.parametrize("layout", ["gptq-marlin", "sparse-24-bitmask"])
-def test_a_split_module_stored_in_a_layout_no_rule_knows_is_refused(tmp_path: Path, layout: str) -> None:
-    """A module the preset splits, stored under names no layout knows (GPTQ's marlin repacking ``P.B``/``P.s``;
+def test_a_split_module_stored_in_a_layout_no_rule_knows_is_refused(tmp_path: Path, layout: str, style: str) -> None:
+    """A module the plan splits, stored under names no layout knows (GPTQ's marlin repacking ``P.B``/``P.s``;
     compressed-tensors' 2:4 sparse ``P.weight.compressed``/``.bitmask``): its tensors matched no rule and were
     copied whole to every rank, beside split embeddings, a state dict that is no tensor-parallel split, and the
-    plan claimed N up to 64."""
+    plan claimed N up to 64. Under a config's own ``base_model_tp_plan`` (transformers' rules) ``P.B`` was cut
+    as if it were the module's weight, the marlin tiles split mid-tile."""
     from safetensors.torch import save_file
 
     hidden, heads, kv, head_dim, inter, vocab = 128, 4, 2, 32, 256, 256
     config = {"model_type": "llama", "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv,
               "head_dim": head_dim, "intermediate_size": inter, "num_hidden_layers": 1, "vocab_size": vocab,
               "tie_word_embeddings": False}  # fmt: skip
+    if style == "hf":
+        config["base_model_tp_plan"] = {
+            "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+            "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+            "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise",
+        }  # fmt: skip
     modules = {
         "self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv * head_dim, hidden),
         "self_attn.v_proj": (kv * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),

@@ -27,6 +27,7 @@ from typing import Any
 from ..errors import PlanError
 from .placement import Placement, TensorHeader
 from .splits import ATTENTION_ROLES, ModelDims, all_replicated, attention_placement, head_units, packed_halves
+from .stored_layouts import refuse_unknown_part
 
 __all__ = [
     "STYLES",
@@ -351,12 +352,30 @@ def hf_placements(
         pattern, style = found
         used.add(pattern)
         placements[name] = _style_placement(style, pattern, name, tuple(info.shape), dims)
+    _refuse_unknown_parts(tensors, full)
     notes = [
         f"tp_plan entry {key!r} ({full[p]}) matched no tensor"
         for p, key in full_keys.items()
         if p not in used and key != "embed_tokens" and f"{p}.weight" not in plan.tied  # a tied head is not stored
     ]
     return placements, notes
+
+
+def _refuse_unknown_parts(tensors: Mapping[str, TensorHeader], plan: Mapping[str, str]) -> None:
+    """Raise for a matrix the plan does not name under a module it splits (see :func:`refuse_unknown_part`):
+    transformers' rule would cut marlin's ``P.B`` as if it were the module's weight."""
+    for name, info in tensors.items():
+        parts = generic_name(name).split(".")
+        if ".".join(parts) in plan:
+            continue
+        for cut in range(len(parts) - 1, 0, -1):
+            module = ".".join(parts[:cut])
+            style = plan.get(module)
+            if style is None:
+                continue
+            if STYLES.get(style, ("replicated",))[0] not in ("replicated", "expert"):
+                refuse_unknown_part(name, len(info.shape), module, ".".join(parts[cut:]), f"tp_plan {style!r}")
+            break
 
 
 _COLUMN_STYLES = ("colwise", "local_colwise")

@@ -13,7 +13,7 @@ from ..errors import PlanError
 from .families import family_for, model_types
 from .placement import Placement, TensorHeader
 from .splits import ModelDims, all_replicated, attention_placement, head_units, packed_halves, shape_error
-from .stored_layouts import MODULE_SUFFIXES
+from .stored_layouts import refuse_unknown_part
 
 __all__ = ["gguf_names", "preset_placements", "role_placement"]
 
@@ -145,27 +145,17 @@ def preset_placements(
 def _refuse_unknown_parts(
     tensors: Mapping[str, TensorHeader], placements: Mapping[str, Placement], starred: Mapping[str, str]
 ) -> None:
-    """Raise for a matrix under a module the preset splits that is none of the tensors a module's weight is made of
-    (``P.B`` of GPTQ's marlin repacking, ``P.weight.compressed`` of a 2:4 sparse layout): copied whole to every
-    rank it would be no part of a tensor-parallel split, and nothing else would say so."""
+    """Raise for a matrix no rule placed under a module the preset splits (see :func:`refuse_unknown_part`): copied
+    whole to every rank it would be no part of a tensor-parallel split, and nothing else would say so."""
     for name, info in tensors.items():
-        if placements[name].rule or len(info.shape) < 2:
+        if placements[name].rule:
             continue
         parts = name.split(".")
         for cut in range(len(parts) - 1, 0, -1):
             module = ".".join(parts[:cut])
-            if _match(module, starred) is None:
-                continue
-            rest = ".".join(parts[cut:])
-            if rest not in ("weight", "bias") and rest not in MODULE_SUFFIXES:
-                raise PlanError(
-                    f"a {len(info.shape)}-d tensor of {module}, which the preset splits, in a layout no rule knows "
-                    f"({rest!r} is not a weight, a bias or a known quantized part): every rank would get all of it; "
-                    "write a shard_info.json for this checkpoint, or convert it to a layout shardload knows "
-                    "(docs/quantized.md)",
-                    param=name,
-                )
-            break
+            if _match(module, starred) is not None:
+                refuse_unknown_part(name, len(info.shape), module, ".".join(parts[cut:]), "the preset")
+                break
 
 
 def gguf_names(tensors: Mapping[str, TensorHeader]) -> bool:

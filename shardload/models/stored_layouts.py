@@ -70,6 +70,22 @@ _KNOWN = (
 MODULE_SUFFIXES = _KNOWN
 """The stored tensors a module's weight may be made of (a dense weight; a quantized one's parts, scales and
 indices): a tensor under a split module named otherwise is in a layout no rule knows."""
+
+
+def refuse_unknown_part(name: str, ndim: int, module: str, rest: str, splitter: str) -> None:
+    """Raise for ``name`` (``module`` + ``rest``), a matrix under a module ``splitter`` splits that is none of the
+    tensors a module's weight is made of (marlin's ``P.B``, a 2:4 layout's ``P.weight.compressed``)."""
+    if ndim < 2 or rest in ("weight", "bias") or rest in MODULE_SUFFIXES:
+        return
+    raise PlanError(
+        f"a {ndim}-d tensor of {module}, which {splitter} splits, in a layout no rule knows ({rest!r} is not a "
+        "weight, a bias or a known quantized part): every rank would get all of it or a cut of it that is no split "
+        "of the module; write a shard_info.json for this checkpoint, or convert it to a layout shardload knows "
+        "(docs/quantized.md)",
+        param=name,
+    )
+
+
 _ACT_ORDER_VALUES = (True, "group", "dynamic", "static")
 
 
