@@ -743,6 +743,11 @@ def test_verify_a_model_in_object_storage(endpoint: S3, example_dir: Path, tmp_p
     assert done.exit_code == 0, done.output
     done = runner.invoke(main, ["verify", uri])
     assert done.exit_code == 0 and "no such file" not in done.output, done.output
+    outs = ((f"{uri}/copy.hashes", "verify-me/copy.hashes"), (f"s3://{BUCKET}/records/", "records/shardload.hashes"))
+    for out, key in outs:
+        done = runner.invoke(main, ["hash", uri, "-q", "-o", out])  # -o an object (it wrote a local ./s3:/ tree)
+        assert done.exit_code == 0 and not Path("s3:").exists(), done.output
+        assert endpoint.client().get_object(Bucket=BUCKET, Key=key)["Body"].read().startswith(b"SLHASH1\n")
     data = bytearray((example_dir / "model.safetensors").read_bytes())
     data[-1] ^= 0xFF
     endpoint.client().put_object(Bucket=BUCKET, Key="verify-me/model.safetensors", Body=bytes(data))

@@ -856,6 +856,25 @@ def test_hash_never_writes_its_record_over_another_file(example_dir: Path, tmp_p
         assert done.exit_code == 0 and record.read_bytes().startswith(b"SLHASH1\n"), done.output
 
 
+def test_hash_into_a_directory_that_does_not_exist_is_refused(example_dir: Path, tmp_path: Path) -> None:
+    """``shardload hash MODEL -o missing/`` (a directory meant, by its slash) wrote a file named ``missing`` and
+    exited 0; it is refused in one line, and an existing directory gets the record inside it."""
+    from click.testing import CliRunner
+
+    from shardload.cli.main import main
+
+    runner = CliRunner()
+    done = runner.invoke(main, ["hash", str(example_dir), "-o", f"{tmp_path / 'missing'}/", "-q"])
+    assert done.exit_code == 1 and not (tmp_path / "missing").exists(), done.output
+    (line,) = done.output.strip().splitlines()
+    assert "missing" in line and "no such directory" in line, line
+    with pytest.raises(shardload.ShardloadError, match="no such directory"):
+        hash_model(example_dir, f"{tmp_path / 'missing'}/")
+    (tmp_path / "there").mkdir()
+    done = runner.invoke(main, ["hash", str(example_dir), "-o", f"{tmp_path / 'there'}/", "-q"])
+    assert done.exit_code == 0 and (tmp_path / "there" / RECORD_NAME).is_file(), done.output
+
+
 def test_a_record_of_many_small_tensors_is_read_back_by_verify(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A record holds a leaf for each tensor however small: the size a reader allows it grows with the tensors, not
     only with the bytes, so ``hash`` never writes a record ``verify`` then refuses as over its limit (old code did

@@ -234,10 +234,10 @@ def _verify_source(model: Path | str, root: str | None, as_json: bool) -> None:
 
 @click.command(name="hash")
 @click.argument("model", type=MODEL)
-@click.option("-o", "--out", type=click.Path(path_type=Path), help="Write the record here (default: beside MODEL).")
+@click.option("-o", "--out", type=click.Path(), help="Write the record here (default: beside MODEL).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar; print only the root hash.")
 @_guarded
-def hash_command(model: Path, out: Path | None, quiet: bool) -> None:
+def hash_command(model: Path, out: str | None, quiet: bool) -> None:
     """Write MODEL's integrity record (shardload.hashes) and print its root hash, for load(verify=ROOT)."""
     from ..engine.hashing import hash_model
     from .report import human_bytes

@@ -31,6 +31,7 @@ from ..format.hash_record import (
 )
 from ..sources.checkpoint import CONFIG_NAME, INDEX_NAME, SHARD_INFO_NAME, Checkpoint, open_checkpoint
 from ..sources.dtypes import itemsize as itemsize_of
+from ..sources.location import is_uri, object_path
 from ..sources.objects import ObjectPath
 from ..sources.source_types import open_source
 from ..sources.tensor_info import TensorInfo
@@ -213,9 +214,17 @@ def hash_model(
         raise ShardloadError(f"{source.what} carries its record already (convert writes it); hash the source "
                              "checkpoint", file=str(model))  # fmt: skip
     checkpoint = source.checkpoint
-    target = Path(out) if out is not None else record_path(checkpoint)
-    if not isinstance(target, ObjectPath) and target.is_dir():
-        target = target / RECORD_NAME
+    if out is None:
+        target = record_path(checkpoint)
+    elif is_uri(out):  # a prefix (ending in /) gets the record inside it, as a directory does
+        uri = str(out)
+        target = object_path(uri + RECORD_NAME if uri.endswith("/") else uri)
+    else:
+        target = Path(out)
+        if target.is_dir():
+            target = target / RECORD_NAME
+        elif os.fspath(out).endswith(("/", os.sep)):  # Path() drops the slash that means a folder
+            raise ShardloadError("no such directory (a path ending in / names one)", file=os.fspath(out))
     _record_or_nothing(target)  # before hashing: a weight file given as -o is refused at once
     tensors_by_file = tensors_by_file_of(checkpoint)
     files = sorted(set(tensors_by_file) | set(checkpoint.files) | set(metadata_files(checkpoint)), key=str)
