@@ -238,7 +238,7 @@ def _verify_source(model: Path | str, root: str | None, as_json: bool) -> None:
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar; print only the root hash.")
 @_guarded
 def hash_command(model: Path, out: str | None, quiet: bool) -> None:
-    """Write MODEL's integrity record (shardload.hashes) and print its root hash, for load(verify=ROOT)."""
+    """Write MODEL's integrity record (shardload.hashes) and print its root hash, for load(verify=Verify(root=ROOT))."""
     from ..engine.hashing import hash_model
     from .report import human_bytes
 

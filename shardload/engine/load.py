@@ -124,8 +124,8 @@ def load_rank(
             tensor with this rank's shape and torch dtype; None: a fresh tensor) and reads only the stored tensors
             ``only`` names (default: all); a mapping or callable alone is ``Destination(tensors)``. Each tensor must
             be contiguous, share no memory with another, and be of exactly that shape and dtype; a mismatch, or a
-            name this rank does not read, raises before any byte is read. If the load raises later, the
-            destinations' contents are unspecified.
+            name this rank does not read, raises before any byte is read. If the load raises later, every
+            destination handed over is zero-filled before the error is raised.
         progress (`bool` or callable, defaults to `False`):
             True draws a line on stderr when it is a terminal (one rank per node); a callable gets
             ``(done, total)`` read jobs or exchange rounds.
