@@ -255,6 +255,33 @@ def test_whole_model_load_reports_progress(example_dir: Path, monkeypatch: pytes
     assert screen.getvalue().startswith("\rloading: 1/") and screen.getvalue().endswith("(100%)\n")
 
 
+@pytest.mark.parametrize("case", ["model threads=0", "converted own N", "converted other N", "converted into="])
+def test_progress_is_reported_from_every_source(example_dir: Path, tmp_path: Path, case: str) -> None:
+    """``progress=`` is reported by every load (docs/python-api.md): a converted directory at its own N or another,
+    and ``threads=0``, never called it, so a server showing load progress saw nothing. Calls count up to a total."""
+    import shardload.engine.transfer as transfer
+
+    converted = tmp_path / "tp2"
+    shardload.convert(example_dir, 2, converted)
+    seen: list[tuple[int, int]] = []
+    kwargs: dict[str, object] = {"progress": lambda d, t: seen.append((d, t))}
+    source, n = (example_dir, 2) if case.startswith("model") else (converted, 4 if "other" in case else 2)
+    if case == "model threads=0":
+        kwargs["read_options"] = shardload.ReadOptions(threads=0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transfer, "JOB_BYTES", 4096)
+        if case == "converted into=":
+            want = shardload.load_rank(converted, 1, 2)
+            into = {k: torch.empty_like(v) for k, v in want.items()}
+            state = shardload.load_rank(source, 1, n, into=into, **kwargs)
+        else:
+            state = shardload.load_rank(source, 1, n, **kwargs)
+            want = reference_shards(example_dir, n)[1]
+    assert len(seen) > 1 and [d for d, _ in seen] == list(range(1, seen[-1][1] + 1)), seen
+    for name, t in state.items():
+        np.testing.assert_array_equal(t.numpy(), np.asarray(want[name]))
+
+
 OLD_WORDS = re.compile(r"\b(share_reads|params|out|mmap)\b")
 """The load options' deprecated spellings, which a refusal must not use (the caller gave today's)."""
 

@@ -128,7 +128,8 @@ def load_rank(
             destination handed over is zero-filled before the error is raised.
         progress (`bool` or callable, defaults to `False`):
             True draws a line on stderr when it is a terminal (one rank per node); a callable gets
-            ``(done, total)`` read jobs or exchange rounds.
+            ``(done, total)`` read jobs, exchange rounds (``group``) or tensors (a converted directory at
+            another N).
         read_options (:class:`ReadOptions`, *optional*):
             How the rank gets its bytes and the reader threads. ``strategy="view"`` (CPU only) returns a tensor
             that is one contiguous stretch of its file (a dim-0 shard, a replicated tensor, every tensor of a

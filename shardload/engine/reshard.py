@@ -11,7 +11,7 @@ reads of the boxes themselves are :mod:`.box_reads`'.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
@@ -317,21 +317,31 @@ def _check_headers(
 
 
 def assemble_ranks(
-    source: ShardsSource, layout: Mesh, ranks: Sequence[int], devices: Sequence[Any]
+    source: ShardsSource,
+    layout: Mesh,
+    ranks: Sequence[int],
+    devices: Sequence[Any],
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Global ranks ``ranks`` of ``layout`` (rank ``ranks[k]`` on ``devices[k]``), read out of ``source`` (a
-    directory converted for another layout, a pre-sharded cache); each rank reads only the boxes it needs."""
+    directory converted for another layout, a pre-sharded cache); each rank reads only the boxes it needs.
+    ``progress(done, total)`` counts the tensors assembled."""
     from ..format import input_log
 
     stages = source.plan(layout)
     out: list[dict[str, torch.Tensor]] = []
     log = input_log.current()
+    total = sum(len(stages[layout.coord(rank).pp].params) for rank in ranks)
+    done = 0
     with reader_for(source.checkpoint.path) as reader:
         for rank, device in zip(ranks, devices, strict=True):
             coord = layout.coord(rank)
             state = {}
             for param in stages[coord.pp].params.values():
                 state[param.name] = source.tensor(param, coord.tp, reader).to(device)
+                done += 1
+                if progress is not None:
+                    progress(done, total)
             out.append(state)
     input_log.check_unchanged(
         set(source.files.values()), log

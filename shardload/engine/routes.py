@@ -88,7 +88,8 @@ def boxes_to_write(source: Source, verify: bool | str, shard_info: Any, mesh: Me
 def _boxes(source: Source, mesh: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
            label: str) -> States:  # fmt: skip
     """Each rank assembled from its boxes of the old rank tensors."""
-    return assemble_ranks(open_boxes(source, options.verify, options.shard_info), mesh, ranks, devices)
+    progress = progress_for(options.progress, label, "tensors")
+    return assemble_ranks(open_boxes(source, options.verify, options.shard_info), mesh, ranks, devices, progress)
 
 
 def _whole(source: Source, mesh: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
@@ -181,13 +182,19 @@ def _rank_files(source: Source, mesh: Mesh, ranks: Sequence[int], devices: Seque
         return [_rank_files_shared(checkpoint, mesh, mesh.coord(rank), devices[0], options.verify,
                                    share_group(options.group, source.name), progress)]  # fmt: skip
     return [
-        _rank_file(checkpoint, mesh, mesh.coord(rank), device, options)
+        _rank_file(checkpoint, mesh, mesh.coord(rank), device, options,
+                   progress_for(options.progress, label if len(ranks) == 1 else f"{label} rank {rank}"))
         for rank, device in zip(ranks, devices, strict=True)
-    ]
+    ]  # fmt: skip
 
 
 def _rank_file(
-    checkpoint: Checkpoint, mesh: Mesh, coord: MeshCoord, device: Any, options: LoadOptions
+    checkpoint: Checkpoint,
+    mesh: Mesh,
+    coord: MeshCoord,
+    device: Any,
+    options: LoadOptions,
+    progress: Callable[[int, int], None] | None,
 ) -> dict[str, torch.Tensor]:
     """One rank's file of a converted directory: its tensors (a destination: those named, or into its tensors)."""
     verify, fill, read_options = options.verify, options.into, options.read_options
@@ -202,7 +209,11 @@ def _rank_file(
             reader_for(path, read_options and read_options.object_cost), wrap and (lambda r: wrap(r, {path: infos}))
         ) as reader,
         Transfer(
-            reader, path=data_path_for([device], mmap=options.mmap), read_options=read_options, defer=True
+            reader,
+            path=data_path_for([device], mmap=options.mmap),
+            read_options=read_options,
+            defer=True,
+            progress=progress,
         ) as transfer,
     ):
         if fill is not None and fill.out is not None:  # whole stored tensors, each read into its destination

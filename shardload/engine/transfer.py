@@ -250,7 +250,12 @@ class Transfer:
         if self.held:
             held, self.held = self.held, None  # None while they are handed out: _submit must not hold them again
             try:
-                if self.pool is not None and self.progress is None:
+                if self.pool is None:  # threads=0: this thread runs them, reporting each
+                    for done, (fn, _) in enumerate(held, 1):
+                        fn()
+                        if self.progress is not None:
+                            self.progress(done, len(held))
+                elif self.progress is None:
                     self._run_all([fn for fn, _ in held])
                 else:
                     for fn, io in held:
