@@ -68,6 +68,27 @@ def test_validate_json_report(runner: CliRunner, example_dir: Path) -> None:
     assert {"file", "param", "step", "function", "reason", "message"} <= set(report["problems"][0])
 
 
+def test_validate_without_model_never_passes_an_n_a_load_refuses(runner: CliRunner, example_dir: Path,
+                                                                  tmp_path: Path) -> None:  # fmt: skip
+    """``validate FILE -n 16`` without ``--model`` said "valid for num_shards 16" of the example's file, whose load
+    at 16 is refused (a KV head would be cut). The example's file records the N it plans for, so that N fails; a
+    file recording none says its pass covers its declarations only, in text and JSON."""
+    info = example_dir / "shard_info.json"
+    done = runner.invoke(main, ["validate", str(info), "-n", "16"])
+    assert done.exit_code == 1 and "num_shards=16 is not among the N this file records" in done.output, done.output
+    with pytest.raises(shardload.ShardloadError, match="a head would be cut"):
+        shardload.load_rank(example_dir, 0, 16)
+    assert runner.invoke(main, ["validate", str(info), "-n", "8"]).exit_code == 0
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({k: v for k, v in json.loads(info.read_text()).items() if k != "description"}))
+    done = runner.invoke(main, ["validate", str(bare), "-n", "16"])
+    assert done.exit_code == 0 and "declarations only" in done.output and "--model" in done.output, done.output
+    report = json.loads(runner.invoke(main, ["validate", str(bare), "-n", "16", "--json"]).output)
+    assert report["checked_against"] == "declarations"
+    report = json.loads(runner.invoke(main, ["validate", str(info), "--model", str(example_dir), "--json"]).output)
+    assert report["checked_against"] == "model"
+
+
 def test_validate_without_model_and_malformed_file(runner: CliRunner, tmp_path: Path) -> None:
     seed = tmp_path / "seed.json"
     seed.write_text(json.dumps({"x_0": [["shard_funcs.shard_dim", [[2, 64, 64], "float16"], 1, 2]]}))

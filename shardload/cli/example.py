@@ -8,12 +8,15 @@ vocab-parallel embeddings and ``lm_head``, and replicated norms. Its shard_info 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 from ..engine.output import StagingDir, check_output, write_error
 from ..engine.writer import save_safetensors
+from ..format.shard_info import plans_for_text
+from ..models.generated import MAX_CHECKED_NUM_SHARDS as CHECKED_UP_TO
 from ..sources.checkpoint import as_path
 
 EXAMPLE_CONFIG: dict[str, Any] = {
@@ -92,10 +95,13 @@ def example_shard_info(config: dict[str, Any] = EXAMPLE_CONFIG) -> dict[str, Any
             shard([2 * inter, h], 0),
         ]
         params[p + "mlp.down_proj.weight"] = [shard([h, inter], 1)]
+    units = math.gcd(heads, kv, inter, vocab)  # every split: whole heads, both halves of gate_up, the vocabulary
     return {
         "$schema": "https://shardload.dev/shard_info.schema.json",
         "version": 1,
         "num_shards": None,
+        "description": "Megatron-style tensor parallelism of the built-in example; N-agnostic; "
+        + plans_for_text([n for n in range(1, CHECKED_UP_TO + 1) if units % n == 0], CHECKED_UP_TO),
         "params": params,
     }
 

@@ -301,6 +301,9 @@ def _validate_one(
         if report["valid"] and ok:
             checked = ", ".join(str(n) for n in report["num_shards_checked"])
             what = f"mesh {layout}" if layout is not None else f"num_shards {checked}"
+            if report["checked_against"] == "declarations":  # no tensors, no record of the N it plans for
+                what += (" (its declarations only: the file records no N it plans for, and --model checks each "
+                         "parameter's first step against the checkpoint's tensors)")  # fmt: skip
             click.echo(f"{shard_info_path}: valid for {what}")
         elif report["valid"]:
             click.echo(f"{shard_info_path}: {len(report['warnings'])} warning(s), which fail --strict", err=True)

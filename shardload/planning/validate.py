@@ -33,7 +33,8 @@ def validate_file(
 
     Without ``num_shards`` the file's own N is checked, or for an N-agnostic file the N its description records it
     plans for (as ``shardload plan`` writes it), else 1, 2, 4 and 8. Without a model, an N outside that record is a
-    problem (a generated file's steps cannot tell, without the tensors, that N would cut a head). Against a model,
+    problem (a generated file's steps cannot tell, without the tensors, that N would cut a head); ``checked_against``
+    says which: ``"model"``, ``"recorded"`` (that record) or ``"declarations"`` (the steps alone). Against a model,
     ``warnings`` lists placements that plan but cannot compute (:mod:`.consistency`).
     A problem seen for only some N has those N appended to its message. With a ``mesh`` the N
     is its ``tp``, and against a model its pipeline stages must be splittable too.
@@ -43,7 +44,8 @@ def validate_file(
         info = ShardInfo.load(path)
         checkpoint = _checkpoint(model) if model is not None else None
     except ShardloadError as err:
-        report.update(valid=False, num_shards_checked=[], valid_for=[], problems=[err.to_dict()], warnings=[])
+        report.update(valid=False, num_shards_checked=[], valid_for=[], problems=[err.to_dict()], warnings=[],
+                      checked_against="model" if model is not None else "declarations")  # fmt: skip
         return report
     if mesh is not None:
         num_shards = [mesh.tp]
@@ -82,6 +84,7 @@ def validate_file(
             entry["message"] += f" [num_shards={','.join(str(n) for n in entry['num_shards'])}]"
     return {
         **report,
+        "checked_against": "model" if checkpoint is not None else "recorded" if recorded else "declarations",
         "form": info.form,
         "valid": not found,
         "num_shards_checked": ns,
