@@ -295,6 +295,64 @@ def test_a_data_file_of_another_format_rewritten_during_a_load_is_an_error(tmp_p
     assert calls, "the change was never made"
 
 
+def _flip_after_header(paths: list[Path]) -> None:
+    """Every byte after each file's first tenth flipped, in place: same size, same inode."""
+    for path in paths:
+        size = path.stat().st_size
+        with open(path, "r+b") as f:
+            f.seek(size // 10)
+            body = np.frombuffer(f.read(), dtype=np.uint8)
+            f.seek(size // 10)
+            f.write((body ^ 0x5A).tobytes())
+
+
+@pytest.mark.parametrize("kind", ["tvm-presharded", "vllm-save-parts"])
+def test_a_split_source_rewritten_while_its_boxes_are_read_is_an_error(tmp_path: Path, kind: str) -> None:
+    """A source read as boxes at another N checks every file it read at the end, not only the first of each rank:
+    a TVM cache pre-sharded for 2 (no record file was checked) and a vLLM save whose ranks have two parts (only part
+    0 was), rewritten in place once every tensor was read, loaded with no error."""
+    from helpers import matrix_sources
+
+    shard_info = None
+    if kind == "tvm-presharded":
+        pytest.importorskip("tvm")
+        single = _model(tmp_path / "m")
+        shard_info = single / "shard_info.json"
+        ranks = [shardload.load_rank(single, r, 2) for r in range(2)]
+        model = matrix_sources.write_tvm_presharded(single, tmp_path / "t", shard_info, ranks)
+        data = sorted(model.glob("*.bin"))
+    else:
+        from safetensors.torch import load_file, save_file
+
+        from helpers import tiny_models
+        from helpers.vllm_saved import fake_vllm_save
+
+        tiny_models.build("llama_gqa", tmp_path / "m")
+        model = fake_vllm_save(tmp_path / "m", 2, tmp_path / "save")
+        for r in range(2):  # each rank in two parts, as save_model writes a rank past its max_size
+            first = model / f"model-rank-{r}-part-0.safetensors"
+            state = load_file(first)
+            names = list(state)
+            save_file({k: state[k] for k in names[: len(names) // 2]}, first, metadata={"format": "pt"})
+            save_file({k: state[k] for k in names[len(names) // 2 :]},
+                      model / f"model-rank-{r}-part-1.safetensors", metadata={"format": "pt"})  # fmt: skip
+        data = sorted(model.glob("*part-1.safetensors"))
+    assert data
+    calls: list[int] = []
+
+    def progress(done: int, total: int) -> None:
+        if done == total:  # every file opened and read: only the end-of-load check can see it
+            _flip_after_header(data)
+            calls.append(done)
+
+    with pytest.raises(ShardloadError) as err:
+        rank, n = (1, 4) if kind == "tvm-presharded" else (0, 1)
+        shardload.load_rank(model, rank, n, progress=progress, shard_info=shard_info)
+    text = str(err.value)
+    assert "changed while" in text and "\n" not in text and any(str(p) in text for p in data), text
+    assert calls, "the change was never made"
+
+
 @pytest.mark.parametrize("fstype", ["nfs4", "cifs", "ext4"])
 def test_the_lease_test_is_trusted_only_on_local_file_systems(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fstype: str

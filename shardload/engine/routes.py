@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import ShardloadError
+from ..format import input_log
 from ..format.shard_info import ShardInfo
 from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh, MeshCoord
@@ -55,11 +56,16 @@ def load_source(
 ) -> States:
     """Global ranks ``ranks`` of ``mesh`` (rank ``ranks[k]`` on ``devices[k]``) read out of ``source`` by the
     route of its type (its options checked already; a split format's rank files hashed now, after that check, for
-    ``verify=True``); ``label`` names the load on a progress line."""
+    ``verify=True``); ``label`` names the load on a progress line. Every local file the load took the identity of
+    is checked again at the end, whichever route read it (a split source's second part, a cache's record files)."""
     source = source.checked() if options.verify is True else source
     for kind in type(source).__mro__:
         if kind in _ROUTES:
-            return _ROUTES[kind](source, mesh, ranks, devices, options, label)
+            states = _ROUTES[kind](source, mesh, ranks, devices, options, label)
+            log = input_log.current()
+            if log is not None:
+                input_log.check_unchanged(list(log.stamps), log)
+            return states
     raise TypeError(f"no route loads a {type(source).__name__}")
 
 
