@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -351,6 +352,35 @@ def test_a_split_source_rewritten_while_its_boxes_are_read_is_an_error(tmp_path:
     text = str(err.value)
     assert "changed while" in text and "\n" not in text and any(str(p) in text for p in data), text
     assert calls, "the change was never made"
+
+
+def test_views_of_a_file_replaced_before_it_is_mapped_are_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The view strategy maps each file by its path: one that names another file when it is mapped (a sync tool
+    flipping the directory to another copy and back) gave views of that copy's bytes, and the end-of-load check by
+    path passed. The mapped file must be the one whose header the load parsed, as for every other read."""
+    from shardload.sources import reader as reader_mod
+
+    model = _model(tmp_path / "m")
+    other = tmp_path / "other"
+    shutil.copytree(model, other)
+    _rewrite(other / "model.safetensors")  # same header, other bytes
+    original = reader_mod.Mappings._map
+
+    def flipped(self: Any, path: Path) -> Any:
+        os.rename(model, tmp_path / "aside")
+        os.rename(other, model)
+        try:
+            return original(self, path)
+        finally:
+            os.rename(model, other)
+            os.rename(tmp_path / "aside", model)
+
+    monkeypatch.setattr(reader_mod.Mappings, "_map", flipped)
+    with pytest.raises(ShardloadError) as err:
+        shardload.load_rank(model, 0, 2, read_options=shardload.ReadOptions(strategy="view"))
+    assert "changed while" in str(err.value) and "model.safetensors" in str(err.value), err.value
 
 
 @pytest.mark.parametrize("fstype", ["nfs4", "cifs", "ext4"])

@@ -564,12 +564,14 @@ class Mappings:
     def __init__(self) -> None:
         self._maps: dict[Path, mmap.mmap | None] = {}
         self._lock = threading.Lock()
+        self._log = input_log.current()  # the load's: a file mapped here must be the one whose header it parsed
 
     def _map(self, path: Path) -> mmap.mmap | None:
         with self._lock:
             if path not in self._maps:
                 try:
                     with open(path, "rb") as fh:
+                        input_log.check_opened(path, os.fstat(fh.fileno()), self._log)
                         self._maps[path] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
                 except (OSError, ValueError):  # an empty file, or one that cannot be mapped: read it instead
                     self._maps[path] = None
