@@ -1,13 +1,15 @@
 """Run vLLM (a subprocess of the tests): greedy tokens and their logprobs for fixed prompts, as JSON.
 
 Usage: python run_vllm.py JOBS.json
-JOBS.json is a list of {"model", "load_format", "tp", "pp"?, "ep"?, "out", "extra"?, "save"?}; the jobs share one
-world size (tp x pp) and run one after another in this process, which pays vLLM's import once.
+JOBS.json is a list of {"model", "load_format", "tp", "pp"?, "ep"?, "out", "extra"?, "save"?, "flip_before_fill"?};
+the jobs share one world size (tp x pp) and run one after another in this process, which pays vLLM's import once.
 A job that fails writes {"error": "..."} to its "out" and the next job still runs. A job with "save" then writes the
 loaded model with vLLM's own ``ShardedStateLoader.save_model`` (``sharded_state`` rank files) into that directory;
 such jobs keep the linear layers' weights in vLLM's state (:func:`keep_linear_weights`, in this process and in each
 worker vLLM spawns, which imports this module first). A file with an "ep" job patches vLLM's CPU MoE the same way
-(:func:`local_expert_ids`), for every job in it, so that expert-parallel generation runs at all.
+(:func:`local_expert_ids`), for every job in it, so that expert-parallel generation runs at all. A tp=1 job with
+"flip_before_fill" rewrites that file between shardload's load and its fill of vLLM's parameters
+(:func:`flip_before_fill`).
 """
 
 from __future__ import annotations
@@ -23,26 +25,52 @@ PROMPTS = [[1, 5, 9, 42, 7], [3, 17, 100, 4], [2, 2, 60, 33, 81, 12]]
 TOKENS = 8
 
 
+def flip_before_fill(path: str) -> Any:
+    """Patch shardload's vLLM loader (in this process: a tp=1 job) so that every tensor byte of ``path`` is flipped in
+    place after its load returned and before it fills vLLM's parameters, as a writer between the two would; returns
+    the undo."""
+    from shardload.integrations.vllm import loader
+
+    original = loader.copy_into
+
+    def copy_into(*args: Any, **kwargs: Any) -> Any:
+        with open(path, "r+b") as f:
+            header = int.from_bytes(f.read(8), "little")
+            f.seek(8 + header)
+            body = bytes(b ^ 0x5A for b in f.read())
+            f.seek(8 + header)
+            f.write(body)
+        return original(*args, **kwargs)
+
+    loader.copy_into = copy_into
+    return lambda: setattr(loader, "copy_into", original)
+
+
 def run_job(job: dict) -> dict:
     """Load one model in vLLM and return greedy tokens with their logprobs."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(
-        model=job["model"],
-        load_format=job["load_format"],
-        tensor_parallel_size=job["tp"],
-        pipeline_parallel_size=job.get("pp", 1),
-        enable_expert_parallel=job.get("ep", False),
-        enforce_eager=True,
-        dtype=job.get("dtype", "float32"),
-        max_model_len=64,
-        max_num_seqs=4,
-        model_loader_extra_config=job.get("extra", {}),
-        skip_tokenizer_init=True,
-        seed=0,
-        distributed_executor_backend=os.environ.get("RUN_VLLM_BACKEND"),
-    )
+    undo = flip_before_fill(job["flip_before_fill"]) if job.get("flip_before_fill") else None
+    try:
+        llm = LLM(
+            model=job["model"],
+            load_format=job["load_format"],
+            tensor_parallel_size=job["tp"],
+            pipeline_parallel_size=job.get("pp", 1),
+            enable_expert_parallel=job.get("ep", False),
+            enforce_eager=True,
+            dtype=job.get("dtype", "float32"),
+            max_model_len=64,
+            max_num_seqs=4,
+            model_loader_extra_config=job.get("extra", {}),
+            skip_tokenizer_init=True,
+            seed=0,
+            distributed_executor_backend=os.environ.get("RUN_VLLM_BACKEND"),
+        )
+    finally:
+        if undo is not None:
+            undo()
     try:
         params = SamplingParams(temperature=0.0, max_tokens=TOKENS, logprobs=1, detokenize=False)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)

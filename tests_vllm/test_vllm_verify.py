@@ -52,3 +52,35 @@ def test_verified_vllm_load(tmp_path: Path) -> None:
         assert results[str(tmp_path / name)] == plain
     error = results[str(tmp_path / "flipped.json")].get("error", "")
     assert "hash mismatch" in error and "down_proj" in error, error
+
+
+def test_a_converted_directory_rewritten_before_the_fill_is_refused_or_its_verified_bytes_kept(tmp_path: Path) -> None:
+    """A converted directory at its own N is read as views of its rank file, copied into vLLM's parameters after the
+    load returned. With ``verify`` those views were paged in after the hash, so a rewrite in between filled vLLM
+    with bytes no hash had seen; now a verified load reads what it hashes (the tokens of the file as it was), and a
+    plain one refuses a file rewritten before its copies were made."""
+    import shardload
+
+    model = tmp_path / "llama"
+    make_models.llama(model)
+    jobs = []
+    for name, extra, flip in (("plain", {}, False), ("verified", {"verify": True}, True), ("views", {}, True)):
+        converted = tmp_path / f"tp1-{name}"
+        shardload.convert(model, 1, converted)
+        job = {"model": str(converted), "load_format": "shardload", "tp": 1, "out": str(tmp_path / f"{name}.json"),
+               "extra": extra}  # fmt: skip
+        if flip:
+            job["flip_before_fill"] = str(converted / "rank-00000-of-00001.safetensors")
+        jobs.append(job)
+    spec = tmp_path / "jobs.json"
+    spec.write_text(json.dumps(jobs))
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.run([sys.executable, str(HERE / "run_vllm.py"), str(spec)], stdout=out,
+                              stderr=subprocess.STDOUT, timeout=900, check=False)  # fmt: skip
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    results = {Path(j["out"]).stem: json.loads(Path(j["out"]).read_text()) for j in jobs}
+    assert "error" not in results["plain"], results["plain"]
+    assert results["verified"] == results["plain"], results["verified"].get("error")
+    error = results["views"].get("error", "")
+    assert "changed while" in error and "rank-00000-of-00001" in error, error

@@ -62,9 +62,7 @@ def load_source(
     for kind in type(source).__mro__:
         if kind in _ROUTES:
             states = _ROUTES[kind](source, mesh, ranks, devices, options, label)
-            log = input_log.current()
-            if log is not None:
-                input_log.check_unchanged(list(log.stamps), log)
+            input_log.check_recorded()
             return states
     raise TypeError(f"no route loads a {type(source).__name__}")
 

@@ -285,6 +285,13 @@ def check_opened(path: Any, st: os.stat_result, log: InputLog | None) -> None:
         raise changed(path, _how_changed(before, stamp_of(st)))
 
 
+def check_recorded() -> None:
+    """Inside a load: every local file it took the identity of is still that file (see :func:`check_unchanged`)."""
+    log = _LOG.get()
+    if log is not None:
+        check_unchanged(list(log.stamps), log)
+
+
 def check_unchanged(files: Iterable[Any], log: InputLog | None) -> None:
     """After a load's last read: every local file read is still the file whose header the load parsed (same device,
     inode, size, modification and change time); one rewritten in place, truncated or replaced meanwhile is an error,

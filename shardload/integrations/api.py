@@ -15,6 +15,7 @@ Each name, in one line:
 - :class:`LayoutTarget`, :func:`register_layout`: a server's layout registered as a ``convert --layout`` target
   (``shardload.layouts`` entry point group);
 - :func:`records_inputs`: decorates an entry point so a file changed under its load is refused, as ``load_rank``'s;
+  :func:`check_recorded`, inside it, refuses a file changed since (asked after copying out of views of the files);
 - :func:`same_checkpoint`: a block in which each rank of a process group loads, after which the ranks compare the
   files they read, so a checkpoint replaced between two ranks' loads is one line on every rank;
 - :func:`to_torch`: the torch dtype of a stored dtype name.
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from ..engine.agreement import same_checkpoint
 from ..engine.convert_targets import LayoutTarget, register_layout
-from ..format.input_log import records_inputs
+from ..format.input_log import check_recorded, records_inputs
 from ..models.plan_source import plan_shard_info
 from ..planning.plan import ModelPlan, ParamPlan, build_plan
 from ..sources.dtypes import to_torch
@@ -56,6 +57,7 @@ __all__ = [
     "WholeTensors",
     "build_plan",
     "check_options",
+    "check_recorded",
     "open_source",
     "plan_shard_info",
     "records_inputs",

@@ -41,6 +41,7 @@ from ..api import (
     SavedBoxes,
     build_plan,
     check_options,
+    check_recorded,
     open_source,
     plan_shard_info,
     records_inputs,
@@ -256,6 +257,7 @@ def fill_model(
         if checkpoint is not None
         else (lambda name: None)  # a sharded_state directory's tensors are read back under the source's names
     )
+    views = False
     if isinstance(source, (SavedBoxes, RankFiles, ConvertedBoxes)):
         if experts:
             what = "a sharded_state directory is read as" if sharded else "a converted directory holds"
@@ -268,8 +270,9 @@ def fill_model(
         report.source = (
             "sharded_state directory, boxes of its rank files" if sharded else f"converted directory, rank file {rank}"
         )
-        if isinstance(source, RankFiles) and not isinstance(verify, str):  # its own file, mapped: views, no copy
-            read_options = replace(read_options or ReadOptions(), strategy="view")  # boxes are read, never mapped
+        views = isinstance(source, RankFiles) and not verify  # its own file, mapped: views, no copy (boxes are read,
+        if views:  # never mapped; a verified load's bytes are those it hashed, so read, not views paged in later)
+            read_options = replace(read_options or ReadOptions(), strategy="view")
         stored = load_rank(model_dir, rank, num_shards, verify=_verify(verify), read_options=read_options)
         embed = next((n for n in stored if n.endswith("embed_tokens.weight")), None)
         ties = tied if config_ties is None else config_ties  # the config's word, though vLLM untied the head
@@ -293,6 +296,8 @@ def fill_model(
         log.warning("shardload: %s", note)
     report.tensors = len(tensors)
     filled = copy_into(targets, tensors, routes, vocab, narrow, where, direct, adjust, server="vLLM")
+    if views:  # the copies read the files' pages just now: a file rewritten since the load is refused
+        check_recorded()
     report.filled = len(filled)
     missing = [
         n for n in targets
