@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -381,6 +382,96 @@ def test_views_of_a_file_replaced_before_it_is_mapped_are_an_error(
     with pytest.raises(ShardloadError) as err:
         shardload.load_rank(model, 0, 2, read_options=shardload.ReadOptions(strategy="view"))
     assert "changed while" in str(err.value) and "model.safetensors" in str(err.value), err.value
+
+
+def _tmpfs_dir(tmp_path: Path) -> Path:
+    """A fresh directory on tmpfs (/dev/shm), removed with ``tmp_path``'s test; skips where there is none."""
+    from shardload.format import input_log
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or input_log.file_system(shm.stat().st_dev) != "tmpfs" or not os.access(shm, os.W_OK):
+        pytest.skip("no writable tmpfs at /dev/shm")
+    import tempfile
+
+    return Path(tempfile.mkdtemp(dir=shm, prefix=f"shardload-{tmp_path.name[:40]}-"))
+
+
+def _mapped_writer(path: Path) -> None:
+    """Open ``path`` for writing and flip its bytes after the first tenth through a shared mapping, reading each page
+    first: on tmpfs no timestamp changes."""
+    size = path.stat().st_size
+    data = np.memmap(path, mode="r+", dtype=np.uint8)
+    data[size // 10 :] ^= 0x5A
+    data.flush()
+    del data
+
+
+@pytest.mark.parametrize("strategy", ["auto", "read"])
+def test_a_tmpfs_file_rewritten_through_a_mapping_during_a_load_is_an_error(tmp_path: Path, strategy: str) -> None:
+    """On tmpfs a write through a shared mapping changes no time, so a writer that opened the file after the load's
+    lease test mixed new bytes into what the load returned, with no error. The load now holds its lease until it
+    ends: the writer's open breaks it (and waits), and the load refuses the file."""
+    import threading
+
+    shm = _tmpfs_dir(tmp_path)
+    try:
+        model = _model(shm / "m")
+        target = model / "model.safetensors"
+        writer = threading.Thread(target=_mapped_writer, args=(target,))
+        calls: list[int] = []
+
+        def progress(done: int, total: int) -> None:
+            if not calls:
+                writer.start()
+                deadline = time.monotonic() + 10
+                while writer.is_alive() and "BREAKER" not in Path("/proc/locks").read_text():
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)  # the writer has written (no lease), or waits on the load's lease
+            calls.append(done)
+
+        with pytest.raises(ShardloadError) as err:
+            shardload.load_rank(model, 1, 2, progress=progress,
+                                read_options=shardload.ReadOptions(strategy=strategy, threads=1))  # fmt: skip
+        writer.join(60)
+        assert not writer.is_alive()
+        text = str(err.value)
+        assert "changed while" in text and str(target) in text and "\n" not in text, text
+        assert shardload.load_rank(model, 1, 2)  # the file as it is now loads
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_gguf_header_rewritten_on_tmpfs_is_read_again_by_the_next_load(tmp_path: Path) -> None:
+    """GGUF headers are kept for the process by the file's identity, which a write through a mapping on tmpfs does
+    not change: a second load returned tensors under the names the file had before (two names swapped)."""
+    import mmap
+
+    gguf = pytest.importorskip("gguf")
+    shm = _tmpfs_dir(tmp_path)
+    try:
+        path = shm / "model.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_tensor("a.weight", np.full((64, 64), 1.0, np.float32))
+        writer.add_tensor("b.weight", np.full((64, 64), 2.0, np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        info = {"version": 1, "num_shards": None, "params": {}}
+        first = shardload.load_rank(path, 0, 1, shard_info=info)
+        assert first["a.weight"][0, 0].item() == 1.0
+        fd = os.open(path, os.O_RDWR)
+        mapped = mmap.mmap(fd, 0)
+        os.close(fd)
+        head = mapped[:4096]
+        a, b = head.index(b"a.weight"), head.index(b"b.weight")
+        mapped[a : a + 1], mapped[b : b + 1] = b"b", b"a"
+        mapped.close()
+        second = shardload.load_rank(path, 0, 1, shard_info=info)
+        assert second["a.weight"][0, 0].item() == 2.0 and second["b.weight"][0, 0].item() == 1.0
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.mark.parametrize("fstype", ["nfs4", "cifs", "ext4"])

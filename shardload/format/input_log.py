@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import itertools
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -40,6 +41,14 @@ class InputLog:
     reads: list[tuple[str, int]] = field(default_factory=list)
     """Every read made to open and plan the model, in order: path and bytes (a file read twice is listed twice);
     what ``shardload preflight`` reports as fetched."""
+    leases: dict[str, int] = field(default_factory=dict)
+    """Read leases held for the whole load, by path (the descriptor holding each): files on a file system whose
+    times a write through a mapping does not change (:data:`UNTIMED_FILE_SYSTEMS`); released when the load ends."""
+    serial: int = field(default_factory=lambda: next(_SERIALS))
+    """This load's number in the process (never reused, unlike ``id``): what a cache valid for one load is keyed by."""
+
+
+_SERIALS = itertools.count(1)
 
 
 _LOG: ContextVar[InputLog | None] = ContextVar("shardload_input_log", default=None)
@@ -108,6 +117,8 @@ def stamp(path: Any, st: os.stat_result | None = None) -> None:
 F_SETLEASE = 1024
 """Linux's ``fcntl`` command taking a lease (``F_RDLCK``: refused with EAGAIN while any descriptor of the file is
 open for writing)."""
+F_GETLEASE = 1025
+"""Linux's ``fcntl`` command asking which lease a descriptor holds (``F_UNLCK`` once a writer's open broke it)."""
 F_SETSIG = 10
 """Linux's ``fcntl`` command choosing the signal a broken lease sends its holder (SIGIO, which ends a process that
 does not handle it, unless set)."""
@@ -138,15 +149,86 @@ def file_system(dev: int) -> str | None:
     return None
 
 
+UNTIMED_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs"})
+"""File systems where a write through a shared writable mapping changes no timestamp (no write fault updates them),
+so a writer that maps the file after the lease test would go unseen by the identity check: a load holds a read
+lease on such a file until it ends, and a writer's open breaks it (:func:`lease_broken`)."""
+MAX_LEASES = 1024
+"""Leases one load holds at most (a descriptor each); past it, a file is tested, not held."""
+
+
 def no_writer(path: Any, fd: int) -> None:
     """Inside a load, refuse ``path`` (open as ``fd``) while some descriptor holds it open for writing: a write that
     began before the load took the file's identity changes no timestamp later, so the end-of-load check cannot see
-    it mixing old and new bytes into the load. Asked on :data:`LEASE_FILE_SYSTEMS` only."""
-    if _LOG.get() is None or file_system(os.fstat(fd).st_dev) not in LEASE_FILE_SYSTEMS:
+    it mixing old and new bytes into the load. Asked on :data:`LEASE_FILE_SYSTEMS` only; on
+    :data:`UNTIMED_FILE_SYSTEMS` the lease is kept until the load ends."""
+    log = _LOG.get()
+    if log is None:
         return
+    system = file_system(os.fstat(fd).st_dev)
+    if system not in LEASE_FILE_SYSTEMS:
+        return
+    if system in UNTIMED_FILE_SYSTEMS and len(log.leases) < MAX_LEASES and str(path) not in log.leases:
+        held = _hold_lease(fd)
+        if held is not None:
+            if held < 0:
+                _refuse_writer(path)
+            log.leases[str(path)] = held
+            return
     if open_for_writing(fd):
-        why = "a write under way could mix old and new bytes into what is read"
-        raise CheckpointError(f"is open for writing ({why}); try again once the writer has closed it", file=str(path))
+        _refuse_writer(path)
+
+
+def _refuse_writer(path: Any) -> None:
+    why = "a write under way could mix old and new bytes into what is read"
+    raise CheckpointError(f"is open for writing ({why}); try again once the writer has closed it", file=str(path))
+
+
+def _hold_lease(fd: int) -> int | None:
+    """A new descriptor of ``fd``'s file holding a read lease (kept: a writer's open breaks it, see
+    :func:`open_for_writing` for the signal); -1 when a writer holds the file open; None where no lease can be held."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import fcntl
+    import signal
+
+    if signal.getsignal(signal.SIGURG) not in (signal.SIG_DFL, signal.SIG_IGN):
+        return None
+    try:
+        held = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))  # this very file
+    except OSError:
+        return None
+    try:
+        fcntl.fcntl(held, F_SETSIG, signal.SIGURG)
+        fcntl.fcntl(held, F_SETLEASE, fcntl.F_RDLCK)
+    except OSError as err:
+        os.close(held)
+        return -1 if err.errno == errno.EAGAIN else None
+    return held
+
+
+def lease_broken(log: InputLog, path: Any) -> bool:
+    """Whether the lease ``log`` holds on ``path`` was broken: some descriptor opened the file for writing during
+    the load (it waits for the load to end, or for the kernel's lease-break time)."""
+    held = log.leases.get(str(path))
+    if held is None:
+        return False
+    import fcntl
+
+    try:
+        return fcntl.fcntl(held, F_GETLEASE) != fcntl.F_RDLCK
+    except OSError:
+        return True
+
+
+def release_leases(log: InputLog) -> None:
+    """Let go of every lease ``log`` holds (a writer waiting on one goes on)."""
+    leases, log.leases = log.leases, {}
+    for held in leases.values():
+        try:
+            os.close(held)
+        except OSError:
+            pass
 
 
 def open_for_writing(fd: int) -> bool:
@@ -249,6 +331,7 @@ def recording() -> Iterator[InputLog]:
         yield log
     finally:
         _LOG.reset(token)
+        release_leases(log)
 
 
 def records_inputs(fn: F) -> F:
@@ -302,6 +385,8 @@ def check_unchanged(files: Iterable[Any], log: InputLog | None) -> None:
         before = log.stamps.get(str(path))
         if before is None:
             continue
+        if lease_broken(log, path):
+            raise changed(path, "opened for writing while it was read")
         try:
             now = stamp_of(os.stat(path))
         except OSError:

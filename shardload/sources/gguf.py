@@ -334,7 +334,12 @@ def model_config(path: str | Path) -> dict[str, Any]:
 def _header(path: Path) -> _Header:
     """``path``'s header, parsed once per file identity in this process (a load asks for it three times)."""
     st = path.stat()
-    key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    key: tuple[Any, ...] = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if input_log.file_system(st.st_dev) in input_log.UNTIMED_FILE_SYSTEMS:  # rewritten through a mapping, its
+        log = input_log.current()  # times stay: kept for this load only, outside one not at all
+        if log is None:
+            return read_header(path)
+        key += (log.serial,)
     header = _HEADERS.pop(key, None) or read_header(path)
     _HEADERS[key] = header  # the newest last
     while len(_HEADERS) > _HEADERS_KEPT:
