@@ -97,10 +97,30 @@ def test_a_config_that_cannot_be_read_is_an_error_not_stages_by_names(example_di
 
     model = shutil.copytree(example_dir, tmp_path / "model")
     config = json.loads((model / "config.json").read_text())
-    config["num_hidden_layers"] += 2  # layers the checkpoint does not store: stage 1 holds none of its own
-    (model / "config.json").write_text(json.dumps(config))
-    read = shardload.load_rank(model, 1, mesh="pp=2,tp=1")
+    config["num_hidden_layers"] = 1  # stages by config (layer 1 out of range) differ from stages by names
     (model / "config.json").write_text(json.dumps(config)[:-5])  # cut short
+    read = shardload.load_rank(example_dir, 1, mesh="pp=2,tp=1")
     with pytest.raises(shardload.ShardloadError, match=r"config\.json") as err:
         shardload.load_rank(model, 1, mesh="pp=2,tp=1")
     assert "\n" not in str(err.value) and read is not None
+
+
+@pytest.mark.parametrize("extra", [2, 10**12])
+def test_a_config_counting_more_layers_than_stored_is_refused(example_dir: Path, tmp_path: Path, extra: int) -> None:
+    """A mesh's stages follow config.json's layer count: one above the layers the checkpoint stores gave the last
+    stage no decoder layer at all (a convert wrote it and verify passed), or stage 0 layers 0..499999999999."""
+    import json
+    import shutil
+
+    import shardload
+
+    model = shutil.copytree(example_dir, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    config["num_hidden_layers"] += extra
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(shardload.ShardloadError, match=r"config\.json.*stores layers 0\.\.1") as err:
+        shardload.load_rank(model, 1, mesh="pp=2,tp=1")
+    assert "\n" not in str(err.value)
+    with pytest.raises(shardload.ShardloadError, match="stores layers"):
+        shardload.convert(model, 1, tmp_path / "out", mesh="pp=2,tp=1")
+    assert not (tmp_path / "out").exists()

@@ -182,14 +182,22 @@ def _config(root: Path) -> dict[str, Any]:
 
 
 def layer_count(root: Path, names: Sequence[str]) -> int:
-    """Number of decoder layers: from config.json when it says, else from the tensor names."""
+    """Number of decoder layers: from config.json when it says, else from the tensor names. A config counting more
+    layers than the names store is refused: the last stages would hold no layer of their own."""
+    indices = [_layer(m, n) for n in names if (m := LAYER_RE.search(n))]
+    stored = max(indices) + 1 if indices else 0
     config = _config(root)
     for key in LAYER_COUNT_KEYS:
         value = config.get(key)
         if type(value) is int and value >= 0:
+            if indices and value > stored:
+                raise ShardloadError(
+                    f"{key} is {value}, but the checkpoint stores layers 0..{stored - 1}: a pipeline stage would "
+                    "hold layers that are not there",
+                    file=str(root / "config.json"),
+                )
             return value
-    indices = [_layer(m, n) for n in names if (m := LAYER_RE.search(n))]
-    return max(indices) + 1 if indices else 0
+    return stored
 
 
 def _layer(match: re.Match[str], name: str) -> int:
