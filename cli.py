@@ -1,6 +1,7 @@
-"""Entry shim: ``python cli.py ...`` runs the shardload command line (the real CLI is shardload.cli.main)."""
+"""Entry shim: ``python cli.py ...`` runs the shardload command line, as the ``shardload`` script does (the commands
+are shardload.cli.main's, run by shardload.cli.entry)."""
 
-from shardload.cli.main import main
+from shardload.cli.entry import run
 
 if __name__ == "__main__":
-    main()
+    run(prog_name="shardload")

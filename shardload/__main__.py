@@ -1,6 +1,6 @@
 """``python -m shardload ...`` runs the shardload command line, as the ``shardload`` script does."""
 
-from shardload.cli.main import main
+from shardload.cli.entry import run
 
 if __name__ == "__main__":
-    main(prog_name="shardload")
+    run(prog_name="shardload")

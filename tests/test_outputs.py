@@ -10,6 +10,8 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -272,6 +274,49 @@ def test_a_signal_after_the_output_is_in_place_says_it_is_complete(
     said = f"terminated by SIGTERM: {out} was written and is complete (stopped after it was put in place)\n"
     assert result.exit_code == 143 and result.stderr == said, result.stderr
     assert (out / "model.safetensors").exists() if command == "quantize" else shardload.verify_dir(out).ok
+
+
+STOP_WHILE_IMPORTING = """
+import builtins, os, signal, sys
+real, stop = builtins.__import__, getattr(signal, sys.argv[1])
+def hook(name, globals=None, locals=None, fromlist=(), level=0):
+    if level == 1 and name == "main":  # the script imports the command line: the first fifth of a second
+        os.kill(os.getpid(), stop)
+    return real(name, globals, locals, fromlist, level)
+builtins.__import__ = hook
+sys.argv = ["shardload", *sys.argv[2:]]
+from shardload.cli.entry import run
+run()
+"""
+
+STOP_AT_EXIT = """
+import atexit, os, signal, sys
+stop = getattr(signal, sys.argv[1])
+atexit.register(lambda: os.kill(os.getpid(), stop))  # while the interpreter shuts down
+sys.argv = ["shardload", *sys.argv[2:]]
+from shardload.cli.entry import run
+run()
+"""
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_the_script_answers_a_stop_before_and_after_its_command(example_dir: Path, signame: str) -> None:
+    """A stop signal while the script still imported its command line printed a KeyboardInterrupt traceback (or
+    nothing, for SIGTERM) and no ``--json`` document; one after the command had printed its result, while the
+    interpreter shut down, ended the process by the signal though stdout said ``"ok": true``. Before: one line, the
+    failure document, exit 128 + the signal; after: the command's own status."""
+    args = [sys.executable, "-c", STOP_WHILE_IMPORTING, signame, "validate", str(example_dir / "shard_info.json"),
+            "--json"]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    code = 128 + getattr(signal, signame)
+    assert done.returncode == code, (done.returncode, done.stderr)
+    doc = json.loads(done.stdout)
+    assert doc["ok"] is False and doc["exit_code"] == code and "nothing was done" in doc["error"]["message"], doc
+    (line,) = done.stderr.strip().splitlines()
+    assert "Traceback" not in done.stderr and "nothing was done" in line, done.stderr
+    args = [sys.executable, "-c", STOP_AT_EXIT, signame, "validate", str(example_dir / "shard_info.json"), "--json"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and json.loads(done.stdout)["ok"] is True, (done.returncode, done.stderr)
 
 
 def test_a_signal_while_the_old_output_is_removed_says_the_new_one_is_complete(

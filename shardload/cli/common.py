@@ -148,6 +148,15 @@ def _terminate(signum: int, frame: Any) -> None:
     raise _Terminated(signum)
 
 
+_STARTED: list[str] = []
+"""The commands this process has begun (the script's entry ignores a stop signal once one has: its status stands)."""
+
+
+def command_started() -> bool:
+    """Whether a command has begun in this process."""
+    return bool(_STARTED)
+
+
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn shardload and OS errors into a one-line message and exit 1 (with ``--json``, a JSON document on stdout
     too); SIGINT, SIGTERM and SIGHUP (Kubernetes, Slurm and ``timeout`` stop a job with SIGTERM) clean up and
@@ -156,7 +165,9 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         previous = {}
+        _STARTED.append(fn.__name__)
         if threading.current_thread() is threading.main_thread():
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt
             for signum in _STOP_SIGNALS:
                 previous[signum] = signal.signal(signum, _terminate)
         as_json = bool(kwargs.get("as_json"))

@@ -1,0 +1,78 @@
+"""The ``shardload`` script: the command line run with a stop signal answered in every instant of the process.
+
+Inside a command, :func:`~shardload.cli.common._guarded` answers SIGINT, SIGTERM and SIGHUP (cleanup, one line, the
+``--json`` failure document, exit 128 + the signal). Outside it the process would die with no word: while the command
+line is still importing (the first fifth of a second), and after the command has finished and printed its result,
+while the interpreter shuts down (up to a second after a large convert), when a late signal made the exit status
+contradict the document already printed. Here, a signal before the command answers as a command stopped by it would;
+one after it is ignored, so the process exits with the status its output reports. Imports only the standard library
+before the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from typing import Any, NoReturn
+
+_STOPS = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+
+
+class _Stopped(BaseException):
+    """A stop signal that arrived outside a command."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise(signum: int, frame: Any) -> None:
+    raise _Stopped(signum)
+
+
+def run(prog_name: str | None = None) -> None:
+    """Run the command line on ``sys.argv`` and exit with its status."""
+    for signum in _STOPS:
+        signal.signal(signum, _raise)
+    try:
+        from .common import command_started
+        from .main import main
+
+        def outside(signum: int, frame: Any) -> None:  # a command installs its own handlers while it runs
+            if not command_started():
+                raise _Stopped(signum)  # before it: stopped; after it: its status stands
+
+        for signum in _STOPS:
+            signal.signal(signum, outside)
+        main(prog_name=prog_name)
+    except _Stopped as err:
+        _stopped(err.signum)
+    except SystemExit:
+        for signum in _STOPS:  # the command's status is decided and printed: the exit reports it, signal or not
+            signal.signal(signum, signal.SIG_IGN)
+        raise
+
+
+def _stopped(signum: int) -> NoReturn:
+    """Exit as a command stopped by ``signum`` before it began: one line on stderr, and with ``--json`` the failure
+    document on stdout (the shape :func:`~shardload.cli.common._echo_failure` prints)."""
+    for stop in _STOPS:
+        signal.signal(stop, signal.SIG_IGN)
+    interrupted = signum == signal.SIGINT
+    message = "interrupted" if interrupted else f"terminated by {signal.Signals(signum).name}"
+    code = 128 + signum
+    args = sys.argv[1:]
+    if "--json" in (args[: args.index("--")] if "--" in args else args):
+        error = {"kind": "Interrupted" if interrupted else "Terminated", "message": f"{message} (nothing was done)"}
+        try:
+            sys.stdout.write(json.dumps({"ok": False, "exit_code": code, "error": error}, indent=2) + "\n")
+            sys.stdout.flush()
+        except OSError:
+            pass
+    try:
+        sys.stderr.write(f"{message} (nothing was done)\n")
+        sys.stderr.flush()
+    except OSError:
+        pass
+    sys.exit(code)
