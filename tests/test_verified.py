@@ -856,6 +856,19 @@ def test_hash_never_writes_its_record_over_another_file(example_dir: Path, tmp_p
         assert done.exit_code == 0 and record.read_bytes().startswith(b"SLHASH1\n"), done.output
 
 
+def test_hash_refuses_a_metadata_file_that_is_not_a_regular_file(example_dir: Path, tmp_path: Path) -> None:
+    """A ``config.json`` that is a FIFO (or a device) was skipped: the record did not hold it and ``verify`` passed,
+    while ``convert`` refuses the same directory. It is refused in one line, and no record is written."""
+    model = tmp_path / "model"
+    shutil.copytree(example_dir, model)
+    (model / "config.json").unlink()
+    os.mkfifo(model / "config.json")
+    with pytest.raises(shardload.ShardloadError, match="not a regular file") as err:
+        hash_model(model)
+    assert "config.json" in str(err.value) and "\n" not in str(err.value)
+    assert not (model / RECORD_NAME).exists()
+
+
 def test_hash_into_a_directory_that_does_not_exist_is_refused(example_dir: Path, tmp_path: Path) -> None:
     """``shardload hash MODEL -o missing/`` (a directory meant, by its slash) wrote a file named ``missing`` and
     exited 0; it is refused in one line, and an existing directory gets the record inside it."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ShardloadError
+from ..errors import CheckpointError, ShardloadError
 from ..format import input_log
 from ..format.hash_record import (
     HASH_BYTES,
@@ -290,9 +290,18 @@ checked whole at every verified load (a tampered TVM table or shard_info could p
 
 
 def metadata_files(checkpoint: Checkpoint) -> list[Any]:
-    """The checkpoint's :data:`METADATA_NAMES` files that exist (for a directory or prefix model)."""
+    """The checkpoint's :data:`METADATA_NAMES` files that exist (for a directory or prefix model); one there that is
+    no regular file (a FIFO, a device) is refused: a record without it would pass ``verify``."""
     root = checkpoint.root
-    return [root / name for name in metadata_names(checkpoint) if (root / name).is_file()]
+    found = []
+    for name in metadata_names(checkpoint):
+        path = root / name
+        if path.is_file():
+            found.append(path)
+        elif not isinstance(path, ObjectPath) and (path.is_symlink() or path.exists()):
+            raise CheckpointError("is not a regular file (a FIFO, a device, a dangling link?): the integrity record "
+                                  "must hold it", file=str(path))  # fmt: skip
+    return found
 
 
 def metadata_names(checkpoint: Checkpoint) -> tuple[str, ...]:
