@@ -368,6 +368,17 @@ def test_an_unknown_architecture_hints_only_at_options_the_command_has(
     assert ("--shard-info" in result.stderr) == (command in ("convert", "inspect")), result.stderr
 
 
+def test_plan_json_to_stdout_reports_a_failure_on_stderr_too(runner: CliRunner, example_dir: Path) -> None:
+    """``plan --json -o -`` prints its report on stderr, since stdout holds the file; a failure printed its document
+    on stdout and a plain line on stderr, so a script reading stderr as the report met no JSON."""
+    done = runner.invoke(main, ["plan", str(example_dir), "-o", "-", "--json", "-n", "3"])
+    assert done.exit_code == 1 and done.stdout == "", done.stdout
+    doc = json.loads(done.stderr)
+    assert doc["ok"] is False and doc["exit_code"] == 1 and "num_shards=3" in doc["error"]["message"], doc
+    good = runner.invoke(main, ["plan", str(example_dir), "-o", "-", "--json"])
+    assert good.exit_code == 0 and json.loads(good.stderr)["ok"] is True and json.loads(good.stdout)["params"]
+
+
 def test_preflight_without_config_json_says_there_is_none(runner: CliRunner, tmp_path: Path) -> None:
     """A model with neither shard_info.json nor config.json: preflight names the missing file, as plan does, not a
     ``model_type None`` of a config.json that does not exist."""

@@ -63,8 +63,13 @@ MAX_LISTED_N = 16
 
 
 def _fail(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
+    if not _DOCUMENT_ON_STDERR:  # there, the failure document is the line
+        click.echo(f"error: {message}", err=True)
     sys.exit(1)
+
+
+_DOCUMENT_ON_STDERR: list[bool] = []
+"""Set while a command prints its ``--json`` document on stderr (``plan --json -o -``: stdout holds the file)."""
 
 
 def _json_requested(args: list[str]) -> bool:
@@ -82,7 +87,8 @@ def _echo_failure(error: dict[str, Any], exit_code: int) -> None:
     """The ``--json`` document of a command that failed: ``{"ok": false, "exit_code": ..., "error": {...}}``; where
     stdout cannot take it, the error line on stderr that follows is all there is."""
     try:
-        click.echo(json.dumps({"ok": False, "exit_code": exit_code, "error": error}, indent=2))
+        click.echo(json.dumps({"ok": False, "exit_code": exit_code, "error": error}, indent=2),
+                   err=bool(_DOCUMENT_ON_STDERR))  # fmt: skip
     except OSError:
         _drop_stdout()
 
@@ -171,6 +177,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             for signum in _STOP_SIGNALS:
                 previous[signum] = signal.signal(signum, _terminate)
         as_json = bool(kwargs.get("as_json"))
+        _DOCUMENT_ON_STDERR[:] = [True] if as_json and str(kwargs.get("out")) == "-" else []
         _WRITTEN.clear()
         _forget_published()
         try:
@@ -209,6 +216,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             _stop(f"internal error: {reason} (a bug in shardload; {DEBUG_ENV}=1 shows the traceback)", 1, as_json,
                   type(err).__name__, prefix="error: ")  # fmt: skip
         finally:
+            _DOCUMENT_ON_STDERR.clear()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
@@ -224,7 +232,8 @@ def _stop(message: str, code: int, as_json: bool, kind: str, prefix: str = "") -
     failure document on stdout."""
     if as_json:
         _echo_failure({"kind": kind, "message": message}, code)
-    click.echo(f"{prefix}{message}", err=True)
+    if not _DOCUMENT_ON_STDERR:
+        click.echo(f"{prefix}{message}", err=True)
     sys.exit(code)
 
 
