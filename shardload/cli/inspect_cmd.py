@@ -31,7 +31,8 @@ INSPECT_N = 8
 @click.argument("model", type=MODEL)
 @click.option(
     "-n", "--num-shards", type=click.IntRange(min=1),
-    help=f"N (default: the file's N, else {INSPECT_N} when it plans, else the largest N below that does).",
+    help=f"N (default: the file's N; a converted directory's or pre-sharded cache's own N; else {INSPECT_N} when it "
+         "plans, else the largest N below that does).",
 )  # fmt: skip
 @click.option("--shard-info", type=click.Path(path_type=Path), help="shard_info.json (default MODEL/shard_info.json).")
 @click.option("--json", "as_json", is_flag=True, help="Print rows and totals as JSON.")
@@ -64,6 +65,7 @@ def inspect(
     from ..sources.source_types import Boxes, PreshardedBoxes, RankFiles, SplitRecords, check_options, open_source
 
     source = open_source(model, layout or (Mesh(tp=num_shards) if num_shards else None))
+    own = None
     if layout is not None:
         layout = own_layers(source, layout)  # a converted directory's own stages, as a load of it serves
     if isinstance(source, (RankFiles, Boxes)):
@@ -73,12 +75,14 @@ def inspect(
         click.echo(f"note: {source.what} for num_shards={boxes.old.num_shards}: each rank reads its boxes out of "
                    f"those {held}", err=True)  # fmt: skip
         checkpoint, info = boxes.stored, boxes.shard_info
+        own = boxes.old.num_shards  # no -n: the N it was made for
     elif isinstance(source, SplitRecords):  # at its own N each rank's records are its tensors (a plan beside: checked)
         checkpoint, info = source.checkpoint, records_plan(source.checkpoint, shard_info)
+        own = checkpoint.split_for
     else:
         checkpoint = source.checkpoint
         info = shard_info_for(checkpoint, shard_info)
-    n = num_shards or info.num_shards or _inspect_n(info, checkpoint)
+    n = num_shards or info.num_shards or own or _inspect_n(info, checkpoint)
     plan = build_plan(info, checkpoint, n)
     stages: Any = None
     if layout is not None:  # before anything is printed: a mesh the model cannot take is the whole output
