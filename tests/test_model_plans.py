@@ -529,3 +529,40 @@ def test_a_split_module_stored_in_a_layout_no_rule_knows_is_refused(tmp_path: Pa
     with pytest.raises(shardload.ShardloadError, match="in a layout no rule knows") as err:
         shardload.load_rank(model, 0, 2)
     assert "\n" not in str(err.value) and "model.layers.0.mlp.down_proj" in str(err.value)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_per_head_attention_scales_follow_their_heads(tmp_path: Path, n: int) -> None:
+    """KV-cache scales stored per head (compressed-tensors' ``attn_head`` strategy: ``self_attn.k_scale`` and
+    ``v_scale`` ``[kv_heads, 1, 1]``, ``q_scale`` ``[heads, 1, 1]``) went whole to every rank, though each rank holds
+    only its heads (vLLM gives rank r its heads' scales); ``q_scale`` was taken for MLC's quantized part and no N
+    planned. Now each rank holds the scales of the heads it holds, KV heads replicated past their count as k_proj's
+    are; a per-tensor scale stays whole."""
+    from safetensors.torch import load_file, save_file
+
+    from helpers import tiny_models
+
+    model = tmp_path / "m"
+    tiny_models.build("llama_gqa", model)  # 8 heads, 2 KV heads, head_dim 8
+    state = load_file(model / "model.safetensors")
+    a = "model.layers.0.self_attn."
+    state[a + "k_scale"] = torch.tensor([1.0, 2.0]).reshape(2, 1, 1)
+    state[a + "v_scale"] = torch.tensor([3.0, 4.0]).reshape(2, 1, 1)
+    state[a + "q_scale"] = torch.arange(1.0, 9.0).reshape(8, 1, 1)
+    state["model.layers.1.self_attn.k_scale"] = torch.tensor(5.0)  # per tensor
+    save_file(state, model / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
+                                     "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "attn_head"}}  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
+    k_rows = state[a + "k_proj.weight"].reshape(2, 8, -1)  # [kv head, head_dim, hidden]
+    for r in range(n):
+        got = shardload.load_rank(model, r, n)
+        kv = [h for h in range(2) if torch.equal(got[a + "k_proj.weight"].reshape(-1, 8, 64)[0], k_rows[h])]
+        assert len(kv) == 1, "the rank's k_proj rows are one KV head's"
+        want_kv = torch.tensor([[1.0, 2.0][kv[0]]]).reshape(1, 1, 1) if n >= 2 else None
+        assert torch.equal(got[a + "k_scale"], want_kv), (r, got[a + "k_scale"])
+        assert torch.equal(got[a + "v_scale"], want_kv + 2), (r, got[a + "v_scale"])
+        heads = 8 // n
+        assert torch.equal(got[a + "q_scale"].flatten(), torch.arange(1.0 + r * heads, 1.0 + (r + 1) * heads)), r
+        assert got["model.layers.1.self_attn.k_scale"].item() == 5.0

@@ -26,7 +26,15 @@ from typing import Any
 
 from ..errors import PlanError
 from .placement import Placement, TensorHeader
-from .splits import ATTENTION_ROLES, ModelDims, all_replicated, attention_placement, head_units, packed_halves
+from .splits import (
+    ATTENTION_ROLES,
+    ModelDims,
+    all_replicated,
+    attention_placement,
+    attention_scale_placements,
+    head_units,
+    packed_halves,
+)
 from .stored_layouts import refuse_unknown_part
 
 __all__ = [
@@ -352,6 +360,7 @@ def hf_placements(
         pattern, style = found
         used.add(pattern)
         placements[name] = _style_placement(style, pattern, name, tuple(info.shape), dims)
+    placements.update(attention_scale_placements(tensors, placements, dims))
     _refuse_unknown_parts(tensors, full)
     notes = [
         f"tp_plan entry {key!r} ({full[p]}) matched no tensor"

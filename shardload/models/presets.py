@@ -12,7 +12,15 @@ from typing import Any
 from ..errors import PlanError
 from .families import family_for, model_types
 from .placement import Placement, TensorHeader
-from .splits import ModelDims, all_replicated, attention_placement, head_units, packed_halves, shape_error
+from .splits import (
+    ModelDims,
+    all_replicated,
+    attention_placement,
+    attention_scale_placements,
+    head_units,
+    packed_halves,
+    shape_error,
+)
 from .stored_layouts import refuse_unknown_part
 
 __all__ = ["gguf_names", "preset_placements", "role_placement"]
@@ -138,6 +146,7 @@ def preset_placements(
         placements[name] = role_placement(
             roles[pattern], name, param, None if info is None else tuple(info.shape), dims, experts, rule
         )
+    placements.update(attention_scale_placements(tensors, placements, dims))
     _refuse_unknown_parts(tensors, placements, _starred(roles))
     return placements
 

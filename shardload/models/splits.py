@@ -6,6 +6,7 @@ transformers' plans (:mod:`shardload.models.hf_tp_tables`). Pure.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -126,6 +127,40 @@ def attention_placement(
         counts = f"num_attention_heads={heads}, num_key_value_heads={kv_heads}, head_dim={head_dim}"
         raise shape_error(name, f"output dim {shape[0]} does not match {counts} from config.json")
     return Placement(name, "column", 0, segments, head_dim, kv, rule=rule)
+
+
+ATTENTION_SCALES = {"q_scale": False, "k_scale": True, "v_scale": True}
+"""An attention module's own scales (a quantized KV cache's, compressed-tensors' ``attn_head`` strategy stores one per
+head), by name: whether they follow the KV heads (else the query heads)."""
+
+
+def attention_scale_placements(
+    tensors: Mapping[str, Any], placements: Mapping[str, Placement], dims: ModelDims
+) -> dict[str, Placement]:
+    """Placements for the per-head scales (:data:`ATTENTION_SCALES`) of attention modules whose projections are
+    split by heads: each rank holds the scales of the heads it holds (KV heads replicated past their count, as
+    ``k_proj``'s are). A per-tensor scale stays whole; one that is neither is refused."""
+    split = set()  # attention modules with a projection split by heads (a column split counted in heads)
+    for p in placements.values():
+        if p.style == "column" and p.segments:
+            split.add(p.name.rsplit(".", 2)[0])
+    out = {}
+    for name, info in tensors.items():
+        module, _, last = name.rpartition(".")
+        if last not in ATTENTION_SCALES or module not in split:
+            continue
+        shape = tuple(int(d) for d in info.shape)
+        if math.prod(shape) <= 1:
+            continue  # one scale for the whole tensor
+        kv = ATTENTION_SCALES[last]
+        count = dims.num_kv_heads if kv else dims.num_heads
+        if count is None or shape[0] % count:
+            what = "num_key_value_heads" if kv else "num_attention_heads"
+            raise shape_error(name, f"{last} {list(shape)} is neither one scale nor one per head ({what}={count}), "
+                                    "and its module is split by heads")  # fmt: skip
+        rule = f"{last} of an attention module split by heads: each rank its heads' scales"
+        out[name] = Placement(name, "column", 0, (count,), shape[0] // count, (kv,), rule=rule)
+    return out
 
 
 def head_units(

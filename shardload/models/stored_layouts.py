@@ -158,7 +158,8 @@ def logical_tensors(tensors: Tensors, quantization_config: Mapping[str, Any] | N
     formats: dict[str, str] = {}
     for name, info in tensors.items():
         module, _, suffix = name.rpartition(".")
-        if module and suffix in _KNOWN:
+        mlc_part = suffix != "q_scale" or f"{module}.q_weight" in tensors  # else an attention module's own q_scale
+        if module and suffix in _KNOWN and mlc_part:
             if module not in formats:
                 formats[module] = detect_format(module, tensors, quantization_config)
             if formats[module] != "dense":
