@@ -106,6 +106,24 @@ def w8a8(out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def w8a8_kv(out: Path) -> None:
+    """The W8A8 Llama above with a quantized KV cache: one FP8 scale per attention layer for its keys and one for its
+    values (``self_attn.k_scale``, ``v_scale``: compressed-tensors' ``kv_cache_scheme``, strategy ``tensor``)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    w8a8(out)
+    tensors = load_file(out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    for layer in range(config["num_hidden_layers"]):
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(0.02 + layer / 100)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor([0.03 + layer / 100])
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "symmetric": True,
+                                                         "strategy": "tensor", "dynamic": False}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
 MOE = dict(moe_intermediate_size=128, num_experts_per_tok=2)
 """Four experts of 128 rows (TP=4 splits each into 32; EP=4 gives each rank one)."""
 

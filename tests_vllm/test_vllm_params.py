@@ -26,20 +26,25 @@ from shardload.errors import ShardloadError
 from shardload.integrations.vllm.writer import convert_vllm
 
 HERE = Path(__file__).parent
-FAMILIES = [*make_models.FAMILIES, "qwen2", "qwen2_head", *make_models.QUANTIZED]
+FAMILIES = [*make_models.FAMILIES, "qwen2", "qwen2_head", *make_models.QUANTIZED, "w8a8_kv"]
 """The families, and quantized Llamas: compressed-tensors W4A16, GPTQ int4 and AWQ int4 (packed int4: vLLM CPU's
 WNA16), FP8 block-quantized (built without its kernel, which needs AMX: compared at the parameter level only).
 Qwen2 (``make_models.qwen2``: tied embeddings, a vocabulary of 250) at TP=2 is the vocabulary that shardload's
 default plan splits evenly (125 + 125, N divides it) and vLLM pads (128 + 122): its ``qwen2-shardload-tp2`` case
 compares the rows ``load_format="shardload"`` fills with vLLM's own partition (docs/model-plans.md); ``qwen2_head``
-is that model with another lm_head.weight stored under the tied config, which vLLM unties and serves."""
+is that model with another lm_head.weight stored under the tied config, which vLLM unties and serves; ``w8a8_kv``
+is the W8A8 Llama with a quantized KV cache's scales (``self_attn.k_scale``), which vLLM keeps on its attention
+layers (``load_format="shardload"`` refused them; ``--layout vllm`` does not write them yet, and says so)."""
 DTYPES = {"gptq": "bfloat16", "fp8": "bfloat16", "awq": "bfloat16"}
 """vLLM's dtype where float32 is not served (its GPTQ takes 16-bit activations, its FP8 16-bit models)."""
 FORMATS = ["shardload", "sharded_state"]
-TPS = {name: (1, 2, 4) for name in FAMILIES} | {"gpt_oss": (1, 2), "qwen2": (2,), "qwen2_head": (2,)}
+TPS = {name: (1, 2, 4) for name in FAMILIES} | {"gpt_oss": (1, 2), "qwen2": (2,), "qwen2_head": (2,), "w8a8_kv": (2,)}
 """TP sizes per family: 4 heads (and 4 experts) allow 4; vLLM's own GPT-OSS MoE fails to build at TP=4 here; Qwen2
 only where its vocabulary split differs from vLLM's (TP=4 pads 250 to 256 by vLLM's rule, as llama_kv1 checks)."""
-REFUSED: dict[tuple[str, str], str] = {}
+REFUSED: dict[tuple[str, str], str] = {
+    ("w8a8_kv", "sharded_state"): "not quant_method='compressed-tensors' with a "
+    "kv_cache_scheme; serve this one with load_format='shardload'"
+}
 """(family, format) -> what the one-line refusal says, on every rank."""
 MOE = ["mixtral", "deepseek_v2", "deepseek_v3", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_moe_stacked"]
 """Families run with expert parallelism too (``enable_expert_parallel=True``: each rank holds whole experts). Not

@@ -251,8 +251,8 @@ def copy_into(
             if target.name in vocab:
                 _fill_vocab(param, tensor, vocab[target.name], name in narrow, where, name, name in direct, server)
             elif name not in direct:
-                if tensor.dim() == 0 and tuple(param.shape) == (1,):  # a per-tensor scale stored without a shape
-                    tensor = tensor.reshape(1)
+                if tensor.numel() == 1 and param.numel() == 1:  # a per-tensor scale, stored as [] or [1]
+                    tensor = tensor.reshape(param.shape)
                 _check_shape(param, tensor.shape, where, name, target.name, server)
                 param.data.copy_(tensor)
             filled.add(target.name)

@@ -239,6 +239,14 @@ def fill_model(
             older = replace(target, name=target.name.replace(f".{EXPERTS_MODULE}.", ".", 1))
             if older.name in targets:
                 return older
+        if mapped.endswith(KV_SCALES):  # an attention layer's KV-cache scale: where vLLM's own loader puts it
+            from vllm.model_executor.model_loader.weight_utils import maybe_remap_kv_scale_name
+
+            remapped = maybe_remap_kv_scale_name(mapped, targets)
+            if remapped is None:
+                return None  # a scale this model has no parameter for: vLLM's loader drops it too
+            if remapped in targets:
+                return vllm_target(remapped, {})
         if tied and target.name.endswith("lm_head.weight"):
             return None
         if name.endswith(".g_idx"):
@@ -311,6 +319,11 @@ def fill_model(
             file=where,
         )
     return report
+
+
+KV_SCALES = (".k_scale", ".v_scale", ".q_scale", ".kv_scale", ".prob_scale")
+"""A checkpoint's attention scales (``self_attn.k_scale``, ModelOpt's ``k_proj.k_scale``), which vLLM keeps on its
+attention layer (``self_attn.attn.k_scale``)."""
 
 
 def _converted_vocab(
