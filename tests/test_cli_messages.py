@@ -379,6 +379,23 @@ def test_plan_json_to_stdout_reports_a_failure_on_stderr_too(runner: CliRunner, 
     assert good.exit_code == 0 and json.loads(good.stderr)["ok"] is True and json.loads(good.stdout)["params"]
 
 
+def test_an_empty_output_path_is_a_usage_error(runner: CliRunner, example_dir: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """``-o ''`` (an unset variable) was the current directory: ``hash MODEL -o ''`` wrote its record there. Every
+    output path that is empty is refused as a usage error, and nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    for args in (
+        ["hash", str(example_dir), "-o", ""],
+        ["convert", str(example_dir), "-n", "2", "-o", ""],
+        ["example", ""],
+        ["plan", str(example_dir), "-o", ""],
+        ["quantize", str(example_dir), "-o", ""],
+    ):
+        done = runner.invoke(main, args)
+        assert done.exit_code == 2 and "is empty" in done.stderr, (args, done.output)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_preflight_without_config_json_says_there_is_none(runner: CliRunner, tmp_path: Path) -> None:
     """A model with neither shard_info.json nor config.json: preflight names the missing file, as plan does, not a
     ``model_type None`` of a config.json that does not exist."""

@@ -40,6 +40,19 @@ class ModelArgument(click.ParamType):
 MODEL = ModelArgument()
 
 
+class OutputPath(click.Path):
+    """An output path (``-o``, ``example``'s OUT_DIR): refused when empty, which ``Path`` reads as the current
+    directory (an unset variable would write there)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.strip():
+            self.fail("is empty: name the output (`.` for the current directory)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+OUT = OutputPath(path_type=Path)
+
+
 class _LayoutChoice(click.Choice):
     """``convert --layout``'s choices: the built-in layout and every registered target, read when first asked (the
     installed integrations' entry points load then, not when the command line starts)."""

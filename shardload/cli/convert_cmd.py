@@ -15,6 +15,7 @@ from ..format.hash_record import is_root_hash
 from .common import (
     MAX_LISTED_N,
     MODEL,
+    OUT,
     BadArgument,
     _echo_json,
     _guarded,
@@ -31,7 +32,7 @@ from .common import (
 @_plugin_option
 @click.argument("model", type=MODEL)
 @click.option("-n", "--num-shards", type=click.IntRange(min=1), help="Tensor-parallel size N (or give --mesh).")
-@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Output directory.")
+@click.option("-o", "--out", "out_dir", type=OUT, required=True, help="Output directory.")
 @click.option("--shard-info", type=click.Path(path_type=Path), help="shard_info.json (default MODEL/shard_info.json).")
 @click.option("--overwrite", is_flag=True, help="Replace the output directory if it exists.")
 @click.option(
@@ -209,7 +210,7 @@ def _convert_to(
 @click.command()
 @_plugin_option
 @click.argument("model", type=MODEL)
-@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Output directory.")
+@click.option("-o", "--out", "out_dir", type=OUT, required=True, help="Output directory.")
 @click.option("--scheme", type=click.Choice(["int4", *QUANT_SCHEMES]), default="int4", show_default=True,
               help="int4-gG: 4-bit, a scale per G inputs; int4: G chosen from the model (128, 64 or 32, the largest "
                    "that keeps N up to 8); int8 and fp8: a scale per output channel.")  # fmt: skip

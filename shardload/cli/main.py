@@ -16,7 +16,7 @@ import click
 
 from ..errors import printable
 from ..version import __version__
-from .common import BadArgument, _echo_failure, _guarded, _json_requested, _plugin_option, written
+from .common import OUT, BadArgument, _echo_failure, _guarded, _json_requested, _plugin_option, written
 from .convert_cmd import convert, quantize
 from .inspect_cmd import hash_command, inspect, verify
 from .plan_cmd import plan, preflight, validate
@@ -92,7 +92,7 @@ def _show_plan_notes() -> None:
 
 
 @main.command()
-@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=OUT)
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists.")
 @click.option("--multi-file", is_flag=True, help="Split weights over two files with an index.json.")
 @_guarded

@@ -14,6 +14,7 @@ from ..models.choices import EXPERT_MODES, STYLES, VOCAB_PADDING
 from .common import (
     MAX_LISTED_N,
     MODEL,
+    OUT,
     BadArgument,
     _echo_json,
     _guarded,
@@ -45,7 +46,7 @@ def _vocab_padding_option(text: str) -> Any:
 @click.option(
     "-o",
     "--out",
-    type=click.Path(path_type=Path),
+    type=OUT,
     help="Output file (default MODEL/shard_info.json, or stdout for a Hub id or an s3:// model; - for stdout).",
 )
 @click.option(
