@@ -552,8 +552,9 @@ def test_per_head_attention_scales_follow_their_heads(tmp_path: Path, n: int) ->
     state["model.layers.1.self_attn.k_scale"] = torch.tensor(5.0)  # per tensor
     save_file(state, model / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((model / "config.json").read_text())
+    kv_cache = {"num_bits": 8, "type": "float", "strategy": "attn_head"}
     config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
-                                     "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "attn_head"}}  # fmt: skip
+                                     "kv_cache_scheme": kv_cache}  # fmt: skip
     (model / "config.json").write_text(json.dumps(config))
     k_rows = state[a + "k_proj.weight"].reshape(2, 8, -1)  # [kv head, head_dim, hidden]
     for r in range(n):
