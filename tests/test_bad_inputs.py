@@ -902,3 +902,24 @@ def test_many_keys_naming_no_parameter_are_counted_not_listed(tmp_path: Path) ->
     problems = json.loads(result.stdout)["problems"]
     assert result.exit_code == 1 and len(problems) == 101, len(problems)
     assert problems[-1]["message"].endswith(f"and 4900 more keys that name no parameter of {model}")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dangling", "directory"])
+def test_a_weight_file_that_is_no_regular_file_is_named(example_dir: Path, tmp_path: Path, kind: str) -> None:
+    """``model.safetensors`` as a FIFO, a dangling link or a directory was reported as "no model.safetensors, ... file
+    here", as if the model had none; the file is named with what it is."""
+    model = tmp_path / "m"
+    model.mkdir()
+    for name in ("config.json", "shard_info.json"):
+        shutil.copy(example_dir / name, model / name)
+    weights = model / "model.safetensors"
+    if kind == "fifo":
+        os.mkfifo(weights)
+    elif kind == "dangling":
+        weights.symlink_to(tmp_path / "gone")
+    else:
+        weights.mkdir()
+    with pytest.raises(shardload.ShardloadError) as err:
+        shardload.load_rank(model, 0, 2)
+    text = str(err.value)
+    assert str(weights) in text and "file here" not in text and "\n" not in text, text

@@ -181,6 +181,11 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         return _open_index(path, path / INDEX_NAME)
     if (path / SINGLE_NAME).is_file():
         return _open_files(path, path, [resolve_inside(path, SINGLE_NAME, path)])
+    for name in (MANIFEST_NAME, INDEX_NAME, SINGLE_NAME):  # there, but no file to read: say so, not "no such file"
+        odd = path / name
+        if odd.is_symlink() or odd.exists():
+            what = "a dangling link" if not odd.exists() else "not a regular file (a FIFO, a directory, a device?)"
+            raise CheckpointError(f"is {what}", file=str(odd))
     found = sorted(p for p in path.glob("*.safetensors") if p.is_file())
     if any(RANK_FILE_RE.fullmatch(p.name) for p in found):
         raise CheckpointError(
