@@ -291,6 +291,17 @@ def test_plugin_found_in_the_current_directory(example_dir: Path, tmp_path: Path
     assert done.returncode == 0 and done.stderr == "my steps registered\n", done.stderr
 
 
+def test_verify_takes_a_plugin(example_dir: Path, tmp_path: Path, runner: CliRunner) -> None:
+    """A directory converted with a plugin's steps is verified with ``--source`` only with those steps registered:
+    ``verify --plugin`` was a usage error, as the other planning commands take it."""
+    plugin = tmp_path / "my_plugin_steps.py"
+    plugin.write_text("import sys\nsys.stderr.write('plugin imported\\n')\n")
+    out = tmp_path / "tp2"
+    shardload.convert(example_dir, 2, out)
+    done = runner.invoke(main, ["verify", str(out), "--source", str(example_dir), "--plugin", str(plugin)])
+    assert done.exit_code == 0 and "plugin imported" in done.stderr, done.output
+
+
 @pytest.mark.parametrize(
     ("typed", "meant"),
     [("shard_dim", "shard_funcs.shard_dim"), ("pad_dim", "shard_funcs.pad_dim"),

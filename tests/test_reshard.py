@@ -663,3 +663,25 @@ def test_an_output_inside_a_converted_source_is_refused(models: dict[str, Model]
         result = CliRunner().invoke(main, ["convert", str(source), "-o", str(out), *args])
         assert result.exit_code == 1 and "lies inside the source directory" in result.output, result.output
         assert not out.exists()
+
+
+def test_an_empty_tensor_made_by_a_compute_step_reshards(tmp_path: Path) -> None:
+    """A ``[0, 24]`` tensor whose plan has a compute step, converted for 2 and loaded for 4, raised a bare ValueError
+    from ``torch.frombuffer`` on its empty record (an internal error on the command line): each rank gets its empty
+    part, as from the source. Strides are a fresh tensor's (a ``[8, 1]`` came back with strides ``(1, 8)``)."""
+    import numpy as np
+
+    from helpers.checkpoints import write_model
+
+    shardload.register("tests.reverse_rows", shape=lambda s, d: (tuple(s), d), replace=True)(lambda x: x.flip(0))
+    shardload.register("tests.swap01", shape=lambda s, d: ((s[1], s[0]), d), replace=True)(lambda x: x.transpose(0, 1))
+    steps = [["tests.reverse_rows", [None, None]], ["shard_funcs.shard_dim", [None, None], 1, "num_shards"]]
+    tall = [["tests.swap01", [None, None]], ["shard_funcs.replicate", [None, None], "num_shards"]]
+    tensors = {"w": np.zeros((0, 24), dtype=np.int16), "t": np.arange(8, dtype=np.float32).reshape(1, 8)}
+    model = write_model(tmp_path / "m", tensors, {"version": 1, "num_shards": None, "params": {"w": steps, "t": tall}})
+    shardload.convert(model, 2, tmp_path / "tp2")
+    for r in range(4):
+        got, want = shardload.load_rank(tmp_path / "tp2", r, 4), shardload.load_rank(model, r, 4)
+        assert got["w"].shape == want["w"].shape == (0, 6)
+        assert torch.equal(got["t"], want["t"]) and got["t"].stride() == want["t"].stride() == (1, 1), got["t"].stride()
+        got["t"].view(torch.uint8)  # a tensor of standard strides views as bytes

@@ -921,3 +921,38 @@ def test_a_large_manifest_is_written_compact(tmp_path: Path, monkeypatch: pytest
     assert torch.equal(
         shardload.load_rank(tmp_path / "large", 1, 2)["t199"], torch.full((4,), 199, dtype=torch.float16)
     )
+
+
+def _flip_rows_step() -> None:
+    """``tests.flip_rows``: a compute step (no box rule) reversing dim 0, registered once."""
+    shardload.register("tests.flip_rows", shape=lambda s, d: (tuple(s), d), replace=True)(lambda x: x.flip(0))
+
+
+def test_bytes_received_for_a_computed_tensor_are_compared_as_bytes(tmp_path: Path) -> None:
+    """``group=`` with ``verify`` checks a tensor a compute step makes by computing it again and comparing: by value,
+    so a NaN (never equal to itself) refused a correct load, and a zero received with its sign flipped passed. It is
+    compared byte for byte."""
+    from shardload.engine.integrity import verifier, wrapped
+    from shardload.engine.routes import check_received
+    from shardload.engine.transfer import reader_for_plan
+    from shardload.format.shard_info import ShardInfo
+    from shardload.planning.plan import build_plan
+    from shardload.sources.verified import IntegrityError
+
+    _flip_rows_step()
+    values = np.arange(32, dtype=np.float16).reshape(8, 4)
+    values[1, 2], values[2, 3] = np.nan, 0.0  # rank 1 of 2 holds rows 4..7 of the flipped tensor: rows 3..0
+    steps = [["tests.flip_rows", [None, None]], ["shard_funcs.shard_dim", [None, None], 0, "num_shards"]]
+    info = {"version": 1, "num_shards": None, "params": {"w": steps}}
+    model = write_model(tmp_path / "m", {"w": values}, info)
+    hash_model(model)
+    checkpoint = open_checkpoint(model)
+    plan = build_plan(ShardInfo.load(model / "shard_info.json"), checkpoint, 2)
+    state = shardload.load_rank(model, 1, 2)
+    with wrapped(reader_for_plan(plan.params.values()), verifier(checkpoint, True, str(model))) as reader:
+        check_received(plan.params.values(), 1, state, reader)  # the right bytes, NaN and all
+        signed = {"w": state["w"].clone()}
+        assert signed["w"][1, 3].item() == 0.0
+        signed["w"][1, 3] = -0.0
+        with pytest.raises(IntegrityError, match="differ from the checkpoint"):
+            check_received(plan.params.values(), 1, signed, reader)

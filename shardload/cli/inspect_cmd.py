@@ -124,6 +124,7 @@ def _inspect_n(info: Any, checkpoint: Any) -> int:
 
 
 @click.command()
+@_plugin_option
 @click.argument("target", metavar="OUT", type=MODEL)  # not out_dir: verify writes nothing, an interrupt removes nothing
 @click.option(
     "--source", "source", type=MODEL, metavar="MODEL",

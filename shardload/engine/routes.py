@@ -41,6 +41,7 @@ from .load_options import LoadOptions
 from .paths import data_path_for
 from .reshard import ShardsSource, assemble_ranks, open_presharded, open_shards
 from .run import materialize, run_plan, stages_of
+from .steps import same_bytes
 from .transfer import Transfer, reader_for_plan
 from .verify import rank_file
 
@@ -358,7 +359,6 @@ def check_received(params: Iterable[ParamPlan], rank: int, state: Mapping[str, t
     from the received bytes (completed from storage where a tile reaches past them); a tensor read whole (a
     compute step) is read again, checked, and compared."""
     import numpy as np
-    import torch
 
     from ..planning.runs import param_runs
     from ..sources.verified import IntegrityError, ReceivedBytes, VerifiedReader, buffer_array
@@ -371,7 +371,7 @@ def check_received(params: Iterable[ParamPlan], rank: int, state: Mapping[str, t
             continue
         if runs is None:
             expected = materialize(p, reader, [rank])[0]
-            if not torch.equal(expected, got.cpu()):
+            if not same_bytes(expected, got.cpu()):
                 raise IntegrityError(f"bytes received for this parameter: {culprit}", file=str(p.source.file),
                                      param=p.name)  # fmt: skip
             continue

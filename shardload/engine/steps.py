@@ -13,6 +13,16 @@ if TYPE_CHECKING:
     from ..planning.plan import ParamPlan, PlannedStep
 
 
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold one dtype, shape and the same bytes: ``torch.equal`` compares values, so a NaN differs
+    from itself and -0.0 equals 0.0."""
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
 def run_steps(plan: ParamPlan, x: torch.Tensor) -> torch.Tensor:
     """Apply every step of ``plan`` to the whole tensor ``x``, checking each result against the plan."""
     import torch

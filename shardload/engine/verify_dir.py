@@ -20,6 +20,7 @@ from ..sources.source_types import open_source
 from .convert_targets import LayoutTarget, layout_for_manifest
 from .load import load_rank
 from .reshard import RECORD_KEY, open_shards
+from .steps import same_bytes
 from .verify import OutputRecord, VerifyReport, check_entry
 from .verify_source import refuse_vllm_save
 
@@ -167,7 +168,6 @@ def _source_plan(source: Any, num_shards: int, shard_info: Any) -> ModelPlan:
 def _against_source(out: Path, source: Any, manifest: dict, shard_info: Any, count: _Count) -> list[CheckpointError]:
     """The manifest's plan against the source's, then every rank of ``out`` against the same rank loaded from
     ``source``: names, dtypes, shapes and bytes."""
-    import torch
 
     tp = manifest["num_shards"]
     try:
@@ -198,7 +198,7 @@ def _against_source(out: Path, source: Any, manifest: dict, shard_info: Any, cou
             if (a.dtype, a.shape) != (b.dtype, b.shape):
                 what = f"source {a.dtype} {tuple(a.shape)}, output {b.dtype} {tuple(b.shape)}"
                 problems.append(CheckpointError(f"{name!r} differs: {what}", file=where))
-            elif not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+            elif not same_bytes(a, b):
                 problems.append(CheckpointError(f"{name!r} differs from the source's bytes", file=where))
         del want, got
         count.add(-(-count.nbytes // mesh.world_size))
