@@ -255,6 +255,21 @@ def test_whole_model_load_reports_progress(example_dir: Path, monkeypatch: pytes
     assert screen.getvalue().startswith("\rloading: 1/") and screen.getvalue().endswith("(100%)\n")
 
 
+def test_progress_is_reported_from_a_cache_presharded_for_its_n(tmp_path: Path) -> None:
+    """A TVM cache pre-sharded for N, loaded at N (its ranks' own records), never called ``progress=``."""
+    pytest.importorskip("tvm")
+    import shardload.engine.transfer as transfer
+    from helpers.tvm_cache import presharded
+
+    path, split = presharded(tmp_path, 2)
+    seen: list[tuple[int, int]] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transfer, "JOB_BYTES", 4096)
+        state = shardload.load_rank(path, 1, 2, progress=lambda d, t: seen.append((d, t)))
+    assert seen and [d for d, _ in seen] == list(range(1, seen[-1][1] + 1)), seen
+    assert np.array_equal(state["param_0"].numpy(), split["param_0"][1])
+
+
 @pytest.mark.parametrize("case", ["model threads=0", "converted own N", "converted other N", "converted into="])
 def test_progress_is_reported_from_every_source(example_dir: Path, tmp_path: Path, case: str) -> None:
     """``progress=`` is reported by every load (docs/python-api.md): a converted directory at its own N or another,

@@ -442,6 +442,46 @@ def test_a_tmpfs_file_rewritten_through_a_mapping_during_a_load_is_an_error(tmp_
         shutil.rmtree(shm, ignore_errors=True)
 
 
+def test_a_writer_on_tmpfs_never_waits_for_the_load(tmp_path: Path) -> None:
+    """The lease a load holds on a tmpfs file made a writer's open wait for the load to end, or 45 s: forever for a
+    writer in the load's own thread (a progress callback), and for a child forked during the load after it ended.
+    The writer goes on at once, the load refuses the file, and SIGURG is as it was."""
+    import signal
+
+    shm = _tmpfs_dir(tmp_path)
+    children: list[int] = []
+    try:
+        model = _model(shm / "m")
+        target = model / "model.safetensors"
+        took: list[float] = []
+
+        def progress(done: int, total: int) -> None:
+            if not took:
+                pid = os.fork()
+                if pid == 0:  # a child forked mid-load (a worker pool), alive after the load
+                    time.sleep(60)
+                    os._exit(0)
+                children.append(pid)
+                start = time.monotonic()
+                with open(target, "r+b"):  # the load's own thread opens its file for writing
+                    pass
+                took.append(time.monotonic() - start)
+
+        before = signal.getsignal(signal.SIGURG)
+        with pytest.raises(ShardloadError, match="opened for writing while it was read"):
+            shardload.load_rank(model, 1, 2, progress=progress, read_options=shardload.ReadOptions(threads=1))
+        assert took and took[0] < 2, took  # not the child's 60 s, nor the kernel's 45
+        assert signal.getsignal(signal.SIGURG) == before
+        shardload.load_rank(model, 1, 2, progress=progress)  # a clean load: its lease let go at its end
+        fd = os.open(target, os.O_WRONLY | os.O_NONBLOCK)  # a lease still held somewhere: EAGAIN
+        os.close(fd)
+    finally:
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        shutil.rmtree(shm, ignore_errors=True)
+
+
 def test_a_gguf_header_rewritten_on_tmpfs_is_read_again_by_the_next_load(tmp_path: Path) -> None:
     """GGUF headers are kept for the process by the file's identity, which a write through a mapping on tmpfs does
     not change: a second load returned tensors under the names the file had before (two names swapped)."""

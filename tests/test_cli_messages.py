@@ -59,7 +59,7 @@ def test_validate_without_model_refuses_an_n_the_file_records_it_does_not_plan_f
     assert result.exit_code == 1
     assert result.output.splitlines() == [
         f"{plan_file}: num_shards=64 is not among the N this file records it plans for "
-        "(num_shards 1, 2, 4; checked 1..64 by `shardload plan`)"
+        "(num_shards 1, 2, 4; checked 1..64 when it was written)"
     ]
     report = json.loads(runner.invoke(main, ["validate", str(plan_file), "-n", "64", "--json"]).output)
     assert report["verdict"] == "fail" and report["valid_for"] == []
@@ -377,6 +377,9 @@ def test_plan_json_to_stdout_reports_a_failure_on_stderr_too(runner: CliRunner, 
     assert doc["ok"] is False and doc["exit_code"] == 1 and "num_shards=3" in doc["error"]["message"], doc
     good = runner.invoke(main, ["plan", str(example_dir), "-o", "-", "--json"])
     assert good.exit_code == 0 and json.loads(good.stderr)["ok"] is True and json.loads(good.stdout)["params"]
+    usage = runner.invoke(main, ["plan", str(example_dir), "--json", "-o", "-", "--vocab-padding", "bogus"])
+    assert usage.exit_code == 2 and usage.stdout == "", usage.stdout
+    assert json.loads(usage.stderr)["error"]["kind"] == "UsageError", usage.stderr
 
 
 def test_an_empty_output_path_is_a_usage_error(runner: CliRunner, example_dir: Path, tmp_path: Path,

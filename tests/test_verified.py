@@ -883,6 +883,9 @@ def test_hash_into_a_directory_that_does_not_exist_is_refused(example_dir: Path,
     assert "missing" in line and "no such directory" in line, line
     with pytest.raises(shardload.ShardloadError, match="no such directory"):
         hash_model(example_dir, f"{tmp_path / 'missing'}/")
+    for bad in ("", 5):  # "" was the current directory, 5 a bare TypeError
+        with pytest.raises(shardload.ShardloadError, match="must be a path"):
+            shardload.hash_checkpoint(example_dir, bad)  # type: ignore[arg-type]
     (tmp_path / "there").mkdir()
     done = runner.invoke(main, ["hash", str(example_dir), "-o", f"{tmp_path / 'there'}/", "-q"])
     assert done.exit_code == 0 and (tmp_path / "there" / RECORD_NAME).is_file(), done.output

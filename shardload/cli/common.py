@@ -19,6 +19,7 @@ import click
 from ..engine.convert_targets import BUILT_IN as BUILT_IN_LAYOUT
 from ..engine.convert_targets import layout_names
 from ..errors import ShardloadError, printable
+from .entry import json_requested
 
 
 class ModelArgument(click.ParamType):
@@ -76,18 +77,29 @@ MAX_LISTED_N = 16
 
 
 def _fail(message: str) -> None:
-    if not _DOCUMENT_ON_STDERR:  # there, the failure document is the line
+    if not _DOCUMENTED:  # a failure document printed on stderr is the line there
         click.echo(f"error: {message}", err=True)
     sys.exit(1)
 
 
 _DOCUMENT_ON_STDERR: list[bool] = []
 """Set while a command prints its ``--json`` document on stderr (``plan --json -o -``: stdout holds the file)."""
+_DOCUMENTED: list[bool] = []
+"""Set once such a command has printed its failure document on stderr."""
 
 
-def _json_requested(args: list[str]) -> bool:
-    """Whether the command line asks for ``--json`` (before any ``--``)."""
-    return "--json" in (args[: args.index("--")] if "--" in args else args)
+def json_on_stderr_when(to_stdout: Callable[[dict[str, Any]], bool]) -> Callable[[Any], Any]:
+    """Mark a command whose ``--json`` documents go to stderr when ``to_stdout(its arguments)`` says its output goes
+    to stdout (``plan -o -``), a failure's too; applied below :func:`_guarded`."""
+
+    def mark(fn: Any) -> Any:
+        fn.stdout_holds_output = to_stdout
+        return fn
+
+    return mark
+
+
+_json_requested = json_requested
 
 
 def _echo_json(doc: dict[str, Any], ok: bool = True, err: bool = False) -> None:
@@ -102,6 +114,8 @@ def _echo_failure(error: dict[str, Any], exit_code: int) -> None:
     try:
         click.echo(json.dumps({"ok": False, "exit_code": exit_code, "error": error}, indent=2),
                    err=bool(_DOCUMENT_ON_STDERR))  # fmt: skip
+        if _DOCUMENT_ON_STDERR:
+            _DOCUMENTED[:] = [True]
     except OSError:
         _drop_stdout()
 
@@ -190,7 +204,9 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             for signum in _STOP_SIGNALS:
                 previous[signum] = signal.signal(signum, _terminate)
         as_json = bool(kwargs.get("as_json"))
-        _DOCUMENT_ON_STDERR[:] = [True] if as_json and str(kwargs.get("out")) == "-" else []
+        to_stdout = getattr(fn, "stdout_holds_output", None)
+        _DOCUMENT_ON_STDERR[:] = [True] if as_json and to_stdout is not None and to_stdout(kwargs) else []
+        _DOCUMENTED.clear()
         _WRITTEN.clear()
         _forget_published()
         try:
@@ -230,6 +246,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
                   type(err).__name__, prefix="error: ")  # fmt: skip
         finally:
             _DOCUMENT_ON_STDERR.clear()
+            _DOCUMENTED.clear()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
@@ -245,7 +262,7 @@ def _stop(message: str, code: int, as_json: bool, kind: str, prefix: str = "") -
     failure document on stdout."""
     if as_json:
         _echo_failure({"kind": kind, "message": message}, code)
-    if not _DOCUMENT_ON_STDERR:
+    if not _DOCUMENTED:
         click.echo(f"{prefix}{message}", err=True)
     sys.exit(code)
 

@@ -1,12 +1,13 @@
-"""The ``shardload`` script: the command line run with a stop signal answered in every instant of the process.
+"""The ``shardload`` script: the command line run with a stop signal answered before and after its command too.
 
 Inside a command, :func:`~shardload.cli.common._guarded` answers SIGINT, SIGTERM and SIGHUP (cleanup, one line, the
 ``--json`` failure document, exit 128 + the signal). Outside it the process would die with no word: while the command
-line is still importing (the first fifth of a second), and after the command has finished and printed its result,
-while the interpreter shuts down (up to a second after a large convert), when a late signal made the exit status
-contradict the document already printed. Here, a signal before the command answers as a command stopped by it would;
-one after it is ignored, so the process exits with the status its output reports. Imports only the standard library
-before the command line.
+line imports its commands, and after the command has finished and printed its result, while the interpreter shuts
+down (up to a second after a large convert), when a late signal made the exit status contradict the document already
+printed. Here, a signal before the command answers as a command stopped by it would; one after it is ignored, so the
+process exits with the status its output reports. Imports only the standard library before the command line; what
+runs before this module (the interpreter's start and ``import shardload``, about a tenth of a second) no handler of
+Python's can cover.
 """
 
 from __future__ import annotations
@@ -54,6 +55,20 @@ def run(prog_name: str | None = None) -> None:
         raise
 
 
+def json_requested(args: list[str]) -> bool:
+    """Whether the command line asks for ``--json`` (before any ``--``)."""
+    return "--json" in (args[: args.index("--")] if "--" in args else args)
+
+
+def document_on_stderr(args: list[str]) -> bool:
+    """Whether the command line's ``--json`` document goes to stderr: ``plan -o -`` (stdout holds the plan)."""
+    given = args[: args.index("--")] if "--" in args else args
+    if "plan" not in given:
+        return False
+    pairs = zip(given, [*given[1:], ""], strict=True)
+    return "--out=-" in given or "-o-" in given or any(a in ("-o", "--out") and b == "-" for a, b in pairs)
+
+
 def _stopped(signum: int) -> NoReturn:
     """Exit as a command stopped by ``signum`` before it began: one line on stderr, and with ``--json`` the failure
     document on stdout (the shape :func:`~shardload.cli.common._echo_failure` prints)."""
@@ -63,16 +78,19 @@ def _stopped(signum: int) -> NoReturn:
     message = "interrupted" if interrupted else f"terminated by {signal.Signals(signum).name}"
     code = 128 + signum
     args = sys.argv[1:]
-    if "--json" in (args[: args.index("--")] if "--" in args else args):
+    documented = json_requested(args)
+    if documented:
         error = {"kind": "Interrupted" if interrupted else "Terminated", "message": f"{message} (nothing was done)"}
+        stream = sys.stderr if document_on_stderr(args) else sys.stdout
         try:
-            sys.stdout.write(json.dumps({"ok": False, "exit_code": code, "error": error}, indent=2) + "\n")
-            sys.stdout.flush()
+            stream.write(json.dumps({"ok": False, "exit_code": code, "error": error}, indent=2) + "\n")
+            stream.flush()
+        except OSError:
+            documented = False
+    if not (documented and document_on_stderr(args)):  # a document on stderr is the line there
+        try:
+            sys.stderr.write(f"{message} (nothing was done)\n")
+            sys.stderr.flush()
         except OSError:
             pass
-    try:
-        sys.stderr.write(f"{message} (nothing was done)\n")
-        sys.stderr.flush()
-    except OSError:
-        pass
     sys.exit(code)

@@ -8,6 +8,7 @@ exits 1; usage errors exit 2; no tracebacks for anything shardload can name.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from ..errors import printable
 from ..version import __version__
 from .common import OUT, BadArgument, _echo_failure, _guarded, _json_requested, _plugin_option, written
 from .convert_cmd import convert, quantize
+from .entry import document_on_stderr
 from .inspect_cmd import hash_command, inspect, verify
 from .plan_cmd import plan, preflight, validate
 
@@ -32,8 +34,7 @@ class _Group(click.Group):
         try:
             ctx = super().make_context(info_name, args, parent, **extra)
         except click.ClickException as err:
-            self._report(given, err)
-            raise _one_line(err) from None
+            raise self._report(given, err) from None
         ctx.meta["shardload.args"] = given
         return ctx
 
@@ -41,14 +42,21 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except click.ClickException as err:
-            self._report(ctx.meta.get("shardload.args", []), err)
-            raise _one_line(err) from None
+            raise self._report(ctx.meta.get("shardload.args", []), err) from None
 
     @staticmethod
-    def _report(args: list[str], err: click.ClickException) -> None:
-        if _json_requested(args):
-            kind = "UsageError" if err.exit_code == 2 else type(err).__name__
-            _echo_failure({"kind": kind, "message": printable(err.format_message())}, err.exit_code)
+    def _report(args: list[str], err: click.ClickException) -> Exception:
+        """Print a usage error's ``--json`` document; what to raise: the one-line error, or (a document on stderr,
+        ``plan -o -``, is the line there) a bare exit with its code."""
+        if not _json_requested(args):
+            return _one_line(err)
+        kind = "UsageError" if err.exit_code == 2 else type(err).__name__
+        doc = {"kind": kind, "message": printable(err.format_message())}
+        if not document_on_stderr(args):
+            _echo_failure(doc, err.exit_code)
+            return _one_line(err)
+        click.echo(json.dumps({"ok": False, "exit_code": err.exit_code, "error": doc}, indent=2), err=True)
+        return click.exceptions.Exit(err.exit_code)
 
 
 def _one_line(err: click.ClickException) -> click.ClickException:

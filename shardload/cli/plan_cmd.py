@@ -21,6 +21,7 @@ from .common import (
     _mesh_arg,
     _mesh_options,
     _plugin_option,
+    json_on_stderr_when,
     summarised,
     written,
 )
@@ -38,6 +39,19 @@ def _vocab_padding_option(text: str) -> Any:
     """``--vocab-padding`` (as users know its values; the models' rule reaches the command), with its help."""
     return click.option("--vocab-padding", type=click.Choice(list(PADDING_CHOICES)), default="vllm",
                         show_default=True, callback=_padding_rule, help=text)  # fmt: skip
+
+
+STDOUT = "-"
+"""``-o -``: the plan goes to stdout."""
+
+
+def _plan_to_stdout(model: Any, out: Path | None) -> bool:
+    """Whether ``plan`` writes its file to stdout: ``-o -``, or no ``-o`` for a Hub id or an object-store model."""
+    from ..sources.location import model_kind
+
+    if out is not None:
+        return str(out) == STDOUT
+    return model is not None and model_kind(model) != "local"
 
 
 @click.command()
@@ -83,6 +97,7 @@ def _vocab_padding_option(text: str) -> Any:
 @click.option("-q", "--quiet", is_flag=True, help="No notes and no summary line.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary (with -o -, to stderr).")
 @_guarded
+@json_on_stderr_when(lambda kwargs: _plan_to_stdout(kwargs.get("model"), kwargs.get("out")))
 def plan(
     model: Path,
     out: Path | None,
@@ -101,14 +116,14 @@ def plan(
 
     kind = model_kind(model)
     if kind != "local":  # never written into the Hub cache or a bucket: to -o, else to stdout
-        target = out if out is not None else Path("-")
+        target = out if out is not None else Path(STDOUT)
         cache = hub_cache_dir() if kind == "hub" else None
         if cache is not None and str(target) != "-" and target.resolve().is_relative_to(cache.resolve()):
             raise ShardloadError("lies inside the Hugging Face cache; write the plan elsewhere", file=str(target))
     else:
         root = model if model.is_dir() else model.parent
         target = out if out is not None else root / "shard_info.json"
-    to_stdout = str(target) == "-"
+    to_stdout = str(target) == STDOUT
     if not to_stdout:
         _check_plan_target(target, overwrite)
     result = generate(

@@ -29,7 +29,7 @@ from ..format.hash_record import (
     root_of,
     tensor_region,
 )
-from ..sources.checkpoint import CONFIG_NAME, INDEX_NAME, SHARD_INFO_NAME, Checkpoint, open_checkpoint
+from ..sources.checkpoint import CONFIG_NAME, INDEX_NAME, SHARD_INFO_NAME, Checkpoint, as_path, open_checkpoint
 from ..sources.dtypes import itemsize as itemsize_of
 from ..sources.location import is_uri, object_path
 from ..sources.objects import ObjectPath
@@ -220,7 +220,7 @@ def hash_model(
         uri = str(out)
         target = object_path(uri + RECORD_NAME if uri.endswith("/") else uri)
     else:
-        target = Path(out)
+        target = as_path(out, "out")  # "" is no path (Path would read it as the current directory)
         if target.is_dir():
             target = target / RECORD_NAME
         elif os.fspath(out).endswith(("/", os.sep)):  # Path() drops the slash that means a folder

@@ -285,7 +285,8 @@ def _split_records(source: Source, mesh: Mesh, ranks: Sequence[int], devices: Se
         tp = mesh.coord(rank).tp
         view = checkpoint.rank_view(tp)
         plan = build_plan(ShardInfo(source=f"<rank {tp}'s part of {checkpoint.name}>"), view, 1)
-        result.extend(_read_stage(plan, plan, [0], [device], options, wrap, None))
+        where = label if len(ranks) == 1 else f"{label} rank {rank}"
+        result.extend(_read_stage(plan, plan, [0], [device], options, wrap, progress_for(options.progress, where)))
     return result
 
 

@@ -11,6 +11,7 @@ import functools
 import itertools
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -44,6 +45,8 @@ class InputLog:
     leases: dict[str, int] = field(default_factory=dict)
     """Read leases held for the whole load, by path (the descriptor holding each): files on a file system whose
     times a write through a mapping does not change (:data:`UNTIMED_FILE_SYSTEMS`); released when the load ends."""
+    broken: set[str] = field(default_factory=set)
+    """Files whose lease a writer's open broke during the load (let go at once: see :func:`_on_lease_break`)."""
     serial: int = field(default_factory=lambda: next(_SERIALS))
     """This load's number in the process (never reused, unlike ``id``): what a cache valid for one load is keyed by."""
 
@@ -174,6 +177,7 @@ def no_writer(path: Any, fd: int) -> None:
             if held < 0:
                 _refuse_writer(path)
             log.leases[str(path)] = held
+            _HELD[held] = (log, str(path))
             return
     if open_for_writing(fd):
         _refuse_writer(path)
@@ -185,31 +189,100 @@ def _refuse_writer(path: Any) -> None:
 
 
 def _hold_lease(fd: int) -> int | None:
-    """A new descriptor of ``fd``'s file holding a read lease (kept: a writer's open breaks it, see
-    :func:`open_for_writing` for the signal); -1 when a writer holds the file open; None where no lease can be held."""
-    if not sys.platform.startswith("linux"):
+    """A new descriptor of ``fd``'s file holding a read lease, kept until the load ends: a writer's open breaks it,
+    the kernel signals this process (SIGURG, :func:`_on_lease_break`), which lets the writer go on at once and notes
+    the file as changed. -1 when a writer holds the file open; None where no lease can be held: not Linux, not the
+    main thread (only it can take the signal), a SIGURG handler of the program's own, a file this process may not
+    lease."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
         return None
     import fcntl
     import signal
 
-    if signal.getsignal(signal.SIGURG) not in (signal.SIG_DFL, signal.SIG_IGN):
+    current = signal.getsignal(signal.SIGURG)
+    if current not in (signal.SIG_DFL, signal.SIG_IGN, _on_lease_break):
         return None
     try:
         held = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))  # this very file
     except OSError:
         return None
+    if current is not _on_lease_break:
+        _URG_BEFORE[:] = [current]
+        signal.signal(signal.SIGURG, _on_lease_break)
     try:
         fcntl.fcntl(held, F_SETSIG, signal.SIGURG)
         fcntl.fcntl(held, F_SETLEASE, fcntl.F_RDLCK)
     except OSError as err:
         os.close(held)
+        _restore_signal()
         return -1 if err.errno == errno.EAGAIN else None
     return held
 
 
+_HELD: dict[int, tuple[InputLog, str]] = {}
+"""Every lease the process's loads hold: descriptor -> (the load's log, the file's path)."""
+_URG_BEFORE: list[Any] = []
+"""SIGURG's disposition before the first lease was held (restored when the last is let go)."""
+
+
+def _on_lease_break(signum: int, frame: Any) -> None:
+    """SIGURG: a writer's open broke some lease. Each broken one is let go now (the writer would wait for the load
+    to end, or for the kernel's lease-break time: 45 s, and a load's own thread would wait on itself), and its file
+    noted as changed in its load's log."""
+    import fcntl
+
+    for held, (log, path) in list(_HELD.items()):
+        try:
+            broken = fcntl.fcntl(held, F_GETLEASE) != fcntl.F_RDLCK
+        except OSError:
+            broken = True
+        if broken:
+            log.broken.add(path)
+            _let_go(held)
+            log.leases.pop(path, None)
+
+
+def _let_go(held: int) -> None:
+    """Close one lease's descriptor (the lease goes with it) and forget it; one let go already is not closed again
+    (its number may be another file's by now)."""
+    if _HELD.pop(held, None) is None:
+        return
+    try:
+        os.close(held)
+    except OSError:
+        pass
+
+
+def _restore_signal() -> None:
+    """SIGURG as it was before the first lease, once no lease is held (in the main thread, which may set it)."""
+    if _HELD or not _URG_BEFORE or threading.current_thread() is not threading.main_thread():
+        return
+    import signal
+
+    signal.signal(signal.SIGURG, _URG_BEFORE.pop())
+
+
+def _forget_in_child() -> None:
+    """After a fork: the child lets go of its copies of the leases' descriptors (a lease lives as long as any copy,
+    so a writer would wait for the child), without touching the parent's."""
+    for held, (log, _) in list(_HELD.items()):
+        log.leases.clear()
+        try:
+            os.close(held)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def lease_broken(log: InputLog, path: Any) -> bool:
     """Whether the lease ``log`` holds on ``path`` was broken: some descriptor opened the file for writing during
-    the load (it waits for the load to end, or for the kernel's lease-break time)."""
+    the load."""
+    if str(path) in log.broken:
+        return True
     held = log.leases.get(str(path))
     if held is None:
         return False
@@ -225,10 +298,8 @@ def release_leases(log: InputLog) -> None:
     """Let go of every lease ``log`` holds (a writer waiting on one goes on)."""
     leases, log.leases = log.leases, {}
     for held in leases.values():
-        try:
-            os.close(held)
-        except OSError:
-            pass
+        _let_go(held)
+    _restore_signal()
 
 
 def open_for_writing(fd: int) -> bool:
@@ -242,7 +313,7 @@ def open_for_writing(fd: int) -> bool:
     import fcntl
     import signal
 
-    if signal.getsignal(signal.SIGURG) not in (signal.SIG_DFL, signal.SIG_IGN):
+    if signal.getsignal(signal.SIGURG) not in (signal.SIG_DFL, signal.SIG_IGN, _on_lease_break):
         return False
     try:
         fcntl.fcntl(fd, F_SETSIG, signal.SIGURG)

@@ -65,7 +65,7 @@ def validate_file(
         if checkpoint is None and not problems and recorded is not None and n not in recorded[0]:
             listed = ", ".join(map(str, recorded[0])) or "none"
             reason = f"num_shards={n} is not among the N this file records it plans for (num_shards {listed}; "
-            problems = [PlanError(f"{reason}checked 1..{recorded[1]} by `shardload plan`)", file=str(path))]
+            problems = [PlanError(f"{reason}checked 1..{recorded[1]} when it was written)", file=str(path))]
         if checkpoint is not None and not problems:
             for warning in placement_warnings(plan):
                 warned.setdefault(warning.message, {**warning.to_dict(), "num_shards": []})["num_shards"].append(n)
