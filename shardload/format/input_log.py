@@ -46,7 +46,7 @@ class InputLog:
     """Read leases held for the whole load, by path (the descriptor holding each): files on a file system whose
     times a write through a mapping does not change (:data:`UNTIMED_FILE_SYSTEMS`); released when the load ends."""
     broken: set[str] = field(default_factory=set)
-    """Files whose lease a writer's open broke during the load (let go at once: see :func:`_on_lease_break`)."""
+    """Files whose lease a writer's open broke during the load (let go at once: see :func:`_watch_leases`)."""
     serial: int = field(default_factory=lambda: next(_SERIALS))
     """This load's number in the process (never reused, unlike ``id``): what a cache valid for one load is keyed by."""
 
@@ -176,8 +176,7 @@ def no_writer(path: Any, fd: int) -> None:
         if held is not None:
             if held < 0:
                 _refuse_writer(path)
-            log.leases[str(path)] = held
-            _HELD[held] = (log, str(path))
+            _keep_lease(log, str(path), held)
             return
     if open_for_writing(fd):
         _refuse_writer(path)
@@ -190,88 +189,93 @@ def _refuse_writer(path: Any) -> None:
 
 def _hold_lease(fd: int) -> int | None:
     """A new descriptor of ``fd``'s file holding a read lease, kept until the load ends: a writer's open breaks it,
-    the kernel signals this process (SIGURG, :func:`_on_lease_break`), which lets the writer go on at once and notes
-    the file as changed. -1 when a writer holds the file open; None where no lease can be held: not Linux, not the
-    main thread (only it can take the signal), a SIGURG handler of the program's own, a file this process may not
+    and the lease watcher (:func:`_watch_leases`) lets it go at once, so the writer goes on, and notes the file as
+    changed. -1 when a writer holds the file open; None where no lease can be held: not Linux, a SIGURG handler of
+    the program's own (the signal a broken lease sends, see :func:`open_for_writing`), a file this process may not
     lease."""
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+    if not sys.platform.startswith("linux"):
         return None
     import fcntl
     import signal
 
-    current = signal.getsignal(signal.SIGURG)
-    if current not in (signal.SIG_DFL, signal.SIG_IGN, _on_lease_break):
+    if signal.getsignal(signal.SIGURG) not in (signal.SIG_DFL, signal.SIG_IGN):
         return None
     try:
         held = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))  # this very file
     except OSError:
         return None
-    if current is not _on_lease_break:
-        _URG_BEFORE[:] = [current]
-        signal.signal(signal.SIGURG, _on_lease_break)
     try:
         fcntl.fcntl(held, F_SETSIG, signal.SIGURG)
         fcntl.fcntl(held, F_SETLEASE, fcntl.F_RDLCK)
     except OSError as err:
         os.close(held)
-        _restore_signal()
         return -1 if err.errno == errno.EAGAIN else None
     return held
 
 
 _HELD: dict[int, tuple[InputLog, str]] = {}
 """Every lease the process's loads hold: descriptor -> (the load's log, the file's path)."""
-_URG_BEFORE: list[Any] = []
-"""SIGURG's disposition before the first lease was held (restored when the last is let go)."""
+_HELD_LOCK = threading.Lock()
+_WATCHING: list[threading.Thread] = []
+LEASE_WATCH_S = 0.01
+"""How often the lease watcher asks whether a lease was broken: the longest a writer waits for a load."""
 
 
-def _on_lease_break(signum: int, frame: Any) -> None:
-    """SIGURG: a writer's open broke some lease. Each broken one is let go now (the writer would wait for the load
-    to end, or for the kernel's lease-break time: 45 s, and a load's own thread would wait on itself), and its file
-    noted as changed in its load's log."""
+def _keep_lease(log: InputLog, path: str, held: int) -> None:
+    """Record a lease ``log``'s load holds, and start the watcher if none runs."""
+    with _HELD_LOCK:
+        _HELD[held] = (log, path)
+        log.leases[path] = held
+        if not _WATCHING or not _WATCHING[0].is_alive():
+            watcher = threading.Thread(target=_watch_leases, name="shardload-leases", daemon=True)
+            _WATCHING[:] = [watcher]
+            watcher.start()
+
+
+def _watch_leases() -> None:
+    """While leases are held: every :data:`LEASE_WATCH_S`, let go of each one a writer's open broke (the writer
+    waits until then: otherwise until the load ends, or the kernel's lease-break time of 45 s, and a load's own
+    thread would wait on itself) and note its file as changed in its load's log. A thread, not a signal handler: a
+    handler would interrupt the program's own calls (a ``truncate`` failing with EINTR)."""
     import fcntl
+    import time
 
-    for held, (log, path) in list(_HELD.items()):
-        try:
-            broken = fcntl.fcntl(held, F_GETLEASE) != fcntl.F_RDLCK
-        except OSError:
-            broken = True
-        if broken:
-            log.broken.add(path)
-            _let_go(held)
-            log.leases.pop(path, None)
-
-
-def _let_go(held: int) -> None:
-    """Close one lease's descriptor (the lease goes with it) and forget it; one let go already is not closed again
-    (its number may be another file's by now)."""
-    if _HELD.pop(held, None) is None:
-        return
-    try:
-        os.close(held)
-    except OSError:
-        pass
-
-
-def _restore_signal() -> None:
-    """SIGURG as it was before the first lease, once no lease is held (in the main thread, which may set it)."""
-    if _HELD or not _URG_BEFORE or threading.current_thread() is not threading.main_thread():
-        return
-    import signal
-
-    signal.signal(signal.SIGURG, _URG_BEFORE.pop())
+    while True:
+        with _HELD_LOCK:
+            if not _HELD:
+                _WATCHING.clear()
+                return
+            held = list(_HELD)
+        for fd in held:
+            try:
+                broken = fcntl.fcntl(fd, F_GETLEASE) != fcntl.F_RDLCK
+            except OSError:
+                broken = True
+            if broken:
+                with _HELD_LOCK:
+                    entry = _HELD.pop(fd, None)
+                    if entry is not None:  # not let go by its load meanwhile (the number may be reused then)
+                        log, path = entry
+                        log.broken.add(path)
+                        log.leases.pop(path, None)
+                        os.close(fd)
+        time.sleep(LEASE_WATCH_S)
 
 
 def _forget_in_child() -> None:
     """After a fork: the child lets go of its copies of the leases' descriptors (a lease lives as long as any copy,
-    so a writer would wait for the child), without touching the parent's."""
-    for held, (log, _) in list(_HELD.items()):
+    so a writer would wait for the child), without touching the parent's; its lock is a fresh one (another thread
+    may have held the parent's) and no watcher runs in it."""
+    global _HELD_LOCK
+    _HELD_LOCK = threading.Lock()
+    for fd, (log, _) in list(_HELD.items()):
         log.leases.clear()
         try:
-            os.close(held)
+            os.close(fd)
         except OSError:
             pass
     _HELD.clear()
+    _WATCHING.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -281,25 +285,30 @@ if hasattr(os, "register_at_fork"):
 def lease_broken(log: InputLog, path: Any) -> bool:
     """Whether the lease ``log`` holds on ``path`` was broken: some descriptor opened the file for writing during
     the load."""
-    if str(path) in log.broken:
-        return True
-    held = log.leases.get(str(path))
-    if held is None:
-        return False
     import fcntl
 
-    try:
-        return fcntl.fcntl(held, F_GETLEASE) != fcntl.F_RDLCK
-    except OSError:
-        return True
+    with _HELD_LOCK:
+        if str(path) in log.broken:
+            return True
+        held = log.leases.get(str(path))
+        if held is None:
+            return False
+        try:
+            return fcntl.fcntl(held, F_GETLEASE) != fcntl.F_RDLCK
+        except OSError:
+            return True
 
 
 def release_leases(log: InputLog) -> None:
     """Let go of every lease ``log`` holds (a writer waiting on one goes on)."""
-    leases, log.leases = log.leases, {}
-    for held in leases.values():
-        _let_go(held)
-    _restore_signal()
+    with _HELD_LOCK:
+        leases, log.leases = log.leases, {}
+        for held in leases.values():
+            if _HELD.pop(held, None) is not None:
+                try:
+                    os.close(held)
+                except OSError:
+                    pass
 
 
 def open_for_writing(fd: int) -> bool:
@@ -313,7 +322,7 @@ def open_for_writing(fd: int) -> bool:
     import fcntl
     import signal
 
-    if signal.getsignal(signal.SIGURG) not in (signal.SIG_DFL, signal.SIG_IGN, _on_lease_break):
+    if signal.getsignal(signal.SIGURG) not in (signal.SIG_DFL, signal.SIG_IGN):
         return False
     try:
         fcntl.fcntl(fd, F_SETSIG, signal.SIGURG)
@@ -456,11 +465,11 @@ def check_unchanged(files: Iterable[Any], log: InputLog | None) -> None:
         before = log.stamps.get(str(path))
         if before is None:
             continue
-        if lease_broken(log, path):
-            raise changed(path, "opened for writing while it was read")
         try:
             now = stamp_of(os.stat(path))
         except OSError:
             now = None
         if now != before:
             raise changed(path, _how_changed(before, now))
+        if lease_broken(log, path):  # no time moved (a write through a mapping on tmpfs), but a writer opened it
+            raise changed(path, "opened for writing while it was read")
