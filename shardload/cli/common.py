@@ -19,7 +19,7 @@ import click
 from ..engine.convert_targets import BUILT_IN as BUILT_IN_LAYOUT
 from ..engine.convert_targets import layout_names
 from ..errors import ShardloadError, printable
-from .entry import json_requested
+from .args import json_requested
 
 
 class ModelArgument(click.ParamType):

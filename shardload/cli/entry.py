@@ -17,6 +17,8 @@ import signal
 import sys
 from typing import Any, NoReturn
 
+from .args import document_on_stderr, json_requested
+
 _STOPS = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
 
 
@@ -53,20 +55,6 @@ def run(prog_name: str | None = None) -> None:
         for signum in _STOPS:  # the command's status is decided and printed: the exit reports it, signal or not
             signal.signal(signum, signal.SIG_IGN)
         raise
-
-
-def json_requested(args: list[str]) -> bool:
-    """Whether the command line asks for ``--json`` (before any ``--``)."""
-    return "--json" in (args[: args.index("--")] if "--" in args else args)
-
-
-def document_on_stderr(args: list[str]) -> bool:
-    """Whether the command line's ``--json`` document goes to stderr: ``plan -o -`` (stdout holds the plan)."""
-    given = args[: args.index("--")] if "--" in args else args
-    if "plan" not in given:
-        return False
-    pairs = zip(given, [*given[1:], ""], strict=True)
-    return "--out=-" in given or "-o-" in given or any(a in ("-o", "--out") and b == "-" for a, b in pairs)
 
 
 def _stopped(signum: int) -> NoReturn:

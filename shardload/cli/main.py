@@ -17,9 +17,9 @@ import click
 
 from ..errors import printable
 from ..version import __version__
+from .args import document_on_stderr
 from .common import OUT, BadArgument, _echo_failure, _guarded, _json_requested, _plugin_option, written
 from .convert_cmd import convert, quantize
-from .entry import document_on_stderr
 from .inspect_cmd import hash_command, inspect, verify
 from .plan_cmd import plan, preflight, validate
 

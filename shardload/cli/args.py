@@ -1,0 +1,18 @@
+"""What a command line asks for, read from its arguments before click parses them (standard library only: the
+script's entry reads them before it imports the commands)."""
+
+from __future__ import annotations
+
+
+def json_requested(args: list[str]) -> bool:
+    """Whether the command line asks for ``--json`` (before any ``--``)."""
+    return "--json" in (args[: args.index("--")] if "--" in args else args)
+
+
+def document_on_stderr(args: list[str]) -> bool:
+    """Whether the command line's ``--json`` document goes to stderr: ``plan -o -`` (stdout holds the plan)."""
+    given = args[: args.index("--")] if "--" in args else args
+    if "plan" not in given:
+        return False
+    pairs = zip(given, [*given[1:], ""], strict=True)
+    return "--out=-" in given or "-o-" in given or any(a in ("-o", "--out") and b == "-" for a, b in pairs)
