@@ -284,13 +284,7 @@ def test_a_data_file_of_another_format_rewritten_during_a_load_is_an_error(tmp_p
 
     def progress(done: int, total: int) -> None:
         if not calls:
-            for path in data:  # the last 90% of each file flipped in place
-                size = path.stat().st_size
-                with open(path, "r+b") as f:
-                    f.seek(size // 10)
-                    body = np.frombuffer(f.read(), dtype=np.uint8)
-                    f.seek(size // 10)
-                    f.write((body ^ 0x5A).tobytes())
+            _flip_after_header(data)  # the last 90% of each file flipped in place
         calls.append(done)
 
     with pytest.raises(ShardloadError) as err:

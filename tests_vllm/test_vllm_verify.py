@@ -23,6 +23,17 @@ from shardload.sources.safetensors_header import read_header
 HERE = Path(__file__).parent
 
 
+def _run(jobs: list[dict[str, Any]], tmp_path: Path) -> None:
+    """Run ``jobs`` in one ``run_vllm.py`` process (its output in ``tmp_path/log.txt``); each job writes its "out"."""
+    spec = tmp_path / "jobs.json"
+    spec.write_text(json.dumps(jobs))
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.run([sys.executable, str(HERE / "run_vllm.py"), str(spec)], stdout=out,
+                              stderr=subprocess.STDOUT, timeout=900, check=False)  # fmt: skip
+    assert proc.returncode == 0, log.read_text()[-4000:]
+
+
 def test_verified_vllm_load(tmp_path: Path) -> None:
     model = tmp_path / "llama"
     make_models.llama(model)
@@ -38,13 +49,7 @@ def test_verified_vllm_load(tmp_path: Path) -> None:
 
     jobs = [job(model, "plain.json", {}), job(model, "root.json", {"verify": root}),
             job(model, "true.json", {"verify": True}), job(flipped, "flipped.json", {"verify": root})]  # fmt: skip
-    spec = tmp_path / "jobs.json"
-    spec.write_text(json.dumps(jobs))
-    log = tmp_path / "log.txt"
-    with open(log, "w") as out:
-        proc = subprocess.run([sys.executable, str(HERE / "run_vllm.py"), str(spec)], stdout=out,
-                              stderr=subprocess.STDOUT, timeout=900, check=False)  # fmt: skip
-    assert proc.returncode == 0, log.read_text()[-4000:]
+    _run(jobs, tmp_path)
     results = {j["out"]: json.loads(Path(j["out"]).read_text()) for j in jobs}
     plain = results[str(tmp_path / "plain.json")]
     assert "error" not in plain, plain
@@ -72,13 +77,7 @@ def test_a_converted_directory_rewritten_before_the_fill_is_refused_or_its_verif
         if flip:
             job["flip_before_fill"] = str(converted / "rank-00000-of-00001.safetensors")
         jobs.append(job)
-    spec = tmp_path / "jobs.json"
-    spec.write_text(json.dumps(jobs))
-    log = tmp_path / "log.txt"
-    with open(log, "w") as out:
-        proc = subprocess.run([sys.executable, str(HERE / "run_vllm.py"), str(spec)], stdout=out,
-                              stderr=subprocess.STDOUT, timeout=900, check=False)  # fmt: skip
-    assert proc.returncode == 0, log.read_text()[-4000:]
+    _run(jobs, tmp_path)
     results = {Path(j["out"]).stem: json.loads(Path(j["out"]).read_text()) for j in jobs}
     assert "error" not in results["plain"], results["plain"]
     assert results["verified"] == results["plain"], results["verified"].get("error")

@@ -241,24 +241,20 @@ def _watch_leases() -> None:
     import time
 
     while True:
-        with _HELD_LOCK:
+        with _HELD_LOCK:  # asked under the lock: a descriptor let go meanwhile could be another file's by now
             if not _HELD:
                 _WATCHING.clear()
                 return
-            held = list(_HELD)
-        for fd in held:
-            try:
-                broken = fcntl.fcntl(fd, F_GETLEASE) != fcntl.F_RDLCK
-            except OSError:
-                broken = True
-            if broken:
-                with _HELD_LOCK:
-                    entry = _HELD.pop(fd, None)
-                    if entry is not None:  # not let go by its load meanwhile (the number may be reused then)
-                        log, path = entry
-                        log.broken.add(path)
-                        log.leases.pop(path, None)
-                        os.close(fd)
+            for fd in list(_HELD):
+                try:
+                    broken = fcntl.fcntl(fd, F_GETLEASE) != fcntl.F_RDLCK
+                except OSError:
+                    broken = True
+                if broken:
+                    log, path = _HELD.pop(fd)
+                    log.broken.add(path)
+                    log.leases.pop(path, None)
+                    os.close(fd)
         time.sleep(LEASE_WATCH_S)
 
 
