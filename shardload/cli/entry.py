@@ -59,7 +59,8 @@ def run(prog_name: str | None = None) -> None:
 
 def _stopped(signum: int) -> NoReturn:
     """Exit as a command stopped by ``signum`` before it began: one line on stderr, and with ``--json`` the failure
-    document on stdout (the shape :func:`~shardload.cli.common._echo_failure` prints)."""
+    document (the shape :func:`~shardload.cli.common._echo_failure` prints) on stdout, or on stderr instead of the
+    line where the command's output goes to stdout (``plan -o -``)."""
     for stop in _STOPS:
         signal.signal(stop, signal.SIG_IGN)
     interrupted = signum == signal.SIGINT
