@@ -19,7 +19,7 @@ import click
 from ..engine.convert_targets import BUILT_IN as BUILT_IN_LAYOUT
 from ..engine.convert_targets import layout_names
 from ..errors import ShardloadError, printable
-from .args import json_requested
+from .args import failure_document
 
 
 class ModelArgument(click.ParamType):
@@ -99,9 +99,6 @@ def json_on_stderr_when(to_stdout: Callable[[dict[str, Any]], bool]) -> Callable
     return mark
 
 
-_json_requested = json_requested
-
-
 def _echo_json(doc: dict[str, Any], ok: bool = True, err: bool = False) -> None:
     """Print a command's ``--json`` document, led by ``ok`` and the ``exit_code`` the command exits with (1 when
     not ok), as every document has them, a failure's too."""
@@ -112,8 +109,7 @@ def _echo_failure(error: dict[str, Any], exit_code: int) -> None:
     """The ``--json`` document of a command that failed: ``{"ok": false, "exit_code": ..., "error": {...}}``; where
     stdout cannot take it, the error line on stderr that follows is all there is."""
     try:
-        click.echo(json.dumps({"ok": False, "exit_code": exit_code, "error": error}, indent=2),
-                   err=bool(_DOCUMENT_ON_STDERR))  # fmt: skip
+        click.echo(failure_document(error, exit_code), err=bool(_DOCUMENT_ON_STDERR))
         if _DOCUMENT_ON_STDERR:
             _DOCUMENTED[:] = [True]
     except OSError:

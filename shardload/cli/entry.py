@@ -12,12 +12,11 @@ Python's can cover.
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 from typing import Any, NoReturn
 
-from .args import document_on_stderr, json_requested
+from .args import document_on_stderr, failure_document, json_requested
 
 _STOPS = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
 
@@ -72,7 +71,7 @@ def _stopped(signum: int) -> NoReturn:
         error = {"kind": "Interrupted" if interrupted else "Terminated", "message": f"{message} (nothing was done)"}
         stream = sys.stderr if document_on_stderr(args) else sys.stdout
         try:
-            stream.write(json.dumps({"ok": False, "exit_code": code, "error": error}, indent=2) + "\n")
+            stream.write(failure_document(error, code) + "\n")
             stream.flush()
         except OSError:
             documented = False

@@ -8,7 +8,6 @@ exits 1; usage errors exit 2; no tracebacks for anything shardload can name.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,8 @@ import click
 
 from ..errors import printable
 from ..version import __version__
-from .args import document_on_stderr
-from .common import OUT, BadArgument, _echo_failure, _guarded, _json_requested, _plugin_option, written
+from .args import document_on_stderr, failure_document, json_requested
+from .common import OUT, BadArgument, _echo_failure, _guarded, _plugin_option, written
 from .convert_cmd import convert, quantize
 from .inspect_cmd import hash_command, inspect, verify
 from .plan_cmd import plan, preflight, validate
@@ -48,14 +47,14 @@ class _Group(click.Group):
     def _report(args: list[str], err: click.ClickException) -> Exception:
         """Print a usage error's ``--json`` document; what to raise: the one-line error, or (a document on stderr,
         ``plan -o -``, is the line there) a bare exit with its code."""
-        if not _json_requested(args):
+        if not json_requested(args):
             return _one_line(err)
         kind = "UsageError" if err.exit_code == 2 else type(err).__name__
         doc = {"kind": kind, "message": printable(err.format_message())}
         if not document_on_stderr(args):
             _echo_failure(doc, err.exit_code)
             return _one_line(err)
-        click.echo(json.dumps({"ok": False, "exit_code": err.exit_code, "error": doc}, indent=2), err=True)
+        click.echo(failure_document(doc, err.exit_code), err=True)
         return click.exceptions.Exit(err.exit_code)
 
 

@@ -118,12 +118,12 @@ def plan(
     if kind != "local":  # never written into the Hub cache or a bucket: to -o, else to stdout
         target = out if out is not None else Path(STDOUT)
         cache = hub_cache_dir() if kind == "hub" else None
-        if cache is not None and str(target) != "-" and target.resolve().is_relative_to(cache.resolve()):
+        if cache is not None and str(target) != STDOUT and target.resolve().is_relative_to(cache.resolve()):
             raise ShardloadError("lies inside the Hugging Face cache; write the plan elsewhere", file=str(target))
     else:
         root = model if model.is_dir() else model.parent
         target = out if out is not None else root / "shard_info.json"
-    to_stdout = str(target) == STDOUT
+    to_stdout = _plan_to_stdout(model, out)
     if not to_stdout:
         _check_plan_target(target, overwrite)
     result = generate(

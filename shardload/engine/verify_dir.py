@@ -168,7 +168,6 @@ def _source_plan(source: Any, num_shards: int, shard_info: Any) -> ModelPlan:
 def _against_source(out: Path, source: Any, manifest: dict, shard_info: Any, count: _Count) -> list[CheckpointError]:
     """The manifest's plan against the source's, then every rank of ``out`` against the same rank loaded from
     ``source``: names, dtypes, shapes and bytes."""
-
     tp = manifest["num_shards"]
     try:
         plan = _source_plan(source, tp, shard_info)

@@ -35,7 +35,7 @@ from .splits import (
     head_units,
     packed_halves,
 )
-from .stored_layouts import refuse_unknown_part
+from .stored_layouts import refuse_unknown_parts
 
 __all__ = [
     "STYLES",
@@ -361,7 +361,8 @@ def hf_placements(
         used.add(pattern)
         placements[name] = _style_placement(style, pattern, name, tuple(info.shape), dims)
     placements.update(attention_scale_placements(tensors, placements, dims))
-    _refuse_unknown_parts(tensors, full)
+    unnamed = {name: info for name, info in tensors.items() if generic_name(name) not in full}
+    refuse_unknown_parts(unnamed, lambda module: _splitter(full.get(module)), generic_name)
     notes = [
         f"tp_plan entry {key!r} ({full[p]}) matched no tensor"
         for p, key in full_keys.items()
@@ -370,21 +371,13 @@ def hf_placements(
     return placements, notes
 
 
-def _refuse_unknown_parts(tensors: Mapping[str, TensorHeader], plan: Mapping[str, str]) -> None:
-    """Raise for a matrix the plan does not name under a module it splits (see :func:`refuse_unknown_part`):
-    transformers' rule would cut marlin's ``P.B`` as if it were the module's weight."""
-    for name, info in tensors.items():
-        parts = generic_name(name).split(".")
-        if ".".join(parts) in plan:
-            continue
-        for cut in range(len(parts) - 1, 0, -1):
-            module = ".".join(parts[:cut])
-            style = plan.get(module)
-            if style is None:
-                continue
-            if STYLES.get(style, ("replicated",))[0] not in ("replicated", "expert"):
-                refuse_unknown_part(name, len(info.shape), module, ".".join(parts[cut:]), f"tp_plan {style!r}")
-            break
+def _splitter(style: str | None) -> str | None:
+    """Who splits a module the plan gives ``style`` (None: not in the plan; "": kept whole), for
+    :func:`~shardload.models.stored_layouts.refuse_unknown_parts`: transformers' rule would cut marlin's ``P.B`` as
+    if it were the module's weight."""
+    if style is None:
+        return None
+    return "" if STYLES.get(style, ("replicated",))[0] in ("replicated", "expert") else f"tp_plan {style!r}"
 
 
 _COLUMN_STYLES = ("colwise", "local_colwise")

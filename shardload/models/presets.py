@@ -21,7 +21,7 @@ from .splits import (
     packed_halves,
     shape_error,
 )
-from .stored_layouts import refuse_unknown_part
+from .stored_layouts import refuse_unknown_parts
 
 __all__ = ["gguf_names", "preset_placements", "role_placement"]
 
@@ -147,24 +147,10 @@ def preset_placements(
             roles[pattern], name, param, None if info is None else tuple(info.shape), dims, experts, rule
         )
     placements.update(attention_scale_placements(tensors, placements, dims))
-    _refuse_unknown_parts(tensors, placements, _starred(roles))
+    starred = _starred(roles)
+    unplaced = {name: info for name, info in tensors.items() if not placements[name].rule}
+    refuse_unknown_parts(unplaced, lambda module: "the preset" if _match(module, starred) is not None else None)
     return placements
-
-
-def _refuse_unknown_parts(
-    tensors: Mapping[str, TensorHeader], placements: Mapping[str, Placement], starred: Mapping[str, str]
-) -> None:
-    """Raise for a matrix no rule placed under a module the preset splits (see :func:`refuse_unknown_part`): copied
-    whole to every rank it would be no part of a tensor-parallel split, and nothing else would say so."""
-    for name, info in tensors.items():
-        if placements[name].rule:
-            continue
-        parts = name.split(".")
-        for cut in range(len(parts) - 1, 0, -1):
-            module = ".".join(parts[:cut])
-            if _match(module, starred) is not None:
-                refuse_unknown_part(name, len(info.shape), module, ".".join(parts[cut:]), "the preset")
-                break
 
 
 def gguf_names(tensors: Mapping[str, TensorHeader]) -> bool:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from math import prod
 from pathlib import Path
@@ -72,9 +72,28 @@ MODULE_SUFFIXES = _KNOWN
 indices): a tensor under a split module named otherwise is in a layout no rule knows."""
 
 
-def refuse_unknown_part(name: str, ndim: int, module: str, rest: str, splitter: str) -> None:
-    """Raise for ``name`` (``module`` + ``rest``), a matrix under a module ``splitter`` splits that is none of the
-    tensors a module's weight is made of (marlin's ``P.B``, a 2:4 layout's ``P.weight.compressed``)."""
+def refuse_unknown_parts(
+    tensors: Tensors, splitter: Callable[[str], str | None], path: Callable[[str], str] = str
+) -> None:
+    """Raise for a matrix of ``tensors`` under a module that is split, none of the tensors a module's weight is made
+    of (marlin's ``P.B``, a 2:4 layout's ``P.weight.compressed``): copied whole to every rank, or cut as if it were
+    the weight, it would be no part of a tensor-parallel split. ``splitter(module)`` says who splits the module
+    (``"the preset"``), ``""`` for a module named but kept whole, None for one not named; the innermost named module
+    of ``path(name)`` decides."""
+    for name, info in tensors.items():
+        parts = path(name).split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            module = ".".join(parts[:cut])
+            who = splitter(module)
+            if who is None:
+                continue
+            if who:
+                _refuse_unknown_part(name, len(info.shape), module, ".".join(parts[cut:]), who)
+            break
+
+
+def _refuse_unknown_part(name: str, ndim: int, module: str, rest: str, splitter: str) -> None:
+    """Raise for ``name`` (``module`` + ``rest``) unless it is a vector or one of a module weight's tensors."""
     if ndim < 2 or rest in ("weight", "bias") or rest in MODULE_SUFFIXES:
         return
     raise PlanError(
