@@ -386,14 +386,39 @@ def _check_fp8_block(t: torch.Tensor) -> None:
             assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (a.shape, b.shape)
 
 
+def phi3_fp8(out: Path) -> None:
+    """Phi-3 with every linear layer FP8 per tensor (``quant_method: fp8``, static activations), as
+    nm-testing/Phi-3-mini-128k-instruct-FP8 is: ``qkv_proj`` and ``gate_up_proj`` stored fused, each with one
+    ``weight_scale`` and one ``input_scale`` (``[]``) that vLLM copies into each of its parts' slots."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    phi3(out)
+    tensors = load_file(out / "model.safetensors")
+    quantized = {}
+    for i, (name, t) in enumerate(sorted(tensors.items())):
+        if not name.endswith("proj.weight"):
+            quantized[name] = t
+            continue
+        scale = t.abs().amax().float().clamp(min=1e-8) / torch.finfo(torch.float8_e4m3fn).max
+        stem = name.removesuffix("weight")
+        quantized[name] = (t.float() / scale).to(torch.float8_e4m3fn)
+        quantized[stem + "weight_scale"] = scale.reshape(())
+        quantized[stem + "input_scale"] = torch.tensor(0.01 + i / 1000, dtype=torch.float32)
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static", "fmt": "e4m3"}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
 MODELS = {"llama": llama, "llama_kv1": llama_kv1, "qwen2": qwen2, "mixtral": mixtral, "w8a8": w8a8, "w4a16": w4a16,
           "gptq": gptq}  # fmt: skip
 FAMILIES = {"llama": llama, "llama_kv1": llama_kv1, "mixtral": mixtral, "deepseek_v2": deepseek_v2,
             "deepseek_v3": deepseek_v3, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "olmoe": olmoe,
             "gemma2": gemma2, "gemma3": gemma3, "phi3": phi3, "gpt_oss": gpt_oss,
             "qwen3_moe_stacked": qwen3_moe_stacked}  # fmt: skip
-QUANTIZED = {"w4a16": w4a16, "gptq": gptq, "fp8": fp8, "awq": awq}
-"""Quantized Llamas the parameter comparison covers too."""
+QUANTIZED = {"w4a16": w4a16, "gptq": gptq, "fp8": fp8, "awq": awq, "phi3_fp8": phi3_fp8}
+"""Quantized models the parameter comparison covers too (Llamas, and Phi-3 FP8 per tensor)."""
 """The families the parameter comparison covers (test_vllm_params.py)."""
 
 

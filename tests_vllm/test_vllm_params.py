@@ -34,8 +34,10 @@ default plan splits evenly (125 + 125, N divides it) and vLLM pads (128 + 122): 
 compares the rows ``load_format="shardload"`` fills with vLLM's own partition (docs/model-plans.md); ``qwen2_head``
 is that model with another lm_head.weight stored under the tied config, which vLLM unties and serves; ``w8a8_kv``
 is the W8A8 Llama with a quantized KV cache's scales (``self_attn.k_scale``), which vLLM keeps on its attention
-layers (``load_format="shardload"`` refused them; ``--layout vllm`` does not write them yet, and says so)."""
-DTYPES = {"gptq": "bfloat16", "fp8": "bfloat16", "awq": "bfloat16"}
+layers (``load_format="shardload"`` refused them; ``--layout vllm`` does not write them yet, and says so);
+``phi3_fp8`` is Phi-3 FP8 per tensor, whose fused modules' one scale vLLM copies into each part's slot
+(``load_format="shardload"`` refused it; ``--layout vllm`` writes only block-quantized FP8, and says so)."""
+DTYPES = {"gptq": "bfloat16", "fp8": "bfloat16", "awq": "bfloat16", "phi3_fp8": "bfloat16"}
 """vLLM's dtype where float32 is not served (its GPTQ takes 16-bit activations, its FP8 16-bit models)."""
 FORMATS = ["shardload", "sharded_state"]
 TPS = {name: (1, 2, 4) for name in FAMILIES} | {"gpt_oss": (1, 2), "qwen2": (2,), "qwen2_head": (2,), "w8a8_kv": (2,)}
@@ -43,7 +45,9 @@ TPS = {name: (1, 2, 4) for name in FAMILIES} | {"gpt_oss": (1, 2), "qwen2": (2,)
 only where its vocabulary split differs from vLLM's (TP=4 pads 250 to 256 by vLLM's rule, as llama_kv1 checks)."""
 REFUSED: dict[tuple[str, str], str] = {
     ("w8a8_kv", "sharded_state"): "not quant_method='compressed-tensors' with a "
-    "kv_cache_scheme; serve this one with load_format='shardload'"
+    "kv_cache_scheme; serve this one with load_format='shardload'",
+    ("phi3_fp8", "sharded_state"): "writes FP8 checkpoints quantized per block (weight_block_size) with dynamic "
+    "activations, not weight_block_size=None, activation_scheme='static'",
 }
 """(family, format) -> what the one-line refusal says, on every rank."""
 MOE = ["mixtral", "deepseek_v2", "deepseek_v3", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_moe_stacked"]

@@ -54,6 +54,9 @@ class Target:
     parts: int = 1
     expert: int | None = None
     """For a stacked expert parameter: the expert (the index into its first dim)."""
+    every_slot: bool = False
+    """A module stored fused with one value for the server's per-part slots (Phi-3's ``qkv_proj.weight_scale`` in
+    vLLM's ``[3]``): the value goes into each slot."""
 
     @property
     def fused(self) -> bool:
@@ -251,8 +254,8 @@ def copy_into(
             if target.name in vocab:
                 _fill_vocab(param, tensor, vocab[target.name], name in narrow, where, name, name in direct, server)
             elif name not in direct:
-                if tensor.numel() == 1 and param.numel() == 1:  # a per-tensor scale, stored as [] or [1]
-                    tensor = tensor.reshape(param.shape)
+                if tensor.numel() == 1 and (param.numel() == 1 or target.every_slot):  # a per-tensor scale
+                    tensor = tensor.reshape(()).expand(param.shape)  # stored as [] or [1]; in each slot
                 _check_shape(param, tensor.shape, where, name, target.name, server)
                 param.data.copy_(tensor)
             filled.add(target.name)

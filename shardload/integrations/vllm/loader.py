@@ -231,7 +231,7 @@ def fill_model(
             local = experts[target.name][target.expert] if target.expert < len(experts[target.name]) else -1
             return replace(target, expert=local) if local >= 0 else None  # another rank's expert: not read
         if target.name in targets:
-            return target
+            return replace(target, every_slot=True) if per_part_scale(targets[target.name], target) else target
         newer = replace(target, name=target.name.replace(".experts.", f".experts.{EXPERTS_MODULE}.", 1))
         if target.expert is None and ".experts." in target.name and newer.name in targets:
             return newer  # a stacked expert parameter the model's own mapper named (GPT-OSS's w13_weight)
@@ -319,6 +319,14 @@ def fill_model(
             file=where,
         )
     return report
+
+
+def per_part_scale(param: Any, target: Target) -> bool:
+    """``param`` is vLLM's per-tensor scale with a slot for each part of a fused module that ``target``'s stored
+    tensor holds whole (Phi-3's ``gate_up_proj``): vLLM's loader puts the one stored value in every slot."""
+    from vllm.model_executor.parameter import PerTensorScaleParameter
+
+    return isinstance(param, PerTensorScaleParameter) and not target.fused and param.numel() > 1
 
 
 KV_SCALES = (".k_scale", ".v_scale", ".q_scale", ".kv_scale", ".prob_scale")
