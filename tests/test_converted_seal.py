@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import shardload
-from helpers.checkpoints import rewrite_header, unseal
+from helpers.checkpoints import rewrite_header, seal_as_version_1, unseal
 from helpers.verified import N
 from shardload.errors import ShardloadError
 from shardload.sources.manifest import MANIFEST_NAME
@@ -99,6 +99,38 @@ def test_a_rank_header_edited_with_its_size_kept_is_refused(converted: Path, edi
     rewrite_header(converted / f"rank-00001-of-{N:05d}.safetensors", change)
     with pytest.raises(ShardloadError, match="rank-00001") as excinfo:
         shardload.load_rank(converted, 1 if n == N else 0, n)
+    assert "\n" not in str(excinfo.value)
+
+
+@pytest.mark.parametrize("n", [N, 2])
+def test_rank_files_swapped_with_their_rank_fields_edited_are_refused(converted: Path, n: int) -> None:
+    """Two rank files of the same shapes swapped, each header's ``shardload.rank`` set to its new name's rank (its
+    size kept): the seal covers the rank a file says it is, so no load takes the other rank's bytes."""
+
+    def name(rank: int) -> Path:
+        return converted / f"rank-{rank:05d}-of-{N:05d}.safetensors"
+
+    name(1).rename(converted / "swap")
+    name(2).rename(name(1))
+    (converted / "swap").rename(name(2))
+    for rank in (1, 2):
+        rewrite_header(name(rank), lambda header, r=rank: header["__metadata__"].update({"shardload.rank": str(r)}))
+    with pytest.raises(ShardloadError, match=r"rank-0000[12]") as excinfo:
+        shardload.load(converted, n, ["cpu"] * n)
+    assert "\n" not in str(excinfo.value)
+
+
+def test_a_directory_sealed_by_version_1_still_loads(split_model: Path, converted: Path) -> None:
+    """Rank files an earlier shardload sealed without their place load as before; an unknown seal version is one
+    line."""
+    seal_as_version_1(converted)
+    for n in (N, 2):
+        assert _same(shardload.load_rank(converted, 1, n), _expected(split_model, 1, n))
+    manifest = _manifest(converted)
+    manifest["sealed"] = 3
+    _write(converted, manifest)
+    with pytest.raises(ShardloadError, match="seals of version 3") as excinfo:
+        shardload.load_rank(converted, 1, N)
     assert "\n" not in str(excinfo.value)
 
 

@@ -206,6 +206,14 @@ def test_read_options_are_refused_with_share_reads(example_dir: Path, group_of_o
     assert "\n" not in str(err.value)
 
 
+def test_read_options_at_their_defaults_are_taken_with_a_group(example_dir: Path, group_of_one: Any) -> None:
+    """A server passing its default ReadOptions() with a group loads, as with none: only options that change how a
+    rank reads for itself are refused."""
+    state = shardload.load_rank(example_dir, group=group_of_one, read_options=shardload.ReadOptions())
+    want = shardload.load_rank(example_dir, 0, 1)
+    assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
+
+
 def test_a_group_of_one_reads_and_draws_progress(
     example_dir: Path, group_of_one: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

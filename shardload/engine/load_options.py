@@ -80,7 +80,7 @@ class LoadOptions:
             "verify": bool(self.verify),
             "group": self.group is not None,
             "mmap": self.mmap,
-            "read_options": self.read_options is not None,
+            "read_options": self.read_options not in (None, ReadOptions()),  # the defaults are as good as none
             "into": self.into is not None,
             "out": self.into is not None and self.into.out is not None,
             "stages": mesh.pp != 1,

@@ -24,11 +24,13 @@ from ..sources.manifest import (
     MANIFEST_NAME,
     RANK_FILE_RE,
     SEAL_KEY,
+    SEAL_VERSION,
     SEALED,
     manifest_digest,
     manifest_stages,
     rank_file_name,
     seal,
+    seal_place,
 )
 from ..sources.objects import ObjectPath
 from ..sources.safetensors_header import read_header, read_header_and_metadata
@@ -210,14 +212,22 @@ def _check_rank_header(
             "another convert): convert again, or restore the file",
             file=str(path),
         )
-    sealed = metadata.get(SEAL_KEY)
-    if sealed is None and manifest.get(SEALED) is True:
+    sealed, version = metadata.get(SEAL_KEY), manifest.get(SEALED)
+    if version not in (None, False, True, SEAL_VERSION):
+        raise CheckpointError(
+            f"its {MANIFEST_NAME} says its rank files carry seals of version {version!r}, which this shardload "
+            f"does not know (it writes version {SEAL_VERSION}): load it with the shardload that wrote it, or convert "
+            "again",
+            file=str(path),
+        )
+    if sealed is None and version:
         raise CheckpointError(
             f"carries no seal, and {MANIFEST_NAME} says every rank file of this directory does (its header was "
             "rewritten): convert again, or restore the file",
             file=str(path),
         )
-    if sealed is not None and sealed != seal(manifest_digest(manifest), tensors.values()):
+    place = seal_place(metadata) if version == SEAL_VERSION else None
+    if sealed is not None and sealed != seal(manifest_digest(manifest), tensors.values(), place):
         raise CheckpointError(
             f"its header or the plan in {MANIFEST_NAME} was changed after convert wrote them (its seal does not match "
             "them): convert again, or restore both",

@@ -7,7 +7,7 @@ import hashlib
 import json
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,13 @@ _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 SEAL_KEY = "shardload.seal"
 """The metadata key of a rank file's seal: :func:`seal` of its manifest's plan and its own tensor table."""
 SEALED = "sealed"
-"""The manifest key (``true``) saying every rank file carries a seal: one without is refused."""
+"""The manifest key saying every rank file carries a seal (one without is refused), of version :data:`SEAL_VERSION`
+(``true``: version 1, without the file's place)."""
+SEAL_VERSION = 2
+"""The seal written now: it covers the file's place (rank, N, stage, stages as its metadata says them) beside its
+tensor table, so a file swapped for another rank's with its rank field edited is refused."""
+PLACE_KEYS = (("shardload.rank", ""), ("shardload.num_shards", ""), ("shardload.pp", "0"), ("shardload.num_pp", "1"))
+"""A rank file's metadata that a version-2 seal covers, with the value meant when a key is absent."""
 SEALED_KEYS = ("format", "num_shards", "mesh", CONVERSION_KEY, SEALED, "shard_info", "source_plan", "plan",
                "expert_parallel")  # fmt: skip
 """The manifest keys that say where each byte of a rank file goes, which its seal covers (not the list of files,
@@ -194,7 +200,7 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
 def digest_to_write(manifest: dict[str, Any]) -> str:
     """Mark a manifest about to be written :data:`SEALED` and return its :func:`manifest_digest`, taken from its JSON
     as a reader will parse it."""
-    manifest[SEALED] = True
+    manifest[SEALED] = SEAL_VERSION
     return manifest_digest(json.loads(json.dumps(manifest)))
 
 
@@ -207,12 +213,19 @@ def add_seal(header: dict[str, Any], digest: str) -> None:
             begin, end = entry["data_offsets"]
             table.append(TensorInfo(name, FROM_SAFETENSORS[entry["dtype"]], tuple(entry["shape"]), Path(), begin,
                                     end - begin))  # fmt: skip
-    header["__metadata__"][SEAL_KEY] = seal(digest, table)
+    header["__metadata__"][SEAL_KEY] = seal(digest, table, seal_place(header["__metadata__"]))
 
 
-def seal(digest: str, tensors: Iterable[TensorInfo]) -> str:
-    """A rank file's seal: the sha256 of its manifest's ``digest`` and its tensors' names, dtypes and shapes in the
-    order of their bytes (which, with the bytes tiling the data, fix every offset)."""
+def seal_place(metadata: Mapping[str, str]) -> list[str]:
+    """The place a rank file's ``metadata`` says it holds, as a version-2 seal covers it."""
+    return [str(metadata.get(key, absent)) for key, absent in PLACE_KEYS]
+
+
+def seal(digest: str, tensors: Iterable[TensorInfo], place: list[str] | None = None) -> str:
+    """A rank file's seal: the sha256 of its manifest's ``digest``, its ``place`` (:func:`seal_place`; None: a
+    version-1 seal, without it) and its tensors' names, dtypes and shapes in the order of their bytes (which, with
+    the bytes tiling the data, fix every offset)."""
     ordered = sorted(tensors, key=lambda t: (t.offset, t.nbytes, t.name))
-    text = json.dumps([digest, [[t.name, t.dtype, list(t.shape)] for t in ordered]], separators=(",", ":"))
+    table = [[t.name, t.dtype, list(t.shape)] for t in ordered]
+    text = json.dumps([digest, table] if place is None else [digest, place, table], separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()

@@ -77,6 +77,28 @@ def rewrite_header(path: Path, edit: Any) -> None:
     Path(path).write_bytes(raw[:8] + text + b" " * (size - len(text)) + raw[8 + size :])
 
 
+def seal_as_version_1(directory: Path) -> None:
+    """Make converted directory ``directory`` as shardload 0.x before seal version 2 wrote it: ``sealed: true`` in its
+    manifest, each rank file's seal over its tensor table without its place (rank, N, stage)."""
+    from shardload.sources.manifest import FROM_SAFETENSORS, manifest_digest, seal
+    from shardload.sources.tensor_info import TensorInfo
+
+    manifest = json.loads((directory / "shard_manifest.json").read_text())
+    manifest["sealed"] = True
+    (directory / "shard_manifest.json").write_text(json.dumps(manifest))
+    digest = manifest_digest(json.loads(json.dumps(manifest)))
+
+    def reseal(header: dict) -> None:
+        table = [TensorInfo(name, FROM_SAFETENSORS[e["dtype"]], tuple(e["shape"]), Path(), e["data_offsets"][0],
+                            e["data_offsets"][1] - e["data_offsets"][0])
+                 for name, e in header.items() if name != "__metadata__"]  # fmt: skip
+        header["__metadata__"]["shardload.seal"] = seal(digest, table)
+
+    for entry in manifest["files"]:
+        if entry["path"].endswith(".safetensors"):
+            rewrite_header(directory / entry["path"], reseal)
+
+
 def unseal(directory: Path) -> None:
     """Make converted directory ``directory`` (either layout) as an older shardload wrote it: no seal in any rank
     file's header, and no ``sealed`` mark in its manifest."""
