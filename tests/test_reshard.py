@@ -609,6 +609,25 @@ def test_compressed_sharded_state_to_another_n(
     assert "\n" not in str(err.value)
 
 
+def test_a_directory_converted_from_a_compressed_sharded_state_serves_another_n(
+    models: dict[str, Model], request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """``convert -n 2`` of a ``--layout vllm -n 2`` directory of the compressed-tensors int4 Llama: vLLM's files keep
+    o_proj's and down_proj's ``weight_shape`` whole, where the plain plan rewrites them (``shard_shape``); the new
+    directory records their values, so it serves N = 1 and 4 (it was refused there, and ``verify`` passed it)."""
+    from shardload.integrations.vllm.writer import convert_vllm
+
+    model = models.setdefault("compressed", Model(request.getfixturevalue("tiny_llama")))
+    convert_vllm(model.path, 2, tmp_path / "vllm2")
+    shardload.convert(tmp_path / "vllm2", 2, tmp_path / "plain2")
+    for n in (1, 4):
+        want = model.direct(n)
+        assert not isinstance(want, ShardloadError)
+        got = shardload.load(tmp_path / "plain2", n, devices=["cpu"] * n)
+        for rank in range(n):
+            assert_equal(got[rank], want[rank], f"compressed vllm 2 -> plain 2 -> {n} rank {rank}")
+
+
 @pytest.mark.parametrize("n_old", [2, 4])
 def test_a_rank_local_g_idx_too_large_for_the_record_is_undone(
     models: dict[str, Model], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n_old: int

@@ -199,10 +199,19 @@ def _invertible(plan: ParamPlan) -> bool:
     return len(plan.steps) == 1 and plan.steps[0].func.inverse is not None and plan.source.decode is None
 
 
-def record_of(source: ShardsSource) -> dict[str, Any]:
-    """The ``source_plan`` record of a directory written from ``source`` (so it serves any N in turn)."""
+def record_of(
+    source: ShardsSource, written: ModelPlan | None = None, reader: RunReader | None = None
+) -> dict[str, Any]:
+    """The ``source_plan`` record of a directory written from ``source`` with plan ``written`` (so it serves any N in
+    turn): the source's recorded values, and those of small tensors ``written`` rewrites that the source's files hold
+    whole (a server's layout keeps a compressed-tensors ``weight_shape`` that the plain plan rewrites), read through
+    ``reader``."""
     tensors = {name: [t.logical_dtype, list(t.shape)] for name, t in source.stored.tensors.items()}
     values = {name: raw.hex() for name, raw in source.values.items()}
+    for name, p in written.params.items() if written is not None and reader is not None else ():
+        if name not in values and not boxes_copyable(p) and p.source.nbytes <= VALUE_BYTES and p.source.decode is None:
+            stored = source._stored_tensor(source.old.params[name], reader)
+            values[name] = bytes(stored.contiguous().view(-1).view(_u8()).numpy()).hex()
     return {"shard_info": json.loads(json.dumps(source.shard_info.to_dict())), "tensors": tensors, "values": values}
 
 
@@ -389,8 +398,9 @@ def write_shards(
     stamps = stamp_sources(files)
     exists = check_output(out, source_paths(checkpoint.root, [*files, *source.extra_files]), overwrite=overwrite)
     durable = exists if fsync is None else fsync
-    record = record_of(source)
     whole_plan = build_plan(source.shard_info, source.stored, layout.tp)  # the manifest's, and the caller's
+    with reader_for(checkpoint.path) as reader:
+        record = record_of(source, whole_plan, reader)
     conversion = new_conversion()
     sizes = [{"path": f.name, "size": f.stat().st_size} for f in files]
     manifest = rank_files_manifest(layout, stages, whole_plan.resolved_shard_info(), sizes, conversion, sha256)
