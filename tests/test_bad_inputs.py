@@ -233,6 +233,26 @@ def test_tied_weights_listed_identically_are_fine(tied_model: Path) -> None:
     np.testing.assert_array_equal(state["lm_head.weight"].numpy(), L[8:])
 
 
+def test_a_config_that_cannot_be_read_is_no_licence_to_split_tied_weights_apart(
+    tied_model: Path, tmp_path: Path
+) -> None:
+    """Tied weights listed with different steps are refused; with config.json unreadable (trailing bytes) the ties
+    were taken as absent and the load returned: now the config's problem is the one line."""
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tied_model, model)
+    rows, cols = [[SHARD_DIM, [None, None], 0, "num_shards"]], [[SHARD_DIM, [None, None], 1, "num_shards"]]
+    info = {"version": 1, "params": {"lm_head.weight": rows, "model.embed_tokens.weight": cols}}
+    with pytest.raises(ShardloadError, match="tied"):
+        shardload.load_rank(model, 1, 2, shard_info=info)
+    config = model / "config.json"
+    config.write_text(config.read_text() + "xx")
+    with pytest.raises(ShardloadError) as err:
+        shardload.load_rank(model, 1, 2, shard_info=info)
+    assert str(config) in str(err.value) and "\n" not in str(err.value)
+
+
 def test_model_prefix_is_not_an_alias(tmp_path: Path) -> None:
     tensors = {"x": W, "model.x": W}
     model = tmp_path / "m"

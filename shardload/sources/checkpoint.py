@@ -121,10 +121,7 @@ class Checkpoint:
         when config.json sets ``tie_word_embeddings: true`` and both are stored."""
         if "lm_head.weight" not in self.tensors:
             return []
-        try:
-            config = read_config(self.root, missing_ok=True)
-        except CheckpointError:
-            return []  # no readable config.json: no declared ties
+        config = read_config(self.root, missing_ok=True)  # absent: no declared ties; unreadable: an error
         if config.get("tie_word_embeddings") is not True:
             return []
         embeddings = [n for n in self.tensors if n != "lm_head.weight" and n.endswith(_EMBEDDING_SUFFIXES)]
