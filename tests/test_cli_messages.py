@@ -399,6 +399,36 @@ def test_an_empty_output_path_is_a_usage_error(runner: CliRunner, example_dir: P
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_output_in_object_storage_is_refused_where_only_local_outputs_are_written(
+    runner: CliRunner, example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``convert ... -o s3://b/out`` wrote a local tree ``./s3:/b/out`` and said it wrote ``s3:/b/out``; every output
+    that is written locally refuses a URI in one line (API and command line), and nothing is written."""
+    import shardload
+    from shardload.errors import ShardloadError
+    from shardload.integrations.vllm.writer import convert_vllm
+
+    monkeypatch.chdir(tmp_path)
+    for args in (
+        ["convert", str(example_dir), "-n", "2", "-o", "s3://b/out"],
+        ["convert", str(example_dir), "-n", "2", "--layout", "vllm", "-o", "s3://b/out"],
+        ["example", "s3://b/out"],
+        ["plan", str(example_dir), "-o", "s3://b/out.json"],
+        ["quantize", str(example_dir), "-o", "s3://b/out"],
+    ):
+        done = runner.invoke(main, args)
+        assert done.exit_code == 2 and "s3://b/out" in done.stderr and "local" in done.stderr, (args, done.output)
+    for call in (
+        lambda: shardload.convert(example_dir, 2, "s3://b/out"),
+        lambda: shardload.quantize(example_dir, "s3://b/out"),
+        lambda: convert_vllm(example_dir, 2, "s3://b/out"),
+    ):
+        with pytest.raises(ShardloadError, match="local") as err:
+            call()
+        assert "s3://b/out" in str(err.value) and "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_preflight_without_config_json_says_there_is_none(runner: CliRunner, tmp_path: Path) -> None:
     """A model with neither shard_info.json nor config.json: preflight names the missing file, as plan does, not a
     ``model_type None`` of a config.json that does not exist."""

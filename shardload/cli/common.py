@@ -43,11 +43,18 @@ MODEL = ModelArgument()
 
 class OutputPath(click.Path):
     """An output path (``-o``, ``example``'s OUT_DIR): refused when empty, which ``Path`` reads as the current
-    directory (an unset variable would write there)."""
+    directory (an unset variable would write there), and when it is an object-store URI unless ``remote``."""
+
+    def __init__(self, *, remote: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.remote = remote
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and not value.strip():
             self.fail("is empty: name the output (`.` for the current directory)", param, ctx)
+        if not self.remote and isinstance(value, str) and "://" in value:
+            self.fail(f"{value} is not local: this command writes a local output; write it here, then copy it to "
+                      "object storage (e.g. `aws s3 sync`)", param, ctx)  # fmt: skip
         return super().convert(value, param, ctx)
 
 

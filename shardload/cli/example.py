@@ -17,7 +17,7 @@ from ..engine.output import StagingDir, check_output, write_error
 from ..engine.writer import save_safetensors
 from ..format.shard_info import plans_for_text
 from ..models.generated import MAX_CHECKED_NUM_SHARDS as CHECKED_UP_TO
-from ..sources.checkpoint import as_path
+from ..sources.checkpoint import local_output
 
 EXAMPLE_CONFIG: dict[str, Any] = {
     "architectures": ["Phi3ForCausalLM"],
@@ -113,7 +113,7 @@ def write_example(
 
     With ``multi_file`` the weights are split over two files with a ``model.safetensors.index.json``.
     """
-    out = as_path(out_dir, "out_dir")
+    out = local_output(out_dir, "out_dir")
     check_output(out, [], overwrite=overwrite)
     tensors = example_tensors(seed=seed)
     try:

@@ -240,7 +240,7 @@ def _verify_source(model: Path | str, root: str | None, as_json: bool) -> None:
 
 @click.command(name="hash")
 @click.argument("model", type=MODEL)
-@click.option("-o", "--out", type=OutputPath(), help="Write the record here (default: beside MODEL).")
+@click.option("-o", "--out", type=OutputPath(remote=True), help="Write the record here (default: beside MODEL).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar; print only the root hash.")
 @_guarded
 def hash_command(model: Path, out: str | None, quiet: bool) -> None:

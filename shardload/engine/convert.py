@@ -23,7 +23,7 @@ from ..models.plan_source import shard_info_for
 from ..planning.mesh import Mesh
 from ..planning.plan import ModelPlan, build_plan
 from ..sources.checkpoint import (
-    as_path,
+    local_output,
     rank_file_name,
 )
 from ..sources.manifest import digest_to_write
@@ -108,7 +108,7 @@ def convert(
         shardload.convert("llama-dir", 8, "llama-tp8")
         state = shardload.load_rank("llama-tp8", rank=0, num_shards=8)
     """
-    out = as_path(out_dir, "out_dir")
+    out = local_output(out_dir, "out_dir")
     verify = verify_value(verify, str(model))
     resolved = mesh_for(num_shards, mesh, None, str(model))
     source = as_boxes(open_source(model, resolved))

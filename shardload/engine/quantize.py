@@ -24,7 +24,7 @@ from ..format.input_log import records_inputs
 from ..models.placement import Header
 from ..models.stored_layouts import quantized_shard_info
 from ..planning.plan import given_shard_info, shard_info_beside
-from ..sources.checkpoint import SHARD_INFO_NAME, as_path, open_checkpoint, read_config
+from ..sources.checkpoint import SHARD_INFO_NAME, local_output, open_checkpoint, read_config
 from ..sources.objects import ObjectPath
 from ..sources.reader import Reader
 from .output import (
@@ -169,7 +169,7 @@ def quantize(
         raise ShardloadError(f"unknown scheme {scheme!r} (choose from {', '.join([AUTO_INT4, *SCHEMES])})")
     scheme, _ = resolve_scheme(model, scheme, ignore)
     spec = SCHEMES[scheme]
-    out = as_path(out_dir, "out_dir")
+    out = local_output(out_dir, "out_dir")
     checkpoint = open_checkpoint(model)
     if isinstance(checkpoint.path, ObjectPath):
         raise ShardloadError(

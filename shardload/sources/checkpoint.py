@@ -19,7 +19,7 @@ from ..errors import CheckpointError, printable
 from ..format import input_log, strictjson
 from ..format.smallfile import read_small
 from .formats import SourceFormat, format_for_dir, format_for_file, source_format
-from .location import resolve_model
+from .location import is_uri, resolve_model
 from .manifest import (  # noqa: F401  (some re-exported for engine/convert.py, sources/source_types.py)
     CONVERSION_KEY,
     MANIFEST_FORMAT,
@@ -50,6 +50,15 @@ def as_path(value: Any, what: str) -> Path:
     if not isinstance(value, (str, os.PathLike)) or (isinstance(value, str) and not value):
         raise CheckpointError(f"{what} must be a path (str or os.PathLike), got {value!r}")
     return Path(value)
+
+
+def local_output(value: Any, what: str) -> Path:
+    """``value`` as the Path of an output written locally, refused in one line when it is an object-store URI (a
+    Path would read ``s3://b/out`` as the local ``s3:/b/out``)."""
+    if is_uri(value):
+        raise CheckpointError(f"{what} {value} is not local: this writes a local directory or file; write it here, "
+                              "then copy it to object storage (e.g. `aws s3 sync`)")  # fmt: skip
+    return as_path(value, what)
 
 
 @dataclass

@@ -45,7 +45,7 @@ from ...engine.writer import FileWriter, WrittenFile, new_conversion, write_outp
 from ...errors import ShardloadError
 from ...format.input_log import records_inputs
 from ...planning.plan import ParamPlan
-from ...sources.checkpoint import Checkpoint, as_path, read_config
+from ...sources.checkpoint import Checkpoint, local_output, read_config
 from ...sources.manifest import (
     CONVERSION_KEY,
     LEAVES_MANIFEST_VERSION,
@@ -167,7 +167,7 @@ def convert_vllm(
         convert_vllm("llama-dir", 2, "llama-vllm-tp2")
         # vllm serve llama-vllm-tp2 --load-format sharded_state --tensor-parallel-size 2
     """
-    out = as_path(out_dir, "out_dir")
+    out = local_output(out_dir, "out_dir")
     verify = verify_value(verify, str(model))
     if type(num_shards) is not int or num_shards < 1:
         raise ShardloadError(f"num_shards must be a positive integer, got {num_shards!r}", file=str(model))
