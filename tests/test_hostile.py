@@ -203,6 +203,14 @@ CASES: dict[str, Case] = {
         )(_model(d)),
         says="resolves outside the model directory",
     ),
+    "a shard_info of 350,000 bad steps (validate)": Case(
+        "linear work",
+        lambda d: [
+            (d / "si.json").write_bytes(b'{"version":1,"params":{"w":[' + b"[]," * 349_999 + b"[]]}}"),
+            ["validate", str(d / "si.json")],
+        ][-1],
+        says="does not match shard_info.schema.json",
+    ),  # every problem was a jsonschema error held at once: 1.3 GiB and a minute for this 1 MiB file
     "shard_info is /dev/zero (validate)": Case("not files", lambda d: ["validate", "/dev/zero"], says="regular file"),
     "shard_info.json is a FIFO (inspect)": Case(
         "not files", lambda d: ["inspect", str(_fifo(d, "shard_info.json")), "-n", "2"], says="not a regular file"

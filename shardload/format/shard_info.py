@@ -14,6 +14,7 @@ Names that merely look related (``model.x`` and ``x``) are different tensors, no
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -277,6 +278,10 @@ def _fast_validator(form: str) -> Any:
                                                "$ref": f"#/$defs/{form}"})  # fmt: skip
 
 
+SCHEMA_ERRORS = 64
+"""How many of a document's schema problems are weighed for the one message (the first ones found)."""
+
+
 def _check_schema(obj: dict[str, Any], form: str, source: str) -> None:
     fast = _fast_validator(form)
     if fast is not None:
@@ -291,7 +296,9 @@ def _check_schema(obj: dict[str, Any], form: str, source: str) -> None:
             return
     import jsonschema  # the reference validator: for the located message of the first problem
 
-    errors = list(_validator(form).iter_errors(obj))  # the full document, for the first located problem
+    # the first problems of the full document, for the located message of one (a document of a million bad steps
+    # would hold a million errors: gigabytes, minutes)
+    errors = list(itertools.islice(_validator(form).iter_errors(obj), SCHEMA_ERRORS))
     if not errors:
         return
     err = jsonschema.exceptions.best_match(errors)
