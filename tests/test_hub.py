@@ -192,3 +192,49 @@ def test_a_snapshot_linked_to_another_repositorys_is_refused(hub: Path, tmp_path
     snapshot.symlink_to(theirs, target_is_directory=True)
     with pytest.raises(CheckpointError, match="resolves outside the model directory"):
         shardload.load_rank(REPO, 0, 2)
+
+
+def test_weights_corrupted_on_their_way_from_the_hub_are_refused_and_dropped_from_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, example_dir: Path
+) -> None:
+    """A proxy or CDN that flips a byte of a weight file in transit: huggingface_hub checks only its size, so the
+    cache kept the bytes under the sha256 the Hub names them by, and every load (and later offline load) took them.
+    Each blob downloaded now is hashed against its name: one line, the blob dropped, and the next online load
+    fetches the file again and loads it exactly."""
+    from helpers.fake_hub import FakeHub, use_fake_hub
+
+    hub = FakeHub()
+    try:
+        hub.add(REPO, example_dir, COMMIT_MAIN)
+        use_fake_hub(monkeypatch, hub.url, tmp_path / "hf")
+        monkeypatch.chdir(tmp_path)
+        weights = hub.repos[REPO].files["model.safetensors"]
+        flipped = bytearray(weights)
+        flipped[-3] ^= 0x40
+        hub.repos[REPO].garbled["model.safetensors"] = bytes(flipped)
+        with pytest.raises(CheckpointError, match=r"model\.safetensors") as err:
+            shardload.load_rank(REPO, 1, 2)
+        assert "\n" not in str(err.value) and "sha256" in str(err.value)
+        blobs = list((tmp_path / "hf" / "hub").rglob("blobs/*"))
+        assert all(b.read_bytes() != bytes(flipped) for b in blobs), "the corrupted blob stayed in the cache"
+        hub.repos[REPO].garbled.clear()
+        _equal(shardload.load_rank(REPO, 1, 2), shardload.load_rank(example_dir, 1, 2))
+    finally:
+        hub.close()
+
+
+def test_a_blob_is_hashed_as_the_hub_names_it(tmp_path: Path) -> None:
+    """A Hub cache names a blob by the sha256 of a file kept in LFS, or by the git blob id of one kept in git: the
+    digest computed from the bytes is compared with the name of either form; any other name is not checked."""
+    import hashlib
+
+    from helpers.fake_hub import git_blob_id
+    from shardload.sources.location import blob_digest
+
+    data = b'{"model_type": "llama"}\n'
+    for name in (hashlib.sha256(data).hexdigest(), git_blob_id(data), "1" * 64, "x.incomplete"):
+        (tmp_path / name).write_bytes(data)
+    assert blob_digest(tmp_path / hashlib.sha256(data).hexdigest()) == hashlib.sha256(data).hexdigest()
+    assert blob_digest(tmp_path / git_blob_id(data)) == git_blob_id(data)
+    assert blob_digest(tmp_path / ("1" * 64)) == hashlib.sha256(data).hexdigest()
+    assert blob_digest(tmp_path / "x.incomplete") is None

@@ -144,6 +144,8 @@ def hub_snapshot(value: str, *, cache_only: bool = False) -> Path:
             file=value,
         ) from None
     offline = constants.HF_HUB_OFFLINE or cache_only
+    blobs = Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}" / "blobs"
+    before = {} if offline else _blob_stamps(blobs)
     try:
         path = huggingface_hub.snapshot_download(
             repo, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=offline
@@ -165,7 +167,63 @@ def hub_snapshot(value: str, *, cache_only: bool = False) -> Path:
         raise hub_refusal(err, value, repo, revision) from None
     except (errors.HfHubHTTPError, OSError, ValueError) as err:
         raise CheckpointError(f"cannot fetch from the Hugging Face Hub: {type(err).__name__}", file=value) from None
+    if not offline:
+        check_downloaded(blobs, before, Path(path))
     return Path(path)
+
+
+def _blob_stamps(blobs: Path) -> dict[str, tuple[int, int, int]]:
+    """Each blob of a Hub cache entry by name: its inode, size and change time (a new download is a new file)."""
+    try:
+        entries = list(os.scandir(blobs))
+    except OSError:
+        return {}
+    stamps = {}
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        stamps[entry.name] = (st.st_ino, st.st_size, st.st_ctime_ns)
+    return stamps
+
+
+def blob_digest(path: Path) -> str | None:
+    """The digest a Hub cache names blob ``path`` by, computed from its bytes: the sha256 of a file kept in LFS
+    (a 64-digit name), the git blob id of one kept in git (40 digits); None for a name of neither form."""
+    import hashlib
+
+    name = path.name
+    if not re.fullmatch(r"[0-9a-f]{64}|[0-9a-f]{40}", name):
+        return None
+    with open(path, "rb") as f:
+        digest = hashlib.sha256() if len(name) == 64 else hashlib.sha1(b"blob %d\0" % os.fstat(f.fileno()).st_size)
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+        return digest.hexdigest()
+
+
+def check_downloaded(blobs: Path, before: dict[str, tuple[int, int, int]], snapshot: Path) -> None:
+    """Hash every blob the download just wrote against the digest the Hub names it by (huggingface_hub checks only
+    sizes): a file corrupted in transit is dropped from the cache and refused in one line naming it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    new = [blobs / name for name, stamp in _blob_stamps(blobs).items() if before.get(name) != stamp]
+    if not new:
+        return
+    with ThreadPoolExecutor(min(len(new), os.cpu_count() or 1), thread_name_prefix="shardload-hub-hash") as pool:
+        digests = list(pool.map(blob_digest, new))  # hashlib lets go of the GIL: one file per core
+    for blob, digest in zip(new, digests, strict=True):
+        if digest is None or digest == blob.name:
+            continue
+        names = [link.name for link in snapshot.rglob("*") if link.is_symlink() and link.resolve() == blob.resolve()]
+        blob.unlink(missing_ok=True)  # the next download fetches it again
+        raise CheckpointError(
+            f"its bytes downloaded from the Hugging Face Hub hash to {digest[:16]}..., not the "
+            f"{'sha256' if len(digest) == 64 else 'git blob id'} {blob.name[:16]}... the Hub names them by (corrupted "
+            "in transit): dropped from the cache; load again to download it again",
+            file=str(snapshot / names[0]) if names else str(blob),
+        )
 
 
 def hub_refusal(err: Exception, value: str, repo: str, revision: str | None) -> CheckpointError:

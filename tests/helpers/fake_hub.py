@@ -1,13 +1,14 @@
-"""A small Hugging Face Hub on loopback, for reading Hub ids over HTTP offline (``shardload preflight`` of an id not
-in the local cache). Point huggingface_hub at it with :func:`use_fake_hub`.
+"""A small Hugging Face Hub on loopback, for reading Hub ids over HTTP offline (``shardload preflight`` of an id not in
+the local cache). Point huggingface_hub at it with :func:`use_fake_hub`.
 
-It serves what huggingface_hub asks of the Hub for a model: ``GET /api/models/REPO[/revision/REV]`` (the file list
-and the commit, :meth:`HfApi.model_info`), and ``GET``/``HEAD /REPO/resolve/REV/FILE`` with the headers
-huggingface_hub reads (``X-Repo-Commit``, ``ETag``, ``Content-Length``), a ``Range: bytes=A-B`` answered ``206`` with
-``Content-Range``; errors as the Hub sends them (``X-Error-Code``: ``RepoNotFound`` 404, or 401 for a private repo;
-``RevisionNotFound``, ``EntryNotFound`` 404; ``GatedRepo`` 403; a bare 403 for a token without access). It records
-every request (method, file, range asked, status, body bytes answered) before answering it. It can ignore Range
-(``200`` and the whole file, as a broken proxy would).
+It serves what huggingface_hub asks of the Hub for a model: ``GET /api/models/REPO[/revision/REV]`` (the file list and
+the commit, :meth:`HfApi.model_info`), ``GET /api/models/REPO/tree/REV`` (each file's size, git blob id and, for
+``*.safetensors``, its LFS sha256: what ``snapshot_download`` lists), and ``GET``/``HEAD /REPO/resolve/REV/FILE`` with
+the headers huggingface_hub reads (``X-Repo-Commit``, ``ETag``, ``Content-Length``), a ``Range: bytes=A-B`` answered
+``206`` with ``Content-Range``; errors as the Hub sends them (``X-Error-Code``: ``RepoNotFound`` 404, or 401 for a
+private repo; ``RevisionNotFound``, ``EntryNotFound`` 404; ``GatedRepo`` 403; a bare 403 for a token without access).
+It records every request (method, file, range asked, status, body bytes answered) before answering it. It can ignore
+Range (``200`` and the whole file, as a broken proxy would).
 """
 
 from __future__ import annotations
@@ -25,6 +26,20 @@ from urllib.parse import unquote, urlsplit
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 _API = re.compile(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?")
 _RESOLVE = re.compile(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)")
+_TREE = re.compile(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)")
+
+
+def git_blob_id(data: bytes) -> str:
+    """A file's git blob id (the Hub's ``oid`` of a file kept in git)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _tree(files: dict[str, bytes]) -> list[dict[str, Any]]:
+    """A repository's tree listing as the Hub answers it: weights in LFS (their sha256), the rest in git."""
+    return [{"type": "file", "path": name, "size": len(data), "oid": git_blob_id(data),
+             **({"lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}}
+                if name.endswith(".safetensors") else {})}
+            for name, data in files.items()]  # fmt: skip
 
 
 @dataclass
@@ -51,6 +66,9 @@ class Repo:
     private: bool = False
     forbidden: bool = False
     """Files answered 403 with no error code (a token without access), the listing served."""
+    garbled: dict[str, bytes] = field(default_factory=dict)
+    """Bytes served in place of a file's own, its ETag and listing still naming its own (a proxy or CDN that
+    corrupts it in transit)."""
 
 
 @dataclass
@@ -114,8 +132,8 @@ class FakeHub:
         span = None
         if asked is not None:
             span = (int(asked[1]), int(asked[2]) if asked[2] else -1)
-        api, resolve = _API.fullmatch(path), _RESOLVE.fullmatch(path)
-        match = api or resolve
+        api, resolve, tree = _API.fullmatch(path), _RESOLVE.fullmatch(path), _TREE.fullmatch(path)
+        match = api or resolve or tree
         repo = self.repos.get(match[1]) if match else None
         file = resolve[3] if resolve else None
         status, headers, body = 200, {}, b""
@@ -128,6 +146,8 @@ class FakeHub:
             commit = repo.refs.get(rev) or (rev if rev == repo.commit else None)
             if commit is None:
                 status, headers = 404, {"X-Error-Code": "RevisionNotFound"}
+            elif tree is not None:
+                body, headers = json.dumps(_tree(repo.files)).encode(), {"Content-Type": "application/json"}
             elif api is not None:
                 body = json.dumps({"id": match[1], "sha": commit, "private": False, "gated": repo.gated,
                                    "siblings": [{"rfilename": n} for n in repo.files]}).encode()  # fmt: skip
@@ -142,7 +162,7 @@ class FakeHub:
                 data = repo.files[file]
                 headers = {"X-Repo-Commit": commit, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
                            "Accept-Ranges": "bytes"}  # fmt: skip
-                body = data
+                data = body = repo.garbled.get(file, data)
                 if span is not None and not self.ignore_range:
                     first, last = span[0], min(len(data) - 1 if span[1] < 0 else span[1], len(data) - 1)
                     if first >= len(data):
