@@ -239,6 +239,21 @@ CASES: dict[str, Case] = {
     "GGUF array of 2**60 items": Case(
         "sizes", lambda d: ["inspect", str(_gguf(d, 0, 1, _kv_array(1 << 60)))], says="length"
     ),
+    "GGUF of 3,000,000 tensors in 100 MiB": Case(
+        "sizes",
+        lambda d: [os.truncate(_gguf(d, 3_000_000, 0), 100 << 20), ["inspect", str(d / "forged.gguf")]][-1],
+        says="tensors",
+    ),  # each tensor was planned, 2-3 KiB apiece: out of memory
+    "safetensors header of 15,000,000 objects": Case(
+        "sizes",
+        lambda d: [
+            (d / "objs.safetensors").write_bytes(
+                struct.pack("<Q", 45_000_016) + b'{"a":{"x":[' + b"{}," * 14_999_999 + b"{}]}}" + b" " * 3
+            ),
+            ["inspect", str(d / "objs.safetensors")],
+        ][-1],
+        says="objects",
+    ),  # parsed whole before any check: 2.6 GiB per 100 MiB
     "GGUF metadata count 2**62": Case("sizes", lambda d: ["inspect", str(_gguf(d, 0, 1 << 62))], says="metadata count"),
     "converted manifest claiming num_shards 10**9": Case(
         "sizes", lambda d: ["verify", str(_manifest(d, 10**9))], says="over the limit of 65536"

@@ -23,7 +23,7 @@ from ..errors import CheckpointError
 from ..format import input_log
 from .checkpoint import Checkpoint, check_disjoint, resolve_inside
 from .formats import SourceFormat, register_source
-from .safetensors_header import MAX_HEADER_BYTES, MAX_SPAN
+from .safetensors_header import MAX_HEADER_BYTES, MAX_SPAN, MAX_TENSORS
 from .tensor_info import TensorInfo
 
 GGUF_SUFFIX = ".gguf"
@@ -158,6 +158,9 @@ def read_header(path: Path) -> _Header:
             raise CheckpointError(f"{BAD}: GGUF version {version}{other}; shardload reads versions 2 and 3",
                                   file=str(path))  # fmt: skip
         tensors = count("tensor count", 8 + 4 + 4 + 8)
+        if tensors > MAX_TENSORS:
+            raise CheckpointError(f"{BAD}: {tensors} tensors; a file may declare at most {MAX_TENSORS}",
+                                  file=str(path))  # fmt: skip
         kvs = count("metadata count", 8 + 4)
         metadata: dict[str, Any] = {}
         for _ in range(kvs):

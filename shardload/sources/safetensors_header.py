@@ -17,6 +17,9 @@ from .tensor_info import TensorInfo
 
 MAX_HEADER_BYTES = 100 << 20
 """Cap on a safetensors header and on index/manifest JSON files (real headers are a few MB at most)."""
+MAX_TENSORS = 1 << 20
+"""Most tensors one file may declare (the largest checkpoints hold about 100,000 in all): each costs a few KiB
+once planned, so a compact header of millions would take gigabytes."""
 
 
 MAX_SPAN = 2**62
@@ -115,6 +118,10 @@ def _file_header(path: Path) -> tuple[bytes, int, int]:
 def _parse_header(path: Any, raw: bytes, header_len: int, size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Check a raw safetensors header against the file's size: dtypes, shapes, byte ranges tiling the data."""
     name = str(path)
+    objects = raw.count(b"{")  # one per tensor: counted before parsing, which builds every object at once
+    if objects > 2 * MAX_TENSORS:
+        raise CheckpointError(f"safetensors header holds {objects} JSON objects; a file may declare at most "
+                              f"{MAX_TENSORS} tensors", file=name)  # fmt: skip
     try:
         header = strictjson.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
