@@ -6,7 +6,8 @@ tests/test_agreement.py; not a test itself).
 CASE says what happens between the two ranks' loads: rank 0 loads first, then (both ranks waiting at a barrier) rank
 0 changes the model, then rank 1 loads. ``none`` changes nothing; ``replace`` replaces model.safetensors by a rename
 with a file of the same header and other tensor bytes; ``reheader`` with the same tensors under another header (one
-more metadata entry); ``touch`` only moves its modification time; ``touch-hosts``
+more metadata entry); ``rewrite-keep-mtime`` rewrites its tensor bytes in place and puts its modification time
+back; ``touch`` only moves its modification time; ``touch-hosts``
 does the same with each rank told it is on a host of its own; ``own-copy`` has rank 1 load its own copy
 (MODEL-copy, made by the test); ``shared`` loads with ``group=True`` inside the block; ``slow`` has rank 1 start
 its load 3 s after rank 0 ends its own, with the shared-reads exchange timeout at 1 s; ``fail`` makes rank 1's load
@@ -45,6 +46,15 @@ def change(model: str, case: str) -> None:
 
         save_file(load_file(path), path + ".new", metadata={"format": "pt", "version": "2"})
         os.replace(path + ".new", path)
+    elif case == "rewrite-keep-mtime":  # its tensor bytes rewritten in place, its modification time put back
+        st = os.stat(path)
+        with open(path, "r+b") as f:
+            (n,) = np.frombuffer(f.read(8), dtype="<u8")
+            f.seek(8 + int(n))
+            data = f.read()
+            f.seek(8 + int(n))
+            f.write(bytes(b ^ 0x01 for b in data))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     elif case.startswith("touch"):
         st = os.stat(path)
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))

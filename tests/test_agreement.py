@@ -37,7 +37,8 @@ def _run(model: Path, case: str) -> list[str]:
     return [next(line for line in out.splitlines() if line.startswith(("OK", "ERROR"))) for out in outs]
 
 
-CASES = ["none", "replace", "reheader", "touch", "touch-hosts", "own-copy", "slow", "fail", "shared"]
+CASES = ["none", "replace", "reheader", "rewrite-keep-mtime", "touch", "touch-hosts", "own-copy", "slow", "fail",
+         "shared"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -1,14 +1,14 @@
 """Whether the ranks that load one model side by side read one version of it: a checkpoint replaced between two ranks'
 loads gives each rank a consistent state dict of a different version, which no single load can see.
 
-Each rank sums up what its load recorded (:mod:`shardload.format.input_log`) as one row per file: the bytes it
-parsed (headers, ``config.json``, ``shard_info.json``, an index, a manifest), the file's size, an object's version
-(its ETag), and a local file's identity (device, inode, modification time). Every file two ranks both read must agree
-on what they parsed and its size; ranks that read one object address on its version; ranks on one host (same boot,
-hostname and mount namespace) that read one path, on a file system whose inode numbers are stable, on the identity:
-a file replaced by a rename, or rewritten, between their loads is then one line on every rank. Copies that differ
-only in tensor bytes the ranks did not parse (two fine-tunes with equal headers on two hosts, or at two paths) are
-not told apart here; a verified load (``verify=True``) checks every byte it reads against the record.
+Each rank sums up what its load recorded (:mod:`shardload.format.input_log`) as one row per file: the bytes it parsed
+(headers, ``config.json``, ``shard_info.json``, an index, a manifest), the file's size, an object's version (its ETag),
+and a local file's identity (device, inode, modification and change times). Every file two ranks both read must agree on
+what they parsed and its size; ranks that read one object address on its version; ranks on one host (same boot, hostname
+and mount namespace) that read one path, on a file system whose inode numbers are stable, on the identity: a file
+replaced by a rename, or rewritten, between their loads is then one line on every rank. Copies that differ only in
+tensor bytes the ranks did not parse (two fine-tunes with equal headers on two hosts, or at two paths) are not told
+apart here; a verified load (``verify=True``) checks every byte it reads against the record.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 STABLE_INODES = input_log.LEASE_FILE_SYSTEMS | {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "ceph", "cifs", "smb3"}
 """File systems whose inode numbers name one file for every process: there, two ranks reading one path must see one
-inode and modification time. A FUSE mount (rclone, goofys) may number a file anew at each lookup: not compared."""
+inode, modification and change times. A FUSE mount (rclone, goofys) may number a file anew at each lookup: not
+compared."""
 ROW = struct.Struct("<8s8s8s8s8s")
 """One file's row: its name's hash, what every copy must agree on, its path's hash, its object version (compared
 between ranks that read one address) and its identity (between ranks of one host that read one path)."""
@@ -80,7 +81,7 @@ def file_rows(log: InputLog, root: str) -> list[FileRow]:
         parsed = b"" if data is None else hashlib.sha256(data).digest()
         version = str(log.versions.get(key, "")).encode()
         stable = stamp is not None and input_log.file_system(stamp[0]) in STABLE_INODES
-        identity = struct.pack("<QQQ", stamp[0], stamp[1], stamp[3]) if stable else b""
+        identity = struct.pack("<QQQQ", stamp[0], stamp[1], stamp[3], stamp[4]) if stable else b""  # ctime too
         rows.append(FileRow(_relative(key, root), _digest(parsed, size), _digest(key.encode()), _digest(version),
                             _digest(identity)))  # fmt: skip
     return rows
