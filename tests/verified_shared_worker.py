@@ -3,8 +3,8 @@ tests/test_verified.py; not a test itself).
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 verified_shared_worker.py MODEL EVIL [ROOT]
 
-Rank ``EVIL`` (-1: none) alters every 4096th byte of what it sends; the load passes ``verify=ROOT`` (a pinned root)
-when given, else ``verify=True``. Each rank prints ``OK R`` when its tensors
+Rank ``EVIL`` (-1: none) alters every 4096th byte of what it sends the next rank (its own bytes stay true); the load
+passes ``verify=ROOT`` (a pinned root) when given, else ``verify=True``. Each rank prints ``OK R`` when its tensors
 equal a plain load's, or ``FAILED R: MESSAGE`` when the load fails, and leaves through ``os._exit``.
 """
 
@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 import shardload
-import shardload.engine.exchange as exchange
 
 
 def main() -> None:
@@ -26,14 +25,15 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     if rank == evil:
-        copy = exchange._copy
+        exchange_bytes = dist.all_to_all_single
 
-        def altered(src, copies, dests):  # type: ignore[no-untyped-def]
-            copy(src, copies, dests)
-            if len(dests) == 1:  # packing the send buffer (unpacking fills every parameter's tensor)
-                dests[0].view(-1)[::4096] ^= 1
+        def altered(out, send, out_splits=None, in_splits=None, group=None, async_op=False):  # type: ignore[no-untyped-def]
+            peer = (rank + 1) % size  # what goes to the next rank only: the evil rank's own bytes stay true
+            start = sum(in_splits[:peer]) if in_splits else 0
+            send[start : start + (in_splits[peer] if in_splits else 0)][::4096] ^= 1
+            return exchange_bytes(out, send, out_splits, in_splits, group=group, async_op=async_op)
 
-        exchange._copy = altered
+        dist.all_to_all_single = altered
     plain = shardload.load_rank(model, rank, size)
     try:
         state = shardload.load_rank(model, rank, size, share_reads=True, verify=verify)

@@ -62,9 +62,11 @@ def load_shared(
     group: Any = None,
     progress: Callable[[int, int], None] | None = None,
     where: str = "",
+    check: Callable[[dict[str, torch.Tensor]], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """This rank's tensors, the reading shared with the ranks of ``group`` (None: the default process group), each
-    of which calls this with its own ``slot`` (stage, tp rank).
+    of which calls this with its own ``slot`` (stage, tp rank); ``check`` (what the peers sent, against the
+    integrity record) runs on them before the ranks agree, so that its failure fails every rank.
 
     ``slot_params(slot)`` gives the parameter plans a slot builds and the rank of those plans it takes (the same on
     every rank, computed without I/O beyond headers); ``digest`` hashes what this rank planned, so that ranks
@@ -189,6 +191,11 @@ def load_shared(
                     failed = err
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    if check is not None and failed is None:
+        try:
+            check(result)
+        except Exception as err:
+            failed = err
     _agree_unchanged(bases, group, comm, where, failed)
     return result
 

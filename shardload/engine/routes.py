@@ -171,10 +171,13 @@ def _whole_shared(source: Source, plan: ModelPlan, stages: list[ModelPlan], mesh
     digest = plan_digest(plan, stages) + str(mesh).encode()
     progress = progress_for(options.progress, label, "exchange rounds")
     with wrapped(reader_for_plan(plan.params.values()), wrap) as reader:
-        state = load_shared(slot_params, digest, (coord.pp, coord.tp), device, reader, group, progress, source.name)
-        if wrap is not None:  # what the peers sent is checked too: a broken or hostile peer cannot inject bytes
-            check_received(stages[coord.pp].params.values(), coord.tp, state, reader)
-        return state
+        # what the peers sent is checked too, before the ranks agree: a broken or hostile peer cannot inject bytes,
+        # and every rank fails with the receiver
+        check = (
+            (lambda state: check_received(stages[coord.pp].params.values(), coord.tp, state, reader)) if wrap else None
+        )
+        return load_shared(slot_params, digest, (coord.pp, coord.tp), device, reader, group, progress, source.name,
+                           check)  # fmt: skip
 
 
 def _rank_files(source: Source, mesh: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
@@ -268,10 +271,9 @@ def _rank_files_shared(
         files = {path: list(read_header(path).values()) for path in (rank_file(checkpoint, tp, mesh, stage=pp)
                                                                      for pp, tp in keys)}  # fmt: skip
     with wrapped(reader_for(checkpoint.path), wrap and (lambda r: wrap(r, files))) as reader:
-        state = load_shared(slot_params, digest, own, device, reader, group, progress, str(checkpoint.path))
-        if wrap is not None:  # the bytes peers sent for this rank's file are checked against the record too
-            check_received(slot_params(own)[0], 0, state, reader)
-        return state
+        # the bytes peers sent for this rank's file are checked against the record too, before the ranks agree
+        check = (lambda state: check_received(slot_params(own)[0], 0, state, reader)) if wrap is not None else None
+        return load_shared(slot_params, digest, own, device, reader, group, progress, str(checkpoint.path), check)
 
 
 def _split_records(source: Source, mesh: Mesh, ranks: Sequence[int], devices: Sequence[Any], options: LoadOptions,
