@@ -362,11 +362,19 @@ def failed_groups(example_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     missing = shutil.copytree(converted, converted.parent / "missing")
     (missing / "rank-00000-of-00002.safetensors").unlink()  # rank 1's copy: it cannot plan rank 0's part
     partly = {"model": str(converted), "mesh": "dp=2,tp=2", "chunk": 4096, "model_of_rank": {"1": str(missing)}}
+    unplannable = tmp_path_factory.mktemp("unplannable") / "model"  # rank 1's copy: its plan fails before any exchange
+    shutil.copytree(example_dir, unplannable)
+    info = json.loads((unplannable / "shard_info.json").read_text())
+    info["params"]["no.such.weight"] = next(iter(info["params"].values()))
+    (unplannable / "shard_info.json").write_text(json.dumps(info))
     groups = {
         "dies": spawn([case], {"SHARDLOAD_TEST_DIE": "1:1", "SHARDLOAD_TEST_TIMEOUT": "60"}),
         "raises": spawn([case], {"SHARDLOAD_TEST_FAIL": "raises:1:1", **LIVES_ON}),
         "unplanned": spawn([partly], {"SHARDLOAD_TEST_FAIL": "1", **LIVES_ON}),
         "progress": spawn([case], {"SHARDLOAD_TEST_FAIL": "progress:1", **LIVES_ON}),
+        "prefails": spawn(
+            [{**case, "model_of_rank": {"1": str(unplannable)}}], {"SHARDLOAD_TEST_FAIL": "1", **LIVES_ON}
+        ),
         "hangs": spawn([case], {"SHARDLOAD_TEST_HANG": "1:1", "SHARDLOAD_TEST_TIMEOUT": "6"}),
         "differs": spawn([{**case, "model_of_rank": {"3": str(other)}}], {"SHARDLOAD_TEST_FAIL": "1"}),
     }
@@ -423,12 +431,13 @@ def test_a_rank_that_hangs_fails_the_others_after_the_timeout(failed_groups: dic
 @pytest.mark.parametrize(
     ("group", "own"),
     [("raises", "cannot read: Input/output error"), ("unplanned", "rank-00000-of-00002.safetensors: is missing"),
-     ("progress", "the caller's progress callback failed")],
+     ("progress", "the caller's progress callback failed"), ("prefails", "no.such.weight")],
 )  # fmt: skip
 def test_a_rank_that_fails_but_lives_on_fails_the_others_at_once(failed_groups: dict, group: str, own: str) -> None:
     """Rank 1 fails with an error of its own (a read of round 2's chunk; a rank file its copy lacks, while it plans
-    the group's reads) and its process lives on, as a server's that catches the error: it left the exchange, and
-    the others waited out the whole timeout, then blamed a dead or hung rank, naming no model."""
+    the group's reads; a shard_info its copy holds that does not plan, before it joins the group) and its process
+    lives on, as a server's that catches the error: it left the exchange (or never joined it), and the others
+    waited out the whole timeout, then blamed a dead or hung rank, naming no model."""
     rc, text = failed_groups[group][1]
     assert rc == 1 and own in failure_line(text), text
     for rank in (0, 2, 3):

@@ -17,8 +17,10 @@ import datetime
 import hashlib
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ShardloadError
@@ -51,6 +53,50 @@ EXCHANGE_TIMEOUT = 300.0
 """Seconds a rank waits for one collective of the exchange before it fails with a :class:`ShardloadError` (a rank
 that died is usually noticed at once: its connections close). A round waits for the slowest rank's read of one
 chunk, so this only has to exceed that (and the planning of the slowest rank, for the first collective)."""
+
+
+_JOINED: ContextVar[bool] = ContextVar("shardload_exchange_joined", default=False)
+"""Whether this rank's load has come to the group's first collective (:func:`load_shared`)."""
+_FAILED_ROW = -1
+"""The slot a rank whose load failed before the exchange sends in the first collective."""
+
+
+@contextmanager
+def failing_together(group: Any, device: torch.device, where: str) -> Iterator[None]:
+    """A load with ``group`` (None: none): a failure of this rank before it comes to the group's exchange (its model,
+    its plan or its record) is told the others in the exchange's first collective, so that they fail at once with it
+    rather than wait out :data:`EXCHANGE_TIMEOUT`; then it is raised here."""
+    if group is None or group is False:
+        yield
+        return
+    token = _JOINED.set(False)
+    try:
+        yield
+    except Exception:
+        if not _JOINED.get():
+            _tell_failure(group, device, where)
+        raise
+    finally:
+        _JOINED.reset(token)
+
+
+def _tell_failure(group: Any, device: torch.device, where: str) -> None:
+    """Come to the exchange's first collective as a rank that failed (what goes wrong here is dropped: this rank's
+    own error is the one raised)."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank(None if group is True else group) < 0:
+            return
+        group = None if group is True else group
+        comm = _comm_device(group, device)
+        mine = torch.full((2 + hashlib.sha256().digest_size,), _FAILED_ROW, dtype=torch.int64, device=comm)
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        _wait(dist.all_gather(rows, mine, group=group, async_op=True), comm, "while the ranks compared their plans",
+              where)  # fmt: skip
+    except Exception:
+        pass
 
 
 def load_shared(
@@ -86,8 +132,13 @@ def load_shared(
     digest = hashlib.sha256(digest + repr(settings).encode()).digest()
     mine = torch.tensor([slot[0], slot[1], *digest], dtype=torch.int64, device=comm)
     rows = [torch.empty_like(mine) for _ in range(size)]
+    _JOINED.set(True)  # from here on, a failure of this rank is told the others by the exchange itself
     _wait(dist.all_gather(rows, mine, group=group, async_op=True), comm, "while the ranks compared their plans", where)
     table = [row.tolist() for row in rows]
+    gone = [i for i, row in enumerate(table) if row[0] == _FAILED_ROW]
+    if gone:
+        raise ShardloadError(f"shared reads: rank {_global(group, gone)[0]} failed before the group's reads began "
+                             "(its own error says why); nothing was returned", file=where)  # fmt: skip
     for i, row in enumerate(table):
         if row[2:] != table[0][2:]:
             ranks = _global(group, [0, i])

@@ -17,6 +17,7 @@ from ..format.input_log import records_inputs
 from ..planning.mesh import Mesh, as_mesh
 from ..sources.source_types import Source, open_source
 from .devices import resolve_device
+from .exchange import failing_together
 from .load_options import Destination, Tensors, Verify, load_options
 from .read_strategy import ReadOptions
 from .routes import load_source
@@ -170,19 +171,22 @@ def load_rank(
         raise err.located(file=str(model)) from None
     options = load_options(str(model), shard_info=shard_info, verify=verify, group=group, read_options=read_options,
                            into=into, progress=progress, legacy=deprecated)  # fmt: skip
-    source = open_source(model, resolved)
-    resolved = own_layers(source, resolved)
-    if type(rank) is not int or not 0 <= rank < resolved.world_size:
-        what = f"num_shards={resolved.tp}" if mesh is None else f"a mesh of {resolved.world_size} ranks ({resolved})"
-        raise (CheckpointError if source.splits else ShardloadError)(f"rank {rank} is out of range for {what}",
-                                                                     file=str(model))  # fmt: skip
-    options.check(source, resolved, [device])
-    try:
-        return load_source(source, resolved, [rank], [device], options, f"loading rank {rank}")[0]
-    except BaseException:
-        if options.into is not None:  # the caller's tensors hold no part of a load that failed
-            options.into.clear()
-        raise
+    with failing_together(options.group, device, str(model)):  # a group's ranks fail at once with any of them
+        source = open_source(model, resolved)
+        resolved = own_layers(source, resolved)
+        if type(rank) is not int or not 0 <= rank < resolved.world_size:
+            what = (
+                f"num_shards={resolved.tp}" if mesh is None else f"a mesh of {resolved.world_size} ranks ({resolved})"
+            )
+            raise (CheckpointError if source.splits else ShardloadError)(f"rank {rank} is out of range for {what}",
+                                                                         file=str(model))  # fmt: skip
+        options.check(source, resolved, [device])
+        try:
+            return load_source(source, resolved, [rank], [device], options, f"loading rank {rank}")[0]
+        except BaseException:
+            if options.into is not None:  # the caller's tensors hold no part of a load that failed
+                options.into.clear()
+            raise
 
 
 def mesh_for(num_shards: int | None, mesh: Any, world_size: int | None, where: str | None = None) -> Mesh:
