@@ -176,6 +176,39 @@ def test_counting_is_off_outside_the_block(tmp_path: Path) -> None:
     assert seen.bytes == 0 and shardload.sources.reader._count is None
 
 
+def test_blocks_that_overlap_each_count_what_is_read_inside_them(tmp_path: Path) -> None:
+    """A block inside another, and blocks of two threads left out of order: each counts every read made while it
+    is open (an inner block hid its reads from the outer one; a block left while another thread's was open put a dead
+    counter back, and the other's reads went uncounted)."""
+    import threading
+
+    model = parallel_model(tmp_path / "m")
+    stored = sum(t.nbytes for t in open_checkpoint(model).tensors.values())
+    with count_reads() as outer:
+        with count_reads() as inner:
+            shardload.load(model, 2, devices=["cpu"] * 2)
+        assert inner.bytes == stored
+    assert outer.bytes == stored
+    opened, left = threading.Event(), threading.Event()
+    seen: dict[str, int] = {}
+
+    def first() -> None:
+        with count_reads() as mine:
+            opened.set()
+            left.wait(30)
+        seen["first"] = mine.bytes
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    opened.wait(30)
+    with count_reads() as second:
+        left.set()
+        thread.join(30)  # the first thread's block ends while this one is open
+        shardload.load(model, 2, devices=["cpu"] * 2)
+    assert second.bytes == stored and seen["first"] == 0
+    assert shardload.sources.reader._count is None
+
+
 def _register_bad(name: str, boxes: Any) -> None:
     def shape(in_shape: tuple[int, ...], dtype: str, num_shards: int) -> tuple[tuple[int, ...], str]:
         return (num_shards, in_shape[0] // num_shards, *in_shape[1:]), dtype

@@ -69,13 +69,40 @@ class ReadCount:
             self.checked += nbytes
             self.tiles += tiles
 
+    def add_warmed(self, nbytes: int) -> None:
+        """Record ``nbytes`` read into the page cache for the host's other ranks."""
+        with self._lock:
+            self.warmed += nbytes
 
-_count: ReadCount | None = None
+
+@dataclass(frozen=True)
+class _Counting:
+    """Every :func:`count_reads` block open now, in any thread: each read is told to all of them."""
+
+    blocks: tuple[ReadCount, ...]
+
+    def add(self, path: Path, nbytes: int, calls: int, moved: int | None = None) -> None:
+        for block in self.blocks:
+            block.add(path, nbytes, calls, moved)
+
+    def add_checked(self, nbytes: int, tiles: int = 1) -> None:
+        for block in self.blocks:
+            block.add_checked(nbytes, tiles)
+
+    def add_warmed(self, nbytes: int) -> None:
+        for block in self.blocks:
+            block.add_warmed(nbytes)
+
+
+_count: _Counting | None = None
+"""The blocks open now (None: none, and reads count nothing)."""
+_count_lock = threading.Lock()
 
 
 @contextmanager
 def count_reads() -> Iterator[ReadCount]:
-    """Count every tensor byte any :class:`Reader` reads inside this block (all threads).
+    """Count every tensor byte any :class:`Reader` reads while this block is open (all threads; blocks may nest and
+    overlap, each counting what is read while it is open).
 
     Example::
 
@@ -84,11 +111,16 @@ def count_reads() -> Iterator[ReadCount]:
         print(seen.bytes)
     """
     global _count
-    outer, _count = _count, ReadCount()
+    mine = ReadCount()
+    with _count_lock:
+        _count = _Counting((*(_count.blocks if _count else ()), mine))
     try:
-        yield _count
+        yield mine
     finally:
-        _count = outer
+        with _count_lock:
+            assert _count is not None
+            left = tuple(block for block in _count.blocks if block is not mine)
+            _count = _Counting(left) if left else None
 
 
 def libc_function(pick: Callable[[Any], Any], argtypes: list[Any], restype: Any, *, keep_gil: bool = False) -> Any:
@@ -541,8 +573,7 @@ def count_checked(nbytes: int, tiles: int = 1) -> None:
 def count_warmed(nbytes: int) -> None:
     """Record ``nbytes`` read into the page cache for the host's other ranks (a stripe) in :func:`count_reads`."""
     if _count is not None:
-        with _count._lock:
-            _count.warmed += nbytes
+        _count.add_warmed(nbytes)
 
 
 def count_requested(path: Path, nbytes: int) -> None:
