@@ -41,6 +41,9 @@ from shardload.errors import ShardloadError
             lambda m: shardload.load(m, 2, read_options=shardload.ReadOptions(threads=-1)),
             "reader threads must be None or an int >= 0, got -1",
         ),
+        (lambda m: shardload.load_rank(m, 0, 2, progress=1), "progress must be True, False or a callable"),
+        (lambda m: shardload.load(m, 2, progress="yes"), "progress must be True, False or a callable"),
+        (lambda m: shardload.load_rank(m, 0, mesh="pp=3,tp=1"), r"^/.+: pp=3 is more stages"),
     ],
 )
 def test_bad_api_arguments_are_one_line_errors(example_dir: Path, call: Any, says: str) -> None:

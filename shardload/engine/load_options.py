@@ -123,6 +123,8 @@ def load_options(
             raise ShardloadError("give into= or params=/out=, not both", file=where)
         into = Destination(out, params)
     mmap = bool(legacy.get("mmap"))
+    if not (progress is None or isinstance(progress, bool) or callable(progress)):
+        raise ShardloadError(f"progress must be True, False or a callable (done, total), got {progress!r}", file=where)
     if read_options is not None and not isinstance(read_options, ReadOptions):
         raise ShardloadError(f"read_options must be a ReadOptions, got {read_options!r}", file=where)
     if read_options is not None and read_options.strategy == "view":

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ShardloadError
 from ..planning.mesh import Mesh, stage_plans
 from ..planning.plan import ModelPlan, ParamPlan
 from ..sources.reader import RunReader
@@ -43,8 +44,14 @@ def iter_shards(
 
 
 def stages_of(plan: ModelPlan, layout: Mesh) -> list[ModelPlan]:
-    """One plan per pipeline stage of ``layout`` (the plan itself when there is one stage)."""
-    return [plan] if layout.pp == 1 else stage_plans(plan, layout)
+    """One plan per pipeline stage of ``layout`` (the plan itself when there is one stage); a refusal is located at
+    the plan's checkpoint."""
+    if layout.pp == 1:
+        return [plan]
+    try:
+        return stage_plans(plan, layout)
+    except ShardloadError as err:
+        raise err.located(file=plan.checkpoint.name if plan.checkpoint is not None else None) from None
 
 
 def run_plan(
