@@ -300,6 +300,20 @@ def test_progress_is_reported_from_every_source(example_dir: Path, tmp_path: Pat
         np.testing.assert_array_equal(t.numpy(), np.asarray(want[name]))
 
 
+@pytest.mark.parametrize("converted", [False, True])
+def test_a_load_of_views_reports_its_end(example_dir: Path, tmp_path: Path, converted: bool) -> None:
+    """A load whose every tensor comes back as a view of its file reads nothing: ``progress`` was never called, so a
+    server waiting for ``done == total`` never saw the load end. It is called once, with ``(0, 0)``."""
+    source = example_dir
+    if converted:
+        source = shardload.convert(example_dir, 2, tmp_path / "tp2").out_dir
+    seen: list[tuple[int, int]] = []
+    views = shardload.ReadOptions(strategy="view")
+    only = {"into": shardload.Destination(only=["model.norm.weight"])} if not converted else {}
+    state = shardload.load_rank(source, 1, 2, read_options=views, progress=lambda d, t: seen.append((d, t)), **only)
+    assert state and seen and seen[-1][0] == seen[-1][1], seen
+
+
 OLD_WORDS = re.compile(r"\b(share_reads|params|out|mmap)\b")
 """The load options' deprecated spellings, which a refusal must not use (the caller gave today's)."""
 

@@ -130,7 +130,7 @@ def load_rank(
         progress (`bool` or callable, defaults to `False`):
             True draws a line on stderr when it is a terminal (one rank per node); a callable gets
             ``(done, total)`` read jobs, exchange rounds (``group``) or tensors (a converted directory at
-            another N).
+            another N); ``(0, 0)`` once where nothing is read (every tensor a view of its file).
         read_options (:class:`ReadOptions`, *optional*):
             How the rank gets its bytes and the reader threads. ``strategy="view"`` (CPU only) returns a tensor
             that is one contiguous stretch of its file (a dim-0 shard, a replicated tensor, every tensor of a

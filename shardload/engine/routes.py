@@ -348,7 +348,7 @@ def progress_line(label: str, unit: str = "read jobs") -> Callable[[int, int], N
         return None
 
     def draw(done: int, total: int) -> None:
-        sys.stderr.write(f"\r{label}: {done}/{total} {unit} ({100 * done // total}%)")
+        sys.stderr.write(f"\r{label}: {done}/{total} {unit} ({100 * done // total if total else 100}%)")
         if done == total:
             sys.stderr.write("\n")
         sys.stderr.flush()

@@ -75,6 +75,7 @@ class Transfer:
         options = ReadOptions() if read_options is None else read_options
         self.reader = reader
         self.progress = progress
+        self._told = False  # progress was called
         self.runs = StructureRuns()
         self.threads = options.threads_for(reader)
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardload-read") if self.threads else None
@@ -255,6 +256,7 @@ class Transfer:
                         fn()
                         if self.progress is not None:
                             self.progress(done, len(held))
+                            self._told = True
                 elif self.progress is None:
                     self._run_all([fn for fn, _ in held])
                 else:
@@ -268,6 +270,7 @@ class Transfer:
                 for done, f in enumerate(as_completed(futures), 1):
                     f.result()
                     self.progress(done, len(futures))
+                    self._told = True
             for f in futures:
                 f.result()
         except BaseException:
@@ -278,6 +281,9 @@ class Transfer:
         for c in copies:
             _apply_copies(c.copies, c.dests)
         input_log.check_unchanged(self.sources, self.log)
+        if self.progress is not None and not self._told:  # nothing to read (views of the files): the end, told once
+            self._told = True
+            self.progress(0, 0)
 
     def _run_all(self, jobs: list[Callable[[], None]]) -> None:
         """Run ``jobs`` on the reader threads and this one, each taking the next job none has taken: one hand-off
