@@ -269,6 +269,24 @@ def test_permanent_errors_name_bucket_and_key(endpoint: S3, uris: dict) -> None:
     assert "testing" not in message and "\n" not in message  # never a credential
 
 
+def test_an_expired_session_token_is_named(endpoint: S3, uris: dict) -> None:
+    """An expired STS session token was ``the store answered 400 (HTTP 400)``: a GET's answer names it, and a HEAD's
+    (no body, no code) says what a bare 400 most often means."""
+    uri = uris["single"][1]
+    key = uri.split("/", 3)[3] + "/model.safetensors"
+    endpoint.proxy.faults.expired.add(key)
+    try:
+        with pytest.raises(CheckpointError) as err:
+            shardload.load_rank(f"{uri}/model.safetensors", 0, 2)  # a HEAD first
+        assert "expired or invalid session token" in err.value.message and "\n" not in err.value.message
+        endpoint.proxy.faults.expired.add(f"{BUCKET}/")  # the bucket's listing too: a GET, with the code
+        with pytest.raises(CheckpointError) as err:
+            shardload.load_rank(uri, 0, 2)
+        assert "the session token has expired" in err.value.message, err.value.message
+    finally:
+        endpoint.proxy.faults.expired.clear()
+
+
 def test_index_naming_a_missing_object(endpoint: S3, example_multi_dir: Path, tmp_path: Path) -> None:
     broken = tmp_path / "broken"
     shutil.copytree(example_multi_dir, broken)

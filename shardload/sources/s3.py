@@ -65,6 +65,12 @@ _PERMANENT = {
     "InvalidAccessKeyId": "the access key is not known to the store",
     "SignatureDoesNotMatch": "the request signature does not match (check the secret key)",
     "InvalidRange": "the object is shorter than its header says (changed while loading?)",
+    "ExpiredToken": "the session token has expired (renew the credentials: AWS_SESSION_TOKEN, the profile or role)",
+    "TokenRefreshRequired": "the session token has expired (renew the credentials: AWS_SESSION_TOKEN, the profile or "
+    "role)",
+    "InvalidToken": "the session token is not valid (check AWS_SESSION_TOKEN, the profile or role)",
+    "400": "the store refused the request as malformed (HTTP 400; a HEAD carries no reason: most often an expired or "
+    "invalid session token, or a region or endpoint the bucket does not answer at)",
 }
 
 

@@ -53,6 +53,8 @@ class Faults:
     only_get: bool = True
     forbidden: set[str] = field(default_factory=set)
     """Keys answered with 403 AccessDenied, every time."""
+    expired: set[str] = field(default_factory=set)
+    """Keys answered with 400 ExpiredToken (a session token past its time), every time."""
     forge: dict[str, Any] = field(default_factory=dict)
     """Key -> ``f(body, range) -> bytes | None``: a GET's body replaced by what ``f`` returns (None: served as is), a
     store that lies about an object's bytes while its size stays right."""
@@ -150,6 +152,10 @@ class FaultyProxy:
             _send_error(
                 h, 403, b"<?xml version='1.0'?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
             )
+            return
+        if key in self.faults.expired or (path.count("/") == 1 and path.strip("/") + "/" in self.faults.expired):
+            _send_error(h, 400, b"<?xml version='1.0'?><Error><Code>ExpiredToken</Code><Message>The provided token "
+                                b"has expired.</Message></Error>")  # fmt: skip
             return
         rng = _range(h.headers.get("Range"))
         fault = self._fault(h.command, rng)
