@@ -374,6 +374,12 @@ CHECKPOINT_CASES: list[tuple[str, Builder, str, str]] = [
         "listed twice in the safetensors header",
     ),
     (
+        "header-duplicate-metadata",
+        with_weights(st_bytes({}, raw_header=b'{"__metadata__": {}, "__metadata__": {}}')),
+        "model.safetensors",
+        "'__metadata__' is given twice in the safetensors header",
+    ),
+    (
         "metadata-not-strings",
         with_header(lambda h: h.update(__metadata__={"a": 1})),
         "model.safetensors",

@@ -127,6 +127,8 @@ def _parse_header(path: Any, raw: bytes, header_len: int, size: int) -> tuple[di
     except UnicodeDecodeError as err:
         raise CheckpointError(f"safetensors header is not UTF-8 text (byte {8 + err.start})", file=name) from None
     except strictjson.DuplicateKeyError as dup:
+        if dup.key == "__metadata__":
+            raise CheckpointError("'__metadata__' is given twice in the safetensors header", file=name) from None
         raise CheckpointError("tensor is listed twice in the safetensors header", file=name, param=dup.key) from None
     except (ValueError, RecursionError):
         raise CheckpointError("safetensors header is not valid JSON", file=name) from None
