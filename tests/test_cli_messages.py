@@ -244,7 +244,7 @@ def test_an_empty_model_argument_is_refused_not_taken_for_the_current_directory(
     ("raised", "code", "said"),
     [
         (KeyboardInterrupt(), 130, "interrupted: {out} was not written (the partial output was removed)"),
-        (MemoryError(), 1, "out of memory"),
+        (MemoryError(), 1, "model: out of memory"),  # the input named
         (
             RuntimeError("Stride calculation overflowed"),
             1,

@@ -237,7 +237,9 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             what = f"terminated by {signal.Signals(err.signum).name}"
             _stop(_stopped(what, kwargs.get("out_dir")), 128 + err.signum, as_json, "Terminated")
         except MemoryError:
-            _stop("out of memory (the input may be larger than this machine can plan or hold)", 1, as_json,
+            given = kwargs.get("model") or kwargs.get("target") or (kwargs.get("shard_info_paths") or [None])[0]
+            where = printable(f"{given}: ") if given else ""
+            _stop(f"{where}out of memory (the input may be larger than this machine can plan or hold)", 1, as_json,
                   "MemoryError", prefix="error: ")  # fmt: skip
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
