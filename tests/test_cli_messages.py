@@ -113,7 +113,7 @@ def test_share_reads_refused_on_another_n_does_not_sound_missing(example_dir: Pa
         shardload.load_rank(out, 0, 4, mmap=True)
     assert str(err.value) == (
         f"{out}: was converted for num_shards=2: loading it for dp=1,pp=1,tp=4 reads boxes of several rank files; "
-        'group= and ReadOptions(strategy="view") do not apply there (load without them)'
+        'ReadOptions(strategy="view") does not apply there (load without it)'
     )
 
 

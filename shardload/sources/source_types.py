@@ -45,7 +45,8 @@ _BOX_VERIFY = (
 )
 VIEW = 'ReadOptions(strategy="view")'
 """The view read strategy as a caller spells it."""
-_NOT_THERE = f"{{boxes}}; group= and {VIEW} do not apply there (load without them)"
+_NO_GROUP = "{boxes}; group= does not apply there (load without it)"
+_NO_VIEWS = f"{{boxes}}; {VIEW} does not apply there (load without it)"
 _NOT_STEERED = "{boxes}, which read_options does not steer (give no read_options)"
 _NO_INTO = "{boxes}; into= does not apply there (load the rank, then copy)"
 _PRESHARDED_VERIFY = (
@@ -197,8 +198,8 @@ class SavedBoxes(Boxes):
 _BOXES = {
     "shard_info": None,
     "verify_root": _BOX_VERIFY,
-    "group": _NOT_THERE,
-    "mmap": _NOT_THERE,
+    "group": _NO_GROUP,
+    "mmap": _NO_VIEWS,
     "read_options": _NOT_STEERED,
     "into": _NO_INTO,
 }
