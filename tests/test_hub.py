@@ -223,6 +223,47 @@ def test_weights_corrupted_on_their_way_from_the_hub_are_refused_and_dropped_fro
         hub.close()
 
 
+@pytest.mark.parametrize("how", ["two files", "a download that fails"])
+def test_every_corrupted_download_is_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, example_dir: Path, how: str
+) -> None:
+    """Two files corrupted in transit (the weights and config.json), or the weights corrupted while another file's
+    download fails: only the first blob was dropped, or none, and the next load (network fixed) took the rest from
+    the cache as they were. Every corrupted blob is dropped; the next load is exact."""
+    import huggingface_hub._snapshot_download as snapshot
+
+    from helpers.fake_hub import FakeHub, use_fake_hub
+
+    hub = FakeHub()
+    try:
+        hub.add(REPO, example_dir, COMMIT_MAIN)
+        use_fake_hub(monkeypatch, hub.url, tmp_path / "hf")
+        monkeypatch.chdir(tmp_path)
+        files = hub.repos[REPO].files
+        for name in ("model.safetensors", "config.json") if how == "two files" else ("model.safetensors",):
+            flipped = bytearray(files[name])
+            flipped[-3] ^= 0x01
+            hub.repos[REPO].garbled[name] = bytes(flipped)
+        failing = [how == "a download that fails"]
+        download = snapshot.hf_hub_download
+
+        def flaky(*args: object, **kwargs: object) -> object:
+            path = download(*args, **kwargs)
+            if failing[0] and kwargs.get("filename") == "shard_info.json":
+                raise OSError("connection reset by peer")
+            return path
+
+        monkeypatch.setattr(snapshot, "hf_hub_download", flaky)
+        with pytest.raises(CheckpointError) as err:
+            shardload.load_rank(REPO, 1, 2)
+        assert "\n" not in str(err.value)
+        hub.repos[REPO].garbled.clear()
+        failing[0] = False
+        _equal(shardload.load_rank(REPO, 1, 2), shardload.load_rank(example_dir, 1, 2))
+    finally:
+        hub.close()
+
+
 def test_a_blob_is_hashed_as_the_hub_names_it(tmp_path: Path) -> None:
     """A Hub cache names a blob by the sha256 of a file kept in LFS, or by the git blob id of one kept in git: the
     digest computed from the bytes is compared with the name of either form; any other name is not checked."""

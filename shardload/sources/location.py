@@ -166,6 +166,8 @@ def hub_snapshot(value: str, *, cache_only: bool = False) -> Path:
     except (errors.GatedRepoError, errors.RevisionNotFoundError, errors.RepositoryNotFoundError) as err:
         raise hub_refusal(err, value, repo, revision) from None
     except (errors.HfHubHTTPError, OSError, ValueError) as err:
+        if not offline:  # what it wrote before it failed is checked too: the next load would take it as cached
+            check_downloaded(blobs, before, None)
         raise CheckpointError(f"cannot fetch from the Hugging Face Hub: {type(err).__name__}", file=value) from None
     if not offline:
         check_downloaded(blobs, before, Path(path))
@@ -203,27 +205,40 @@ def blob_digest(path: Path) -> str | None:
         return digest.hexdigest()
 
 
-def check_downloaded(blobs: Path, before: dict[str, tuple[int, int, int]], snapshot: Path) -> None:
-    """Hash every blob the download just wrote against the digest the Hub names it by (huggingface_hub checks only
-    sizes): a file corrupted in transit is dropped from the cache and refused in one line naming it."""
+def check_downloaded(blobs: Path, before: dict[str, tuple[int, int, int]], snapshot: Path | None) -> None:
+    """Hash every blob the download just wrote (``snapshot``: where it links them; None for a download that failed)
+    against the digest the Hub names it by (huggingface_hub checks only sizes): every file corrupted in transit is
+    dropped from the cache, and the first is refused in one line naming it."""
     from concurrent.futures import ThreadPoolExecutor
 
     new = [blobs / name for name, stamp in _blob_stamps(blobs).items() if before.get(name) != stamp]
     if not new:
         return
     with ThreadPoolExecutor(min(len(new), os.cpu_count() or 1), thread_name_prefix="shardload-hub-hash") as pool:
-        digests = list(pool.map(blob_digest, new))  # hashlib lets go of the GIL: one file per core
-    for blob, digest in zip(new, digests, strict=True):
-        if digest is None or digest == blob.name:
-            continue
-        names = [link.name for link in snapshot.rglob("*") if link.is_symlink() and link.resolve() == blob.resolve()]
-        blob.unlink(missing_ok=True)  # the next download fetches it again
-        raise CheckpointError(
-            f"its bytes downloaded from the Hugging Face Hub hash to {digest[:16]}..., not the "
-            f"{'sha256' if len(digest) == 64 else 'git blob id'} {blob.name[:16]}... the Hub names them by (corrupted "
-            "in transit): dropped from the cache; load again to download it again",
-            file=str(snapshot / names[0]) if names else str(blob),
-        )
+        digests = list(pool.map(_digest_or_none, new))  # hashlib lets go of the GIL: one file per core
+    bad = [(blob, digest) for blob, digest in zip(new, digests, strict=True) if digest not in (None, blob.name)]
+    if not bad:
+        return
+    blob, digest = bad[0]
+    links = [p for p in snapshot.rglob("*") if p.is_symlink()] if snapshot is not None else []
+    names = [link.name for link in links if link.resolve() == blob.resolve()]
+    for each, _ in bad:
+        each.unlink(missing_ok=True)  # the next download fetches them again
+    more = f" ({len(bad) - 1} more file(s) likewise)" if len(bad) > 1 else ""
+    raise CheckpointError(
+        f"its bytes downloaded from the Hugging Face Hub hash to {digest[:16]}..., not the "
+        f"{'sha256' if len(digest) == 64 else 'git blob id'} {blob.name[:16]}... the Hub names them by (corrupted "
+        f"in transit){more}: dropped from the cache; load again to download it again",
+        file=str(snapshot / names[0]) if snapshot is not None and names else str(blob),
+    )
+
+
+def _digest_or_none(path: Path) -> str | None:
+    """:func:`blob_digest`, None for a blob gone meanwhile (another process's download replaced it)."""
+    try:
+        return blob_digest(path)
+    except OSError:
+        return None
 
 
 def hub_refusal(err: Exception, value: str, repo: str, revision: str | None) -> CheckpointError:
