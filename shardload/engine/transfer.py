@@ -274,6 +274,7 @@ class Transfer:
             for f in futures:
                 f.result()
         except BaseException:
+            self.reader.abandon()  # requests in flight end now: the running jobs waited for below end with them
             _settle(futures)
             raise
         self.path.sync()
@@ -312,6 +313,7 @@ class Transfer:
             worker()
         except BaseException:
             failed.append(True)
+            self.reader.abandon()
             futures, self.futures = self.futures, []
             _settle(futures)
             raise
@@ -332,6 +334,8 @@ class Transfer:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         left = bool(self.held or self.futures or self.copies or self.path.pending()) or self.broken is not None
+        if exc_type is not None:  # the load stops: what its jobs wait for ends now
+            self.reader.abandon()
         self.close()
         if exc_type is None and left:  # tensors whose reads never ran (or failed) must not reach the caller
             raise RuntimeError("shardload: read jobs were left unfinished or failed at the end of a load (a bug); "

@@ -355,6 +355,7 @@ def write_rank_files(
                 _follow(events, workers, params, progress)
             except BaseException:
                 stop.set()
+                reader.abandon()  # the workers' requests in flight end now: they are joined below
                 raise
             finally:
                 for t in pool:

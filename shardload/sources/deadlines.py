@@ -76,12 +76,25 @@ class Expired(Exception):
 
 @dataclass
 class Attempt:
-    """One attempt of a request: its limit (a ``time.monotonic()`` time), the connection it sends on, and whether
-    the watcher cut it off."""
+    """One attempt of a request: its limit (a ``time.monotonic()`` time), the connection it sends on, whether the
+    watcher cut it off, and the event that stops the load it serves (set: cut off, never retried)."""
 
     limit: float
     conn: Any = None
     expired: bool = False
+    stop: threading.Event | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the load this attempt serves has stopped (its request ends now, without a retry)."""
+        return self.stop is not None and self.stop.is_set()
+
+
+class Stopped(ShardloadError):
+    """A request of a load that has stopped (nobody waits for its answer)."""
+
+
+_serving = threading.local()
 
 
 class Deadlines:
@@ -94,10 +107,33 @@ class Deadlines:
         self._wake = 0.0  # when the watcher wakes next (time.monotonic())
 
     @contextmanager
+    def serving(self, stop: threading.Event) -> Iterator[None]:
+        """Make this thread's requests inside the block those of the load ``stop`` stops (:meth:`stop`)."""
+        before = getattr(_serving, "stop", None)
+        _serving.stop = stop
+        try:
+            yield
+        finally:
+            _serving.stop = before
+
+    def stop(self, stop: threading.Event) -> None:
+        """Stop the load of ``stop``: set it, and cut off every attempt serving it (no retry follows)."""
+        stop.set()
+        with self._cond:
+            for attempt in self._attempts.values():
+                if attempt.stop is stop:
+                    attempt.expired = True
+                    if attempt.conn is not None:
+                        _cut(attempt.conn)
+
+    @contextmanager
     def attempt(self, seconds: float) -> Iterator[Attempt]:
-        """Run one attempt of this thread's request under a limit of ``seconds`` from now."""
+        """Run one attempt of this thread's request under a limit of ``seconds`` from now (:class:`Stopped` at once
+        when the load it serves has stopped)."""
         me = threading.get_ident()
-        attempt = Attempt(time.monotonic() + seconds)
+        attempt = Attempt(time.monotonic() + seconds, stop=getattr(_serving, "stop", None))
+        if attempt.stopped:
+            raise Stopped("the load stopped before this request was made")
         with self._cond:
             self._attempts[me] = attempt
             if self._watcher is None:

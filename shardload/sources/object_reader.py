@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ..errors import CheckpointError, ShardloadError
 from ..format import input_log
 from . import reader as local
+from .deadlines import DEADLINES
 from .objects import ObjectCost, ObjectPath, cost_from_environment
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class ObjectReader(local.RunReader):
         choice = cost_from_environment() if cost is None else cost
         self._cost: ObjectCost | None = ObjectCost() if choice is None else None if choice == "measure" else choice
         self._pool: ThreadPoolExecutor | None = None
+        self._stop = threading.Event()  # set when the load stops (abandon)
         self._lock = threading.Lock()
         self.log = input_log.current()
         """The load this reader serves (made on its thread): its worker threads check each answer's version there."""
@@ -103,7 +105,8 @@ class ObjectReader(local.RunReader):
         requests = plan_requests(src_l, len_l, cost)
 
         def fetch(request: Request) -> None:
-            with input_log.using(self.log):  # every answer must be the version whose header the load parsed
+            # every answer must be the version whose header the load parsed; the load may stop meanwhile
+            with input_log.using(self.log), DEADLINES.serving(self._stop):
                 _fetch(request)
 
         def _fetch(request: Request) -> None:
@@ -127,6 +130,10 @@ class ObjectReader(local.RunReader):
             list(self._executor(cost.concurrency).map(fetch, requests))
         if local._count is not None:
             local._count.add(path, sum(len_l), len(requests), sum(r.end - r.start for r in requests))
+
+    def abandon(self) -> None:
+        """The load stops: every request in flight is cut off and none is retried or started."""
+        DEADLINES.stop(self._stop)
 
     def close(self) -> None:
         """Stop the request pool."""

@@ -205,6 +205,13 @@ class RunReader:
     def close(self) -> None:
         """Release what the reader holds (files, connections)."""
 
+    def abandon(self) -> None:
+        """The load stops (an error, a signal): requests in flight are cut off and none starts, so that the threads
+        waited for end at once (an object store's; a wrapper tells the reader it wraps; local reads need nothing)."""
+        inner = getattr(self, "inner", None)
+        if isinstance(inner, RunReader):
+            inner.abandon()
+
     def read_tensor(self, path: Any, offset: int, out: Any) -> None:
         """Fill the contiguous CPU tensor ``out`` with its bytes at ``offset`` of ``path``."""
         import numpy as np

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 from ..errors import CheckpointError, ShardloadError
 from ..format import input_log
-from .deadlines import DEADLINE_ENV, DEADLINES, MIN_RATE_ENV, Expired, RequestLimits, request_limits
+from .deadlines import DEADLINE_ENV, DEADLINES, MIN_RATE_ENV, Expired, RequestLimits, Stopped, request_limits
 from .objects import MAX_CONCURRENCY, ObjectStore
 
 ATTEMPTS = 8
@@ -274,6 +274,8 @@ class S3Store(ObjectStore):
                     finally:
                         body.close()
                 if watch.expired or response is None:
+                    if watch.stopped:
+                        raise Stopped("the load stopped while this range was read", file=where)
                     if time.monotonic() >= began + limits.deadline:
                         raise _too_slow(where, span, limits, began)
                     problem = _slow_reason(limits)
