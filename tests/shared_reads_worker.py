@@ -19,6 +19,7 @@ Environment: ``SHARDLOAD_TEST_BACKEND`` (gloo) names the backend; ``SHARDLOAD_TE
 model; ``SHARDLOAD_TEST_FAIL=unreadable:RANK``: that rank's reads to fingerprint the files fail);
 ``SHARDLOAD_TEST_FAIL=raises:RANK:ROUND``: that rank's read of its chunk of round ROUND + 1 raises an I/O error;
 ``SHARDLOAD_TEST_FAIL=progress:RANK``: that rank's progress callback raises at round 2;
+``SHARDLOAD_TEST_FAIL=device:RANK``: that rank names a device torch does not know (refused before anything else);
 ``SHARDLOAD_TEST_FAIL=rewrite:RANK``: that rank rewrites its copy's first weight file in place (every tensor byte
 flipped) after the first exchange round; ``SHARDLOAD_TEST_LIVE_ON``: seconds a rank whose load failed lives on
 before it exits (a server that caught the error); ``SHARDLOAD_TEST_TIMEOUT`` sets the exchange timeout in seconds.
@@ -152,10 +153,11 @@ def main() -> None:
             progress = lambda done, total: done == 1 and rewrite(model)  # noqa: E731
         if unreadable[0] == "progress" and int(unreadable[1]) == rank:
             progress = failing_progress
+        device = "nodevice" if unreadable[0] == "device" and int(unreadable[1]) == rank else "cpu"
         dist.barrier()  # every process has started: slow imports on a busy machine do not count against the timeout
         started = time.monotonic()
         try:
-            shardload.load_rank(model, mesh=case.get("mesh"), share_reads=True, progress=progress)
+            shardload.load_rank(model, mesh=case.get("mesh"), share_reads=True, progress=progress, device=device)
         except (shardload.ShardloadError, RuntimeError) as err:
             print(f"FAILED rank {rank} after {time.monotonic() - started:.1f} s: {err}", flush=True)
             time.sleep(float(os.environ.get("SHARDLOAD_TEST_LIVE_ON", "0")))  # a server that caught the error

@@ -372,6 +372,7 @@ def failed_groups(example_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         "raises": spawn([case], {"SHARDLOAD_TEST_FAIL": "raises:1:1", **LIVES_ON}),
         "unplanned": spawn([partly], {"SHARDLOAD_TEST_FAIL": "1", **LIVES_ON}),
         "progress": spawn([case], {"SHARDLOAD_TEST_FAIL": "progress:1", **LIVES_ON}),
+        "argument": spawn([case], {"SHARDLOAD_TEST_FAIL": "device:1", **LIVES_ON}),
         "prefails": spawn(
             [{**case, "model_of_rank": {"1": str(unplannable)}}], {"SHARDLOAD_TEST_FAIL": "1", **LIVES_ON}
         ),
@@ -431,7 +432,8 @@ def test_a_rank_that_hangs_fails_the_others_after_the_timeout(failed_groups: dic
 @pytest.mark.parametrize(
     ("group", "own"),
     [("raises", "cannot read: Input/output error"), ("unplanned", "rank-00000-of-00002.safetensors: is missing"),
-     ("progress", "the caller's progress callback failed"), ("prefails", "no.such.weight")],
+     ("progress", "the caller's progress callback failed"), ("prefails", "no.such.weight"),
+     ("argument", "device 'nodevice' is not a device torch knows")],
 )  # fmt: skip
 def test_a_rank_that_fails_but_lives_on_fails_the_others_at_once(failed_groups: dict, group: str, own: str) -> None:
     """Rank 1 fails with an error of its own (a read of round 2's chunk; a rank file its copy lacks, while it plans

@@ -62,7 +62,7 @@ _FAILED_ROW = -1
 
 
 @contextmanager
-def failing_together(group: Any, device: torch.device, where: str) -> Iterator[None]:
+def failing_together(group: Any, device: Any, where: str) -> Iterator[None]:
     """A load with ``group`` (None: none): a failure of this rank before it comes to the group's exchange (its model,
     its plan or its record) is told the others in the exchange's first collective, so that they fail at once with it
     rather than wait out :data:`EXCHANGE_TIMEOUT`; then it is raised here."""
@@ -80,9 +80,9 @@ def failing_together(group: Any, device: torch.device, where: str) -> Iterator[N
         _JOINED.reset(token)
 
 
-def _tell_failure(group: Any, device: torch.device, where: str) -> None:
+def _tell_failure(group: Any, device: Any, where: str) -> None:
     """Come to the exchange's first collective as a rank that failed (what goes wrong here is dropped: this rank's
-    own error is the one raised)."""
+    own error is the one raised); ``device`` as the caller gave it (the CPU where it names none)."""
     import torch
     import torch.distributed as dist
 
@@ -90,6 +90,10 @@ def _tell_failure(group: Any, device: torch.device, where: str) -> None:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_rank(None if group is True else group) < 0:
             return
         group = None if group is True else group
+        try:
+            device = device if isinstance(device, torch.device) else torch.device(device)
+        except Exception:
+            device = torch.device("cpu")
         comm = _comm_device(group, device)
         mine = torch.full((2 + hashlib.sha256().digest_size,), _FAILED_ROW, dtype=torch.int64, device=comm)
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]

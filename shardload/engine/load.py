@@ -158,6 +158,18 @@ def load_rank(
         mine = {"model.norm.weight": module.norm.weight.data}
         shardload.load_rank("llama-dir", 1, 4, into=shardload.Destination(mine, only=mine))  # into the module
     """
+    shared = group if group not in (None, False) else deprecated.get("share_reads")
+    # a group's ranks fail at once with any of them: every failure before the exchange, arguments included, is told
+    with failing_together(shared, device, str(model)):
+        return _load_rank(model, rank, num_shards, device, shard_info, mesh, verify, group, into, progress,
+                          read_options, deprecated)  # fmt: skip
+
+
+def _load_rank(model: str | os.PathLike[str], rank: int | None, num_shards: int | None, device: Any, shard_info: Any,
+               mesh: Any, verify: bool | Verify, group: Any, into: Destination | Tensors | None,
+               progress: bool | Callable[[int, int], None], read_options: ReadOptions | None,
+               deprecated: dict[str, Any]) -> dict[str, torch.Tensor]:  # fmt: skip
+    """:func:`load_rank`'s work."""
     device = resolve_device(device, str(model))
     if rank is not None and type(rank) is not int:
         raise ShardloadError(f"rank must be an int, got {rank!r}", file=str(model))
@@ -171,22 +183,20 @@ def load_rank(
         raise err.located(file=str(model)) from None
     options = load_options(str(model), shard_info=shard_info, verify=verify, group=group, read_options=read_options,
                            into=into, progress=progress, legacy=deprecated)  # fmt: skip
-    with failing_together(options.group, device, str(model)):  # a group's ranks fail at once with any of them
-        source = open_source(model, resolved)
-        resolved = own_layers(source, resolved)
-        if type(rank) is not int or not 0 <= rank < resolved.world_size:
-            what = (
-                f"num_shards={resolved.tp}" if mesh is None else f"a mesh of {resolved.world_size} ranks ({resolved})"
-            )
-            raise (CheckpointError if source.splits else ShardloadError)(f"rank {rank} is out of range for {what}",
-                                                                         file=str(model))  # fmt: skip
-        options.check(source, resolved, [device])
-        try:
-            return load_source(source, resolved, [rank], [device], options, f"loading rank {rank}")[0]
-        except BaseException:
-            if options.into is not None:  # the caller's tensors hold no part of a load that failed
-                options.into.clear()
-            raise
+    source = open_source(model, resolved)
+    resolved = own_layers(source, resolved)
+    if type(rank) is not int or not 0 <= rank < resolved.world_size:
+        size = resolved.world_size
+        what = f"num_shards={resolved.tp}" if mesh is None else f"a mesh of {size} ranks ({resolved})"
+        raise (CheckpointError if source.splits else ShardloadError)(f"rank {rank} is out of range for {what}",
+                                                                     file=str(model))  # fmt: skip
+    options.check(source, resolved, [device])
+    try:
+        return load_source(source, resolved, [rank], [device], options, f"loading rank {rank}")[0]
+    except BaseException:
+        if options.into is not None:  # the caller's tensors hold no part of a load that failed
+            options.into.clear()
+        raise
 
 
 def mesh_for(num_shards: int | None, mesh: Any, world_size: int | None, where: str | None = None) -> Mesh:
