@@ -355,3 +355,27 @@ def test_a_weight_with_values_that_are_not_finite_is_refused(tmp_path: Path, bad
         shardload.quantize(model, out, scheme)
     assert str(err.value).startswith(f"{model / 'model.safetensors'}: layer.down_proj.weight: holds values that are")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mixtral"])
+def test_transformers_reads_what_quantize_writes_for_tied_heads_and_routers(tmp_path: Path, kind: str) -> None:
+    """transformers (compressed-tensors' consumer) loads the output as quantize meant it: a head tied to the
+    embeddings stores no tensor, so it was never listed in ``ignore`` and transformers took it for a quantized
+    Linear (fp8: a random scale and logits of inf); a MoE router (``block_sparse_moe.gate``) was quantized, and
+    transformers, which keeps routers plain, loaded a random one. Logits stay near the dense model's."""
+    pytest.importorskip("compressed_tensors")
+    import transformers
+
+    from helpers.tiny_models import build
+
+    dense = build(kind, tmp_path / "src")
+    done = shardload.quantize(tmp_path / "src", tmp_path / "q", "fp8")
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert "lm_head" in config["quantization_config"]["ignore"], config["quantization_config"]["ignore"]
+    assert not [m for m in done.quantized if m.endswith(".gate")], done.quantized
+    quantized = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q", torch_dtype=torch.float32).eval()
+    ids = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = dense(ids).logits, quantized(ids).logits
+    assert bool(torch.isfinite(got).all())
+    assert float((got - want).norm() / want.norm()) < 0.1

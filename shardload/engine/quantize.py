@@ -72,6 +72,9 @@ INT4_MAX_N = 8
 
 DEFAULT_IGNORE = ("lm_head", "embed", "norm", "wte", "wpe")
 """Modules left unquantized: a module name whose last part contains one of these."""
+ROUTERS = ("gate", "router", "shared_expert_gate")
+"""MoE routers (a module's whole last name), always left unquantized: vLLM and transformers keep them plain layers
+that take no quantized weight (``gate_proj`` and ``gate_up_proj`` are quantized as any projection)."""
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 FP8_MAX = 448.0
@@ -225,7 +228,9 @@ def quantize(
                 if progress is not None:
                     progress(done, name)
             _save(tensors, tmp / "model.safetensors")
-            qconfig = quantization_config(spec, sorted(result.skipped))
+            # a head tied to the embeddings stores no tensor: listed all the same, or a reader takes it for quantized
+            head = {"lm_head"} if not any(m.rsplit(".", 1)[-1] == "lm_head" for m in result.quantized) else set()
+            qconfig = quantization_config(spec, sorted(set(result.skipped) | head))
             (tmp / "config.json").write_text(json.dumps({**config, "quantization_config": qconfig}, indent=2) + "\n")
             copy_companions(checkpoint.root, tmp, {"config.json", SHARD_INFO_NAME}, durable=False)
             if info is not None:
@@ -327,6 +332,8 @@ def _skip_reason(name: str, shape: tuple[int, ...], dtype: str, scheme: Scheme, 
     last = name.removesuffix(".weight").rsplit(".", 1)[-1]
     if any(word in last for word in ignore):
         return "ignored module"
+    if last in ROUTERS:
+        return "a MoE router (servers keep it unquantized)"
     cols = shape[1]
     need = scheme.group_size or (32 // scheme.bits if scheme.kind == "int" else 1)
     if cols % need:
