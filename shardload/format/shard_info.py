@@ -296,13 +296,23 @@ def _check_schema(obj: dict[str, Any], form: str, source: str) -> None:
             return
     import jsonschema  # the reference validator: for the located message of the first problem
 
-    # the first problems of the full document, for the located message of one (a document of a million bad steps
-    # would hold a million errors: gigabytes, minutes)
-    errors = list(itertools.islice(_validator(form).iter_errors(obj), SCHEMA_ERRORS))
+    # the reference validator reads only the first bad step (found by the compiled one), and at most its first
+    # problems: a document of a million bad steps would hold a million errors, and its oneOf builds every branch's
+    # errors of a value before it yields one (gigabytes, minutes, for a megabyte of bad values)
+    part, at = _first_bad_part(obj, form, fast) if fast is not None else (obj, None)
+    if _larger_than(part, REFERENCE_BYTES):
+        where = f" (step {at[1] + 1} of {at[0]!r})" if at is not None else ""
+        raise FormatError(f"does not match shard_info.schema.json{where}: a value too large to describe",
+                          file=source)  # fmt: skip
+    errors = list(itertools.islice(_validator(form).iter_errors(part), SCHEMA_ERRORS))
     if not errors:
         return
     err = jsonschema.exceptions.best_match(errors)
     path = list(err.absolute_path)
+    if at is not None:  # the step's place in the whole document
+        k = 0 if form == "seed" else 1
+        if len(path) > k + 1 and path[k] == at[0] and path[k + 1] == 0:
+            path[k + 1] = at[1]
     param = step = None
     if form == "seed" or path[:1] == ["params"]:
         path = path if form == "seed" else path[1:]
@@ -315,6 +325,47 @@ def _check_schema(obj: dict[str, Any], form: str, source: str) -> None:
     detail = f" ({_describe(path)})" if path else ""
     reason = f"does not match shard_info.schema.json{detail}: {_short(err.message)}"
     raise FormatError(reason, file=source, param=param, step=step)
+
+
+REFERENCE_BYTES = 64 << 10
+"""The largest part of a document (as JSON) the reference validator reads for a message."""
+
+
+def _larger_than(obj: Any, limit: int) -> bool:
+    """Whether ``obj`` written as JSON takes more than ``limit`` bytes (stops counting past it)."""
+    seen = 0
+    for chunk in json.JSONEncoder(default=repr, check_circular=False).iterencode(obj):
+        seen += len(chunk)
+        if seen > limit:
+            return True
+    return False
+
+
+def _first_bad_part(obj: Any, form: str, fast: Any) -> tuple[Any, tuple[str, int] | None]:
+    """The smallest part of ``obj`` the compiled validator refuses, as a document of its own: the document without
+    its parameters, or one parameter with its first bad step alone (then ``(name, index)`` of that step), or the
+    whole document where it cannot tell."""
+    params = obj if form == "seed" else obj.get("params") if isinstance(obj, dict) else None
+    if not isinstance(params, dict):
+        return obj, None
+    base = {} if form == "seed" else {k: v for k, v in obj.items() if k != "params"}
+
+    def alone(name: str, steps: Any) -> Any:
+        return {name: steps} if form == "seed" else {**base, "params": {name: steps}}
+
+    try:
+        if form != "seed" and not fast.is_valid({**base, "params": {}}):
+            return {**base, "params": {}}, None
+        for name, steps in params.items():
+            if fast.is_valid(alone(name, steps)):
+                continue
+            for i, step in enumerate(steps if isinstance(steps, list) else ()):
+                if not fast.is_valid(alone(name, [step])):
+                    return alone(name, [step]), (name, i)
+            return alone(name, steps), None
+    except (ValueError, TypeError, OverflowError, RecursionError):
+        pass
+    return obj, None
 
 
 def _describe(path: list[Any]) -> str:
