@@ -541,6 +541,37 @@ def test_a_trickling_store_fails_within_the_deadline(
     ), err.message
 
 
+def test_a_load_stopped_while_its_requests_stall_ends_at_once(
+    endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C (here a signal's exception in the main thread) while the reader threads' GETs stall: the load waited
+    for each in-flight request to reach its deadline (minutes; a CLI convert 40-120 s after the signal), retrying
+    after the interrupt. The requests of a stopped load are cut off and never retried: it ends at once."""
+    import signal
+
+    class Stop(BaseException):  # as KeyboardInterrupt is
+        pass
+
+    def stop(signum: int, frame: object) -> None:
+        raise Stop
+
+    monkeypatch.setenv("SHARDLOAD_S3_DEADLINE", "60")
+    monkeypatch.setenv("SHARDLOAD_S3_MIN_RATE", "1")
+    local, uri = uris["multi"]
+    first_tensor = min(t.offset for t in open_checkpoint(local).tensors.values())
+    endpoint.proxy.faults = Faults(every=1, kind="trickle-headers", trickle_s=30.0, from_byte=first_tensor)
+    previous = signal.signal(signal.SIGALRM, stop)
+    started = time.monotonic()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 2.0)
+        with pytest.raises(Stop):
+            shardload.load_rank(uri, 1, 2)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - started < 20, "the load waited for its stalled requests (60 s deadline)"
+
+
 def test_a_trickling_listing_fails_within_the_deadline(
     endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:

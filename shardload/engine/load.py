@@ -17,7 +17,6 @@ from ..format.input_log import records_inputs
 from ..planning.mesh import Mesh, as_mesh
 from ..sources.source_types import Source, open_source
 from .devices import resolve_device
-from .exchange import failing_together
 from .load_options import Destination, Tensors, Verify, load_options
 from .read_strategy import ReadOptions
 from .routes import load_source
@@ -158,6 +157,8 @@ def load_rank(
         mine = {"model.norm.weight": module.norm.weight.data}
         shardload.load_rank("llama-dir", 1, 4, into=shardload.Destination(mine, only=mine))  # into the module
     """
+    from .exchange import failing_together  # numpy's: not at import shardload
+
     shared = group if group not in (None, False) else deprecated.get("share_reads")
     # a group's ranks fail at once with any of them: every failure before the exchange, arguments included, is told
     with failing_together(shared, device, str(model)):
