@@ -541,12 +541,14 @@ def test_a_trickling_store_fails_within_the_deadline(
     ), err.message
 
 
+@pytest.mark.parametrize("work", ["load", "hash"])
 def test_a_load_stopped_while_its_requests_stall_ends_at_once(
-    endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch
+    endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch, work: str
 ) -> None:
     """Ctrl-C (here a signal's exception in the main thread) while the reader threads' GETs stall: the load waited
-    for each in-flight request to reach its deadline (minutes; a CLI convert 40-120 s after the signal), retrying
-    after the interrupt. The requests of a stopped load are cut off and never retried: it ends at once."""
+    for each in-flight request to reach its deadline (minutes; a CLI convert 40-120 s after the signal, a hash 239 s),
+    retrying after the interrupt. The requests of a stopped load or hash are cut off and never retried: it ends at
+    once."""
     import signal
 
     class Stop(BaseException):  # as KeyboardInterrupt is
@@ -565,7 +567,7 @@ def test_a_load_stopped_while_its_requests_stall_ends_at_once(
     try:
         signal.setitimer(signal.ITIMER_REAL, 2.0)
         with pytest.raises(Stop):
-            shardload.load_rank(uri, 1, 2)
+            shardload.load_rank(uri, 1, 2) if work == "load" else shardload.hash_checkpoint(uri)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

@@ -30,6 +30,7 @@ from ..format.hash_record import (
     tensor_region,
 )
 from ..sources.checkpoint import CONFIG_NAME, INDEX_NAME, SHARD_INFO_NAME, Checkpoint, as_path, open_checkpoint
+from ..sources.deadlines import DEADLINES
 from ..sources.dtypes import itemsize as itemsize_of
 from ..sources.location import is_uri, object_path
 from ..sources.objects import ObjectPath
@@ -397,20 +398,28 @@ def leaf_tables(
         for fd, file in zip(fds, files, strict=True):
             if isinstance(fd, int):
                 input_log.stamp(file, os.fstat(fd))  # the file hashed is the one named, and no one writes to it
+        stop = threading.Event()  # set when hashing stops: object requests in flight are cut off, none retried
         with ThreadPoolExecutor(count, thread_name_prefix="shardload-hash") as pool:
-            futures = [pool.submit(_logged, log, fds[j.file], j, hash_fn, tables[j.file], done) for j in jobs]
-            for job, future in zip(jobs, futures, strict=True):
-                try:
-                    future.result()
-                except IntegrityError as err:
-                    raise IntegrityError(err.reason, file=str(files[job.file])) from None
+            futures = [pool.submit(_logged, log, stop, fds[j.file], j, hash_fn, tables[j.file], done) for j in jobs]
+            try:
+                for job, future in zip(jobs, futures, strict=True):
+                    try:
+                        future.result()
+                    except IntegrityError as err:
+                        raise IntegrityError(err.reason, file=str(files[job.file])) from None
+            except BaseException:  # a job's failure, or Ctrl-C: the running jobs end now, the rest never start
+                DEADLINES.stop(stop)
+                for future in futures:
+                    future.cancel()
+                raise
         input_log.check_unchanged(files, log)  # a file changed meanwhile would give leaves of neither version
     return tables
 
 
-def _logged(log: input_log.InputLog, *args: Any) -> None:
-    """One hash job on a pool thread, its object reads held to the versions the caller's log saw first."""
-    with input_log.using(log):
+def _logged(log: input_log.InputLog, stop: threading.Event, *args: Any) -> None:
+    """One hash job on a pool thread, its object reads held to the versions the caller's log saw first (and cut off
+    once ``stop`` is set)."""
+    with input_log.using(log), DEADLINES.serving(stop):
         _hash_job(*args)
 
 
