@@ -594,12 +594,7 @@ def test_compressed_sharded_state_to_another_n(
 
     model = models.setdefault("compressed", Model(request.getfixturevalue("tiny_llama")))
     convert_vllm(model.path, 2, tmp_path / "vllm2")
-    for n in (1, 4):
-        want = model.direct(n)
-        assert not isinstance(want, ShardloadError)
-        got = shardload.load(tmp_path / "vllm2", n, devices=["cpu"] * n)
-        for rank in range(n):
-            assert_equal(got[rank], want[rank], f"compressed vllm 2 -> {n} rank {rank}")
+    _serves(model, tmp_path / "vllm2", (1, 4), "compressed vllm 2")
     manifest = _manifest(tmp_path / "vllm2")
     manifest["source_plan"]["values"] = {}
     (tmp_path / "vllm2" / "shard_manifest.json").write_text(json.dumps(manifest))
@@ -620,12 +615,17 @@ def test_a_directory_converted_from_a_compressed_sharded_state_serves_another_n(
     model = models.setdefault("compressed", Model(request.getfixturevalue("tiny_llama")))
     convert_vllm(model.path, 2, tmp_path / "vllm2")
     shardload.convert(tmp_path / "vllm2", 2, tmp_path / "plain2")
-    for n in (1, 4):
+    _serves(model, tmp_path / "plain2", (1, 4), "compressed vllm 2 -> plain 2")
+
+
+def _serves(model: Model, directory: Path, ns: tuple[int, ...], label: str) -> None:
+    """Every rank of ``directory`` loaded at each of ``ns`` equals the original's."""
+    for n in ns:
         want = model.direct(n)
         assert not isinstance(want, ShardloadError)
-        got = shardload.load(tmp_path / "plain2", n, devices=["cpu"] * n)
+        got = shardload.load(directory, n, devices=["cpu"] * n)
         for rank in range(n):
-            assert_equal(got[rank], want[rank], f"compressed vllm 2 -> plain 2 -> {n} rank {rank}")
+            assert_equal(got[rank], want[rank], f"{label} -> {n} rank {rank}")
 
 
 @pytest.mark.parametrize("n_old", [2, 4])
