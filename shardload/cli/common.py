@@ -19,6 +19,7 @@ import click
 from ..engine.convert_targets import BUILT_IN as BUILT_IN_LAYOUT
 from ..engine.convert_targets import layout_names
 from ..errors import ShardloadError, printable
+from ..sources.location import is_uri
 from .args import failure_document
 
 
@@ -52,7 +53,7 @@ class OutputPath(click.Path):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and not value.strip():
             self.fail("is empty: name the output (`.` for the current directory)", param, ctx)
-        if not self.remote and isinstance(value, str) and "://" in value:
+        if not self.remote and is_uri(value):
             self.fail(f"{value} is not local: this command writes a local output; write it here, then copy it to "
                       "object storage (e.g. `aws s3 sync`)", param, ctx)  # fmt: skip
         return super().convert(value, param, ctx)
