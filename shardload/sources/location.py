@@ -136,7 +136,7 @@ def hub_snapshot(value: str, *, cache_only: bool = False) -> Path:
     repo, revision = split_hub_id(value)
     try:
         import huggingface_hub
-        from huggingface_hub import constants, errors
+        from huggingface_hub import constants, errors, file_download
     except ImportError:
         raise CheckpointError(
             "no such file or directory (as a Hugging Face Hub id it needs huggingface_hub: pip install "
@@ -144,7 +144,7 @@ def hub_snapshot(value: str, *, cache_only: bool = False) -> Path:
             file=value,
         ) from None
     offline = constants.HF_HUB_OFFLINE or cache_only
-    blobs = Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}" / "blobs"
+    blobs = Path(constants.HF_HUB_CACHE) / file_download.repo_folder_name(repo_id=repo, repo_type="model") / "blobs"
     before = {} if offline else _blob_stamps(blobs)
     try:
         path = huggingface_hub.snapshot_download(
