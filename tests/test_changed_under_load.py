@@ -706,3 +706,26 @@ def test_a_header_read_twice_says_what_changed_between_the_reads(tmp_path: Path)
     with input_log.recording(), pytest.raises(ShardloadError, match="read twice, with different bytes"):
         input_log.note(path, b"header", first)
         input_log.note(path, b"HEADER", first)
+
+
+@pytest.mark.parametrize("left", [0, 3])
+def test_a_file_cut_before_its_first_8_bytes_are_read_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, left: int
+) -> None:
+    """A writer cutting the file between the header reader's size check and its read of the first 8 bytes made the
+    load raise a bare ``struct.error``; it is one error naming the file."""
+    from shardload.format import input_log
+
+    model = _model(tmp_path / "m")
+    path = model / "model.safetensors"
+    real = input_log.no_writer
+
+    def cut(at: Path, fd: int) -> None:  # runs between the fstat and the first read
+        real(at, fd)
+        os.truncate(path, left)
+
+    monkeypatch.setattr(input_log, "no_writer", cut)
+    with pytest.raises(ShardloadError) as err:
+        shardload.load_rank(model, 0, 2)
+    text = str(err.value)
+    assert str(path) in text and "shrank" in text and "\n" not in text, text

@@ -207,9 +207,11 @@ class _Http:
         if size is None:
             raise CheckpointError("the Hub's answer to a range request gave no Content-Range", file=where)
         _check_size(size, where)
+        if len(first) != 8:
+            raise CheckpointError(f"the Hub sent {len(first)} of the 8 bytes asked", file=where)
         header_len = _header_length(first, size, where)
         raw = self.get(name, header_len, (8, 7 + header_len))[0] if header_len else b""
-        if len(first) != 8 or len(raw) != header_len:
+        if len(raw) != header_len:
             raise CheckpointError(
                 f"the Hub sent {len(first) + len(raw)} of the {8 + header_len} bytes asked", file=where
             )

@@ -75,6 +75,8 @@ def _check_size(size: int, name: str) -> None:
 
 def _header_length(first: bytes, size: int, name: str) -> int:
     """The header length the first 8 bytes of a safetensors file give, checked against the cap and the file size."""
+    if len(first) != 8:  # the size was read first: a writer cut the file since
+        raise CheckpointError(f"file shrank while its header was read ({len(first)} of its first 8 bytes)", file=name)
     (header_len,) = struct.unpack("<Q", first)
     if header_len > MAX_HEADER_BYTES:
         raise CheckpointError(f"header of {header_len} bytes exceeds the {MAX_HEADER_BYTES} byte cap", file=name)
