@@ -593,3 +593,23 @@ def test_a_tied_checkpoint_that_also_stores_lm_head_converts_as_vllm_loads_it(tm
         got_n = shardload.load(tmp_path / "out", n, devices=["cpu"] * n)
         for r in range(n):
             assert set(got_n[r]) == set(want[r]) and all(torch.equal(got_n[r][k], want[r][k]) for k in want[r])
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "bloom", "gpt_neox", "cohere"])
+def test_a_model_type_not_checked_against_vllm_is_refused(example_dir: Path, tmp_path: Path, model_type: str) -> None:
+    """``--layout vllm`` laid out every model type it had no entry for as a Llama: OLMo2 at N=4 got half-head k/v rows
+    vLLM's sharded_state loader copied into the first rows of larger parameters (the rest never written), Cohere,
+    GPT-NeoX or Bloom names vLLM's state does not have (a bare KeyError inside vLLM), and verify passed them
+    (reviewer V). Only checked model types are written; the rest are one line and no output."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in example_dir.iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    out = tmp_path / "out"
+    done = CliRunner().invoke(main, ["convert", str(model), "-n", "2", "--layout", "vllm", "-o", str(out)])
+    assert done.exit_code == 1 and done.stdout == "", done.output
+    line = f"error: {model}: model_type {model_type!r}: --layout vllm writes only the model types whose vLLM state"
+    assert done.stderr.startswith(line) and done.stderr.count("\n") == 1, done.stderr
+    assert not out.exists()

@@ -205,6 +205,50 @@ def gpt_oss(out: Path) -> None:
             num_experts_per_tok=2, intermediate_size=128, sliding_window=16)  # fmt: skip
 
 
+def qwen3(out: Path) -> None:
+    """Qwen3 (dense): q/k norms per head."""
+    _causal("Qwen3Config", "Qwen3ForCausalLM", out, num_key_value_heads=2, head_dim=64)
+
+
+def mistral(out: Path) -> None:
+    """Mistral: vLLM's own MistralForCausalLM."""
+    _causal("MistralConfig", "MistralForCausalLM", out, num_key_value_heads=2)
+
+
+def granite(out: Path) -> None:
+    """Granite: Llama's names with embedding, residual, attention and logit multipliers."""
+    _causal("GraniteConfig", "GraniteForCausalLM", out, num_key_value_heads=2, embedding_multiplier=2.0,
+            residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0)  # fmt: skip
+
+
+def gemma(out: Path) -> None:
+    """Gemma (1): tied embeddings."""
+    _causal("GemmaConfig", "GemmaForCausalLM", out, num_key_value_heads=2, head_dim=64)
+
+
+def glm4(out: Path) -> None:
+    """GLM-4: gate and up stored fused (gate_up_proj), served by vLLM's own Glm4ForCausalLM."""
+    _causal("Glm4Config", "Glm4ForCausalLM", out, num_key_value_heads=2, head_dim=64, pad_token_id=0)
+
+
+def cohere(out: Path) -> None:
+    """Cohere (Command R): tied embeddings, no lm_head in vLLM's model."""
+    _causal("CohereConfig", "CohereForCausalLM", out, num_key_value_heads=2, use_qk_norm=False)
+
+
+def glm(out: Path) -> None:
+    """GLM (v1): gate_up_proj stored fused; vLLM 0.32 serves it through its Transformers backend, which splits the
+    fused tensor plainly (load_format="shardload" filled it part by part: wrong rows at TP >= 2)."""
+    _causal("GlmConfig", "GlmForCausalLM", out, num_key_value_heads=2, head_dim=64, pad_token_id=0)
+
+
+def bloom(out: Path) -> None:
+    """Bloom, whose vLLM load_weights reorders the fused query_key_value rows, with a shard_info replicating every
+    tensor (no plan source knows Bloom)."""
+    _causal("BloomConfig", "BloomForCausalLM", out, n_head=4, n_layer=2)
+    (out / "shard_info.json").write_text(json.dumps({"version": 1, "num_shards": None, "params": {}}))
+
+
 def w4a16(out: Path) -> None:
     """The GQA Llama with every linear layer quantized to compressed-tensors W4A16 (int4 packed 8 to an int32,
     symmetric, groups of 32 columns), the format vLLM's CPU build serves through its WNA16 kernels."""
@@ -416,7 +460,8 @@ MODELS = {"llama": llama, "llama_kv1": llama_kv1, "qwen2": qwen2, "mixtral": mix
 FAMILIES = {"llama": llama, "llama_kv1": llama_kv1, "mixtral": mixtral, "deepseek_v2": deepseek_v2,
             "deepseek_v3": deepseek_v3, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "olmoe": olmoe,
             "gemma2": gemma2, "gemma3": gemma3, "phi3": phi3, "gpt_oss": gpt_oss,
-            "qwen3_moe_stacked": qwen3_moe_stacked}  # fmt: skip
+            "qwen3_moe_stacked": qwen3_moe_stacked, "qwen3": qwen3, "mistral": mistral, "granite": granite,
+            "gemma": gemma, "glm4": glm4, "cohere": cohere, "glm": glm, "bloom": bloom}  # fmt: skip
 QUANTIZED = {"w4a16": w4a16, "gptq": gptq, "fp8": fp8, "awq": awq, "phi3_fp8": phi3_fp8}
 """Quantized models the parameter comparison covers too (Llamas, and Phi-3 FP8 per tensor)."""
 """The families the parameter comparison covers (test_vllm_params.py)."""

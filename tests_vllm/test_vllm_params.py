@@ -40,7 +40,13 @@ layers (``load_format="shardload"`` refused them; ``--layout vllm`` does not wri
 DTYPES = {"gptq": "bfloat16", "fp8": "bfloat16", "awq": "bfloat16", "phi3_fp8": "bfloat16"}
 """vLLM's dtype where float32 is not served (its GPTQ takes 16-bit activations, its FP8 16-bit models)."""
 FORMATS = ["shardload", "sharded_state"]
-TPS = {name: (1, 2, 4) for name in FAMILIES} | {"gpt_oss": (1, 2), "qwen2": (2,), "qwen2_head": (2,), "w8a8_kv": (2,)}
+LATER = ("qwen3", "mistral", "granite", "gemma", "glm4", "cohere")
+"""Dense families that keep Llama's layout in vLLM, checked at TP=2 (their splits are the Llama's above)."""
+UNCHECKED = ("glm", "bloom")
+"""Models vLLM serves in a way shardload does not fill (its Transformers backend; a ``load_weights`` that reorders
+rows): refused in both formats, at TP=1 (the refusal does not depend on N)."""
+TPS = ({name: (1, 2, 4) for name in FAMILIES} | {"gpt_oss": (1, 2), "qwen2": (2,), "qwen2_head": (2,), "w8a8_kv": (2,)}
+       | dict.fromkeys(LATER, (2,)) | dict.fromkeys(UNCHECKED, (1,)))  # fmt: skip
 """TP sizes per family: 4 heads (and 4 experts) allow 4; vLLM's own GPT-OSS MoE fails to build at TP=4 here; Qwen2
 only where its vocabulary split differs from vLLM's (TP=4 pads 250 to 256 by vLLM's rule, as llama_kv1 checks)."""
 REFUSED: dict[tuple[str, str], str] = {
@@ -48,6 +54,13 @@ REFUSED: dict[tuple[str, str], str] = {
     "kv_cache_scheme; serve this one with load_format='shardload'",
     ("phi3_fp8", "sharded_state"): "writes FP8 checkpoints quantized per block (weight_block_size) with dynamic "
     "activations, not weight_block_size=None, activation_scheme='static'",
+    ("cohere", "sharded_state"): "model_type 'cohere': --layout vllm writes only the model types whose vLLM state",
+    ("glm", "shardload"): "vLLM's TransformersForCausalLM is not among the models load_format='shardload' was "
+    "checked against, which vLLM serves through its Transformers backend",
+    ("glm", "sharded_state"): "model_type 'glm': --layout vllm writes only the model types whose vLLM state",
+    ("bloom", "shardload"): "vLLM's BloomForCausalLM is not among the models load_format='shardload' was checked "
+    "against, whose load_weights may change the stored bytes",
+    ("bloom", "sharded_state"): "model_type 'bloom': --layout vllm writes only the model types whose vLLM state",
 }
 """(family, format) -> what the one-line refusal says, on every rank."""
 MOE = ["mixtral", "deepseek_v2", "deepseek_v3", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_moe_stacked"]
@@ -224,17 +237,19 @@ def test_expert_parallel_reads_only_its_experts(
             assert result["read"] <= 1.05 * result["own"], f"rank {rank} read {result['read']} of {result['own']}"
 
 
-def test_a_model_whose_load_weights_rewrites_weights_is_refused(tmp_path: Path) -> None:
-    """vLLM's Llama 4 permutes q_proj/k_proj rows in its own ``load_weights``; filled as stored, every rank's
-    qkv_proj differed from the default loader's at every N, N=1 included (reviewer's finding): refused in one line."""
+@pytest.mark.parametrize("vllm_class", ["Llama4ForCausalLM", "BloomForCausalLM", "FalconForCausalLM",
+                                       "TransformersForCausalLM"])  # fmt: skip
+def test_a_model_not_checked_against_vllms_loader_is_refused(tmp_path: Path, vllm_class: str) -> None:
+    """vLLM's Llama 4 permutes q_proj/k_proj rows in its own ``load_weights``, Bloom and Falcon reorder their fused
+    query_key_value, and its Transformers backend (GLM) splits a fused gate_up_proj plainly: filled as stored,
+    every rank loaded wrong weights without an error (reviewers' findings). Only checked models load; the rest are
+    refused in one line before anything is read."""
     from shardload.integrations.vllm import loader
 
-    class Llama4ForCausalLM:  # the class name is what the loader goes by
-        pass
-
+    model = type(vllm_class, (), {})()  # the class name is what the loader goes by
     with pytest.raises(ShardloadError) as err:
-        loader.fill_model(Llama4ForCausalLM(), tmp_path, 0, 1)  # type: ignore[arg-type]
-    assert "Llama4ForCausalLM rewrites weights in its own load_weights" in str(err.value)
+        loader.fill_model(model, tmp_path, 0, 1)  # type: ignore[arg-type]
+    assert f"vLLM's {vllm_class} is not among the models load_format='shardload' was checked against" in str(err.value)
     assert "\n" not in str(err.value)
 
 

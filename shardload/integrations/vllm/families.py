@@ -1,8 +1,10 @@
-"""What vLLM's model of each model family fuses and how it names its state: one entry per family (vLLM 0.32).
+"""What vLLM's model of each model family fuses and how it names its state: one entry per family (vLLM 0.32), and
+the model types whose vLLM models were judged against vLLM's own loader (:data:`CHECKED`).
 
 A family's tensor names and roles are :mod:`shardload.models.families`'; this table adds vLLM's side, keyed by the
 family's name. A family without an entry is Llama's to vLLM (``qkv_proj`` and ``gate_up_proj`` fused, no aliases).
-:func:`register_vllm_family` adds one at run time, beside :func:`~shardload.models.families.register_family`.
+:func:`register_vllm_family` adds one at run time, beside :func:`~shardload.models.families.register_family`;
+:func:`register_vllm_checked` says a model type is checked.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ...errors import ShardloadError
 from ...models.families import family_for
 from .names import DEFAULT_PACKED
 
@@ -89,6 +92,80 @@ VLLM_FAMILIES: dict[str, VllmFamily] = {
     ),
 }
 """Family name (:attr:`~shardload.models.families.Family.name`) -> vLLM's model of it, where it is not Llama's."""
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What was judged of one model type against vLLM's default loader, parameter by parameter on every rank."""
+
+    classes: tuple[str, ...]
+    """vLLM's model classes for it that ``load_format="shardload"`` fills as vLLM's default loader does."""
+    layout: bool = True
+    """Whether ``convert --layout vllm`` writes its state as vLLM's ``sharded_state`` loader reads it."""
+
+
+CHECKED: dict[str, Checked] = {
+    "llama": Checked(("LlamaForCausalLM",)),
+    "mistral": Checked(("MistralForCausalLM",)),
+    "qwen2": Checked(("Qwen2ForCausalLM",)),
+    "qwen3": Checked(("Qwen3ForCausalLM",)),
+    "mixtral": Checked(("MixtralForCausalLM",)),
+    "qwen2_moe": Checked(("Qwen2MoeForCausalLM",)),
+    "qwen3_moe": Checked(("Qwen3MoeForCausalLM",)),
+    "olmoe": Checked(("OlmoeForCausalLM",)),
+    "deepseek_v2": Checked(("DeepseekV2ForCausalLM",)),
+    "deepseek_v3": Checked(("DeepseekV3ForCausalLM",)),
+    "gemma": Checked(("GemmaForCausalLM",)),
+    "gemma2": Checked(("Gemma2ForCausalLM",)),
+    "gemma3_text": Checked(("Gemma3ForCausalLM",)),
+    "phi3": Checked(("Phi3ForCausalLM",)),
+    "gpt_oss": Checked(("GptOssForCausalLM",)),
+    "granite": Checked(("GraniteForCausalLM",)),
+    "glm4": Checked(("Glm4ForCausalLM",)),
+    "cohere": Checked(("CohereForCausalLM",), layout=False),  # vLLM's Cohere has no lm_head; names not written
+}
+"""config.json model type -> what tests_vllm/test_vllm_params.py judges of it. Any other model is refused in one
+line: a vLLM model whose ``load_weights`` reorders the stored bytes (Bloom's and Falcon's fused QKV) or that vLLM
+serves through its Transformers backend (which splits a fused ``gate_up_proj`` plainly: GLM) would load wrong
+weights without an error, and a state vLLM names otherwise fails inside vLLM."""
+
+
+def register_vllm_checked(model_type: str, checked: Checked) -> Checked:
+    """Say that ``model_type``'s vLLM model was judged (:class:`Checked`) against vLLM's own loader."""
+    CHECKED[model_type] = checked
+    return checked
+
+
+def check_served(vllm_class: str, where: str) -> None:
+    """Refuse, in one line, a vLLM model class ``load_format="shardload"`` was not checked against."""
+    if any(vllm_class in c.classes for c in CHECKED.values()):
+        return
+    why = (
+        "which vLLM serves through its Transformers backend (it splits fused tensors its own way)"
+        if vllm_class.startswith("Transformers")
+        else "whose load_weights may change the stored bytes on the way in"
+    )
+    raise ShardloadError(
+        f"vLLM's {vllm_class} is not among the models load_format='shardload' was checked against, {why}: serve it "
+        f"with vLLM's default loader (checked model types: {', '.join(sorted(CHECKED))})",
+        file=where,
+    )
+
+
+def check_layout(model_type: object, where: str) -> None:
+    """Refuse, in one line, a model type whose vLLM state ``convert --layout vllm`` was not checked to write (a model
+    without config.json, which vLLM cannot start from as it is, is laid out as a Llama)."""
+    if model_type is None:
+        return
+    checked = CHECKED.get(model_type) if isinstance(model_type, str) else None
+    if checked is not None and checked.layout:
+        return
+    known = ", ".join(sorted(k for k, v in CHECKED.items() if v.layout))
+    raise ShardloadError(
+        f"model_type {model_type!r}: --layout vllm writes only the model types whose vLLM state was checked against "
+        f"vLLM's sharded_state loader ({known}); serve this one with load_format='shardload' or vLLM's own loader",
+        file=where,
+    )
 
 
 def register_vllm_family(family: str, entry: VllmFamily) -> VllmFamily:

@@ -19,7 +19,7 @@ from ...sources.checkpoint import Checkpoint, read_config
 from ...sources.dtypes import DTYPES, itemsize
 from ...sources.manifest import add_seal
 from ...version import __version__
-from .families import VllmNames, vllm_names, vllm_packing
+from .families import VllmNames, check_layout, vllm_names, vllm_packing
 from .names import SHAPE_SUFFIX, SKIPPED_SUFFIXES, STACKED_EXPERTS, Target, is_vocab, vllm_target, vocab_range
 
 ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
@@ -112,6 +112,7 @@ def plan_layout(
     if not checkpoint.plain_safetensors:
         raise ShardloadError("--layout vllm converts a safetensors source checkpoint", file=where)
     config = read_config(checkpoint.root, missing_ok=True)
+    check_layout(config.get("model_type"), where)
     quantized = _quantization(config, where)
     names = vllm_names(config.get("model_type"))
     # a config that ties a model's lm_head to its embeddings over a checkpoint that stores one: vLLM unties them and

@@ -60,7 +60,7 @@ from ..fill import (
 )
 from ..fill import rows as _rows
 from . import split_format
-from .families import vllm_names
+from .families import check_served, vllm_names
 from .names import DEFAULT_PACKED, EXPERTS_MODULE, OPTIONAL_SUFFIXES, SKIPPED_SUFFIXES, padded_vocab, vllm_target
 
 if TYPE_CHECKING:
@@ -77,14 +77,6 @@ log = logging.getLogger("vllm.shardload")  # under vLLM's logger, so its handler
 
 _registered: list[type] = []
 """The loader class this process registered (vLLM's public API has no lookup of a load format's class)."""
-
-
-REWRITTEN_BY_LOAD_WEIGHTS = {
-    "Llama4ForCausalLM": "q_proj and k_proj rows permuted for its interleaved rotary embedding",
-    "Llama4ForConditionalGeneration": "q_proj and k_proj rows permuted for its interleaved rotary embedding",
-}
-"""vLLM models whose ``load_weights`` changes the stored bytes on the way in: filled as stored, they would load and
-compute garbage (vLLM's default loader the judge), so they are refused."""
 
 
 def register_loader() -> None:
@@ -199,13 +191,7 @@ def fill_model(
     from vllm.model_executor.models.utils import is_pp_missing_parameter
 
     where = str(model_dir)
-    if type(model).__name__ in REWRITTEN_BY_LOAD_WEIGHTS:
-        raise ShardloadError(
-            f"vLLM's {type(model).__name__} rewrites weights in its own load_weights "
-            f"({REWRITTEN_BY_LOAD_WEIGHTS[type(model).__name__]}), which load_format={LOAD_FORMAT!r} does not do: "
-            "serve it with vLLM's default loader",
-            file=where,
-        )
+    check_served(type(model).__name__, where)
     targets = dict(model.named_parameters())
     packed = {k: tuple(v) for k, v in (getattr(model, "packed_modules_mapping", None) or DEFAULT_PACKED).items()}
     mapper = getattr(model, "hf_to_vllm_mapper", None)
