@@ -911,3 +911,28 @@ def test_a_listing_or_head_cut_off_once_is_asked_again(
     else:
         assert (path / "model.safetensors").store._head(f"cut-once-{request_kind}/model.safetensors") > 0
     assert endpoint.proxy.faults.injected == 1
+
+
+def test_an_endpoint_or_credentials_changed_in_a_long_lived_process_reach_the_next_load(
+    endpoint: S3, uris: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The S3 client was made once per bucket and kept for the process: after AWS_ENDPOINT_URL_S3 was pointed at
+    another store, a load still read the first one (reviewer L: another server's model, no error), and new
+    credentials were never used. The client follows the configuration; the store's byte counts show which endpoint
+    a load used (the proxy counts every request it serves)."""
+    from shardload.sources.location import object_path
+
+    local, uri = uris["single"]
+    want = shardload.load_rank(local, 1, 2)
+    _equal(shardload.load_rank(uri, 1, 2), want)
+    assert endpoint.proxy.get_bytes() > 0
+    host, port = endpoint.moto.get_host_and_port()
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://{host}:{port}")  # the same store, without the proxy
+    endpoint.proxy.reset()
+    _equal(shardload.load_rank(uri, 1, 2), want)
+    assert endpoint.proxy.get_bytes() == 0, "the load went to the endpoint set before"
+    store = object_path(uri).store
+    first = store.client
+    assert store.client is first, "an unchanged configuration keeps its client"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "rotated")
+    assert store.client is not first, "new credentials make a new client"

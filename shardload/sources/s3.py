@@ -90,14 +90,18 @@ class S3Store(ObjectStore):
     def __init__(self, bucket: str) -> None:
         super().__init__(bucket)
         self._client: Any = None
+        self._made_from = ""
 
     @property
     def client(self) -> Any:
-        """The boto3 S3 client (made on first use: standard retry mode, a connection per concurrent request)."""
-        if self._client is None:
+        """The boto3 S3 client (made on first use: standard retry mode, a connection per concurrent request), made
+        again when the configuration it came from changed (an endpoint or credentials set in a long-lived process)."""
+        made_from = _configuration()
+        if self._client is None or self._made_from != made_from:
             with self._lock:
-                if self._client is None:
-                    self._client = _make_client()
+                if self._client is None or self._made_from != made_from:
+                    # the old client is left to requests still in flight on it, not closed under them
+                    self._client, self._made_from = _make_client(), made_from
         return self._client
 
     def _where(self, key: str | None) -> str:
@@ -453,6 +457,23 @@ def _watched_pool(pool_cls: type) -> type:
             return super().request(*args, **kwargs)
 
     return type(f"Watched{pool_cls.__name__}", (pool_cls,), {"ConnectionCls": WatchedConnection})
+
+
+def _configuration() -> str:
+    """A digest of what a boto3 client is made from: every ``AWS_*`` variable, and the AWS config and credentials
+    files' identities (boto3 reads either once per client)."""
+    import hashlib
+
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))
+    files: list[tuple[object, ...]] = []
+    for var, default in (("AWS_CONFIG_FILE", "~/.aws/config"), ("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials")):
+        path = os.path.expanduser(os.environ.get(var, default))
+        try:
+            st = os.stat(path)
+            files.append((path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        except OSError:
+            files.append((path,))
+    return hashlib.sha256(repr((env, files)).encode()).hexdigest()
 
 
 def _make_client() -> Any:
