@@ -729,3 +729,46 @@ def test_a_file_cut_before_its_first_8_bytes_are_read_is_an_error(
         shardload.load_rank(model, 0, 2)
     text = str(err.value)
     assert str(path) in text and "shrank" in text and "\n" not in text, text
+
+
+def test_the_gguf_header_cache_is_safe_from_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads loading GGUF files evicted the same header from the process's cache at once: a bare KeyError or
+    'dictionary changed size during iteration' out of load_rank (reviewer L, 4 threads on tmpfs). Every thread now
+    gets its file's header; eviction on every call and a tiny switch interval make the old race near certain."""
+    import threading
+
+    gguf = pytest.importorskip("gguf")
+    from shardload.sources import gguf as gguf_source
+
+    paths = []
+    for i in range(3):
+        path = tmp_path / f"m{i}.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_tensor(f"t{i}.weight", np.full((4, 4), float(i), np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        paths.append(path)
+    monkeypatch.setattr(gguf_source, "_HEADERS_KEPT", 1)
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            for j in range(400):
+                i = (j + k) % 3
+                assert [e.name for e in gguf_source._header(paths[i]).tensors] == [f"t{i}.weight"]
+        except BaseException as err:  # any escape is the finding
+            errors.append(err)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, [repr(e) for e in errors[:3]]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -343,13 +344,17 @@ def _header(path: Path) -> _Header:
         if log is None:
             return read_header(path)
         key += (log.serial,)
-    header = _HEADERS.pop(key, None) or read_header(path)
-    _HEADERS[key] = header  # the newest last
-    while len(_HEADERS) > _HEADERS_KEPT:
-        del _HEADERS[next(iter(_HEADERS))]
+    with _HEADERS_LOCK:
+        header = _HEADERS.pop(key, None)
+    header = header or read_header(path)  # parsed outside the lock: another thread's file is not kept waiting
+    with _HEADERS_LOCK:
+        _HEADERS[key] = header  # the newest last
+        while len(_HEADERS) > _HEADERS_KEPT:
+            del _HEADERS[next(iter(_HEADERS))]
     return header
 
 
+_HEADERS_LOCK = threading.Lock()
 _HEADERS: dict[tuple[Any, ...], _Header] = {}
 _HEADERS_KEPT = 64
 """Headers kept (a few kB each, arrays left out): a split model's parts, and a few models."""
