@@ -19,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 import shardload
+from helpers.disks import DiskFull
 from shardload.cli.example import write_example
 from shardload.cli.main import main
 from shardload.engine import quantize as quantize_module
@@ -217,10 +218,7 @@ def test_quantize_shares_converts_staging(model: Path, tmp_path: Path, monkeypat
         os.close(fd)
         live.unlink()
 
-    def full(*args: object, **kwargs: object) -> None:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out / "model.safetensors"))
-
-    monkeypatch.setattr(quantize_module, "_save", full)
+    monkeypatch.setattr(shardload.engine.writer, "create_file", DiskFull(1000))
     before = snapshot(out)
     code, err = run(*WRITERS["quantize"](model, out), "--overwrite")
     assert code == 1 and "cannot write model.safetensors: No space left on device [ENOSPC]" in err
@@ -233,7 +231,7 @@ def test_sigterm_and_sighup_clean_up(
     command: str, signum: int, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen = []
-    real = quantize_module.quantize_weight if command == "quantize" else shardload.engine.convert.write_rank_files
+    real = quantize_module._finite if command == "quantize" else shardload.engine.convert.write_rank_files
 
     def hit(*args: object, **kwargs: object) -> object:
         seen.append(sorted(p.name for p in tmp_path.iterdir()))
@@ -241,7 +239,7 @@ def test_sigterm_and_sighup_clean_up(
         return real(*args, **kwargs)
 
     if command == "quantize":
-        monkeypatch.setattr(quantize_module, "quantize_weight", hit)
+        monkeypatch.setattr(quantize_module, "_finite", hit)
     else:
         monkeypatch.setattr(shardload.engine.convert, "write_rank_files", hit)
     before = signal.getsignal(signum)
@@ -343,7 +341,6 @@ def test_a_signal_while_the_old_output_is_removed_says_the_new_one_is_complete(
 
 def test_weights_on_a_file_system_without_modes_are_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A file system without modes (vfat, exfat) refuses chmod: the weights, written whole, were a write error."""
-    import errno
 
     from shardload.engine import writer
 
@@ -450,3 +447,13 @@ def test_example_over_its_file_size_limit_is_one_write_error(tmp_path: Path) -> 
     (line,) = done.stderr.strip().splitlines()
     assert "cannot write" in line and "internal error" not in line, line
     assert not (tmp_path / "m").exists()
+
+
+def test_a_process_that_converts_again_and_again_keeps_a_bounded_record(model: Path, tmp_path: Path) -> None:
+    """Every convert in a process appended its output to a list only the command line cleared: a server calling
+    the API grew it for ever (reviewer L). The last few are kept; the newest is still known."""
+    from shardload.engine import output
+
+    for i in range(40):
+        shardload.convert(model, 2, tmp_path / f"out{i}")
+    assert len(output.published) <= 16 and output.published[-1] == tmp_path / "out39"

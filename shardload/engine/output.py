@@ -20,6 +20,7 @@ import json
 import os
 import secrets
 import shutil
+from collections import deque
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -345,9 +346,9 @@ def integrity_entry(record: WrittenFile) -> dict[str, str]:
     return {"record": record.path, "root": record.sha256}
 
 
-published: list[Path] = []
-"""Outputs this process has put in place, newest last: a command stopped after its output was in place says so
-(the command line clears it when a command starts)."""
+published: deque[Path] = deque(maxlen=16)
+"""The last outputs this process has put in place, newest last: a command stopped after its output was in place
+says so (the command line clears it when a command starts; a server calling ``convert`` for ever keeps 16)."""
 
 
 INDENTED_MANIFEST_BYTES = 1 << 20
