@@ -105,3 +105,24 @@ def test_unreadable_and_non_utf8(tmp_path: Path) -> None:
     (tmp_path / "bin.json").write_bytes(b"\xff\xfe{}")
     with pytest.raises(FormatError, match="not UTF-8"):
         ShardInfo.load(tmp_path / "bin.json")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [("num_shards", 2.0, "'num_shards' must be a JSON integer or null, not 2.0"),
+     ("version", 1.0, "'version' must be the JSON integer 1, not 1.0")],
+)  # fmt: skip
+def test_integral_floats_are_refused_where_the_format_wants_integers(
+    example_dir: Path, tmp_path: Path, field: str, value: float, said: str
+) -> None:
+    """JSON Schema's "integer" takes 2.0: a file saying ``"num_shards": 2.0`` passed the schema, then validate without
+    -n refused it as if the user had asked for N=2.0, while validate -n 2, inspect, convert and load_rank took it
+    (reviewer J); ``"version": 1.0`` was an 'unsupported version'. Both are one line naming the key, everywhere."""
+    import shardload
+
+    doc = json.loads((example_dir / "shard_info.json").read_text())
+    path = tmp_path / "shard_info.json"
+    path.write_text(json.dumps({**doc, "num_shards": 2, field: value}))
+    with pytest.raises(FormatError) as err:
+        shardload.load_rank(example_dir, 0, 2, shard_info=path)
+    assert str(err.value) == f"{path}: {said}"

@@ -129,6 +129,9 @@ class ShardInfo:
         if is_document:
             if "version" not in obj:
                 raise FormatError("document form needs a 'version' (this shardload reads version 1)", file=source)
+            if type(obj["version"]) is float and obj["version"] == FORMAT_VERSION:
+                raise FormatError(f"'version' must be the JSON integer {FORMAT_VERSION}, not {obj['version']!r}",
+                                  file=source)  # fmt: skip
             if obj["version"] != FORMAT_VERSION or type(obj["version"]) is not int:
                 raise FormatError(
                     f"unsupported version {obj['version']!r} (this shardload reads version {FORMAT_VERSION})",
@@ -139,6 +142,8 @@ class ShardInfo:
             params = {k: [_step(s) for s in v] for k, v in obj["params"].items()}
             _check_spellings(params, source)
             n = obj.get("num_shards")
+            if n is not None and type(n) is not int:  # the schema's "integer" takes 2.0, which N must never be
+                raise FormatError(f"'num_shards' must be a JSON integer or null, not {n!r}", file=source)
             if n is not None and n > MAX_RANKS:
                 raise FormatError(f"num_shards={n} is over the limit of {MAX_RANKS}", file=source)
             return cls(params, n, FORMAT_VERSION, "document", source, obj.get("description"))
