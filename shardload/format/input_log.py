@@ -421,6 +421,10 @@ def records_inputs(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+REWRITTEN = "rewritten in place, or its modification time set, or replaced by a file given the same inode number"
+"""How a file that kept its inode number and size but not its modification time changed: any of these."""
+
+
 def _how_changed(before: Stamp, now: Stamp | None) -> str:
     if now is None:
         return "removed"
@@ -429,7 +433,7 @@ def _how_changed(before: Stamp, now: Stamp | None) -> str:
     if now[2] != before[2]:
         return "truncated" if now[2] < before[2] else "extended"
     if now[3] != before[3]:
-        return "rewritten in place, or its modification time set"  # a write and a touch look alike
+        return REWRITTEN  # a write and a touch look alike, and a new file may get a freed inode's number
     # the change time alone, which no tool sets back
     return (
         "its change time moved: written with its modification time put back, or its permissions, owner or links changed"
