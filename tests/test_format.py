@@ -126,3 +126,27 @@ def test_integral_floats_are_refused_where_the_format_wants_integers(
     with pytest.raises(FormatError) as err:
         shardload.load_rank(example_dir, 0, 2, shard_info=path)
     assert str(err.value) == f"{path}: {said}"
+
+
+@pytest.mark.parametrize(
+    ("text", "said", "func"),
+    [('{"version": 1, "params": {"w": [["shard_funcs.shard_dim", [[2, 4], "half"], 0, "num_shards"]]}}',
+      "w: step 1 (shard_funcs.shard_dim): does not match shard_info.schema.json (dtype): 'half' is not one of",
+      "shard_funcs.shard_dim"),
+     ('{"version": 1, "num_shards": true, "params": {}}',
+      "does not match shard_info.schema.json (at ['num_shards']): true is not valid", None),
+     ('{"version": 1, "params": {"": []}}',
+      "does not match shard_info.schema.json (a parameter name in params): '' should be non-empty", None)],
+)  # fmt: skip
+def test_schema_messages_name_the_step_s_function_and_speak_json(
+    tmp_path: Path, text: str, said: str, func: str | None
+) -> None:
+    """A schema error left out the step's function (``--json``'s function was null), hid the dtypes a dtype may be
+    behind oneOf's 'not valid under any of the given schemas', wrote values as Python does (True, None) and gave
+    no place for a bad parameter name (reviewer J)."""
+    path = tmp_path / "shard_info.json"
+    path.write_text(text)
+    with pytest.raises(FormatError) as info:
+        ShardInfo.load(path)
+    assert str(info.value).startswith(f"{path}: {said}"), str(info.value)
+    assert info.value.func == func

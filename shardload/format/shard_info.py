@@ -313,7 +313,10 @@ def _check_schema(obj: dict[str, Any], form: str, source: str) -> None:
     if not errors:
         return
     err = jsonschema.exceptions.best_match(errors)
+    if err.validator == "oneOf":  # a value no branch takes: the branch that lists what it may be says more
+        err = next((e for e in err.context or () if e.validator == "enum"), err)
     path = list(err.absolute_path)
+    names = "propertyNames" in err.absolute_schema_path  # the error is about a key, which has no path of its own
     if at is not None:  # the step's place in the whole document
         k = 0 if form == "seed" else 1
         if len(path) > k + 1 and path[k] == at[0] and path[k + 1] == 0:
@@ -327,9 +330,35 @@ def _check_schema(obj: dict[str, Any], form: str, source: str) -> None:
             path = path[2:]
         else:
             path = path[1:]
-    detail = f" ({_describe(path)})" if path else ""
-    reason = f"does not match shard_info.schema.json{detail}: {_short(err.message)}"
-    raise FormatError(reason, file=source, param=param, step=step)
+    if names:
+        detail = " (a parameter name in params)" if form == "document" else " (a parameter name)"
+    else:
+        detail = f" ({_describe(path)})" if path else ""
+    reason = f"does not match shard_info.schema.json{detail}: {_short(_json_spelled(err.message, err.instance))}"
+    raise FormatError(reason, file=source, param=param, step=step, func=_step_function(obj, form, param, step))
+
+
+def _json_spelled(message: str, instance: Any) -> str:
+    """A validator's message with the value it leads with written as JSON (``true``, ``null``), not as Python."""
+    said = repr(instance)
+    if isinstance(instance, str) or not message.startswith(said):
+        return message
+    try:
+        return json.dumps(instance, allow_nan=False) + message[len(said) :]
+    except (TypeError, ValueError):
+        return message
+
+
+def _step_function(obj: Any, form: str, param: str | None, step: int | None) -> str | None:
+    """The function name a document gives step ``step`` of ``param`` (None where it names none as a string)."""
+    if param is None or step is None:
+        return None
+    try:
+        steps = obj[param] if form == "seed" else obj["params"][param]
+        name = steps[step - 1][0]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return name if isinstance(name, str) else None
 
 
 REFERENCE_BYTES = 64 << 10
