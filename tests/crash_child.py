@@ -39,7 +39,7 @@ def _install_hooks(kill_at: int | None) -> list[list[str]]:
         if kill_at is not None and len(events) == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    real_create, real_replace, real_fsync, real_rmtree = writer_module._create, os.replace, os.fsync, shutil.rmtree
+    real_create, real_replace, real_fsync, real_rmtree = writer_module.create_file, os.replace, os.fsync, shutil.rmtree
 
     class Out:
         def __init__(self, path: Any) -> None:
@@ -65,7 +65,7 @@ def _install_hooks(kill_at: int | None) -> list[list[str]]:
         event("rmtree", os.path.basename(path))
         real_rmtree(path, *args, **kwargs)
 
-    writer_module._create = Out  # type: ignore[assignment]
+    writer_module.create_file = Out  # type: ignore[assignment]
     os.replace, os.fsync, shutil.rmtree = replace, fsync, rmtree  # type: ignore[assignment]
     return events
 

@@ -22,6 +22,7 @@ import torch
 from click.testing import CliRunner
 
 import shardload
+from helpers.disks import DiskFull
 from shardload.cli.main import main
 from shardload.errors import CheckpointError, ShardloadError
 from shardload.sources.checkpoint import TMP_MARKER, open_checkpoint
@@ -172,46 +173,20 @@ def test_a_live_convert_is_not_disturbed(example_dir: Path, tmp_path: Path) -> N
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
-class DiskFull:
-    """Output files that fail with ENOSPC once ``budget`` bytes have been written in total."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.written = 0
-
-    def __call__(self, path: Path) -> Any:
-        real, disk = open(path, "xb"), self
-
-        class Out:
-            def write(self, data: Any) -> int:
-                size = memoryview(data).nbytes
-                if disk.written + size > disk.budget:
-                    real.write(bytes(memoryview(data)[: max(disk.budget - disk.written, 0)]))
-                    disk.written = disk.budget
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                disk.written += size
-                return real.write(data)
-
-            def __getattr__(self, name: str) -> Any:
-                return getattr(real, name)
-
-        return Out()
-
-
 def test_disk_full_leaves_nothing(example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     counting = DiskFull(1 << 60)
-    monkeypatch.setattr(WRITER, "_create", counting)
+    monkeypatch.setattr(WRITER, "create_file", counting)
     shardload.convert(example_dir, 2, tmp_path / "probe")
     total = counting.written
     old = tmp_path / "old"
     shardload.convert(example_dir, 4, old)
     for budget in (0, 100, total // 3, total // 2, total - 2000, total - 10):
-        monkeypatch.setattr(WRITER, "_create", DiskFull(budget))
+        monkeypatch.setattr(WRITER, "create_file", DiskFull(budget))
         out = tmp_path / f"full{budget}"
         with pytest.raises(ShardloadError, match=r"No space left on device \[ENOSPC\]; nothing was put in place"):
             shardload.convert(example_dir, 2, out)
         assert not out.exists()
-        monkeypatch.setattr(WRITER, "_create", DiskFull(budget))
+        monkeypatch.setattr(WRITER, "create_file", DiskFull(budget))
         result = CliRunner().invoke(main, ["convert", str(example_dir), "-n", "2", "-o", str(old), "--overwrite"])
         assert result.exit_code == 1 and "Traceback" not in result.output
         assert result.stderr.startswith(f"error: {old}: cannot write ") and len(result.stderr.splitlines()) == 1

@@ -14,8 +14,13 @@ from safetensors.numpy import save_file
 from safetensors.torch import load_file
 
 import shardload
+import shardload.engine.quantize
+import shardload.engine.writer
+from helpers.disks import DiskFull
 from helpers.quantized import rank_reference
 from shardload.cli.main import main
+from shardload.engine.quantize import SCHEMES as SCHEMES_BY_NAME
+from shardload.engine.quantize import quantize_weight
 from shardload.format.shard_info import ShardInfo
 from shardload.models.generated import generate
 from shardload.models.placement import placement_from_steps
@@ -306,24 +311,67 @@ def test_int4_group_size_follows_the_input_dims() -> None:
     assert choose_int4({}) == ("int4-g128", 8)
 
 
+@pytest.mark.parametrize("budget", [0, 100, 5000, 100_000])
 def test_a_full_disk_is_one_line_and_no_output(
-    example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    example_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int
 ) -> None:
-    """safetensors reports a failed write as its own SafetensorError, not an OSError: ``quantize`` onto a full disk
-    printed a traceback. It is one line naming the cause, and nothing is left at the output."""
-    import safetensors.torch
-    from safetensors import SafetensorError
-
-    def full(*args: object, **kwargs: object) -> None:
-        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-
-    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    """``quantize`` onto a disk that fills up (in the header, in a tensor, near the end) is one line naming the
+    cause, and nothing is left at the output."""
+    monkeypatch.setattr(shardload.engine.writer, "create_file", DiskFull(budget))
     out = tmp_path / "q"
     done = CliRunner().invoke(main, ["quantize", str(example_dir), "-o", str(out), "--scheme", "int8"])
     assert done.exit_code == 1, done.output
     lines = done.output.strip().splitlines()
     assert len(lines) == 1 and "No space left on device" in lines[0] and "Traceback" not in done.output, lines
-    assert not out.exists()
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("scheme", ["int4-g32", "fp8"])
+def test_an_output_larger_than_a_file_is_split_with_an_index(
+    example_dir: Path, quantized: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scheme: str
+) -> None:
+    """quantize wrote its whole output as one ``model.safetensors`` held in memory; past ``FILE_BYTES`` it is split
+    in order over ``model-0000K-of-0000M.safetensors`` with an index, as transformers writes a large model: the
+    same tensors, bit for bit (read by safetensors itself), and the same shards at every N."""
+    whole = load_file(quantized[scheme] / "model.safetensors")
+    monkeypatch.setattr(shardload.engine.quantize, "FILE_BYTES", sum(t.nbytes for t in whole.values()) // 3)
+    out = tmp_path / "split"
+    shardload.quantize(example_dir, out, scheme)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) >= 3 and files == sorted(set(index["weight_map"].values())), files
+    assert files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    split = {}
+    for name in files:
+        part = load_file(out / name)
+        assert all(index["weight_map"][k] == name for k in part)
+        split.update(part)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in split.values())
+    assert split.keys() == whole.keys()
+    for k, t in whole.items():
+        assert split[k].dtype == t.dtype and torch.equal(split[k].view(torch.uint8), t.view(torch.uint8)), k
+    for n in (1, 2, 4):
+        one, many = shardload.load(quantized[scheme], num_shards=n), shardload.load(out, num_shards=n)
+        for a, b in zip(one, many, strict=True):
+            assert a.keys() == b.keys()
+            assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a), n
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES_BY_NAME))
+def test_a_weight_quantized_a_block_of_rows_at_a_time_is_the_weight_quantized_at_once(
+    monkeypatch: pytest.MonkeyPatch, scheme: str
+) -> None:
+    """quantize_weight takes rows in blocks (bounded copies); the blocks put together are bit for bit the result
+    of the whole weight at once, including a last block of fewer rows and a zero row."""
+    w = torch.randn(37, 256, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    w[5] = 0
+    whole = quantize_weight(w, SCHEMES_BY_NAME[scheme])
+    monkeypatch.setattr(shardload.engine.quantize, "BLOCK_ELEMENTS", 256 * 4 + 100)
+    blocks = quantize_weight(w, SCHEMES_BY_NAME[scheme])
+    assert list(blocks) == list(whole)
+    for k in whole:
+        assert blocks[k].shape == whole[k].shape and blocks[k].dtype == whole[k].dtype, k
+        assert torch.equal(blocks[k].view(torch.uint8), whole[k].view(torch.uint8)), k
 
 
 def test_a_refused_quantize_prints_only_its_error(example_dir: Path, tmp_path: Path) -> None:

@@ -12,11 +12,13 @@ any N the group sizes allow.
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Callable, Mapping
+import struct
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..errors import CheckpointError, ShardloadError
 from ..format import input_log
@@ -24,9 +26,11 @@ from ..format.input_log import records_inputs
 from ..models.placement import Header
 from ..models.stored_layouts import quantized_shard_info
 from ..planning.plan import given_shard_info, shard_info_beside
-from ..sources.checkpoint import SHARD_INFO_NAME, local_output, open_checkpoint, read_config
+from ..sources.checkpoint import INDEX_NAME, SHARD_INFO_NAME, local_output, open_checkpoint, read_config
+from ..sources.dtypes import DTYPES, itemsize, to_torch
 from ..sources.objects import ObjectPath
-from ..sources.reader import Reader
+from ..sources.reader import Reader, buffer_view
+from . import writer
 from .output import (
     StagingDir,
     check_output,
@@ -36,7 +40,6 @@ from .output import (
     stamp_sources,
     write_error,
 )
-from .writer import save_safetensors
 
 if TYPE_CHECKING:
     import torch
@@ -77,6 +80,13 @@ ROUTERS = ("gate", "router", "shared_expert_gate")
 that take no quantized weight (``gate_proj`` and ``gate_up_proj`` are quantized as any projection)."""
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+BLOCK_ELEMENTS = 1 << 22
+"""Values of a weight quantized or checked at once (whole rows, at least one): each copy made on the way (float32,
+int64) stays near 32 MiB, and each torch operation still has enough values to keep the host's cores busy (blocks
+of 1 << 20 took three times the CPU time of the whole weight at once on two cores)."""
+FILE_BYTES = 5 * 10**9
+"""The most tensor bytes one output file holds (Hugging Face's default shard size); a larger output is split over
+``model-0000K-of-0000M.safetensors`` files with a ``model.safetensors.index.json``, as transformers writes them."""
 FP8_MAX = 448.0
 
 
@@ -166,8 +176,6 @@ def quantize(
         shardload.quantize("llama-dir", "llama-int4", "int4-g128")
         shards = shardload.load("llama-int4", num_shards=4)
     """
-    import torch
-
     if scheme not in SCHEMES and scheme != AUTO_INT4:
         raise ShardloadError(f"unknown scheme {scheme!r} (choose from {', '.join([AUTO_INT4, *SCHEMES])})")
     scheme, _ = resolve_scheme(model, scheme, ignore)
@@ -198,49 +206,24 @@ def quantize(
     config = _read_config(checkpoint.root)
     _something_to_quantize(model, checkpoint.tensors, spec, ignore)
     result = QuantizeResult(out, spec)
+    layout = _output_layout(checkpoint.tensors, spec, ignore)
     try:
         with StagingDir(out, None, synced=False, overwrite=overwrite) as staging, Reader() as files:
             tmp = staging.dir
-            tensors: dict[str, torch.Tensor] = {}
-            done = 0
-            for name, t in checkpoint.tensors.items():
-                reason = _skip_reason(name, t.shape, t.dtype, spec, ignore)
-                if reason is None:
-                    module = name.removesuffix(".weight")
-                    w = files.tensor(t)
-                    if not bool(torch.isfinite(w).all()):  # one inf or NaN makes its group's scale, so the group, NaN
-                        input_log.check_unchanged([t.file], input_log.current())  # a file changed says so first
-                        raise CheckpointError(
-                            "holds values that are not finite (inf or NaN): the scales quantizing them would spoil "
-                            "whole rows; nothing was written (fix the weight, or leave its module out: ignore= in "
-                            "Python)",
-                            file=str(t.file), param=name,
-                        )  # fmt: skip
-                    for suffix, q in quantize_weight(w, spec).items():
-                        _check_free(f"{module}.{suffix}", name, checkpoint.tensors, checkpoint.name)
-                        tensors[f"{module}.{suffix}"] = q
-                    result.quantized.append(module)
-                else:
-                    if len(t.shape) == 2 and name.endswith(".weight"):
-                        result.skipped[name.removesuffix(".weight")] = reason
-                    tensors[name] = files.tensor(t)
-                done += t.nbytes
-                if progress is not None:
-                    progress(done, name)
-            _save(tensors, tmp / "model.safetensors")
+            outputs = _quantized(checkpoint.tensors, files, spec, ignore, result, progress)
+            _write_files(layout, outputs, tmp)
             # a head tied to the embeddings stores no tensor: listed all the same, or a reader takes it for quantized
             head = {"lm_head"} if not any(m.rsplit(".", 1)[-1] == "lm_head" for m in result.quantized) else set()
             qconfig = quantization_config(spec, sorted(set(result.skipped) | head))
             (tmp / "config.json").write_text(json.dumps({**config, "quantization_config": qconfig}, indent=2) + "\n")
             copy_companions(checkpoint.root, tmp, {"config.json", SHARD_INFO_NAME}, durable=False)
             if info is not None:
-                shapes = {n: Header(tuple(v.shape), str(v.dtype).removeprefix("torch.")) for n, v in tensors.items()}
+                shapes = {o.name: Header(o.shape, o.dtype) for o in layout}
                 dense = {k: [s.to_json() for s in v] for k, v in info.params.items()}
                 params = quantized_shard_info(dense, shapes, qconfig)
                 doc = {"version": 1, "num_shards": info.num_shards, "params": params}
                 (tmp / SHARD_INFO_NAME).write_text(json.dumps(doc, indent=2) + "\n")
                 result.shard_info = True
-            del tensors
             check_sources_unchanged(stamps)
             staging.publish()
     except OSError as err:
@@ -253,12 +236,180 @@ def quantize(
     return result
 
 
+@dataclass(frozen=True)
+class _Output:
+    """One tensor of quantize's output, known before any is computed: its name, shape and dtype name."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+def _output_layout(tensors: Mapping[str, Any], scheme: Scheme, ignore: tuple[str, ...]) -> list[_Output]:
+    """Every output tensor in the order quantize writes them, shaped by :func:`quantize_weight` run on the meta
+    device (so no value is read); a computed name a stored tensor already has is refused here, before writing."""
+    import torch
+
+    layout = []
+    for name, t in tensors.items():
+        if _skip_reason(name, t.shape, t.dtype, scheme, ignore) is not None:
+            layout.append(_Output(name, tuple(t.shape), t.dtype))
+            continue
+        module = name.removesuffix(".weight")
+        meta = torch.empty(tuple(t.shape), dtype=to_torch(t.dtype), device="meta")
+        for suffix, q in quantize_weight(meta, scheme).items():
+            _check_free(f"{module}.{suffix}", name, tensors, str(t.file))
+            layout.append(_Output(f"{module}.{suffix}", tuple(q.shape), str(q.dtype).removeprefix("torch.")))
+    return layout
+
+
+def _quantized(
+    tensors: Mapping[str, Any],
+    files: Reader,
+    scheme: Scheme,
+    ignore: tuple[str, ...],
+    result: QuantizeResult,
+    progress: Callable[[int, str], None] | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each output tensor by name, in :func:`_output_layout`'s order, one source tensor read at a time."""
+
+    done = 0
+    for name, t in tensors.items():
+        reason = _skip_reason(name, t.shape, t.dtype, scheme, ignore)
+        if reason is None:
+            module = name.removesuffix(".weight")
+            w = files.tensor(t)
+            if not _finite(w):  # one inf or NaN makes its group's scale, so the group, NaN
+                input_log.check_unchanged([t.file], input_log.current())  # a file changed says so first
+                raise CheckpointError(
+                    "holds values that are not finite (inf or NaN): the scales quantizing them would spoil "
+                    "whole rows; nothing was written (fix the weight, or leave its module out: ignore= in "
+                    "Python)",
+                    file=str(t.file), param=name,
+                )  # fmt: skip
+            for suffix, q in quantize_weight(w, scheme).items():
+                yield f"{module}.{suffix}", q
+            result.quantized.append(module)
+        else:
+            if len(t.shape) == 2 and name.endswith(".weight"):
+                result.skipped[name.removesuffix(".weight")] = reason
+            yield name, files.tensor(t)
+        done += t.nbytes
+        if progress is not None:
+            progress(done, name)
+
+
+def _file_groups(layout: list[_Output], limit: int) -> list[list[_Output]]:
+    """``layout`` cut in order into files of at most ``limit`` tensor bytes (a larger tensor gets a file alone)."""
+    groups: list[list[_Output]] = [[]]
+    size = 0
+    for o in layout:
+        if groups[-1] and size + o.nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(o)
+        size += o.nbytes
+    return groups
+
+
+def _write_files(layout: list[_Output], outputs: Iterator[tuple[str, torch.Tensor]], directory: Path) -> None:
+    """Stream ``outputs`` into safetensors files laid out by ``layout`` (headers first, then each tensor as it is
+    computed), with an index when there are several: memory holds one source tensor's outputs, not the model."""
+    groups = _file_groups(layout, FILE_BYTES)
+    names = (
+        ["model.safetensors"]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    for group, file_name in zip(groups, names, strict=True):
+        path = directory / file_name
+        fh = writer.create_file(path)
+        try:
+            _write_all(fh, _header(group), path)
+            for o in group:
+                name, tensor = next(outputs)
+                got = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+                if name != o.name or got != (o.shape, o.dtype):  # an internal error: never a file that lies
+                    raise RuntimeError(f"quantize computed {name} {got}, its file's header says {o.name}")
+                _write_all(fh, buffer_view(tensor.contiguous()), path)
+        finally:
+            fh.close()
+    if next(outputs, None) is not None:
+        raise RuntimeError("quantize computed more tensors than its files' headers list")
+    if len(groups) > 1:
+        weight_map = {o.name: f for group, f in zip(groups, names, strict=True) for o in group}
+        index = {"metadata": {"total_size": sum(o.nbytes for o in layout)}, "weight_map": weight_map}
+        (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _header(group: list[_Output]) -> bytes:
+    """The safetensors header (length prefix included, padded to 8 bytes) of a file holding ``group`` in order."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for o in group:
+        header[o.name] = {
+            "dtype": DTYPES[o.dtype][0],
+            "shape": list(o.shape),
+            "data_offsets": [offset, offset + o.nbytes],
+        }
+        offset += o.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_all(fh: BinaryIO, data: bytes | memoryview, path: Path) -> None:
+    """Write every byte of ``data`` to ``fh`` (an unbuffered file may take part of a write)."""
+    view = memoryview(data).cast("B")
+    try:
+        while len(view):
+            view = view[fh.write(view) or 0 :]
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(path)) from None
+
+
 def quantize_weight(w: torch.Tensor, scheme: Scheme) -> dict[str, torch.Tensor]:
     """Quantize one ``[out, in]`` weight; returns its compressed-tensors tensors by suffix.
 
     Integers: symmetric, scale = max|w| / (2**bits - 1) * 2 per group (or row), values rounded to
     ``[-2**(bits-1), 2**(bits-1) - 1]`` and packed low bits first. FP8: scale = max|row| / 448.
+    Rows are taken :data:`BLOCK_ELEMENTS` values at a time (every scale is a row's), so the float and integer
+    copies made on the way stay that small whatever the weight's size.
     """
+    import torch
+
+    rows, cols = w.shape
+    step = max(1, BLOCK_ELEMENTS // max(cols, 1))
+    if rows <= step:
+        out = _quantize_rows(w, scheme)
+    else:  # each block into its rows of outputs made first: no small result left between freed copies on the heap
+        first = _quantize_rows(w[:step], scheme)
+        out = {k: torch.empty((rows, *v.shape[1:]), dtype=v.dtype, device=v.device) for k, v in first.items()}
+        for k, v in first.items():
+            out[k][:step].copy_(v)
+        del first
+        for i in range(step, rows, step):
+            for k, v in _quantize_rows(w[i : i + step], scheme).items():
+                out[k][i : i + step].copy_(v)
+    if scheme.kind == "int":
+        out["weight_shape"] = torch.tensor([rows, cols], dtype=torch.int64)
+    return out
+
+
+def _finite(w: torch.Tensor) -> bool:
+    """Whether every value of a 2-d weight is finite, checked :data:`BLOCK_ELEMENTS` values at a time."""
+    import torch
+
+    step = max(1, BLOCK_ELEMENTS // max(w.shape[1], 1))
+    return all(bool(torch.isfinite(w[i : i + step]).all()) for i in range(0, w.shape[0], step))
+
+
+def _quantize_rows(w: torch.Tensor, scheme: Scheme) -> dict[str, torch.Tensor]:
+    """:func:`quantize_weight` of a block of whole rows, without ``weight_shape``."""
     import torch
 
     rows, cols = w.shape
@@ -275,11 +426,8 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme) -> dict[str, torch.Tensor]:
     safe = torch.where(scale == 0, torch.ones_like(scale), scale).to(torch.float32)
     low, high = -(2 ** (scheme.bits - 1)), 2 ** (scheme.bits - 1) - 1
     q = torch.round(groups / safe).clamp(low, high).reshape(rows, cols).to(torch.int64)
-    return {
-        "weight_packed": pack_int32(q, scheme.bits),
-        "weight_scale": scale.reshape(rows, cols // group).contiguous(),
-        "weight_shape": torch.tensor([rows, cols], dtype=torch.int64),
-    }
+    packed = pack_int32(q, scheme.bits)
+    return {"weight_packed": packed, "weight_scale": scale.reshape(rows, cols // group).contiguous()}
 
 
 def pack_int32(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -292,7 +440,7 @@ def pack_int32(q: torch.Tensor, bits: int) -> torch.Tensor:
     per_word = 32 // bits
     rows, cols = q.shape
     u = (q + 2 ** (bits - 1)).reshape(rows, cols // per_word, per_word)
-    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    shifts = torch.arange(per_word, dtype=torch.int64, device=q.device) * bits
     words = (u << shifts).sum(dim=2)
     words = torch.where(words >= 2**31, words - 2**32, words)
     return words.to(torch.int32)
@@ -349,14 +497,6 @@ def _read_config(root: Path) -> dict[str, Any]:
             "model is already quantized (config.json has a quantization_config)", file=str(root / "config.json")
         )
     return config
-
-
-def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Write ``tensors`` as safetensors at ``path``; a failed write is an OSError."""
-    import safetensors.torch
-
-    contiguous = {k: v.contiguous() for k, v in tensors.items()}
-    save_safetensors(lambda: safetensors.torch.save_file(contiguous, str(path), metadata={"format": "pt"}), path)
 
 
 def _check_free(name: str, origin: str, stored: dict[str, Any], file: str) -> None:

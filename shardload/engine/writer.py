@@ -190,7 +190,7 @@ _SYNC_FILE_RANGE = libc_function(
 )
 
 
-def _create(path: Path) -> BinaryIO:
+def create_file(path: Path) -> BinaryIO:
     """Open a new output file for unbuffered writing (every output byte of a convert goes through here)."""
     return open(path, "xb", buffering=0)
 
@@ -212,7 +212,7 @@ class FileWriter:
         self.size = 0
         self.flushed = 0
         try:
-            self.fh: BinaryIO | None = _create(path)
+            self.fh: BinaryIO | None = create_file(path)
         except OSError as err:
             raise OSError(err.errno, err.strerror, str(path)) from None
 
