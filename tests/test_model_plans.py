@@ -567,3 +567,25 @@ def test_per_head_attention_scales_follow_their_heads(tmp_path: Path, n: int) ->
         heads = 8 // n
         assert torch.equal(got[a + "q_scale"].flatten(), torch.arange(1.0 + r * heads, 1.0 + (r + 1) * heads)), r
         assert got["model.layers.1.self_attn.k_scale"].item() == 5.0
+
+
+def test_generate_plans_only_the_n_config_json_allows(example_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``shardload plan`` built a whole plan for each of the 64 N it checks, those config.json's head counts already
+    refuse included, and kept every message of every one: 2 ms and 17 KB per tensor (reviewer M: 74 CPU s for a
+    37,000-tensor MoE). Only the N config.json allows are planned; what it records is unchanged."""
+    from shardload.models.generated import config_problems
+    from shardload.planning import plan
+
+    real, planned = plan.build_plan, []
+
+    def counting(info: Any, checkpoint: Any, n: int, **kwargs: Any) -> Any:
+        planned.append(n)
+        return real(info, checkpoint, n, **kwargs)
+
+    made = generate(example_dir)
+    monkeypatch.setattr(plan, "build_plan", counting)
+    again = generate(example_dir)
+    allowed = [n for n in range(1, 65) if not config_problems(json.loads((example_dir / "config.json").read_text()),
+                                                                 again.placements, n)]  # fmt: skip
+    assert sorted(planned) == allowed and len(allowed) < 64, (planned, allowed)
+    assert again.document == made.document and again.supported == made.supported

@@ -255,15 +255,20 @@ def _output_layout(tensors: Mapping[str, Any], scheme: Scheme, ignore: tuple[str
     import torch
 
     layout = []
+    shaped: dict[tuple[tuple[int, ...], str], list[tuple[str, tuple[int, ...], str]]] = {}  # an MoE's many alike
     for name, t in tensors.items():
         if _skip_reason(name, t.shape, t.dtype, scheme, ignore) is not None:
             layout.append(_Output(name, tuple(t.shape), t.dtype))
             continue
         module = name.removesuffix(".weight")
-        meta = torch.empty(tuple(t.shape), dtype=to_torch(t.dtype), device="meta")
-        for suffix, q in quantize_weight(meta, scheme).items():
+        key = (tuple(t.shape), t.dtype)
+        if key not in shaped:
+            meta = torch.empty(key[0], dtype=to_torch(t.dtype), device="meta")
+            got = quantize_weight(meta, scheme).items()
+            shaped[key] = [(suffix, tuple(q.shape), str(q.dtype).removeprefix("torch.")) for suffix, q in got]
+        for suffix, shape, dtype in shaped[key]:
             _check_free(f"{module}.{suffix}", name, tensors, str(t.file))
-            layout.append(_Output(f"{module}.{suffix}", tuple(q.shape), str(q.dtype).removeprefix("torch.")))
+            layout.append(_Output(f"{module}.{suffix}", shape, dtype))
     return layout
 
 
@@ -384,7 +389,7 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme) -> dict[str, torch.Tensor]:
 
     rows, cols = w.shape
     step = max(1, BLOCK_ELEMENTS // max(cols, 1))
-    if rows <= step:
+    if rows <= step or w.is_meta:  # shapes alone (the meta device) cost nothing to make whole
         out = _quantize_rows(w, scheme)
     else:  # each block into its rows of outputs made first: no small result left between freed copies on the heap
         first = _quantize_rows(w[:step], scheme)

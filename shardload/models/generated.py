@@ -206,14 +206,18 @@ def num_shards_problems(
     document: Mapping[str, Any],
     tensors: Mapping[str, Any],
     num_shards: Iterable[int],
+    *,
+    every: bool = True,
 ) -> dict[int, list[str]]:
     """For each N, why a generated plan cannot serve it: the reasons in config.json's terms
     (:func:`config_problems`) first, then every problem of planning ``document`` against the stored tensors
     (:func:`plan_problems`); empty for an N it serves. What :func:`generate` records as the N a plan serves, and
-    ``shardload preflight`` reports (pure: config and headers only)."""
+    ``shardload preflight`` reports (pure: config and headers only). Without ``every``, an N config.json already
+    refuses is not planned (a whole plan per N: most of the 64 N a model of 8 heads is checked for)."""
     ns = list(num_shards)
-    planned = plan_problems(document, tensors, ns)
-    return {n: config_problems(config, placements, n) + planned[n] for n in ns}
+    refused = {n: config_problems(config, placements, n) for n in ns}
+    planned = plan_problems(document, tensors, [n for n in ns if every or not refused[n]])
+    return {n: refused[n] + planned.get(n, []) for n in ns}
 
 
 @dataclass
@@ -302,7 +306,7 @@ def generate(
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise PlanError(f"num_shards={n}: {problems[0]}{more}{padding_hint(problems, vocab_padding)}",
                             file=str(model))  # fmt: skip
-    checked = num_shards_problems(config, placements, document, tensors, range(1, check_up_to + 1))
+    checked = num_shards_problems(config, placements, document, tensors, range(1, check_up_to + 1), every=False)
     supported = [n for n, problems in checked.items() if not problems]
     if check_up_to > 1 and supported in ([], [1]) and not allow_single:
         n = 2 if supported else 1
