@@ -936,3 +936,40 @@ def test_an_endpoint_or_credentials_changed_in_a_long_lived_process_reach_the_ne
     assert store.client is first, "an unchanged configuration keeps its client"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "rotated")
     assert store.client is not first, "new credentials make a new client"
+
+
+def test_the_client_s_configuration_is_read_while_another_thread_changes_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The S3 client's configuration was read with ``os.environ.items()``, which lists the names and then looks each
+    up: a variable another thread deleted in between ended a load with a bare KeyError (reviewer H, 2 in 47,000
+    calls under churn). A name that vanishes is skipped."""
+    from collections.abc import MutableMapping
+
+    from shardload.sources import s3
+
+    class Vanishing(MutableMapping[str, str]):
+        """An environment in which GONE is listed but deleted before it is looked up."""
+
+        def __init__(self) -> None:
+            self.data = {"AWS_REGION": "us-east-1", "GONE": "x"}
+
+        def __getitem__(self, key: str) -> str:
+            if key == "GONE":
+                raise KeyError(key)
+            return self.data[key]
+
+        def __iter__(self) -> Iterator[str]:
+            return iter(list(self.data))
+
+        def __len__(self) -> int:
+            return len(self.data)
+
+        def __setitem__(self, key: str, value: str) -> None:
+            self.data[key] = value
+
+        def __delitem__(self, key: str) -> None:
+            del self.data[key]
+
+    monkeypatch.setattr(s3.os, "environ", Vanishing())
+    assert s3._configuration() == s3._configuration()

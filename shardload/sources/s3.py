@@ -464,7 +464,8 @@ def _configuration() -> str:
     files' identities (boto3 reads either once per client)."""
     import hashlib
 
-    env = sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))
+    # the names first, then each value with a default: a variable another thread deletes in between is not an error
+    env = sorted((k, v) for k in list(os.environ) if k.startswith("AWS_") and (v := os.environ.get(k)) is not None)
     files: list[tuple[object, ...]] = []
     for var, default in (("AWS_CONFIG_FILE", "~/.aws/config"), ("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials")):
         path = os.path.expanduser(os.environ.get(var, default))
