@@ -152,11 +152,13 @@ def check_served(vllm_class: str, where: str) -> None:
     )
 
 
-def check_layout(model_type: object, where: str) -> None:
-    """Refuse, in one line, a model type whose vLLM state ``convert --layout vllm`` was not checked to write (a model
-    without config.json, which vLLM cannot start from as it is, is laid out as a Llama)."""
-    if model_type is None:
+def check_layout(config: Mapping[str, object], where: str) -> None:
+    """Refuse, in one line, a model whose config.json names no model type whose vLLM state ``convert --layout vllm``
+    was checked to write (a model without config.json, which vLLM cannot start from as it is, is laid out as a
+    Llama)."""
+    if not config:
         return
+    model_type = config.get("model_type")
     checked = CHECKED.get(model_type) if isinstance(model_type, str) else None
     if checked is not None and checked.layout:
         return

@@ -112,7 +112,7 @@ def plan_layout(
     if not checkpoint.plain_safetensors:
         raise ShardloadError("--layout vllm converts a safetensors source checkpoint", file=where)
     config = read_config(checkpoint.root, missing_ok=True)
-    check_layout(config.get("model_type"), where)
+    check_layout(config, where)
     quantized = _quantization(config, where)
     names = vllm_names(config.get("model_type"))
     # a config that ties a model's lm_head to its embeddings over a checkpoint that stores one: vLLM unties them and
