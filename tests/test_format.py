@@ -136,7 +136,8 @@ def test_integral_floats_are_refused_where_the_format_wants_integers(
      ('{"version": 1, "num_shards": true, "params": {}}',
       "does not match shard_info.schema.json (at ['num_shards']): true is not valid", None),
      ('{"version": 1, "params": {"": []}}',
-      "does not match shard_info.schema.json (a parameter name in params): '' should be non-empty", None)],
+      "does not match shard_info.schema.json (a parameter name in params): '' should be non-empty", None),
+     ('{"version": true, "params": {}}', "unsupported version true (this shardload reads version 1)", None)],
 )  # fmt: skip
 def test_schema_messages_name_the_step_s_function_and_speak_json(
     tmp_path: Path, text: str, said: str, func: str | None

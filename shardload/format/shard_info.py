@@ -134,7 +134,8 @@ class ShardInfo:
                                   file=source)  # fmt: skip
             if obj["version"] != FORMAT_VERSION or type(obj["version"]) is not int:
                 raise FormatError(
-                    f"unsupported version {obj['version']!r} (this shardload reads version {FORMAT_VERSION})",
+                    f"unsupported version {_json_spelled(repr(obj['version']), obj['version'])} (this shardload "
+                    f"reads version {FORMAT_VERSION})",
                     file=source,
                 )
         _check_schema(obj, "document" if is_document else "seed", source)
