@@ -323,7 +323,8 @@ def _file_groups(layout: list[_Output], limit: int) -> list[list[_Output]]:
 
 def _write_files(layout: list[_Output], outputs: Iterator[tuple[str, torch.Tensor]], directory: Path) -> None:
     """Stream ``outputs`` into safetensors files laid out by ``layout`` (headers first, then each tensor as it is
-    computed), with an index when there are several: memory holds one source tensor's outputs, not the model."""
+    computed, at its aligned place), with an index when there are several: memory holds one source tensor's
+    outputs, not the model."""
     groups = _file_groups(layout, FILE_BYTES)
     names = (
         ["model.safetensors"]
@@ -332,14 +333,17 @@ def _write_files(layout: list[_Output], outputs: Iterator[tuple[str, torch.Tenso
     )
     for group, file_name in zip(groups, names, strict=True):
         path = directory / file_name
+        placed = _placed(group)
+        header = _header(group, placed)
         fh = writer.create_file(path)
         try:
-            _write_all(fh, _header(group), path)
-            for o in group:
+            _write_all(fh, header, path)
+            for o in group:  # computed in the source's order, each put at its place (the file has no hole at the end)
                 name, tensor = next(outputs)
                 got = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
                 if name != o.name or got != (o.shape, o.dtype):  # an internal error: never a file that lies
                     raise RuntimeError(f"quantize computed {name} {got}, its file's header says {o.name}")
+                fh.seek(len(header) + placed[o.name])
                 _write_all(fh, buffer_view(tensor.contiguous()), path)
         finally:
             fh.close()
@@ -351,17 +355,22 @@ def _write_files(layout: list[_Output], outputs: Iterator[tuple[str, torch.Tenso
         (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _header(group: list[_Output]) -> bytes:
-    """The safetensors header (length prefix included, padded to 8 bytes) of a file holding ``group`` in order."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for o in group:
-        header[o.name] = {
-            "dtype": DTYPES[o.dtype][0],
-            "shape": list(o.shape),
-            "data_offsets": [offset, offset + o.nbytes],
-        }
+def _placed(group: list[_Output]) -> dict[str, int]:
+    """Each tensor's offset in its file's data, the widest dtypes first (as safetensors' own writer lays them out):
+    every tensor then starts at a multiple of its element size, so a reader can map it in place."""
+    placed, offset = {}, 0
+    for o in sorted(group, key=lambda o: -itemsize(o.dtype)):  # stable: the source's order within a width
+        placed[o.name] = offset
         offset += o.nbytes
+    return placed
+
+
+def _header(group: list[_Output], placed: dict[str, int]) -> bytes:
+    """The safetensors header (length prefix included, padded to 8 bytes) of a file holding ``group`` at ``placed``."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    for o in sorted(group, key=lambda o: placed[o.name]):
+        span = [placed[o.name], placed[o.name] + o.nbytes]
+        header[o.name] = {"dtype": DTYPES[o.dtype][0], "shape": list(o.shape), "data_offsets": span}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
