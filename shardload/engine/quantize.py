@@ -250,7 +250,7 @@ class _Output:
 
 
 def _output_layout(tensors: Mapping[str, Any], scheme: Scheme, ignore: tuple[str, ...]) -> list[_Output]:
-    """Every output tensor in the order quantize writes them, shaped by :func:`quantize_weight` run on the meta
+    """Every output tensor in the order quantize computes them, shaped by :func:`quantize_weight` run on the meta
     device (so no value is read); a computed name a stored tensor already has is refused here, before writing."""
     import torch
 
