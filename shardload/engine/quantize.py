@@ -14,11 +14,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardloadError
 from ..format import input_log
@@ -337,14 +336,14 @@ def _write_files(layout: list[_Output], outputs: Iterator[tuple[str, torch.Tenso
         header = _header(group, placed)
         fh = writer.create_file(path)
         try:
-            _write_all(fh, header, path)
+            writer.write_all(fh, header, path)
             for o in group:  # computed in the source's order, each put at its place (the file has no hole at the end)
                 name, tensor = next(outputs)
                 got = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
                 if name != o.name or got != (o.shape, o.dtype):  # an internal error: never a file that lies
                     raise RuntimeError(f"quantize computed {name} {got}, its file's header says {o.name}")
                 fh.seek(len(header) + placed[o.name])
-                _write_all(fh, buffer_view(tensor.contiguous()), path)
+                writer.write_all(fh, buffer_view(tensor.contiguous()), path)
         finally:
             fh.close()
     if next(outputs, None) is not None:
@@ -371,19 +370,7 @@ def _header(group: list[_Output], placed: dict[str, int]) -> bytes:
     for o in sorted(group, key=lambda o: placed[o.name]):
         span = [placed[o.name], placed[o.name] + o.nbytes]
         header[o.name] = {"dtype": DTYPES[o.dtype][0], "shape": list(o.shape), "data_offsets": span}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def _write_all(fh: BinaryIO, data: bytes | memoryview, path: Path) -> None:
-    """Write every byte of ``data`` to ``fh`` (an unbuffered file may take part of a write)."""
-    view = memoryview(data).cast("B")
-    try:
-        while len(view):
-            view = view[fh.write(view) or 0 :]
-    except OSError as err:
-        raise OSError(err.errno, err.strerror, str(path)) from None
+    return writer.encode_header(header)
 
 
 def quantize_weight(w: torch.Tensor, scheme: Scheme) -> dict[str, torch.Tensor]:

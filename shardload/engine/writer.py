@@ -176,12 +176,20 @@ def rank_header(
         offset += p.rank_nbytes
     if digest is not None:
         add_seal(header, digest)
+    encoded = encode_header(header)
+    if len(encoded) - 8 > MAX_HEADER_BYTES:  # a file the loader would refuse is never written
+        raise PlanError(
+            f"rank {rank}'s file would have a {len(encoded) - 8}-byte header, over the {MAX_HEADER_BYTES} bytes a load "
+            "accepts"
+        )
+    return encoded
+
+
+def encode_header(header: dict[str, Any]) -> bytes:
+    """A safetensors header as its file begins: the 8-byte length, then the compact JSON padded with spaces to a
+    multiple of 8 (so the data, and every tensor laid out by element size, starts aligned)."""
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    if len(raw) > MAX_HEADER_BYTES:  # a file the loader would refuse is never written
-        raise PlanError(
-            f"rank {rank}'s file would have a {len(raw)}-byte header, over the {MAX_HEADER_BYTES} bytes a load accepts"
-        )
     return struct.pack("<Q", len(raw)) + raw
 
 
@@ -191,8 +199,18 @@ _SYNC_FILE_RANGE = libc_function(
 
 
 def create_file(path: Path) -> BinaryIO:
-    """Open a new output file for unbuffered writing (every output byte of a convert goes through here)."""
+    """Open a new output file for unbuffered writing (every output byte of convert and quantize goes through here)."""
     return open(path, "xb", buffering=0)
+
+
+def write_all(fh: BinaryIO, data: bytes | memoryview, path: Path) -> None:
+    """Write every byte of ``data`` to ``fh`` (an unbuffered file may take part of a write); an error names ``path``."""
+    view = memoryview(data).cast("B")
+    try:
+        while len(view):
+            view = view[fh.write(view) or 0 :]
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(path)) from None
 
 
 class FileWriter:
@@ -228,13 +246,7 @@ class FileWriter:
         assert self.fh is not None
         if self.leaves and self.stream is None:
             raise RuntimeError("a FileWriter made with leaves=True is written its header first (write_header)")
-        view = memoryview(data).cast("B")
-        try:
-            while len(view):
-                done = self.fh.write(view)
-                view = view[done or 0 :]
-        except OSError as err:
-            raise OSError(err.errno, err.strerror, str(self.path)) from None
+        write_all(self.fh, data, self.path)
         if self.hash is not None:
             self.hash.update(data)
         if self.stream is not None:

@@ -5,12 +5,11 @@ such a directory back as a source for any N :mod:`.sharded_state`'s. Never impor
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ...engine.writer import encode_header
 from ...errors import ShardloadError
 from ...format.shard_info import ShardInfo, StepSpec
 from ...models.plan_source import plan_shard_info
@@ -97,9 +96,7 @@ class VllmLayout:
             offset += size
         if digest is not None:
             add_seal(header, digest)
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)
-        return struct.pack("<Q", len(text)) + text
+        return encode_header(header)
 
 
 def plan_layout(
