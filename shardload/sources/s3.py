@@ -90,7 +90,7 @@ class S3Store(ObjectStore):
     def __init__(self, bucket: str) -> None:
         super().__init__(bucket)
         self._client: Any = None
-        self._made_from = ""
+        self._made_from: tuple[Any, ...] = ()
 
     @property
     def client(self) -> Any:
@@ -459,11 +459,9 @@ def _watched_pool(pool_cls: type) -> type:
     return type(f"Watched{pool_cls.__name__}", (pool_cls,), {"ConnectionCls": WatchedConnection})
 
 
-def _configuration() -> str:
-    """A digest of what a boto3 client is made from: every ``AWS_*`` variable, and the AWS config and credentials
-    files' identities (boto3 reads either once per client)."""
-    import hashlib
-
+def _configuration() -> tuple[Any, ...]:
+    """What a boto3 client is made from: every ``AWS_*`` variable, and the AWS config and credentials files'
+    identities (boto3 reads either once per client)."""
     # the names first, then each value with a default: a variable another thread deletes in between is not an error
     env = sorted((k, v) for k in list(os.environ) if k.startswith("AWS_") and (v := os.environ.get(k)) is not None)
     files: list[tuple[object, ...]] = []
@@ -474,7 +472,7 @@ def _configuration() -> str:
             files.append((path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
         except OSError:
             files.append((path,))
-    return hashlib.sha256(repr((env, files)).encode()).hexdigest()
+    return (env, files)
 
 
 def _make_client() -> Any:
