@@ -72,9 +72,17 @@ def test_a_bad_size_is_located_in_the_model(example_dir: Path, call: Any, says: 
     assert err.value.message.startswith(f"{example_dir}: {says}"), err.value.message
 
 
-def test_cuda_without_a_gpu_is_named(example_dir: Path) -> None:
-    with pytest.raises(ShardloadError, match=r"device 'cuda:0' needs a CUDA GPU, and this torch .* sees none"):
-        shardload.load_rank(example_dir, 0, 2, device="cuda:0")
+def test_a_cuda_device_this_machine_lacks_is_named(example_dir: Path) -> None:
+    """``cuda:K`` past the GPUs torch sees is one line: on a machine without one that it needs a GPU, on a GPU host
+    how many there are (a GPU host failed the first form, which only a machine without CUDA can give)."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    says = (
+        "needs a CUDA GPU, and this torch .* sees none" if count == 0 else f"does not exist: this machine has {count}"
+    )
+    with pytest.raises(ShardloadError, match=rf"device 'cuda:{count}' {says}"):
+        shardload.load_rank(example_dir, 0, 2, device=f"cuda:{count}")
 
 
 @pytest.mark.parametrize(
