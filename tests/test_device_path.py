@@ -5,6 +5,7 @@ threads is in tests/test_equivalence.py, paths ``device`` and ``device_load``; t
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import shardload
+import shardload.engine.paths.device as device_path
 import shardload.engine.run as run
 import shardload.engine.transfer as transfer
 from helpers.checkpoints import parallel_model, random_array, write_model
@@ -250,9 +252,16 @@ def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, np.ndarray]) -> 
         np.testing.assert_array_equal(got[k].numpy(), v, err_msg=k)
 
 
+@pytest.mark.parametrize("spans_only", (False, True))
 @pytest.mark.parametrize("threads", (0, 1, 4))
 @pytest.mark.parametrize("n", (1, 2, 8))
-def test_stand_in_loads_equal_numpy_slices(tmp_path: Path, n: int, threads: int) -> None:
+def test_stand_in_loads_equal_numpy_slices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int, threads: int, spans_only: bool
+) -> None:
+    """Every rank alone and all together equal numpy's slices; ``spans_only``: a single rank's column slice
+    through spans too (by default it is copied out of the mapping at N = 8, where spans would read 8x its bytes)."""
+    if spans_only:
+        monkeypatch.setattr(device_path, "SPAN_OVER_READ", math.inf)
     model, tensors = _column_model(tmp_path)
     plan = shardload.plan_model(model, n)
     options = shardload.ReadOptions(threads=threads)
@@ -263,9 +272,26 @@ def test_stand_in_loads_equal_numpy_slices(tmp_path: Path, n: int, threads: int)
         _assert_equal(every[r], _want(tensors, n, r))
 
 
-def test_uploads_and_cuts_grow_with_spans_not_rows(tmp_path: Path) -> None:
+def test_a_single_rank_copies_a_column_slice_out_of_the_mapping_rather_than_read_8x_its_bytes(
+    tmp_path: Path,
+) -> None:
+    """Rank 3 of 8 alone: its column slice (256 of every 2,048 bytes) would take spans that read the whole tensor,
+    so it is copied out of the mapping into the staging buffers; the row slice and the norm still take spans. The
+    H200 host measured the mapping's way faster from the page cache (docs/benchmarks.md, session 27)."""
+    model, tensors = _column_model(tmp_path)
+    plan = shardload.plan_model(model, 8)
+    with count_device() as moved:
+        got = run_plan(plan, [3], ["cpu"], staged=True)[0]
+    _assert_equal(got, _want(tensors, 8, 3))
+    assert moved.spans == 2  # row's and norm's
+    assert moved.read_bytes == moved.delivered == 64 * 1024 * 2 + 1024 * 4  # col's bytes took no span
+
+
+def test_uploads_and_cuts_grow_with_spans_not_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A column slice of 512 rows reaches the device as a few spans, each one upload and one cut (a per-row
-    gather would be 512 copies); the host copies each byte once, into the staging buffer."""
+    gather would be 512 copies); the host copies each byte once, into the staging buffer. (A single rank's takes
+    spans only where they would read at most ``SPAN_OVER_READ`` times its bytes: here, always.)"""
+    monkeypatch.setattr(device_path, "SPAN_OVER_READ", math.inf)
     model, _ = _column_model(tmp_path)
     plan = shardload.plan_model(model, 8)
     with count_device() as moved:

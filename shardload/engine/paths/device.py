@@ -56,6 +56,12 @@ PACK_JOIN = 8
 """Consecutive packed reads joined into one span cover at most this many staging buffers' worth of the file: at
 N = 8 a rank's column slice fills a buffer from eight, and a sparser layout still gives the reader threads several
 spans to share (each span one thread's reads, back to back, before its upload)."""
+SPAN_OVER_READ = 2.0
+"""A single rank whose spans of a parameter would read more than this many times its bytes (a column slice at
+N = 8 reads the whole tensor: gaps narrower than a span's cost are read through) copies them out of a mapping
+instead, into the staging buffers with strided copies, one upload per buffer (:class:`HostPath`'s way; from cold
+storage only the pages they lie on). On an H200 host, rank 0 of 8 of a 1 GiB model from the page cache took
+0.062 s through spans alone against 0.037 s through the mapping alone (docs/benchmarks.md, session 27)."""
 SPAN_S = 50e-6
 """What one more span costs besides its request to storage: a read call, an upload, its cuts, and the Python that
 issues them (tens of microseconds each). A gap between a rank's pages is read through when reading it costs less
@@ -486,7 +492,8 @@ def strided_cuts(buf: np.ndarray, src: np.ndarray, dst: np.ndarray, length: np.n
 class DevicePath(HostPath):
     """Spans read into page-locked buffers (packed where gaps are wide), uploaded, cut on the device, for every rank
     not on the CPU (``stand_in``: CPU ranks too, for tests). A forced ``ReadOptions.strategy`` of ``map`` or
-    ``read``, a compute step and a tensor of more runs than are listed take the host path's ways."""
+    ``read``, a compute step, a tensor of more runs than are listed and a single rank's parameter whose spans would
+    read over :data:`SPAN_OVER_READ` times its bytes take the host path's ways."""
 
     def __init__(self, *, one_rank: bool = False, stand_in: bool = False, apart: bool = False) -> None:
         super().__init__(one_rank=one_rank)
@@ -546,8 +553,13 @@ class DevicePath(HostPath):
             where = list(range(len(devs))) if self.apart else [order.index(d) for d in devs]
             self.plans[pkey] = span_plan(runs, source.nbytes, self._model(source.file), max_read=self.span_bytes,
                                          max_waste=waste, skew=skew, devices=where)  # fmt: skip
+        spans = self.plans[pkey]
+        if self.strategy is not None and len(ranks) == 1 and spans.moved > SPAN_OVER_READ * spans.used:
+            got = super().param(plan, ranks, devices, key, dests)  # copied out of a mapping, where it can be
+            if got is not None:
+                return got
         afters = [_ready(d) for d in order]
-        for span in self.plans[pkey].spans:
+        for span in spans.spans:
             self.ctx.submit(partial(self._span, staging, source.file, source.offset, span, order, dests, afters))
         return dests
 
