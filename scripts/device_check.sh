@@ -13,7 +13,7 @@
 # a time limit; a failed step is reported and the others still run. Logs go to $OUT/device-check/LABEL/ when OUT is
 # set (else /tmp/device-check/LABEL/). DEVICE_CHECK_GIB (default 1) sizes gpu_node's checkpoint, DEVICE_CHECK_RANKS
 # (default 2) how many ranks its turn and warm modes measure at N = 8, DEVICE_CHECK_LOADERS its loaders (default all
-# but instanttensor, the slowest), DEVICE_CHECK_BUDGET (default 270) the seconds
+# but instanttensor, the slowest), DEVICE_CHECK_BUDGET (default 330) the seconds
 # the tree's steps may take in all (writing the checkpoints, once, is not counted). The summary comes last.
 set -uo pipefail
 
@@ -24,7 +24,7 @@ PY=${PYTHON:-python3}
 WORK=${DEVICE_CHECK_WORK:-/tmp/shardload-device-check}
 GIB=${DEVICE_CHECK_GIB:-1}
 RANKS=${DEVICE_CHECK_RANKS:-2}
-BUDGET=${DEVICE_CHECK_BUDGET:-270}
+BUDGET=${DEVICE_CHECK_BUDGET:-330}
 # instanttensor took 3 to 6 s a rank on the H100 host (session 15): with it, gpu_node outgrows the budget
 LOADERS=${DEVICE_CHECK_LOADERS:-default shardload presharded fastsafetensors safetensors}
 LOGS=${OUT:-/tmp}/device-check/$LABEL
@@ -88,8 +88,12 @@ for name in ("blake3", "jsonschema_rs", "re2", "jsonschema", "instanttensor", "f
 sys.exit(0 if shardload.__file__.startswith(sys.argv[1]) else 3)' "$TREE"
 CUDA=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
 
-# (b) the CUDA tests
-PYTEST=("$PY" -m pytest -q -x -p no:cacheprovider)
+# The tree's modules compiled first, as an installed package's are: a fresh process's first load otherwise compiles
+# each module it imports lazily from source (about 50 ms on an H200 host in session 27), which no server pays.
+"$PY" -m compileall -q "$TREE/shardload" "$HERE/benchmarks" >/dev/null 2>&1 || true
+
+# (b) the CUDA tests (each file to its end: one failure must not hide the rest)
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
 if [ "$CUDA" = 1 ]; then
     step test_cuda 60 "${PYTEST[@]}" tests/test_cuda.py
     step cuda_cases 60 "${PYTEST[@]}" -k "cuda or gpu" tests/test_load.py tests/test_fill_api.py \
@@ -117,7 +121,7 @@ subprocess.run([sys.executable, sys.argv[1] + "/benchmarks/gpu_node.py", "--prep
                 "--tp", "2", "8", "--work", str(work / "gpu-node")], check=True)' "$HERE" "$WORK" "$GIB"
     BUDGET=$((BUDGET - 600 + $(date +%s) - start))
     # shellcheck disable=SC2086
-    step gpu_node 200 "$PY" "$HERE/benchmarks/gpu_node.py" --device cuda --size-gib "$GIB" --tp 2 8 --ranks "$RANKS" \
+    step gpu_node 240 "$PY" "$HERE/benchmarks/gpu_node.py" --device cuda --size-gib "$GIB" --tp 2 8 --ranks "$RANKS" \
         --work "$WORK/gpu-node" --repeats 1 --loaders $LOADERS
     if [ -f "$TREE/benchmarks/run.py" ]; then
         step run_gpu 45 "$PY" benchmarks/run.py --only gpu --num-shards 8 --size-gib 1 --repeats 2 --keep "$WORK/run"
