@@ -973,3 +973,20 @@ def test_the_client_s_configuration_is_read_while_another_thread_changes_the_env
 
     monkeypatch.setattr(s3.os, "environ", Vanishing())
     assert s3._configuration() == s3._configuration()
+
+
+def test_an_s3_model_without_boto3_is_one_line_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the ``[s3]`` extra an ``s3://`` model is the documented install hint, from the API and the command
+    line (old code: a bare ``ModuleNotFoundError`` for botocore, "internal error" on the command line)."""
+    import sys
+
+    from shardload.sources import location
+
+    monkeypatch.setattr(location, "_stores", {})
+    for name in ("boto3", "botocore", "botocore.exceptions", "botocore.config"):
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it fails, as when it is not installed
+    with pytest.raises(ShardloadError, match=re.escape('s3:// models need boto3: pip install "shardload[s3]"')):
+        shardload.load_rank("s3://no-such-bucket/model", 0, 2)
+    got = CliRunner().invoke(main, ["inspect", "s3://no-such-bucket/model", "-n", "2"])
+    assert got.exit_code == 1 and "internal error" not in got.output, got.output
+    assert 'pip install "shardload[s3]"' in got.output, got.output

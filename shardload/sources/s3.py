@@ -88,6 +88,7 @@ class S3Store(ObjectStore):
     scheme = "s3"
 
     def __init__(self, bucket: str) -> None:
+        _boto3()  # without the [s3] extra: its one line, before any request imports botocore
         super().__init__(bucket)
         self._client: Any = None
         self._made_from: tuple[Any, ...] = ()
