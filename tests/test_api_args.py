@@ -369,3 +369,20 @@ def test_no_refusal_in_the_source_type_table_uses_a_deprecated_spelling() -> Non
 
     texts = [t for table in SUPPORT.values() for t in table.values() if t] + list(EXCLUSIONS.values())
     assert texts and not [t for t in texts if OLD_WORDS.search(t)], [t for t in texts if OLD_WORDS.search(t)]
+
+
+def test_validate_without_num_shards_checks_the_n_the_command_checks(tmp_path: Path) -> None:
+    """``shardload.validate(f, model=m)`` checks what ``shardload validate f --model m`` checks: an N-agnostic file
+    that records no N, at 1, 2, 4 and 8 (old code: N = 1 alone, ``[]`` for a split of 6 rows the command refuses at
+    4 and 8). A problem of only some N names them."""
+    from helpers.checkpoints import write_model
+
+    tensors = {"w": np.arange(6 * 4, dtype=np.float32).reshape(6, 4)}
+    info = {"version": 1, "params": {"w": [["shard_funcs.shard_dim", [None, None], 0, "num_shards"]]}}
+    model = write_model(tmp_path / "m", tensors, info)
+    problems = shardload.validate(model / "shard_info.json", model=model)
+    assert [p.message[-14:] for p in problems] == ["[num_shards=4]", "[num_shards=8]"], problems
+    assert all(p.param == "w" and "not divisible" in p.reason for p in problems)
+    assert shardload.validate(model / "shard_info.json", model=model, num_shards=2) == []
+    cli = CliRunner().invoke(main, ["validate", str(model / "shard_info.json"), "--model", str(model)])
+    assert cli.exit_code == 1 and all(p.message in cli.output for p in problems), cli.output

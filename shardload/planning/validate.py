@@ -100,6 +100,8 @@ def validate(
     num_shards: int | None = None,
 ) -> list[ShardloadError]:
     """Plan ``shard_info`` for ``num_shards`` ranks (against ``model``'s header when given); return every problem.
+    Without ``num_shards``, the N ``shardload validate`` checks: the file's own, else the N its description records,
+    else 1, 2, 4 and 8; a problem of only some of them ends with ``[num_shards=...]``.
 
     Example::
 
@@ -107,8 +109,24 @@ def validate(
     """
     info = given_shard_info(shard_info)
     checkpoint = _checkpoint(model) if model is not None else None
-    n = num_shards if num_shards is not None else (info.num_shards or 1)
-    return plan_as_loaded(info, checkpoint, n, strict=False).problems
+    if num_shards is not None:
+        ns = [num_shards]
+    elif info.num_shards:
+        ns = [info.num_shards]
+    else:
+        recorded = recorded_num_shards(info.description)
+        ns = list(recorded[0]) if recorded and recorded[0] else list(DEFAULT_NS)
+    found: dict[str, tuple[ShardloadError, list[int]]] = {}
+    for n in ns:
+        for problem in plan_as_loaded(info, checkpoint, n, strict=False).problems:
+            found.setdefault(problem.message, (problem, []))[1].append(n)
+    problems = []
+    for problem, seen in found.values():
+        if len(seen) < len(ns):
+            problem.reason += f" [num_shards={','.join(map(str, seen))}]"
+            problem.args = (problem.message,)
+        problems.append(problem)
+    return problems
 
 
 def _checkpoint(model: str | os.PathLike[str]) -> Checkpoint:
