@@ -347,3 +347,23 @@ def test_validate_and_plan_model_read_a_presharded_cache_as_load_does(tmp_path: 
             "does not describe this cache",
         )
     ], problems
+
+
+def test_one_integrity_record_covers_both_tables_of_an_f32_to_bf16_cache(tmp_path: Path) -> None:
+    """TVM's writer encodes float32 as bf16 by default and then writes ``tensor-cache-b16.json`` beside the main
+    table. ``shardload hash`` of the directory holds both tables, so a verified load through either passes, and one
+    through a changed b16 table is refused (old code: the b16 table was never hashed, and a load through it was
+    refused as 'not in the integrity record' however it was hashed)."""
+    d = tmp_path / "c"
+    tvmjs.dump_tensor_cache({"a": np.arange(16, dtype="float32").reshape(4, 4)}, str(d),
+                            encode_format="f32-to-bf16", show_progress=False)  # fmt: skip
+    (d / "shard_info.json").write_text("{}")
+    assert (d / "tensor-cache-b16.json").is_file()
+    assert CliRunner().invoke(main, ["hash", str(d)]).exit_code == 0
+    for path in (d, d / "tensor-cache.json", d / "tensor-cache-b16.json"):
+        got = shardload.load_rank(path, 0, 1, verify=True)
+        assert got["a"].shape == (4, 4), path
+    table = d / "tensor-cache-b16.json"
+    table.write_text(table.read_text().replace('"records"', '"records" ', 1))
+    with pytest.raises(shardload.ShardloadError, match="tensor-cache-b16.json"):
+        shardload.load_rank(table, 0, 1, verify=True)

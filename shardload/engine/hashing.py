@@ -36,7 +36,7 @@ from ..sources.location import is_uri, object_path
 from ..sources.objects import ObjectPath
 from ..sources.source_types import open_source
 from ..sources.tensor_info import TensorInfo
-from ..sources.tvm_cache import CACHE_NAMES
+from ..sources.tvm_cache import B16_NAME, CACHE_NAMES
 from ..sources.verified import IntegrityError
 from .host_group import host_cores
 
@@ -285,9 +285,10 @@ def write_record(target: Path, data: bytes) -> None:
         raise ShardloadError(f"cannot write the record: {err.strerror or err}", file=str(target)) from None
 
 
-METADATA_NAMES = (INDEX_NAME, *CACHE_NAMES, CONFIG_NAME, SHARD_INFO_NAME)
+METADATA_NAMES = (INDEX_NAME, *CACHE_NAMES, B16_NAME, CONFIG_NAME, SHARD_INFO_NAME)
 """Small files beside the weights that say where tensors are or how they are split: hashed into the record too, and
-checked whole at every verified load (a tampered TVM table or shard_info could point a rank at other bytes)."""
+checked whole at every verified load (a tampered TVM table or shard_info could point a rank at other bytes). TVM's
+writer puts a bf16 table beside the main one when it encodes float32 as bf16: one record covers both."""
 
 
 def metadata_files(checkpoint: Checkpoint) -> list[Any]:
