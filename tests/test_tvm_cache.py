@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -365,5 +366,50 @@ def test_one_integrity_record_covers_both_tables_of_an_f32_to_bf16_cache(tmp_pat
         assert got["a"].shape == (4, 4), path
     table = d / "tensor-cache-b16.json"
     table.write_text(table.read_text().replace('"records"', '"records" ', 1))
-    with pytest.raises(shardload.ShardloadError, match="tensor-cache-b16.json"):
+    with pytest.raises(shardload.ShardloadError, match=r"tensor-cache-b16\.json"):
         shardload.load_rank(table, 0, 1, verify=True)
+
+
+def test_a_cache_mlc_llm_presharded_names_each_worker_s_record_from_0(tmp_path: Path) -> None:
+    """MLC-LLM's ``--preshard`` names worker I's record ``NAME_shard-I`` (I from 0, no count: its
+    ``support/preshard.py``, and its runtime loader looks them up so), unlike TVM's Disco ``NAME_shard-K-of-N``.
+    Written by TVM's own writer, rank I gets record I as ``NAME`` and the whole records as they are, at the N the
+    records count; another N without a plan is one line (old code: every rank got ``w_shard-0`` and
+    ``w_shard-1`` as tensors of their own, and read both)."""
+    w = [np.arange(8, dtype="float16").reshape(2, 4) + 10 * k for k in range(3)]
+    norm = np.ones(4, dtype="float16")
+    d = tmp_path / "c"
+    tvmjs.dump_tensor_cache({"w_shard-0": w[0], "w_shard-1": w[1], "w_shard-2": w[2], "norm": norm}, str(d),
+                            encode_format="raw", show_progress=False)  # fmt: skip
+    for r in range(3):
+        got = shardload.load_rank(d, r, 3)
+        assert set(got) == {"w", "norm"}, set(got)
+        np.testing.assert_array_equal(got["w"].numpy(), w[r])
+        np.testing.assert_array_equal(got["norm"].numpy(), norm)
+    with pytest.raises(shardload.ShardloadError, match="pre-sharded for num_shards=3"):
+        shardload.load_rank(d, 0, 2)
+    # the whole w is the records one after another (rows): at N = 6 each rank reads its row out of them
+    plan = {"version": 1, "params": {"w": [["shard_funcs.shard_dim", [None, None], 0, "num_shards"]]}}
+    whole = np.concatenate(w)
+    for r in range(6):
+        got = shardload.load_rank(d, r, 6, shard_info=plan)
+        np.testing.assert_array_equal(got["w"].numpy(), whole[r : r + 1])
+
+
+@pytest.mark.parametrize(
+    ("names", "says"),
+    [
+        (["w_shard-0", "w_shard-2"], "pre-sharded for num_shards=3 but its record w_shard-1 is missing"),
+        (["w_shard-0", "w_shard-01"], "leading zero"),
+        (["w_shard-0", "w_shard-1", "v_shard-0"], "pre-sharded for num_shards=1, but other records are for"),
+        (["w_shard-0", "w_shard-1", "v_shard-1-of-2", "v_shard-2-of-2"], "both MLC-LLM's"),
+    ],
+)  # fmt: skip
+def test_an_mlc_llm_presharded_cache_that_does_not_add_up_is_one_line(
+    tmp_path: Path, names: list[str], says: str
+) -> None:
+    d = tmp_path / "c"
+    tvmjs.dump_tensor_cache({n: np.zeros((2, 4), dtype="float16") for n in names}, str(d), encode_format="raw",
+                            show_progress=False)  # fmt: skip
+    with pytest.raises(shardload.ShardloadError, match=re.escape(says) if "'" not in says else says):
+        shardload.load_rank(d, 0, 2)

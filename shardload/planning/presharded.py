@@ -1,7 +1,7 @@
-"""A cache pre-sharded for N_old (MLC-LLM's ``NAME_shard-K-of-N`` records) as planning sees it: at N_old each
-rank's records are its tensors, a plan beside them checked against them (:func:`records_info`); at any other N the
-whole tensors they were cut from, whose shapes the plan's steps for N_old pin down (:func:`whole_view`). A load, a
-resharding read, ``validate``, ``inspect`` and ``plan_model`` all take these two."""
+"""A cache pre-sharded for N_old (``NAME_shard-K-of-N`` or MLC-LLM's ``NAME_shard-I`` records) as planning sees
+it: at N_old each rank's records are its tensors, a plan beside them checked against them (:func:`records_info`);
+at any other N the whole tensors they were cut from, whose shapes the plan's steps for N_old pin down
+(:func:`whole_view`). A load, a resharding read, ``validate``, ``inspect`` and ``plan_model`` all take these two."""
 
 from __future__ import annotations
 

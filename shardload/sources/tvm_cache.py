@@ -10,9 +10,10 @@ records packed end to end::
 Every record becomes a :class:`~shardload.sources.tensor_info.TensorInfo`, a byte range of its data
 file read like any safetensors tensor. An ``f32-to-bf16`` record of a float32 tensor stores the upper
 16 bits of each value (bfloat16); as TVM's reader does, it is decoded to float32, so planning and the
-ranks see float32 (such a tensor is read whole, then decoded and split). A cache pre-sharded by
-MLC-LLM names its records ``NAME_shard-K-of-N`` (K from 1): rank K-1 reads record K of every such
-parameter and nothing else, and the cache serves that N only.
+ranks see float32 (such a tensor is read whole, then decoded and split). A pre-sharded cache names its
+records ``NAME_shard-K-of-N`` (K from 1, TVM's Disco loader) or ``NAME_shard-I`` (I from 0, MLC-LLM's
+``--preshard``): rank K-1 (rank I) reads that record of every such parameter and nothing else; at another N
+the records are the whole parameter's pieces (a shard_info says how it splits).
 """
 
 from __future__ import annotations
@@ -36,8 +37,12 @@ CACHE_NAMES = ("tensor-cache.json", "ndarray-cache.json")
 B16_NAME = "tensor-cache-b16.json"
 """The table TVM writes beside the first when it encoded float32 as bfloat16 (bfloat16 records); read when named."""
 _SHARD_RE = re.compile(r"(.+)_shard-([0-9]{1,9})-of-([0-9]{1,9})")
-"""A pre-sharded record's name; MLC-LLM writes its numbers without leading zeros, and TVM looks records up by that
-exact name, so one written otherwise (``_shard-01-of-2``) is refused."""
+"""A pre-sharded record's name as TVM's Disco loader looks it up (``NAME_shard-K-of-N``, K from 1); its numbers
+are written without leading zeros, and TVM looks records up by that exact name, so one written otherwise
+(``_shard-01-of-2``) is refused."""
+_WORKER_RE = re.compile(r"(.+)_shard-([0-9]{1,9})")
+"""MLC-LLM's ``--preshard`` name for worker I's record (``NAME_shard-I``, I from 0, the count of records N: its
+``support/preshard.py``, looked up so by its runtime's loader)."""
 _MAX_SHARDS = 1 << 16
 
 
@@ -143,16 +148,21 @@ def _record(record: Any, file: Path, file_nbytes: int, table: Path, where: str) 
 
 
 def _split_presharded(ckpt: Checkpoint, table: Path) -> None:
-    """Group ``NAME_shard-K-of-N`` records by parameter; check every parameter has K = 1..N, alike, one N."""
+    """Group ``NAME_shard-K-of-N`` (or MLC-LLM's ``NAME_shard-I``) records by parameter; check every parameter has
+    K = 1..N, alike, one N."""
     groups: dict[str, dict[int, TensorInfo]] = {}
     count: int | None = None
+    workers = _worker_records(ckpt, table)
     for info in ckpt.tensors.values():
         match = _SHARD_RE.fullmatch(info.name)
         if match is None:
             continue
+        if workers:
+            raise CheckpointError("records named both MLC-LLM's way (NAME_shard-I) and TVM's (NAME_shard-K-of-N)",
+                                  file=str(table), param=info.name)  # fmt: skip
         base, k, n = match.group(1), int(match.group(2)), int(match.group(3))
         if match.group(2) != str(k) or match.group(3) != str(n):
-            raise CheckpointError(f"a shard record named with a leading zero (MLC-LLM writes {base}_shard-{k}-of-{n}, "
+            raise CheckpointError(f"a shard record named with a leading zero (TVM writes {base}_shard-{k}-of-{n}, "
                                   "the name TVM looks up)", file=str(table), param=info.name)  # fmt: skip
         if count is not None and n != count:
             raise CheckpointError(
@@ -164,6 +174,19 @@ def _split_presharded(ckpt: Checkpoint, table: Path) -> None:
             raise CheckpointError(f"shard {k} of {n} is out of range", file=str(table), param=info.name)
         count = n
         groups.setdefault(base, {})[k] = info  # one name per K: the spelling is checked above, names are unique
+    if workers:
+        groups = workers
+        for base, parts in groups.items():
+            n = max(parts)
+            missing = next((k for k in range(1, n + 1) if k not in parts), None)
+            if missing is not None:
+                raise CheckpointError(f"pre-sharded for num_shards={n} but its record {base}_shard-{missing - 1} is "
+                                      "missing (MLC-LLM names worker I's record NAME_shard-I)", file=str(table),
+                                      param=base)  # fmt: skip
+            if count is not None and n != count:
+                raise CheckpointError(f"pre-sharded for num_shards={n}, but other records are for num_shards={count}",
+                                      file=str(table), param=base)  # fmt: skip
+            count = n
     if count is None:
         return
     for base, parts in groups.items():
@@ -193,6 +216,23 @@ def _split_presharded(ckpt: Checkpoint, table: Path) -> None:
             del ckpt.tensors[part.name]
         ckpt.tensors[base] = ckpt.shards[base][0]  # the plan of a pre-sharded cache: every rank holds a part this size
     ckpt.split_for = count
+
+
+def _worker_records(ckpt: Checkpoint, table: Path) -> dict[str, dict[int, TensorInfo]]:
+    """MLC-LLM's pre-sharded records (``NAME_shard-I``) by parameter, each under K = I + 1 (TVM's numbering)."""
+    groups: dict[str, dict[int, TensorInfo]] = {}
+    for info in ckpt.tensors.values():
+        match = _WORKER_RE.fullmatch(info.name)
+        if match is None or _SHARD_RE.fullmatch(info.name) is not None:
+            continue
+        base, i = match.group(1), int(match.group(2))
+        if match.group(2) != str(i):
+            raise CheckpointError(f"a shard record named with a leading zero (MLC-LLM writes {base}_shard-{i}, the "
+                                  "name its loader looks up)", file=str(table), param=info.name)  # fmt: skip
+        if i >= _MAX_SHARDS:
+            raise CheckpointError(f"shard {i} is out of range", file=str(table), param=info.name)
+        groups.setdefault(base, {})[i + 1] = info
+    return groups
 
 
 register_source(

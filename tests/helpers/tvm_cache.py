@@ -1,4 +1,5 @@
-"""TVM tensor caches written by TVM's own writer: any parameters, and a cache pre-sharded as MLC-LLM writes it."""
+"""TVM tensor caches written by TVM's own writer: any parameters, and a cache pre-sharded as TVM's Disco loader
+names it."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def dump(
 
 
 def presharded(tmp_path: Path, n: int) -> tuple[Path, dict[str, np.ndarray]]:
-    """A cache pre-sharded as MLC-LLM writes it (TVM's test helper: records sorted by shard, then parameter)."""
+    """A cache pre-sharded as TVM's Disco loader names it (``NAME_shard-K-of-N``; TVM's test helper: records sorted
+    by shard, then parameter)."""
     rng = np.random.default_rng(5)
     params = {"param_0": rng.uniform(size=[64, 128]).astype("float16"), "param_1": rng.uniform(size=[32, 128])}
     axes = {"param_0": 0, "param_1": 1}
