@@ -386,3 +386,21 @@ def test_validate_without_num_shards_checks_the_n_the_command_checks(tmp_path: P
     assert shardload.validate(model / "shard_info.json", model=model, num_shards=2) == []
     cli = CliRunner().invoke(main, ["validate", str(model / "shard_info.json"), "--model", str(model)])
     assert cli.exit_code == 1 and all(p.message in cli.output for p in problems), cli.output
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"threads": -1}, "threads must be None or an int >= 1, got -1"),
+        ({"threads": 0}, "threads must be None or an int >= 1, got 0"),
+        ({"threads": True}, "threads must be None or an int >= 1, got True"),
+        ({"progress": "x"}, "progress must be True, False or a callable (done, total), got 'x'"),
+    ],
+)
+def test_hash_checkpoint_arguments_are_checked(example_dir: Path, kwargs: dict, says: str) -> None:
+    """A bad ``threads`` or ``progress`` is one line naming the model, as ``load_rank``'s are (old code: a bare
+    ``ValueError`` from the thread pool for -1, 0 silently the default, a string taken as progress)."""
+    with pytest.raises(ShardloadError) as err:
+        shardload.hash_checkpoint(example_dir, **kwargs)
+    assert err.value.message == f"{example_dir}: {says}"
+    assert not (example_dir / "shardload.hashes").exists()

@@ -210,6 +210,11 @@ def hash_model(
 ) -> HashResult:
     """Hash every file of ``model`` once (in parallel) into an integrity record, written atomically; the same
     checkpoint always gives the same record and root."""
+    if threads is not None and (type(threads) is not int or threads < 1):
+        raise ShardloadError(f"threads must be None or an int >= 1, got {threads!r}", file=str(model))
+    if not (isinstance(progress, bool) or callable(progress)):
+        raise ShardloadError(f"progress must be True, False or a callable (done, total), got {progress!r}",
+                             file=str(model))  # fmt: skip
     source = open_source(open_checkpoint(model), where=str(model))
     if source.derived:
         raise ShardloadError(f"{source.what} carries its record already (convert writes it); hash the source "
