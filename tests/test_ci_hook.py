@@ -91,3 +91,5 @@ def test_docs_list_the_keys_validate_json_prints(example_dir: Path, tmp_path: Pa
     keys = set(re.findall(r"`(\w+)`", listed.split("`message`")[0])) - {"FormatError", "PlanError", "CheckpointError"}
     assert "`num_shards`, the N it was" in listed
     assert set(report["problems"][0]) == {*keys, "message", "num_shards"}
+    sample = json.loads(section.split("```json\n", 1)[1].split("```", 1)[0])  # the example document
+    assert set(sample) == set(report) and set(sample["problems"][0]) == set(report["problems"][0])

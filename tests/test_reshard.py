@@ -194,9 +194,10 @@ def test_inspect_shards_as_the_original(models: dict[str, Model]) -> None:
     assert json.loads(shards.stdout) == json.loads(direct.stdout)
     refused = runner.invoke(main, ["inspect", str(out), "-n", "3"])
     assert refused.exit_code == 1 and refused.stderr.count("\n") == 2, refused.stderr  # the note, the error
+    assert "each rank reads its boxes out of those rank files" in shards.stderr, shards.stderr
     own = runner.invoke(main, ["inspect", str(out), "--json"])  # no -n: the directory's own N (it took 8)
     assert own.exit_code == 0 and json.loads(own.stdout)["totals"]["num_shards"] == 4, own.output
-    assert "num_shards=4" in own.stderr, own.stderr
+    assert "num_shards=4: each rank reads its own rank file" in own.stderr, own.stderr  # not boxes (reviewer D)
 
 
 # --- bad directories: one located line, nothing written ------------------------------------------

@@ -73,8 +73,8 @@ def inspect(
         check_options(source, {"shard_info": shard_info is not None}, None)
         boxes = open_boxes(source, False, shard_info)  # planned again over the stored tensors it was made from
         held = "records" if isinstance(source, PreshardedBoxes) else "rank files"
-        click.echo(f"note: {source.what} for num_shards={boxes.old.num_shards}: each rank reads its boxes out of "
-                   f"those {held}", err=True)  # fmt: skip
+        how = "its own rank file" if isinstance(source, RankFiles) else f"its boxes out of those {held}"
+        click.echo(f"note: {source.what} for num_shards={boxes.old.num_shards}: each rank reads {how}", err=True)
         checkpoint, info = boxes.stored, boxes.shard_info
         own = boxes.old.num_shards  # no -n: the N it was made for
     elif isinstance(source, SplitRecords):  # at its own N each rank's records are its tensors (a plan beside: checked)
