@@ -505,3 +505,15 @@ def test_a_bad_config_value_names_the_config_file_by_its_path(runner: CliRunner,
     result = runner.invoke(main, ["plan", str(model), "-o", "-"])
     assert result.exit_code == 1, result.output
     assert result.stderr.startswith(f"error: {model / 'config.json'}: num_attention_heads must be"), result.stderr
+
+
+def test_a_pinned_root_refused_for_boxes_speaks_the_command_line_too(example_dir: Path, tmp_path: Path) -> None:
+    """``convert OUT2 -n 4 --verify ROOT`` is refused with a line a command-line user can follow (old code: only
+    the Python spelling, ``verify=True``)."""
+    import shardload
+
+    out = tmp_path / "c2"
+    shardload.convert(example_dir, 2, out)
+    got = CliRunner().invoke(main, ["convert", str(out), "-n", "4", "-o", str(tmp_path / "c4"), "--verify", "0" * 64])
+    assert got.exit_code == 1 and "--verify with no ROOT" in got.output, got.output
+    assert not (tmp_path / "c4").exists()

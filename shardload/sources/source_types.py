@@ -40,8 +40,8 @@ strategy), ``read_options`` (any other read option), ``into`` (destination tenso
 
 _CARRIES = "{what} carries its own shard_info; do not pass one"
 _BOX_VERIFY = (
-    "{boxes}; verify=<root hash> is not supported there: load it with verify=True (every rank file checked whole "
-    "against its manifest){own}"
+    "{boxes}; a pinned root (verify=<root hash>, --verify ROOT) is not supported there: load it with verify=True "
+    "(--verify with no ROOT: every rank file checked whole against its manifest){own}"
 )
 VIEW = 'ReadOptions(strategy="view")'
 """The view read strategy as a caller spells it."""
