@@ -232,7 +232,8 @@ def test_json_failure_is_a_json_document(
 def test_validate_missing_model_is_a_usage_error(runner: CliRunner, example_dir: Path, tmp_path: Path) -> None:
     result = runner.invoke(main, ["validate", str(example_dir / "shard_info.json"), "--model", str(tmp_path / "no")])
     assert result.exit_code == 2
-    assert result.stdout == "" and result.stderr == f"error: {tmp_path / 'no'}: no such file or directory\n"
+    says = f"error: {tmp_path / 'no'}: no such file or directory (see `main validate --help`)\n"
+    assert result.stdout == "" and result.stderr == says
 
 
 def test_planned_note_comes_before_the_progress_bar(example_dir: Path, tmp_path: Path) -> None:

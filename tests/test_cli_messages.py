@@ -157,7 +157,7 @@ def test_a_bad_verify_root_is_told_in_the_command_lines_terms(
     assert result.exit_code == 2
     assert result.stderr == (
         "error: --verify takes a 64-digit root hash from `shardload hash` (or no value: check MODEL's record), "
-        "got '0000'\n"
+        "got '0000' (see `main convert --help`)\n"
     )
 
 
@@ -166,7 +166,10 @@ def test_a_bad_verify_root_is_a_usage_error_in_the_command_lines_terms(runner: C
     the option's name), not in the Python API's terms (``verify='00'``, exit 1)."""
     result = runner.invoke(main, ["verify", str(example_dir), "--root", "00"])
     assert result.exit_code == 2, result.output
-    assert result.stderr == "error: --root takes a 64-digit root hash from `shardload hash`, got '00'\n"
+    assert (
+        result.stderr
+        == "error: --root takes a 64-digit root hash from `shardload hash`, got '00' (see `main verify --help`)\n"
+    )
 
 
 def test_an_interrupted_verify_does_not_claim_an_output_was_removed(
@@ -493,7 +496,8 @@ def test_verify_against_a_source_that_does_not_exist_is_a_usage_error(
     assert runner.invoke(main, ["convert", str(example_dir), "-n", "2", "-o", str(out)]).exit_code == 0
     result = runner.invoke(main, ["verify", str(out), "--source", str(tmp_path / "nope")])
     assert result.exit_code == 2, result.output
-    assert result.stderr == f"error: {tmp_path / 'nope'}: no such file or directory (--source)\n", result.stderr
+    says = f"error: {tmp_path / 'nope'}: no such file or directory (--source) (see `main verify --help`)\n"
+    assert result.stderr == says, result.stderr
 
 
 def test_a_bad_config_value_names_the_config_file_by_its_path(runner: CliRunner, tmp_path: Path) -> None:
@@ -517,3 +521,25 @@ def test_a_pinned_root_refused_for_boxes_speaks_the_command_line_too(example_dir
     got = CliRunner().invoke(main, ["convert", str(out), "-n", "4", "-o", str(tmp_path / "c4"), "--verify", "0" * 64])
     assert got.exit_code == 1 and "--verify with no ROOT" in got.output, got.output
     assert not (tmp_path / "c4").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "help_of"),
+    [
+        (["convert", "{m}", "--mesh", "foo=2", "-o", "{o}"], "convert"),
+        (["convert", "{m}", "-n", "2", "--mesh", "tp=4", "-o", "{o}"], "convert"),
+        (["inspect", "{m}", "-n", "2", "--mesh", "tp=4"], "inspect"),
+        (["convert", "{m}", "-n", "2", "-o", "{o}", "--verify", "zzz"], "convert"),
+        (["verify", "{m}", "--root", "abc"], "verify"),
+    ],
+)  # fmt: skip
+def test_a_bad_option_value_names_the_help_to_read(
+    example_dir: Path, tmp_path: Path, args: list[str], help_of: str
+) -> None:
+    """docs/commands.md: a usage error is one ``error:`` line naming the help to read (old code: the lines the
+    command raised itself, a bad mesh or root hash, named none)."""
+    got = CliRunner().invoke(main, [a.format(m=example_dir, o=tmp_path / "o") for a in args], prog_name="shardload")
+    assert got.exit_code == 2, got.output
+    assert got.stderr.count("\n") == 1 and got.stderr.rstrip().endswith(f"(see `shardload {help_of} --help`)"), (
+        got.stderr
+    )

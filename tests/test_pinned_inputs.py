@@ -317,7 +317,7 @@ def test_pinned_roots_across_sources_equal_an_independent_reference(
                 assert np.array_equal(got[k].numpy(), v), (what, rank, k)
     with pytest.raises(ShardloadError) as err:
         shardload.load_rank(out, 0, 1, verify=out_root)
-    _one_line(err, "verify=<root hash> is not supported")
+    _one_line(err, "verify=<root hash>, --verify ROOT) is not supported")
 
 
 def test_a_companion_changed_after_its_check_is_not_published(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -500,11 +500,13 @@ def test_verify_when_resharding(models: dict[str, Model], tmp_path: Path) -> Non
     assert_equal(shardload.load_rank(bad, 1, 4, verify=True), want[1], "verify=True, 2 -> 4")
     with pytest.raises(ShardloadError) as err:
         shardload.load_rank(bad, 1, 4, verify="0" * 64)
-    assert "verify=<root hash> is not supported" in str(err.value)
+    assert "verify=<root hash>, --verify ROOT) is not supported" in str(err.value)
     result = CliRunner().invoke(
         main, ["convert", str(bad), "-n", "4", "-o", str(tmp_path / "new"), "--verify", "0" * 64]
     )
-    assert result.exit_code == 1 and "verify=<root hash> is not supported" in result.output, result.output
+    assert result.exit_code == 1 and "verify=<root hash>, --verify ROOT) is not supported" in result.output, (
+        result.output
+    )
     assert not (tmp_path / "new").exists()
     rank = bad / "rank-00001-of-00002.safetensors"
     data = bytearray(rank.read_bytes())

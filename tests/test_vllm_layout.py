@@ -522,7 +522,7 @@ def test_a_pinned_root_on_a_layout_directory_is_refused_in_its_own_terms(tmp_pat
     with pytest.raises(ShardloadError) as err:
         shardload.load_rank(tmp_path / "out", 0, 2, verify=shardload.Verify(root=root))
     text = str(err.value)
-    assert "verify=<root hash> is not supported" in text and "verify=True" in text, text
+    assert "verify=<root hash>, --verify ROOT) is not supported" in text and "verify=True" in text, text
     assert "another N" not in text and "own N" not in text, text
     assert shardload.load_rank(tmp_path / "out", 0, 2, verify=True).keys()
 

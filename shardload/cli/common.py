@@ -145,9 +145,15 @@ def _drop_stdout() -> None:
 
 
 class BadArgument(click.ClickException):
-    """A usage error shown as one ``error:`` line (a missing file or model), exit 2."""
+    """A usage error shown as one ``error:`` line (a bad option value, a missing file or model) naming the help of
+    the command it was raised in, exit 2."""
 
     exit_code = 2
+
+    def __init__(self, message: str) -> None:
+        ctx = click.get_current_context(silent=True)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None and "--help`)" not in message else ""
+        super().__init__(f"{message}{hint}")
 
     def show(self, file: Any = None) -> None:
         """Print ``error: MESSAGE`` on stderr."""
