@@ -142,3 +142,29 @@ def test_default_devices_are_the_gpus(example_dir: Path) -> None:
 @pytest.mark.parametrize("copy_out", (False, True))
 def test_reading_into_callers_gpu_tensors(tmp_path: Path, copy_out: bool) -> None:
     check_reads_into_slots(parallel_model(tmp_path / "model"), GPU, copy_out)
+
+
+@pytest.mark.parametrize("strategy", ("auto", "map", "read"))
+def test_a_load_inside_a_side_stream_waits_for_its_work(tmp_path: Path, strategy: str) -> None:
+    """A caller loading inside ``torch.cuda.stream(s)`` while work queued on ``s`` still writes memory it freed
+    (the caching allocator hands that memory out again on ``s`` at once): the uploads, on shardload's side stream,
+    must wait for ``s``, so the last write of the freed tensor lands before the load's bytes, never after them.
+    Rank 3 of 8's column slice goes out of the mapping (auto, map), the rest through spans or staged reads."""
+    from helpers.checkpoints import random_array, write_model
+
+    x = random_array(np.random.default_rng(0), (2048, 1024), "float16")
+    y = random_array(np.random.default_rng(1), (2048, 1024), "float16")
+    info = {"version": 1, "params": {"x": [["shard_funcs.shard_dim", [None, None], 1, "num_shards"]],
+                                     "y": [["shard_funcs.shard_dim", [None, None], 0, "num_shards"]]}}  # fmt: skip
+    model = write_model(tmp_path / "m", {"x": x, "y": y}, info)
+    want = shardload.load_rank(model, 3, 8)
+    options = shardload.ReadOptions(strategy=strategy)  # type: ignore[arg-type]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        busy = torch.empty(8 << 20, dtype=torch.uint8, device=GPU)
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time queued on the side stream
+        busy.fill_(0x7F)  # written after the sleep, into memory freed below
+        del busy
+        got = shardload.load_rank(model, 3, 8, device=GPU, read_options=options)
+    torch.cuda.synchronize()
+    same_bytes(got, want)

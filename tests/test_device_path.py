@@ -6,6 +6,7 @@ threads is in tests/test_equivalence.py, paths ``device`` and ``device_load``; t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,9 @@ import pytest
 import torch
 
 import shardload
+import shardload.engine.copy_jobs as copy_jobs
 import shardload.engine.paths.device as device_path
+import shardload.engine.paths.host as host_path
 import shardload.engine.run as run
 import shardload.engine.transfer as transfer
 from helpers.checkpoints import parallel_model, random_array, write_model
@@ -423,3 +426,56 @@ def test_a_checking_reader_checks_the_cuts_bytes_not_the_spans(tmp_path: Path, m
         _assert_equal(got, _want(tensors, 8, 3))
         checked[staged] = seen.checked
     assert 0 < checked[True] <= 1.25 * checked[False], checked
+
+
+def test_a_file_cut_during_a_staged_copy_out_of_its_mapping_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 3 of 8's column slice goes through the staging buffers out of the mapping; the file cut in half before
+    its first copy is one error, never a tensor of the zeros the fault guard reads past the cut (old code: those
+    jobs were not checked, and the executor returned 1,024 zero rows)."""
+    x = random_array(np.random.default_rng(0), (2048, 1024), "float16")
+    info = {"version": 1, "params": {"x": [[SHARD_DIM, [None, None], 1, "num_shards"]]}}
+    model = write_model(tmp_path / "m", {"x": x}, info)
+    file = model / "model.safetensors"
+    size = file.stat().st_size
+    real = copy_jobs._stage_copy
+
+    def cut_first(*args: object) -> None:
+        if file.stat().st_size == size:
+            with open(file, "r+b") as f:
+                f.truncate(size // 2)
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(copy_jobs, "_stage_copy", cut_first)
+    plan = shardload.plan_model(model, 8)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+        run_plan(plan, [3], ["cpu"], staged=True, read_options=shardload.ReadOptions(threads=0))
+
+
+def test_every_staged_upload_waits_for_the_stream_the_destinations_were_made_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller loading inside ``torch.cuda.stream(s)`` gets destinations from memory that work queued on ``s`` may
+    still use: every upload on the side stream (spans, copies out of the mapping, staged batches) must wait for an
+    event recorded there, not for the default stream alone. Checked with the CPU as the device: each upload's
+    ``after`` is the event the loading thread recorded (old code: copies out of the mapping and staged batches
+    passed none). The GPU's own case is ``test_a_load_inside_a_side_stream_waits_for_its_work`` (tests/test_cuda.py)."""
+    mark = object()
+    for module in (device_path, host_path, transfer):
+        monkeypatch.setattr(module, "ready_event", lambda device: mark, raising=False)
+    seen: list[object] = []
+
+    def on_device(self: object, buf: object, device: object, work: Callable[[], object], after: object = None) -> None:
+        seen.append(after)
+        work()
+
+    monkeypatch.setattr(staging.StagingBuffers, "on_device", on_device)
+    model, tensors = _column_model(tmp_path)
+    plan = shardload.plan_model(model, 8)
+    _assert_equal(run_plan(plan, [3], ["cpu"], staged=True)[0], _want(tensors, 8, 3))  # col: out of the mapping
+    monkeypatch.setattr(device_path, "SPAN_OVER_READ", math.inf)
+    _assert_equal(run_plan(plan, [3], ["cpu"], staged=True)[0], _want(tensors, 8, 3))  # col: spans
+    options = shardload.ReadOptions(strategy="read")  # the read schedule's staged batches
+    _assert_equal(run_plan(plan, [3], ["cpu"], staged=True, read_options=options)[0], _want(tensors, 8, 3))
+    assert seen and all(a is mark for a in seen), seen

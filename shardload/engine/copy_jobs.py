@@ -62,22 +62,27 @@ def mapped_copy_jobs(program: list[CopyJob], mapping: np.ndarray, source: Tensor
 
 
 def staged_copy_jobs(
-    mapping: torch.Tensor, source: TensorInfo, pieces: Sequence[Piece], dest: torch.Tensor, staging: StagingBuffers
+    mapping: torch.Tensor,
+    source: TensorInfo,
+    pieces: Sequence[Piece],
+    dest: torch.Tensor,
+    staging: StagingBuffers,
+    after: Any = None,
 ) -> list[Job]:
     """The jobs gathering ``pieces`` of the stored tensor ``source`` out of ``mapping`` (its file's bytes) into
     staging buffers, each then uploaded to ``dest`` as one contiguous block (whole rows per buffer: see
-    :func:`rows_fit`)."""
+    :func:`rows_fit`) behind ``after`` (:func:`~.staging.ready_event`)."""
     src = mapping[source.offset : source.offset + source.nbytes].view(dest.dtype).view(source.shape)
     jobs: list[Job] = []
     for piece in pieces:
         d = dest[tuple(slice(a, b) for a, b in piece.dst)]
         s = src[tuple(slice(a, b) for a, b in piece.src)].reshape(d.shape)
         if not d.dim():
-            jobs.append(partial(_stage_copy, d, s, staging, source.file))
+            jobs.append(partial(_stage_copy, d, s, staging, source.file, after))
             continue
         rows = d.shape[0]
         step = max(1, rows * staging.size // max(1, d.numel() * d.element_size()))
-        jobs += [partial(_stage_copy, d[a : a + step], s[a : a + step], staging, source.file)
+        jobs += [partial(_stage_copy, d[a : a + step], s[a : a + step], staging, source.file, after)
                  for a in range(0, rows, step)]  # fmt: skip
     return jobs
 
@@ -125,14 +130,14 @@ def _run_copy(job: CopyJob, src: Any, out: Any, file: Path) -> None:
     count_mapped(file, d.nbytes)
 
 
-def _stage_copy(d: torch.Tensor, s: torch.Tensor, staging: StagingBuffers, file: Path) -> None:
-    """Gather ``s`` (a view of a mapping) into a staging buffer, then copy that on to ``d``."""
+def _stage_copy(d: torch.Tensor, s: torch.Tensor, staging: StagingBuffers, file: Path, after: Any = None) -> None:
+    """Gather ``s`` (a view of a mapping) into a staging buffer, then copy that on to ``d`` (behind ``after``)."""
     n = d.numel() * d.element_size()
     buf = staging.acquire()
     try:
         host = buf[:n].view(d.dtype).view(d.shape)
         copy_bytes(host, s)
-        staging.copy(buf, host, d)
+        staging.copy(buf, host, d, after)
     finally:
         staging.release(buf)
     count_mapped(file, n)

@@ -67,16 +67,17 @@ class StagingBuffers:
                 stream = self.streams[device] = torch.cuda.Stream(device=device)
             return stream
 
-    def upload(self, buf: torch.Tensor, offset: int, dest: torch.Tensor, lo: int, hi: int) -> None:
-        """Copy ``hi - lo`` bytes at ``offset`` of ``buf`` to bytes ``[lo, hi)`` of ``dest``."""
+    def upload(self, buf: torch.Tensor, offset: int, dest: torch.Tensor, lo: int, hi: int, after: Any = None) -> None:
+        """Copy ``hi - lo`` bytes at ``offset`` of ``buf`` to bytes ``[lo, hi)`` of ``dest`` (behind ``after``: see
+        :meth:`on_device`)."""
         import torch
 
-        self.copy(buf, buf[offset : offset + hi - lo], dest.reshape(-1).view(torch.uint8)[lo:hi])
+        self.copy(buf, buf[offset : offset + hi - lo], dest.reshape(-1).view(torch.uint8)[lo:hi], after)
 
-    def copy(self, buf: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy ``src`` (a view of ``buf``) into ``dst``: on a CUDA device a non-blocking copy on a side stream,
-        with an event that keeps ``buf`` from reuse until it completes."""
-        self.on_device(buf, dst.device, lambda: dst.copy_(src, non_blocking=self.pin))
+    def copy(self, buf: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, after: Any = None) -> None:
+        """Copy ``src`` (a view of ``buf``) into ``dst``: on a CUDA device a non-blocking copy on a side stream
+        behind ``after`` (:func:`ready_event`), with an event that keeps ``buf`` from reuse until it completes."""
+        self.on_device(buf, dst.device, lambda: dst.copy_(src, non_blocking=self.pin), after)
 
     def on_device(self, buf: torch.Tensor, device: Any, work: Callable[[], Any], after: Any = None) -> None:
         """Run ``work`` (copies out of ``buf`` to ``device``, and work on the device after them): for a CUDA
@@ -115,6 +116,21 @@ class StagingBuffers:
             streams = list(self.streams.values())
         for stream in streams:
             stream.synchronize()
+
+
+def ready_event(device: Any) -> Any:
+    """An event on ``device``'s current stream in the calling thread, for uploads on a side stream to wait on; None
+    off CUDA. Recorded where a load allocates its destinations (and zeroes their padding): memory the caching
+    allocator hands out there may still be in use by work queued on that stream (a caller loading inside
+    ``torch.cuda.stream(s)``), which the default stream does not order."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 _SHARED: dict[tuple[int, bool], StagingBuffers] = {}

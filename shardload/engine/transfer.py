@@ -25,6 +25,7 @@ from ..sources.reader import RunReader
 from .paths import DataPath, HostPath, LoadContext, fill_padding
 from .read_schedule import ReadSchedule, StructureKey, StructureRuns, build_schedule
 from .read_strategy import ReadOptions
+from .staging import ready_event
 
 if TYPE_CHECKING:
     import torch
@@ -230,8 +231,10 @@ class Transfer:
         if schedule.batches:
             data_path = self.path
             staging = data_path.staging(pin=any(t.device.type == "cuda" for t in dests))
+            ready = {d: ready_event(d) for d in {t.device for t in dests}}  # behind the caller's stream
+            afters = [ready[t.device] for t in dests]
             for batch in schedule.batches:
-                self._submit(lambda b=batch: data_path.read_staged(staging, path, offset, b, dests))
+                self._submit(lambda b=batch: data_path.read_staged(staging, path, offset, b, dests, afters))
         for copies in schedule.copies:
             self.copies.append(ReplicaCopies(copies, dests))
 

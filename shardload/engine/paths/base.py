@@ -98,15 +98,23 @@ class DataPath:
         return pool
 
     def read_staged(
-        self, staging: StagingBuffers, path: Path, offset: int, batch: StagedBatch, dests: list[torch.Tensor]
+        self,
+        staging: StagingBuffers,
+        path: Path,
+        offset: int,
+        batch: StagedBatch,
+        dests: list[torch.Tensor],
+        afters: Sequence[Any] | None = None,
     ) -> None:
-        """One staged batch: read its runs into a free buffer, then upload the buffer's parts to ``dests``."""
+        """One staged batch: read its runs into a free buffer, then upload the buffer's parts to ``dests`` (each
+        behind its ``afters`` event, :func:`~..staging.ready_event`)."""
         buf = staging.acquire()
         try:
             part = batch.runs
             self.ctx.reader.read_runs(path, part.src + offset, part.length, part.buf, part.dst, [buf])
             for up in batch.uploads:
-                staging.upload(buf, up.at, dests[up.tensor], up.start, up.stop)
+                after = None if afters is None else afters[up.tensor]
+                staging.upload(buf, up.at, dests[up.tensor], up.start, up.stop, after)
         finally:
             staging.release(buf)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...sources.reader import PAGE, Reader
+from ..staging import ready_event
 from .base import fill_padding
 from .host import HostPath
 
@@ -558,7 +559,7 @@ class DevicePath(HostPath):
             got = super().param(plan, ranks, devices, key, dests)  # copied out of a mapping, where it can be
             if got is not None:
                 return got
-        afters = [_ready(d) for d in order]
+        afters = [ready_event(d) for d in order]
         for span in spans.spans:
             self.ctx.submit(partial(self._span, staging, source.file, source.offset, span, order, dests, afters))
         return dests
@@ -642,18 +643,6 @@ class DevicePath(HostPath):
             return pool.get_nowait()
         except queue.Empty:
             return torch.empty(size, dtype=torch.uint8, device=device)
-
-
-def _ready(device: torch.device) -> Any:
-    """An event on ``device``'s current stream in the calling thread (where the destinations were allocated and
-    their padding zeroed), for the side stream to wait on; None off CUDA."""
-    import torch
-
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
 
 
 def _straight(buf: torch.Tensor, cuts: Cuts, dests: list[torch.Tensor], pinned: bool) -> None:

@@ -19,6 +19,7 @@ from ...sources.dtypes import to_torch
 from ...sources.reader import FileMaps, RunReader, count_mapped
 from ..copy_jobs import CopyJob, copy_program, mapped_copy_jobs, rows_fit, staged_copy_jobs
 from ..read_strategy import ReadStrategy, Way
+from ..staging import ready_event
 from .base import DataPath, LoadContext, fill_padding
 from .planned import ColdReads, IoTally
 
@@ -134,7 +135,10 @@ class HostPath(DataPath):
             jobs = [partial(_intact_then, self.filemaps, source.file, source.offset + source.nbytes, job)
                     for job in mapped_copy_jobs(program, mapping, source, dest)]  # fmt: skip
         else:
-            jobs = staged_copy_jobs(data, source, pieces, dest, self.staging(pin=device.type == "cuda"))
+            staged = staged_copy_jobs(data, source, pieces, dest, self.staging(pin=device.type == "cuda"),
+                                      ready_event(device))  # fmt: skip
+            end = source.offset + source.nbytes  # a file cut meanwhile read zeros (fault_guard): never returned
+            jobs = [partial(_intact_then, self.filemaps, source.file, end, job) for job in staged]
         for job in jobs:
             ctx.submit(job)
         return dest
