@@ -459,14 +459,18 @@ def _joined(buf: np.ndarray, src: np.ndarray, dst: np.ndarray, length: np.ndarra
 
 
 def strided_cuts(buf: np.ndarray, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Cuts:
-    """Runs (sorted by buffer, then source offset) folded into strided copies: consecutive runs of one buffer with
-    equal lengths and equal, positive steps in source and destination become one copy of ``count`` blocks."""
+    """Runs (sorted by buffer, then source offset) folded into strided copies: each buffer's runs of one length, by
+    source offset, with equal, positive steps in source and destination become one copy of ``count`` blocks (rows
+    of unequal pieces, a fused dim's segments along the columns, fold one copy per length)."""
     import numpy as np
 
     n = len(src)
     if n == 0:
         z = np.zeros(0, dtype=np.int64)
         return Cuts(z, z, z, z, z, z, z)
+    if n > 1 and bool((length[1:] != length[:-1]).any()):
+        order = np.lexsort((src, length, buf))  # each length's runs together: they fold apart from the others'
+        buf, src, dst, length = buf[order], src[order], dst[order], length[order]
     ds, dd = np.diff(src), np.diff(dst)
     link = (buf[1:] == buf[:-1]) & (length[1:] == length[:-1]) & (ds >= length[:-1]) & (dd >= length[:-1])
     # a block from run p goes on while each next step links and repeats the first: ``go[j]``, step j+1 repeats j
