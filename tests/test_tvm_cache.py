@@ -413,3 +413,27 @@ def test_an_mlc_llm_presharded_cache_that_does_not_add_up_is_one_line(
                             show_progress=False)  # fmt: skip
     with pytest.raises(shardload.ShardloadError, match=re.escape(says) if "'" not in says else says):
         shardload.load_rank(d, 0, 2)
+
+
+def test_a_record_hashed_before_the_bf16_table_was_kept_still_verifies_what_it_covers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record an earlier shardload wrote (without ``tensor-cache-b16.json``) still verifies loads that never read
+    that table, through the directory or the main table, and ``shardload verify``; a load through the bf16 table
+    itself is refused, since the record does not pin it (review of the previous commit: every verification of
+    such a record failed, blaming a file 'added after shardload hash')."""
+    from shardload.engine import hashing
+
+    d = tmp_path / "c"
+    tvmjs.dump_tensor_cache({"a": np.arange(16, dtype="float32").reshape(4, 4)}, str(d),
+                            encode_format="f32-to-bf16", show_progress=False)  # fmt: skip
+    (d / "shard_info.json").write_text("{}")
+    older = tuple(n for n in hashing.METADATA_NAMES if n != "tensor-cache-b16.json")
+    with monkeypatch.context() as m:
+        m.setattr(hashing, "METADATA_NAMES", older)  # hashed as the earlier shardload did
+        shardload.hash_checkpoint(d)
+    for path in (d, d / "tensor-cache.json"):
+        assert shardload.load_rank(path, 0, 1, verify=True)["a"].shape == (4, 4), path
+    assert CliRunner().invoke(main, ["verify", str(d)]).exit_code == 0
+    with pytest.raises(shardload.ShardloadError, match=r"tensor-cache-b16\.json: exists but is not in the integrity"):
+        shardload.load_rank(d / "tensor-cache-b16.json", 0, 1, verify=True)

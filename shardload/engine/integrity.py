@@ -28,7 +28,7 @@ from ..sources.objects import ObjectPath
 from ..sources.reader import RunReader
 from ..sources.tensor_info import TensorInfo
 from ..sources.verified import IntegrityError, VerifiedFile, VerifiedReader, region_bases
-from .hashing import file_name, file_size, metadata_names, record_path, tensors_by_file_of
+from .hashing import file_name, file_size, metadata_names, record_path, tensors_by_file_of, unpinned_ok
 
 
 def check_metadata(checkpoint: Checkpoint, record: HashRecord, *, source: bool = True) -> None:
@@ -38,12 +38,13 @@ def check_metadata(checkpoint: Checkpoint, record: HashRecord, *, source: bool =
     directory's rank files, whose record lists only them): files the record does not list are not looked at."""
     hash_fn = hasher(record.hash)
     listed = {f.name: f for f in record.files}
+    optional = unpinned_ok(checkpoint)
     for name in metadata_names(checkpoint):
         entry = listed.get(name)
         path = checkpoint.root / name
         present = path.is_file()
         if entry is None:
-            if present and source:
+            if present and source and name not in optional:
                 raise IntegrityError(
                     "exists but is not in the integrity record (added after `shardload hash`?): a verified load uses "
                     "no input its record does not cover; hash the checkpoint again if it belongs",

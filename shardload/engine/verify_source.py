@@ -18,7 +18,7 @@ from ..sources.manifest import MANIFEST_NAME
 from ..sources.objects import ObjectPath
 from ..sources.source_types import SavedBoxes, open_source
 from ..sources.verified import IntegrityError
-from .hashing import file_name, file_size, leaf_tables, metadata_files, record_path, tensors_by_file_of
+from .hashing import file_name, file_size, leaf_tables, metadata_files, record_path, tensors_by_file_of, unpinned_ok
 from .integrity import load_record, names_in
 
 __all__ = ["SourceReport", "verify_source"]
@@ -96,7 +96,7 @@ def verify_source(
             )
             continue
         to_hash.append((entry, full))
-    for name in sorted(set(present) - listed):
+    for name in sorted(set(present) - listed - unpinned_ok(checkpoint)):
         report.problems.append(IntegrityError(
             "is not in the integrity record (added after `shardload hash`?); hash the checkpoint again if it belongs",
             file=str(present[name]),
