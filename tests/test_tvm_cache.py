@@ -372,15 +372,21 @@ def test_one_integrity_record_covers_both_tables_of_an_f32_to_bf16_cache(tmp_pat
 
 def test_a_cache_mlc_llm_presharded_names_each_worker_s_record_from_0(tmp_path: Path) -> None:
     """MLC-LLM's ``--preshard`` names worker I's record ``NAME_shard-I`` (I from 0, no count: its
-    ``support/preshard.py``, and its runtime loader looks them up so), unlike TVM's Disco ``NAME_shard-K-of-N``.
-    Written by TVM's own writer, rank I gets record I as ``NAME`` and the whole records as they are, at the N the
-    records count; another N without a plan is one line (old code: every rank got ``w_shard-0`` and
-    ``w_shard-1`` as tensors of their own, and read both)."""
+    ``support/preshard.py``, and its runtime's presharded loader looks them up so), unlike TVM's Disco
+    ``NAME_shard-K-of-N``. Written by TVM's own writer beside an ``mlc-chat-config.json`` of
+    ``tensor_parallel_shards`` 3, rank I gets record I as ``NAME`` and the whole records as they are; another N
+    without a plan is one line (old code: every rank got ``w_shard-0`` ... as tensors of their own, and read all).
+    Without that config the names are the tensors' own (a name alone could be any tensor's); a verified load pins
+    the config."""
     w = [np.arange(8, dtype="float16").reshape(2, 4) + 10 * k for k in range(3)]
     norm = np.ones(4, dtype="float16")
     d = tmp_path / "c"
     tvmjs.dump_tensor_cache({"w_shard-0": w[0], "w_shard-1": w[1], "w_shard-2": w[2], "norm": norm}, str(d),
                             encode_format="raw", show_progress=False)  # fmt: skip
+    (d / "shard_info.json").write_text("{}")
+    assert set(shardload.load_rank(d, 1, 2)) == {"w_shard-0", "w_shard-1", "w_shard-2", "norm"}  # no config
+    (d / "mlc-chat-config.json").write_text(json.dumps({"tensor_parallel_shards": 3}))
+    (d / "shard_info.json").unlink()
     for r in range(3):
         got = shardload.load_rank(d, r, 3)
         assert set(got) == {"w", "norm"}, set(got)
@@ -394,15 +400,23 @@ def test_a_cache_mlc_llm_presharded_names_each_worker_s_record_from_0(tmp_path: 
     for r in range(6):
         got = shardload.load_rank(d, r, 6, shard_info=plan)
         np.testing.assert_array_equal(got["w"].numpy(), whole[r : r + 1])
+    shardload.hash_checkpoint(d)
+    np.testing.assert_array_equal(shardload.load_rank(d, 2, 3, verify=True)["w"].numpy(), w[2])
+    (d / "mlc-chat-config.json").write_text(json.dumps({"tensor_parallel_shards": 3, "x": 1}))
+    with pytest.raises(shardload.ShardloadError, match=r"mlc-chat-config\.json: differs from the integrity record"):
+        shardload.load_rank(d, 2, 3, verify=True)
 
 
 @pytest.mark.parametrize(
     ("names", "says"),
     [
-        (["w_shard-0", "w_shard-2"], "pre-sharded for num_shards=3 but its record w_shard-1 is missing"),
-        (["w_shard-0", "w_shard-01"], "leading zero"),
-        (["w_shard-0", "w_shard-1", "v_shard-0"], "pre-sharded for num_shards=1, but other records are for"),
-        (["w_shard-0", "w_shard-1", "v_shard-1-of-2", "v_shard-2-of-2"], "both MLC-LLM's"),
+        (["w_shard-0", "w_shard-2"], "w: pre-sharded for tensor_parallel_shards=3 (mlc-chat-config.json) but its "
+                                     "record w_shard-1 is missing"),
+        (["w_shard-0", "w_shard-01", "w_shard-2"], "leading zero"),
+        (["w_shard-0", "w_shard-1", "w_shard-2", "v_shard-0"], "v: pre-sharded for tensor_parallel_shards=3"),
+        (["w_shard-0", "w_shard-1", "w_shard-3"], "w_shard-3: is worker 3's record, but mlc-chat-config.json says "
+                                                  "tensor_parallel_shards=3"),
+        (["w_shard-0", "w_shard-1", "w_shard-2", "v_shard-1-of-2", "v_shard-2-of-2"], "both MLC-LLM's"),
     ],
 )  # fmt: skip
 def test_an_mlc_llm_presharded_cache_that_does_not_add_up_is_one_line(
@@ -411,6 +425,7 @@ def test_an_mlc_llm_presharded_cache_that_does_not_add_up_is_one_line(
     d = tmp_path / "c"
     tvmjs.dump_tensor_cache({n: np.zeros((2, 4), dtype="float16") for n in names}, str(d), encode_format="raw",
                             show_progress=False)  # fmt: skip
+    (d / "mlc-chat-config.json").write_text(json.dumps({"tensor_parallel_shards": 3}))
     with pytest.raises(shardload.ShardloadError, match=re.escape(says) if "'" not in says else says):
         shardload.load_rank(d, 0, 2)
 

@@ -36,7 +36,7 @@ from ..sources.location import is_uri, object_path
 from ..sources.objects import ObjectPath
 from ..sources.source_types import open_source
 from ..sources.tensor_info import TensorInfo
-from ..sources.tvm_cache import B16_NAME, CACHE_NAMES
+from ..sources.tvm_cache import B16_NAME, CACHE_NAMES, MLC_CONFIG
 from ..sources.verified import IntegrityError
 from .host_group import host_cores
 
@@ -290,16 +290,21 @@ def write_record(target: Path, data: bytes) -> None:
         raise ShardloadError(f"cannot write the record: {err.strerror or err}", file=str(target)) from None
 
 
-METADATA_NAMES = (INDEX_NAME, *CACHE_NAMES, B16_NAME, CONFIG_NAME, SHARD_INFO_NAME)
+METADATA_NAMES = (INDEX_NAME, *CACHE_NAMES, B16_NAME, MLC_CONFIG, CONFIG_NAME, SHARD_INFO_NAME)
 """Small files beside the weights that say where tensors are or how they are split: hashed into the record too, and
 checked whole at every verified load (a tampered TVM table or shard_info could point a rank at other bytes). TVM's
-writer puts a bf16 table beside the main one when it encodes float32 as bf16: one record covers both."""
+writer puts a bf16 table beside the main one when it encodes float32 as bf16: one record covers both. MLC-LLM's
+config says whether ``NAME_shard-I`` records are one parameter's parts."""
 
 
 def unpinned_ok(checkpoint: Checkpoint) -> frozenset[str]:
-    """Metadata names a record may lack without failing a verified load of ``checkpoint``: the bf16 table of a TVM
-    cache, which records written before shardload hashed it lack, unless the load reads through it."""
-    return frozenset() if checkpoint.path.name == B16_NAME else frozenset((B16_NAME,))
+    """Metadata names a record may lack without failing a verified load of ``checkpoint`` (records written before
+    shardload hashed them lack them): the bf16 table of a TVM cache unless the load reads through it, MLC-LLM's
+    config unless it makes ``NAME_shard-I`` records one parameter's parts."""
+    names = set() if checkpoint.path.name == B16_NAME else {B16_NAME}
+    if not checkpoint.mlc_preshard:
+        names.add(MLC_CONFIG)
+    return frozenset(names)
 
 
 def metadata_files(checkpoint: Checkpoint) -> list[Any]:

@@ -81,6 +81,9 @@ class Checkpoint:
     """For a source stored already split for one N (a TVM cache of ``NAME_shard-K-of-N`` records): that N."""
     shards: dict[str, list[TensorInfo]] = field(default_factory=dict)
     """For a pre-sharded source: parameter name -> its stored part for each rank, rank order."""
+    mlc_preshard: bool = False
+    """A TVM cache whose records are MLC-LLM's pre-sharded ``NAME_shard-I``, as ``mlc-chat-config.json`` says: that
+    file is then a plan input (a verified load needs it in the record)."""
 
     @property
     def name(self) -> str:

@@ -12,8 +12,9 @@ file read like any safetensors tensor. An ``f32-to-bf16`` record of a float32 te
 16 bits of each value (bfloat16); as TVM's reader does, it is decoded to float32, so planning and the
 ranks see float32 (such a tensor is read whole, then decoded and split). A pre-sharded cache names its
 records ``NAME_shard-K-of-N`` (K from 1, TVM's Disco loader) or ``NAME_shard-I`` (I from 0, MLC-LLM's
-``--preshard``): rank K-1 (rank I) reads that record of every such parameter and nothing else; at another N
-the records are the whole parameter's pieces (a shard_info says how it splits).
+``--preshard``, beside its ``mlc-chat-config.json``): rank K-1 (rank I) reads that record of every such
+parameter and nothing else; at another N the records are the whole parameter's pieces (a shard_info says how it
+splits).
 """
 
 from __future__ import annotations
@@ -41,8 +42,11 @@ _SHARD_RE = re.compile(r"(.+)_shard-([0-9]{1,9})-of-([0-9]{1,9})")
 are written without leading zeros, and TVM looks records up by that exact name, so one written otherwise
 (``_shard-01-of-2``) is refused."""
 _WORKER_RE = re.compile(r"(.+)_shard-([0-9]{1,9})")
-"""MLC-LLM's ``--preshard`` name for worker I's record (``NAME_shard-I``, I from 0, the count of records N: its
-``support/preshard.py``, looked up so by its runtime's loader)."""
+"""MLC-LLM's ``--preshard`` name for worker I's record (``NAME_shard-I``, I from 0: its ``support/preshard.py``,
+looked up so by its runtime's presharded loader). Read so only beside an :data:`MLC_CONFIG` whose
+``tensor_parallel_shards`` (N) is at least 2: MLC-LLM's runtime picks that loader by an environment variable, not by
+anything in the cache, and a name alone could be any tensor's."""
+MLC_CONFIG = "mlc-chat-config.json"
 _MAX_SHARDS = 1 << 16
 
 
@@ -175,18 +179,7 @@ def _split_presharded(ckpt: Checkpoint, table: Path) -> None:
         count = n
         groups.setdefault(base, {})[k] = info  # one name per K: the spelling is checked above, names are unique
     if workers:
-        groups = workers
-        for base, parts in groups.items():
-            n = max(parts)
-            missing = next((k for k in range(1, n + 1) if k not in parts), None)
-            if missing is not None:
-                raise CheckpointError(f"pre-sharded for num_shards={n} but its record {base}_shard-{missing - 1} is "
-                                      "missing (MLC-LLM names worker I's record NAME_shard-I)", file=str(table),
-                                      param=base)  # fmt: skip
-            if count is not None and n != count:
-                raise CheckpointError(f"pre-sharded for num_shards={n}, but other records are for num_shards={count}",
-                                      file=str(table), param=base)  # fmt: skip
-            count = n
+        groups, count = workers, len(next(iter(workers.values())))
     if count is None:
         return
     for base, parts in groups.items():
@@ -219,7 +212,17 @@ def _split_presharded(ckpt: Checkpoint, table: Path) -> None:
 
 
 def _worker_records(ckpt: Checkpoint, table: Path) -> dict[str, dict[int, TensorInfo]]:
-    """MLC-LLM's pre-sharded records (``NAME_shard-I``) by parameter, each under K = I + 1 (TVM's numbering)."""
+    """MLC-LLM's pre-sharded records (``NAME_shard-I``) by parameter, each under K = I + 1 (TVM's numbering), when
+    an :data:`MLC_CONFIG` beside them says how many ranks (else none: the names are the tensors' own)."""
+    names = [n for n in ckpt.tensors if _WORKER_RE.fullmatch(n) and not _SHARD_RE.fullmatch(n)]
+    config = ckpt.root / MLC_CONFIG
+    if not names or not config.is_file():
+        return {}
+    doc = read_json(config, "MLC-LLM config")
+    tp = doc.get("tensor_parallel_shards") if isinstance(doc, dict) else None
+    if type(tp) is not int or tp < 2:
+        return {}
+    ckpt.mlc_preshard = True
     groups: dict[str, dict[int, TensorInfo]] = {}
     for info in ckpt.tensors.values():
         match = _WORKER_RE.fullmatch(info.name)
@@ -229,9 +232,15 @@ def _worker_records(ckpt: Checkpoint, table: Path) -> dict[str, dict[int, Tensor
         if match.group(2) != str(i):
             raise CheckpointError(f"a shard record named with a leading zero (MLC-LLM writes {base}_shard-{i}, the "
                                   "name its loader looks up)", file=str(table), param=info.name)  # fmt: skip
-        if i >= _MAX_SHARDS:
-            raise CheckpointError(f"shard {i} is out of range", file=str(table), param=info.name)
+        if i >= tp:
+            raise CheckpointError(f"is worker {i}'s record, but {MLC_CONFIG} says tensor_parallel_shards={tp}",
+                                  file=str(table), param=info.name)  # fmt: skip
         groups.setdefault(base, {})[i + 1] = info
+    for base, parts in groups.items():
+        missing = next((k for k in range(1, tp + 1) if k not in parts), None)
+        if missing is not None:
+            raise CheckpointError(f"pre-sharded for tensor_parallel_shards={tp} ({MLC_CONFIG}) but its record "
+                                  f"{base}_shard-{missing - 1} is missing", file=str(table), param=base)  # fmt: skip
     return groups
 
 
