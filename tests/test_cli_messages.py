@@ -543,3 +543,13 @@ def test_a_bad_option_value_names_the_help_to_read(
     assert got.stderr.count("\n") == 1 and got.stderr.rstrip().endswith(f"(see `shardload {help_of} --help`)"), (
         got.stderr
     )
+
+
+def test_a_usage_error_s_json_message_leaves_the_help_hint_to_the_line(example_dir: Path) -> None:
+    """``--json``: the document's message is the error alone, as it is for click's own usage errors; the
+    stderr line names the help (review: the hint had leaked into the document's message)."""
+    got = CliRunner().invoke(main, ["verify", str(example_dir), "--root", "abc", "--json"], prog_name="shardload")
+    assert got.exit_code == 2
+    doc = json.loads(got.stdout)
+    assert doc["error"]["message"] == "--root takes a 64-digit root hash from `shardload hash`, got 'abc'", doc
+    assert got.stderr.rstrip().endswith("(see `shardload verify --help`)"), got.stderr

@@ -151,13 +151,14 @@ class BadArgument(click.ClickException):
     exit_code = 2
 
     def __init__(self, message: str) -> None:
+        super().__init__(message)
         ctx = click.get_current_context(silent=True)
-        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None and "--help`)" not in message else ""
-        super().__init__(f"{message}{hint}")
+        self.hint = f" (see `{ctx.command_path} --help`)" if ctx is not None and "--help`)" not in message else ""
+        """Where the line names the help; a ``--json`` document's message leaves it out, as it does click's."""
 
     def show(self, file: Any = None) -> None:
-        """Print ``error: MESSAGE`` on stderr."""
-        click.echo(printable(f"error: {self.format_message()}"), err=True)
+        """Print ``error: MESSAGE`` and the help to read on stderr."""
+        click.echo(printable(f"error: {self.format_message()}{self.hint}"), err=True)
 
 
 class _Terminated(BaseException):

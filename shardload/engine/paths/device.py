@@ -461,7 +461,8 @@ def _joined(buf: np.ndarray, src: np.ndarray, dst: np.ndarray, length: np.ndarra
 def strided_cuts(buf: np.ndarray, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Cuts:
     """Runs (sorted by buffer, then source offset) folded into strided copies: each buffer's runs of one length, by
     source offset, with equal, positive steps in source and destination become one copy of ``count`` blocks (rows
-    of unequal pieces, a fused dim's segments along the columns, fold one copy per length)."""
+    of unequal pieces, a fused dim's segments along the columns, fold one copy per length; runs of one length
+    whose steps alternate, a GQA k and v slice in each row, still fold only as far as a step repeats)."""
     import numpy as np
 
     n = len(src)
