@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU host's check of one tree: its CUDA tests, then benchmarks/gpu_node.py (this script's copy, so a baseline
-# tree without it is measured the same way), benchmarks/run.py --only gpu and benchmarks/verified.py (the tree's own).
+# The GPU host's check of one tree: its CUDA tests, then benchmarks/first_load.py and benchmarks/gpu_node.py (this
+# script's copies, so a baseline tree without them is measured the same way), benchmarks/run.py --only gpu and
+# benchmarks/verified.py (the tree's own).
 #
 #   bash scripts/device_check.sh [TREE [LABEL]]     TREE: a checkout (default: the repository this script sits in)
 #
@@ -120,6 +121,8 @@ ensure_checkpoint(work / "verified" / "llama", 1.0, 8)  # verified.py --work WOR
 subprocess.run([sys.executable, sys.argv[1] + "/benchmarks/gpu_node.py", "--prepare", "--size-gib", str(gib),
                 "--tp", "2", "8", "--work", str(work / "gpu-node")], check=True)' "$HERE" "$WORK" "$GIB"
     BUDGET=$((BUDGET - 600 + $(date +%s) - start))
+    # a fresh process's first load and the loads after it, per way (this script's copy, on gpu_node's checkpoint)
+    step first_load 50 "$PY" "$HERE/benchmarks/first_load.py" --device cuda --size-gib "$GIB" --work "$WORK/gpu-node"
     # shellcheck disable=SC2086
     step gpu_node 240 "$PY" "$HERE/benchmarks/gpu_node.py" --device cuda --size-gib "$GIB" --tp 2 8 --ranks "$RANKS" \
         --work "$WORK/gpu-node" --repeats 1 --loaders $LOADERS
@@ -149,6 +152,10 @@ fi
         [ -f "$LOGS/$name.log" ] && echo "$name: $(grep -E '(passed|failed|error|skipped|no tests ran)' "$LOGS/$name.log" | tail -n 1)"
     done
     [ -f "$LOGS/env.log" ] && grep -E 'MISSING|^gpu|^torch' "$LOGS/env.log"
+    if [ -f "$LOGS/first_load.log" ]; then
+        echo "-- first_load.py"
+        grep -E '^(checkpoint|\||load average)' "$LOGS/first_load.log"
+    fi
     if [ -f "$LOGS/gpu_node.log" ]; then
         echo "-- gpu_node.py"
         grep -E '^(checkpoint|cold|pinned|pageable|memcpy|loader|\||shardload on|  rank .*device path|MISMATCH|load average)' "$LOGS/gpu_node.log"
