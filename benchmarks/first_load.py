@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -36,16 +35,11 @@ from checkpoints import MODEL_FILE, ensure_checkpoint, warm_page_cache  # noqa: 
 VARIANTS = ("default", "auto", "spans", "map")
 
 
-def cpu_seconds() -> float:
-    use = resource.getrusage(resource.RUSAGE_SELF)
-    return use.ru_utime + use.ru_stime
-
-
 def child(model: str, rank: int, n: int, device: str, variant: str, loads: int, stand_in: bool) -> None:
     """Load rank ``rank`` of ``n`` ``loads`` times the ``variant`` way; print one JSON line."""
     import safetensors.torch  # noqa: F401  (every import before the clock starts)
     import torch
-    from gpu_node import load
+    from gpu_node import cpu_seconds, load
 
     import shardload
     import shardload.engine.paths.device as device_path

@@ -150,11 +150,14 @@ class BadArgument(click.ClickException):
 
     exit_code = 2
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, hint: str | None = None) -> None:
         super().__init__(message)
         ctx = click.get_current_context(silent=True)
-        self.hint = f" (see `{ctx.command_path} --help`)" if ctx is not None and "--help`)" not in message else ""
-        """Where the line names the help; a ``--json`` document's message leaves it out, as it does click's."""
+        if hint is None:
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        self.hint = hint
+        """Where the line names the help (the current command's unless given); a ``--json`` document's message
+        leaves it out, as it does click's."""
 
     def show(self, file: Any = None) -> None:
         """Print ``error: MESSAGE`` and the help to read on stderr."""

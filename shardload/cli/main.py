@@ -65,7 +65,7 @@ def _one_line(err: click.ClickException) -> click.ClickException:
     if not isinstance(err, click.UsageError) or isinstance(err, BadArgument) or "\n" in message:
         return err  # no arguments at all: the help itself, as click shows it
     hint = f" (see `{err.ctx.command_path} --help`)" if err.ctx is not None else ""
-    return BadArgument(f"{message.rstrip('.')}{hint}")
+    return BadArgument(message.rstrip("."), hint)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

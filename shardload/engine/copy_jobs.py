@@ -67,7 +67,7 @@ def staged_copy_jobs(
     pieces: Sequence[Piece],
     dest: torch.Tensor,
     staging: StagingBuffers,
-    after: Any = None,
+    after: Any,
 ) -> list[Job]:
     """The jobs gathering ``pieces`` of the stored tensor ``source`` out of ``mapping`` (its file's bytes) into
     staging buffers, each then uploaded to ``dest`` as one contiguous block (whole rows per buffer: see
@@ -130,7 +130,7 @@ def _run_copy(job: CopyJob, src: Any, out: Any, file: Path) -> None:
     count_mapped(file, d.nbytes)
 
 
-def _stage_copy(d: torch.Tensor, s: torch.Tensor, staging: StagingBuffers, file: Path, after: Any = None) -> None:
+def _stage_copy(d: torch.Tensor, s: torch.Tensor, staging: StagingBuffers, file: Path, after: Any) -> None:
     """Gather ``s`` (a view of a mapping) into a staging buffer, then copy that on to ``d`` (behind ``after``)."""
     n = d.numel() * d.element_size()
     buf = staging.acquire()

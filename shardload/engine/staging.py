@@ -67,19 +67,19 @@ class StagingBuffers:
                 stream = self.streams[device] = torch.cuda.Stream(device=device)
             return stream
 
-    def upload(self, buf: torch.Tensor, offset: int, dest: torch.Tensor, lo: int, hi: int, after: Any = None) -> None:
+    def upload(self, buf: torch.Tensor, offset: int, dest: torch.Tensor, lo: int, hi: int, after: Any) -> None:
         """Copy ``hi - lo`` bytes at ``offset`` of ``buf`` to bytes ``[lo, hi)`` of ``dest`` (behind ``after``: see
         :meth:`on_device`)."""
         import torch
 
         self.copy(buf, buf[offset : offset + hi - lo], dest.reshape(-1).view(torch.uint8)[lo:hi], after)
 
-    def copy(self, buf: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, after: Any = None) -> None:
+    def copy(self, buf: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, after: Any) -> None:
         """Copy ``src`` (a view of ``buf``) into ``dst``: on a CUDA device a non-blocking copy on a side stream
         behind ``after`` (:func:`ready_event`), with an event that keeps ``buf`` from reuse until it completes."""
         self.on_device(buf, dst.device, lambda: dst.copy_(src, non_blocking=self.pin), after)
 
-    def on_device(self, buf: torch.Tensor, device: Any, work: Callable[[], Any], after: Any = None) -> None:
+    def on_device(self, buf: torch.Tensor, device: Any, work: Callable[[], Any], after: Any) -> None:
         """Run ``work`` (copies out of ``buf`` to ``device``, and work on the device after them): for a CUDA
         device with page-locked buffers, queued on its side stream behind ``after`` (an event recorded where the
         destinations were allocated; None: behind the device's default stream), with an event that keeps ``buf``

@@ -22,6 +22,17 @@ from .presharded import plan_as_loaded
 DEFAULT_NS = (1, 2, 4, 8)
 
 
+def checked_ns(info: ShardInfo, num_shards: Sequence[int] | None) -> list[int]:
+    """The N a check plans for: ``num_shards`` when given, else the file's own N, else the N its description records
+    it plans for (as ``shardload plan`` writes it), else :data:`DEFAULT_NS`."""
+    if num_shards:
+        return list(num_shards)
+    if info.num_shards:
+        return [info.num_shards]
+    recorded = recorded_num_shards(info.description)
+    return list(recorded[0]) if recorded and recorded[0] else list(DEFAULT_NS)
+
+
 def validate_file(
     path: str | os.PathLike[str],
     model: str | os.PathLike[str] | None = None,
@@ -50,12 +61,7 @@ def validate_file(
     if mesh is not None:
         num_shards = [mesh.tp]
     recorded = recorded_num_shards(info.description) if info.num_shards is None else None
-    if num_shards:
-        ns = list(num_shards)
-    elif info.num_shards:
-        ns = [info.num_shards]
-    else:
-        ns = list(recorded[0]) if recorded and recorded[0] else list(DEFAULT_NS)
+    ns = checked_ns(info, num_shards)
     found: dict[str, dict[str, Any]] = {}
     warned: dict[str, dict[str, Any]] = {}
     valid_for = []
@@ -109,13 +115,7 @@ def validate(
     """
     info = given_shard_info(shard_info)
     checkpoint = _checkpoint(model) if model is not None else None
-    if num_shards is not None:
-        ns = [num_shards]
-    elif info.num_shards:
-        ns = [info.num_shards]
-    else:
-        recorded = recorded_num_shards(info.description)
-        ns = list(recorded[0]) if recorded and recorded[0] else list(DEFAULT_NS)
+    ns = checked_ns(info, None if num_shards is None else [num_shards])
     found: dict[str, tuple[ShardloadError, list[int]]] = {}
     for n in ns:
         for problem in plan_as_loaded(info, checkpoint, n, strict=False).problems:

@@ -224,10 +224,9 @@ def _worker_records(ckpt: Checkpoint, table: Path) -> dict[str, dict[int, Tensor
         return {}
     ckpt.mlc_preshard = True
     groups: dict[str, dict[int, TensorInfo]] = {}
-    for info in ckpt.tensors.values():
-        match = _WORKER_RE.fullmatch(info.name)
-        if match is None or _SHARD_RE.fullmatch(info.name) is not None:
-            continue
+    for name in names:
+        info, match = ckpt.tensors[name], _WORKER_RE.fullmatch(name)
+        assert match is not None  # matched above
         base, i = match.group(1), int(match.group(2))
         if match.group(2) != str(i):
             raise CheckpointError(f"a shard record named with a leading zero (MLC-LLM writes {base}_shard-{i}, the "

@@ -104,7 +104,7 @@ class DataPath:
         offset: int,
         batch: StagedBatch,
         dests: list[torch.Tensor],
-        afters: Sequence[Any] | None = None,
+        afters: Sequence[Any],
     ) -> None:
         """One staged batch: read its runs into a free buffer, then upload the buffer's parts to ``dests`` (each
         behind its ``afters`` event, :func:`~..staging.ready_event`)."""
@@ -113,8 +113,7 @@ class DataPath:
             part = batch.runs
             self.ctx.reader.read_runs(path, part.src + offset, part.length, part.buf, part.dst, [buf])
             for up in batch.uploads:
-                after = None if afters is None else afters[up.tensor]
-                staging.upload(buf, up.at, dests[up.tensor], up.start, up.stop, after)
+                staging.upload(buf, up.at, dests[up.tensor], up.start, up.stop, afters[up.tensor])
         finally:
             staging.release(buf)
 
